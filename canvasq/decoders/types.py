@@ -1,0 +1,55 @@
+"""The batch objects that cross from the worker into a decoder, and what comes back.
+
+Flow: Job (api, CPU: a validated input line) → DecodeBatch (worker: several prompts of one chunk,
+tokenised) → ForwardInputs (model, GPU: the window rows of one forward). This module holds the
+middle layer and the results; it imports nothing heavy so the service can use it without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DecodeRequest:
+    """One prompt of a chunk, tokenised by the worker."""
+
+    custom_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    task: str | None = None  # "math" / "code" / None: used by routing only
+
+
+@dataclass
+class DecodeBatch:
+    """Several prompts decoded together; a finished row leaves the batch."""
+
+    requests: list[DecodeRequest]
+    seed: int = 0
+
+
+@dataclass
+class ForwardTrace:
+    """One model pass as the decoder saw it. `rows` is G (rows in the window, all sequences of the
+    batch together), `commits` is τ (tokens committed by this pass), `kind` is "decode" for a
+    denoising step and "encode" for a prefill / commit pass."""
+
+    index: int
+    rows: int
+    commits: int
+    canvases: int
+    states: str  # e.g. "full,semi,draft" for the live canvases of the batch
+    ms: float
+    kind: str = "decode"
+
+
+@dataclass
+class DecodeResult:
+    custom_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS) or "length" (max_tokens reached)
+    prompt_tokens: int
+    forwards: int  # every model pass that served this request (decode steps and encoder passes)
+    traces: list[ForwardTrace] = field(default_factory=list)
+    error: str | None = None  # set when this request failed; the rest of the batch is unaffected

@@ -33,7 +33,7 @@ TINY_VISION = {
 
 @dataclass(frozen=True)
 class TestbedShape:
-    vocab_size: int = 1024
+    vocab_size: int = 768
     hidden_size: int = 256
     intermediate_size: int = 512  # dense MLP and self-conditioning width
     num_hidden_layers: int = 6

@@ -1,0 +1,267 @@
+"""Two verifiable task families for the testbed, shaped like the seeds' benchmarks.
+
+- `arith` (GSM8K-shaped): a short word problem with several arithmetic steps; the answer shows the
+  worked steps and ends with `#### <integer>`; the verifier compares that integer.
+- `code` (HumanEval-shaped): a Python signature plus docstring with an example; the model writes
+  the body; the verifier runs hidden asserts in the sandbox.
+
+Both draw from spaces of well over 10^9 distinct problems (names × items × numbers × templates ×
+docstring examples) and are deterministic per seed.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+
+TASKS = ("arith", "code")
+# Service task names → testbed families.
+TASK_ALIASES = {"math": "arith", "arith": "arith", "code": "code"}
+
+
+@dataclass(frozen=True)
+class Problem:
+    uid: str
+    task: str
+    prompt: str
+    answer: str  # a reference completion (what the model is trained to write)
+    target: int | None = None  # arith: the final integer
+    tests: list[str] = field(default_factory=list)  # code: hidden asserts
+    entry: str | None = None  # code: the function name
+
+
+# --------------------------------------------------------------------------------------- arith
+
+NAMES = [
+    "Ann", "Ben", "Cara", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jill", "Kofi", "Lena", "Max",
+    "Nora", "Omar", "Pia", "Quinn", "Rosa", "Sam", "Tara", "Uma", "Vic", "Wes", "Xena", "Yuri", "Zoe",
+    "Mia", "Leo", "Ava", "Raj", "Ines", "Tom", "Lia", "Noah", "Ida", "Kai", "Ola", "Ravi", "Sia", "Ted",
+]
+ITEMS = [
+    ("apples", "bags"), ("pencils", "packs"), ("stickers", "sheets"), ("marbles", "jars"),
+    ("cookies", "boxes"), ("cards", "decks"), ("stamps", "books"), ("shells", "buckets"),
+    ("beads", "strings"), ("coins", "rolls"), ("eggs", "cartons"), ("books", "crates"),
+    ("toys", "bins"), ("pens", "cases"), ("balls", "nets"), ("candles", "sets"), ("cups", "trays"),
+    ("rocks", "sacks"), ("nails", "tins"), ("seeds", "packets"), ("bricks", "piles"),
+    ("buttons", "bags"), ("ribbons", "rolls"), ("plums", "baskets"), ("blocks", "tubs"),
+]
+
+
+def _pronoun(rng: random.Random) -> str:
+    return rng.choice(["She", "He"])
+
+
+def _add_work(a: int, b: int) -> str:
+    """Column addition written out digit by digit (a + b < 100): "47 + 38: 7 + 8 = 15, 4 + 3 + 1 = 8,
+    so 85"."""
+    ones = a % 10 + b % 10
+    carry = ones // 10
+    tens = a // 10 + b // 10 + carry
+    tens_expr = f"{a // 10} + {b // 10}" + (" + 1" if carry else "")
+    if b < 10:
+        tens_expr = f"{a // 10}" + (" + 1" if carry else "")
+    if a < 10 and b < 10:
+        return f"{a} + {b} = {a + b}"
+    return f"{a} + {b}: {a % 10} + {b % 10} = {ones}, {tens_expr} = {tens}, so {a + b}"
+
+
+def _sub_work(a: int, b: int) -> str:
+    """Column subtraction digit by digit (0 < b < a < 100): "71 - 15: 11 - 5 = 6, 7 - 1 - 1 = 5,
+    so 56"."""
+    borrow = a % 10 < b % 10
+    top = a % 10 + (10 if borrow else 0)
+    ones = top - b % 10
+    tens_expr = f"{a // 10}" + (f" - {b // 10}" if b >= 10 else "") + (" - 1" if borrow else "")
+    tens = a // 10 - b // 10 - (1 if borrow else 0)
+    if a < 10:
+        return f"{a} - {b} = {a - b}"
+    return f"{a} - {b}: {top} - {b % 10} = {ones}, {tens_expr} = {tens}, so {a - b}"
+
+
+def make_arith(rng: random.Random, uid: str) -> Problem:
+    """2–3 operations on numbers below 100: single-digit products, two-digit sums and differences
+    whose worked steps go column by column (a tiny model can learn digit facts; whole-number
+    carries in one token it cannot)."""
+    name, (item, box) = rng.choice(NAMES), rng.choice(ITEMS)
+    he = _pronoun(rng)
+    total = rng.randint(10, 60)
+    story = [f"{name} has {total} {item}."]
+    work = [f"{name} starts with {total} {item}."]
+    used_buy = False
+    for _ in range(rng.randint(2, 3)):
+        room = 99 - total
+        kinds = [k for k, ok in (("buy", not used_buy and room >= 4), ("find", room >= 2), ("give", total > 3),
+                                 ("lose", total > 3)) if ok]
+        kind = rng.choice(kinds)
+        if kind == "buy":
+            used_buy = True
+            b = rng.randint(2, 9)
+            c = rng.randint(2, max(2, min(9, room // b)))
+            prod = b * c
+            story.append(f"{he} buys {b} {box} with {c} {item} each.")
+            work.append(f"The {box} hold {b} * {c} = {prod} {item}.")
+            work.append(f"{_add_work(total, prod)} {item}.")
+            total += prod
+        elif kind == "find":
+            e = rng.randint(2, min(40, room))
+            story.append(f"{he} finds {e} more {item}.")
+            work.append(f"{_add_work(total, e)} {item}.")
+            total += e
+        else:
+            d = rng.randint(2, min(40, total - 1))
+            verb = "gives away" if kind == "give" else "loses"
+            story.append(f"{he} {verb} {d} {item}.")
+            work.append(f"{_sub_work(total, d)} {item}.")
+            total -= d
+    story.append(f"How many {item} does {name} have now?")
+    answer = " ".join(work) + f"\n#### {total}"
+    return Problem(uid=uid, task="arith", prompt=" ".join(story), answer=answer, target=total)
+
+
+_FINAL = re.compile(r"####\s*(-?\d+)")
+
+
+def arith_answer(text: str) -> int | None:
+    m = _FINAL.search(text)
+    return int(m.group(1)) if m else None
+
+
+# ---------------------------------------------------------------------------------------- code
+
+VERBS = ["sum", "count", "mult", "scan", "pick", "tally", "fold", "gather", "total", "measure"]
+NOUNS = ["big", "small", "even", "odd", "hits", "vals", "nums", "items", "marks", "points", "steps"]
+ARGS = ["xs", "nums", "values", "items", "data", "arr", "seq", "lst"]
+PREDICATES = [  # (docstring phrase, python condition on x, needs k)
+    ("greater than {k}", "x > {k}"),
+    ("less than {k}", "x < {k}"),
+    ("at least {k}", "x >= {k}"),
+    ("at most {k}", "x <= {k}"),
+    ("equal to {k}", "x == {k}"),
+    ("not equal to {k}", "x != {k}"),
+    ("divisible by {k}", "x % {k} == 0"),
+]
+AGGREGATES = [  # (docstring phrase, init, update)
+    ("sum", "0", "{acc} += x"),
+    ("count", "0", "{acc} += 1"),
+    ("product", "1", "{acc} *= x"),
+]
+TRANSFORMS = [("multiplied by {k}", "x * {k}"), ("plus {k}", "x + {k}"), ("minus {k}", "x - {k}")]
+
+
+def _code_name(rng: random.Random) -> str:
+    return f"{rng.choice(VERBS)}_{rng.choice(NOUNS)}_{rng.randint(1, 99)}"
+
+
+def _sample_list(rng: random.Random) -> list[int]:
+    return [rng.randint(0, 12) for _ in range(rng.randint(3, 6))]
+
+
+def _filtered_aggregate(rng: random.Random, name: str, arg: str):
+    phrase, init, update = rng.choice(AGGREGATES)
+    pred_doc, pred_py = rng.choice(PREDICATES)
+    k = rng.randint(2, 9) if "%" in pred_py else rng.randint(0, 12)
+    acc = rng.choice(["total", "acc", "result", "out"])
+    doc = f"Return the {phrase} of the numbers in {arg} that are {pred_doc.format(k=k)}."
+    body = (
+        f"    {acc} = {init}\n"
+        f"    for x in {arg}:\n"
+        f"        if {pred_py.format(k=k)}:\n"
+        f"            {update.format(acc=acc)}\n"
+        f"    return {acc}\n"
+    )
+    return doc, body
+
+
+def _filtered_map(rng: random.Random, name: str, arg: str):
+    t_doc, t_py = rng.choice(TRANSFORMS)
+    pred_doc, pred_py = rng.choice(PREDICATES)
+    k1 = rng.randint(2, 9)
+    k2 = rng.randint(2, 9) if "%" in pred_py else rng.randint(0, 12)
+    doc = (
+        f"Return a list of the numbers in {arg} that are {pred_doc.format(k=k2)}, "
+        f"each {t_doc.format(k=k1)}."
+    )
+    body = (
+        "    out = []\n"
+        f"    for x in {arg}:\n"
+        f"        if {pred_py.format(k=k2)}:\n"
+        f"            out.append({t_py.format(k=k1)})\n"
+        "    return out\n"
+    )
+    return doc, body
+
+
+COMBINE = [("plus", "+"), ("minus", "-"), ("times", "*")]
+
+
+def _two_aggregates(rng: random.Random, name: str, arg: str):
+    """Two filtered aggregates in one loop, combined: the longest family (two canvases)."""
+    parts = []
+    for acc in ("a", "b"):
+        phrase, init, update = rng.choice(AGGREGATES)
+        pred_doc, pred_py = rng.choice(PREDICATES)
+        k = rng.randint(2, 9) if "%" in pred_py else rng.randint(0, 12)
+        parts.append((acc, phrase, init, update, pred_doc.format(k=k), pred_py.format(k=k)))
+    (a, pa, ia, ua, da, ca), (b, pb, ib, ub, db, cb) = parts
+    word, op = rng.choice(COMBINE)
+    doc = (
+        f"Return the {pa} of the numbers in {arg} that are {da}, {word} "
+        f"the {pb} of the numbers in {arg} that are {db}."
+    )
+    body = (
+        f"    {a} = {ia}\n"
+        f"    {b} = {ib}\n"
+        f"    for x in {arg}:\n"
+        f"        if {ca}:\n"
+        f"            {ua.format(acc=a)}\n"
+        f"        if {cb}:\n"
+        f"            {ub.format(acc=b)}\n"
+        f"    return {a} {op} {b}\n"
+    )
+    return doc, body
+
+
+def make_code(rng: random.Random, uid: str) -> Problem:
+    name, arg = _code_name(rng), rng.choice(ARGS)
+    doc, body = rng.choice([_filtered_aggregate, _filtered_map, _two_aggregates])(rng, name, arg)
+    func = f"def {name}({arg}):\n" + body
+    namespace: dict = {}
+    exec(func, namespace)  # our own reference implementation, never model output
+    ref = namespace[name]
+    example = _sample_list(rng)
+    prompt = f'def {name}({arg}):\n    """{doc}\n    >>> {name}({example})\n    {ref(example)!r}\n    """\n'
+    # Hidden tests: keep drawing until the expected outputs differ, so a constant body fails.
+    cases: list[list[int]] = []
+    for _ in range(60):
+        cases.append(_sample_list(rng))
+        outs = {repr(ref(xs)) for xs in cases[-6:]}
+        if len(cases) >= 6 and len(outs) >= 3:
+            break
+    tests = [f"assert {name}({xs!r}) == {ref(xs)!r}" for xs in cases[-6:]]
+    return Problem(uid=uid, task="code", prompt=prompt, answer=body, tests=tests, entry=name)
+
+
+# ------------------------------------------------------------------------------------- public
+
+_MAKERS = {"arith": make_arith, "code": make_code}
+
+
+def generate(task: str, n: int, seed: int) -> list[Problem]:
+    """`n` problems of one family, deterministic per (task, seed)."""
+    task = TASK_ALIASES.get(task, task)
+    if task not in _MAKERS:
+        raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+    rng = random.Random(f"{task}:{seed}")
+    return [_MAKERS[task](rng, f"{task}-{seed}-{i}") for i in range(n)]
+
+
+def verify(problem: Problem, completion: str, timeout_s: float = 5.0) -> bool:
+    """True when the completion answers the problem: the final integer for arith, all hidden
+    asserts passing in the sandbox for code."""
+    if problem.task == "arith":
+        return arith_answer(completion) == problem.target
+    from canvasq.testbed.sandbox import run_python
+
+    program = problem.prompt + completion + "\n\n" + "\n".join(problem.tests) + "\n"
+    return run_python(program, timeout_s=timeout_s).ok

@@ -1,0 +1,338 @@
+"""Training recipe for the testbed DiffusionGemma (run on a GPU; also runs, slowly, on CPU).
+
+Phase 1 — the base model, DiffusionGemma's uniform-state objective through HF's own forward:
+a problem's answer is cut into canvases; one canvas per example is the target, the prompt and the
+earlier (clean) canvases go through the encoder into the KV cache, and the target canvas is
+corrupted by replacing each token with a uniform-random vocabulary id with probability t ~ U(0, 1).
+The decoder predicts every position (cross-entropy). With probability ½ per example the decoder
+also receives self-conditioning logits from a first, gradient-free pass on the same input.
+
+Phase 2 — the D2F adapter, a LoRA (peft) on the attention and MLP projections trained on the
+multi-canvas block-causal schedule the pipe decodes with: K consecutive canvases at increasing
+noise in one decoder pass, each attending to the cache and to the earlier canvases' noisy tokens
+(never later ones). Saved beside the model in `d2f_adapter/` and merged at load time.
+
+Example (what produced the committed checkpoint; see README "Testbed"):
+    python -m canvasq.testbed.train --out models/testbed --minutes 7 --d2f-minutes 1.5 --seed 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from multiprocessing import Pool
+from pathlib import Path
+
+import numpy as np
+
+from canvasq.testbed.config import BOS_ID, EOS_ID, PAD_ID, SEP_ID, TestbedShape, build_config
+
+TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "models" / "testbed"
+
+
+# ------------------------------------------------------------------------------------ data
+
+
+def _encode_chunk(args):
+    task, seed, n, tok_dir = args
+    from transformers import AutoTokenizer
+
+    from canvasq.testbed import tasks
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    probs = tasks.generate(task, n, seed)
+    prompts = tok([p.prompt for p in probs], add_special_tokens=False)["input_ids"]
+    answers = tok([p.answer for p in probs], add_special_tokens=False)["input_ids"]
+    return [([BOS_ID, *p, SEP_ID], [*a, EOS_ID]) for p, a in zip(prompts, answers)]
+
+
+def build_pool(n_per_task: int, seed: int, tok_dir: str, canvas: int, workers: int):
+    """All problems as one padded id matrix: row = prompt ‖ answer padded to whole canvases."""
+    chunk = 5000
+    jobs = [
+        (task, seed * 1_000_003 + i, min(chunk, n_per_task - i * chunk), tok_dir)
+        for task in ("arith", "code")
+        for i in range(math.ceil(n_per_task / chunk))
+    ]
+    with Pool(workers) as pool:
+        rows = [r for part in pool.map(_encode_chunk, jobs) for r in part]
+    max_p = max(len(p) for p, _ in rows)
+    max_c = max(math.ceil(len(a) / canvas) for _, a in rows)
+    seq = np.full((len(rows), max_p + max_c * canvas), PAD_ID, dtype=np.int64)
+    plen = np.zeros(len(rows), dtype=np.int64)
+    ncan = np.zeros(len(rows), dtype=np.int64)
+    for i, (p, a) in enumerate(rows):
+        seq[i, : len(p)] = p
+        seq[i, len(p) : len(p) + len(a)] = a
+        plen[i], ncan[i] = len(p), math.ceil(len(a) / canvas)
+    return seq, plen, ncan
+
+
+# ------------------------------------------------------------------------------ batch maker
+
+
+class Batches:
+    """Vectorised batch assembly on the training device (no Python per example)."""
+
+    def __init__(self, seq, plen, ncan, canvas: int, vocab: int, device):
+        import torch
+
+        self.torch = torch
+        self.seq = torch.as_tensor(seq, device=device)
+        self.plen = torch.as_tensor(plen, device=device)
+        self.ncan = torch.as_tensor(ncan, device=device)
+        self.C, self.V, self.device = canvas, vocab, device
+
+    def sample(self, batch: int, n_canvases: int, gen):
+        """Rows: (left-padded context, its mask, K target canvases, their noisy versions).
+
+        The first target canvas index j is uniform over the answer; the context is the prompt
+        plus canvases < j. With K > 1 the K canvases after it follow (pads past the answer's end
+        are legitimate targets: the sampler writes pad after EOS)."""
+        torch, C = self.torch, self.C
+        idx = torch.randint(0, self.seq.shape[0], (batch,), device=self.device, generator=gen)
+        nc = self.ncan[idx]
+        j = (torch.rand(batch, device=self.device, generator=gen) * nc).long()
+        ctx_len = self.plen[idx] + j * C
+        L = int(ctx_len.max())
+        t = torch.arange(L, device=self.device)
+        src = t[None, :] - (L - ctx_len)[:, None]
+        ctx_mask = src >= 0
+        ctx = torch.where(ctx_mask, self.seq[idx[:, None], src.clamp(min=0)], PAD_ID)
+        tgt_pos = ctx_len[:, None] + torch.arange(n_canvases * C, device=self.device)[None, :]
+        in_range = tgt_pos < self.seq.shape[1]
+        target = torch.where(in_range, self.seq[idx[:, None], tgt_pos.clamp(max=self.seq.shape[1] - 1)], PAD_ID)
+        # Noise level per canvas: increasing along the K canvases (D2F schedule), uniform for K = 1.
+        base = torch.rand(batch, 1, device=self.device, generator=gen)
+        if n_canvases > 1:
+            steps = torch.rand(batch, n_canvases, device=self.device, generator=gen).sort(dim=1).values
+            level = (steps * (1 - base) + base * 0.3).clamp(max=1.0)
+        else:
+            level = base
+        level = level.repeat_interleave(C, dim=1)
+        corrupt = torch.rand(target.shape, device=self.device, generator=gen) < level
+        noise = torch.randint(0, self.V, target.shape, device=self.device, generator=gen)
+        noisy = torch.where(corrupt, noise, target)
+        return ctx, ctx_mask, target, noisy
+
+
+# --------------------------------------------------------------------------------- forward
+
+
+def _cache_of(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def block_causal_masks(model, ctx_mask, n_canvases: int, canvas: int, cache):
+    """4D boolean decoder masks for K canvases after a context of length L (True = may attend).
+
+    Keys are [cached context entries] ‖ [K·C window rows]. Row r of canvas k sees context keys
+    (not padding) and window rows of canvases ≤ k. On sliding layers the cache holds only the
+    last W − 1 context entries and every key must also lie at position ≥ start(k) − (W − 1)."""
+    import torch
+
+    tc = model.config.text_config
+    B, L = ctx_mask.shape
+    KC = n_canvases * canvas
+    rows = torch.arange(KC, device=ctx_mask.device)
+    can_of_row = rows // canvas
+    start = L + can_of_row * canvas  # absolute position of each row's canvas start
+    win_ok = can_of_row[None, :] <= can_of_row[:, None]  # [KC, KC] block-causal
+    masks = {}
+    for kind in set(tc.layer_types):
+        if kind == "sliding_attention":
+            keep = min(L, tc.sliding_window - 1)
+            ctx_pos = torch.arange(L - keep, L, device=ctx_mask.device)
+            ctx_ok = ctx_mask[:, L - keep :]
+            lo = start - (tc.sliding_window - 1)
+            band_ctx = ctx_pos[None, :] >= lo[:, None]  # [KC, keep]
+            win_pos = L + rows
+            band_win = win_pos[None, :] >= lo[:, None]
+            m_ctx = ctx_ok[:, None, :] & band_ctx[None]
+            m_win = (win_ok & band_win)[None].expand(B, -1, -1)
+        else:
+            m_ctx = ctx_mask[:, None, :].expand(B, KC, L)
+            m_win = win_ok[None].expand(B, -1, -1)
+        masks[kind] = torch.cat([m_ctx, m_win], dim=-1)[:, None]
+    return masks
+
+
+def denoise_loss(model, batch, n_canvases: int, canvas: int, sc_prob: float, gen, token_weight=None):
+    """Cross-entropy of the decoder's prediction of the clean canvases (optionally with SC)."""
+    import torch
+    from transformers import DynamicCache
+
+    ctx, ctx_mask, target, noisy = batch
+    B, L = ctx.shape
+    tc = model.config.text_config
+    pos = torch.arange(L, device=ctx.device)[None].expand(B, -1)
+    enc = model.model.encoder(
+        input_ids=ctx, attention_mask=ctx_mask.long(), position_ids=pos, past_key_values=DynamicCache(config=tc)
+    )
+    cache = _cache_of(enc)
+    dpos = torch.arange(L, L + n_canvases * canvas, device=ctx.device)[None].expand(B, -1)
+    if n_canvases == 1:
+        dmask = torch.nn.functional.pad(ctx_mask, (0, canvas), value=True).long()
+    else:
+        dmask = block_causal_masks(model, ctx_mask, n_canvases, canvas, cache)
+    kw = dict(past_key_values=cache, decoder_input_ids=noisy, decoder_attention_mask=dmask, decoder_position_ids=dpos)
+    sc_logits, sc_mask = None, None
+    if sc_prob > 0:
+        with torch.no_grad():
+            first = model(**kw).logits
+        # The official sampler feeds temperature-scaled logits (t from 0.8 down to 0.4) back as SC.
+        temp = 0.4 + 0.4 * torch.rand(B, 1, 1, device=ctx.device, generator=gen)
+        sc_logits = (first / temp).to(model.dtype)
+        sc_mask = torch.rand(B, device=ctx.device, generator=gen) < sc_prob
+    logits = model(**kw, self_conditioning_logits=sc_logits, self_conditioning_mask=sc_mask).logits
+    ce = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), reduction="none"
+    )
+    if token_weight is None:
+        return ce.mean()
+    w = token_weight[target.reshape(-1)]
+    return (ce * w).sum() / w.sum()
+
+
+# ---------------------------------------------------------------------------------- phases
+
+
+def train_phase(model, params, batches, *, minutes, batch, lr, n_canvases, canvas, sc_prob, gen, log, tag,
+                token_weight=None):
+    import torch
+
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
+    t0, step, warm = time.time(), 0, 100
+    budget = minutes * 60
+    ema = None
+    device_type = "cuda" if str(batches.device).startswith("cuda") else "cpu"
+    while True:
+        frac = (time.time() - t0) / budget
+        if frac >= 1:
+            break
+        scale = min(1.0, (step + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+        for g in opt.param_groups:
+            g["lr"] = lr * scale
+        b = batches.sample(batch, n_canvases, gen)
+        try:
+            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
+                loss = denoise_loss(model, b, n_canvases, canvas, sc_prob, gen, token_weight)
+        except (RuntimeError, NotImplementedError) as exc:  # grouped_mm unsupported for this dtype
+            if step > 0 or not hasattr(model, "set_experts_implementation"):
+                raise
+            log(f"[{tag}] grouped experts failed ({exc}); falling back to eager experts")
+            model.set_experts_implementation("eager")
+            continue
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        if step % 100 == 0:
+            log(f"[{tag}] step {step} loss {ema:.4f} lr {lr * scale:.2e} {time.time() - t0:.0f}s")
+    log(f"[{tag}] done: {step} steps in {time.time() - t0:.0f}s, loss {ema:.4f}")
+    return {"steps": step, "seconds": round(time.time() - t0, 1), "final_loss": round(float(ema), 4)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--minutes", type=float, default=7.0)
+    ap.add_argument("--d2f-minutes", type=float, default=1.5)
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--n-per-task", type=int, default=300_000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    ap.add_argument("--init", default=None, help="continue from this checkpoint directory")
+    ap.add_argument("--d2f-canvases", type=int, default=2)
+    ap.add_argument("--digit-weight", type=float, default=4.0)
+    args = ap.parse_args(argv)
+
+    import torch
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(args.seed)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    logf = open(out / "train_log.txt", "a")
+
+    def log(msg):
+        print(msg, flush=True)
+        logf.write(msg + "\n")
+        logf.flush()
+
+    shape = TestbedShape()
+    t0 = time.time()
+    seq, plen, ncan = build_pool(args.n_per_task, args.seed, str(TOKENIZER_DIR), shape.canvas_length, args.workers)
+    log(f"data: {seq.shape[0]} problems, max row {seq.shape[1]} tokens, built in {time.time() - t0:.0f}s")
+    batches = Batches(seq, plen, ncan, shape.canvas_length, shape.vocab_size, device)
+
+    if args.init:
+        model = DiffusionGemmaForBlockDiffusion.from_pretrained(args.init, dtype=torch.float32).to(device)
+    else:
+        model = DiffusionGemmaForBlockDiffusion(build_config(shape)).to(device)
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"model: {n_params / 1e6:.2f} M parameters on {device}")
+    report = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "params": n_params}
+    # Digits carry the arithmetic: they are a few percent of answer tokens but all of its difficulty.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    token_weight = torch.ones(shape.vocab_size, device=device)
+    token_weight[[tok.convert_tokens_to_ids(str(d)) for d in range(10)]] = args.digit_weight
+    report["base"] = train_phase(
+        model, [p for p in model.parameters() if p.requires_grad], batches,
+        minutes=args.minutes, batch=args.batch, lr=args.lr, n_canvases=1,
+        canvas=shape.canvas_length, sc_prob=0.5, gen=gen, log=log, tag="base", token_weight=token_weight,
+    )
+    model.eval()
+    save_model(model, out)
+
+    if args.d2f_minutes > 0:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=16, lora_alpha=32, lora_dropout=0.0,
+            # Decoder modules only: encoder and decoder share weight tensors, so merging the LoRA
+            # into the decoder's weights updates the encoder too (adding it to both would double it).
+            target_modules=r".*decoder\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)",
+        )
+        peft_model = get_peft_model(model, lora)
+        peft_model.train()
+        report["d2f"] = train_phase(
+            peft_model.base_model.model, [p for p in peft_model.parameters() if p.requires_grad], batches,
+            minutes=args.d2f_minutes, batch=max(64, args.batch // 2), lr=args.lr / 2,
+            n_canvases=args.d2f_canvases, canvas=shape.canvas_length, sc_prob=0.5, gen=gen, log=log, tag="d2f",
+            token_weight=token_weight,
+        )
+        peft_model.save_pretrained(str(out / "d2f_adapter"))
+    report["total_seconds"] = round(time.time() - t0, 1)
+    (out / "train_report.json").write_text(json.dumps(report, indent=2))
+    log(json.dumps(report))
+
+
+def save_model(model, out: Path):
+    """bf16 safetensors in shards small enough to bring back from the GPU machine."""
+    import copy
+
+    import torch
+
+    from canvasq.testbed.config import EOS_ID as eos
+
+    m = copy.deepcopy(model).to("cpu", torch.bfloat16)
+    gc = m.generation_config
+    gc.eos_token_id, gc.pad_token_id, gc.bos_token_id = eos, PAD_ID, BOS_ID
+    m.save_pretrained(str(out), max_shard_size="12MB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""canvasq kernels: Triton kernels, each with a pure-torch twin. Nothing here knows about decoders.
+
+- `w4_moe(x, topk_ids, topk_weights, packed)`: grouped W4A16 routed experts (`moe/`), with
+  `pack_w4`, `unpack_w4`, `pack_model_experts`, `save_packed`, `load_packed`.
+- `rms_norm(x, weight, eps)`: DiffusionGemma RMSNorm (`weight=None` for the with_scale=False norm).
+- `softmax_argmax(logits, temperature)`: (max-prob confidence, argmax, entropy) per row.
+- `fuse_qkv_weights` / `qkv_proj`: one GEMM for q, k, v after the LoRA merge.
+
+Every public function takes `impl="auto" | "triton" | "torch"`; auto picks Triton on CUDA, Triton
+through the interpreter on CPU when TRITON_INTERPRET=1 was set before import and still is, and the
+torch twin otherwise (the CPU testbed). See `_dispatch.py`.
+"""
+
+from .moe import (
+    MoeLaunchConfig,
+    W4Config,
+    W4Experts,
+    load_packed,
+    pack_model_experts,
+    pack_w4,
+    save_packed,
+    unpack_w4,
+    w4_moe,
+    w4_moe_reference,
+)
+from .qkv import FusedQKV, fuse_attention_module, fuse_qkv_weights, qkv_proj, qkv_proj_reference
+from .rmsnorm import rms_norm, rms_norm_reference
+from .softmax_argmax import softmax_argmax, softmax_argmax_reference
+
+__all__ = [
+    "FusedQKV",
+    "MoeLaunchConfig",
+    "W4Config",
+    "W4Experts",
+    "fuse_attention_module",
+    "fuse_qkv_weights",
+    "load_packed",
+    "pack_model_experts",
+    "pack_w4",
+    "qkv_proj",
+    "qkv_proj_reference",
+    "rms_norm",
+    "rms_norm_reference",
+    "save_packed",
+    "softmax_argmax",
+    "softmax_argmax_reference",
+    "unpack_w4",
+    "w4_moe",
+    "w4_moe_reference",
+]

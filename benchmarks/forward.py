@@ -1,0 +1,516 @@
+"""Decoder forward: canvasq.model.runtime vs HF DiffusionGemma, same process, same weights.
+
+    python3 benchmarks/forward.py            # H200: real 26B-A4B shape, random weights, bf16
+    python3 benchmarks/forward.py --quick    # CPU: testbed shape, fp32, a few configs (CI smoke)
+
+Per (rows M per sequence, batch B): ms per decoder forward (CUDA events after warm-up, median over
+rotated inputs) for HF's model (its default experts implementation: grouped_mm on CUDA) and for our
+runtime with each experts arm (bf16 grouped GEMMs, W4A16 Triton) and, with --graphs, the same step
+replayed as a CUDA graph. Every arm's logits are compared with HF's in the same run (rel. error =
+max |ours - HF| / max |HF|; bf16 bound 2e-2; W4 changes the weights, so its error is reported, not
+bounded). Bytes: weights a forward must read (dense + attention + LM head + touched experts: expected
+distinct experts under uniform routing) over the measured time = GB/s and fraction of the floor at
+the measured read bandwidth (PERF.md: ~4.5 TB/s). A profile split (attention, dense MLP, experts incl.
+router, LM head, self-conditioning, other) comes from CUDA events around our runtime's scopes.
+
+Prints a Markdown table; the last line is one JSON object. With $OUT set, raw results go to
+$OUT/forward.json (and a torch profiler table to $OUT/forward_profile.txt with --torch-profile).
+Random weights never converge: only seconds per forward mean anything here (commit schedules are
+replayed elsewhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from canvasq.model.graph import DecodeGraph
+from canvasq.model.runtime import Runtime, Window
+
+READ_BW = 4.5e12  # bytes/s, H200 measured read bandwidth (PERF.md)
+BF16_TOL = 2e-2
+
+
+# --- model -----------------------------------------------------------------------------------------
+def build_model(quick: bool, device: str, dtype: torch.dtype):
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    if quick:
+        from canvasq.testbed.config import build_config
+
+        config = build_config()
+    else:
+        from canvasq.model.shapes import real_config
+
+        config = real_config()
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    with torch.device(device):
+        model = DiffusionGemmaForBlockDiffusion._from_config(config, dtype=dtype).eval()
+    _randomize_small_params(model)
+    sync(device)
+    return model, time.perf_counter() - t0
+
+
+@torch.no_grad()
+def _randomize_small_params(model) -> None:
+    """HF initialises norm weights, router scales and per-expert scales to constants; draw them around
+    1 so every weight matters (a constant-1 scale would hide a skipped multiply)."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+    for name, p in model.named_parameters():
+        if p.dim() == 1 and "vision" not in name:
+            p.copy_((0.75 + 0.5 * torch.rand(p.shape, generator=g)).to(p.device, p.dtype))
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# --- timing ----------------------------------------------------------------------------------------
+def time_fn(fn, inputs: list, warmup: int, iters: int, device: str) -> float:
+    """Median ms of fn(input) over `iters` calls, inputs rotated, after `warmup` calls."""
+    for i in range(warmup):
+        fn(inputs[i % len(inputs)])
+    sync(device)
+    times = []
+    for i in range(iters):
+        x = inputs[i % len(inputs)]
+        if device.startswith("cuda"):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn(x)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn(x)
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+class ScopeTimer:
+    """Installed as `Runtime.scope`: CUDA events (or wall clock on CPU) around each named region."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+        self.spans: list[tuple[str, object, object]] = []
+
+    @contextlib.contextmanager
+    def scope(self, name: str):
+        if self.cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            yield
+            b.record()
+        else:
+            a = time.perf_counter()
+            yield
+            b = time.perf_counter()
+        self.spans.append((name, a, b))
+
+    def totals(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        out: dict[str, float] = {}
+        for name, a, b in self.spans:
+            ms = a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+            out[name] = out.get(name, 0.0) + ms
+        return out
+
+
+# --- bytes -----------------------------------------------------------------------------------------
+def forward_bytes(rt: Runtime, rows: int, experts: str) -> float:
+    """Weight bytes one decoder forward reads (activations and KV are small next to them)."""
+    el = rt.embed.element_size()
+    dense = 0
+    for lw in rt.dec_layers:
+        for t in (lw.wq, lw.wk, lw.wv, lw.wo, lw.mlp_gate, lw.mlp_up, lw.mlp_down, lw.router_proj):
+            if t is not None:
+                dense += t.numel() * el
+    head = rt.lm_head.numel() * el
+    lw = rt.dec_layers[0]
+    n_exp = lw.gate_up.shape[0]
+    per_expert = (lw.gate_up[0].numel() + lw.down[0].numel()) * el
+    if experts == "w4" and lw.experts_packed is not None:
+        per_expert = lw.experts_packed.nbytes() / n_exp
+    touched = n_exp * (1 - (1 - rt.top_k / n_exp) ** rows)  # expected distinct experts, uniform routing
+    return dense + head + rt.num_layers * touched * per_expert
+
+
+# --- one configuration -----------------------------------------------------------------------------
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def hf_cache(model, prompts: torch.Tensor):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config.get_text_config())
+    b, p = prompts.shape
+    with torch.no_grad():
+        model.model.encoder(
+            input_ids=prompts,
+            position_ids=torch.arange(p, device=prompts.device)[None].expand(b, p),
+            past_key_values=cache,
+        )
+    return cache
+
+
+def run_config(model, runtimes: dict, rows: int, batch: int, prompt_len: int, args, device: str) -> dict:
+    vocab = model.config.get_text_config().vocab_size
+    g = torch.Generator(device="cpu").manual_seed(rows * 100 + batch)
+    prompts = torch.randint(5, vocab, (batch, prompt_len), generator=g).to(device)
+    canvases = [torch.randint(5, vocab, (batch, rows), generator=g).to(device) for _ in range(args.rotate)]
+    sc_logits = None
+    if args.sc != "none":
+        sc_logits = (torch.randn(batch, rows, vocab, generator=g) * 4).to(device, model.dtype)
+    pos = torch.arange(prompt_len, prompt_len + rows, device=device)[None].expand(batch, rows)
+    cache = hf_cache(model, prompts)
+    res = {"rows": rows, "batch": batch, "prompt": prompt_len, "sc": args.sc}
+
+    def hf_step(canvas):
+        with torch.no_grad():
+            return model(
+                decoder_input_ids=canvas,
+                past_key_values=cache,
+                decoder_position_ids=pos,
+                self_conditioning_logits=sc_logits,
+            ).logits
+
+    ref = hf_step(canvases[0]).reshape(batch * rows, vocab)
+    if not args.no_hf:
+        res["hf_ms"] = time_fn(hf_step, canvases, args.warmup, args.iters, device)
+
+    for name, rt in runtimes.items():
+        try:
+            res.update(run_arm(name, rt, ref, prompts, canvases, sc_logits, rows, args, device))
+        except Exception as e:  # noqa: BLE001 -- one broken arm must not hide the others' numbers
+            res[f"{name}_error"] = f"{type(e).__name__}: {e}"
+            print(f"[forward] {name} B={batch} M={rows}: {res[f'{name}_error']}", file=sys.stderr)
+    return res
+
+
+def run_arm(name: str, rt: Runtime, ref, prompts, canvases, sc_logits, rows: int, args, device: str) -> dict:
+    """Our runtime with one experts arm on the inputs HF saw: error vs HF, eager ms, graph ms."""
+    batch, prompt_len = prompts.shape
+    res = {}
+    arena = rt.new_arena(batch, prompt_len + rows + 8)
+    rt.encode_many(arena, [(b, prompts[b], torch.arange(prompt_len, device=device)) for b in range(batch)])
+    sc_inputs = []
+    for b in range(batch):
+        if args.sc == "none":
+            sc_inputs.append(None)
+        elif args.sc == "full":
+            sc_inputs.append(sc_logits[b])
+        else:
+            top = sc_logits[b].float().topk(args.topk, dim=-1)
+            sc_inputs.append((top.indices, top.values))
+
+    def windows(canvas):
+        return [Window.canvas(b, canvas[b], prompt_len, self_cond=sc_inputs[b]) for b in range(batch)]
+
+    def ours_step(canvas):
+        return rt.decode(arena, windows(canvas)).logits
+
+    out = ours_step(canvases[0])
+    res[f"{name}_err"] = rel_err(out, ref) if args.sc != "topk" else None
+    res[f"{name}_argmax_agree"] = float((out.argmax(-1) == ref.argmax(-1)).float().mean())
+    del out
+    res[f"{name}_ms"] = time_fn(ours_step, canvases, args.warmup, args.iters, device)
+    nbytes = forward_bytes(rt, rows * batch, name)
+    res[f"{name}_GBps"] = nbytes / (res[f"{name}_ms"] * 1e-3) / 1e9
+    res[f"{name}_floor_frac"] = nbytes / READ_BW / (res[f"{name}_ms"] * 1e-3)
+
+    if args.graphs and device.startswith("cuda"):
+        try:
+            graph = DecodeGraph(rt, arena, windows(canvases[0]))
+
+            def graph_step(canvas):
+                return graph.run(windows(canvas)).logits
+
+            gout = graph_step(canvases[0])
+            res[f"{name}_graph_err"] = rel_err(gout, ref) if args.sc != "topk" else None
+            del gout
+            res[f"{name}_graph_ms"] = time_fn(graph_step, canvases, args.warmup, args.iters, device)
+        except Exception as e:  # noqa: BLE001 -- report, keep the eager numbers
+            res[f"{name}_graph_error"] = f"{type(e).__name__}: {e}"
+            print(f"[forward] graph {name}: {res[f'{name}_graph_error']}", file=sys.stderr)
+    return res
+
+
+def profile_split(rt: Runtime, model, rows: int, prompt_len: int, args, device: str) -> dict:
+    vocab = rt.vocab_size
+    g = torch.Generator(device="cpu").manual_seed(7)
+    arena = rt.new_arena(1, prompt_len + rows + 8)
+    rt.encode(
+        arena,
+        0,
+        torch.randint(5, vocab, (prompt_len,), generator=g).to(device),
+        torch.arange(prompt_len, device=device),
+    )
+    canvas = torch.randint(5, vocab, (rows,), generator=g).to(device)
+    sc = (torch.randn(rows, vocab, generator=g) * 4).to(device)
+    top = sc.topk(args.topk, dim=-1)
+    out = {}
+    for label, self_cond in (
+        ("no_sc", None),
+        ("full_sc", sc),
+        (f"top{args.topk}_sc", (top.indices, top.values)),
+    ):
+        win = [Window.canvas(0, canvas, prompt_len, self_cond=self_cond)]
+        for _ in range(args.warmup):
+            rt.decode(arena, win)
+        sync(device)
+        timer = ScopeTimer(device)
+        rt.scope = timer.scope
+        reps = max(3, args.iters // 4)
+        t = []
+        try:
+            for _ in range(reps):
+                if device.startswith("cuda"):
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    rt.decode(arena, win)
+                    b.record()
+                    b.synchronize()
+                    t.append(a.elapsed_time(b))
+                else:
+                    s = time.perf_counter()
+                    rt.decode(arena, win)
+                    t.append((time.perf_counter() - s) * 1e3)
+        finally:
+            rt.scope = lambda name: contextlib.nullcontext()
+        tot = timer.totals()
+        total = sum(t) / reps
+        split = {k: v / reps for k, v in tot.items()}
+        split["other"] = total - sum(split.values())
+        split["total"] = total
+        out[label] = {k: round(v, 3) for k, v in split.items()}
+    if args.torch_profile and os.environ.get("OUT"):
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+        with profile(activities=acts) as prof:
+            rt.decode(arena, [Window.canvas(0, canvas, prompt_len)])
+            sync(device)
+        key = "cuda_time_total" if device.startswith("cuda") else "cpu_time_total"
+        Path(os.environ["OUT"], "forward_profile.txt").write_text(
+            prof.key_averages().table(sort_by=key, row_limit=60)
+        )
+        out["kernel_launches"] = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+    return out
+
+
+def encode_timing(model, runtimes: dict, prompt_len: int, args, device: str) -> dict:
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(5, vocab, (1, prompt_len)).to(device)
+    res = {"prompt": prompt_len}
+    if not args.no_hf:
+        res["hf_ms"] = time_fn(lambda x: hf_cache(model, x), [ids], args.warmup, args.iters, device)
+    for name, rt in runtimes.items():
+        res[f"{name}_ms"] = time_fn(
+            _encoder_step(rt, prompt_len, device), [ids], args.warmup, args.iters, device
+        )
+    return res
+
+
+def _encoder_step(rt: Runtime, prompt_len: int, device: str):
+    arena = rt.new_arena(1, prompt_len)
+
+    def enc(x):
+        arena.reset(0)
+        rt.encode(arena, 0, x[0], torch.arange(prompt_len, device=device))
+
+    return enc
+
+
+# --- main ------------------------------------------------------------------------------------------
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).parent,
+            text=True,
+            stderr=subprocess.DEVNULL,
+        ).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CPU, testbed shape, fp32, few configs")
+    ap.add_argument("--rows", default=None, help="comma list of rows per sequence (M)")
+    ap.add_argument("--batches", default=None, help="comma list of batch sizes")
+    ap.add_argument("--experts", default=None, help="comma list of our arms: bf16, w4, reference")
+    ap.add_argument("--prompt", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--rotate", type=int, default=3, help="distinct canvases cycled through")
+    ap.add_argument(
+        "--sc",
+        choices=["none", "full", "topk"],
+        default="none",
+        help="self-conditioning input of the matrix runs (the profile always covers all three)",
+    )
+    ap.add_argument("--topk", type=int, default=64)
+    ap.add_argument("--graphs", action="store_true", help="also time DecodeGraph replays (CUDA)")
+    ap.add_argument(
+        "--no-hf", action="store_true", help="skip HF timings (its logits are still the reference)"
+    )
+    ap.add_argument("--torch-profile", action="store_true", help="write a torch profiler table to $OUT")
+    args = ap.parse_args(argv)
+
+    device = "cuda" if (torch.cuda.is_available() and not args.quick) else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if args.quick:
+        rows = [32, 16, 8]
+        batches = [1, 2]
+        arms = ["bf16"]
+        args.prompt = args.prompt or 48
+        args.warmup = 1 if args.warmup is None else args.warmup
+        args.iters = 3 if args.iters is None else args.iters
+    else:
+        rows = [256, 128, 64, 32, 16, 8]
+        batches = [1, 4, 16]
+        arms = ["bf16", "w4"]
+        args.prompt = args.prompt or 128
+        args.warmup = 3 if args.warmup is None else args.warmup
+        args.iters = 20 if args.iters is None else args.iters
+    if args.rows:
+        rows = [int(x) for x in args.rows.split(",")]
+    if args.batches:
+        batches = [int(x) for x in args.batches.split(",")]
+    if args.experts:
+        arms = args.experts.split(",")
+
+    model, build_s = build_model(args.quick, device, dtype)
+    hf_experts = getattr(model.config.get_text_config(), "_experts_implementation", None)
+    runtimes = {}
+    for arm in arms:
+        try:
+            runtimes[arm] = Runtime.from_hf(model, experts=arm)
+        except Exception as e:  # noqa: BLE001 -- e.g. no Triton here: report it, run the other arms
+            print(f"[forward] experts={arm} unavailable: {type(e).__name__}: {e}", file=sys.stderr)
+    if not runtimes:
+        raise SystemExit("no runtime arm could be built")
+
+    results = []
+    for b in batches:
+        for m in rows:
+            r = run_config(model, runtimes, m, b, args.prompt, args, device)
+            results.append(r)
+            print(json.dumps(r), file=sys.stderr, flush=True)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    first = next(iter(runtimes.values()))
+    profile = {}
+    for name, rt in runtimes.items():
+        try:
+            profile[name] = profile_split(rt, model, rows[0], args.prompt, args, device)
+        except Exception as e:  # noqa: BLE001 -- report, keep the timings
+            profile[name] = {"error": f"{type(e).__name__}: {e}"}
+    encode = encode_timing(model, runtimes, args.prompt, args, device)
+
+    # --- report ---
+    names = list(runtimes)
+    head = ["B", "M", "HF ms"] + [f"{n} ms" for n in names] + [f"{n} err" for n in names]
+    if args.graphs and device == "cuda":
+        head += [f"{n} graph ms" for n in names]
+    head += [f"{n} × HF" for n in names] + [f"{n} floor %" for n in names]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    ok = True
+    for r in results:
+        cells = [str(r["batch"]), str(r["rows"]), f"{r.get('hf_ms', float('nan')):.2f}"]
+        nan = float("nan")
+        cells += [f"{r.get(f'{n}_ms', nan):.2f}" for n in names]
+        tol = BF16_TOL if dtype == torch.bfloat16 else 1e-4
+        for n in names:
+            e = r.get(f"{n}_err")
+            cells.append("—" if e is None else f"{e:.1e}")
+            ge = r.get(f"{n}_graph_err")
+            if n in ("bf16", "reference", "grouped") and any(x is not None and x > tol for x in (e, ge)):
+                ok = False
+            if f"{n}_error" in r or f"{n}_graph_error" in r:
+                ok = False
+        if args.graphs and device == "cuda":
+            cells += [f"{r.get(f'{n}_graph_ms', float('nan')):.2f}" for n in names]
+        cells += [f"{r.get('hf_ms', nan) / r.get(f'{n}_ms', nan):.1f}" for n in names]
+        cells += [f"{100 * r.get(f'{n}_floor_frac', nan):.0f}" for n in names]
+        lines.append("| " + " | ".join(cells) + " |")
+    print(
+        f"\n## Decoder forward, {'testbed shape (CPU, fp32)' if args.quick else 'real 26B-A4B shape'}, "
+        f"prompt {args.prompt}, SC {args.sc}, median of {args.iters}"
+    )
+    print("\n".join(lines))
+    print(f"\nProfile split of one forward, ours, B=1, M={rows[0]} (ms):")
+    for name, prof in profile.items():
+        for label, split in prof.items():
+            if isinstance(split, dict):
+                print(f"- {name} / {label}: " + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
+            elif label == "error":
+                print(f"- {name}: profile failed: {split}")
+    print(
+        f"\nEncoder prefill, {args.prompt} tokens: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in encode.items() if k.endswith("_ms"))
+    )
+    summary = {
+        "bench": "forward",
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "shape": "testbed" if args.quick else "26b-a4b",
+        "dtype": str(dtype).replace("torch.", ""),
+        "hf_experts": hf_experts,
+        "build_s": round(build_s, 2),
+        "parity_ok": ok,
+        "first": results[0] if results else None,
+        "profile": profile,
+        "encode": encode,
+        "results": results,
+    }
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+        Path(os.environ["OUT"], "forward.json").write_text(json.dumps(summary, indent=1))
+    print(
+        json.dumps(
+            {
+                k: summary[k]
+                for k in (
+                    "bench",
+                    "date",
+                    "commit",
+                    "device",
+                    "shape",
+                    "dtype",
+                    "parity_ok",
+                    "hf_experts",
+                    "first",
+                    "profile",
+                )
+            }
+        )
+    )
+    del first
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,282 @@
+"""Compile every canvasq Triton kernel for an H200 (sm_90) on any machine, no GPU needed, and print
+registers, spill stack, shared memory and the number of async (cp.async) copies the pipeliner made.
+
+Uses the ptxas/cuobjdump that ship with the Triton wheel. Catches lowering errors before a GPU lease,
+and flags tile configs that spill (a spilling W4 kernel cannot reach the bandwidth target).
+Integer arguments get the divisibility-by-16 hint Triton gives them at launch when the real shapes
+allow it (strides, H = 2816, I = 704).
+
+    python benchmarks/kernels/compile_check.py              # default configs, real shape, bf16
+    python benchmarks/kernels/compile_check.py --sweep      # the tune_moe candidates too
+Exit status 1 when a default config spills or anything fails to compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # must compile, not interpret
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from canvasq.kernels.moe.launch import MoeLaunchConfig
+
+# importlib: `canvasq.kernels.softmax_argmax` the attribute is the public function, not the module
+R = importlib.import_module("canvasq.kernels.rmsnorm")
+S = importlib.import_module("canvasq.kernels.softmax_argmax")
+K = importlib.import_module("canvasq.kernels.moe.kernels")
+
+TARGET = GPUTarget("cuda", 90, 32)
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def compile_kernel(
+    fn, types: dict, constexprs: dict, divisible: set, num_warps: int, num_stages: int
+) -> dict:
+    names = fn.arg_names
+    sig = {n: ("constexpr" if n in constexprs else types[n]) for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    k = triton.compile(
+        ASTSource(fn, sig, constexprs, attrs),
+        target=TARGET,
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        out = subprocess.run(
+            [CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    fields = dict(tok.split(":") for tok in next(ln for ln in out.splitlines() if "REG:" in ln).split()[:2])
+    return {
+        "regs": int(fields["REG"]),
+        "stack": int(fields["STACK"]),
+        "smem": k.metadata.shared,
+        "async_copies": k.asm["ttgir"].count("async_copy_global_to_local"),
+    }
+
+
+def _ptrs(fn, dtype="bf16", overrides=None):
+    t = {n: f"*{dtype}" for n in fn.arg_names if n.endswith("_ptr")}
+    t.update(overrides or {})
+    return t
+
+
+def moe_kernels(cfg: MoeLaunchConfig, H=2816, I=704):
+    deq = 2 if cfg.magic_dequant else 0
+    ints = {"num_assign": "i32", "top_k": "i32", "H": "i32", "I": "i32"}
+    div = lambda fn: (
+        {n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("stride")} | {"H", "I", "num_assign"}
+    )
+    gu = K._w4_gate_up_kernel
+    gu_types = {
+        **_ptrs(
+            gu,
+            overrides={
+                "q_ptr": "*u8",
+                "sorted_ids_ptr": "*i32",
+                "block_expert_ptr": "*i32",
+                "num_padded_ptr": "*i32",
+            },
+        ),
+        **ints,
+        **{n: "i32" for n in gu.arg_names if n.startswith("stride")},
+    }
+    yield (
+        "gate_up",
+        compile_kernel(
+            gu,
+            gu_types,
+            {
+                "GROUP": 128,
+                "NUM_GROUPS": H // 128,
+                "BLOCK_M": cfg.block_m,
+                "BLOCK_N": cfg.gate_up_block_n,
+                "DOT_PREC": "tf32",
+                "DEQUANT": deq,
+                "SCALE_IN_TILE": cfg.scale_in_tile,
+            },
+            div(gu),
+            cfg.gate_up_warps,
+            cfg.gate_up_stages,
+        ),
+    )
+    dn = K._w4_down_kernel
+    dn_types = {
+        **_ptrs(
+            dn,
+            overrides={
+                "q_ptr": "*u8",
+                "sorted_ids_ptr": "*i32",
+                "block_expert_ptr": "*i32",
+                "num_padded_ptr": "*i32",
+            },
+        ),
+        **ints,
+        **{n: "i32" for n in dn.arg_names if n.startswith("stride")},
+    }
+    yield (
+        "down",
+        compile_kernel(
+            dn,
+            dn_types,
+            {
+                "GROUP": 64,
+                "NUM_GROUPS": I // 64,
+                "BLOCK_M": cfg.block_m,
+                "BLOCK_N": cfg.down_block_n,
+                "DOT_PREC": "tf32",
+                "DEQUANT": deq,
+                "SCALE_IN_TILE": cfg.scale_in_tile,
+            },
+            div(dn),
+            cfg.down_warps,
+            cfg.down_stages,
+        ),
+    )
+
+
+def other_kernels():
+    c = K._combine_kernel
+    yield (
+        "combine",
+        compile_kernel(
+            c,
+            {**_ptrs(c, overrides={"w_ptr": "*fp32"}), "H": "i32", "stride_ym": "i32", "stride_ot": "i32"},
+            {"TOP_K": 8, "BLOCK_N": 1024},
+            {"y_tk_ptr", "out_ptr", "H", "stride_ym", "stride_ot"},
+            4,
+            1,
+        ),
+    )
+    a = K._align_kernel
+    yield (
+        "align",
+        compile_kernel(
+            a,
+            {
+                "sorted_e_ptr": "*i64",
+                "order_ptr": "*i64",
+                "sorted_ids_ptr": "*i32",
+                "block_expert_ptr": "*i32",
+                "num_padded_ptr": "*i32",
+                "counts_ptr": "*i32",
+                "num_assign": "i32",
+                "num_experts": "i32",
+                "p_max": "i32",
+            },
+            {"BLOCK_M": 32, "E_P2": 128, "CHUNK": 128, "LOG_N": 13},
+            set(),
+            8,
+            1,
+        ),
+    )
+    r = R._rms_norm_kernel
+    yield (
+        "rms_norm",
+        compile_kernel(
+            r,
+            {
+                "x_ptr": "*bf16",
+                "w_ptr": "*bf16",
+                "y_ptr": "*bf16",
+                "R": "i32",
+                "D": "i32",
+                "stride_x": "i32",
+                "stride_y": "i32",
+                "eps": "fp32",
+            },
+            {"HAS_WEIGHT": True, "BLOCK_R": 1, "BLOCK_D": 4096},
+            {"x_ptr", "w_ptr", "y_ptr", "D", "stride_x", "stride_y"},
+            8,
+            1,
+        ),
+    )
+    p = S._softmax_stats_partial_kernel
+    yield (
+        "softmax_partial",
+        compile_kernel(
+            p,
+            {
+                "logits_ptr": "*bf16",
+                "pm_ptr": "*fp32",
+                "ps_ptr": "*fp32",
+                "pu_ptr": "*fp32",
+                "pi_ptr": "*i32",
+                "V": "i32",
+                "stride_r": "i32",
+                "inv_temp": "fp32",
+            },
+            {"CHUNKS": 2, "CHUNK": 131072, "BLOCK_V": 2048},
+            {"logits_ptr", "V", "stride_r"},
+            8,
+            1,
+        ),
+    )
+    f = S._softmax_stats_final_kernel
+    yield (
+        "softmax_final",
+        compile_kernel(
+            f,
+            {
+                "pm_ptr": "*fp32",
+                "ps_ptr": "*fp32",
+                "pu_ptr": "*fp32",
+                "pi_ptr": "*i32",
+                "conf_ptr": "*fp32",
+                "arg_ptr": "*i64",
+                "ent_ptr": "*fp32",
+            },
+            {"CHUNKS": 2},
+            set(),
+            1,
+            1,
+        ),
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sweep", action="store_true", help="also compile the tune_moe candidate tiles")
+    a = ap.parse_args()
+    rows, failed = [], False
+    default = MoeLaunchConfig()
+    for name, res in itertools.chain(moe_kernels(default), other_kernels()):
+        rows.append({"kernel": name, "config": "default", **res})
+        failed |= res["stack"] > 0
+    if a.sweep:
+        for bn, w, st, sit in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (False, True)):
+            cfg = MoeLaunchConfig(
+                gate_up_block_n=bn,
+                gate_up_warps=w,
+                gate_up_stages=st,
+                down_block_n=2 * bn,
+                down_warps=w,
+                down_stages=st,
+                scale_in_tile=sit,
+            )
+            try:
+                for name, res in moe_kernels(cfg):
+                    bn_k = bn if name == "gate_up" else 2 * bn
+                    rows.append(
+                        {"kernel": name, "config": f"bn={bn_k} w={w} s={st} scale_in_tile={sit}", **res}
+                    )
+            except Exception as exc:  # noqa: BLE001 - report any lowering failure of a candidate
+                rows.append({"kernel": "?", "config": f"bn={bn} w={w} s={st}", "error": type(exc).__name__})
+    for r in rows:
+        print(r)
+    print(json.dumps({"bench": "compile_check", "target": "sm_90", "ok": not failed, "kernels": len(rows)}))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,317 @@
+"""Triton kernels of the grouped W4A16 MoE (launchers and the public function live in `launch.py`).
+
+Letters: T tokens, K experts per token (top-k), A = T*K assignments, P padded assignment rows (a
+multiple of BLOCK_M), E experts, H hidden width, I expert width, G quantisation group.
+Routing metadata (built in `launch.align_routing`): `sorted_ids [P] int32` holds assignment ids
+t*K + k grouped by expert, each expert's run padded to a multiple of BLOCK_M with the sentinel A;
+`block_expert [P/BLOCK_M] int32` is the expert of each BLOCK_M-row block; `num_padded [1] int32` is P
+(blocks at or past it exit at once: the grid is sized by an upper bound so no host sync is needed).
+
+Flow: x [T, H] --gate_up (+act)--> h [P, I] --down--> y_tk [A, H] --combine (fixed k order)--> y [T, H].
+No atomics anywhere: every output element is written by exactly one program, so reruns are bit-identical.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gelu_tanh(x):
+    # gelu_pytorch_tanh: 0.5 x (1 + tanh(u)) == x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    return x * tl.sigmoid(2.0 * u)
+
+
+# DEQUANT modes: 0 converts the nibble with a plain int->float cast; 1/2/3 (fp16/bf16/fp32 operands)
+# OR the nibble into the mantissa of a float whose exponent makes one ulp == 1 (1024.0 / 128.0 / 2^23),
+# so the conversion is one OR and the offset folds into the zero point: q - z == magic(q) - (z + M).
+@triton.jit
+def _zero_bias(z, DT: tl.constexpr, DEQUANT: tl.constexpr):
+    if DEQUANT == 1:
+        return (z.to(tl.float32) + 1024.0).to(DT)
+    elif DEQUANT == 2:
+        return (z.to(tl.float32) + 128.0).to(DT)
+    elif DEQUANT == 3:
+        return z.to(tl.float32) + 8388608.0
+    else:
+        return z.to(DT)
+
+
+@triton.jit
+def _nibble(v, DT: tl.constexpr, DEQUANT: tl.constexpr):
+    """v: uint8 values 0..15 -> DT (plus the mode's magic offset)."""
+    if DEQUANT == 1:
+        return (v.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
+    elif DEQUANT == 2:
+        return (v.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
+    elif DEQUANT == 3:
+        return (v.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
+    else:
+        return v.to(DT)
+
+
+@triton.jit
+def _w4_gate_up_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    h_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_assign,
+    top_k,
+    H,
+    I,
+    stride_xt,
+    stride_qe,
+    stride_qk,
+    stride_se,
+    stride_sg,
+    stride_hm,
+    GROUP: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    DEQUANT: tl.constexpr,
+    SCALE_IN_TILE: tl.constexpr,
+):
+    """One program: BLOCK_M sorted rows (one expert) x BLOCK_N columns of I, gate and up together."""
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_m)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    aid = tl.load(sorted_ids_ptr + rows)
+    valid = aid < num_assign
+    tok = aid // top_k
+    HALF: tl.constexpr = GROUP // 2
+    offs_k = tl.arange(0, HALF)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+
+    # Scalar base pointers + int32 offset tiles: 64-bit pointer tiles held across the loop cost two
+    # registers per element and made this kernel spill (255 regs at BLOCK_N=64, 4 warps).
+    x_off = tok[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, G/2]
+    q_e = q_ptr + e.to(tl.int64) * stride_qe
+    q_off = offs_k[:, None] * stride_qk + offs_n[None, :]  # [G/2, BLOCK_N], up tile at + I
+    s_e = s_ptr + e.to(tl.int64) * stride_se
+    z_e = z_ptr + e.to(tl.int64) * stride_se
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for g in range(NUM_GROUPS):  # constexpr trip count (also dodges an interpreter bug)
+        k0 = g * GROUP
+        xa = tl.load(x_ptr + (x_off + k0), mask=valid[:, None] & (k0 + offs_k[None, :] < H), other=0.0)
+        xb = tl.load(
+            x_ptr + (x_off + (k0 + HALF)), mask=valid[:, None] & (k0 + HALF + offs_k[None, :] < H), other=0.0
+        )
+        qrow = g * HALF * stride_qk
+        qg = tl.load(q_e + (q_off + qrow), mask=n_mask[None, :], other=0)
+        qu = tl.load(q_e + (q_off + (qrow + I)), mask=n_mask[None, :], other=0)
+        srow = g * stride_sg
+        sg = tl.load(s_e + (offs_n + srow), mask=n_mask, other=0.0).to(tl.float32)
+        zg = _zero_bias(tl.load(z_e + (offs_n + srow), mask=n_mask, other=0.0), DT, DEQUANT)
+        su = tl.load(s_e + (offs_n + (srow + I)), mask=n_mask, other=0.0).to(tl.float32)
+        zu = _zero_bias(tl.load(z_e + (offs_n + (srow + I)), mask=n_mask, other=0.0), DT, DEQUANT)
+        # (q - zero) is an exact small integer in any float dtype; the scale is constant over the group,
+        # so it multiplies the [BLOCK_M, BLOCK_N] partial product instead of the [G, BLOCK_N] tile.
+        wg_lo = _nibble(qg & 0xF, DT, DEQUANT) - zg[None, :]
+        wg_hi = _nibble(qg >> 4, DT, DEQUANT) - zg[None, :]
+        wu_lo = _nibble(qu & 0xF, DT, DEQUANT) - zu[None, :]
+        wu_hi = _nibble(qu >> 4, DT, DEQUANT) - zu[None, :]
+        if SCALE_IN_TILE:
+            # dequantise fully, accumulate straight into acc: fewer live registers, one more multiply
+            # per weight (and the weight rounded to DT once, exactly as the torch twin does)
+            acc_g = tl.dot(xa, (wg_lo * sg[None, :]).to(DT), acc_g, input_precision=DOT_PREC)
+            acc_g = tl.dot(xb, (wg_hi * sg[None, :]).to(DT), acc_g, input_precision=DOT_PREC)
+            acc_u = tl.dot(xa, (wu_lo * su[None, :]).to(DT), acc_u, input_precision=DOT_PREC)
+            acc_u = tl.dot(xb, (wu_hi * su[None, :]).to(DT), acc_u, input_precision=DOT_PREC)
+        else:
+            pg = tl.dot(xa, wg_lo.to(DT), input_precision=DOT_PREC)
+            pg = tl.dot(xb, wg_hi.to(DT), pg, input_precision=DOT_PREC)
+            pu = tl.dot(xa, wu_lo.to(DT), input_precision=DOT_PREC)
+            pu = tl.dot(xb, wu_hi.to(DT), pu, input_precision=DOT_PREC)
+            acc_g += pg * sg[None, :]
+            acc_u += pu * su[None, :]
+    # activation folded into the epilogue: h = act(gate) * up, never stored separately
+    h = _gelu_tanh(acc_g) * acc_u
+    tl.store(
+        h_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_n[None, :],
+        h.to(h_ptr.dtype.element_ty),
+        mask=n_mask[None, :],
+    )
+
+
+@triton.jit
+def _w4_down_kernel(
+    h_ptr,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    y_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_assign,
+    H,
+    I,
+    stride_hm,
+    stride_qe,
+    stride_qk,
+    stride_se,
+    stride_sg,
+    stride_ym,
+    GROUP: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    DEQUANT: tl.constexpr,
+    SCALE_IN_TILE: tl.constexpr,
+):
+    """One program: BLOCK_M sorted rows x BLOCK_N columns of H; writes rows y_tk[t*K + k]."""
+    DT: tl.constexpr = h_ptr.dtype.element_ty
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    aid = tl.load(sorted_ids_ptr + rows)
+    valid = aid < num_assign
+    HALF: tl.constexpr = GROUP // 2
+    offs_k = tl.arange(0, HALF)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+
+    h_off = rows[:, None] * stride_hm + offs_k[None, :]  # int32 offset tiles, scalar bases (see above)
+    q_e = q_ptr + e * stride_qe
+    q_off = offs_k[:, None] * stride_qk + offs_n[None, :]
+    s_e = s_ptr + e * stride_se
+    z_e = z_ptr + e * stride_se
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for g in range(NUM_GROUPS):  # constexpr trip count (also dodges an interpreter bug)
+        k0 = g * GROUP
+        ha = tl.load(h_ptr + (h_off + k0), mask=valid[:, None] & (k0 + offs_k[None, :] < I), other=0.0)
+        hb = tl.load(
+            h_ptr + (h_off + (k0 + HALF)), mask=valid[:, None] & (k0 + HALF + offs_k[None, :] < I), other=0.0
+        )
+        q = tl.load(q_e + (q_off + g * HALF * stride_qk), mask=n_mask[None, :], other=0)
+        s = tl.load(s_e + (offs_n + g * stride_sg), mask=n_mask, other=0.0).to(tl.float32)
+        z = _zero_bias(tl.load(z_e + (offs_n + g * stride_sg), mask=n_mask, other=0.0), DT, DEQUANT)
+        w_lo = _nibble(q & 0xF, DT, DEQUANT) - z[None, :]
+        w_hi = _nibble(q >> 4, DT, DEQUANT) - z[None, :]
+        if SCALE_IN_TILE:
+            acc = tl.dot(ha, (w_lo * s[None, :]).to(DT), acc, input_precision=DOT_PREC)
+            acc = tl.dot(hb, (w_hi * s[None, :]).to(DT), acc, input_precision=DOT_PREC)
+        else:
+            p = tl.dot(ha, w_lo.to(DT), input_precision=DOT_PREC)
+            p = tl.dot(hb, w_hi.to(DT), p, input_precision=DOT_PREC)
+            acc += p * s[None, :]
+    tl.store(
+        y_ptr + aid[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=valid[:, None] & n_mask[None, :],
+    )
+
+
+@triton.jit
+def _combine_kernel(
+    y_tk_ptr,
+    w_ptr,
+    out_ptr,
+    H,
+    stride_ym,
+    stride_ot,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """out[t] = sum_k w[t, k] * y_tk[t*K + k], k in fixed order 0..K-1, fp32 accumulation."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs < H
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        w = tl.load(w_ptr + t * TOP_K + k).to(tl.float32)
+        v = tl.load(y_tk_ptr + (t * TOP_K + k) * stride_ym + offs, mask=mask, other=0.0)
+        acc += w * v.to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _lower_bound(sorted_ptr, n, x, LOG_N: tl.constexpr):
+    """Vectorised binary search: for each x, the first index i with sorted[i] >= x (n if none)."""
+    lo = tl.zeros(x.shape, tl.int32)
+    hi = tl.zeros(x.shape, tl.int32) + n
+    for _ in tl.static_range(LOG_N):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(sorted_ptr + mid, mask=active & (mid < n), other=0)
+        right = active & (v < x)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & (v >= x), mid, hi)
+    return lo
+
+
+@triton.jit
+def _align_kernel(
+    sorted_e_ptr,
+    order_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    counts_ptr,
+    num_assign,
+    num_experts,
+    p_max,
+    BLOCK_M: tl.constexpr,
+    E_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    LOG_N: tl.constexpr,
+):
+    """Routing metadata from a stable sort of the flat expert ids (sorted_e, order), with no atomics.
+
+    Every program rebuilds the per-expert counts by binary search (2 x E_P2 searches, cheap) and then
+    owns CHUNK sorted positions (writes each assignment's padded slot), CHUNK padded rows (writes the
+    sentinel where no assignment lands: disjoint from the first set, so no ordering between programs)
+    and the CHUNK / BLOCK_M blocks of those rows.
+    """
+    pid = tl.program_id(0)
+    ex = tl.arange(0, E_P2)
+    first = _lower_bound(sorted_e_ptr, num_assign, ex, LOG_N)
+    past = _lower_bound(sorted_e_ptr, num_assign, ex + 1, LOG_N)
+    counts = tl.where(ex < num_experts, past - first, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    if pid == 0:
+        tl.store(num_padded_ptr, tl.sum(padded, 0))
+        tl.store(counts_ptr + ex, counts, mask=ex < num_experts)
+
+    # assignments: sorted position i -> padded slot pad_start[e] + (i - first[e])
+    i = pid * CHUNK + tl.arange(0, CHUNK)
+    in_a = i < num_assign
+    e_i = tl.load(sorted_e_ptr + i, mask=in_a, other=0).to(tl.int32)
+    hit = ex[None, :] == e_i[:, None]  # [CHUNK, E_P2] one-hot gathers from the per-expert vectors
+    dest = tl.sum(tl.where(hit, (pad_start - first)[None, :], 0), 1) + i
+    src = tl.load(order_ptr + i, mask=in_a, other=0)
+    tl.store(sorted_ids_ptr + dest, src.to(tl.int32), mask=in_a)
+
+    # padding rows: row r belongs to expert #(experts whose padded run ends at or before r)
+    r = pid * CHUNK + tl.arange(0, CHUNK)
+    e_r = tl.sum((pad_end[None, :] <= r[:, None]).to(tl.int32), 1)
+    own = ex[None, :] == e_r[:, None]
+    local = r - tl.sum(tl.where(own, pad_start[None, :], 0), 1)
+    cnt = tl.sum(tl.where(own, counts[None, :], 0), 1)
+    pad = (e_r >= num_experts) | (local >= cnt)
+    tl.store(sorted_ids_ptr + r, tl.zeros_like(r) + num_assign, mask=(r < p_max) & pad)
+
+    # blocks of those rows
+    NB: tl.constexpr = CHUNK // BLOCK_M
+    b = pid * NB + tl.arange(0, NB)
+    e_b = tl.sum((pad_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), 1)
+    tl.store(block_expert_ptr + b, tl.minimum(e_b, num_experts - 1), mask=b * BLOCK_M < p_max)

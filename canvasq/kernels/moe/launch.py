@@ -1,0 +1,323 @@
+"""Launchers and the public `w4_moe`: routing alignment, tuned-config lookup, three kernel launches.
+
+Letters as in `kernels.py`: T tokens, K top-k, A = T*K, P padded rows, E experts, H hidden, I expert width.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import triton
+
+from .._dispatch import auto_triton, can_launch
+from . import kernels as _k
+from .quant import W4Experts
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass(frozen=True)
+class MoeLaunchConfig:
+    """Tile sizes of one MoE call. BLOCK_M is the routing block (rows of one expert per program)."""
+
+    block_m: int = 32
+    gate_up_block_n: int = 64
+    gate_up_warps: int = 4
+    gate_up_stages: int = 4
+    down_block_n: int = 128
+    down_warps: int = 4
+    down_stages: int = 4
+    combine_block_n: int = 1024
+    magic_dequant: bool = True  # nibble -> float by OR-ing into a mantissa (kernels.py), else a cast
+    scale_in_tile: bool = False  # scale the weight tile before the dot (fewer registers) or the product
+
+
+@dataclass(frozen=True)
+class RoutingMeta:
+    """Assignments sorted by expert and padded to BLOCK_M-row blocks (see `kernels.py`)."""
+
+    sorted_ids: torch.Tensor  # [P_max] int32, assignment id t*K + k, sentinel A on padding rows
+    block_expert: torch.Tensor  # [P_max / BLOCK_M] int32 (beyond num_padded: clamped, unused)
+    num_padded: torch.Tensor  # [1] int32, P = sum over experts of round_up(count, BLOCK_M)
+    counts: torch.Tensor  # [E] int32 assignments per expert
+    num_assign: int  # A
+    block_m: int
+
+
+def max_padded_rows(num_assign: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on P: each non-empty expert wastes < BLOCK_M rows, at most min(E, A) are non-empty."""
+    nonempty = min(num_experts, num_assign)
+    return triton.cdiv(num_assign + nonempty * (block_m - 1), block_m) * block_m
+
+
+def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int = 32) -> RoutingMeta:
+    """topk_ids [T, K] -> RoutingMeta: one stable sort + one Triton kernel, no host sync, no atomics.
+    (The pure-torch twin, ~25 small launches, is `align_routing_reference`.)"""
+    assert topk_ids.dim() == 2
+    if not can_launch(topk_ids, _k._align_kernel):
+        return align_routing_reference(topk_ids, num_experts, block_m)
+    dev = topk_ids.device
+    A = topk_ids.numel()
+    assert 0 < A < 2**30 and num_experts <= 4096
+    sorted_e, order = torch.sort(topk_ids.reshape(-1), stable=True)
+    p_max = max_padded_rows(A, num_experts, block_m)
+    sorted_ids = torch.empty(p_max, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(p_max // block_m, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    chunk = max(128, block_m)
+    _k._align_kernel[(triton.cdiv(p_max, chunk),)](
+        sorted_e,
+        order,
+        sorted_ids,
+        block_expert,
+        num_padded,
+        counts,
+        A,
+        num_experts,
+        p_max,
+        BLOCK_M=block_m,
+        E_P2=triton.next_power_of_2(num_experts),
+        CHUNK=chunk,
+        LOG_N=A.bit_length() + 1,
+        num_warps=8 if num_experts >= 128 else 4,
+    )
+    return RoutingMeta(sorted_ids, block_expert, num_padded, counts, A, block_m)
+
+
+def align_routing_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int = 32) -> RoutingMeta:
+    """Twin of `align_routing` in torch ops (stable sort, searchsorted, cumsum, index_put)."""
+    assert topk_ids.dim() == 2
+    dev = topk_ids.device
+    A = topk_ids.numel()
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    sorted_e, order = torch.sort(flat, stable=True)
+    bounds = torch.searchsorted(sorted_e, torch.arange(num_experts + 1, device=dev))
+    counts = bounds[1:] - bounds[:-1]  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    rank = torch.arange(A, device=dev) - bounds[:-1][sorted_e]
+    dest = pad_start[sorted_e] + rank
+    p_max = max_padded_rows(A, num_experts, block_m)
+    sorted_ids = torch.full((p_max,), A, dtype=torch.int32, device=dev)
+    sorted_ids[dest] = order.to(torch.int32)
+    block_start = torch.arange(0, p_max, block_m, device=dev)
+    block_expert = torch.searchsorted(pad_end, block_start, right=True).clamp_(max=num_experts - 1)
+    return RoutingMeta(
+        sorted_ids=sorted_ids,
+        block_expert=block_expert.to(torch.int32),
+        num_padded=pad_end[-1:].to(torch.int32),
+        counts=counts.to(torch.int32),
+        num_assign=A,
+        block_m=block_m,
+    )
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu"
+    return torch.cuda.get_device_name(device).replace(" ", "_")
+
+
+def config_file_name(
+    num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype, device_name: str
+) -> str:
+    dt = str(dtype).replace("torch.", "")
+    return f"E={num_experts},H={hidden},I={inter},K={top_k},dtype={dt},device={device_name}.json"
+
+
+@lru_cache(maxsize=64)
+def _load_configs(path: str) -> dict[int, MoeLaunchConfig]:
+    p = Path(path)
+    if not p.exists():
+        return {}
+    raw = json.loads(p.read_text())
+    return {int(t): MoeLaunchConfig(**cfg) for t, cfg in raw["configs"].items()}
+
+
+def get_config(num_tokens: int, top_k: int, packed: W4Experts, dtype: torch.dtype) -> MoeLaunchConfig:
+    """Tuned config for the nearest token count at or above `num_tokens` (else the largest); default
+    when no file exists for this shape and device. Overrides: `CANVASQ_MOE_CONFIG` (one config as a
+    JSON object) or `CANVASQ_MOE_CONFIG_FILE` (a tuned file written by benchmarks/kernels/tune_moe.py)."""
+    override = os.environ.get("CANVASQ_MOE_CONFIG")
+    if override:
+        return MoeLaunchConfig(**json.loads(override))
+    path = os.environ.get("CANVASQ_MOE_CONFIG_FILE") or str(
+        CONFIG_DIR
+        / config_file_name(
+            packed.num_experts, packed.hidden, packed.inter, top_k, dtype, _device_name(packed.device)
+        )
+    )
+    table = _load_configs(path)
+    if not table:
+        return MoeLaunchConfig()
+    above = [t for t in table if t >= num_tokens]
+    return table[min(above)] if above else table[max(table)]
+
+
+def save_configs(path: Path, configs: dict[int, MoeLaunchConfig], meta: dict) -> None:
+    body = {"meta": meta, "configs": {str(t): asdict(c) for t, c in sorted(configs.items())}}
+    path.write_text(json.dumps(body, indent=1) + "\n")
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+_MAGIC_MODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+
+
+def _dequant_mode(cfg: MoeLaunchConfig, dtype: torch.dtype) -> int:
+    return _MAGIC_MODE[dtype] if cfg.magic_dequant else 0
+
+
+def launch_gate_up(
+    x: torch.Tensor, packed: W4Experts, meta: RoutingMeta, cfg: MoeLaunchConfig, h: torch.Tensor
+) -> None:
+    """h [P_max, I] = act(x[tok] @ gate^T) * (x[tok] @ up^T) per sorted row (padding rows: zeros)."""
+    H, I = packed.hidden, packed.inter
+    assert h.shape == (meta.sorted_ids.numel(), I) and h.dtype == x.dtype and h.stride(-1) == 1
+    gq, gs = packed.gate_up_q, packed.gate_up_scale
+    grid = (meta.sorted_ids.numel() // cfg.block_m, triton.cdiv(I, cfg.gate_up_block_n))
+    _k._w4_gate_up_kernel[grid](
+        x,
+        gq,
+        gs,
+        packed.gate_up_zero,
+        h,
+        meta.sorted_ids,
+        meta.block_expert,
+        meta.num_padded,
+        meta.num_assign,
+        meta.num_assign // x.shape[0],
+        H,
+        I,
+        x.stride(0),
+        gq.stride(0),
+        gq.stride(1),
+        gs.stride(0),
+        gs.stride(1),
+        h.stride(0),
+        GROUP=packed.config.group_gate_up,
+        NUM_GROUPS=gs.shape[1],
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.gate_up_block_n,
+        DOT_PREC=_dot_precision(x.dtype),
+        DEQUANT=_dequant_mode(cfg, x.dtype),
+        SCALE_IN_TILE=cfg.scale_in_tile,
+        num_warps=cfg.gate_up_warps,
+        num_stages=cfg.gate_up_stages,
+    )
+
+
+def launch_down(
+    h: torch.Tensor, packed: W4Experts, meta: RoutingMeta, cfg: MoeLaunchConfig, y_tk: torch.Tensor
+) -> None:
+    """y_tk [A, H]: row t*K + k = h[row of (t, k)] @ down_e^T (unweighted; the combine weights it)."""
+    H, I = packed.hidden, packed.inter
+    assert y_tk.shape == (meta.num_assign, H) and y_tk.stride(-1) == 1
+    dq, ds = packed.down_q, packed.down_scale
+    grid = (meta.sorted_ids.numel() // cfg.block_m, triton.cdiv(H, cfg.down_block_n))
+    _k._w4_down_kernel[grid](
+        h,
+        dq,
+        ds,
+        packed.down_zero,
+        y_tk,
+        meta.sorted_ids,
+        meta.block_expert,
+        meta.num_padded,
+        meta.num_assign,
+        H,
+        I,
+        h.stride(0),
+        dq.stride(0),
+        dq.stride(1),
+        ds.stride(0),
+        ds.stride(1),
+        y_tk.stride(0),
+        GROUP=packed.config.group_down,
+        NUM_GROUPS=ds.shape[1],
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.down_block_n,
+        DOT_PREC=_dot_precision(h.dtype),
+        DEQUANT=_dequant_mode(cfg, h.dtype),
+        SCALE_IN_TILE=cfg.scale_in_tile,
+        num_warps=cfg.down_warps,
+        num_stages=cfg.down_stages,
+    )
+
+
+def w4_moe_launch(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    packed: W4Experts,
+    config: MoeLaunchConfig | None = None,
+    out: torch.Tensor | None = None,
+    routing: RoutingMeta | None = None,
+) -> torch.Tensor:
+    """Triton path. x [T, H] fp16/bf16/fp32, topk_ids [T, K] int, topk_weights [T, K] -> out [T, H] x.dtype."""
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    E, I = packed.num_experts, packed.inter
+    assert H == packed.hidden, (H, packed.hidden)
+    assert topk_ids.shape == topk_weights.shape == (T, K)
+    assert x.device == topk_ids.device == topk_weights.device == packed.device
+    assert x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    assert x.stride(-1) == 1
+    assert x.stride(0) * T < 2**31, "kernels use int32 offsets into x"
+    cfg = config or get_config(T, K, packed, x.dtype)
+    if out is None:
+        out = torch.empty_like(x)
+    assert out.shape == (T, H) and out.stride(-1) == 1
+    if T == 0:
+        return out
+    meta = routing or align_routing(topk_ids, E, cfg.block_m)
+    assert meta.block_m == cfg.block_m and meta.num_assign == T * K
+    p_max = meta.sorted_ids.numel()
+    assert p_max * I < 2**31, "kernels use int32 offsets into h"
+    weights = topk_weights.contiguous()
+
+    h = torch.empty(p_max, I, dtype=x.dtype, device=x.device)
+    launch_gate_up(x, packed, meta, cfg, h)
+    y_tk = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
+    launch_down(h, packed, meta, cfg, y_tk)
+    bn = min(cfg.combine_block_n, triton.next_power_of_2(H))
+    _k._combine_kernel[(T, triton.cdiv(H, bn))](
+        y_tk,
+        weights,
+        out,
+        H,
+        y_tk.stride(0),
+        out.stride(0),
+        TOP_K=K,
+        BLOCK_N=bn,
+    )
+    return out
+
+
+def w4_moe(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, packed: W4Experts, impl: str = "auto"
+) -> torch.Tensor:
+    """Routed experts in W4A16: y[t] = sum_k w[t,k] * down_e(act(gate_e(x[t])) * up_e(x[t])), e = ids[t,k].
+
+    x [T, H], topk_ids [T, K], topk_weights [T, K] -> [T, H] in x.dtype. `impl`: "triton", "torch"
+    (the dequantised twin) or "auto" (Triton on CUDA, or on CPU when the kernels were imported under
+    TRITON_INTERPRET=1 and it is still set; otherwise the twin; see `canvasq.kernels._dispatch`).
+    """
+    if impl == "auto":
+        impl = "triton" if auto_triton(x, _k._w4_gate_up_kernel) else "torch"
+    if impl == "triton":
+        return w4_moe_launch(x, topk_ids, topk_weights, packed)
+    if impl == "torch":
+        from .reference import w4_moe_reference
+
+        return w4_moe_reference(x, topk_ids, topk_weights, packed)
+    raise ValueError(f"unknown impl {impl!r}: expected 'auto', 'triton' or 'torch'")

@@ -1,0 +1,209 @@
+"""W4A16 packing of MoE expert weights: asymmetric uint4, one scale + zero per group, two nibbles a byte.
+
+Letters: E experts, H hidden width, I expert (intermediate) width, N output columns of a projection,
+K its reduction width, G group size along K, Kp = K rounded up to a multiple of G.
+
+HF layout in:   gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I]  (N-major, K last)
+Packed layout out (one projection; gate/up: N = 2I, K = H, G = 128; down: N = H, K = I, G = 64):
+
+    q     [E, Kp/2, N] uint8   byte row g*G/2 + j of group g holds k = g*G + j      in the low nibble
+                               and                                  k = g*G + G/2 + j in the high nibble
+    scale [E, Kp/G, N] fp16/bf16
+    zero  [E, Kp/G, N] same dtype, integer values 0..15
+
+    w[n, k] = (q[n, k] - zero[n, k // G]) * scale[n, k // G]
+
+Why this layout: N is the contiguous axis, so a kernel tile [G/2 bytes x BLOCK_N] is read as G/2 rows of
+BLOCK_N consecutive bytes (coalesced), and the scale/zero of a group are one contiguous BLOCK_N vector.
+Splitting each group in halves (not even/odd k) lets the kernel use the low and the high nibbles as two
+separate K = G/2 operands of `tl.dot` against the two contiguous halves of the activation tile, with no
+register shuffle to interleave them. K is zero-padded to Kp (704 = 11 x 64 and 2816 = 22 x 128 need no
+padding at the real shape; odd test widths do).
+
+Quantisation error: the group range is widened to include 0 (so padding and zero weights stay exact),
+scale = (max - min) / 15 rounded to the storage dtype first, zero = round(-min / scale); every element
+is within about scale / 2 of its dequantised value (`max_abs_error_bound`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class W4Config:
+    """How experts are quantised. `scale_dtype=None` keeps the weights' own dtype (fp16/bf16/fp32)."""
+
+    group_gate_up: int = 128
+    group_down: int = 64
+    scale_dtype: torch.dtype | None = None
+
+    def __post_init__(self):
+        for g in (self.group_gate_up, self.group_down):
+            assert g >= 32 and g % 32 == 0 and (g & (g - 1)) == 0, f"group size {g}: power of two >= 32"
+
+
+@dataclass
+class W4Experts:
+    """One MoE layer's experts in W4A16. Shapes in the module docstring."""
+
+    gate_up_q: torch.Tensor  # [E, Hp/2, 2I] uint8
+    gate_up_scale: torch.Tensor  # [E, Hp/Gg, 2I]
+    gate_up_zero: torch.Tensor  # [E, Hp/Gg, 2I]
+    down_q: torch.Tensor  # [E, Ip/2, H] uint8
+    down_scale: torch.Tensor  # [E, Ip/Gd, H]
+    down_zero: torch.Tensor  # [E, Ip/Gd, H]
+    hidden: int  # H
+    inter: int  # I
+    config: W4Config = field(default_factory=W4Config)
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up_q.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.gate_up_q.device
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return self.gate_up_scale.dtype
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {
+            "gate_up_q": self.gate_up_q,
+            "gate_up_scale": self.gate_up_scale,
+            "gate_up_zero": self.gate_up_zero,
+            "down_q": self.down_q,
+            "down_scale": self.down_scale,
+            "down_zero": self.down_zero,
+        }
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def expert_nbytes(self) -> int:
+        """Bytes one expert's packed weights + scales + zeros occupy (what a kernel reads per expert)."""
+        return self.nbytes() // self.num_experts
+
+    def to(self, device) -> W4Experts:
+        return replace(self, **{k: v.to(device) for k, v in self.tensors().items()})
+
+    def validate(self) -> None:
+        E, H, I = self.num_experts, self.hidden, self.inter
+        gg, gd = self.config.group_gate_up, self.config.group_down
+        hp, ip = _round_up(H, gg), _round_up(I, gd)
+        assert self.gate_up_q.shape == (E, hp // 2, 2 * I) and self.gate_up_q.dtype == torch.uint8
+        assert self.gate_up_scale.shape == (E, hp // gg, 2 * I) == self.gate_up_zero.shape
+        assert self.down_q.shape == (E, ip // 2, H) and self.down_q.dtype == torch.uint8
+        assert self.down_scale.shape == (E, ip // gd, H) == self.down_zero.shape
+        for t in self.tensors().values():
+            assert t.is_contiguous() and t.device == self.device
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def quantize_w4(w: torch.Tensor, group: int, scale_dtype: torch.dtype, chunk: int = 8):
+    """w [E, N, K] float -> (q [E, Kp/2, N] uint8, scale [E, Kp/G, N], zero [E, Kp/G, N]).
+
+    Works `chunk` experts at a time so packing a 1 GB BF16 tensor on the GPU needs only a few
+    hundred MB of fp32 scratch.
+    """
+    assert w.dim() == 3
+    E, N, K = w.shape
+    kp = _round_up(K, group)
+    ng = kp // group
+    q_out = torch.empty(E, kp // 2, N, dtype=torch.uint8, device=w.device)
+    s_out = torch.empty(E, ng, N, dtype=scale_dtype, device=w.device)
+    z_out = torch.empty(E, ng, N, dtype=scale_dtype, device=w.device)
+    for e0 in range(0, E, chunk):
+        wc = w[e0 : e0 + chunk].float()
+        if kp != K:
+            wc = torch.nn.functional.pad(wc, (0, kp - K))
+        wg = wc.view(wc.shape[0], N, ng, group)  # [e, N, ng, G]
+        lo = wg.amin(-1).clamp(max=0.0)
+        hi = wg.amax(-1).clamp(min=0.0)
+        scale = ((hi - lo) / 15.0).to(scale_dtype).float()
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        zero = torch.round(-lo / scale).clamp(0, 15)
+        q = torch.round(wg / scale[..., None] + zero[..., None]).clamp(0, 15).to(torch.uint8)
+        half = group // 2
+        byte = q[..., :half] | (q[..., half:] << 4)  # [e, N, ng, G/2]
+        q_out[e0 : e0 + chunk] = byte.permute(0, 2, 3, 1).reshape(wc.shape[0], kp // 2, N)
+        s_out[e0 : e0 + chunk] = scale.transpose(1, 2).to(scale_dtype)
+        z_out[e0 : e0 + chunk] = zero.transpose(1, 2).to(scale_dtype)
+    return q_out, s_out, z_out
+
+
+def dequantize_w4(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, k: int, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Inverse of `quantize_w4`: -> w [E, N, K] in `dtype` (default: the scale dtype).
+
+    Each weight is rounded once, (q - zero) * scale computed in fp32 then cast (what a W4 kernel that
+    dequantises tiles in registers sees, up to where it applies the scale).
+    """
+    E, kp2, N = q.shape
+    ng = scale.shape[1]
+    group = 2 * kp2 // ng
+    half = group // 2
+    b = q.view(E, ng, half, N)
+    lo = (b & 0xF).float()
+    hi = (b >> 4).float()
+    vals = torch.cat([lo, hi], dim=2)  # [E, ng, G, N]
+    w = (vals - zero.float()[:, :, None, :]) * scale.float()[:, :, None, :]
+    w = w.reshape(E, ng * group, N)[:, :k, :].transpose(1, 2).contiguous()
+    return w.to(dtype or scale.dtype)
+
+
+def pack_w4(gate_up: torch.Tensor, down: torch.Tensor, config: W4Config | None = None) -> W4Experts:
+    """HF experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) -> W4Experts on the same device."""
+    config = config or W4Config()
+    assert gate_up.dim() == 3 and down.dim() == 3
+    E, two_i, H = gate_up.shape
+    I = two_i // 2
+    assert two_i == 2 * I and down.shape == (E, H, I), (gate_up.shape, down.shape)
+    sdt = config.scale_dtype or gate_up.dtype
+    assert sdt in (torch.float16, torch.bfloat16, torch.float32)
+    gq, gs, gz = quantize_w4(gate_up.detach(), config.group_gate_up, sdt)
+    dq, ds, dz = quantize_w4(down.detach(), config.group_down, sdt)
+    packed = W4Experts(gq, gs, gz, dq, ds, dz, hidden=H, inter=I, config=config)
+    packed.validate()
+    return packed
+
+
+def unpack_w4(packed: W4Experts, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """W4Experts -> dequantised (gate_up [E, 2I, H], down [E, H, I]) in `dtype` (default scale dtype)."""
+    gu = dequantize_w4(packed.gate_up_q, packed.gate_up_scale, packed.gate_up_zero, packed.hidden, dtype)
+    dn = dequantize_w4(packed.down_q, packed.down_scale, packed.down_zero, packed.inter, dtype)
+    return gu, dn
+
+
+def max_abs_error_bound(packed: W4Experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-element error bound of pack/unpack, shaped like the HF weights: half a step, plus the
+    clamp at level 15 when the scale was rounded down to 16 bits (15 steps x unit roundoff u)."""
+    u = torch.finfo(packed.scale_dtype).eps / 2
+    factor = 0.5 + 16 * u
+    gg, gd = packed.config.group_gate_up, packed.config.group_down
+    sg = packed.gate_up_scale.float().repeat_interleave(gg, dim=1)[:, : packed.hidden].transpose(1, 2)
+    sd = packed.down_scale.float().repeat_interleave(gd, dim=1)[:, : packed.inter].transpose(1, 2)
+    return factor * sg, factor * sd
+
+
+def bf16_bytes(num_experts: int, hidden: int, inter: int) -> int:
+    return num_experts * 3 * hidden * inter * 2
+
+
+def packed_bytes(
+    num_experts: int, hidden: int, inter: int, config: W4Config | None = None, scale_bytes: int = 2
+) -> int:
+    """Bytes of one packed layer without building it (for the 30-layer memory report)."""
+    c = config or W4Config()
+    hp, ip = _round_up(hidden, c.group_gate_up), _round_up(inter, c.group_down)
+    gate_up = hp // 2 * 2 * inter + 2 * (hp // c.group_gate_up) * 2 * inter * scale_bytes
+    down = ip // 2 * hidden + 2 * (ip // c.group_down) * hidden * scale_bytes
+    return num_experts * (gate_up + down)

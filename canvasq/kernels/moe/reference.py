@@ -1,0 +1,51 @@
+"""Pure-torch twins of the W4 MoE: the same math on dequantised weights.
+
+Letters: T tokens, K top-k, E experts, H hidden, I expert width.
+Bytes (BF16 reference, one call): reads every routed expert's gate_up [2I, H] and down [H, I] in 16 bits,
+i.e. 3*H*I*2 bytes per touched expert, plus x [T, H] and the [T*K, H] per-assignment outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .quant import W4Experts, unpack_w4
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def moe_reference(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """x [T, H], gate_up [E, 2I, H], down [E, H, I] (any float dtype) -> [T, H] in x.dtype.
+
+    Per assignment in x.dtype (as HF's experts do), then each token's K outputs summed in fp32 in
+    fixed k order (deterministic, like the Triton combine).
+    """
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    I = down.shape[2]
+    flat = topk_ids.reshape(-1)
+    y_tk = torch.zeros(T * K, H, dtype=x.dtype, device=x.device)
+    for e in torch.unique(flat).tolist():
+        aid = (flat == e).nonzero().squeeze(1)
+        xe = x[aid // K]
+        gu = xe @ gate_up[e].to(x.dtype).t()
+        h = gelu_tanh(gu[:, :I].float()) * gu[:, I:].float()
+        y_tk[aid] = h.to(x.dtype) @ down[e].to(x.dtype).t()
+    y = (y_tk.view(T, K, H).float() * topk_weights.float()[..., None]).sum(1)
+    return y.to(x.dtype)
+
+
+def w4_moe_reference(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, packed: W4Experts
+) -> torch.Tensor:
+    """Twin of `w4_moe`: dequantise (fp32 math, cast to x.dtype), then `moe_reference`."""
+    gate_up, down = unpack_w4(packed, x.dtype)
+    return moe_reference(x, topk_ids, topk_weights, gate_up, down)

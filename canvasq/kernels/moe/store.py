@@ -1,0 +1,129 @@
+"""Packed experts on disk (safetensors) and in a loaded HF model.
+
+`pack_model_experts(hf_model)` finds every experts module (anything with 3-D `gate_up_proj [E, 2I, H]`
+and `down_proj [E, H, I]` parameters), packs each distinct weight once (DiffusionGemma's encoder and
+decoder share their expert tensors, so both modules get the same `W4Experts`), drops the BF16
+parameters and swaps the module's forward for `w4_moe`. With `cache=path` it loads a previous packing
+instead of repacking, or writes one.
+
+File layout: one tensor per field, key `"{group}.{field}"` (group = the first module name that owns the
+weights), and metadata `canvasq_w4` = JSON {group: {hidden, inter, group_gate_up, group_down,
+modules: [names]}}.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import torch
+
+from .quant import W4Config, W4Experts, pack_w4
+
+_META_KEY = "canvasq_w4"
+
+
+def save_packed(
+    path: str | Path, packs: dict[str, W4Experts], modules: dict[str, list[str]] | None = None
+) -> None:
+    from safetensors.torch import save_file
+
+    tensors, meta = {}, {}
+    for name, p in packs.items():
+        for field, t in p.tensors().items():
+            tensors[f"{name}.{field}"] = t.detach().contiguous().cpu()
+        meta[name] = {
+            "hidden": p.hidden,
+            "inter": p.inter,
+            "group_gate_up": p.config.group_gate_up,
+            "group_down": p.config.group_down,
+            "modules": (modules or {}).get(name, [name]),
+        }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={_META_KEY: json.dumps(meta)})
+
+
+def load_packed(
+    path: str | Path, device: str | torch.device = "cpu"
+) -> tuple[dict[str, W4Experts], dict[str, list[str]]]:
+    """-> ({group: W4Experts}, {group: module names sharing it})."""
+    from safetensors import safe_open
+
+    packs, modules = {}, {}
+    with safe_open(str(path), framework="pt", device=str(device)) as f:
+        meta = json.loads(f.metadata()[_META_KEY])
+        for name, m in meta.items():
+            fields = {
+                k: f.get_tensor(f"{name}.{k}")
+                for k in ("gate_up_q", "gate_up_scale", "gate_up_zero", "down_q", "down_scale", "down_zero")
+            }
+            cfg = W4Config(group_gate_up=m["group_gate_up"], group_down=m["group_down"])
+            packs[name] = W4Experts(**fields, hidden=m["hidden"], inter=m["inter"], config=cfg)
+            packs[name].validate()
+            modules[name] = m["modules"]
+    return packs, modules
+
+
+def _expert_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    found = []
+    for name, mod in model.named_modules():
+        gu, dn = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+        if isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3 and dn.dim() == 3:
+            found.append((name, mod))
+    return found
+
+
+def _w4_forward(self, hidden_states, top_k_index, top_k_weights):
+    from .launch import w4_moe
+
+    return w4_moe(hidden_states, top_k_index, top_k_weights, self.w4_experts)
+
+
+def _install(mod: torch.nn.Module, packed: W4Experts) -> None:
+    for pname in ("gate_up_proj", "down_proj"):
+        if pname in mod._parameters:
+            del mod._parameters[pname]
+        elif hasattr(mod, pname):
+            delattr(mod, pname)
+    mod.w4_experts = packed
+    mod.forward = types.MethodType(_w4_forward, mod)
+
+
+def pack_model_experts(
+    model: torch.nn.Module, config: W4Config | None = None, cache: str | Path | None = None
+) -> dict[str, W4Experts]:
+    """Pack every experts module of `model` in place (see module docstring); returns {group: W4Experts}.
+
+    Packing runs on the weights' device (GPU: seconds per layer; the BF16 copy of a layer is freed as
+    soon as it is packed). With `cache` pointing to an existing file, nothing is quantised.
+    """
+    mods = _expert_modules(model)
+    if not mods:
+        return {}
+    device = mods[0][1].gate_up_proj.device
+    if cache is not None and Path(cache).exists():
+        packs, owners = load_packed(cache, device)
+        by_name = dict(mods)
+        for group, names in owners.items():
+            for n in names:
+                assert n in by_name, f"{cache}: module {n} not in the model"
+                _install(by_name[n], packs[group])
+        return packs
+
+    groups: dict[int, list[tuple[str, torch.nn.Module]]] = {}
+    for name, mod in mods:  # tied encoder/decoder experts share the Parameter object
+        groups.setdefault(id(mod.gate_up_proj), []).append((name, mod))
+    packs, owners = {}, {}
+    for members in groups.values():
+        first_name, first = members[0]
+        packed = pack_w4(first.gate_up_proj.data, first.down_proj.data, config)
+        for _, mod in members:
+            _install(mod, packed)
+        packs[first_name] = packed
+        owners[first_name] = [n for n, _ in members]
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if cache is not None:
+        save_packed(cache, packs, owners)
+    return packs

@@ -1,0 +1,97 @@
+"""Fused RMSNorm, DiffusionGemma style: y = x * (mean(x^2) + eps)^-1/2 * weight, computed in fp32.
+
+HF's `DiffusionGemmaRMSNorm` multiplies by `weight` itself (initialised to ones, not Gemma 2/3's
+`1 + weight`), and has a `with_scale=False` variant (the V norm) with no weight at all: pass
+`weight=None`. x [..., D] any float dtype -> same shape and dtype. One program normalises BLOCK_R rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dispatch import auto_triton
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    R,
+    D,
+    stride_x,
+    stride_y,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < R) & (cols[None, :] < D)
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    ms = tl.sum(x * x, axis=1) / D + eps
+    y = x * (1.0 / tl.sqrt(ms))[:, None]
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        y = y * w[None, :]
+    tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_launch(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    R = x2.shape[0]
+    if weight is not None:
+        assert weight.shape == (D,) and weight.is_contiguous() and weight.device == x.device
+    y = out if out is not None else torch.empty_like(x2)
+    y = y.view(R, D)
+    assert y.stride(-1) == 1
+    block_d = triton.next_power_of_2(D)
+    assert block_d <= 65536, f"row width {D} too wide for one tile"
+    block_r = max(1, min(16, 4096 // block_d, triton.next_power_of_2(R)))
+    if R:
+        _rms_norm_kernel[(triton.cdiv(R, block_r),)](
+            x2,
+            weight if weight is not None else x2,
+            y,
+            R,
+            D,
+            x2.stride(0),
+            y.stride(0),
+            float(eps),
+            HAS_WEIGHT=weight is not None,
+            BLOCK_R=block_r,
+            BLOCK_D=block_d,
+            num_warps=4 if block_d * block_r <= 4096 else 8,
+        )
+    return y.view(x.shape)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
+    """Twin: HF's formula. Bytes: reads x and weight, writes y (2 * numel * itemsize)."""
+    xf = x.float()
+    y = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, impl: str = "auto"
+) -> torch.Tensor:
+    """x [..., D], weight [D] or None (with_scale=False) -> [..., D] in x.dtype."""
+    if impl == "auto":
+        impl = "triton" if auto_triton(x, _rms_norm_kernel) else "torch"
+    if impl == "triton":
+        return rms_norm_launch(x, weight, eps)
+    if impl == "torch":
+        return rms_norm_reference(x, weight, eps)
+    raise ValueError(f"unknown impl {impl!r}")

@@ -1,0 +1,191 @@
+"""Fused softmax statistics over the vocabulary without materialising probabilities.
+
+logits [R, V] (fp32/bf16/fp16) -> conf [R] fp32 (max probability), argmax [R] int64 (first maximum,
+as torch.argmax), entropy [R] fp32 (nats), all at temperature `temperature` (logits / temperature).
+
+Two passes of one read: stage 1 splits each row into CHUNKS slices and keeps, per lane, a running max m,
+s = sum exp(l - m), u = sum exp(l - m) * (l - m) and the first index of the max (one exp per logit:
+exp(-|l - m|) serves both the new-max and the old-max case); lanes then merge into one partial per
+(row, slice). Stage 2 merges a row's partials in fixed slice order (deterministic).
+With S = sum exp(l - M) and U = sum exp(l - M)(l - M): conf = 1 / S, entropy = log S - U / S.
+Rescaling to a new max m' multiplies s by a = exp(m - m') and turns u into a * (u + (m - m') s).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dispatch import auto_triton
+
+
+@triton.jit
+def _merge(m1, s1, u1, i1, m2, s2, u2, i2):
+    # merge two (max, sum, u, argmax) states; -inf maxima contribute nothing; ties keep the lower index
+    m = tl.maximum(m1, m2)
+    m_safe = tl.where(m > float("-inf"), m, 0.0)  # keeps -inf - -inf (NaN) out of both where branches
+    d1 = tl.where(m1 > float("-inf"), m1 - m_safe, 0.0)
+    d2 = tl.where(m2 > float("-inf"), m2 - m_safe, 0.0)
+    a1 = tl.where(m1 > float("-inf"), tl.exp(d1), 0.0)
+    a2 = tl.where(m2 > float("-inf"), tl.exp(d2), 0.0)
+    s = a1 * s1 + a2 * s2
+    u = a1 * (u1 + d1 * s1) + a2 * (u2 + d2 * s2)
+    idx = tl.where(m1 == m2, tl.minimum(i1, i2), tl.where(m1 > m2, i1, i2))
+    return m, s, u, idx
+
+
+@triton.jit
+def _reduce_lanes(m, s, u, i):
+    # the same merge across a vector of lane states, with built-in reductions (tl.reduce with a
+    # Python combine function crawls under the interpreter)
+    mx = tl.max(m, axis=0)
+    live = m > float("-inf")
+    d = tl.where(live, m - tl.where(mx > float("-inf"), mx, 0.0), 0.0)
+    a = tl.where(live, tl.exp(d), 0.0)
+    s_r = tl.sum(a * s, axis=0)
+    u_r = tl.sum(a * (u + d * s), axis=0)
+    i_r = tl.min(tl.where(m == mx, i, 2147483647), axis=0)
+    return mx, s_r, u_r, i_r
+
+
+@triton.jit
+def _softmax_stats_partial_kernel(
+    logits_ptr,
+    pm_ptr,
+    ps_ptr,
+    pu_ptr,
+    pi_ptr,
+    V,
+    stride_r,
+    inv_temp,
+    CHUNKS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    lanes = tl.arange(0, BLOCK_V)
+    # a finite "-inf" for the running max: the first finite logit then rescales s and u by exp(-huge)
+    # == 0 without an inf * 0; real -inf logits (masked vocabulary) are skipped explicitly
+    m = tl.full((BLOCK_V,), -1e30, tl.float32)
+    s = tl.zeros((BLOCK_V,), tl.float32)
+    u = tl.zeros((BLOCK_V,), tl.float32)
+    idx = tl.full((BLOCK_V,), 2147483647, tl.int32)
+    start = c * CHUNK
+    for off in range(0, CHUNK, BLOCK_V):
+        cols = start + off + lanes
+        l = tl.load(logits_ptr + row * stride_r + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        l = l * inv_temp
+        live = l > float("-inf")
+        d = tl.where(live, l - m, 0.0)
+        e = tl.where(live, tl.exp(-tl.abs(d)), 0.0)  # one exp per logit
+        up = d > 0  # new lane maximum: rescale the old sums to it
+        s_new = tl.where(up, s * e + 1.0, s + e)
+        u = tl.where(up, e * (u - d * s), u + e * d)
+        s = s_new
+        idx = tl.where(up, cols, idx)
+        m = tl.where(up, l, m)
+    m_r, s_r, u_r, i_r = _reduce_lanes(m, s, u, idx)
+    out = row * CHUNKS + c
+    tl.store(pm_ptr + out, m_r)
+    tl.store(ps_ptr + out, s_r)
+    tl.store(pu_ptr + out, u_r)
+    tl.store(pi_ptr + out, i_r)
+
+
+@triton.jit
+def _softmax_stats_final_kernel(
+    pm_ptr,
+    ps_ptr,
+    pu_ptr,
+    pi_ptr,
+    conf_ptr,
+    arg_ptr,
+    ent_ptr,
+    CHUNKS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    m = tl.load(pm_ptr + row * CHUNKS)
+    s = tl.load(ps_ptr + row * CHUNKS)
+    u = tl.load(pu_ptr + row * CHUNKS)
+    i = tl.load(pi_ptr + row * CHUNKS)
+    for c in tl.static_range(1, CHUNKS):
+        m, s, u, i = _merge(
+            m,
+            s,
+            u,
+            i,
+            tl.load(pm_ptr + row * CHUNKS + c),
+            tl.load(ps_ptr + row * CHUNKS + c),
+            tl.load(pu_ptr + row * CHUNKS + c),
+            tl.load(pi_ptr + row * CHUNKS + c),
+        )
+    tl.store(conf_ptr + row, 1.0 / s)
+    tl.store(arg_ptr + row, i.to(tl.int64))
+    tl.store(ent_ptr + row, tl.log(s) - u / s)
+
+
+def _num_chunks(rows: int, vocab: int, block_v: int) -> int:
+    # enough programs to fill the GPU (~4 per SM on an H200) when rows are few; powers of two only so
+    # the number of compiled variants stays small
+    want = max(1, triton.cdiv(512, max(rows, 1)))
+    most = max(1, vocab // (4 * block_v))
+    return min(triton.next_power_of_2(want), triton.next_power_of_2(most))
+
+
+def softmax_argmax_launch(logits: torch.Tensor, temperature: float = 1.0, block_v: int = 2048):
+    assert logits.dim() == 2 and logits.stride(-1) == 1
+    assert logits.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    assert temperature > 0
+    R, V = logits.shape
+    block_v = min(block_v, triton.next_power_of_2(V))
+    chunks = _num_chunks(R, V, block_v)
+    chunk = triton.cdiv(triton.cdiv(V, chunks), block_v) * block_v
+    dev = logits.device
+    pm = torch.empty(R, chunks, dtype=torch.float32, device=dev)
+    ps, pu = torch.empty_like(pm), torch.empty_like(pm)
+    pi = torch.empty(R, chunks, dtype=torch.int32, device=dev)
+    conf = torch.empty(R, dtype=torch.float32, device=dev)
+    ent = torch.empty_like(conf)
+    arg = torch.empty(R, dtype=torch.int64, device=dev)
+    if R == 0:
+        return conf, arg, ent
+    _softmax_stats_partial_kernel[(R, chunks)](
+        logits,
+        pm,
+        ps,
+        pu,
+        pi,
+        V,
+        logits.stride(0),
+        1.0 / float(temperature),
+        CHUNKS=chunks,
+        CHUNK=chunk,
+        BLOCK_V=block_v,
+        num_warps=8 if block_v >= 2048 else 4,
+    )
+    _softmax_stats_final_kernel[(R,)](pm, ps, pu, pi, conf, arg, ent, CHUNKS=chunks, num_warps=1)
+    return conf, arg, ent
+
+
+def softmax_argmax_reference(logits: torch.Tensor, temperature: float = 1.0):
+    """Twin. Bytes: the naive path reads logits, writes and rereads an fp32 [R, V] probability matrix."""
+    lf = logits.float() / temperature
+    logp = torch.log_softmax(lf, dim=-1)
+    p = logp.exp()
+    conf, _ = p.max(dim=-1)
+    arg = lf.argmax(dim=-1)
+    ent = -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
+    return conf, arg, ent
+
+
+def softmax_argmax(logits: torch.Tensor, temperature: float = 1.0, impl: str = "auto"):
+    """logits [R, V] -> (conf [R] fp32, argmax [R] int64, entropy [R] fp32); see module docstring."""
+    if impl == "auto":
+        impl = "triton" if auto_triton(logits, _softmax_stats_partial_kernel) else "torch"
+    if impl == "triton":
+        return softmax_argmax_launch(logits, temperature)
+    if impl == "torch":
+        return softmax_argmax_reference(logits, temperature)
+    raise ValueError(f"unknown impl {impl!r}")

@@ -1,0 +1,189 @@
+"""CUDA-graph replay of decoder forwards, with windows padded to row buckets.
+
+Flow: the decoder's ForwardInputs (a list of `Window`s) → `pad_window` to the bucket → the static
+buffers of a `DecodeGraph` → one graph launch. See `DecodeGraph` for what is fixed at build and what
+may change between runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from canvasq.model.arena import Captured, KVArena
+from canvasq.model.runtime import DecodeOutput, Runtime, Window
+
+PAD_POSITION = 1 << 30  # padding rows sit far beyond any real position: no real row ever sees them
+
+
+def pad_window(w: Window, rows: int) -> Window:
+    """`w` with dummy rows appended up to `rows` (a bucket size). A padding row has token 0, a position
+    beyond every real one (so real rows never see it), sees only itself and takes no SC signal; its
+    logits are meaningless. When `w` has SC, the result always carries `self_cond_rows`."""
+    r = w.rows
+    if rows < r:
+        raise ValueError(f"window of {r} rows does not fit a bucket of {rows}")
+    extra = rows - r
+    if extra == 0 and (w.self_cond is None or w.self_cond_rows is not None):
+        return w
+    dev = w.token_ids.device
+    pad_pos = PAD_POSITION + torch.arange(extra, device=dev)
+
+    def cat(t, fill):
+        return torch.cat([t, fill.to(t.device, t.dtype)])
+
+    sc, sc_rows = w.self_cond, None
+    if sc is not None:
+        if isinstance(sc, tuple):
+            sc = (
+                cat(sc[0], torch.zeros(extra, sc[0].shape[1])),
+                cat(sc[1], torch.zeros(extra, sc[1].shape[1])),
+            )
+        else:
+            sc = cat(sc, torch.zeros(extra, sc.shape[1]))
+        keep = (
+            w.self_cond_rows if w.self_cond_rows is not None else torch.ones(r, dtype=torch.bool, device=dev)
+        )
+        sc_rows = cat(keep.bool(), torch.zeros(extra, dtype=torch.bool))
+    return Window(
+        w.slot,
+        cat(w.token_ids, torch.zeros(extra, dtype=torch.long)),
+        cat(w.positions, pad_pos),
+        cat(w.canvas_start, pad_pos),
+        cat(w.canvas_end, pad_pos + 1),
+        capture=None if w.capture is None else cat(w.capture.bool(), torch.zeros(extra, dtype=torch.bool)),
+        self_cond=sc,
+        self_cond_rows=sc_rows,
+    )
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    return n
+
+
+ROW_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class DecodeGraph:
+    """A decoder forward replayed with new inputs: a CUDA graph on CUDA (one launch per step instead
+    of thousands), the same prepared forward elsewhere (so CPU tests cover its buffer logic).
+
+    Fixed at build: the windows' slots (same order), `rows` per window (a bucket: every window is
+    padded to it with `pad_window`), the SC kind of each window (none / full / top-k with its k) and
+    `context`, the number of arena entries a forward may read (a bucket >= length + rows of every
+    slot, <= capacity). Free per `run`: token ids, positions, canvas bounds, capture rows, SC inputs
+    and the arena contents (lengths may grow by `encode` / `promote` while they fit `context`), so
+    one graph serves a whole Funnel / pipe decode loop while the window fits its bucket.
+    """
+
+    def __init__(
+        self,
+        rt: Runtime,
+        arena: KVArena,
+        windows: list[Window],
+        rows: int | None = None,
+        context: int | None = None,
+        cuda_graph: bool | None = None,
+        warmup: int = 2,
+    ):
+        self.rt, self.arena = rt, arena
+        self.rows = rows or _bucket(max(w.rows for w in windows), ROW_BUCKETS)
+        need = max(arena.length[w.slot] for w in windows) + self.rows
+        self.context = context or min(arena.capacity, -(-need // 256) * 256)
+        self.slots = [w.slot for w in windows]
+        self.sc_kinds = [_sc_kind(w.self_cond) for w in windows]
+        self.prep = rt._prepare(
+            arena,
+            [pad_window(w, self.rows) for w in windows],
+            encoder=False,
+            lmax=self.context,
+            capture=False,
+        )
+        self.prep.static = True
+        # own every buffer a run overwrites (a payload may alias the caller's tensor)
+        self.prep.sc = [
+            (r, keep.clone(), tuple(t.clone() for t in pay) if isinstance(pay, tuple) else pay.clone())
+            for r, keep, pay in self.prep.sc
+        ]
+        self.cuda_graph = rt.device.type == "cuda" if cuda_graph is None else cuda_graph
+        self.graph = None
+        if self.cuda_graph:
+            scope, rt.scope = rt.scope, (lambda name: contextlib.nullcontext())
+            try:
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream), torch.no_grad():
+                    for _ in range(warmup):  # compiles Triton kernels, warms the allocator and cuBLAS
+                        rt._run(self.prep)
+                torch.cuda.current_stream().wait_stream(stream)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph), torch.no_grad():
+                    self._logits = rt._run(self.prep)[0]
+            finally:
+                rt.scope = scope
+
+    @torch.no_grad()
+    def run(self, windows: list[Window]) -> DecodeOutput:
+        """Decode `windows` (same slots and SC kinds as at build, each at most `rows` rows) through
+        the graph. Logits are copied out (real rows only); captured K/V are read from the scratch."""
+        if [w.slot for w in windows] != self.slots:
+            raise ValueError(f"DecodeGraph built for slots {self.slots}")
+        if [_sc_kind(w.self_cond) for w in windows] != self.sc_kinds:
+            raise ValueError(f"DecodeGraph built for self-conditioning kinds {self.sc_kinds}")
+        padded = [pad_window(w, self.rows) for w in windows]
+        new = self.rt._prepare(self.arena, padded, encoder=False, lmax=self.context, capture=False)
+        p = self.prep
+        for dst, src in (
+            (p.ids, new.ids),
+            (p.pos, new.pos),
+            (p.row_col, new.row_col),
+            (p.ctx.hi, new.ctx.hi),
+            (p.ctx.lo, new.ctx.lo),
+            (p.ctx.ends, new.ctx.ends),
+            (p.ctx.pad, new.ctx.pad),
+        ):
+            dst.copy_(src)
+        for (_, keep_d, pay_d), (_, keep_s, pay_s) in zip(p.sc, new.sc):
+            keep_d.copy_(keep_s)
+            for d, s in zip(
+                pay_d if isinstance(pay_d, tuple) else (pay_d,),
+                pay_s if isinstance(pay_s, tuple) else (pay_s,),
+            ):
+                d.copy_(s)
+        if self.graph is not None:
+            self.graph.replay()
+            logits = self._logits
+        else:
+            logits = self.rt._run(p)[0]
+
+        offsets, real = [0], []
+        for b, w in enumerate(windows):
+            offsets.append(offsets[-1] + w.rows)
+            real.append(torch.arange(b * self.rows, b * self.rows + w.rows))
+        if all(w.rows == self.rows for w in windows):
+            logits = logits.clone()
+        else:
+            logits = logits.index_select(0, torch.cat(real).to(logits.device))
+        captured: list[Captured | None] = []
+        for w, start in zip(windows, (self.arena.length[s] for s in self.slots)):
+            if w.capture is None or not bool(w.capture.any()):
+                captured.append(None)
+                continue
+            idx = torch.nonzero(w.capture.to(self.rt.device)).flatten()
+            cols = idx + start
+            ks = [k[w.slot][:, cols].transpose(0, 1) for k in self.arena.k]
+            vs = [v[w.slot][:, cols].transpose(0, 1) for v in self.arena.v]
+            captured.append(Captured(ks, vs, w.positions.to(self.rt.device)[idx]))
+        return DecodeOutput(logits, offsets, captured)
+
+
+def _sc_kind(sc) -> str:
+    if sc is None:
+        return "none"
+    if isinstance(sc, tuple):
+        return f"top{sc[0].shape[1]}"
+    return "full"

@@ -1,0 +1,696 @@
+"""The DiffusionGemma forward we own: weights taken from an HF model, a KV arena, window forwards.
+
+Flow: Job (api, CPU) → DecodeBatch (worker) → ForwardInputs (model, GPU). In this module the
+ForwardInputs of one pass are a list of `Window`s, one per sequence in the batch, each with its own
+arena slot; all windows run in **one** forward (rows of every window are concatenated into one
+[N, H] matrix for every dense part; attention is batched per window over its own slot).
+
+    rt = Runtime.from_hf(hf_model)                       # shares HF's tensors, no copies
+    arena = rt.new_arena(slots=4, capacity=2048)
+    rt.encode(arena, slot, prompt_ids, positions)        # causal pass, appends K/V + positions
+    out = rt.decode(arena, [Window.canvas(slot, canvas_ids, start=len(prompt)), ...])
+    out.logits                                           # [N, V] fp32, softcapped, rows in window order
+    arena.promote(slot, out.captured[i])                 # captured rows (Window.capture) join the context
+
+Visibility, for a query row with absolute position p in a window with `canvas_start`/`canvas_end`
+per row (all keys are addressed by *stored position*, never by entry index):
+
+    full layers:     key position q visible  iff  q < canvas_end[row]
+    sliding layers:  ... and q >= canvas_start[row] - (W - 1)
+    encoder rows:    canvas_end = p + 1, canvas_start = p   (causal; sliding q > p - W, as HF)
+
+The sliding rule for decoder rows reproduces what HF's decoder sees: its DynamicSlidingWindowLayer
+keeps the last W - 1 tokens cached before the canvas, and the canvas attends to all of them.
+Keys are the slot's committed arena entries plus the window's own rows (written to the slot's scratch
+region for the forward, then left there uncommitted). Several canvases of one sequence in one window
+are block-causal through `canvas_end` (D2F pipe); Funnel's scattered rows use the same rule.
+
+Self-conditioning per window: `None` (zero signal, HF's first step), full logits [R, V] (HF's
+softmax over the vocab times the embedding table), or top-k `(ids [R, k], logits [R, k])`:
+softmax renormalised over the k entries, only those k embedding rows gathered (seed Part 3,
+"top-k self-conditioning projection"). `Window.self_cond_rows` [R] bool limits SC to some rows.
+
+Numerics follow HF op for op (RMSNorm in fp32 then cast, RoPE cos/sin in fp32 then cast, router
+softmax fp32, expert outputs weighted and summed in fp32, final softcap 30 in fp32), so fp32 CPU
+logits match HF to ~1e-6 and bf16 GPU logits to bf16 noise.
+
+Implementations: `experts="bf16"` runs the model-dtype experts as two grouped GEMMs on CUDA (the
+kernel HF's default `grouped_mm` uses; no host sync) and as a sorted-by-expert loop elsewhere
+(`"grouped"` / `"reference"` force one); `experts="w4"` packs the experts once (shared by encoder and
+decoder) and calls `canvasq.kernels.moe.w4_moe`. `kernels=True` (default on CUDA) uses the Triton
+RMSNorm of `canvasq.kernels`. Each expert combine is a fixed-order fp32 sum: reruns are
+bit-identical.
+
+A forward is `_prepare` (host work: scratch placement, index tensors, per-row bounds) then `_run`
+(device work only: positions into the arena, masks, RoPE, layers, LM head). `graph.DecodeGraph` captures
+`_run` as a CUDA graph for a bucket of rows per window and of context length, and replays it with
+new ids / positions / bounds / SC inputs while the arena grows: one launch per decoder step.
+Windows are padded to the bucket with `graph.pad_window` (padding rows are invisible to real rows).
+Expert twins live in `experts.py` (`moe_reference`, `moe_grouped`).
+Prefix attention (seed Part 3): an eager forward whose mask is all-visible for every real row (one
+canvas, context before it, sliding band not clipping, equal slot lengths) runs mask-free SDPA
+(`rt.prefix_attention`, default on; graphs always apply the mask).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from canvasq.model.arena import Captured, KVArena
+from canvasq.model.experts import gelu_tanh, grouped_mm_available, moe_grouped, moe_reference
+
+# Legend: N rows in the forward (all windows), R rows of one window, B windows, H hidden, V vocab,
+# h heads / kv heads of a layer, d head dim, L arena entries visible (prefix + window), E experts,
+# K experts per token, I expert width.
+
+# "bf16": the model-dtype experts, grouped GEMMs on CUDA and the per-expert loop elsewhere;
+# "reference" / "grouped": force one of those; "w4": canvasq.kernels' packed W4A16 MoE.
+EXPERT_IMPLS = ("bf16", "reference", "grouped", "w4")
+
+SelfCond = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
+
+
+@dataclass
+class Window:
+    """The rows one sequence puts into a forward. All per-row tensors are [R] int64 (bool for
+    `capture` / `self_cond_rows`)."""
+
+    slot: int
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    canvas_start: torch.Tensor
+    canvas_end: torch.Tensor
+    capture: torch.Tensor | None = None  # rows whose K/V come back in DecodeOutput.captured
+    self_cond: SelfCond = None  # None | logits [R, V] | (ids [R, k], logits [R, k])
+    self_cond_rows: torch.Tensor | None = None  # rows that get SC (others: zero signal)
+
+    def __post_init__(self):
+        if not isinstance(self.token_ids, torch.Tensor):
+            self.token_ids = torch.as_tensor(self.token_ids, dtype=torch.long)
+        r = self.token_ids.numel()
+        if r == 0:
+            raise ValueError("a window needs at least one row")
+        for name in ("positions", "canvas_start", "canvas_end"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                t = torch.as_tensor(t, dtype=torch.long, device=self.token_ids.device)
+            if t.dim() == 0:
+                t = t.expand(r)
+            setattr(self, name, t.to(torch.long))
+        for name in ("capture", "self_cond_rows"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, torch.as_tensor(t, dtype=torch.bool, device=self.token_ids.device))
+
+    @property
+    def rows(self) -> int:
+        return int(self.token_ids.numel())
+
+    @classmethod
+    def canvas(cls, slot: int, token_ids: torch.Tensor, start: int, **kw) -> Window:
+        """One canvas at positions [start, start + R), bidirectional (HF's decoder call)."""
+        r = token_ids.numel()
+        pos = torch.arange(start, start + r, device=token_ids.device)
+        return cls(slot, token_ids, pos, torch.full_like(pos, start), torch.full_like(pos, start + r), **kw)
+
+    @classmethod
+    def blocks(cls, slot: int, canvases: list[tuple[torch.Tensor, int]], **kw) -> Window:
+        """Several full canvases (ids, start) of one sequence, block-causal: canvas i sees the
+        context, the canvases before it and itself (D2F pipe)."""
+        ids, pos, lo, hi = [], [], [], []
+        for t, start in canvases:
+            r = t.numel()
+            p = torch.arange(start, start + r, device=t.device)
+            ids.append(t), pos.append(p)
+            lo.append(torch.full_like(p, start)), hi.append(torch.full_like(p, start + r))
+        return cls(slot, torch.cat(ids), torch.cat(pos), torch.cat(lo), torch.cat(hi), **kw)
+
+
+@dataclass
+class DecodeOutput:
+    logits: torch.Tensor  # [N, V] fp32, softcapped; window i is rows offsets[i]:offsets[i+1]
+    offsets: list[int]
+    captured: list[Captured | None] = field(default_factory=list)
+
+    def window_logits(self, i: int) -> torch.Tensor:
+        return self.logits[self.offsets[i] : self.offsets[i + 1]]
+
+
+@dataclass
+class LayerWeights:
+    """One transformer layer's tensors (references into the HF model; nothing copied)."""
+
+    sliding: bool
+    heads: int
+    kv_heads: int
+    head_dim: int
+    wq: torch.Tensor  # [h*d, H]
+    wk: torch.Tensor  # [kv*d, H]
+    wv: torch.Tensor | None  # None on V = K layers (V from k_proj)
+    wo: torch.Tensor  # [H, h*d]
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    ln_in: torch.Tensor
+    ln_post_attn: torch.Tensor
+    ln_pre_ff: torch.Tensor
+    ln_post_ff1: torch.Tensor
+    ln_pre_ff2: torch.Tensor
+    ln_post_ff2: torch.Tensor
+    ln_post_ff: torch.Tensor
+    mlp_gate: torch.Tensor  # [Id, H]
+    mlp_up: torch.Tensor
+    mlp_down: torch.Tensor  # [H, Id]
+    router_scale: torch.Tensor  # [H]
+    router_proj: torch.Tensor  # [E, H]
+    per_expert_scale: torch.Tensor  # [E]
+    gate_up: torch.Tensor  # [E, 2I, H]
+    down: torch.Tensor  # [E, H, I]
+    layer_scalar: torch.Tensor  # [1]
+    experts_packed: object = None  # W4Experts when experts="w4"
+
+
+# --- small ops (torch twins of canvasq.kernels' fused ones; same numerics as HF) ----------------------
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x: [..., D]; fp32 math, cast back (HF's DiffusionGemmaRMSNorm, incl. its pow(-0.5))."""
+    xf = x.float()
+    y = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if w is not None:
+        y = y * w.float()
+    return y.type_as(x)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [N, h, d]; cos/sin: [N, d] (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rot * sin[:, None]
+
+
+class Runtime:
+    """DiffusionGemma encoder + decoder over a `KVArena`; see the module docstring."""
+
+    def __init__(
+        self,
+        enc_layers: list[LayerWeights],
+        dec_layers: list[LayerWeights],
+        *,
+        embed: torch.Tensor,
+        embed_scale: torch.Tensor,
+        lm_head: torch.Tensor,
+        final_norm: torch.Tensor,
+        top_k: int,
+        sc: dict[str, torch.Tensor],
+        inv_freq: dict[bool, torch.Tensor],
+        rope_scaling: dict[bool, float],
+        sliding_window: int,
+        eps: float,
+        softcap: float | None,
+        experts: str = "bf16",
+        kernels: bool | None = None,
+    ):
+        self.enc_layers, self.dec_layers = enc_layers, dec_layers
+        self.embed, self.embed_scale, self.lm_head = embed, embed_scale, lm_head
+        self.final_norm, self.top_k = final_norm, top_k
+        self.sc = sc
+        self.inv_freq, self.rope_scaling = inv_freq, rope_scaling
+        self.sliding_window, self.eps, self.softcap = sliding_window, eps, softcap
+        self.experts = experts
+        self.dtype, self.device = embed.dtype, embed.device
+        self.vocab_size, self.hidden_size = embed.shape
+        if experts == "w4":
+            self._moe: Callable = self._moe_w4
+        elif experts == "grouped" or (
+            experts == "bf16" and self.device.type == "cuda" and grouped_mm_available()
+        ):
+            self._moe = self._moe_grouped
+        else:
+            self._moe = self._moe_reference
+        # Triton RMSNorm from canvasq.kernels on CUDA (one launch instead of ~8); HF's formula elsewhere
+        self.kernels = self.device.type == "cuda" if kernels is None else kernels
+        self._norm: Callable = rms_norm
+        if self.kernels:
+            from canvasq.kernels.rmsnorm import rms_norm as fused_rms_norm
+
+            self._norm = fused_rms_norm
+        self.prefix_attention = True  # mask-free SDPA when the mask is all-visible (eager forwards)
+        self.scope: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
+
+    # --- construction ------------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, hf_model, experts: str = "bf16", kernels: bool | None = None) -> Runtime:
+        """Take the weights of a `DiffusionGemmaForBlockDiffusion` (testbed, real, or random).
+
+        Encoder and decoder layers are read from their own modules: HF ties their weights (same
+        tensors, so nothing is held twice) but not their buffers (`layer_scalar`)."""
+        if experts not in EXPERT_IMPLS:
+            raise ValueError(f"unknown experts implementation {experts!r}; known: {', '.join(EXPERT_IMPLS)}")
+        tc = hf_model.config.get_text_config()
+        if tc.hidden_activation != "gelu_pytorch_tanh":
+            raise ValueError(f"unsupported activation {tc.hidden_activation!r}")
+        if getattr(tc, "attn_logit_softcapping", None):
+            raise ValueError("attention logit softcapping is not implemented")
+        enc = hf_model.model.encoder.language_model
+        dec = hf_model.model.decoder
+        enc_layers = [_layer_weights(layer) for layer in enc.layers]
+        dec_layers = [_layer_weights(layer) for layer in dec.layers]
+        rot = dec.rotary_emb
+        inv_freq, rope_scaling = {}, {}
+        for lt, sliding in (("sliding_attention", True), ("full_attention", False)):
+            if hasattr(rot, f"{lt}_inv_freq"):
+                inv_freq[sliding] = getattr(rot, f"{lt}_inv_freq").float()
+                rope_scaling[sliding] = float(getattr(rot, f"{lt}_attention_scaling"))
+        sc_mod = dec.self_conditioning
+        sc = {
+            "pre_norm": sc_mod.pre_norm.weight,
+            "gate": sc_mod.gate_proj.weight,
+            "up": sc_mod.up_proj.weight,
+            "down": sc_mod.down_proj.weight,
+        }
+        rt = cls(
+            enc_layers,
+            dec_layers,
+            embed=dec.embed_tokens.weight,
+            embed_scale=dec.embed_tokens.embed_scale,
+            lm_head=hf_model.lm_head.weight,
+            final_norm=dec.norm.weight,
+            top_k=int(tc.top_k_experts),
+            sc=sc,
+            inv_freq=inv_freq,
+            rope_scaling=rope_scaling,
+            sliding_window=int(tc.sliding_window),
+            eps=float(tc.rms_norm_eps),
+            softcap=hf_model.config.get_text_config().final_logit_softcapping,
+            experts=experts,
+            kernels=kernels,
+        )
+        if experts == "w4":
+            rt._pack_w4()
+        return rt
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.dec_layers)
+
+    @property
+    def layer_shapes(self) -> list[tuple[int, int]]:
+        """(kv_heads, head_dim) per layer, what `KVArena` allocates."""
+        return [(lw.kv_heads, lw.head_dim) for lw in self.dec_layers]
+
+    def new_arena(self, slots: int, capacity: int) -> KVArena:
+        return KVArena(self.layer_shapes, slots, capacity, device=self.device, dtype=self.dtype)
+
+    def _pack_w4(self) -> None:
+        from canvasq.kernels.moe import pack_w4
+
+        packed: dict[int, object] = {}
+        for lw in self.enc_layers + self.dec_layers:
+            key = lw.gate_up.data_ptr()
+            if key not in packed:
+                packed[key] = pack_w4(lw.gate_up, lw.down)
+            lw.experts_packed = packed[key]
+
+    # --- public passes -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode(self, arena: KVArena, slot: int, token_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Causal encoder pass over `token_ids` [R] at `positions` [R] (prompt, or a finished canvas
+        being committed); appends their K/V and positions to the slot. Keys visible to a row: the
+        slot's entries and the new rows with position <= its own (sliding: > its own - W)."""
+        self.encode_many(arena, [(slot, token_ids, positions)])
+
+    @torch.no_grad()
+    def encode_many(self, arena: KVArena, items: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """`encode` for several slots in one forward."""
+        windows = []
+        for slot, ids, pos in items:
+            pos = torch.as_tensor(pos, dtype=torch.long, device=ids.device)
+            windows.append(Window(slot, ids, pos, pos, pos + 1))
+        self._forward(arena, windows, encoder=True)
+        for w in windows:
+            arena.commit(w.slot, w.rows)
+
+    @torch.no_grad()
+    def decode(self, arena: KVArena, windows: list[Window]) -> DecodeOutput:
+        """Decoder forward over several windows (one arena slot each, read-only). Returns fp32
+        softcapped logits for every row and, per window, the captured K/V of its `capture` rows."""
+        return self._forward(arena, windows, encoder=False)
+
+    # --- the forward -------------------------------------------------------------------------------
+    # Split in two so a decoder step can be replayed as a CUDA graph (`DecodeGraph`): `_prepare` does
+    # every host-side and host→device step (scratch placement, masks, RoPE tables, index tensors);
+    # `_run` only launches device work on tensors `_prepare` made, with no host sync.
+    def _forward(self, arena: KVArena, windows: list[Window], encoder: bool) -> DecodeOutput | None:
+        prep = self._prepare(arena, windows, encoder)
+        logits, cap_k, cap_v = self._run(prep)
+        if encoder:
+            return None
+        return DecodeOutput(logits, prep.offsets, self._split_captured(prep, cap_k, cap_v))
+
+    def _prepare(
+        self,
+        arena: KVArena,
+        windows: list[Window],
+        encoder: bool,
+        lmax: int | None = None,
+        capture: bool = True,
+    ) -> _Prepared:
+        slots = [w.slot for w in windows]
+        if len(set(slots)) != len(slots):
+            raise ValueError("two windows on one arena slot in a forward")
+        if arena.num_layers != self.num_layers:
+            raise ValueError("arena was built for another model")
+        dev = self.device
+        sizes = [w.rows for w in windows]
+        offsets = [0]
+        for r in sizes:
+            offsets.append(offsets[-1] + r)
+
+        ids = torch.cat([w.token_ids.to(dev) for w in windows])
+        pos = torch.cat([w.positions.to(dev) for w in windows])
+        # Scratch placement: window b's rows go to entries [length_b, length_b + R_b) of its slot.
+        starts = [arena.reserve(w.slot, w.rows) for w in windows]
+        row_slot = torch.cat([torch.full((r,), s, dtype=torch.long) for s, r in zip(slots, sizes)]).to(dev)
+        row_col = torch.cat([torch.arange(s, s + r) for s, r in zip(starts, sizes)]).to(dev)
+        ctx = _AttnContext.build(windows, starts, self.sliding_window, dev, lmax, arena.capacity)
+
+        sc = []  # (rows [R] on device, keep [R, 1] or None, self_cond on device) per SC window
+        cap_rows, cap_owner = [], []
+        for b, w in enumerate(windows):
+            if not encoder and w.self_cond is not None:
+                rows = torch.arange(offsets[b], offsets[b + 1], device=dev)
+                keep = None if w.self_cond_rows is None else w.self_cond_rows.to(dev, self.dtype)[:, None]
+                payload = w.self_cond
+                payload = tuple(t.to(dev) for t in payload) if isinstance(payload, tuple) else payload.to(dev)
+                sc.append((rows, keep, payload))
+            if not encoder and capture and w.capture is not None:
+                idx = torch.nonzero(w.capture.to(dev)).flatten()
+                if idx.numel():
+                    cap_rows.append(idx + offsets[b])
+                    cap_owner.append((b, int(idx.numel())))
+        cap = torch.cat(cap_rows) if cap_rows else None
+        return _Prepared(
+            encoder, windows, offsets, ids, pos, row_slot, row_col, ctx, sc, cap, cap_owner, arena
+        )
+
+    def _run(self, prep: _Prepared):
+        layers = self.enc_layers if prep.encoder else self.dec_layers
+        # window positions into the slots' scratch, then masks and RoPE tables from device tensors only
+        prep.arena.pos[prep.row_slot, prep.row_col] = prep.pos
+        prep.ctx.build_masks(prep.arena, detect_maskfree=self.prefix_attention and not prep.static)
+        prep.cos_sin = {
+            sl: self._rope(prep.pos, inv, self.rope_scaling[sl]) for sl, inv in self.inv_freq.items()
+        }
+        h = self._embed(prep)
+        cap_k: list[torch.Tensor] = []
+        cap_v: list[torch.Tensor] = []
+        last = len(layers) - 1
+        for i, lw in enumerate(layers):
+            cos, sin = prep.cos_sin[lw.sliding]
+            h = self._layer(i, lw, h, cos, sin, prep, cap_k, cap_v, kv_only=prep.encoder and i == last)
+        if prep.encoder:
+            return None, cap_k, cap_v
+        with self.scope("lm_head"):
+            h = self._norm(h, self.final_norm, self.eps)
+            logits = F.linear(h, self.lm_head).float()  # [N, V] fp32, like HF
+            if self.softcap:  # in place: [N, V] fp32 is the largest activation of the forward
+                logits = logits.div_(self.softcap).tanh_().mul_(self.softcap)
+        return logits, cap_k, cap_v
+
+    def _split_captured(self, prep: _Prepared, cap_k, cap_v) -> list[Captured | None]:
+        out: list[Captured | None] = [None] * len(prep.windows)
+        start = 0
+        for b, count in prep.cap_owner:
+            sl = slice(start, start + count)
+            out[b] = Captured([k[sl] for k in cap_k], [v[sl] for v in cap_v], prep.pos[prep.capture[sl]])
+            start += count
+        return out
+
+    def _embed(self, prep: _Prepared) -> torch.Tensor:
+        scale = self.embed_scale.to(self.dtype)
+        h = F.embedding(prep.ids, self.embed) * scale  # [N, H]
+        if prep.encoder:
+            return h
+        # Self-conditioning: post_norm(h + MLP(pre_norm(soft))); rows without SC get soft = 0, whose
+        # MLP output is exactly 0 (HF's "no logits" case), so they need no special path.
+        if prep.sc:
+            with self.scope("self_cond"):
+                soft, rows = [], []
+                for r, keep, payload in prep.sc:
+                    s = self._soft_embedding(payload) * scale  # [R, H]
+                    soft.append(s if keep is None else s * keep)
+                    rows.append(r)
+                soft = torch.cat(soft) if len(soft) > 1 else soft[0]
+                r = torch.cat(rows) if len(rows) > 1 else rows[0]
+                x = self._norm(soft, self.sc["pre_norm"], self.eps)
+                sig = F.linear(
+                    gelu_tanh(F.linear(x, self.sc["gate"])) * F.linear(x, self.sc["up"]), self.sc["down"]
+                )
+                h = h.index_add(0, r, sig)
+        return self._norm(h, None, self.eps)
+
+    def _soft_embedding(self, sc) -> torch.Tensor:
+        """Expected embedding under the previous step's prediction. Full: [R, V] logits;
+        top-k: (ids [R, k], logits [R, k]) renormalised over the k entries."""
+        if isinstance(sc, tuple):
+            tid, tlog = sc
+            p = torch.softmax(tlog.to(self.device).float(), dim=-1).to(self.dtype)  # [R, k]
+            rows = F.embedding(tid.to(self.device), self.embed)  # [R, k, H]: k rows gathered, not V
+            return torch.einsum("rk,rkh->rh", p, rows)
+        p = torch.softmax(sc.to(self.device).float(), dim=-1).to(self.dtype)  # [R, V]
+        return p @ self.embed
+
+    def _rope(self, pos: torch.Tensor, inv_freq: torch.Tensor, scaling: float):
+        freqs = pos[:, None].float() * inv_freq.to(pos.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * scaling).to(self.dtype), (emb.sin() * scaling).to(self.dtype)
+
+    def _layer(self, i, lw: LayerWeights, h, cos, sin, prep: _Prepared, cap_k, cap_v, kv_only: bool):
+        eps = self.eps
+        n = h.shape[0]
+        with self.scope("attention"):
+            x = self._norm(h, lw.ln_in, eps)
+            k_raw = F.linear(x, lw.wk).view(n, lw.kv_heads, lw.head_dim)
+            v = F.linear(x, lw.wv).view(n, lw.kv_heads, lw.head_dim) if lw.wv is not None else k_raw
+            k = rotate(self._norm(k_raw, lw.k_norm, eps), cos, sin)
+            v = self._norm(v, None, eps)
+            prep.arena.write_rows(i, prep.row_slot, prep.row_col, k, v)
+            if prep.capture is not None:
+                cap_k.append(k.index_select(0, prep.capture))
+                cap_v.append(v.index_select(0, prep.capture))
+            if kv_only:  # the encoder's last layer: only its K/V are ever read
+                return h
+            q = F.linear(x, lw.wq).view(n, lw.heads, lw.head_dim)
+            q = rotate(self._norm(q, lw.q_norm, eps), cos, sin)
+            a = prep.ctx.attend(i, prep.arena, q, lw.sliding)  # [N, h*d]
+            a = F.linear(a, lw.wo)
+            h = h + self._norm(a, lw.ln_post_attn, eps)
+
+        with self.scope("dense_mlp"):
+            x = self._norm(h, lw.ln_pre_ff, eps)
+            m = F.linear(gelu_tanh(F.linear(x, lw.mlp_gate)) * F.linear(x, lw.mlp_up), lw.mlp_down)
+            m = self._norm(m, lw.ln_post_ff1, eps)
+        with self.scope("experts"):  # router + routed experts + their norms
+            r = self._norm(h, None, eps) * lw.router_scale * (self.hidden_size**-0.5)
+            probs = torch.softmax(F.linear(r, lw.router_proj), dim=-1, dtype=torch.float32)
+            topk_w, topk_ids = torch.topk(probs, k=self.top_k, dim=-1)
+            topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
+            topk_w = topk_w * lw.per_expert_scale[topk_ids]
+            e = self._moe(self._norm(h, lw.ln_pre_ff2, eps), topk_ids, topk_w, lw)
+            e = self._norm(e, lw.ln_post_ff2, eps)
+        h = h + self._norm(m + e, lw.ln_post_ff, eps)
+        return h * lw.layer_scalar
+
+    def _moe_reference(self, x, topk_ids, topk_w, lw: LayerWeights):
+        return moe_reference(x, topk_ids, topk_w, lw.gate_up, lw.down)
+
+    def _moe_grouped(self, x, topk_ids, topk_w, lw: LayerWeights):
+        return moe_grouped(x, topk_ids, topk_w, lw.gate_up, lw.down)
+
+    def _moe_w4(self, x, topk_ids, topk_w, lw: LayerWeights):
+        from canvasq.kernels.moe import w4_moe
+
+        return w4_moe(x, topk_ids, topk_w, lw.experts_packed)
+
+
+@dataclass
+class _Prepared:
+    """Everything `Runtime._run` reads, built by `Runtime._prepare` (device tensors, host ints)."""
+
+    encoder: bool
+    windows: list[Window]
+    offsets: list[int]
+    ids: torch.Tensor  # [N]
+    pos: torch.Tensor  # [N]
+    row_slot: torch.Tensor  # [N] arena slot of each row
+    row_col: torch.Tensor  # [N] scratch entry of each row
+    ctx: _AttnContext
+    sc: list
+    capture: torch.Tensor | None  # [n_cap] row indices, window order
+    cap_owner: list[tuple[int, int]]  # (window, count) per window with captures
+    arena: KVArena
+    cos_sin: dict = field(default_factory=dict)  # filled by _run
+    static: bool = False  # replayed as a CUDA graph: no host sync, masks always applied
+
+
+class _AttnContext:
+    """Per-forward attention geometry: windows padded to [B, Rmax] queries over the first Lmax arena
+    entries of their slots. Host ints and index tensors are fixed at `build`; the per-row bounds
+    (`hi`, `lo`), visible-entry counts (`ends`) and padding flags are device tensors, and the masks
+    are computed from them and the stored positions inside the forward (`build_masks`), so a CUDA
+    graph replays correctly after those tensors are overwritten."""
+
+    def __init__(self, slots, first, contiguous, b_idx, r_idx, rmax, lmax, dense, hi, lo, ends, pad):
+        self.slots, self.first, self.contiguous = slots, first, contiguous
+        self.b_idx, self.r_idx, self.rmax, self.lmax, self.dense = b_idx, r_idx, rmax, lmax, dense
+        self.hi, self.lo, self.ends, self.pad = hi, lo, ends, pad
+        self.masks: dict[bool, torch.Tensor] = {}
+        self.maskfree: dict[bool, bool] = {False: False, True: False}
+        self._folded: dict[tuple[bool, int], torch.Tensor] = {}
+
+    @classmethod
+    def build(
+        cls,
+        windows: list[Window],
+        starts: list[int],
+        sliding_window: int,
+        dev,
+        lmax: int | None,
+        capacity: int,
+    ):
+        nb = len(windows)
+        sizes = [w.rows for w in windows]
+        rmax = max(sizes)
+        ends = [s + r for s, r in zip(starts, sizes)]  # visible entries per slot: committed + window
+        need = max(ends)
+        if lmax is None:
+            lmax = need
+        elif lmax < need or lmax > capacity:
+            raise ValueError(f"context bucket {lmax} outside [{need}, {capacity}]")
+        slots = torch.tensor([w.slot for w in windows], dtype=torch.long, device=dev)
+        b_idx = torch.cat([torch.full((r,), b, dtype=torch.long) for b, r in enumerate(sizes)]).to(dev)
+        r_idx = torch.cat([torch.arange(r) for r in sizes]).to(dev)
+        first = windows[0].slot
+        contiguous = all(w.slot == first + b for b, w in enumerate(windows))
+        hi = torch.zeros(nb, rmax, dtype=torch.long, device=dev)
+        lo = torch.zeros(nb, rmax, dtype=torch.long, device=dev)
+        hi[b_idx, r_idx] = torch.cat([w.canvas_end.to(dev) for w in windows])
+        lo[b_idx, r_idx] = torch.cat([w.canvas_start.to(dev) for w in windows]) - (sliding_window - 1)
+        pad = torch.ones(nb, rmax, dtype=torch.bool, device=dev)
+        pad[b_idx, r_idx] = False
+        dense = all(r == rmax for r in sizes)
+        return cls(
+            slots,
+            first,
+            contiguous,
+            b_idx,
+            r_idx,
+            rmax,
+            lmax,
+            dense,
+            hi,
+            lo,
+            torch.tensor(ends, device=dev),
+            pad,
+        )
+
+    def build_masks(self, arena: KVArena, detect_maskfree: bool = False) -> None:
+        nb, lmax = self.hi.shape[0], self.lmax
+        if self.contiguous:
+            key_pos = arena.pos[self.first : self.first + nb, :lmax]
+        else:
+            key_pos = arena.pos[self.slots, :lmax]
+        dev = key_pos.device
+        kp = key_pos[:, None, :]  # [B, 1, L]
+        valid = torch.arange(lmax, device=dev)[None, :] < self.ends[:, None]  # [B, L]
+        full = valid[:, None, :] & (kp < self.hi[:, :, None])  # [B, Rmax, L]
+        slide = full & (kp >= self.lo[:, :, None])
+        first_col = torch.zeros(lmax, dtype=torch.bool, device=dev)
+        first_col[0] = True
+        pad = self.pad[:, :, None] & first_col  # padded query rows attend to entry 0: softmax stays finite
+        self.masks = {False: (full | pad)[:, None], True: (slide | pad)[:, None]}  # [B, 1, Rmax, L]
+        self._folded = {}
+        self.maskfree = {False: False, True: False}
+        if detect_maskfree:
+            # Prefix attention (seed Part 3): when every real row sees every entry [0, L) of its slot
+            # (one canvas, context before it, band not clipping, equal lengths), drop the mask so
+            # SDPA can take its flash / mem-efficient path. One host sync per eager forward.
+            flags = torch.stack([(self.masks[sl][:, 0] | self.pad[:, :, None]).all() for sl in (False, True)])
+            self.maskfree = dict(zip((False, True), flags.tolist()))
+
+    def _mask(self, sliding: bool, groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """[B, 1, g*Rmax, L] additive mask (0 / -inf in the query dtype, built once per forward and
+        layer type): the row mask repeated for the g query heads that share a KV head."""
+        key = (sliding, groups)
+        if key not in self._folded:
+            m = self.masks[sliding]
+            nb, _, r, l = m.shape
+            m = m[:, :, None].expand(nb, 1, groups, r, l).reshape(nb, 1, groups * r, l)
+            self._folded[key] = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(
+                ~m, float("-inf")
+            )
+        return self._folded[key]
+
+    def attend(self, layer: int, arena: KVArena, q: torch.Tensor, sliding: bool) -> torch.Tensor:
+        """q: [N, h, d] -> [N, h*d]. GQA is folded into the query rows (the g query heads of a KV
+        head become g*Rmax rows against that head's keys), so K/V are read in place, never repeated."""
+        n, heads, d = q.shape
+        nb = self.masks[sliding].shape[0]
+        if self.contiguous:
+            s0 = int(self.first)
+            k = arena.k[layer][s0 : s0 + nb, :, : self.lmax]
+            v = arena.v[layer][s0 : s0 + nb, :, : self.lmax]
+        else:
+            k = arena.k[layer][self.slots, :, : self.lmax]
+            v = arena.v[layer][self.slots, :, : self.lmax]
+        kvh = k.shape[1]
+        g = heads // kvh
+        if self.dense:
+            qp = q.view(nb, self.rmax, heads, d)
+        else:
+            qp = q.new_zeros(nb, self.rmax, heads, d)
+            qp[self.b_idx, self.r_idx] = q
+        qf = qp.view(nb, self.rmax, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(nb, kvh, g * self.rmax, d)
+        mask = None if self.maskfree[sliding] else self._mask(sliding, g, q.dtype)
+        o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=1.0)
+        o = o.view(nb, kvh, g, self.rmax, d).permute(0, 3, 1, 2, 4).reshape(nb, self.rmax, heads, d)
+        o = o.reshape(n, heads * d) if self.dense else o[self.b_idx, self.r_idx].reshape(n, heads * d)
+        return o
+
+
+def _layer_weights(layer) -> LayerWeights:
+    at = layer.self_attn
+    d = at.q_norm.weight.shape[0]
+    heads = at.q_proj.weight.shape[0] // d
+    kvh = at.k_proj.weight.shape[0] // d
+    return LayerWeights(
+        sliding=bool(at.is_sliding),
+        heads=heads,
+        kv_heads=kvh,
+        head_dim=d,
+        wq=at.q_proj.weight,
+        wk=at.k_proj.weight,
+        wv=at.v_proj.weight if at.v_proj is not None else None,
+        wo=at.o_proj.weight,
+        q_norm=at.q_norm.weight,
+        k_norm=at.k_norm.weight,
+        ln_in=layer.input_layernorm.weight,
+        ln_post_attn=layer.post_attention_layernorm.weight,
+        ln_pre_ff=layer.pre_feedforward_layernorm.weight,
+        ln_post_ff1=layer.post_feedforward_layernorm_1.weight,
+        ln_pre_ff2=layer.pre_feedforward_layernorm_2.weight,
+        ln_post_ff2=layer.post_feedforward_layernorm_2.weight,
+        ln_post_ff=layer.post_feedforward_layernorm.weight,
+        mlp_gate=layer.mlp.gate_proj.weight,
+        mlp_up=layer.mlp.up_proj.weight,
+        mlp_down=layer.mlp.down_proj.weight,
+        router_scale=layer.router.scale,
+        router_proj=layer.router.proj.weight,
+        per_expert_scale=layer.router.per_expert_scale,
+        gate_up=layer.experts.gate_up_proj,
+        down=layer.experts.down_proj,
+        layer_scalar=layer.layer_scalar,
+    )

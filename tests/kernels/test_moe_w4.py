@@ -1,0 +1,299 @@
+"""W4A16 MoE: packing error, layout, routing metadata, kernel vs dequantised twin, determinism, HF patching."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_testutil import DEVICE, DTYPES, ON_GPU, poison, rel_err, rel_norm
+
+from canvasq.kernels.moe import (
+    MoeLaunchConfig,
+    W4Config,
+    align_routing,
+    align_routing_reference,
+    load_packed,
+    moe_reference,
+    pack_model_experts,
+    pack_w4,
+    save_packed,
+    unpack_w4,
+    w4_moe,
+    w4_moe_launch,
+    w4_moe_reference,
+)
+from canvasq.kernels.moe.quant import max_abs_error_bound
+
+# kernel vs dequantised twin: same weights, only accumulation order and 16-bit roundings differ
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def _experts(E, H, I, dtype, seed, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) * H**-0.5).to(dtype).to(device)
+    down = (torch.randn(E, H, I, generator=g) * I**-0.5).to(dtype).to(device)
+    return gate_up, down
+
+
+def _routing(T, K, E, seed, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g).softmax(-1)
+    return ids.to(device), w.to(device)
+
+
+@pytest.mark.parametrize("H,I", [(256, 64), (200, 88), (128, 40)])
+def test_pack_unpack_error_bounded(H, I):
+    gate_up, down = _experts(4, H, I, torch.float32, seed=H + I, device="cpu")
+    for sdt in (torch.float16, torch.bfloat16):
+        p = pack_w4(gate_up, down, W4Config(scale_dtype=sdt))
+        gu, dn = unpack_w4(p, torch.float32)
+        bg, bd = max_abs_error_bound(p)
+        assert gu.shape == gate_up.shape and dn.shape == down.shape
+        assert ((gu - gate_up).abs() <= bg).all()
+        assert ((dn - down).abs() <= bd).all()
+        # 16 levels over a Gaussian group's ~5.2 sigma range: step ~0.35 sigma, mean error a quarter
+        # step ~0.09 sigma against mean |w| ~0.8 sigma -> ~11 %
+        assert (gu - gate_up).abs().mean() / gate_up.abs().mean() < 0.13
+        assert (dn - down).abs().mean() / down.abs().mean() < 0.13
+
+
+def test_pack_layout_matches_docstring():
+    """w[e, n, k] == (nibble - zero) * scale with the nibble where quant.py's docstring says it is."""
+    E, H, I = 2, 256, 64
+    gate_up, down = _experts(E, H, I, torch.float32, seed=3, device="cpu")
+    p = pack_w4(gate_up, down, W4Config(scale_dtype=torch.float32))
+    gu, dn = unpack_w4(p, torch.float32)
+    for w, q, s, z, G in (
+        (gu, p.gate_up_q, p.gate_up_scale, p.gate_up_zero, 128),
+        (dn, p.down_q, p.down_scale, p.down_zero, 64),
+    ):
+        for e, n, k in ((0, 0, 0), (1, 5, G // 2 - 1), (1, 7, G // 2), (0, 3, G + 5), (1, 1, w.shape[2] - 1)):
+            if k >= w.shape[2]:
+                continue
+            g, j = divmod(k, G)
+            byte = int(q[e, g * G // 2 + (j % (G // 2)), n])
+            nib = (byte >> 4) if j >= G // 2 else (byte & 0xF)
+            assert w[e, n, k] == (nib - z[e, g, n]) * s[e, g, n]
+    assert ((p.gate_up_zero == p.gate_up_zero.round()) & (p.gate_up_zero >= 0) & (p.gate_up_zero <= 15)).all()
+
+
+def test_zero_and_constant_groups_are_exact():
+    gate_up = torch.zeros(1, 2 * 64, 128)
+    gate_up[0, 1] = 0.25  # a constant non-zero row: representable exactly (0 and max are both levels)
+    down = torch.zeros(1, 128, 64)
+    gu, dn = unpack_w4(pack_w4(gate_up, down, W4Config(scale_dtype=torch.float32)), torch.float32)
+    assert torch.equal(gu, gate_up) and torch.equal(dn, down)
+
+
+@pytest.mark.parametrize("T,K,E", [(1, 2, 4), (5, 4, 16), (33, 8, 16), (70, 4, 128), (40, 8, 8)])
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_routing_invariants(T, K, E, impl):
+    ids, _ = _routing(T, K, E, seed=T * K)
+    m = (align_routing if impl == "triton" else align_routing_reference)(ids, E, block_m=32)
+    A = T * K
+    sid = m.sorted_ids.cpu().long()
+    P = int(m.num_padded.item())
+    flat = ids.reshape(-1).cpu()
+    counts = torch.bincount(flat, minlength=E)
+    padded = (counts + 31) // 32 * 32
+    assert torch.equal(m.counts.cpu().long(), counts)
+    assert P == int(padded.sum()) and P % 32 == 0 and P <= sid.numel()
+    assert (sid[P:] == A).all(), "rows past the end are sentinels"
+    real = sid[:P][sid[:P] < A]
+    assert torch.equal(real.sort().values, torch.arange(A)), "every assignment exactly once"
+    be = m.block_expert.cpu().long()
+    assert be.numel() == sid.numel() // 32
+    for b in range(P // 32):
+        rows = sid[b * 32 : (b + 1) * 32]
+        rows = rows[rows < A]
+        assert rows.numel() > 0, "no all-padding block inside P"
+        assert (flat[rows] == be[b]).all(), "a block holds one expert's rows"
+        assert (rows.diff() > 0).all(), "stable: rows of an expert in assignment order"
+    # each expert's run starts on a block boundary and is padded to a multiple of 32
+    starts = torch.cumsum(padded, 0) - padded
+    for e in range(E):
+        run = sid[starts[e] : starts[e] + padded[e]]
+        assert (run[: counts[e]] < A).all() and (run[counts[e] :] == A).all()
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+def test_routing_kernel_matches_twin(block_m):
+    ids, _ = _routing(60, 8, 64, seed=block_m)
+    a, b = align_routing(ids, 64, block_m), align_routing_reference(ids, 64, block_m)
+    assert torch.equal(a.sorted_ids, b.sorted_ids) and torch.equal(a.counts, b.counts)
+    assert torch.equal(a.num_padded, b.num_padded) and torch.equal(a.block_expert, b.block_expert)
+
+
+CASES = [  # T not a multiple of 32, I = 64 (testbed) and 88 (704 / 8), H not a multiple of 128
+    (7, 2, 8, 256, 64),
+    (37, 4, 16, 256, 64),
+    (19, 8, 16, 128, 88),
+    (3, 8, 32, 200, 40),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,K,E,H,I", CASES)
+def test_w4_moe_matches_dequantised(T, K, E, H, I, dtype):
+    if not ON_GPU and (T, K, E, H, I) != CASES[1] and dtype == torch.float16:
+        pytest.skip("interpreter time: fp16 runs on one case on CPU")
+    gate_up, down = _experts(E, H, I, dtype, seed=T + K + E)
+    packed = pack_w4(gate_up, down)
+    x = torch.randn(T, H, device=DEVICE).to(dtype)
+    ids, w = _routing(T, K, E, seed=T)
+    out = poison((T, H), dtype)
+    y = w4_moe_launch(x, ids, w, packed, out=out)
+    assert y.data_ptr() == out.data_ptr() and torch.isfinite(y).all()
+    ref = w4_moe_reference(x, ids, w, packed)
+    assert rel_err(y, ref) < TOL[dtype], rel_err(y, ref)
+    # and quantisation keeps it near the unquantised layer (loose: W4 is not lossless)
+    full = moe_reference(x.float(), ids, w, gate_up.float(), down.float())
+    assert rel_norm(y, full) < 0.25, rel_norm(y, full)  # ~0.1 per weight through two layers; garbage ~1.4
+
+
+def test_w4_moe_deterministic_and_block_sizes():
+    T, K, E, H, I = 21, 4, 8, 128, 64
+    gate_up, down = _experts(E, H, I, torch.float16, seed=11)
+    packed = pack_w4(gate_up, down)
+    x = torch.randn(T, H, device=DEVICE).half()
+    ids, w = _routing(T, K, E, seed=5)
+    a = w4_moe_launch(x, ids, w, packed)
+    b = w4_moe_launch(x, ids, w, packed, out=poison((T, H), torch.float16))
+    assert torch.equal(a, b), "reruns must be bit-identical"
+    other = MoeLaunchConfig(
+        block_m=16, gate_up_block_n=32, down_block_n=128, combine_block_n=128, magic_dequant=False
+    )
+    c = w4_moe_launch(x, ids, w, packed, config=other)
+    assert rel_err(c, a) < TOL[torch.float16]
+    scaled = MoeLaunchConfig(scale_in_tile=True)  # weight tile scaled before the dot: the twin's rounding
+    d = w4_moe_launch(x, ids, w, packed, config=scaled)
+    assert rel_err(d, w4_moe_reference(x, ids, w, packed)) < TOL[torch.float16]
+
+
+def test_public_entry_points():
+    T, K, E, H, I = 6, 2, 4, 128, 64
+    gate_up, down = _experts(E, H, I, torch.float32, seed=1)
+    packed = pack_w4(gate_up, down)
+    x = torch.randn(T, H, device=DEVICE)
+    ids, w = _routing(T, K, E, seed=2)
+    ref = w4_moe(x, ids, w, packed, impl="torch")
+    assert torch.equal(ref, w4_moe_reference(x, ids, w, packed))
+    assert rel_err(w4_moe(x, ids, w, packed, impl="triton"), ref) < TOL[torch.float32]
+    with pytest.raises(ValueError):
+        w4_moe(x, ids, w, packed, impl="nope")
+
+
+def test_save_load_roundtrip(tmp_path):
+    gate_up, down = _experts(3, 128, 64, torch.float16, seed=4, device="cpu")
+    packed = pack_w4(gate_up, down)
+    path = tmp_path / "w4.safetensors"
+    save_packed(path, {"layers.0.experts": packed}, {"layers.0.experts": ["a.experts", "b.experts"]})
+    packs, owners = load_packed(path)
+    got = packs["layers.0.experts"]
+    assert owners == {"layers.0.experts": ["a.experts", "b.experts"]}
+    assert (got.hidden, got.inter, got.config) == (packed.hidden, packed.inter, packed.config)
+    for k, t in packed.tensors().items():
+        assert torch.equal(got.tensors()[k], t), k
+
+
+def test_pack_model_experts_testbed(tmp_path):
+    """In-place packing of the testbed-shaped HF model: shared encoder/decoder experts packed once,
+    every experts module routed through w4_moe, a cache file reproduces the packing exactly."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from canvasq.testbed.config import build_config
+
+    def fresh():
+        torch.manual_seed(0)
+        return DiffusionGemmaForBlockDiffusion._from_config(build_config(), dtype=torch.float32).eval()
+
+    model = fresh()
+    experts = [
+        (n, m) for n, m in model.named_modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")
+    ]
+    assert experts
+    name0, mod0 = experts[0]
+    gu0, dn0 = mod0.gate_up_proj.detach().clone(), mod0.down_proj.detach().clone()
+    n_distinct = len({id(m.gate_up_proj) for _, m in experts})
+    cache = tmp_path / "testbed_w4.safetensors"
+    packs = pack_model_experts(model, cache=cache)
+    assert len(packs) == n_distinct and cache.exists()
+    assert all(hasattr(m, "w4_experts") and "gate_up_proj" not in m._parameters for _, m in experts)
+
+    T, H = 9, gu0.shape[2]
+    x = torch.randn(T, H)
+    ids, w = _routing(T, 4, gu0.shape[0], seed=9, device="cpu")
+    y = mod0(x, ids, w)  # patched forward -> w4_moe (torch twin on CPU)
+    gq, dq = unpack_w4(mod0.w4_experts, torch.float32)
+    assert torch.equal(y, moe_reference(x, ids, w, gq, dq))
+    assert rel_norm(y, moe_reference(x, ids, w, gu0, dn0)) < 0.25
+
+    model2 = fresh()
+    pack_model_experts(model2, cache=cache)  # loads, does not repack
+    mod2 = dict(model2.named_modules())[name0]
+    assert torch.equal(mod2(x, ids, w), y)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_w4_moe_real_shape_bf16():
+    E, H, I, K, T = 128, 2816, 704, 8, 256
+    gate_up, down = _experts(E, H, I, torch.bfloat16, seed=0)
+    packed = pack_w4(gate_up, down)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    ids, w = _routing(T, K, E, seed=1)
+    y = w4_moe_launch(x, ids, w, packed, out=poison((T, H), torch.bfloat16))
+    ref = w4_moe_reference(x, ids, w, packed)
+    assert rel_err(y, ref) < TOL[torch.bfloat16]
+    assert torch.equal(y, w4_moe_launch(x, ids, w, packed))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_w4_moe_faster_than_bf16_grouped_mm():
+    """W4 reads ~4x fewer expert bytes than BF16: at 256 rows it must at least beat HF's grouped_mm."""
+    E, H, I, K, T = 128, 2816, 704, 8, 256
+    gate_up, down = _experts(E, H, I, torch.bfloat16, seed=0)
+    packed = pack_w4(gate_up, down)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    ids, w = _routing(T, K, E, seed=1)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "kernels"))
+    from moe_w4 import hf_experts  # the benchmark's HF BF16 baseline module
+
+    base = hf_experts(gate_up, down, "grouped_mm")
+
+    def ms(fn, n=20):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / n
+
+    with torch.no_grad():
+        t_w4 = ms(lambda: w4_moe_launch(x, ids, w, packed))
+        t_bf16 = ms(lambda: base(x, ids, w))
+    print(f"w4 {t_w4:.3f} ms, bf16 grouped_mm {t_bf16:.3f} ms")
+    assert t_w4 < t_bf16
+
+
+def test_tuned_config_lookup(tmp_path, monkeypatch):
+    from canvasq.kernels.moe.launch import get_config, save_configs
+
+    packed = pack_w4(*_experts(2, 128, 64, torch.float32, seed=0, device="cpu"))
+    path = tmp_path / "tuned.json"
+    save_configs(path, {8: MoeLaunchConfig(gate_up_block_n=32), 256: MoeLaunchConfig(down_block_n=256)}, {})
+    monkeypatch.setenv("CANVASQ_MOE_CONFIG_FILE", str(path))
+    assert get_config(5, 8, packed, torch.float32).gate_up_block_n == 32  # smallest bucket >= rows
+    assert get_config(9, 8, packed, torch.float32).down_block_n == 256
+    assert get_config(10_000, 8, packed, torch.float32).down_block_n == 256  # past the end: largest
+    monkeypatch.setenv("CANVASQ_MOE_CONFIG", '{"block_m": 16}')
+    assert get_config(5, 8, packed, torch.float32) == MoeLaunchConfig(block_m=16)
+    monkeypatch.delenv("CANVASQ_MOE_CONFIG")
+    monkeypatch.delenv("CANVASQ_MOE_CONFIG_FILE")
+    assert get_config(5, 8, packed, torch.float32) == MoeLaunchConfig()  # no file for cpu: defaults

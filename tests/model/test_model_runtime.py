@@ -1,0 +1,451 @@
+"""Parity of canvasq.model.runtime with HF's DiffusionGemma forward (fp32, CPU, rel. error <= 1e-4)
+and the arena identities the decoders rely on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_helpers import hf_decode, hf_encode, new_cache, random_model, rel_err, small_shape
+
+from canvasq.model.experts import moe_reference
+from canvasq.model.runtime import Runtime, Window
+
+TOL = 1e-4
+
+SHAPES = {
+    # sliding window shorter than prompt + canvases: band masks matter
+    "base": small_shape(),
+    # more layers, V = K full layers with 2 KV heads, GQA 4:1 on sliding layers, wider window
+    "deep": small_shape(
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_global_key_value_heads=2,
+        sliding_window=24,
+        canvas_length=12,
+    ),
+    # window shorter than one canvas
+    "tiny_window": small_shape(sliding_window=5, canvas_length=8),
+}
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def model(request):
+    shape = SHAPES[request.param]
+    m = random_model(shape, seed=len(request.param))
+    return shape, m, Runtime.from_hf(m)
+
+
+def _ids(g, n, vocab):
+    return torch.randint(0, vocab, (n,), generator=g)
+
+
+@pytest.mark.parametrize("prompt_len", [3, 21, 40])
+def test_single_canvas_matches_hf(model, prompt_len):
+    shape, m, rt = model
+    g = torch.Generator().manual_seed(prompt_len)
+    c, v = shape.canvas_length, shape.vocab_size
+    prompt, canvas = _ids(g, prompt_len, v), _ids(g, c, v)
+    cache = new_cache(m)
+    hf_encode(m, cache, prompt, 0)
+    arena = rt.new_arena(3, 256)
+    rt.encode(arena, 2, prompt, torch.arange(prompt_len))
+    sc = torch.randn(c, v, generator=g) * 4
+    for sc_in in (None, sc):
+        ref = hf_decode(m, cache, canvas, prompt_len, sc_logits=sc_in)
+        out = rt.decode(arena, [Window.canvas(2, canvas, prompt_len, self_cond=sc_in)])
+        assert out.logits.dtype == torch.float32
+        assert rel_err(out.logits, ref) <= TOL
+    assert arena.length[2] == prompt_len  # a decoder forward leaves the context untouched
+
+
+def test_commit_then_next_canvas_matches_hf(model):
+    """Prompt, then two canvases committed by encoder passes, then a third canvas decoded: positions
+    run past the sliding window, so the HF cache has evicted what our band mask hides."""
+    shape, m, rt = model
+    g = torch.Generator().manual_seed(7)
+    c, v = shape.canvas_length, shape.vocab_size
+    p = 13
+    prompt = _ids(g, p, v)
+    canvases = [_ids(g, c, v) for _ in range(3)]
+    cache = new_cache(m)
+    arena = rt.new_arena(1, 256)
+    hf_encode(m, cache, prompt, 0)
+    rt.encode(arena, 0, prompt, torch.arange(p))
+    start = p
+    for cv in canvases[:2]:
+        hf_encode(m, cache, cv, start)
+        rt.encode(arena, 0, cv, torch.arange(start, start + c))
+        start += c
+    sc = torch.randn(c, v, generator=g) * 4
+    ref = hf_decode(m, cache, canvases[2], start, sc_logits=sc)
+    out = rt.decode(arena, [Window.canvas(0, canvases[2], start, self_cond=sc)])
+    assert rel_err(out.logits, ref) <= TOL
+
+
+def test_encoder_kv_matches_hf_cache(model):
+    shape, m, rt = model
+    g = torch.Generator().manual_seed(3)
+    p = 30
+    prompt = _ids(g, p, shape.vocab_size)
+    cache = new_cache(m)
+    hf_encode(m, cache, prompt, 0)
+    arena = rt.new_arena(1, 64)
+    rt.encode(arena, 0, prompt, torch.arange(p))
+    for layer in range(rt.num_layers):
+        k, v, pos = arena.prefix(0, layer)
+        hk, hv = cache.layers[layer].keys[0], cache.layers[layer].values[0]
+        n = hk.shape[1]  # sliding layers keep the last W - 1 entries
+        assert rel_err(k[:, -n:], hk) <= TOL and rel_err(v[:, -n:], hv) <= TOL
+        assert torch.equal(pos, torch.arange(p))
+
+
+def _block_causal_hf_masks(m, cache, starts, c, w):
+    """4D boolean masks ({layer type: [1, 1, Q, K]}) for HF's decoder over the concatenated canvases
+    at `starts`, block-causal between canvases, sliding band canvas_start - (W - 1); cache columns
+    carry the positions HF's cache holds (sliding layers: the last W - 1)."""
+    tc = m.config.get_text_config()
+    q_pos = torch.cat([torch.arange(s, s + c) for s in starts])
+    q_lo = torch.cat([torch.full((c,), s) for s in starts])
+    q_hi = q_lo + c
+    masks = {}
+    for lt in set(tc.layer_types):
+        layer = tc.layer_types.index(lt)
+        n_cached = cache.layers[layer].keys.shape[-2]
+        total = (
+            cache.layers[layer].get_seq_length() if hasattr(cache.layers[layer], "get_seq_length") else None
+        )
+        first = starts[0] - n_cached
+        assert total is None or total == starts[0]
+        k_pos = torch.cat([torch.arange(first, starts[0]), q_pos])
+        vis = k_pos[None, :] < q_hi[:, None]
+        if lt == "sliding_attention":
+            vis &= k_pos[None, :] >= (q_lo - (w - 1))[:, None]
+        masks[lt] = vis[None, None]
+    return masks
+
+
+@pytest.mark.parametrize("n_canvases", [2, 3])
+def test_block_causal_window_matches_hf_masked(model, n_canvases):
+    """D2F pipe window: several canvases of one sequence in one forward, block-causal. HF has no
+    such call; its decoder with an explicit 4D mask over the concatenated canvases is the reference.
+    The front canvas must also equal HF's plain single-canvas forward (it sees nothing behind it)."""
+    shape, m, rt = model
+    g = torch.Generator().manual_seed(11 + n_canvases)
+    c, v, w = shape.canvas_length, shape.vocab_size, shape.sliding_window
+    p = 19
+    prompt = _ids(g, p, v)
+    canvases = [_ids(g, c, v) for _ in range(n_canvases)]
+    starts = [p + i * c for i in range(n_canvases)]
+    cache = new_cache(m)
+    hf_encode(m, cache, prompt, 0)
+    arena = rt.new_arena(1, 256)
+    rt.encode(arena, 0, prompt, torch.arange(p))
+    sc = torch.randn(n_canvases * c, v, generator=g) * 4
+
+    masks = _block_causal_hf_masks(m, cache, starts, c, w)
+    ref = hf_decode(m, cache, torch.cat(canvases), p, sc_logits=sc, mask=masks)
+    out = rt.decode(arena, [Window.blocks(0, list(zip(canvases, starts)), self_cond=sc)])
+    assert rel_err(out.logits, ref) <= TOL
+    front = hf_decode(m, cache, canvases[0], p, sc_logits=sc[:c])
+    assert rel_err(out.logits[:c], front) <= TOL
+
+
+def test_several_sequences_equal_each_alone(model):
+    """Ragged windows on non-contiguous slots, mixed SC kinds, in one forward = each alone."""
+    shape, _, rt = model
+    g = torch.Generator().manual_seed(5)
+    c, v = shape.canvas_length, shape.vocab_size
+    arena = rt.new_arena(5, 256)
+    specs = [(4, 9), (0, 33), (2, 17)]  # (slot, prompt length)
+    windows = []
+    for i, (slot, p) in enumerate(specs):
+        rt.encode(arena, slot, _ids(g, p, v), torch.arange(p))
+        r = c - 2 * i  # ragged
+        ids = _ids(g, r, v)
+        if i == 0:
+            sc = None
+        elif i == 1:
+            sc = torch.randn(r, v, generator=g)
+        else:
+            top = torch.randn(r, v, generator=g).topk(5)
+            sc = (top.indices, top.values)
+        windows.append(Window.canvas(slot, ids, p, self_cond=sc))
+    joint = rt.decode(arena, windows)
+    for i, w in enumerate(windows):
+        alone = rt.decode(arena, [w]).logits
+        assert rel_err(joint.window_logits(i), alone) <= TOL
+    # encode_many equals encode one by one
+    other = rt.new_arena(5, 256)
+    items = [(s, _ids(g, 6 + s, v), torch.arange(6 + s)) for s in (1, 3)]
+    rt.encode_many(other, items)
+    for s, ids, pos in items:
+        single = rt.new_arena(5, 256)
+        rt.encode(single, s, ids, pos)
+        for layer in range(rt.num_layers):
+            assert rel_err(other.prefix(s, layer)[0], single.prefix(s, layer)[0]) <= TOL
+
+
+def test_topk_self_conditioning_with_full_k_equals_full(model):
+    shape, _, rt = model
+    g = torch.Generator().manual_seed(9)
+    c, v = shape.canvas_length, shape.vocab_size
+    arena = rt.new_arena(1, 128)
+    rt.encode(arena, 0, _ids(g, 10, v), torch.arange(10))
+    canvas = _ids(g, c, v)
+    logits = torch.randn(c, v, generator=g) * 5
+    perm = torch.stack([torch.randperm(v, generator=g) for _ in range(c)])
+    full = rt.decode(arena, [Window.canvas(0, canvas, 10, self_cond=logits)]).logits
+    topk = rt.decode(arena, [Window.canvas(0, canvas, 10, self_cond=(perm, logits.gather(1, perm)))]).logits
+    assert rel_err(topk, full) <= TOL
+    # a truncated top-k is a different (renormalised) signal, but close when the mass is in the top
+    peaked = logits.clone()
+    peaked[:, :4] += 30
+    small = rt.decode(
+        arena, [Window.canvas(0, canvas, 10, self_cond=(torch.arange(4).expand(c, 4), peaked[:, :4]))]
+    ).logits
+    ref = rt.decode(arena, [Window.canvas(0, canvas, 10, self_cond=peaked)]).logits
+    assert rel_err(small, ref) <= 1e-3
+
+
+def test_self_cond_rows_zero_the_others(model):
+    shape, _, rt = model
+    g = torch.Generator().manual_seed(2)
+    c, v = shape.canvas_length, shape.vocab_size
+    arena = rt.new_arena(1, 128)
+    rt.encode(arena, 0, _ids(g, 10, v), torch.arange(10))
+    a, b = _ids(g, c, v), _ids(g, c, v)
+    sc = torch.randn(2 * c, v, generator=g)
+    rows = torch.cat([torch.zeros(c, dtype=torch.bool), torch.ones(c, dtype=torch.bool)])
+    win = Window.blocks(0, [(a, 10), (b, 10 + c)], self_cond=sc, self_cond_rows=rows)
+    out = rt.decode(arena, [win]).logits
+    # the front canvas sees only the context: equals its SC-free single-canvas forward
+    front = rt.decode(arena, [Window.canvas(0, a, 10)]).logits
+    assert rel_err(out[:c], front) <= TOL
+    # and the back canvas, with SC, equals the same window with SC on every row but the front's
+    # SC logits replaced by anything (they are ignored)
+    sc2 = sc.clone()
+    sc2[:c] = torch.randn(c, v, generator=g) * 9
+    win2 = Window.blocks(0, [(a, 10), (b, 10 + c)], self_cond=sc2, self_cond_rows=rows)
+    assert torch.equal(rt.decode(arena, [win2]).logits, out)
+
+
+def test_capture_promote_round_trip(model):
+    """Promote one step late: rows whose K/V are captured must not depend on rows that stay in the
+    window. Window 1 = finished rows F (causal: canvas_end = position + 1) + live rows X (see F).
+    Capturing F, promoting it, then decoding X alone must reproduce X's logits exactly, because F's
+    K/V never saw X. (Decoder K/V is *not* encoder K/V for the same ids: the decoder post-norms its
+    input embeddings and uses its own layer_scalar, so the right identity is this one.)"""
+    shape, _, rt = model
+    g = torch.Generator().manual_seed(4)
+    c, v = shape.canvas_length, shape.vocab_size
+    p = 15
+    arena = rt.new_arena(1, 256)
+    rt.encode(arena, 0, _ids(g, p, v), torch.arange(p))
+    nf = 3
+    ids = _ids(g, c, v)
+    pos = torch.arange(p, p + c)
+    hi = torch.where(torch.arange(c) < nf, pos + 1, torch.full_like(pos, p + c))
+    lo = torch.where(torch.arange(c) < nf, pos, torch.full_like(pos, p))
+    capture = torch.arange(c) < nf
+    sc = torch.randn(c, v, generator=g)
+    w1 = Window(0, ids, pos, lo, hi, capture=capture, self_cond=sc)
+    out1 = rt.decode(arena, [w1])
+    cap = out1.captured[0]
+    assert len(cap) == nf and torch.equal(cap.positions, pos[:nf])
+    arena.promote(0, cap)
+    assert arena.length[0] == p + nf
+    x = ~capture
+    w2 = Window(0, ids[x], pos[x], lo[x], hi[x], self_cond=sc[x])
+    out2 = rt.decode(arena, [w2])
+    assert rel_err(out2.logits, out1.logits[x]) <= TOL
+    # promoting a subset / in another order keeps the identity (masks read positions, not order)
+    arena.truncate(0, p)
+    arena.promote(0, cap, rows=[2, 0, 1])
+    assert rel_err(rt.decode(arena, [w2]).logits, out1.logits[x]) <= TOL
+
+
+def test_compact_and_reset():
+    shape = small_shape()
+    m = random_model(shape)
+    rt = Runtime.from_hf(m)
+    g = torch.Generator().manual_seed(0)
+    arena = rt.new_arena(2, 64)
+    ids = _ids(g, 12, shape.vocab_size)
+    rt.encode(arena, 1, ids, torch.arange(12))
+    k0 = [arena.prefix(1, layer)[0].clone() for layer in range(rt.num_layers)]
+    keep = torch.arange(12) % 3 != 0
+    arena.compact(1, keep)
+    assert arena.length[1] == 8
+    assert torch.equal(arena.positions(1), torch.arange(12)[keep])
+    for layer in range(rt.num_layers):
+        assert torch.equal(arena.prefix(1, layer)[0], k0[layer][:, keep])
+    arena.reset(1)
+    assert arena.length[1] == 0
+    with pytest.raises(ValueError):
+        rt.encode(arena, 1, _ids(g, 65, shape.vocab_size), torch.arange(65))
+
+
+def test_moe_reference_matches_hf_and_is_deterministic():
+    shape = small_shape()
+    m = random_model(shape)
+    experts = m.model.decoder.layers[0].experts
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(37, shape.hidden_size, generator=g)
+    ids = torch.stack(
+        [torch.randperm(shape.num_experts, generator=g)[: shape.top_k_experts] for _ in range(37)]
+    )
+    w = torch.rand(37, shape.top_k_experts, generator=g)
+    ref = experts(x, ids, w)
+    ours = moe_reference(x, ids, w, experts.gate_up_proj, experts.down_proj)
+    assert rel_err(ours, ref) <= TOL
+    assert torch.equal(ours, moe_reference(x, ids, w, experts.gate_up_proj, experts.down_proj))
+
+
+def test_grouped_experts_match_reference():
+    """The grouped-GEMM expert path (the CUDA default) equals the per-expert loop, through a whole
+    forward and on a skewed routing with empty experts."""
+    from canvasq.model.experts import moe_grouped
+
+    shape = small_shape()
+    m = random_model(shape)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(29, shape.hidden_size, generator=g)
+    ids = torch.stack(
+        [torch.randperm(shape.num_experts, generator=g)[: shape.top_k_experts] for _ in range(29)]
+    )
+    ids[:, 0] = 5
+    w = torch.rand(29, shape.top_k_experts, generator=g)
+    ex = m.model.decoder.layers[1].experts
+    assert (
+        rel_err(
+            moe_grouped(x, ids, w, ex.gate_up_proj, ex.down_proj),
+            moe_reference(x, ids, w, ex.gate_up_proj, ex.down_proj),
+        )
+        <= TOL
+    )
+    outs = []
+    for impl in ("reference", "grouped"):
+        rt = Runtime.from_hf(m, experts=impl)
+        arena = rt.new_arena(1, 64)
+        rt.encode(arena, 0, torch.arange(20) % shape.vocab_size, torch.arange(20))
+        outs.append(rt.decode(arena, [Window.canvas(0, torch.arange(8) + 3, 20)]).logits)
+    assert rel_err(outs[1], outs[0]) <= TOL
+
+
+def test_decode_graph_replays_like_decode(model):
+    """DecodeGraph (CUDA graph on GPU; the same prepared forward on CPU) equals a fresh decode while
+    the arena grows, the window shrinks within its bucket, capture rows and SC inputs change."""
+    from canvasq.model.graph import DecodeGraph
+
+    shape, _, rt = model
+    g = torch.Generator().manual_seed(21)
+    c, v = shape.canvas_length, shape.vocab_size
+    arena = rt.new_arena(3, 160)
+    for s, p in ((1, 12), (2, 30)):
+        rt.encode(arena, s, _ids(g, p, v), torch.arange(p))
+
+    def windows(rows_a, rows_b, ctx_a, ctx_b):
+        a = Window.blocks(
+            1,
+            [(_ids(g, c, v), ctx_a), (_ids(g, c, v), ctx_a + c)],
+            self_cond=torch.randn(2 * c, v, generator=g),
+            capture=torch.arange(2 * c) % 5 == 0,
+        )
+        keep = torch.randperm(2 * c, generator=g)[:rows_a]
+        a = Window(
+            1,
+            a.token_ids[keep],
+            a.positions[keep],
+            a.canvas_start[keep],
+            a.canvas_end[keep],
+            capture=a.capture[keep],
+            self_cond=a.self_cond[keep],
+        )
+        top = torch.randn(rows_b, v, generator=g).topk(4)
+        b = Window.canvas(2, _ids(g, rows_b, v), ctx_b, self_cond=(top.indices, top.values))
+        return [a, b]
+
+    graph = DecodeGraph(rt, arena, windows(2 * c, c, 12, 30), rows=2 * c, context=128)
+    for step, (ra, rb) in enumerate(((2 * c, c), (c + 3, c - 2), (5, 1))):
+        if step == 2:  # the contexts grow between steps; the graph keeps serving them
+            rt.encode(arena, 1, _ids(g, 4, v), torch.arange(12, 16))
+            rt.encode(arena, 2, _ids(g, 9, v), torch.arange(30, 39))
+        ctx_a, ctx_b = arena.length[1], arena.length[2]
+        ws = windows(ra, rb, ctx_a, ctx_b)
+        out = graph.run(ws)
+        ref = rt.decode(arena, ws)
+        assert out.offsets == ref.offsets
+        assert rel_err(out.logits, ref.logits) <= TOL
+        if ref.captured[0] is not None:
+            assert rel_err(out.captured[0].k[-1], ref.captured[0].k[-1]) <= TOL
+            assert torch.equal(out.captured[0].positions, ref.captured[0].positions)
+    with pytest.raises(ValueError):
+        graph.run(windows(2 * c, c, 12, 30)[::-1])
+
+
+def test_decoder_kv_is_not_encoder_kv():
+    """What "promote instead of re-encode" trades (seed: free front retire): decoder K/V of rows
+    given causal visibility equal the encoder's at layer 0 only (its input RMSNorm makes the decoder's
+    post-normed embeddings and the encoder's scaled embeddings equivalent); deeper layers differ,
+    because the residual streams start at different scales. Pins the fact so nobody relies on it."""
+    shape = small_shape()
+    m = random_model(shape)
+    rt = Runtime.from_hf(m)
+    g = torch.Generator().manual_seed(0)
+    p, ids = _ids(g, 20, shape.vocab_size), _ids(g, 8, shape.vocab_size)
+    a = rt.new_arena(1, 64)
+    rt.encode(a, 0, p, torch.arange(20))
+    pos = torch.arange(20, 28)
+    out = rt.decode(a, [Window(0, ids, pos, pos, pos + 1, capture=torch.ones(8, dtype=torch.bool))])
+    b = rt.new_arena(1, 64)
+    rt.encode(b, 0, torch.cat([p, ids]), torch.arange(28))
+    enc_k = [b.prefix(0, layer)[0][:, 20:].transpose(0, 1) for layer in range(rt.num_layers)]
+    assert rel_err(out.captured[0].k[0], enc_k[0]) <= TOL
+    assert rel_err(out.captured[0].k[-1], enc_k[-1]) > 1e-2
+
+
+def test_promote_window_equals_promote_of_captured():
+    shape = small_shape()
+    m = random_model(shape)
+    rt = Runtime.from_hf(m)
+    g = torch.Generator().manual_seed(8)
+    c, v = shape.canvas_length, shape.vocab_size
+    arenas = [rt.new_arena(2, 96) for _ in range(2)]
+    prompt = _ids(g, 14, v)
+    ids = _ids(g, c, v)
+    capture = torch.zeros(c, dtype=torch.bool)
+    capture[[1, 4, 5]] = True
+    outs = []
+    for arena in arenas:
+        rt.encode(arena, 1, prompt, torch.arange(14))
+        outs.append(rt.decode(arena, [Window.canvas(1, ids, 14, capture=capture)]))
+    arenas[0].promote(1, outs[0].captured[0])
+    arenas[1].promote_window(1, [1, 4, 5])
+    assert arenas[0].length[1] == arenas[1].length[1] == 17
+    for layer in range(rt.num_layers):
+        for a, b in zip(arenas[0].prefix(1, layer), arenas[1].prefix(1, layer)):
+            assert torch.equal(a, b)
+
+
+def test_prefix_attention_takes_maskfree_path_only_when_exact():
+    """Prefix attention: with every key visible to every row the mask is dropped (flash-eligible);
+    a clipping sliding band or a block-causal window keeps it. Both paths match HF."""
+    shape = small_shape(sliding_window=40)
+    m = random_model(shape)
+    rt = Runtime.from_hf(m)
+    g = torch.Generator().manual_seed(12)
+    c, v = shape.canvas_length, shape.vocab_size
+    for p, expect in ((20, {False: True, True: True}), (50, {False: True, True: False})):
+        prompt, canvas = _ids(g, p, v), _ids(g, c, v)
+        arena = rt.new_arena(1, 128)
+        rt.encode(arena, 0, prompt, torch.arange(p))
+        prep = rt._prepare(arena, [Window.canvas(0, canvas, p)], encoder=False)
+        logits = rt._run(prep)[0]
+        assert prep.ctx.maskfree == expect
+        cache = new_cache(m)
+        hf_encode(m, cache, prompt, 0)
+        assert rel_err(logits, hf_decode(m, cache, canvas, p)) <= TOL
+    prep = rt._prepare(arena, [Window.blocks(0, [(canvas, p), (canvas, p + c)])], encoder=False)
+    rt._run(prep)
+    assert prep.ctx.maskfree == {False: False, True: False}

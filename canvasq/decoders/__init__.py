@@ -1,0 +1,82 @@
+"""Generation algorithms for DiffusionGemma: `official` (HF generate), `pipe` (D2F), `funnel`.
+
+Flow: Job (api, CPU) → DecodeBatch (worker: several tokenised prompts) → `run_batch` → a strategy's
+loop → ForwardInputs (model: the window rows of one forward) → DecodeResult per request, with one
+ForwardTrace per model pass (G rows, τ commits, ms).
+
+`run_batch` is the only entry point the service uses. `decoder="auto"` routes each request by its
+task (`routing.route`), so one batch may be split into sub-batches, one per (decoder, knobs); the
+results come back in request order. A failing request returns a result with `error` set.
+
+Where each Part 3 mechanism lives (config field in parentheses):
+    official.py   HF generate() unchanged, traced from outside; W4 experts arm (experts="w4")
+    base.py       loop, prefill, per-row RNG, cancellation, per-row errors, traces, liveness budget
+    pipe.py       multi-canvas D2F scheduling (max_canvases), full/semi/draft, τ_add / τ_act, draft
+                  spawn (draft_spawn, spawn_margin), τ_conf, argmax / mix renoise (renoise,
+                  mix_fraction), Jacobi restart (jacobi_window, jacobi_max_commits), forced accept,
+                  τ_eos + EOS streak, self-conditioning (self_conditioning, sc_topk), encoder pass
+                  on retire, D2F adapter (adapter)
+    funnel.py     shrinking window (shrink), promote one step late, arena / simple promotion
+                  (promote), free front retire (retire_refresh), prefix attention, τ_decay,
+                  early spawn, commit-agree (agree), top-k self-conditioning (sc_topk=64)
+    routing.py    --decoder auto;  registry.py names;  configs.py typed configs with the defaults
+    bench.py/cli.py  `canvasq bench` (same-process ABBA A/B)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from canvasq.decoders.registry import NAMES, UnknownDecoder, make_decoder
+from canvasq.decoders.types import CANCELLED, DecodeBatch, DecodeRequest, DecodeResult, ForwardTrace
+
+__all__ = [
+    "CANCELLED",
+    "NAMES",
+    "DecodeBatch",
+    "DecodeRequest",
+    "DecodeResult",
+    "ForwardTrace",
+    "UnknownDecoder",
+    "run_batch",
+]
+
+
+def run_batch(
+    bundle,
+    batch: DecodeBatch,
+    decoder: str = "official",
+    overrides: dict | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    routing: dict[str, str] | None = None,
+) -> list[DecodeResult]:
+    """Decode every request of `batch`; one DecodeResult per request, in order.
+
+    decoder: "official" | "pipe" | "funnel" | "auto" (per-request routing by task; `routing` is the
+      settings table task → decoder that replaces the built-in choice).
+    overrides: config fields of the chosen decoder (unknown names raise ValueError before any work).
+    should_stop: polled between forwards; when it turns true the unfinished rows come back with
+      `error == finish_reason == "cancelled"`.
+    """
+    if decoder != "auto":
+        dec = make_decoder(decoder, bundle, overrides)
+        return dec.decode(batch, should_stop=should_stop)
+
+    from canvasq.decoders.routing import route
+
+    groups: dict[tuple, list[int]] = {}
+    chosen: dict[tuple, tuple[str, dict]] = {}
+    for i, req in enumerate(batch.requests):
+        r = route(req.task, routing)
+        knobs = {**r.overrides, **(overrides or {})}
+        key = (r.decoder, tuple(sorted(knobs.items())))
+        groups.setdefault(key, []).append(i)
+        chosen[key] = (r.decoder, knobs)
+    results: list[DecodeResult | None] = [None] * len(batch.requests)
+    for key, idx in groups.items():
+        name, knobs = chosen[key]
+        dec = make_decoder(name, bundle, knobs)
+        sub = DecodeBatch(requests=[batch.requests[i] for i in idx], seed=batch.seed)
+        for i, res in zip(idx, dec.decode(sub, should_stop=should_stop)):
+            results[i] = res
+    return results  # type: ignore[return-value]

@@ -41,6 +41,10 @@ class ForwardTrace:
     states: str  # e.g. "full,semi,draft" for the live canvases of the batch
     ms: float
     kind: str = "decode"
+    # This request's share of the pass (a result's traces hold the batch-wide G and τ above, plus
+    # these two for the row itself); None where the pass was not split per request.
+    own_rows: int | None = None
+    own_commits: int | None = None
 
 
 @dataclass
@@ -53,3 +57,9 @@ class DecodeResult:
     forwards: int  # every model pass that served this request (decode steps and encoder passes)
     traces: list[ForwardTrace] = field(default_factory=list)
     error: str | None = None  # set when this request failed; the rest of the batch is unaffected
+    decoder: str = ""  # the strategy that produced it ("official", "pipe", "funnel")
+    # mechanism counters of step decoders (forced_accepts, jacobi_restarts, eos_priority, ...)
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+CANCELLED = "cancelled"  # `error` and `finish_reason` of rows stopped by `should_stop`

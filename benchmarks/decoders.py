@@ -1,0 +1,345 @@
+"""Decoders end to end: batched tok/s on the testbed, and real-shape replays of commit schedules.
+
+    python3 benchmarks/decoders.py batched                  # testbed, CPU: batch 1, 4, 16
+    python3 benchmarks/decoders.py replay --device cuda     # H200: record on the testbed, replay at
+                                                            # random:26b-a4b shape (label: replayed)
+
+`batched`: for each decoder and batch size, the same n problems (same seed) decoded in chunks of
+that batch size; wall tok/s, forwards per request, tokens per forward, distinct passes. Real commit
+schedules (the testbed is trained), real timings on this machine.
+
+`replay`: the numerator cannot be measured at the real shape (random weights never converge), so a
+commit schedule is *recorded* on the testbed — every pass's windows (rows, canvases, context length)
+— and *replayed* through our runtime at the real shape: the same passes with every row count and
+context length scaled by canvas_real / canvas_testbed (256 / 32), random token ids, the arena held
+at the recorded context length. Reported tok/s = recorded tokens × scale ÷ replay seconds; every
+figure is labelled "replayed". The official schedule comes from its traces (C rows per denoising
+step, context = prompt + committed canvases) and is replayed on the same runtime forward.
+
+Prints a Markdown table; the last line is one JSON object; with $OUT set, raw results go to
+$OUT/decoders_<mode>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from canvasq.decoders import DecodeBatch, DecodeRequest, run_batch
+from canvasq.decoders.base import runtime_for
+from canvasq.decoders.registry import make_decoder
+
+
+def _requests(bundle, task: str, n: int, seed: int, max_tokens: int) -> tuple[list, list]:
+    from canvasq.testbed import tasks
+
+    problems = tasks.generate(task, n, seed)
+    reqs = [DecodeRequest(p.uid, bundle.encode_prompt(p.prompt, task), max_tokens, task) for p in problems]
+    return problems, reqs
+
+
+def _parse_arm(spec: str) -> tuple[str, dict]:
+    from canvasq.decoders.bench import parse_arm
+
+    a = parse_arm(spec)
+    return a.decoder, a.overrides
+
+
+# --- batched -----------------------------------------------------------------------------------------
+def batched(args) -> dict:
+    from canvasq.model.loading import load_bundle
+    from canvasq.testbed import tasks
+
+    bundle = load_bundle(args.model, device=args.device)
+    problems, reqs = _requests(bundle, args.task, args.n, args.seed, args.max_tokens)
+    rows = []
+    arms = args.arms.split(";")
+    for bs in [int(x) for x in args.batches.split(",")]:
+        order = arms if bs % 2 else list(reversed(arms))  # alternate arm order across batch sizes
+        for spec in order:
+            name, over = _parse_arm(spec)
+            run_batch(
+                bundle, DecodeBatch(reqs[:1], seed=args.seed), decoder=name, overrides=over or None
+            )  # warm
+            torch.manual_seed(args.seed)
+            res, passes, t0 = [], 0, time.perf_counter()
+            for i in range(0, len(reqs), bs):
+                part = run_batch(
+                    bundle,
+                    DecodeBatch(reqs[i : i + bs], seed=args.seed),
+                    decoder=name,
+                    overrides=over or None,
+                )
+                passes += len({t.index for r in part for t in r.traces})
+                res += part
+            dt = time.perf_counter() - t0
+            toks = sum(len(r.token_ids) for r in res)
+            fwd = sum(r.forwards for r in res)
+            acc = sum(r.error is None and tasks.verify(p, r.text) for r, p in zip(res, problems)) / len(res)
+            rows.append(
+                {
+                    "arm": spec,
+                    "batch": bs,
+                    "n": len(res),
+                    "acc": acc,
+                    "tokens": toks,
+                    "seconds": dt,
+                    "tok_s": toks / dt,
+                    "fwd_per_req": fwd / len(res),
+                    "tok_per_fwd": toks / max(fwd, 1),
+                    "passes": passes,
+                    "tok_per_pass": toks / max(passes, 1),
+                }
+            )
+            print(f"batch {bs:>3} {spec:<30} {toks / dt:8.1f} tok/s  acc {acc:.2f}", file=sys.stderr)
+    return {
+        "mode": "batched",
+        "model": bundle.spec,
+        "device": args.device,
+        "task": args.task,
+        "n": args.n,
+        "seed": args.seed,
+        "max_tokens": args.max_tokens,
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+        "schedule": "real (testbed)",
+    }
+
+
+# --- record ------------------------------------------------------------------------------------------
+def record(bundle, spec: str, reqs: list, batch: int, seed: int) -> dict:
+    """Every pass a decoder makes over `reqs` in chunks of `batch`, as window sizes."""
+    name, over = _parse_arm(spec)
+    passes, tokens = [], 0
+    if name == "official":
+        C = bundle.canvas_length
+        for i in range(0, len(reqs), batch):
+            part = run_batch(
+                bundle, DecodeBatch(reqs[i : i + batch], seed=seed), decoder=name, overrides=over or None
+            )
+            tokens += sum(len(r.token_ids) for r in part)
+            by_index: dict[int, dict] = {}
+            ctx = {r.custom_id: 0 for r in part}
+            for r in part:
+                for t in r.traces:
+                    p = by_index.setdefault(t.index, {"kind": t.kind, "windows": []})
+                    if t.kind == "encode":
+                        p["windows"].append({"rows": t.own_rows, "canvases": 1, "ctx": ctx[r.custom_id]})
+                        ctx[r.custom_id] += t.own_rows
+                    else:
+                        p["windows"].append({"rows": t.own_rows, "canvases": 1, "ctx": ctx[r.custom_id]})
+            passes += [by_index[k] for k in sorted(by_index)]
+        return {
+            "decoder": spec,
+            "canvas_length": C,
+            "tokens": tokens,
+            "requests": len(reqs),
+            "passes": passes,
+        }
+
+    dec = make_decoder(name, bundle, over or None)
+    rt = dec.rt
+    real_decode, real_encode = rt.decode, rt.encode_many
+
+    def spy_decode(arena, windows, **kw):
+        passes.append(
+            {
+                "kind": "decode",
+                "windows": [
+                    {
+                        "rows": w.rows,
+                        "canvases": len(set(w.canvas_start.tolist())),
+                        "ctx": arena.length[w.slot],
+                    }
+                    for w in windows
+                ],
+            }
+        )
+        return real_decode(arena, windows, **kw)
+
+    def spy_encode(arena, items):
+        passes.append(
+            {
+                "kind": "encode",
+                "windows": [
+                    {"rows": int(ids.numel()), "canvases": 1, "ctx": arena.length[slot]}
+                    for slot, ids, _ in items
+                ],
+            }
+        )
+        return real_encode(arena, items)
+
+    rt.decode, rt.encode_many = spy_decode, spy_encode
+    try:
+        for i in range(0, len(reqs), batch):
+            part = dec.decode(DecodeBatch(reqs[i : i + batch], seed=seed))
+            tokens += sum(len(r.token_ids) for r in part)
+    finally:
+        del rt.decode, rt.encode_many
+    return {
+        "decoder": spec,
+        "canvas_length": bundle.canvas_length,
+        "tokens": tokens,
+        "requests": len(reqs),
+        "passes": passes,
+    }
+
+
+# --- replay ------------------------------------------------------------------------------------------
+@torch.no_grad()
+def replay(rt, schedule: dict, canvas_length: int, device: str, reps: int = 1) -> dict:
+    """Time the schedule's passes at `rt`'s shape with rows and context scaled by the canvas ratio."""
+    from canvasq.model.runtime import Window
+
+    scale = canvas_length / schedule["canvas_length"]
+    passes = schedule["passes"]
+    width = max(len(p["windows"]) for p in passes)
+    cap = max(int((w["ctx"] + w["rows"]) * scale) + 8 for p in passes for w in p["windows"])
+    arena = rt.new_arena(slots=width, capacity=cap)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for layer in range(arena.num_layers):  # random context K/V: only its length matters for cost
+        arena.k[layer].normal_(generator=None)
+        arena.v[layer].normal_(generator=None)
+    arena.pos[:] = torch.arange(cap, device=arena.pos.device)[None]
+    V = rt.vocab_size
+    rows_total = 0
+
+    def sync():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    best = None
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        for p in passes:
+            wins, items = [], []
+            for slot, w in enumerate(p["windows"]):
+                ctx, r = int(w["ctx"] * scale), max(1, round(w["rows"] * scale))
+                arena.length[slot] = ctx
+                ids = torch.randint(0, V, (r,), generator=g).to(device)
+                pos = torch.arange(ctx, ctx + r, device=device)
+                if p["kind"] == "encode":
+                    items.append((slot, ids, pos))
+                    continue
+                k = max(1, int(w["canvases"]))
+                blk = -(-r // k)
+                start = ctx + (torch.arange(r, device=device) // blk) * blk
+                end = torch.clamp(start + blk, max=ctx + r)
+                wins.append(Window(slot, ids, pos, start, end))
+                rows_total += r
+            if items:
+                rt.encode_many(arena, items)
+            if wins:
+                rt.decode(arena, wins)
+        sync()
+        dt = time.perf_counter() - t0
+        best = dt if best is None else min(best, dt)
+    tokens = schedule["tokens"] * scale
+    return {
+        "decoder": schedule["decoder"],
+        "label": "replayed",
+        "scale": scale,
+        "passes": len(passes),
+        "seconds": best,
+        "tokens_scaled": tokens,
+        "tok_s_replayed": tokens / best,
+        "ms_per_pass": 1e3 * best / len(passes),
+        "rows_per_pass": rows_total / max(reps, 1) / len(passes),
+    }
+
+
+def replay_mode(args) -> dict:
+    from canvasq.model.loading import load_bundle
+
+    testbed = load_bundle(args.model, device=args.record_device)
+    _, reqs = _requests(testbed, args.task, args.n, args.seed, args.max_tokens)
+    target = load_bundle(args.shape, device=args.device)
+    out = []
+    for bs in [int(x) for x in args.batches.split(",")]:
+        for spec in args.arms.split(";"):
+            sched = record(testbed, spec, reqs[: max(bs, args.n)], bs, args.seed)
+            rt = runtime_for(target.hf_model, args.experts)  # our runtime over the target's weights
+            res = replay(rt, sched, target.canvas_length, args.device, reps=args.reps)
+            res.update({"batch": bs, "requests": sched["requests"], "testbed_tokens": sched["tokens"]})
+            out.append(res)
+            print(
+                f"batch {bs:>3} {spec:<30} {res['tok_s_replayed']:9.1f} tok/s (replayed)  "
+                f"{res['ms_per_pass']:.1f} ms/pass",
+                file=sys.stderr,
+            )
+    return {
+        "mode": "replay",
+        "recorded_on": testbed.spec,
+        "shape": args.shape,
+        "device": args.device,
+        "experts": args.experts,
+        "task": args.task,
+        "n": args.n,
+        "seed": args.seed,
+        "rows": out,
+        "schedule": "replayed",
+    }
+
+
+def table(report: dict) -> str:
+    if report["mode"] == "batched":
+        head = "| arm | batch | n | acc | tok/s | fwd/req | tok/fwd | passes | tok/pass |\n|---|---|---|---|---|---|---|---|---|"
+        body = [
+            f"| {r['arm']} | {r['batch']} | {r['n']} | {r['acc']:.2f} | {r['tok_s']:.1f} | {r['fwd_per_req']:.1f} | "
+            f"{r['tok_per_fwd']:.2f} | {r['passes']} | {r['tok_per_pass']:.1f} |"
+            for r in report["rows"]
+        ]
+    else:
+        head = "| arm | batch | passes | ms/pass | rows/pass | tok/s (replayed) |\n|---|---|---|---|---|---|"
+        body = [
+            f"| {r['decoder']} | {r['batch']} | {r['passes']} | {r['ms_per_pass']:.2f} | {r['rows_per_pass']:.0f} | "
+            f"{r['tok_s_replayed']:.1f} |"
+            for r in report["rows"]
+        ]
+    return "\n".join([head, *body])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("mode", choices=["batched", "replay"])
+    ap.add_argument("--model", default=None, help="testbed checkpoint (default models/testbed)")
+    ap.add_argument("--arms", default="official;pipe;funnel", help="';'-separated decoder[:k=v,...]")
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--task", default="arith")
+    ap.add_argument("--n", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--record-device", default="cpu")
+    ap.add_argument("--shape", default="random:26b-a4b")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--experts", default="bf16", choices=["bf16", "w4"], help="replay: experts of the target")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    report = batched(args) if args.mode == "batched" else replay_mode(args)
+    report.update(
+        {
+            "host": platform.node(),
+            "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        }
+    )
+    print(table(report))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], f"decoders_{args.mode}.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

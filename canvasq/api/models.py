@@ -1,0 +1,168 @@
+"""SQLAlchemy 2 tables of the store. Counts are never stored: they are GROUP BY over these rows.
+
+runs ─< requests (UNIQUE run_id, custom_id) ─< outputs (same key, upserted) ─< forward_traces
+runs ─< chunks (attempts, lease) ─< requests.chunk_id ;  workers (host, device, model, heartbeat)
+
+Statuses
+  run:     queued → running → completed | cancelling → cancelled | expired
+  request: queued → done | errored | expired | cancelled          (terminal: all but queued)
+  chunk:   queued → running → done | failed
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import (
+    JSON,
+    DateTime,
+    Float,
+    ForeignKey,
+    ForeignKeyConstraint,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Named constraints so Alembic batch mode (SQLite) can drop and recreate them by name.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_N_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+RUN_ACTIVE = ("queued", "running", "cancelling")
+REQUEST_TERMINAL = ("done", "errored", "expired", "cancelled")
+REQUEST_STATUSES = ("queued", *REQUEST_TERMINAL)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC).replace(tzinfo=None)  # naive UTC in both dialects
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Run(Base):
+    __tablename__ = "runs"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str | None] = mapped_column(String(200))
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True)
+    model: Mapped[str] = mapped_column(String(500))
+    queue: Mapped[str] = mapped_column(String(200))
+    decoder: Mapped[str] = mapped_column(String(32), default="auto")
+    status: Mapped[str] = mapped_column(String(16), default="queued", index=True)
+    mode: Mapped[str] = mapped_column(String(16), default="queue")  # queue | embedded
+    input_path: Mapped[str | None] = mapped_column(Text)
+    input_sha256: Mapped[str | None] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime)
+    deadline_at: Mapped[datetime | None] = mapped_column(DateTime)
+
+
+class Chunk(Base):
+    __tablename__ = "chunks"
+    id: Mapped[str] = mapped_column(String(48), primary_key=True)  # "<run>-<seq>"
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    seq: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16), default="queued")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime)
+    published_at: Mapped[datetime | None] = mapped_column(DateTime)
+    worker_id: Mapped[str | None] = mapped_column(String(200))
+    last_error: Mapped[str | None] = mapped_column(Text)  # the last exception that ended a delivery
+    updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    __table_args__ = (UniqueConstraint("run_id", "seq"),)
+
+
+class Request(Base):
+    __tablename__ = "requests"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    custom_id: Mapped[str] = mapped_column(String(200))
+    line_no: Mapped[int] = mapped_column(Integer)
+    prompt: Mapped[str] = mapped_column(Text)
+    task: Mapped[str | None] = mapped_column(String(16))
+    max_tokens: Mapped[int] = mapped_column(Integer)
+    decoder: Mapped[str | None] = mapped_column(String(32))
+    chunk_id: Mapped[str | None] = mapped_column(ForeignKey("chunks.id", ondelete="SET NULL"), index=True)
+    status: Mapped[str] = mapped_column(String(16), default="queued")
+    updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    __table_args__ = (
+        UniqueConstraint("run_id", "custom_id"),
+        Index("ix_requests_run_id_status", "run_id", "status"),
+    )
+
+
+class Output(Base):
+    """One per (run, custom_id), written by upsert; errors live here too (error_code set)."""
+
+    __tablename__ = "outputs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(32))
+    custom_id: Mapped[str] = mapped_column(String(200))
+    text: Mapped[str | None] = mapped_column(Text)
+    token_ids: Mapped[list | None] = mapped_column(JSON)
+    finish_reason: Mapped[str | None] = mapped_column(String(16))
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    forwards: Mapped[int] = mapped_column(Integer, default=0)
+    decoder: Mapped[str | None] = mapped_column(String(32))
+    gen_ms: Mapped[float] = mapped_column(Float, default=0.0)  # this row's share of its batch's wall time
+    worker_id: Mapped[str | None] = mapped_column(String(200), index=True)
+    error_code: Mapped[str | None] = mapped_column(String(64))
+    error_message: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    __table_args__ = (
+        UniqueConstraint("run_id", "custom_id"),
+        ForeignKeyConstraint(
+            ["run_id", "custom_id"], ["requests.run_id", "requests.custom_id"], ondelete="CASCADE"
+        ),
+    )
+
+
+class ForwardTraceRow(Base):
+    """One model pass that served one request: rows in the window (G, whole batch), commits (τ),
+    canvases live and their states, ms; own_rows / own_commits are this request's part."""
+
+    __tablename__ = "forward_traces"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(32))
+    custom_id: Mapped[str] = mapped_column(String(200))
+    forward_index: Mapped[int] = mapped_column(Integer)
+    rows: Mapped[int] = mapped_column(Integer)
+    commits: Mapped[int] = mapped_column(Integer)
+    canvases: Mapped[int] = mapped_column(Integer)
+    states: Mapped[str] = mapped_column(String(200), default="")
+    ms: Mapped[float] = mapped_column(Float)
+    kind: Mapped[str] = mapped_column(String(16), default="decode")  # decode | encode
+    own_rows: Mapped[int | None] = mapped_column(Integer)  # this request's rows of the G above
+    own_commits: Mapped[int | None] = mapped_column(Integer)  # this request's share of τ
+    __table_args__ = (
+        UniqueConstraint("run_id", "custom_id", "forward_index"),
+        ForeignKeyConstraint(
+            ["run_id", "custom_id"], ["requests.run_id", "requests.custom_id"], ondelete="CASCADE"
+        ),
+    )
+
+
+class Worker(Base):
+    __tablename__ = "workers"
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)  # "<host>:<pid>"
+    host: Mapped[str] = mapped_column(String(200))
+    pid: Mapped[int] = mapped_column(Integer)
+    device: Mapped[str] = mapped_column(String(64))  # CUDA_VISIBLE_DEVICES or "cpu"
+    model: Mapped[str] = mapped_column(String(500))
+    queue: Mapped[str | None] = mapped_column(String(200))
+    started_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)

@@ -1,0 +1,436 @@
+"""Input lines, jobs and output lines.
+
+Flow: JSONL line → `SimpleLine` | `OpenAILine` (pydantic, line-numbered errors) → `Job` (api, CPU)
+→ DecodeBatch (worker) → ForwardInputs (model, GPU). Output rows come back as OpenAI batch output
+lines (`output_line`).
+
+`validate_file` streams the file once in binary, a line at a time with a length cap, so a
+100,000-line file costs the set of custom_ids plus one line, never the file. Every error is
+collected (up to `max_errors` kept, the rest counted); the caller enqueues nothing unless the
+report is clean. File-level errors (empty file) carry line 0.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+
+from canvasq.api.settings import DECODERS, RANDOM_MODELS, TASKS, Settings, model_name
+
+OPENAI_URLS = ("/v1/chat/completions",)
+
+
+# ---------------------------------------------------------------------------------------- input forms
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[ContentPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text or "" for p in self.content)
+
+    def non_text_parts(self) -> list[str]:
+        return [] if isinstance(self.content, str) else [p.type for p in self.content if p.type != "text"]
+
+
+class ChatBody(BaseModel):
+    model_config = ConfigDict(extra="allow")  # temperature, top_p, ... are accepted and ignored
+    model: StrictStr | None = None
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+
+
+class OpenAILine(BaseModel):
+    """`{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body": {...}}`."""
+
+    model_config = ConfigDict(extra="forbid")
+    custom_id: StrictStr
+    method: Literal["POST"]
+    url: StrictStr
+    body: ChatBody
+    # canvasq extensions (not in OpenAI's format): routing hint and decoder choice per line
+    task: StrictStr | None = None
+    decoder: StrictStr | None = None
+
+
+class SimpleLine(BaseModel):
+    """`{"custom_id", "prompt", "task", "max_tokens", "decoder"?}`."""
+
+    model_config = ConfigDict(extra="forbid")
+    custom_id: StrictStr
+    prompt: StrictStr
+    task: StrictStr | None = None
+    max_tokens: StrictInt | None = None
+    decoder: StrictStr | None = None
+    model: StrictStr | None = None
+
+
+@dataclass(frozen=True)
+class Job:
+    """One validated request (api, CPU side). `prompt` is the text the worker tokenises."""
+
+    custom_id: str
+    prompt: str
+    task: str | None
+    max_tokens: int
+    decoder: str | None  # None: the run's decoder
+    line_no: int
+
+
+# ---------------------------------------------------------------------------------------- validation
+
+
+@dataclass(frozen=True)
+class LineError:
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.message}" if self.line else self.message
+
+
+@dataclass
+class ValidationReport:
+    path: str
+    lines: int = 0
+    jobs: int = 0
+    errors: list[LineError] = field(default_factory=list)
+    errors_dropped: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and self.jobs > 0
+
+    @property
+    def error_count(self) -> int:
+        return len(self.errors) + self.errors_dropped
+
+    def summary(self) -> str:
+        head = f"{self.path}: {self.error_count} error(s) in {self.lines} line(s); nothing was enqueued"
+        body = "\n".join(f"  {e}" for e in self.errors)
+        more = f"\n  ... and {self.errors_dropped} more" if self.errors_dropped else ""
+        return f"{head}\n{body}{more}"
+
+
+class InputError(Exception):
+    """Raised by `load_jobs` / submission when the file has errors; carries the full report."""
+
+    def __init__(self, report: ValidationReport):
+        super().__init__(report.summary())
+        self.report = report
+
+
+@dataclass
+class Limits:
+    """What a line is checked against. Built from settings + the run's model (`Limits.for_model`)."""
+
+    max_tokens_limit: int = 4096
+    default_max_tokens: int = 256
+    max_custom_id_len: int = 64
+    max_line_bytes: int = 1 << 20
+    max_errors: int = 200
+    context_tokens: int | None = None  # the model's context (prompt + answer)
+    count_tokens: Callable[[str], int] | None = None  # None: prompt length is not checked
+    model_aliases: frozenset[str] = frozenset()  # accepted values of a line's "model" (empty: any)
+
+    @classmethod
+    def for_model(cls, settings: Settings, model: str | None = None) -> Limits:
+        spec = model or settings.model
+        ctx, counter = model_context(spec)
+        aliases = {spec, model_name(spec), "testbed", *RANDOM_MODELS}
+        return cls(
+            max_tokens_limit=min(settings.max_tokens_limit, ctx) if ctx else settings.max_tokens_limit,
+            default_max_tokens=settings.default_max_tokens,
+            max_custom_id_len=settings.max_custom_id_len,
+            max_line_bytes=settings.max_line_bytes,
+            max_errors=settings.max_errors,
+            context_tokens=ctx,
+            count_tokens=counter,
+            model_aliases=frozenset(aliases),
+        )
+
+
+_RANDOM_CONTEXT = {"random:26b-a4b": 131_072, "random:testbed": 1024}
+
+
+def model_context(spec: str) -> tuple[int | None, Callable[[str], int] | None]:
+    """(context tokens, token counter) read from a model directory without importing torch.
+
+    The counter uses the directory's `tokenizer.json` through `tokenizers` (a light Rust library);
+    without one, prompt length is not checked here and the worker's tokenizer is the judge.
+    """
+    if spec in _RANDOM_CONTEXT:
+        return _RANDOM_CONTEXT[spec], None
+    d = Path(spec)
+    ctx: int | None = None
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+        text_cfg = cfg.get("text_config", cfg)  # the config file's own layout, not our settings
+        ctx = int(text_cfg["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        ctx = None
+    if ctx is None:  # no config.json yet: the tokenizer's declared limit
+        try:
+            ctx = int(json.loads((d / "tokenizer_config.json").read_text())["model_max_length"])
+        except (OSError, ValueError, KeyError, TypeError):
+            ctx = None
+    counter = None
+    tok_file = d / "tokenizer.json"
+    if tok_file.is_file():
+        try:
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(str(tok_file))
+            counter = lambda text: len(tok.encode(text).ids)
+        except Exception:  # a tokenizer file we cannot read: leave the check to the worker
+            counter = None
+    return ctx, counter
+
+
+def _pydantic_errors(exc: ValidationError) -> list[str]:
+    """One readable message per field; union branches (`str`, `list[...]`) are folded together."""
+    out, seen = [], set()
+    for e in exc.errors(include_url=False):
+        parts = [str(p) for p in e["loc"]]
+        if any(p in ("str", "int") or "[" in p for p in parts):  # a union branch tag
+            parts = parts[: next(i for i, p in enumerate(parts) if p in ("str", "int") or "[" in p)]
+            e = {**e, "msg": "wrong type"}
+        loc = ".".join(parts) or "line"
+        if loc in seen:
+            continue
+        seen.add(loc)
+        kind = e["type"]
+        if kind == "missing":
+            out.append(f"missing field '{loc}'")
+        elif kind == "extra_forbidden":
+            out.append(f"unknown field '{loc}'")
+        elif kind == "literal_error" and loc == "method":
+            out.append(f"method must be \"POST\", got {e.get('input')!r}")
+        else:
+            out.append(f"field '{loc}': {e['msg']} (got {type(e.get('input')).__name__})")
+    return out
+
+
+def parse_line(obj: Any, line_no: int, limits: Limits) -> tuple[Job | None, list[str]]:
+    """Check one decoded JSON value; returns (job, []) or (None, messages)."""
+    if not isinstance(obj, dict):
+        return None, [f"expected a JSON object, got {type(obj).__name__}"]
+    is_openai = any(k in obj for k in ("body", "method", "url"))
+    try:
+        line = OpenAILine.model_validate(obj) if is_openai else SimpleLine.model_validate(obj)
+    except ValidationError as exc:
+        return None, _pydantic_errors(exc)
+
+    errors: list[str] = []
+    cid = line.custom_id
+    if not cid.strip():
+        errors.append("custom_id is empty")
+    elif len(cid) > limits.max_custom_id_len:
+        errors.append(f"custom_id is {len(cid)} characters; the limit is {limits.max_custom_id_len}")
+
+    if isinstance(line, OpenAILine):
+        if line.url not in OPENAI_URLS:
+            errors.append(f"unknown url {line.url!r}; supported: {', '.join(OPENAI_URLS)}")
+        msgs = line.body.messages
+        if not any(m.role == "user" for m in msgs):
+            errors.append("body.messages has no user turn")
+        for i, m in enumerate(msgs):
+            if m.non_text_parts():
+                errors.append(f"body.messages.{i}: only text content is supported (got {m.non_text_parts()[0]!r})")
+        prompt = "\n\n".join(m.text() for m in msgs)  # the conversation, in order
+        max_tokens = line.body.max_tokens if line.body.max_tokens is not None else line.body.max_completion_tokens
+        model = line.body.model
+    else:
+        prompt = line.prompt
+        max_tokens = line.max_tokens
+        model = line.model
+
+    if not prompt.strip():
+        errors.append("prompt is empty")
+    if line.task is not None and line.task not in TASKS:
+        errors.append(f"unknown task {line.task!r}; known: {', '.join(TASKS)}")
+    if line.decoder is not None and line.decoder not in DECODERS:
+        errors.append(f"unknown decoder {line.decoder!r}; known: {', '.join(DECODERS)}")
+    if model is not None and limits.model_aliases and model not in limits.model_aliases:
+        errors.append(f"unknown model {model!r}; this run serves {min(limits.model_aliases)!r}")
+
+    if max_tokens is None:
+        max_tokens = limits.default_max_tokens
+    elif max_tokens <= 0:
+        errors.append(f"max_tokens must be positive, got {max_tokens}")
+    elif max_tokens > limits.max_tokens_limit:
+        errors.append(f"max_tokens {max_tokens} is beyond the limit {limits.max_tokens_limit}")
+
+    # Tokens never outnumber UTF-8 bytes (+ a few specials), so only long prompts pay for counting.
+    if (prompt.strip() and limits.count_tokens is not None and limits.context_tokens is not None
+            and len(prompt.encode("utf-8")) + 8 >= limits.context_tokens):
+        n = limits.count_tokens(prompt)
+        if n >= limits.context_tokens:
+            errors.append(f"prompt is {n} tokens; the model context is {limits.context_tokens}")
+    if errors:
+        return None, errors
+    return Job(cid, prompt, line.task, max_tokens, line.decoder, line_no), []
+
+
+def _read_lines(fh, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+    """Yield (line_no, raw bytes without newline) or (line_no, None) for an over-long line,
+    never holding more than `max_line_bytes` of one line."""
+    line_no = 0
+    while True:
+        raw = fh.readline(max_line_bytes + 1)
+        if not raw:
+            return
+        line_no += 1
+        if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+            while True:  # skip the rest of this line in bounded pieces
+                rest = fh.readline(1 << 16)
+                if not rest or rest.endswith(b"\n"):
+                    break
+            yield line_no, None
+            continue
+        yield line_no, raw.rstrip(b"\r\n")
+
+
+def iter_validated(path: str | Path, limits: Limits, report: ValidationReport) -> Iterator[Job]:
+    """Stream `path`, yielding valid Jobs and recording every error in `report`."""
+    seen: dict[str, int] = {}  # custom_id -> first line: the only state that grows with the file
+
+    def err(line: int, msg: str) -> None:
+        if len(report.errors) < limits.max_errors:
+            report.errors.append(LineError(line, msg))
+        else:
+            report.errors_dropped += 1
+
+    with open(path, "rb") as fh:
+        head = fh.read(8192)
+        if b"\x00" in head:  # a binary (or UTF-16) file: one error, not one per line of garbage
+            report.lines = 1
+            offset = head.index(b"\x00")
+            err(1, f"binary data (NUL byte at byte offset {offset}); expected UTF-8 JSON lines")
+            return
+        fh.seek(0)
+        for line_no, raw in _read_lines(fh, limits.max_line_bytes):
+            report.lines = line_no
+            if raw is None:
+                err(line_no, f"line is longer than {limits.max_line_bytes} bytes")
+                continue
+            if b"\x00" in raw:
+                err(line_no, "binary data (NUL byte); expected UTF-8 JSON lines")
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                err(line_no, f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})")
+                continue
+            if text.startswith("\ufeff") and line_no == 1:
+                text = text[1:]
+            if not text.strip():
+                err(line_no, "blank line; every line must be one JSON request")
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as exc:
+                err(line_no, f"malformed JSON: {exc.msg} (column {exc.colno})")
+                continue
+            job, msgs = parse_line(obj, line_no, limits)
+            cid = obj.get("custom_id") if isinstance(obj, dict) else None
+            if isinstance(cid, str) and cid:
+                first = seen.get(cid)
+                if first is not None:
+                    msgs = [*msgs, f"duplicate custom_id {cid!r} (first on line {first})"]
+                    job = None
+                else:
+                    seen[cid] = line_no
+            for m in msgs:
+                err(line_no, m)
+            if job is not None:
+                report.jobs += 1
+                yield job
+    if report.lines == 0:
+        err(0, "file is empty: no requests")
+
+
+def validate_file(path: str | Path, limits: Limits) -> ValidationReport:
+    """One streaming pass; the report lists every error (nothing is kept but ids and errors)."""
+    report = ValidationReport(str(path))
+    for _ in iter_validated(path, limits, report):
+        pass
+    return report
+
+
+def iter_jobs(path: str | Path, limits: Limits) -> Iterator[Job]:
+    """Jobs of a file already validated clean; raises InputError if it changed underneath."""
+    report = ValidationReport(str(path))
+    yield from iter_validated(path, limits, report)
+    if report.errors or report.errors_dropped:
+        raise InputError(report)
+
+
+# ---------------------------------------------------------------------------------------- output lines
+
+
+def output_line(
+    *,
+    custom_id: str,
+    model: str,
+    text: str | None = None,
+    finish_reason: str | None = None,
+    prompt_tokens: int = 0,
+    completion_tokens: int = 0,
+    error_code: str | None = None,
+    error_message: str | None = None,
+    request_id: str | None = None,
+    created: float | None = None,
+    extra_usage: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One OpenAI batch output line. Errors: `response` null, `error` {code, message}."""
+    rid = request_id or uuid.uuid4().hex
+    line: dict[str, Any] = {"id": f"batch_req_{rid}", "custom_id": custom_id}
+    if error_code is not None:
+        line["response"] = None
+        line["error"] = {"code": error_code, "message": error_message or error_code}
+        return line
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        **(extra_usage or {}),
+    }
+    line["response"] = {
+        "status_code": 200,
+        "request_id": rid,
+        "body": {
+            "id": f"chatcmpl-{rid}",
+            "object": "chat.completion",
+            "created": int(created if created is not None else time.time()),
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text or ""},
+                    "finish_reason": finish_reason,
+                }
+            ],
+            "usage": usage,
+        },
+    }
+    line["error"] = None
+    return line

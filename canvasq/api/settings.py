@@ -1,0 +1,125 @@
+"""One typed settings object for the whole service, fed from `CANVASQ_*` environment variables.
+
+    CANVASQ_DATABASE_URL   SQLAlchemy URL (default: SQLite file ./canvasq.sqlite)
+    CANVASQ_BROKER_URL     Celery broker (default redis://localhost:6379/0)
+    CANVASQ_MODEL          model spec: HF directory or random:26b-a4b (default: the repo's models/testbed)
+    CANVASQ_ROUTING        JSON object task -> decoder, overrides `--decoder auto` routing
+    CANVASQ_CHUNK_SIZE, CANVASQ_SOFT_TIME_LIMIT, CANVASQ_HARD_TIME_LIMIT,
+    CANVASQ_VISIBILITY_TIMEOUT, CANVASQ_MAX_ATTEMPTS, ...  (see the fields below)
+
+Import cost: pydantic only. Nothing here touches torch, Celery or SQLAlchemy engines.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # .../canvasq
+REPO_ROOT = PACKAGE_ROOT.parent
+DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "testbed"
+
+DECODERS = ("auto", "official", "pipe", "funnel")
+TASKS = ("math", "code")
+RANDOM_MODELS = ("random:26b-a4b", "random:testbed")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CANVASQ_", extra="ignore")
+
+    database_url: str = "sqlite:///canvasq.sqlite"
+    broker_url: str = "redis://localhost:6379/0"
+    model: str = str(DEFAULT_MODEL_DIR)
+    # task -> decoder; replaces the built-in routing of `--decoder auto` for the listed tasks.
+    routing: dict[str, str] = Field(default_factory=dict)
+
+    chunk_size: int = Field(16, ge=1, le=10_000)
+    # Ordering enforced at worker start: visibility_timeout > hard_time_limit > soft_time_limit
+    # (celery#5935: a shorter visibility timeout makes Redis redeliver a still-running chunk).
+    soft_time_limit: int = Field(1800, ge=1)
+    hard_time_limit: int = Field(2100, ge=1)
+    visibility_timeout: int = Field(3600, ge=1)
+    max_attempts: int = Field(3, ge=1)  # past this many deliveries a chunk's unfinished rows are worker_lost
+    heartbeat_s: float = Field(15.0, gt=0)
+    run_deadline_s: int | None = Field(None, ge=1)  # default deadline for new runs (None: none)
+    sqlite_busy_timeout_ms: int = Field(30_000, ge=0)
+
+    # input validation limits
+    max_tokens_limit: int = Field(4096, ge=1)
+    default_max_tokens: int = Field(256, ge=1)
+    max_custom_id_len: int = Field(64, ge=1)
+    max_line_bytes: int = Field(1 << 20, ge=1024)
+    max_errors: int = Field(200, ge=1)  # errors kept for the report; the rest are counted
+
+    queue_prefix: str = "canvasq"
+    device: str = "auto"  # worker device: auto (cuda when visible, else cpu) | cpu | cuda | cuda:N
+    decode_batch_size: int = Field(8, ge=1)  # prompts decoded together; results persisted per batch
+    seed: int = 0
+    gpu_slots: int | None = Field(None, ge=1)  # `worker --gpu auto`: GPUs on this host to share out
+    gpu_host: str | None = None  # the physical host's name for slot keys (containers differ in hostname)
+    torch_threads: int | None = Field(None, ge=1)  # CPU workers: threads per process (None: torch's default)
+
+    @field_validator("routing")
+    @classmethod
+    def _known_decoders(cls, v: dict[str, str]) -> dict[str, str]:
+        for task, dec in v.items():
+            if dec not in DECODERS[1:]:
+                raise ValueError(f"routing[{task!r}] = {dec!r}: decoder must be one of {DECODERS[1:]}")
+        return v
+
+    def check_time_limits(self) -> None:
+        """Raise ValueError unless visibility_timeout > hard_time_limit > soft_time_limit."""
+        if not (self.visibility_timeout > self.hard_time_limit > self.soft_time_limit):
+            raise ValueError(
+                "time limits out of order: need visibility_timeout > hard_time_limit > soft_time_limit, got "
+                f"visibility_timeout={self.visibility_timeout}, hard_time_limit={self.hard_time_limit}, "
+                f"soft_time_limit={self.soft_time_limit} (a shorter visibility timeout makes Redis "
+                "deliver a running chunk twice, celery#5935)"
+            )
+
+    def queue_for(self, model: str | None = None) -> str:
+        return queue_name(model or self.model, self.queue_prefix)
+
+    def describe(self) -> dict[str, str]:
+        """Printable view, passwords masked."""
+        return {
+            "database_url": mask_url(self.database_url),
+            "broker_url": mask_url(self.broker_url),
+            "model": self.model,
+            "queue": self.queue_for(),
+        }
+
+
+def model_name(spec: str) -> str:
+    """Short name of a model spec: directory basename or the random:* spec itself."""
+    if spec.startswith("random:"):
+        return spec
+    return Path(spec.rstrip("/")).name or spec
+
+
+def queue_name(model: str, prefix: str = "canvasq") -> str:
+    """One queue per model: workers of one model never receive another model's chunks."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", model_name(model)).strip("-").lower() or "model"
+    return f"{prefix}.{slug}"
+
+
+_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^:/@\s]*:)(?P<pw>[^@\s]*)(?P<tail>@)")
+
+
+def mask_url(url: str) -> str:
+    """`postgresql://u:secret@h/db` -> `postgresql://u:***@h/db`; URLs without a password unchanged."""
+    return _URL_PASSWORD.sub(lambda m: f"{m['head']}***{m['tail']}", url)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()
+
+
+def reload_settings() -> Settings:
+    get_settings.cache_clear()
+    return get_settings()

@@ -1,0 +1,652 @@
+"""The SQL store: engine set-up, idempotent writes, and every query the CLI and workers ask.
+
+Exactly-once outputs over at-least-once delivery: a result is written only while its request row is
+still `queued` (a conditional UPDATE decides, inside the same transaction as the output upsert), so
+a redelivered or duplicated chunk writes nothing new. Counts, tokens and throughput are GROUP BY over
+rows. Run and request rows are committed before any chunk is published (outbox; `reconcile` publishes
+what a crash left unpublished).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, and_, case, create_engine, delete, event, func, insert, select, update
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from canvasq.api.models import (
+    REQUEST_STATUSES,
+    REQUEST_TERMINAL,
+    RUN_ACTIVE,
+    Base,
+    Chunk,
+    ForwardTraceRow,
+    Output,
+    Request,
+    Run,
+    Worker,
+    utcnow,
+)
+from canvasq.api.schemas import Job
+from canvasq.api.settings import REPO_ROOT
+
+MIGRATIONS_DIR = REPO_ROOT / "migrations"
+
+
+# ---------------------------------------------------------------------------------------- engine
+
+
+def make_engine(url: str, busy_timeout_ms: int = 30_000, echo: bool = False) -> Engine:
+    """An engine; for SQLite every connection gets WAL, busy_timeout and foreign_keys=ON, and every
+    transaction starts with BEGIN IMMEDIATE so concurrent writer processes queue on the lock instead
+    of failing a read→write upgrade with "database is locked"."""
+    if url.startswith("sqlite"):
+        engine = create_engine(url, echo=echo, connect_args={"timeout": busy_timeout_ms / 1000})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn, _record):
+            dbapi_conn.isolation_level = None  # we issue BEGIN ourselves (below)
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _begin_immediate(conn):
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    return create_engine(url, echo=echo, pool_pre_ping=True)
+
+
+def alembic_config(url: str):
+    from alembic.config import Config
+
+    cfg = Config(str(REPO_ROOT / "alembic.ini")) if (REPO_ROOT / "alembic.ini").exists() else Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    cfg.attributes["canvasq_url"] = url
+    return cfg
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    from alembic import command
+
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str = "base") -> None:
+    from alembic import command
+
+    command.downgrade(alembic_config(url), revision)
+
+
+def current_revision(engine: Engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def head_revision() -> str | None:
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+
+
+class SchemaOutOfDate(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+
+def upsert(session: Session, model, rows: Sequence[dict], keys: Sequence[str], update_cols: Sequence[str]):
+    """INSERT ... ON CONFLICT (keys) DO UPDATE, in the session's dialect."""
+    if not rows:
+        return
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as dialect_insert
+    elif dialect == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert as dialect_insert
+    else:  # pragma: no cover - only the two tested dialects are supported
+        raise NotImplementedError(dialect)
+    stmt = dialect_insert(model).values(list(rows))
+    if update_cols:
+        stmt = stmt.on_conflict_do_update(
+            index_elements=list(keys), set_={c: getattr(stmt.excluded, c) for c in update_cols}
+        )
+    else:
+        stmt = stmt.on_conflict_do_nothing(index_elements=list(keys))
+    session.execute(stmt)
+
+
+def retry_transient(fn: Callable[[], Any], attempts: int = 6, base_s: float = 0.5) -> Any:
+    """Retry a persistence call on connection-level errors with exponential backoff (a database
+    that refuses connections briefly); deterministic errors are raised at once."""
+    for i in range(attempts):
+        try:
+            return fn()
+        except (OperationalError, DBAPIError) as exc:
+            if i == attempts - 1 or not (isinstance(exc, OperationalError) or exc.connection_invalidated):
+                raise
+            time.sleep(base_s * (2**i))
+    return None  # unreachable
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def new_run_id() -> str:
+    return "run_" + uuid.uuid4().hex[:16]
+
+
+# ---------------------------------------------------------------------------------------- records
+
+
+@dataclass
+class ResultRecord:
+    """What the worker hands to the store for one request (from a DecodeResult)."""
+
+    custom_id: str
+    text: str | None = None
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    forwards: int = 0
+    decoder: str | None = None
+    gen_ms: float = 0.0
+    error_code: str | None = None
+    error_message: str | None = None
+    status: str = "done"  # done | errored | cancelled
+    traces: list[dict] = field(default_factory=list)  # forward_index, rows, commits, canvases, states, ms, kind
+
+
+@dataclass
+class RunCreated:
+    run_id: str
+    created: bool  # False: the idempotency key matched an existing run
+    chunk_ids: list[str]
+    requests: int
+
+
+@dataclass
+class ClaimedChunk:
+    """A chunk claimed for work. `state`: 'work' (rows to do), 'empty' (all done: a redelivery),
+    'exhausted' (attempts past the cap: rows marked worker_lost), 'cancelled', 'missing'."""
+
+    state: str
+    chunk_id: str
+    run_id: str | None = None
+    model: str | None = None
+    run_decoder: str | None = None
+    attempts: int = 0
+    requests: list[dict] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------- store
+
+
+class Store:
+    def __init__(self, url: str, busy_timeout_ms: int = 30_000):
+        self.url = url
+        self.engine = make_engine(url, busy_timeout_ms)
+        self.Session = sessionmaker(self.engine, expire_on_commit=False)
+
+    @classmethod
+    def from_settings(cls, settings) -> Store:
+        return cls(settings.database_url, settings.sqlite_busy_timeout_ms)
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+    # -- schema ------------------------------------------------------------------------------------
+    def upgrade(self) -> None:
+        upgrade(self.url)
+
+    def check_schema(self) -> None:
+        cur, head = current_revision(self.engine), head_revision()
+        if cur != head:
+            raise SchemaOutOfDate(
+                f"database schema is at {cur or 'nothing'}, code expects {head}: run `canvasq db upgrade`"
+            )
+
+    # -- submission -------------------------------------------------------------------------------
+    def create_run(
+        self,
+        jobs: Iterable[Job],
+        *,
+        model: str,
+        queue: str,
+        decoder: str = "auto",
+        chunk_size: int = 16,
+        name: str | None = None,
+        idempotency_key: str | None = None,
+        input_path: str | None = None,
+        input_sha256: str | None = None,
+        mode: str = "queue",
+        deadline_s: int | None = None,
+        batch_rows: int = 1000,
+    ) -> RunCreated:
+        """Insert the run, its chunks and its requests in one transaction (streamed in batches)."""
+        with self.Session.begin() as s:
+            if idempotency_key:
+                existing = s.scalar(select(Run).where(Run.idempotency_key == idempotency_key))
+                if existing is not None:
+                    chunk_ids = list(s.scalars(select(Chunk.id).where(Chunk.run_id == existing.id)))
+                    n = s.scalar(select(func.count()).where(Request.run_id == existing.id))
+                    return RunCreated(existing.id, False, chunk_ids, n or 0)
+            run_id = new_run_id()
+            now = utcnow()
+            s.add(
+                Run(
+                    id=run_id,
+                    name=name,
+                    idempotency_key=idempotency_key,
+                    model=model,
+                    queue=queue,
+                    decoder=decoder,
+                    status="queued",
+                    mode=mode,
+                    input_path=input_path,
+                    input_sha256=input_sha256,
+                    created_at=now,
+                    updated_at=now,
+                    deadline_at=now + timedelta(seconds=deadline_s) if deadline_s else None,
+                )
+            )
+            s.flush()
+            chunk_ids: list[str] = []
+            buf: list[dict] = []
+            n = 0
+            for job in jobs:
+                seq = n // chunk_size
+                if seq == len(chunk_ids):
+                    cid = f"{run_id}-{seq:05d}"
+                    s.execute(insert(Chunk).values(id=cid, run_id=run_id, seq=seq, status="queued",
+                                                   attempts=0, updated_at=now))
+                    chunk_ids.append(cid)
+                buf.append(
+                    dict(run_id=run_id, custom_id=job.custom_id, line_no=job.line_no, prompt=job.prompt,
+                         task=job.task, max_tokens=job.max_tokens, decoder=job.decoder,
+                         chunk_id=chunk_ids[seq], status="queued", updated_at=now)
+                )
+                n += 1
+                if len(buf) >= batch_rows:
+                    s.execute(insert(Request), buf)
+                    buf.clear()
+            if buf:
+                s.execute(insert(Request), buf)
+            if n == 0:
+                raise ValueError("a run needs at least one request")
+        return RunCreated(run_id, True, chunk_ids, n)
+
+    def mark_published(self, chunk_ids: Sequence[str]) -> None:
+        if not chunk_ids:
+            return
+        with self.Session.begin() as s:
+            s.execute(update(Chunk).where(Chunk.id.in_(list(chunk_ids))).values(published_at=utcnow()))
+
+    def unpublished_chunks(self, run_id: str | None = None) -> list[tuple[str, str]]:
+        """(chunk_id, queue) of queued chunks never published (outbox leftovers)."""
+        with self.Session() as s:
+            q = (
+                select(Chunk.id, Run.queue)
+                .join(Run, Run.id == Chunk.run_id)
+                .where(Chunk.status == "queued", Chunk.published_at.is_(None))
+            )
+            if run_id:
+                q = q.where(Chunk.run_id == run_id)
+            return [(r[0], r[1]) for r in s.execute(q.order_by(Chunk.id))]
+
+    # -- worker side ------------------------------------------------------------------------------
+    def claim_chunk(self, chunk_id: str, worker_id: str, lease_s: int, max_attempts: int) -> ClaimedChunk:
+        """Count this delivery (attempts in SQL: Celery does not cap redelivery, celery#9082) and
+        return the chunk's unfinished rows. Past `max_attempts` the rows become errored/worker_lost."""
+        now = utcnow()
+        with self.Session.begin() as s:
+            row = s.execute(
+                select(Chunk, Run).join(Run, Run.id == Chunk.run_id).where(Chunk.id == chunk_id)
+            ).first()
+            if row is None:
+                return ClaimedChunk("missing", chunk_id)
+            chunk, run = row
+            attempts = chunk.attempts + 1
+            s.execute(
+                update(Chunk)
+                .where(Chunk.id == chunk_id)
+                .values(attempts=Chunk.attempts + 1, status="running", worker_id=worker_id,
+                        lease_expires_at=now + timedelta(seconds=lease_s), updated_at=now)
+            )
+            claimed = ClaimedChunk("work", chunk_id, run.id, run.model, run.decoder, attempts)
+            if run.status in ("cancelling", "cancelled", "expired"):
+                status = "expired" if run.status == "expired" else "cancelled"
+                self._close_rows(s, chunk_id, run.id, status, status, f"run {run.status}")
+                claimed.state = "cancelled"
+                return claimed
+            if attempts > max_attempts:
+                self._close_rows(
+                    s, chunk_id, run.id, "errored", "worker_lost",
+                    f"chunk delivered {attempts} times without finishing (max_attempts={max_attempts})",
+                )
+                s.execute(update(Chunk).where(Chunk.id == chunk_id).values(status="failed", updated_at=now))
+                claimed.state = "exhausted"
+                return claimed
+            if run.status == "queued":
+                s.execute(update(Run).where(Run.id == run.id, Run.status == "queued")
+                          .values(status="running", started_at=now, updated_at=now))
+            reqs = s.execute(
+                select(Request.custom_id, Request.prompt, Request.task, Request.max_tokens, Request.decoder)
+                .where(Request.chunk_id == chunk_id, Request.status == "queued")
+                .order_by(Request.line_no)
+            ).all()
+            claimed.requests = [r._asdict() for r in reqs]
+            if not reqs:
+                claimed.state = "empty"
+            return claimed
+
+    def close_chunk_rows(self, chunk_id: str, run_id: str, status: str, code: str, message: str) -> int:
+        with self.Session.begin() as s:
+            return self._close_rows(s, chunk_id, run_id, status, code, message)
+
+    def record_chunk_error(self, chunk_id: str, message: str) -> None:
+        with self.Session.begin() as s:
+            s.execute(update(Chunk).where(Chunk.id == chunk_id).values(last_error=message[:4000], updated_at=utcnow()))
+
+    def _close_rows(self, s: Session, chunk_id: str, run_id: str, status: str, code: str, message: str) -> int:
+        """Unfinished rows of a chunk → terminal `status`, with an error output line each."""
+        ids = list(s.scalars(select(Request.custom_id).where(Request.chunk_id == chunk_id,
+                                                              Request.status == "queued")))
+        if not ids:
+            return 0
+        now = utcnow()
+        s.execute(update(Request).where(Request.run_id == run_id, Request.custom_id.in_(ids),
+                                        Request.status == "queued").values(status=status, updated_at=now))
+        upsert(
+            s, Output,
+            [dict(run_id=run_id, custom_id=c, error_code=code, error_message=message, text=None,
+                  created_at=now, updated_at=now) for c in ids],
+            ("run_id", "custom_id"), ("error_code", "error_message", "text", "updated_at"),
+        )
+        return len(ids)
+
+    def write_results(self, run_id: str, records: Sequence[ResultRecord], worker_id: str | None = None) -> int:
+        """Store results of requests still `queued`; returns how many were written (0 on a
+        duplicate delivery). One transaction: request status, output upsert, traces."""
+        written = 0
+        now = utcnow()
+        with self.Session.begin() as s:
+            for r in records:
+                res = s.execute(
+                    update(Request)
+                    .where(Request.run_id == run_id, Request.custom_id == r.custom_id, Request.status == "queued")
+                    .values(status=r.status, updated_at=now)
+                )
+                if res.rowcount != 1:
+                    continue  # already terminal: a redelivery or a late duplicate
+                written += 1
+                vals = dict(
+                    run_id=run_id, custom_id=r.custom_id, text=r.text, token_ids=r.token_ids,
+                    finish_reason=r.finish_reason, prompt_tokens=r.prompt_tokens,
+                    completion_tokens=r.completion_tokens, forwards=r.forwards, decoder=r.decoder,
+                    gen_ms=r.gen_ms, worker_id=worker_id, error_code=r.error_code,
+                    error_message=r.error_message, created_at=now, updated_at=now,
+                )
+                upsert(s, Output, [vals], ("run_id", "custom_id"),
+                       [k for k in vals if k not in ("run_id", "custom_id", "created_at")])
+                s.execute(delete(ForwardTraceRow).where(ForwardTraceRow.run_id == run_id,
+                                                        ForwardTraceRow.custom_id == r.custom_id))
+                if r.traces:
+                    s.execute(insert(ForwardTraceRow),
+                              [dict(run_id=run_id, custom_id=r.custom_id, **t) for t in r.traces])
+        return written
+
+    def finish_chunk(self, chunk_id: str) -> None:
+        with self.Session.begin() as s:
+            s.execute(update(Chunk).where(Chunk.id == chunk_id).values(status="done", updated_at=utcnow()))
+
+    def run_status(self, run_id: str) -> str | None:
+        with self.Session() as s:
+            return s.scalar(select(Run.status).where(Run.id == run_id))
+
+    def finalize_run(self, run_id: str) -> str | None:
+        """If no row is left queued: cancelling → cancelled, queued/running → completed."""
+        now = utcnow()
+        with self.Session.begin() as s:
+            left = s.scalar(select(func.count()).where(Request.run_id == run_id, Request.status == "queued"))
+            if left:
+                return None
+            s.execute(update(Run).where(Run.id == run_id, Run.status == "cancelling")
+                      .values(status="cancelled", finished_at=now, updated_at=now))
+            s.execute(update(Run).where(Run.id == run_id, Run.status.in_(("queued", "running")))
+                      .values(status="completed", finished_at=now, updated_at=now))
+            return s.scalar(select(Run.status).where(Run.id == run_id))
+
+    def register_worker(self, worker_id: str, host: str, pid: int, device: str, model: str,
+                        queue: str | None) -> None:
+        now = utcnow()
+        with self.Session.begin() as s:
+            upsert(s, Worker, [dict(id=worker_id, host=host, pid=pid, device=device, model=model, queue=queue,
+                                    started_at=now, heartbeat_at=now)],
+                   ("id",), ("host", "pid", "device", "model", "queue", "heartbeat_at"))
+
+    def heartbeat(self, worker_id: str) -> None:
+        with self.Session.begin() as s:
+            s.execute(update(Worker).where(Worker.id == worker_id).values(heartbeat_at=utcnow()))
+
+    # -- control ----------------------------------------------------------------------------------
+    def cancel_run(self, run_id: str) -> str | None:
+        """Flag the run `cancelling`; rows of chunks no worker holds are cancelled now. Running
+        chunks see the flag between decoder steps."""
+        now = utcnow()
+        with self.Session.begin() as s:
+            s.execute(update(Run).where(Run.id == run_id, Run.status.in_(RUN_ACTIVE))
+                      .values(status="cancelling", updated_at=now))
+            for cid in s.scalars(select(Chunk.id).where(Chunk.run_id == run_id, Chunk.status == "queued")):
+                self._close_rows(s, cid, run_id, "cancelled", "cancelled", "run cancelled")
+        self.finalize_run(run_id)
+        return self.run_status(run_id)
+
+    def retry_run(self, run_id: str, only: Sequence[str], chunk_size: int) -> list[str]:
+        """Re-queue rows whose status is in `only` into new chunks; returns the new chunk ids."""
+        now = utcnow()
+        with self.Session.begin() as s:
+            ids = list(s.scalars(select(Request.custom_id)
+                                 .where(Request.run_id == run_id, Request.status.in_(list(only)))
+                                 .order_by(Request.line_no)))
+            if not ids:
+                return []
+            base = (s.scalar(select(func.max(Chunk.seq)).where(Chunk.run_id == run_id)) or 0) + 1
+            chunk_ids = []
+            for i in range(0, len(ids), chunk_size):
+                seq = base + i // chunk_size
+                cid = f"{run_id}-{seq:05d}"
+                s.execute(insert(Chunk).values(id=cid, run_id=run_id, seq=seq, status="queued",
+                                               attempts=0, updated_at=now))
+                s.execute(update(Request)
+                          .where(Request.run_id == run_id, Request.custom_id.in_(ids[i:i + chunk_size]))
+                          .values(status="queued", chunk_id=cid, updated_at=now))
+                chunk_ids.append(cid)
+            run = s.get(Run, run_id)
+            # A retry gets a fresh deadline of the original length; the old, passed one would make the
+            # next reconcile pass expire the retried rows again at once.
+            deadline = now + (run.deadline_at - run.created_at) if run and run.deadline_at else None
+            s.execute(update(Run).where(Run.id == run_id)
+                      .values(status="queued", finished_at=None, updated_at=now, deadline_at=deadline))
+            return chunk_ids
+
+    def expire_overdue(self, now: datetime | None = None) -> list[str]:
+        """Runs past their deadline: unfinished rows `expired` (finished rows stay), run `expired`."""
+        now = now or utcnow()
+        with self.Session.begin() as s:
+            runs = list(s.scalars(select(Run.id).where(Run.status.in_(RUN_ACTIVE), Run.deadline_at.is_not(None),
+                                                       Run.deadline_at < now)))
+            for run_id in runs:
+                for cid in s.scalars(select(Chunk.id).where(Chunk.run_id == run_id)):
+                    self._close_rows(s, cid, run_id, "expired", "expired", "run passed its deadline")
+                s.execute(update(Run).where(Run.id == run_id)
+                          .values(status="expired", finished_at=now, updated_at=now))
+            return runs
+
+    def stale_chunks(self, now: datetime | None = None) -> list[tuple[str, str]]:
+        """(chunk_id, queue) of running chunks whose lease expired with rows still queued."""
+        now = now or utcnow()
+        with self.Session() as s:
+            q = (
+                select(Chunk.id, Run.queue)
+                .join(Run, Run.id == Chunk.run_id)
+                .where(Chunk.status == "running", Chunk.lease_expires_at < now, Run.status.in_(RUN_ACTIVE))
+            )
+            return [(r[0], r[1]) for r in s.execute(q)]
+
+    def active_runs(self) -> list[str]:
+        with self.Session() as s:
+            return list(s.scalars(select(Run.id).where(Run.status.in_(RUN_ACTIVE))))
+
+    # -- queries ----------------------------------------------------------------------------------
+    def get_run(self, run_id: str) -> Run | None:
+        with self.Session() as s:
+            run = s.get(Run, run_id)
+            if run is None:  # accept a unique prefix too
+                matches = list(s.scalars(select(Run).where(Run.id.like(f"{run_id}%")).limit(2)))
+                run = matches[0] if len(matches) == 1 else None
+            return run
+
+    def counts(self, run_id: str) -> dict[str, int]:
+        with self.Session() as s:
+            rows = s.execute(select(Request.status, func.count()).where(Request.run_id == run_id)
+                             .group_by(Request.status)).all()
+        out = {k: 0 for k in REQUEST_STATUSES}
+        out.update({st: n for st, n in rows})
+        out["total"] = sum(n for _, n in rows)
+        return out
+
+    def run_summary(self, run_id: str) -> dict[str, Any]:
+        """Counts, tokens, forwards and throughput for one run (all from rows)."""
+        run = self.get_run(run_id)
+        if run is None:
+            raise KeyError(run_id)
+        counts = self.counts(run.id)
+        with self.Session() as s:
+            agg = s.execute(
+                select(func.count(), func.coalesce(func.sum(Output.completion_tokens), 0),
+                       func.coalesce(func.sum(Output.prompt_tokens), 0),
+                       func.coalesce(func.sum(Output.forwards), 0), func.coalesce(func.sum(Output.gen_ms), 0.0),
+                       func.max(Output.updated_at))
+                .where(Output.run_id == run.id, Output.error_code.is_(None))
+            ).one()
+            per_dec = s.execute(
+                select(Output.decoder, func.count(), func.sum(Output.completion_tokens), func.sum(Output.forwards),
+                       func.sum(Output.gen_ms))
+                .where(Output.run_id == run.id, Output.error_code.is_(None))
+                .group_by(Output.decoder).order_by(Output.decoder)
+            ).all()
+        _, tokens, ptoks, forwards, gen_ms, last = agg
+        end = run.finished_at or (last if run.status not in RUN_ACTIVE else utcnow())
+        wall = (end - run.started_at).total_seconds() if run.started_at and end else 0.0
+        done = counts["total"] - counts["queued"]
+        eta = (wall / done) * counts["queued"] if done and counts["queued"] and wall > 0 else None
+        return {
+            "run_id": run.id, "name": run.name, "status": run.status, "model": run.model, "queue": run.queue,
+            "decoder": run.decoder, "created_at": run.created_at.isoformat(timespec="seconds"),
+            "counts": counts, "completion_tokens": int(tokens), "prompt_tokens": int(ptoks),
+            "forwards": int(forwards), "gen_s": float(gen_ms) / 1000, "wall_s": wall,
+            "tok_s": (tokens / wall) if wall > 0 else None, "eta_s": eta,
+            "decoders": [
+                {"decoder": d or "?", "requests": n, "tokens": int(t or 0), "forwards": int(f or 0),
+                 "gen_s": float(ms or 0) / 1000, "tok_s": (t / (ms / 1000)) if ms else None}
+                for d, n, t, f, ms in per_dec
+            ],
+        }
+
+    def list_runs(self, status: str | None = None, limit: int = 20) -> list[dict[str, Any]]:
+        with self.Session() as s:
+            q = select(Run).order_by(Run.created_at.desc(), Run.id).limit(limit)
+            if status:
+                q = q.where(Run.status == status)
+            runs = list(s.scalars(q))
+            if not runs:
+                return []
+            ids = [r.id for r in runs]
+            grouped = s.execute(
+                select(Request.run_id, func.count(),
+                       func.sum(case((Request.status == "done", 1), else_=0)),
+                       func.sum(case((Request.status == "errored", 1), else_=0)),
+                       func.sum(case((Request.status == "queued", 1), else_=0)))
+                .where(Request.run_id.in_(ids)).group_by(Request.run_id)
+            ).all()
+        by_run = {g[0]: g[1:] for g in grouped}
+        out = []
+        for r in runs:
+            total, done, errored, queued = by_run.get(r.id, (0, 0, 0, 0))
+            out.append({"run_id": r.id, "name": r.name, "status": r.status, "model": r.model,
+                        "decoder": r.decoder, "created_at": r.created_at.isoformat(timespec="seconds"),
+                        "total": int(total or 0), "done": int(done or 0), "errored": int(errored or 0),
+                        "queued": int(queued or 0)})
+        return out
+
+    def iter_results(self, run_id: str, ordered: bool = False, batch: int = 1000) -> Iterator[dict[str, Any]]:
+        """Terminal rows with their outputs (requests without an output yield an error line)."""
+        with self.Session() as s:
+            q = (
+                select(Request.custom_id, Request.status, Request.line_no, Output)
+                .outerjoin(Output, and_(Output.run_id == Request.run_id, Output.custom_id == Request.custom_id))
+                .where(Request.run_id == run_id, Request.status.in_(REQUEST_TERMINAL))
+            )
+            q = q.order_by(Request.line_no) if ordered else q.order_by(Output.updated_at, Request.line_no)
+            for cid, status, line_no, out in s.execute(q.execution_options(yield_per=batch)):
+                yield {"custom_id": cid, "status": status, "line_no": line_no, "output": out}
+
+    def traces(self, run_id: str, custom_id: str) -> list[ForwardTraceRow]:
+        with self.Session() as s:
+            return list(s.scalars(select(ForwardTraceRow)
+                                  .where(ForwardTraceRow.run_id == run_id, ForwardTraceRow.custom_id == custom_id)
+                                  .order_by(ForwardTraceRow.forward_index)))
+
+    def worker_stats(self) -> list[dict[str, Any]]:
+        """Throughput per worker: rows, tokens and generation time from outputs."""
+        with self.Session() as s:
+            rows = s.execute(
+                select(Worker.id, Worker.host, Worker.device, Worker.model, Worker.heartbeat_at,
+                       func.count(Output.id), func.coalesce(func.sum(Output.completion_tokens), 0),
+                       func.coalesce(func.sum(Output.gen_ms), 0.0))
+                .outerjoin(Output, Output.worker_id == Worker.id)
+                .group_by(Worker.id, Worker.host, Worker.device, Worker.model, Worker.heartbeat_at)
+                .order_by(Worker.id)
+            ).all()
+        return [{"worker": w, "host": h, "device": d, "model": m, "heartbeat_at": hb.isoformat(timespec="seconds"),
+                 "requests": n, "tokens": int(t), "tok_s": (t / (ms / 1000)) if ms else None}
+                for w, h, d, m, hb, n, t, ms in rows]
+
+    def request_throughput(self, run_id: str) -> list[dict[str, Any]]:
+        with self.Session() as s:
+            rows = s.execute(select(Output.custom_id, Output.completion_tokens, Output.forwards, Output.gen_ms)
+                             .where(Output.run_id == run_id, Output.error_code.is_(None))).all()
+        return [{"custom_id": c, "tokens": t, "forwards": f, "tok_s": (t / (ms / 1000)) if ms else None}
+                for c, t, f, ms in rows]
+
+
+def create_all_for_tests(engine: Engine) -> None:
+    """Only for unit tests that do not exercise migrations; the service always uses Alembic."""
+    Base.metadata.create_all(engine)

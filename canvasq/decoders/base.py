@@ -1,0 +1,336 @@
+"""The loop every step-based decoder shares: batch state, prefill, cancellation, per-row errors,
+traces. A strategy (pipe, funnel) implements `step()`: one decoder forward for every live sequence
+of the batch, its commit rules, retires and spawns.
+
+Flow: DecodeBatch → `Seq` per request (arena slot, RNG, live canvases) → `step()` builds
+ForwardInputs (one `Window` per live sequence) → `Runtime.decode` → commits → DecodeResult.
+
+Accounting: every model pass (the prefill encode, each decoder forward, each encoder commit pass) is
+a `_Pass`; a row's `forwards` counts the passes that carried at least one of its rows. G (rows) and
+τ (commits) are recorded per pass and per row.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from canvasq.decoders.types import CANCELLED, DecodeBatch, DecodeRequest, DecodeResult, ForwardTrace
+
+# model -> {experts: Runtime}; weak keys, so a freed model never hands its runtime to a new one
+_RUNTIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def request_error(bundle, req: DecodeRequest) -> str | None:
+    """Why a request cannot be decoded at all (checked before it joins a batch), or None."""
+    if not req.prompt_ids:
+        return "empty prompt"
+    if req.max_tokens <= 0:
+        return f"max_tokens must be positive, got {req.max_tokens}"
+    limit = getattr(bundle.config.get_text_config(), "max_position_embeddings", None)
+    C = bundle.canvas_length
+    need = len(req.prompt_ids) + -(-req.max_tokens // C) * C
+    if limit and need > limit:
+        return f"prompt ({len(req.prompt_ids)}) + max_tokens rounded to canvases exceeds {limit} positions"
+    return None
+
+
+def first_stop(tokens: list[int], stop_ids: frozenset[int]) -> int | None:
+    """Index of the first token that ends the answer, or None.
+
+    EOS ends it; so does PAD: the sampler writes pad only after EOS, so a committed pad means an EOS
+    was lost to parallel decoding ("high house") and everything after it is padding. Counting those
+    pads as generated tokens would inflate tok/s."""
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return i
+    return None
+
+
+def runtime_for(hf_model, experts: str):
+    """One `Runtime` per (model, experts) per process: it shares the HF tensors, W4 packs once."""
+    from canvasq.model.runtime import Runtime
+
+    per_model = _RUNTIMES.setdefault(hf_model, {})
+    if experts not in per_model:
+        per_model[experts] = Runtime.from_hf(hf_model, experts=experts)
+    return per_model[experts]
+
+
+def row_generator(seed: int, custom_id: str) -> torch.Generator:
+    """A request's own RNG: its draws do not depend on which other rows share the batch."""
+    g = torch.Generator()
+    g.manual_seed((int(seed) * 1_000_003 + zlib.crc32(custom_id.encode())) % (2**63))
+    return g
+
+
+@dataclass
+class Canvas:
+    """One canvas in flight. Tensors are [C] on the model's device."""
+
+    index: int  # 0-based canvas number within the answer
+    start: int  # absolute position of its first row
+    tokens: torch.Tensor  # long: current input ids (the final id at committed positions)
+    committed: torch.Tensor  # bool
+    state: str  # "full" | "semi" | "draft"
+    pending: torch.Tensor | None = None  # bool, funnel: committed, rides once more, then promoted
+    promoted: torch.Tensor | None = None  # bool, funnel: K/V already in the arena
+    age: int = 0  # decoder forwards this canvas has ridden
+    streak: int = 0  # consecutive committing steps with ≤ jacobi_max_commits commits
+    restart: bool = False  # the next renoise is a one-shot random restart (Jacobi)
+    sc: object = None  # self-conditioning for its next forward: None | [C, V] | ([C, k], [C, k])
+    prev_eos: torch.Tensor | None = None  # bool: argmax was EOS on the previous step (EOS streak)
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def decoded(self) -> float:
+        """Decode fraction: share of positions committed."""
+        return float(self.committed.float().mean())
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass
+class Seq:
+    """One request in flight."""
+
+    row: int  # index in the batch
+    req: DecodeRequest
+    slot: int
+    gen: torch.Generator
+    n_canvases: int  # canvases needed to cover max_tokens
+    spawned: int = 0
+    canvases: list[Canvas] = field(default_factory=list)
+    retired: list[Canvas] = field(default_factory=list)  # kept for inspection (tests, schedules)
+    out: list[int] = field(default_factory=list)  # tokens of retired canvases
+    done: bool = False
+    finish_reason: str = "length"
+    error: str | None = None
+    stats: Counter = field(default_factory=Counter)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.req.prompt_ids)
+
+
+@dataclass
+class _Pass:
+    kind: str  # "decode" | "encode"
+    ms: float
+    rows: dict[int, int]  # batch row -> rows of that request in the pass
+    commits: dict[int, int]
+    states: dict[int, str]
+
+
+class Cancelled(Exception):
+    pass
+
+
+class StepDecoder:
+    """Base class: owns the loop. Subclasses implement `step(seqs)`."""
+
+    name = "base"
+    config_cls: type = object
+
+    def __init__(self, bundle, config=None):
+        self.bundle = bundle
+        self.config = config if config is not None else self.config_cls()
+        self.model = self.pick_model()
+        self.rt = runtime_for(self.model, self.config.experts)
+        self.C = bundle.canvas_length
+        self.eos_id = bundle.eos_id
+        self.stop_ids = frozenset({bundle.eos_id, bundle.pad_id})
+        self.device = self.rt.device
+        self.passes: list[_Pass] = []
+
+    def pick_model(self):
+        return self.bundle.d2f_model() if getattr(self.config, "adapter", False) else self.bundle.hf_model
+
+    # -- the loop -------------------------------------------------------------------------------
+    def decode(self, batch: DecodeBatch, should_stop=None) -> list[DecodeResult]:
+        self.passes = []
+        results: dict[int, DecodeResult] = {}
+        seqs: list[Seq] = []
+        for i, req in enumerate(batch.requests):
+            err = request_error(self.bundle, req)
+            if err:
+                results[i] = self._error(req, err)
+                continue
+            seqs.append(
+                Seq(
+                    row=i,
+                    req=req,
+                    slot=len(seqs),
+                    gen=row_generator(batch.seed, req.custom_id),
+                    n_canvases=-(-req.max_tokens // self.C),
+                )
+            )
+        self.last_seqs = seqs
+        if seqs:
+            self.arena = self.new_store(seqs)
+            try:
+                self._poll(should_stop)
+                try:
+                    self.prefill(seqs)
+                except Exception as exc:  # noqa: BLE001 — the prefill serves every row
+                    for s in seqs:
+                        s.error, s.done = f"{type(exc).__name__}: {exc}", True
+                live = [s for s in seqs if not s.done]
+                max_steps = self.step_budget(seqs)
+                steps = 0
+                while live:
+                    self._poll(should_stop)
+                    try:
+                        self.step(live)
+                    except Cancelled:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 — one forward serves every live row: they fail together
+                        msg = f"{type(exc).__name__}: {exc}"
+                        for s in live:
+                            s.error, s.done = msg, True
+                    steps += 1
+                    if steps > max_steps:
+                        for s in live:
+                            if not s.done:
+                                s.error, s.done = f"no progress after {steps} steps", True
+                    live = [s for s in live if not s.done]
+            except Cancelled:
+                for s in seqs:
+                    if not s.done:
+                        s.error, s.finish_reason, s.done = CANCELLED, CANCELLED, True
+            for s in seqs:
+                results[s.row] = self._result(s)
+        return [results[i] for i in range(len(batch.requests))]
+
+    def step_budget(self, seqs: list[Seq]) -> int:
+        """Liveness guard: forced accept commits ≥ 1 token per step on the front canvas, so a row
+        needs at most C forwards per canvas; anything beyond twice that is a bug."""
+        return 2 * max(s.n_canvases for s in seqs) * self.C + 16
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def new_store(self, seqs: list[Seq]):
+        cap = max(s.prompt_len + (s.n_canvases + self.config.max_canvases + 1) * self.C for s in seqs)
+        return self.rt.new_arena(slots=len(seqs), capacity=cap)
+
+    def prefill(self, seqs: list[Seq]) -> None:
+        """Encode every prompt in one pass, then spawn each row's first canvas."""
+        items = []
+        for s in seqs:
+            ids = torch.tensor(s.req.prompt_ids, dtype=torch.long, device=self.device)
+            items.append((s.slot, ids, torch.arange(s.prompt_len, device=self.device)))
+        with self.timed() as t:
+            self.rt.encode_many(self.arena, items)
+        self.record("encode", t.ms, {s.row: s.prompt_len for s in seqs}, {}, {s.row: "prefill" for s in seqs})
+        for s in seqs:
+            self.spawn(s)
+
+    def step(self, seqs: list[Seq]) -> None:
+        raise NotImplementedError
+
+    # -- shared helpers -------------------------------------------------------------------------
+    def spawn(self, s: Seq) -> Canvas:
+        """A new canvas of uniform-random tokens after the last one (the sampler's x_T ~ U(V))."""
+        start = s.prompt_len + s.spawned * self.C
+        V = self.rt.vocab_size
+        toks = torch.randint(0, V, (self.C,), generator=s.gen).to(self.device)
+        state = "full" if not s.canvases else "draft"
+        cv = Canvas(
+            index=s.spawned,
+            start=start,
+            tokens=toks,
+            committed=torch.zeros(self.C, dtype=torch.bool, device=self.device),
+            state=state,
+        )
+        s.canvases.append(cv)
+        s.spawned += 1
+        s.stats["spawned"] += 1
+        return cv
+
+    def record(self, kind, ms, rows, commits, states) -> None:
+        self.passes.append(_Pass(kind, ms, dict(rows), dict(commits), dict(states)))
+
+    def timed(self):
+        return _Timer(self.device)
+
+    def _poll(self, should_stop) -> None:
+        if should_stop is not None and should_stop():
+            raise Cancelled()
+
+    # -- results --------------------------------------------------------------------------------
+    def _result(self, s: Seq) -> DecodeResult:
+        traces = []
+        for i, p in enumerate(self.passes):
+            if s.row not in p.rows:
+                continue
+            traces.append(
+                ForwardTrace(
+                    index=i,
+                    rows=sum(p.rows.values()),
+                    commits=sum(p.commits.values()),
+                    canvases=sum(len(v.split(",")) for v in p.states.values()),
+                    states=p.states.get(s.row, ""),
+                    ms=p.ms,
+                    kind=p.kind,
+                    own_rows=p.rows[s.row],
+                    own_commits=p.commits.get(s.row, 0),
+                )
+            )
+        tokens = s.out[: s.req.max_tokens] if s.error is None else []
+        cut = first_stop(tokens, self.stop_ids) if s.error is None else None
+        if cut is not None:
+            tokens = tokens[:cut]
+            s.finish_reason = "stop"
+        return DecodeResult(
+            custom_id=s.req.custom_id,
+            token_ids=tokens,
+            text=self.bundle.decode_text(tokens) if s.error is None else "",
+            finish_reason=s.finish_reason
+            if s.error is None
+            else (s.finish_reason if s.error == CANCELLED else "error"),
+            prompt_tokens=s.prompt_len,
+            forwards=len(traces),
+            traces=traces,
+            error=s.error,
+            decoder=self.name,
+            stats=dict(s.stats),
+        )
+
+    def _error(self, req: DecodeRequest, err: str) -> DecodeResult:
+        return DecodeResult(
+            custom_id=req.custom_id,
+            token_ids=[],
+            text="",
+            finish_reason="error",
+            prompt_tokens=len(req.prompt_ids),
+            forwards=0,
+            error=err,
+            decoder=self.name,
+        )
+
+
+class _Timer:
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.ms = 0.0
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.ms = (time.perf_counter() - self.t0) * 1e3
+        return False

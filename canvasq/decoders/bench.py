@@ -1,0 +1,228 @@
+"""Same-process A/B over decoders (and BF16 vs W4 experts): `canvasq bench`.
+
+Measurement rules (docs/DESIGN.md): one process, seed reset per arm, counterbalanced order (ABBA:
+arms run forward on even (task, seed) blocks and reversed on odd ones), n and seeds reported.
+Accuracy comes from the testbed verifiers (`canvasq.testbed.tasks.generate / verify`).
+
+Columns:
+    acc          verified / n
+    tok/s        generated tokens ÷ wall seconds of the arm's run_batch calls
+    fwd/req      model passes that served a request (decoder steps + encoder passes, prefill incl.)
+    passes       distinct model passes (a batched pass serves several requests once)
+    tok/fwd      generated tokens ÷ Σ fwd/req  (the numerator per request)
+    rows/fwd     Σ rows a request put into its passes ÷ its passes  (G per request-forward)
+    G/τ          Σ rows ÷ generated tokens  (rows of compute per produced token)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Arm:
+    label: str
+    decoder: str
+    overrides: dict = field(default_factory=dict)
+
+
+def parse_arm(spec: str) -> Arm:
+    """`funnel`, `pipe:tau_conf=0.85,tau_eos=0.5`, `official:experts=w4` (values parsed as JSON
+    when they parse, else kept as strings)."""
+    name, _, rest = spec.partition(":")
+    over = {}
+    for item in filter(None, rest.split(",")):
+        k, _, v = item.partition("=")
+        try:
+            over[k.strip()] = json.loads(v)
+        except json.JSONDecodeError:
+            over[k.strip()] = v.strip()
+    return Arm(spec, name.strip(), over)
+
+
+@dataclass
+class ArmStats:
+    label: str
+    n: int = 0
+    correct: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    fwd_req: int = 0
+    passes: int = 0
+    rows: int = 0
+    errors: int = 0
+    per_task: dict = field(default_factory=dict)
+
+    def add(self, task: str, results, problems, seconds: float, verify, passes: int) -> None:
+        t = self.per_task.setdefault(task, {"n": 0, "correct": 0, "tokens": 0, "seconds": 0.0, "fwd_req": 0})
+        for r, p in zip(results, problems):
+            ok = r.error is None and verify(p, r.text)
+            self.n += 1
+            t["n"] += 1
+            self.correct += ok
+            t["correct"] += ok
+            self.errors += r.error is not None
+            self.tokens += len(r.token_ids)
+            t["tokens"] += len(r.token_ids)
+            self.fwd_req += r.forwards
+            t["fwd_req"] += r.forwards
+            self.rows += sum(x.own_rows or 0 for x in r.traces)
+        self.passes += passes
+        self.seconds += seconds
+        t["seconds"] += seconds
+
+    def row(self) -> dict:
+        return {
+            "arm": self.label,
+            "n": self.n,
+            "acc": self.correct / max(self.n, 1),
+            "tok_s": self.tokens / max(self.seconds, 1e-9),
+            "fwd_per_req": self.fwd_req / max(self.n, 1),
+            "passes": self.passes,
+            "tok_per_fwd": self.tokens / max(self.fwd_req, 1),
+            "rows_per_fwd": self.rows / max(self.fwd_req, 1),
+            "g_over_tau": self.rows / max(self.tokens, 1),
+            "tokens": self.tokens,
+            "seconds": self.seconds,
+            "errors": self.errors,
+            "per_task": {
+                k: {**v, "acc": v["correct"] / max(v["n"], 1), "tok_s": v["tokens"] / max(v["seconds"], 1e-9)}
+                for k, v in self.per_task.items()
+            },
+        }
+
+
+def run_bench(
+    bundle,
+    arms: list[Arm],
+    task_names: list[str],
+    n: int,
+    seeds: list[int],
+    batch_size: int = 8,
+    max_tokens: int = 128,
+    progress=None,
+) -> dict:
+    import torch
+
+    from canvasq.decoders import run_batch
+    from canvasq.decoders.types import DecodeBatch, DecodeRequest
+    from canvasq.testbed import tasks
+
+    stats = {a.label: ArmStats(a.label) for a in arms}
+    order_log = []
+    block = 0
+    # warm-up outside the clock: first-call allocations and lazy merges (d2f_model, W4 packing)
+    warm = tasks.generate(task_names[0], 1, 10_000)[0]
+    for a in arms:
+        req = DecodeRequest(
+            "warm", bundle.encode_prompt(warm.prompt, task_names[0]), bundle.canvas_length, task_names[0]
+        )
+        run_batch(bundle, DecodeBatch([req], seed=0), decoder=a.decoder, overrides=a.overrides or None)
+    for task in task_names:
+        for seed in seeds:
+            problems = tasks.generate(task, n, seed)
+            reqs = [
+                DecodeRequest(p.uid, bundle.encode_prompt(p.prompt, task), max_tokens, task) for p in problems
+            ]
+            ordered = arms if block % 2 == 0 else list(reversed(arms))  # ABBA across blocks
+            order_log.append({"task": task, "seed": seed, "order": [a.label for a in ordered]})
+            for a in ordered:
+                torch.manual_seed(seed)  # seed reset per arm
+                results, passes, t0 = [], 0, time.perf_counter()
+                for i in range(0, len(reqs), batch_size):
+                    batch = DecodeBatch(reqs[i : i + batch_size], seed=seed)
+                    part = run_batch(bundle, batch, decoder=a.decoder, overrides=a.overrides or None)
+                    passes += len({x.index for r in part for x in r.traces})  # distinct passes of this call
+                    results += part
+                dt = time.perf_counter() - t0
+                stats[a.label].add(task, results, problems, dt, tasks.verify, passes)
+                if progress:
+                    progress(f"{task} seed={seed} {a.label}: {dt:.1f}s")
+            block += 1
+    return {
+        "model": bundle.spec,
+        "device": str(bundle.device),
+        "tasks": task_names,
+        "n": n,
+        "seeds": seeds,
+        "batch_size": batch_size,
+        "max_tokens": max_tokens,
+        "order": order_log,
+        "arms": [stats[a.label].row() for a in arms],
+    }
+
+
+def markdown(report: dict, baseline: str | None = None) -> str:
+    rows = report["arms"]
+    base = next((r for r in rows if r["arm"] == baseline), rows[0])
+    lines = [
+        f"# canvasq bench — {report['model']} on {report['device']}",
+        "",
+        (
+            f"tasks {', '.join(report['tasks'])}; n = {report['n']} per task per seed; seeds {report['seeds']}; "
+            f"batch {report['batch_size']}; max_tokens {report['max_tokens']}; order ABBA across (task, seed) "
+            f"blocks; baseline `{base['arm']}`; commit schedules real (not replayed)."
+        ),
+        "",
+        "| arm | n | acc | tok/s | × base | fwd/req | × fewer | tok/fwd | rows/fwd | G/τ |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['arm']} | {r['n']} | {r['acc']:.3f} | {r['tok_s']:.1f} | "
+            f"{r['tok_s'] / max(base['tok_s'], 1e-9):.2f} | {r['fwd_per_req']:.1f} | "
+            f"{base['fwd_per_req'] / max(r['fwd_per_req'], 1e-9):.2f} | {r['tok_per_fwd']:.2f} | "
+            f"{r['rows_per_fwd']:.1f} | {r['g_over_tau']:.2f} |"
+        )
+    lines += ["", "Per task:", "", "| arm | task | n | acc | tok/s |", "|---|---|---|---|---|"]
+    for r in rows:
+        for task, t in r["per_task"].items():
+            lines.append(f"| {r['arm']} | {task} | {t['n']} | {t['acc']:.3f} | {t['tok_s']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["arms"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for r in rows:
+        axes[0].scatter(r["tok_s"], r["acc"], s=60)
+        axes[0].annotate(r["arm"], (r["tok_s"], r["acc"]), fontsize=8)
+    axes[0].set_xlabel("wall tok/s")
+    axes[0].set_ylabel("accuracy")
+    axes[0].set_title("accuracy vs speed")
+    labels = [r["arm"] for r in rows]
+    axes[1].bar(labels, [r["tok_per_fwd"] for r in rows])
+    axes[1].set_ylabel("tokens per forward")
+    axes[1].set_title("numerator (every pass counted)")
+    axes[1].tick_params(axis="x", rotation=30)
+    fig.suptitle(f"{report['model']} · n={report['n']} · seeds {report['seeds']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def save(report: dict, out_dir: Path, baseline: str | None = None) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = out_dir / "bench.md"
+    md.write_text(markdown(report, baseline))
+    png = out_dir / "bench.png"
+    plot(report, png)
+    (out_dir / "bench.json").write_text(json.dumps(report, indent=1))
+    return md, png
+
+
+def summary_json(report: dict) -> str:
+    slim = {k: v for k, v in report.items() if k != "order"}
+    slim["arms"] = [{k: v for k, v in r.items() if k != "per_task"} for r in report["arms"]]
+    return json.dumps(slim)
+
+
+__all__ = ["Arm", "markdown", "parse_arm", "plot", "run_bench", "save", "summary_json"]

@@ -1,0 +1,116 @@
+"""One typed config per decoder strategy, with Part 3's defaults (names as in the seed).
+
+`with_overrides(cfg, {...})` is the only way a request or a routing rule changes a knob: unknown
+keys fail loudly instead of being ignored, and values are checked in `__post_init__`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+EXPERTS = ("bf16", "w4")
+RENOISE = ("argmax", "mix")
+PROMOTE = ("arena", "simple")
+
+
+@dataclass(frozen=True)
+class OfficialConfig:
+    """HF `generate()` unchanged. `None` keeps the checkpoint's generation config."""
+
+    experts: str = "bf16"  # "w4": Part 2's A/B arm (Triton W4A16 experts swapped in)
+    max_denoising_steps: int | None = None
+    entropy_bound: float | None = None
+
+    def __post_init__(self):
+        _check_choice("experts", self.experts, EXPERTS)
+
+
+@dataclass(frozen=True)
+class PipeConfig:
+    """D2F pipe: K canvases in flight, block-causal, states full / semi / draft."""
+
+    max_canvases: int = 2  # K
+    tau_conf: float = 0.9  # commit when p(argmax) ≥ τ_conf (routing: 0.7 maths, 0.85 code)
+    tau_add: float = 0.5  # previous canvas's decode fraction at which a draft becomes semi
+    tau_act: float = 0.95  # ... at which it becomes full
+    draft_spawn: bool = True  # spawn the next canvas as a draft at τ_add − spawn_margin
+    spawn_margin: float = 0.15
+    renoise: str = "argmax"  # "argmax" (the record protocol) or "mix"
+    mix_fraction: float = 0.1  # mix mode: share of uncommitted positions redrawn uniformly
+    jacobi_window: int = 8  # Jacobi restart after this many steps ...
+    jacobi_max_commits: int = 1  # ... of at most this many commits on a canvas
+    forced_accept: bool = True  # the front full canvas commits ≥ 1 token per step
+    tau_eos: float | None = None  # EOS priority: a lower bar for argmax-EOS (code: 0.5)
+    eos_streak: bool = False  # EOS priority needs two consecutive argmax-EOS decisions
+    self_conditioning: bool = True
+    sc_topk: int | None = None  # top-k self-conditioning projection; None = full vocabulary
+    adapter: bool = True  # decode with the D2F LoRA merged (`bundle.d2f_model()`)
+    experts: str = "bf16"
+    max_steps_per_canvas: int = 0  # safety cap on forwards a canvas may stay live (0: 4 × canvas)
+
+    def __post_init__(self):
+        _check_choice("experts", self.experts, EXPERTS)
+        _check_choice("renoise", self.renoise, RENOISE)
+        if not 1 <= self.max_canvases <= 8:
+            raise ValueError(f"max_canvases must be in 1..8, got {self.max_canvases}")
+        for name in ("tau_conf", "tau_add", "tau_act"):
+            v = getattr(self, name)
+            if not 0.0 < v <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {v}")
+        if self.tau_eos is not None and not 0.0 < self.tau_eos <= 1.0:
+            raise ValueError(f"tau_eos must be in (0, 1] or None, got {self.tau_eos}")
+        if self.sc_topk is not None and self.sc_topk < 1:
+            raise ValueError(f"sc_topk must be ≥ 1 or None, got {self.sc_topk}")
+        if self.jacobi_window < 1:
+            raise ValueError("jacobi_window must be ≥ 1")
+
+    @property
+    def spawn_threshold(self) -> float:
+        """Previous canvas's decode fraction at which the next canvas may start."""
+        return self.tau_add - self.spawn_margin if self.draft_spawn else self.tau_add
+
+
+@dataclass(frozen=True)
+class FunnelConfig(PipeConfig):
+    """Pipe's state machine plus the shrinking window and the scattered KV cache."""
+
+    tau_conf: float = 0.7
+    sc_topk: int | None = 64
+    shrink: bool = True  # committed rows leave the window (off: every canvas row rides every step)
+    promote: str = "arena"  # "arena" (preallocated, in place) or "simple" (concatenate)
+    retire_refresh: bool = False  # re-encode a finished canvas on retire (pipe parity)
+    prefix_attention: bool = True  # per-segment mask-free attention where the band is a no-op
+    tau_decay: bool = False  # lower τ_conf on a canvas live for more than decay_after forwards
+    decay_after: int = 16
+    decay_rate: float = 0.02  # per forward beyond decay_after
+    decay_floor: float = 0.45
+    early_spawn: bool = False  # spawn at once when the joint window is ≤ early_spawn_rows
+    early_spawn_rows: int = 48
+    agree: bool = False  # commit only when the argmax also equals the previous step's draft
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_choice("promote", self.promote, PROMOTE)
+        if not 1 <= self.max_canvases <= 5:
+            raise ValueError(f"funnel max_canvases must be in 1..5, got {self.max_canvases}")
+
+
+CONFIGS: dict[str, type] = {"official": OfficialConfig, "pipe": PipeConfig, "funnel": FunnelConfig}
+
+
+def with_overrides(cfg, overrides: dict[str, Any] | None):
+    """A copy of `cfg` with `overrides` applied; an unknown key raises `ValueError`."""
+    if not overrides:
+        return cfg
+    names = {f.name for f in dataclasses.fields(cfg)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ValueError(f"unknown {type(cfg).__name__} option(s) {unknown}; known: {sorted(names)}")
+    return dataclasses.replace(cfg, **overrides)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")

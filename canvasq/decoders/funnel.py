@@ -1,0 +1,170 @@
+"""`funnel`: the pipe's state machine with a shrinking window (seed Part 3, advancements 8–15).
+
+What changes against the pipe:
+
+- **committed rows leave the window**: a forward carries only a canvas's open rows plus the rows
+  committed on the previous step (`pending`);
+- **promote one step late**: a newly committed row rides one more forward with its final token id
+  as input; that forward captures its K/V, which is then promoted into the arena (capturing at
+  decision time would cache the K/V of the draft token that was in the input);
+- **scattered KV promotion**: `promote="arena"`: the window's K/V were written in place into the
+  preallocated `KVArena` scratch after the committed entries; promotion left-compacts the kept rows
+  and advances the length (`promote_window`, no copies out). `promote="simple"`: the rows' K/V are
+  captured and concatenated onto every layer's tensors (`GrowingKV`, no preallocation).
+  Entries carry absolute positions, so sliding layers band-mask by position and up to 5 canvases
+  fit even when prompt + canvases exceed the sliding window;
+- **free front retire**: a finished front canvas is already in the arena; popping it costs no
+  forward (`retire_refresh=True` re-encodes it instead, for pipe parity);
+- **τ_decay**: after `decay_after` forwards a canvas's τ_conf drops by `decay_rate` per forward,
+  down to `decay_floor`;
+- **early spawn**: when the sequence's next window would hold ≤ `early_spawn_rows` rows, the next
+  canvas starts at once (fixed per-forward costs ride on fresh work);
+- **commit-agree**: a confident argmax commits only if it equals the previous step's draft (the
+  input token under argmax renoising);
+- **top-k self-conditioning** (`sc_topk`, default 64);
+- **prefix attention** is the runtime's (`rt.prefix_attention`: mask-free SDPA when a forward's
+  mask is all-visible); `prefix_attention=False` turns it off for this decoder's forwards.
+
+`shrink=False` keeps every row of every live canvas in the window and retires by encoder pass:
+the pipe, on the same schedule (tested to give the pipe's tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from canvasq.decoders.base import Canvas, Seq
+from canvasq.decoders.configs import FunnelConfig
+from canvasq.decoders.pipe import PipeDecoder
+
+
+def growing_kv_class():
+    """`KVArena` with `promote="simple"` semantics: no preallocation; every write that needs room
+    concatenates onto each layer's K/V tensors (the simple promote the arena replaces)."""
+    from canvasq.model.arena import KVArena
+
+    class GrowingKV(KVArena):
+        def _check_room(self, slot: int, n: int) -> None:
+            need = self.length[slot] + n
+            if need > self.capacity:
+                extra = need - self.capacity
+                self.k = [
+                    torch.cat([k, k.new_zeros(k.shape[0], k.shape[1], extra, k.shape[3])], 2) for k in self.k
+                ]
+                self.v = [
+                    torch.cat([v, v.new_zeros(v.shape[0], v.shape[1], extra, v.shape[3])], 2) for v in self.v
+                ]
+                self.pos = torch.cat([self.pos, self.pos.new_zeros(self.pos.shape[0], extra)], 1)
+                self.capacity = need
+
+    return GrowingKV
+
+
+class FunnelDecoder(PipeDecoder):
+    name = "funnel"
+    config_cls = FunnelConfig
+
+    def __init__(self, bundle, config=None):
+        super().__init__(bundle, config)
+        # Promote-one-step-late is the correctness rule; False exists only so a test can show what
+        # capturing at decision time breaks.
+        self.promote_late = True
+        self._promote_rows: list[int] = []
+
+    # -- storage --------------------------------------------------------------------------------
+    def new_store(self, seqs: list[Seq]):
+        if self.config.promote == "arena":
+            return super().new_store(seqs)
+        cap = max(s.prompt_len for s in seqs)
+        return growing_kv_class()(
+            self.rt.layer_shapes, len(seqs), cap, device=self.device, dtype=self.rt.dtype
+        )
+
+    def spawn(self, s: Seq) -> Canvas:
+        cv = super().spawn(s)
+        cv.pending = torch.zeros(cv.length, dtype=torch.bool, device=self.device)
+        cv.promoted = torch.zeros(cv.length, dtype=torch.bool, device=self.device)
+        return cv
+
+    # -- the shrinking window -------------------------------------------------------------------
+    def window_rows(self, cv: Canvas) -> torch.Tensor:
+        if not self.config.shrink:
+            return super().window_rows(cv)
+        return torch.nonzero(~cv.committed | cv.pending).flatten()
+
+    def capture_rows(self, cv: Canvas, idx: torch.Tensor) -> torch.Tensor | None:
+        if not self.config.shrink or self.config.promote == "arena":
+            return None  # the arena promotes straight from the window's scratch rows
+        if self.promote_late:
+            return cv.pending[idx].clone()  # rows riding with their final id
+        return ~cv.committed[idx]  # decision time: capture every open row, keep the ones that commit
+
+    def after_forward(
+        self, s: Seq, cv: Canvas, idx: torch.Tensor, captured, newly: torch.Tensor, win_off: int
+    ) -> None:
+        if not self.config.shrink:
+            return
+        # rows whose K/V join the cache now: the ones that rode with their final id (promote one
+        # step late), or — decision-time mode, the bug the rule prevents — the ones just committed
+        done_now = cv.pending[idx].clone() if self.promote_late else newly
+        if self.config.promote == "arena":
+            self._promote_rows.extend((win_off + torch.nonzero(done_now).flatten()).tolist())
+        elif captured is not None and bool(done_now.any()):
+            cap, off, mask = captured  # GrowingKV: concatenate the captured rows
+            rank = torch.cumsum(mask.long(), 0) - 1
+            self.arena.promote(s.slot, cap, rows=(rank[done_now] + off).tolist())
+        s.stats["promoted"] += int(done_now.sum())
+        rows = idx[done_now]
+        cv.promoted[rows] = True
+        cv.pending[rows] = False
+        if self.promote_late:
+            cv.pending[idx[newly]] = True
+
+    def after_window(self, s: Seq) -> None:
+        if self._promote_rows:  # one left-compaction per window, rows ascending
+            self.arena.promote_window(s.slot, sorted(self._promote_rows))
+            self._promote_rows = []
+
+    # -- retire -----------------------------------------------------------------------------------
+    def can_retire(self, cv: Canvas) -> bool:
+        return (not self.config.shrink) or not bool(cv.pending.any())
+
+    def retire(self, s: Seq, cv: Canvas, continues: bool):
+        if not self.config.shrink:
+            return super().retire(s, cv, continues)
+        if self.config.retire_refresh and continues:
+            pos = self.arena.positions(s.slot)
+            self.arena.compact(s.slot, ~((pos >= cv.start) & (pos < cv.end)))
+            s.stats["refresh_retires"] += 1
+            return super().retire(s, cv, continues)
+        s.stats["free_retires"] += 1
+        return None
+
+    # -- schedule extras -------------------------------------------------------------------------
+    def bar(self, cv: Canvas) -> float:
+        cfg = self.config
+        if not cfg.tau_decay or cv.age <= cfg.decay_after:
+            return cfg.tau_conf
+        return max(cfg.decay_floor, cfg.tau_conf - cfg.decay_rate * (cv.age - cfg.decay_after))
+
+    def agree(self) -> bool:
+        return self.config.agree
+
+    def early_spawn(self, s: Seq) -> bool:
+        cfg = self.config
+        if not cfg.early_spawn:
+            return False
+        rows = sum(int(self.window_rows(cv).numel()) for cv in s.canvases)
+        return rows <= cfg.early_spawn_rows
+
+    def decode_call(self, windows):
+        """Prefix attention is the runtime's (mask-free SDPA where the mask is all-visible); the
+        runtime is shared, so the switch is set for this forward only."""
+        before = getattr(self.rt, "prefix_attention", None)
+        if before is None:
+            return self.rt.decode(self.arena, windows)
+        self.rt.prefix_attention = self.config.prefix_attention
+        try:
+            return self.rt.decode(self.arena, windows)
+        finally:
+            self.rt.prefix_attention = before

@@ -1,0 +1,352 @@
+"""`pipe`: the D2F pipeline (seed Part 3, "multi-canvas D2F scheduling" and advancements 2–7).
+
+Up to K canvases of one answer are in flight. Between canvases attention is block-causal: a canvas
+sees the prompt and finished canvases through the arena, the earlier live canvases and itself
+through the window, never a later canvas. Each canvas has a state:
+
+    full   the front canvas (always forced to full) — or a later one whose predecessor reached τ_act
+    semi   a later canvas whose predecessor reached τ_add: commits confident tokens
+    draft  spawned early (draft spawn, at τ_add − 0.15): renoised and self-conditioned, never commits
+
+One step = one decoder forward over every live sequence's window (all rows of all live canvases),
+then per canvas: commit (τ_conf; τ_eos EOS priority, optional EOS streak; forced accept on the
+front), argmax renoise of the rest (or mix mode; Jacobi random restart after 8 steps of ≤ 1
+commit), self-conditioning for the next step, then retire (a finished front canvas is written to
+the cache by an encoder pass — one more forward — unless the answer ends there), then spawn.
+
+Committed tokens never change (D2F commits are final). The answer ends at the first committed EOS
+whose prefix is committed, or when the committed prefix covers max_tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from canvasq.decoders.base import Canvas, Seq, StepDecoder, first_stop
+from canvasq.decoders.configs import PipeConfig
+
+
+class PipeDecoder(StepDecoder):
+    name = "pipe"
+    config_cls = PipeConfig
+
+    # -- hooks the funnel overrides ---------------------------------------------------------------
+    def window_rows(self, cv: Canvas) -> torch.Tensor:
+        """Canvas positions that ride this forward: the pipe recomputes the full canvas."""
+        return torch.arange(cv.length, device=self.device)
+
+    def capture_rows(self, cv: Canvas, idx: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def after_forward(
+        self, s: Seq, cv: Canvas, idx: torch.Tensor, captured, newly: torch.Tensor, win_off: int
+    ) -> None:
+        """Called per canvas after commits (funnel: promotion); `win_off` is the canvas's first row
+        in the sequence's window."""
+
+    def after_window(self, s: Seq) -> None:
+        """Called once per sequence after all its canvases were updated."""
+
+    def decode_call(self, windows):
+        return self.rt.decode(self.arena, windows)
+
+    def bar(self, cv: Canvas) -> float:
+        return self.config.tau_conf
+
+    def agree(self) -> bool:
+        return False
+
+    def can_retire(self, cv: Canvas) -> bool:
+        return True
+
+    def retire(self, s: Seq, cv: Canvas, continues: bool) -> tuple | None:
+        """What retiring a finished front canvas costs: an encoder pass writing it to the cache
+        (returned as an encode item), skipped when the answer ends with it."""
+        if not continues:
+            return None
+        pos = torch.arange(cv.start, cv.end, device=self.device)
+        return (s.slot, cv.tokens.clone(), pos)
+
+    def early_spawn(self, s: Seq) -> bool:
+        return False
+
+    # -- one step ---------------------------------------------------------------------------------
+    def step(self, seqs: list[Seq]) -> None:
+        from canvasq.model.runtime import Window
+
+        windows, layout, riding = [], [], []
+        for s in seqs:
+            parts = []  # (canvas, idx) in window order
+            ids, pos, lo, hi, cap = [], [], [], [], []
+            for cv in s.canvases:
+                idx = self.window_rows(cv)
+                if idx.numel() == 0:
+                    continue
+                parts.append((cv, idx))
+                ids.append(cv.tokens[idx])
+                p = cv.start + idx
+                pos.append(p)
+                lo.append(torch.full_like(p, cv.start))
+                hi.append(torch.full_like(p, cv.end))
+                c = self.capture_rows(cv, idx)
+                cap.append(
+                    c if c is not None else torch.zeros(idx.numel(), dtype=torch.bool, device=self.device)
+                )
+            if not parts:  # every live canvas is waiting to retire: nothing to forward for it
+                continue
+            sc, sc_rows = self._self_cond(parts)
+            w = Window(
+                s.slot,
+                torch.cat(ids),
+                torch.cat(pos),
+                torch.cat(lo),
+                torch.cat(hi),
+                capture=torch.cat(cap) if any(bool(c.any()) for c in cap) else None,
+                self_cond=sc,
+                self_cond_rows=sc_rows,
+            )
+            windows.append(w)
+            layout.append(parts)
+            riding.append(s)
+
+        states = {s.row: ",".join(cv.state for cv in s.canvases) for s in riding}
+        if windows:
+            with self.timed() as t:
+                out = self.decode_call(windows)
+
+        commits: dict[int, int] = {}
+        for b, (s, parts) in enumerate(zip(riding, layout)):
+            logits = out.window_logits(b)
+            captured = out.captured[b] if out.captured else None
+            off, cap_off = 0, 0
+            n_new = 0
+            for cv, idx in parts:
+                r = idx.numel()
+                cap_mask = windows[b].capture[off : off + r] if windows[b].capture is not None else None
+                n_cap = int(cap_mask.sum()) if cap_mask is not None else 0
+                cv_captured = None
+                if captured is not None and n_cap:
+                    cv_captured = (captured, cap_off, cap_mask)
+                newly = self._update_canvas(s, cv, idx, logits[off : off + r])
+                self.after_forward(s, cv, idx, cv_captured, newly, off)
+                n_new += int(newly.sum())
+                off += r
+                cap_off += n_cap
+            self.after_window(s)
+            commits[s.row] = n_new
+        if windows:
+            self.record("decode", t.ms, {s.row: w.rows for s, w in zip(riding, windows)}, commits, states)
+
+        encodes = []
+        for s in seqs:
+            items = self._retire_and_spawn(s)
+            if items:  # several canvases retiring at once: one causal pass over all of them
+                ids = torch.cat([it[1] for it in items])
+                pos = torch.cat([it[2] for it in items])
+                encodes.append((s, (s.slot, ids, pos)))
+        if encodes:
+            with self.timed() as t:
+                self.rt.encode_many(self.arena, [e[1] for e in encodes])
+            self.record(
+                "encode",
+                t.ms,
+                {s.row: int(item[1].numel()) for s, item in encodes},
+                {},
+                {s.row: "commit" for s, _ in encodes},
+            )
+
+    # -- commit rules ---------------------------------------------------------------------------
+    def _update_canvas(self, s: Seq, cv: Canvas, idx: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Commit, renoise and self-condition one canvas; returns the newly committed mask over idx."""
+        cfg = self.config
+        cv.age += 1
+        probs = torch.softmax(logits.float(), dim=-1)
+        conf, arg = probs.max(dim=-1)
+        open_ = ~cv.committed[idx]
+        if cv.pending is not None:
+            open_ &= ~cv.pending[idx]
+        is_front = s.canvases and s.canvases[0] is cv
+        newly = torch.zeros_like(open_)
+        if cv.state != "draft":
+            newly = open_ & (conf >= self.bar(cv))
+            if self.agree():
+                agreed = newly & (arg == cv.tokens[idx])
+                s.stats["agree_blocked"] += int((newly & ~agreed).sum())
+                newly = agreed
+            if cfg.tau_eos is not None:
+                eos_ok = open_ & (arg == self.eos_id) & (conf >= cfg.tau_eos)
+                if cfg.eos_streak:
+                    prev = cv.prev_eos[idx] if cv.prev_eos is not None else torch.zeros_like(eos_ok)
+                    eos_ok &= prev
+                s.stats["eos_priority"] += int((eos_ok & ~newly).sum())
+                newly |= eos_ok
+            if (
+                is_front
+                and cv.state == "full"
+                and cfg.forced_accept
+                and not bool(newly.any())
+                and bool(open_.any())
+            ):
+                # forced accept: the front never stalls; commit its most confident open position
+                j = torch.where(open_, conf, torch.full_like(conf, -1.0)).argmax()
+                newly[j] = True
+                s.stats["forced_accepts"] += 1
+        if cfg.tau_eos is not None and cfg.eos_streak:
+            if cv.prev_eos is None:
+                cv.prev_eos = torch.zeros(cv.length, dtype=torch.bool, device=self.device)
+            cv.prev_eos[idx] = arg == self.eos_id
+
+        pos_new = idx[newly]
+        cv.committed[pos_new] = True
+        cv.tokens[pos_new] = arg[newly]
+        s.stats["commits"] += int(newly.sum())
+
+        # Jacobi livelock: ≤ 1 commit for 8 consecutive committing steps → one random restart
+        restart = False
+        if cv.state != "draft":
+            if int(newly.sum()) <= cfg.jacobi_max_commits:
+                cv.streak += 1
+            else:
+                cv.streak = 0
+            if cv.streak >= cfg.jacobi_window:
+                restart, cv.streak = True, 0
+                s.stats["jacobi_restarts"] += 1
+
+        # renoise what is still open: argmax (the record protocol), mix, or a one-shot restart
+        still = open_ & ~newly
+        if bool(still.any()):
+            rows = idx[still]
+            V = self.rt.vocab_size
+            if restart:
+                cv.tokens[rows] = torch.randint(0, V, (rows.numel(),), generator=s.gen).to(self.device)
+            else:
+                new = arg[still]
+                if cfg.renoise == "mix":
+                    flip = torch.rand(rows.numel(), generator=s.gen).to(self.device) < cfg.mix_fraction
+                    rand = torch.randint(0, V, (rows.numel(),), generator=s.gen).to(self.device)
+                    new = torch.where(flip, rand, new)
+                cv.tokens[rows] = new
+
+        if cfg.self_conditioning:
+            self._store_sc(cv, idx, logits)
+        return newly
+
+    # -- self-conditioning ------------------------------------------------------------------------
+    def _store_sc(self, cv: Canvas, idx: torch.Tensor, logits: torch.Tensor) -> None:
+        k = self.config.sc_topk
+        dt = self.rt.dtype
+        if k is None:
+            if cv.sc is None:
+                cv.sc = (
+                    torch.zeros(cv.length, logits.shape[-1], dtype=dt, device=self.device),
+                    self._no_sc(cv),
+                )
+            buf, have = cv.sc
+            buf[idx] = logits.to(dt)
+            have[idx] = True
+        else:
+            k = min(k, logits.shape[-1])
+            vals, ids = torch.topk(logits.float(), k, dim=-1)
+            if cv.sc is None:
+                cv.sc = (
+                    (
+                        torch.zeros(cv.length, k, dtype=torch.long, device=self.device),
+                        torch.zeros(cv.length, k, dtype=torch.float32, device=self.device),
+                    ),
+                    self._no_sc(cv),
+                )
+            (bid, bval), have = cv.sc
+            bid[idx], bval[idx] = ids, vals
+            have[idx] = True
+
+    def _no_sc(self, cv: Canvas) -> torch.Tensor:
+        return torch.zeros(cv.length, dtype=torch.bool, device=self.device)
+
+    def _self_cond(self, parts):
+        """The window's SC input and the rows that get it (a canvas's first step has none)."""
+        if not self.config.self_conditioning or all(cv.sc is None for cv, _ in parts):
+            return None, None
+        topk = self.config.sc_topk is not None
+        V = self.rt.vocab_size
+        vals, ids, rows = [], [], []
+        for cv, idx in parts:
+            if cv.sc is None:
+                rows.append(torch.zeros(idx.numel(), dtype=torch.bool, device=self.device))
+                if topk:
+                    k = min(self.config.sc_topk, V)
+                    ids.append(torch.zeros(idx.numel(), k, dtype=torch.long, device=self.device))
+                    vals.append(torch.zeros(idx.numel(), k, dtype=torch.float32, device=self.device))
+                else:
+                    vals.append(torch.zeros(idx.numel(), V, dtype=self.rt.dtype, device=self.device))
+                continue
+            buf, have = cv.sc
+            rows.append(have[idx])
+            if topk:
+                ids.append(buf[0][idx])
+                vals.append(buf[1][idx])
+            else:
+                vals.append(buf[idx])
+        sc_rows = torch.cat(rows)
+        sc = (torch.cat(ids), torch.cat(vals)) if topk else torch.cat(vals)
+        return sc, sc_rows
+
+    # -- retire, finish, spawn --------------------------------------------------------------------
+    def _retire_and_spawn(self, s: Seq) -> list:
+        cfg = self.config
+        encodes = []
+        while s.canvases:
+            front = s.canvases[0]
+            front.state = "full"
+            open_pos = torch.nonzero(~front.committed).flatten()
+            p = int(open_pos[0]) if open_pos.numel() else front.length
+            toks = front.tokens[:p].tolist()
+            room = s.req.max_tokens - len(s.out)  # answer tokens still allowed
+            cut = first_stop(toks[:room], self.stop_ids)
+            if cut is not None:
+                s.out += toks[: cut + 1]
+                s.done, s.finish_reason = True, "stop"
+                return encodes
+            if p >= room:
+                s.out += toks[:room]
+                s.done, s.finish_reason = True, "length"
+                return encodes
+            if p < front.length or not self.can_retire(front):
+                break
+            s.retired.append(s.canvases.pop(0))
+            s.out += toks
+            s.stats["retired"] += 1
+            item = self.retire(s, front, continues=True)
+            if item is not None:
+                encodes.append(item)
+        if not s.canvases and s.spawned >= s.n_canvases:  # nothing left to decode
+            s.done = True
+            return encodes
+
+        ended = any(
+            bool((cv.committed & ((cv.tokens == self.eos_id) | (cv.tokens == self.bundle.pad_id))).any())
+            for cv in s.canvases
+        )
+        if not ended and s.spawned < s.n_canvases:
+            if not s.canvases:
+                self.spawn(s)
+            elif len(s.canvases) < cfg.max_canvases and (
+                s.canvases[-1].decoded >= cfg.spawn_threshold or self.early_spawn(s)
+            ):
+                if s.canvases[-1].decoded < cfg.spawn_threshold:
+                    s.stats["early_spawns"] += 1
+                self.spawn(s)
+        self._graduate(s)
+        return encodes
+
+    def _graduate(self, s: Seq) -> None:
+        """τ_add / τ_act graduation by the previous canvas's decode fraction (states never drop)."""
+        cfg = self.config
+        for i, cv in enumerate(s.canvases):
+            if i == 0:
+                cv.state = "full"
+                continue
+            prev = s.canvases[i - 1].decoded
+            if prev >= cfg.tau_act:
+                cv.state = "full"
+            elif prev >= cfg.tau_add and cv.state == "draft":
+                cv.state = "semi"

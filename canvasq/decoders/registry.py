@@ -1,0 +1,40 @@
+"""The explicit decoder registry: a name → its strategy class and typed config. An unknown name
+fails loudly; nothing is discovered by import side effects. Classes are imported on first use so the
+service can list names without importing torch."""
+
+from __future__ import annotations
+
+import importlib
+
+from canvasq.decoders.configs import CONFIGS, with_overrides
+
+_CLASSES = {
+    "official": "canvasq.decoders.official:OfficialDecoder",
+    "pipe": "canvasq.decoders.pipe:PipeDecoder",
+    "funnel": "canvasq.decoders.funnel:FunnelDecoder",
+}
+NAMES = tuple(_CLASSES)
+
+
+class UnknownDecoder(ValueError):
+    pass
+
+
+def decoder_class(name: str):
+    try:
+        target = _CLASSES[name]
+    except KeyError:
+        raise UnknownDecoder(f"unknown decoder {name!r}; known: {', '.join(NAMES)} (and 'auto')") from None
+    module, attr = target.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def make_config(name: str, overrides: dict | None = None):
+    if name not in CONFIGS:
+        raise UnknownDecoder(f"unknown decoder {name!r}; known: {', '.join(NAMES)} (and 'auto')")
+    return with_overrides(CONFIGS[name](), overrides)
+
+
+def make_decoder(name: str, bundle, overrides: dict | None = None):
+    """A ready strategy instance: `.decode(batch, should_stop) -> list[DecodeResult]`."""
+    return decoder_class(name)(bundle, make_config(name, overrides))

@@ -1,0 +1,273 @@
+"""Runs one chunk in a worker process. No Celery import: the tasks module and the embedded
+`canvasq run` both call `ChunkRuntime.process_chunk`.
+
+Flow: chunk id → claim in SQL (attempts + 1, lease) → its still-`queued` request rows (Jobs) →
+tokenised into DecodeRequests → DecodeBatch per decoder, `decode_batch_size` prompts at a time →
+`canvasq.decoders.run_batch` → DecodeResults → outputs + forward traces written in one transaction
+per batch (only rows still `queued`: a redelivered chunk skips done rows) → chunk done → run
+finalised when no row is left queued.
+
+The model is loaded once per process (`start_process`, called in the Celery child; CUDA is never
+touched in the parent). torch is imported only when the model is loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from canvasq.api.settings import Settings, get_settings, model_name
+from canvasq.api.store import ResultRecord, Store, retry_transient
+from canvasq.decoders.types import CANCELLED, DecodeBatch, DecodeRequest, DecodeResult
+from canvasq.worker import faults
+
+log = logging.getLogger(__name__)
+
+DecodeFn = Callable[..., list[DecodeResult]]
+
+
+def resolve_device(setting: str) -> str:
+    if setting != "auto":
+        return setting
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_decode_fn() -> DecodeFn:
+    from canvasq.decoders import run_batch
+
+    return run_batch
+
+
+def result_record(res: DecodeResult, gen_ms: float, decoder: str) -> ResultRecord:
+    if res.error == CANCELLED:
+        status, code = "cancelled", "cancelled"
+    elif res.error:
+        status, code = "errored", "decode_error"
+    else:
+        status, code = "done", None
+    traces = [
+        {k: v for k, v in asdict(t).items() if k != "index"} | {"forward_index": t.index} for t in res.traces
+    ]
+    return ResultRecord(
+        custom_id=res.custom_id,
+        text=res.text if not res.error or res.error == CANCELLED else None,
+        token_ids=list(res.token_ids) if res.token_ids else [],
+        finish_reason=res.finish_reason,
+        prompt_tokens=res.prompt_tokens,
+        completion_tokens=len(res.token_ids or []) if not res.error else 0,
+        forwards=res.forwards,
+        decoder=res.decoder or decoder,
+        gen_ms=gen_ms,
+        error_code=code,
+        error_message=res.error if res.error else None,
+        status=status,
+        traces=traces,
+    )
+
+
+class ChunkRuntime:
+    """Everything one worker process needs: settings, store, the model (lazy), a decode function."""
+
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        store: Store | None = None,
+        bundle: Any = None,
+        decode_fn: DecodeFn | None = None,
+        worker_id: str | None = None,
+        queue: str | None = None,
+        stop_poll_s: float = 1.0,
+    ):
+        self.settings = settings or get_settings()
+        self.store = store or Store.from_settings(self.settings)
+        self._bundle = bundle
+        self._decode_fn = decode_fn
+        self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.queue = queue or self.settings.queue_for()
+        self.device = os.environ.get("CUDA_VISIBLE_DEVICES") or "cpu"
+        self.stop_poll_s = stop_poll_s  # how often should_stop re-reads the run's status
+        # Exceptions that end the chunk instead of erroring a batch (the Celery task sets its soft
+        # time limit here; this module never imports Celery).
+        self.interrupts: tuple[type[BaseException], ...] = ()
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+
+    # -- process lifetime --------------------------------------------------------------------------
+    @property
+    def bundle(self):
+        if self._bundle is None:
+            from canvasq.model.loading import load_bundle
+
+            device = resolve_device(self.settings.device)
+            if self.settings.torch_threads:
+                import torch
+
+                torch.set_num_threads(self.settings.torch_threads)
+            t0 = time.perf_counter()
+            self._bundle = load_bundle(self.settings.model, device=device)
+            log.info("loaded %s on %s in %.1fs", self.settings.model, device, time.perf_counter() - t0)
+            if device.startswith("cuda"):
+                self.device = f"cuda:{os.environ.get('CUDA_VISIBLE_DEVICES', '0')}"
+        return self._bundle
+
+    @property
+    def decode_fn(self) -> DecodeFn:
+        if self._decode_fn is None:
+            self._decode_fn = default_decode_fn()
+        return self._decode_fn
+
+    def register(self) -> None:
+        retry_transient(
+            lambda: self.store.register_worker(
+                self.worker_id, socket.gethostname(), os.getpid(), self.device, self.settings.model, self.queue
+            )
+        )
+
+    def start_heartbeat(self) -> None:
+        def beat():
+            while not self._hb_stop.wait(self.settings.heartbeat_s):
+                try:
+                    self.store.heartbeat(self.worker_id)
+                except Exception as exc:  # a missed beat is not worth killing the worker
+                    log.warning("heartbeat failed: %s", exc)
+
+        self._hb_thread = threading.Thread(target=beat, name="canvasq-heartbeat", daemon=True)
+        self._hb_thread.start()
+
+    def stop(self) -> None:
+        self._hb_stop.set()
+
+    # -- one chunk ---------------------------------------------------------------------------------
+    def _stopper(self, run_id: str) -> Callable[[], bool]:
+        """`should_stop` for the decoder: the run's cancelling flag, read at most every stop_poll_s."""
+        state = {"t": 0.0, "stop": False}
+
+        def should_stop() -> bool:
+            now = time.monotonic()
+            if not state["stop"] and now - state["t"] >= self.stop_poll_s:
+                state["t"] = now
+                try:
+                    state["stop"] = self.store.run_status(run_id) in ("cancelling", "cancelled", "expired")
+                except Exception:  # a flaky read never stops generation
+                    pass
+            return state["stop"]
+
+        return should_stop
+
+    def process_chunk(self, chunk_id: str) -> dict[str, Any]:
+        s = self.settings
+        claim = retry_transient(
+            lambda: self.store.claim_chunk(chunk_id, self.worker_id, s.visibility_timeout, s.max_attempts)
+        )
+        summary = {"chunk": chunk_id, "state": claim.state, "attempt": claim.attempts, "written": 0}
+        if claim.state == "missing":
+            log.warning("chunk %s not in the store; dropping the message", chunk_id)
+            return summary
+        run_id = claim.run_id
+        assert run_id is not None
+        if claim.state != "work":
+            if claim.state != "exhausted":
+                retry_transient(lambda: self.store.finish_chunk(chunk_id))
+            retry_transient(lambda: self.store.finalize_run(run_id))
+            return summary
+        if model_name(claim.model or "") != model_name(s.model):
+            log.warning("chunk %s is for model %s; this worker serves %s", chunk_id, claim.model, s.model)
+
+        should_stop = self._stopper(run_id)
+        groups: dict[str, list[dict]] = {}
+        for r in claim.requests:
+            groups.setdefault(r["decoder"] or claim.run_decoder or "auto", []).append(r)
+        for decoder, rows in groups.items():
+            for i in range(0, len(rows), s.decode_batch_size):
+                if should_stop():
+                    break
+                summary["written"] += self._decode_and_store(run_id, decoder, rows[i : i + s.decode_batch_size],
+                                                             should_stop)
+        if should_stop():
+            status = self.store.run_status(run_id)
+            code = "expired" if status == "expired" else "cancelled"
+            retry_transient(lambda: self.store.close_chunk_rows(chunk_id, run_id, code, code, f"run {status}"))
+        retry_transient(lambda: self.store.finish_chunk(chunk_id))
+        retry_transient(lambda: self.store.finalize_run(run_id))
+        return summary
+
+    def _decode_and_store(self, run_id: str, decoder: str, rows: list[dict], should_stop) -> int:
+        bundle = self.bundle  # a load failure raises here: the chunk is retried, rows stay queued
+        records: list[ResultRecord] = []
+        reqs: list[DecodeRequest] = []
+        for r in rows:
+            try:  # a tokenizer failure errors this row only
+                ids = bundle.encode_prompt(r["prompt"], r["task"])
+                reqs.append(DecodeRequest(r["custom_id"], list(ids), r["max_tokens"], r["task"]))
+            except Exception as exc:
+                records.append(ResultRecord(r["custom_id"], status="errored", error_code="tokenizer_error",
+                                            error_message=f"{type(exc).__name__}: {exc}", decoder=decoder))
+        if reqs:
+            t0 = time.perf_counter()
+            try:
+                faults.before_decode(q.custom_id for q in reqs)  # inert unless CANVASQ_TEST_* is set
+                results = self.decode_fn(bundle, DecodeBatch(reqs, seed=self.settings.seed), decoder,
+                                         should_stop=should_stop, routing=self.settings.routing or None)
+            except self.interrupts:
+                raise
+            except Exception as exc:  # deterministic per-batch failure → errored rows, never a retry storm
+                log.exception("decode failed for %d rows of run %s", len(reqs), run_id)
+                results = [DecodeResult(q.custom_id, [], "", "error", len(q.prompt_ids), 0,
+                                        error=f"{type(exc).__name__}: {exc}") for q in reqs]
+            share = (time.perf_counter() - t0) * 1000 / len(reqs)
+            # The decoders turn any exception inside a step into row errors, Celery's soft time limit
+            # too: spot it by name, keep the rows that finished and let the task abandon the chunk.
+            names = {t.__name__ for t in self.interrupts}
+            cut = [res for res in results if res.error and res.error.split(":", 1)[0] in names]
+            if cut:
+                done = [result_record(res, share, decoder) for res in results if not res.error]
+                retry_transient(lambda: self.store.write_results(run_id, records + done, self.worker_id))
+                raise self.interrupts[0](cut[0].error)
+            records += [result_record(res, share, decoder) for res in results]
+        return retry_transient(lambda: self.store.write_results(run_id, records, self.worker_id))
+
+    def abandon_chunk(self, chunk_id: str, code: str, message: str) -> None:
+        """Soft time limit: rows done so far stay, the rest become errored(`code`); no redelivery."""
+        run_id = chunk_id.rsplit("-", 1)[0]
+        retry_transient(lambda: self.store.close_chunk_rows(chunk_id, run_id, "errored", code, message))
+        retry_transient(lambda: self.store.record_chunk_error(chunk_id, message))
+        retry_transient(lambda: self.store.finish_chunk(chunk_id))
+        retry_transient(lambda: self.store.finalize_run(run_id))
+
+
+# ---------------------------------------------------------------------------------------- per process
+
+_RUNTIME: ChunkRuntime | None = None
+
+
+def get_runtime() -> ChunkRuntime:
+    global _RUNTIME
+    if _RUNTIME is None:
+        _RUNTIME = ChunkRuntime(queue=os.environ.get("CANVASQ_WORKER_QUEUE") or None)
+    return _RUNTIME
+
+
+def start_process() -> None:
+    """In the worker child: register, start the heartbeat, load the model before the first chunk."""
+    rt = get_runtime()
+    rt.store.engine.dispose(close=False)  # never share pooled connections across fork
+    rt.register()
+    rt.start_heartbeat()
+    try:
+        rt.bundle  # noqa: B018 - load now, not inside the first chunk's time limit
+        log.info("canvasq child ready: %s", rt.worker_id)
+    except Exception:
+        log.exception("model load failed; chunks will retry the load")
+
+
+def stop_process() -> None:
+    if _RUNTIME is not None:
+        _RUNTIME.stop()

@@ -1,0 +1,57 @@
+"""Thin Celery adapters: deserialize, call the runtime, let Celery ack. No logic lives here.
+
+Transient persistence errors (database or Redis connection) retry with backoff; anything
+deterministic has already become an `errored` row inside the runtime. A soft time limit keeps the
+rows written so far and errors the rest (`timeout`), so the chunk is handled once, not looped.
+"""
+
+from __future__ import annotations
+
+import os
+
+from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
+from sqlalchemy.exc import OperationalError
+
+from canvasq.worker.celery_app import TASK_NAME, app
+
+try:
+    from redis.exceptions import ConnectionError as RedisConnectionError
+except ImportError:  # pragma: no cover - redis is a hard dependency
+    RedisConnectionError = ConnectionError
+
+
+class ChunkTask(app.Task):
+    def on_failure(self, exc, task_id, args, kwargs, einfo):
+        # Celery ≥ 5.5 calls this in the main process when the hard limit killed the child; the
+        # message is acked (acks_on_timeout), so without this the chunk's rows stayed queued forever.
+        if isinstance(exc, TimeLimitExceeded) and not isinstance(exc, SoftTimeLimitExceeded) and args:
+            from canvasq.worker.runtime import ChunkRuntime
+
+            rt = ChunkRuntime(worker_id=f"main:{os.getpid()}")  # not get_runtime(): children fork from here
+            try:
+                rt.abandon_chunk(args[0], "timeout",
+                                 f"hard time limit ({rt.settings.hard_time_limit}s) exceeded; process replaced")
+            finally:
+                rt.store.dispose()
+
+
+@app.task(
+    name=TASK_NAME,
+    base=ChunkTask,
+    bind=True,
+    acks_late=True,
+    autoretry_for=(OperationalError, RedisConnectionError),
+    retry_backoff=True,
+    retry_backoff_max=60,
+    max_retries=5,
+)
+def process_chunk(self, chunk_id: str) -> dict:
+    from canvasq.worker.runtime import get_runtime
+
+    rt = get_runtime()
+    rt.interrupts = (SoftTimeLimitExceeded,)
+    try:
+        return rt.process_chunk(chunk_id)
+    except SoftTimeLimitExceeded:
+        rt.abandon_chunk(chunk_id, "timeout", f"soft time limit ({rt.settings.soft_time_limit}s) exceeded")
+        return {"chunk": chunk_id, "state": "timeout"}

@@ -1,0 +1,225 @@
+#!/usr/bin/env python
+"""Reliability soak (issue 4, RELIABILITY.md T19): N requests, W workers, a random worker SIGKILLed
+every ~K seconds (and restarted, as a supervisor would), one Redis restart mid-run, a reconcile
+sidecar → report lost / duplicated rows, statuses, deliveries and worker memory.
+
+Not part of the default test suite (minutes to hours on a CPU box). Run it directly:
+
+    python scripts/soak.py                                   # 2,000 requests, 3 workers, kill every 20 s
+    python scripts/soak.py --requests 200 --kill-every 15 --json-out soak.json
+
+Services: a private redis-server on a free port (so the Redis restart disturbs nobody) and a fresh
+database on the shared PostgreSQL ($CANVASQ_TEST_PG_URL), or `--db sqlite`. Workers run the testbed
+model on CPU. Ends with one JSON line; exit status 1 when anything was lost or duplicated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from canvasq.testing.checks import collect
+from canvasq.testing.scenario import write_input
+from canvasq.testing.services import RedisServer
+from canvasq.testing.workers import WorkerProcess, worker_env
+
+
+def rss_kb(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--workers", type=int, default=3)
+    ap.add_argument("--kill-every", type=float, default=20.0, help="mean seconds between worker SIGKILLs")
+    ap.add_argument(
+        "--redis-restart-at", type=float, default=0.4, help="fraction of rows done at the restart"
+    )
+    ap.add_argument("--redis-down-s", type=float, default=5.0)
+    ap.add_argument("--chunk-size", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-attempts", type=int, default=6)
+    ap.add_argument("--visibility-timeout", type=int, default=90)
+    ap.add_argument("--db", choices=("postgresql", "sqlite"), default="postgresql")
+    ap.add_argument("--deadline-s", type=float, default=4 * 3600, help="give up after this long")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args(argv)
+    rnd = random.Random(args.seed)
+
+    from canvasq.api.store import Store
+
+    t_start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="canvasq-soak-") as tmpd, contextlib.ExitStack() as stack:
+        tmp = Path(tmpd)
+        redis = stack.enter_context(RedisServer(tmp))
+        if args.db == "sqlite":
+            db_url = f"sqlite:///{tmp / 'soak.sqlite'}"
+        else:
+            from canvasq.api.testing import fresh_pg_database
+
+            db_url = stack.enter_context(fresh_pg_database("canvasq_soak"))
+        vis = args.visibility_timeout
+        env = worker_env(
+            db_url=db_url,
+            broker_url=redis.url,
+            soft_time_limit=vis - 30,
+            hard_time_limit=vis - 15,
+            visibility_timeout=vis,
+            max_attempts=args.max_attempts,
+            decode_batch_size=args.chunk_size,
+            chunk_size=args.chunk_size,
+        )
+        queue = "canvasq.soak"
+
+        def cli(*a, check=True):
+            return subprocess.run(
+                [sys.executable, "-m", "canvasq.api.cli", *a],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=check,
+                timeout=600,
+                cwd=tmp,
+            )
+
+        cli("db", "upgrade")
+        store = Store(db_url)
+        stack.callback(store.dispose)
+        ids = write_input(tmp / "soak.jsonl", args.requests, prefix="k", max_tokens=args.max_tokens)
+
+        workers: list[WorkerProcess] = []
+        n_started = 0
+
+        def start_worker() -> WorkerProcess:
+            nonlocal n_started
+            w = WorkerProcess(env, queue, tmp / f"worker{n_started}.log").start()
+            n_started += 1
+            workers.append(w)
+            return w
+
+        for _ in range(args.workers):
+            start_worker()
+        stack.callback(lambda: [w.stop() for w in workers])
+        reconciler = subprocess.Popen(
+            [sys.executable, "-m", "canvasq.api.cli", "reconcile", "--loop", "20"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=tmp,
+            start_new_session=True,
+        )
+        stack.callback(lambda: (reconciler.kill(), reconciler.wait(10)))
+
+        run_id = (
+            cli(
+                "submit",
+                str(tmp / "soak.jsonl"),
+                "--queue",
+                queue,
+                "--chunk-size",
+                str(args.chunk_size),
+                "--decoder",
+                "official",
+                "--name",
+                "soak",
+            )
+            .stdout.strip()
+            .splitlines()[-1]
+        )
+        print(f"soak: run {run_id}, {args.requests} requests, {args.workers} workers", file=sys.stderr)
+        kills, redis_restarted = 0, False
+        next_kill = time.monotonic() + rnd.expovariate(1 / args.kill_every)
+        rss: dict[int, list[int]] = {}  # child pid -> RSS samples (kB)
+        last_print = 0.0
+        while True:
+            now = time.monotonic()
+            status = store.run_status(run_id)
+            counts = store.counts(run_id)
+            finished = counts["total"] - counts["queued"]
+            if status in ("completed", "cancelled", "expired"):
+                break
+            if now - t_start > args.deadline_s:
+                print("soak: deadline reached, giving up", file=sys.stderr)
+                break
+            live = [w for w in workers if w.alive()]
+            for w in live:
+                for pid in w.child_pids():
+                    kb = rss_kb(pid)
+                    if kb:
+                        rss.setdefault(pid, []).append(kb)
+            if now >= next_kill and live:
+                victim = rnd.choice(live)
+                victim.kill_all()
+                victim.stop()
+                kills += 1
+                start_worker()  # a supervisor restarts it
+                next_kill = now + rnd.expovariate(1 / args.kill_every)
+            if not redis_restarted and finished >= args.redis_restart_at * counts["total"]:
+                redis.stop("kill")
+                time.sleep(args.redis_down_s)
+                redis.start()
+                redis_restarted = True
+                print(f"soak: redis restarted at {finished}/{counts['total']}", file=sys.stderr)
+            if now - last_print > 30:
+                print(
+                    f"soak: {finished}/{counts['total']} terminal, status {status}, kills {kills}, "
+                    f"{now - t_start:.0f}s",
+                    file=sys.stderr,
+                )
+                last_print = now
+            time.sleep(1.0)
+
+        rep = collect(store, run_id, ids)
+        attempts = Counter(rep.attempts.values())
+        long_lived = {pid: s for pid, s in rss.items() if len(s) >= 10}
+        growth = {pid: (s[len(s) // 5], s[-1]) for pid, s in long_lived.items()}
+        result = {
+            "requests": args.requests,
+            "workers": args.workers,
+            "kill_every_s": args.kill_every,
+            "kills": kills,
+            "redis_restarts": int(redis_restarted),
+            "run_status": rep.run_status,
+            "statuses": rep.statuses,
+            "error_codes": rep.error_codes,
+            "lost": len(rep.lost),
+            "duplicated": len(rep.duplicated),
+            "unknown": len(rep.unknown),
+            "not_terminal": len(rep.not_terminal),
+            "ok": rep.ok,
+            "deliveries_per_chunk": {str(k): v for k, v in sorted(attempts.items())},
+            "max_child_rss_mb": round(max((max(s) for s in rss.values()), default=0) / 1024, 1),
+            "rss_mb_after_warmup_vs_last": {
+                str(pid): [round(a / 1024, 1), round(b / 1024, 1)] for pid, (a, b) in growth.items()
+            },
+            "wall_s": round(time.monotonic() - t_start, 1),
+            "db": args.db,
+        }
+        line = json.dumps(result)
+        if args.json_out:
+            Path(args.json_out).write_text(line + "\n")
+        print(line)
+        return 0 if rep.ok and rep.run_status == "completed" and not rep.lost and not rep.duplicated else 1
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""The store on SQLite and PostgreSQL: idempotent writes, counts from rows, the attempts cap,
+cancel / expire / retry state changes, and SQLite connection pragmas."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import func, select, text
+
+from canvasq.api.models import Output, Request, utcnow
+from canvasq.api.schemas import Job
+from canvasq.api.store import ResultRecord, Store
+
+
+def jobs(n: int, prefix: str = "q") -> list[Job]:
+    return [Job(f"{prefix}{i}", f"prompt {i}", "math", 32, None, i + 1) for i in range(n)]
+
+
+def make_run(store: Store, n: int = 10, chunk_size: int = 4, **kw):
+    return store.create_run(jobs(n), model="models/testbed", queue="q.test", chunk_size=chunk_size, **kw)
+
+
+def done(cid: str, tokens: int = 5, decoder: str = "official", **kw) -> ResultRecord:
+    traces = [dict(forward_index=i, rows=32, commits=2, canvases=1, states="full", ms=1.5, kind="decode")
+              for i in range(3)]
+    return ResultRecord(cid, text=f"answer {cid}", token_ids=list(range(tokens)), finish_reason="stop",
+                        prompt_tokens=7, completion_tokens=tokens, forwards=3, decoder=decoder, gen_ms=100.0,
+                        traces=traces, **kw)
+
+
+def test_create_run_chunks_and_counts(store):
+    created = make_run(store, 10, 4)
+    assert created.created and created.requests == 10 and len(created.chunk_ids) == 3
+    c = store.counts(created.run_id)
+    assert c["total"] == 10 and c["queued"] == 10 and c["done"] == 0
+
+
+def test_idempotency_key_returns_same_run(store):
+    a = make_run(store, 5, idempotency_key="nightly-1")
+    b = make_run(store, 5, idempotency_key="nightly-1")
+    assert (b.run_id, b.created, b.chunk_ids) == (a.run_id, False, a.chunk_ids)
+    assert len(store.list_runs()) == 1
+
+
+def test_duplicate_results_write_once(store):
+    """A redelivered chunk (same results again) writes nothing new: one output per custom_id."""
+    run = make_run(store, 4, 4)
+    assert store.write_results(run.run_id, [done("q0"), done("q1")], "w1") == 2
+    assert store.write_results(run.run_id, [done("q0", tokens=9), done("q1")], "w2") == 0
+    with store.Session() as s:
+        rows = s.execute(select(Output.custom_id, Output.completion_tokens, Output.worker_id)
+                         .where(Output.run_id == run.run_id).order_by(Output.custom_id)).all()
+        n_traces = s.scalar(text("select count(*) from forward_traces where run_id = :r"), {"r": run.run_id})
+    assert rows == [("q0", 5, "w1"), ("q1", 5, "w1")]
+    assert n_traces == 6
+    assert store.counts(run.run_id)["done"] == 2
+
+
+def test_claim_skips_done_rows_and_caps_attempts(store):
+    run = make_run(store, 4, 4)
+    cid = run.chunk_ids[0]
+    first = store.claim_chunk(cid, "w1", 60, max_attempts=2)
+    assert first.state == "work" and len(first.requests) == 4 and first.attempts == 1
+    store.write_results(run.run_id, [done("q0")], "w1")
+    second = store.claim_chunk(cid, "w2", 60, max_attempts=2)  # redelivery after a crash
+    assert second.state == "work" and [r["custom_id"] for r in second.requests] == ["q1", "q2", "q3"]
+    third = store.claim_chunk(cid, "w3", 60, max_attempts=2)  # past the cap
+    assert third.state == "exhausted"
+    c = store.counts(run.run_id)
+    assert c["done"] == 1 and c["errored"] == 3 and c["queued"] == 0
+    assert store.finalize_run(run.run_id) == "completed"
+    with store.Session() as s:
+        codes = s.scalars(select(Output.error_code).where(Output.run_id == run.run_id, Output.error_code.is_not(None)))
+        assert set(codes) == {"worker_lost"}
+
+
+def test_summary_counts_come_from_rows(store):
+    run = make_run(store, 6, 3)
+    store.claim_chunk(run.chunk_ids[0], "w1", 60, 3)
+    store.write_results(run.run_id, [done("q0", 10), done("q1", 20, decoder="funnel"),
+                                     ResultRecord("q2", status="errored", error_code="decode_error",
+                                                  error_message="boom")], "w1")
+    s = store.run_summary(run.run_id)
+    assert s["counts"] == {"queued": 3, "done": 2, "errored": 1, "expired": 0, "cancelled": 0, "total": 6}
+    assert s["completion_tokens"] == 30 and s["forwards"] == 6
+    assert {d["decoder"]: d["tokens"] for d in s["decoders"]} == {"official": 10, "funnel": 20}
+    assert s["status"] == "running"
+    listed = store.list_runs()[0]
+    assert (listed["total"], listed["done"], listed["errored"], listed["queued"]) == (6, 2, 1, 3)
+    with store.Session() as sess:  # the migration's view agrees with the ORM query
+        view = dict(sess.execute(text("select decoder, tokens from run_throughput where run_id = :r"),
+                                 {"r": run.run_id}).all())
+    assert view == {"official": 10, "funnel": 20}
+
+
+def test_cancel_keeps_finished_rows(store):
+    run = make_run(store, 8, 4)
+    store.claim_chunk(run.chunk_ids[0], "w1", 60, 3)  # chunk 0 running, chunk 1 not started
+    store.write_results(run.run_id, [done("q0")], "w1")
+    assert store.cancel_run(run.run_id) == "cancelling"  # chunk 0's rows still queued on a worker
+    c = store.counts(run.run_id)
+    assert c["done"] == 1 and c["cancelled"] == 4 and c["queued"] == 3
+    assert store.claim_chunk(run.chunk_ids[1], "w2", 60, 3).state == "cancelled"
+    store.close_chunk_rows(run.chunk_ids[0], run.run_id, "cancelled", "cancelled", "run cancelled")
+    assert store.finalize_run(run.run_id) == "cancelled"
+    assert store.counts(run.run_id)["done"] == 1
+
+
+def test_expire_and_retry(store):
+    run = make_run(store, 6, 3, deadline_s=60)
+    store.claim_chunk(run.chunk_ids[0], "w1", 60, 3)
+    store.write_results(run.run_id, [done("q0"), ResultRecord("q1", status="errored", error_code="x")], "w1")
+    assert store.expire_overdue(utcnow() + timedelta(seconds=120)) == [run.run_id]
+    c = store.counts(run.run_id)
+    assert (c["done"], c["errored"], c["expired"], c["queued"]) == (1, 1, 4, 0)
+    assert store.run_status(run.run_id) == "expired"
+    new_chunks = store.retry_run(run.run_id, ["errored"], chunk_size=10)
+    assert len(new_chunks) == 1 and store.counts(run.run_id)["queued"] == 1
+    claim = store.claim_chunk(new_chunks[0], "w2", 60, 3)
+    assert [r["custom_id"] for r in claim.requests] == ["q1"]
+    assert store.write_results(run.run_id, [done("q1")], "w2") == 1  # overwrites the errored output
+    with store.Session() as s:
+        assert s.scalar(select(Output.error_code).where(Output.run_id == run.run_id, Output.custom_id == "q1")) is None
+        assert s.scalar(select(func.count()).select_from(Output).where(Output.run_id == run.run_id)) == 6
+
+
+def test_stale_and_unpublished_chunks(store):
+    run = make_run(store, 4, 2)
+    assert {c for c, _ in store.unpublished_chunks()} == set(run.chunk_ids)
+    store.mark_published(run.chunk_ids)
+    assert store.unpublished_chunks() == []
+    store.claim_chunk(run.chunk_ids[0], "w1", lease_s=1, max_attempts=3)
+    assert store.stale_chunks(utcnow() + timedelta(seconds=5)) == [(run.chunk_ids[0], "q.test")]
+    assert store.stale_chunks(utcnow()) == []
+
+
+def test_workers_register_and_throughput(store):
+    run = make_run(store, 2, 2)
+    store.register_worker("h:1", "h", 1, "0", "models/testbed", "q.test")
+    store.register_worker("h:1", "h", 1, "0", "models/testbed", "q.test")  # upsert, not a second row
+    store.write_results(run.run_id, [done("q0", 10), done("q1", 30)], "h:1")
+    stats = store.worker_stats()
+    assert len(stats) == 1 and stats[0]["requests"] == 2 and stats[0]["tokens"] == 40
+    assert stats[0]["tok_s"] == pytest.approx(40 / 0.2)
+
+
+def test_sqlite_pragmas_on_every_connection(tmp_path):
+    st = Store(f"sqlite:///{tmp_path / 'p.sqlite'}", busy_timeout_ms=1234)
+    for _ in range(2):
+        with st.engine.connect() as conn:
+            raw = conn.connection.dbapi_connection
+            assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+            assert raw.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+            assert raw.execute("PRAGMA busy_timeout").fetchone()[0] == 1234
+        st.engine.dispose()  # next round gets a brand-new connection
+
+
+def test_foreign_keys_enforced(store):
+    from sqlalchemy.exc import IntegrityError
+
+    with pytest.raises(IntegrityError):
+        with store.Session.begin() as s:
+            s.add(Request(run_id="run_missing", custom_id="x", line_no=1, prompt="p", max_tokens=1, status="queued"))
+
+
+def _writer(url: str, run_id: str, ids: list[str], q) -> None:
+    st = Store(url)
+    n = 0
+    for cid in ids:
+        n += st.write_results(run_id, [done(cid)], f"p{cid}")
+    q.put(n)
+
+
+def test_concurrent_sqlite_writers_do_not_lock(tmp_path):
+    """Four processes write one SQLite file at once: every row lands, no "database is locked"."""
+    url = f"sqlite:///{tmp_path / 'c.sqlite'}"
+    st = Store(url)
+    st.upgrade()
+    run = st.create_run(jobs(200), model="m", queue="q", chunk_size=50)
+    ids = [f"q{i}" for i in range(200)]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_writer, args=(url, run.run_id, ids[i::4] + ids[(i + 1) % 4::4], q)) for i in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    assert sum(q.get() for _ in procs) == 200  # each id offered twice, written once
+    assert st.counts(run.run_id)["done"] == 200

@@ -1,0 +1,66 @@
+"""Small DiffusionGemma models and bundles for the decoder invariant tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from canvasq.model.loading import ModelBundle
+from canvasq.testbed.config import TestbedShape, build_config
+
+TESTBED_DIR = Path(__file__).resolve().parents[2] / "models" / "testbed"
+
+
+def tiny_shape(**kw) -> TestbedShape:
+    """Every structural feature at toy size; sliding window 16 < prompt + two canvases of 8."""
+    base = {
+        "vocab_size": 96,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "global_head_dim": 32,
+        "num_global_key_value_heads": 1,
+        "sliding_window": 16,
+        "num_experts": 8,
+        "top_k_experts": 3,
+        "moe_intermediate_size": 24,
+        "canvas_length": 8,
+        "max_position_embeddings": 512,
+    }
+    base.update(kw)
+    return TestbedShape(**base)
+
+
+@torch.no_grad()
+def tiny_model(shape: TestbedShape | None = None, seed: int = 0, peak: float = 1.0):
+    """A random model whose weights are all non-trivial; `peak` scales the tied embedding so the
+    output distribution is sharper (confidence spread over (0, 1), like a half-trained denoiser)."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    torch.manual_seed(seed)
+    model = DiffusionGemmaForBlockDiffusion(build_config(shape or tiny_shape())).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    for name, p in model.named_parameters():
+        if "vision" in name:
+            continue
+        if p.dim() == 1:
+            p.copy_(0.5 + torch.rand(p.shape, generator=g))
+        else:
+            p.copy_(torch.randn(p.shape, generator=g) * (p.shape[-1] ** -0.5))
+    model.lm_head.weight.mul_(peak)  # tied with the embeddings
+    return model
+
+
+def tiny_bundle(seed: int = 0, peak: float = 1.0, **shape_kw) -> ModelBundle:
+    return ModelBundle(tiny_model(tiny_shape(**shape_kw), seed, peak), None, f"tiny:{seed}", "cpu")
+
+
+def trained_testbed() -> bool:
+    """The committed testbed checkpoint exists and is marked trained (not the placeholder)."""
+    if not (TESTBED_DIR / "config.json").exists():
+        return False
+    return any(TESTBED_DIR.glob("train_report*.json"))

@@ -1,0 +1,125 @@
+"""`official`: HF generate() unchanged, observed for traces, seeded, max_tokens respected."""
+
+import torch
+from helpers import tiny_bundle
+
+from canvasq.decoders import CANCELLED, DecodeBatch, DecodeRequest, run_batch
+
+STEPS = {"max_denoising_steps": 3}
+
+
+def _batch(seed=0):
+    return DecodeBatch(
+        [
+            DecodeRequest("a", [2, 5, 6, 7, 8, 9, 4], 13),
+            DecodeRequest("b", [2, 9, 4], 8),
+            DecodeRequest("c", [2, 11, 12, 13, 4], 16),
+        ],
+        seed=seed,
+    )
+
+
+def test_seeded_runs_repeat_and_seed_matters():
+    b = tiny_bundle()
+    r1 = run_batch(b, _batch(0), overrides=STEPS)
+    r2 = run_batch(b, _batch(0), overrides=STEPS)
+    r3 = run_batch(b, _batch(1), overrides=STEPS)
+    assert [r.token_ids for r in r1] == [r.token_ids for r in r2]
+    assert [r.token_ids for r in r1] != [r.token_ids for r in r3]
+
+
+def test_global_rng_untouched():
+    b = tiny_bundle()
+    torch.manual_seed(123)
+    expect = torch.rand(3)
+    torch.manual_seed(123)
+    run_batch(b, _batch(0), overrides=STEPS)
+    assert torch.equal(torch.rand(3), expect)
+
+
+def test_max_tokens_finish_reason_and_traces():
+    b = tiny_bundle()
+    res = run_batch(b, _batch(0), overrides=STEPS)
+    C = b.canvas_length
+    for req, r in zip(_batch(0).requests, res):
+        assert r.error is None and r.decoder == "official"
+        assert len(r.token_ids) <= req.max_tokens
+        assert r.finish_reason in ("stop", "length")
+        if r.finish_reason == "length":
+            assert len(r.token_ids) == req.max_tokens
+        assert r.forwards == len(r.traces)
+        kinds = [t.kind for t in r.traces]
+        n_canvases = -(-req.max_tokens // C)
+        # prefill + one commit pass per later canvas: every model pass is counted
+        assert 1 <= kinds.count("encode") <= n_canvases
+        assert kinds[0] == "encode" and r.traces[0].own_rows == len(req.prompt_ids)
+        dec = [t for t in r.traces if t.kind == "decode"]
+        assert 1 <= len(dec) <= n_canvases * STEPS["max_denoising_steps"]
+        assert all(t.own_rows == C and t.ms > 0 for t in dec)
+        assert all(t.own_commits >= 0 for t in dec)
+
+
+def test_bad_request_fails_alone():
+    b = tiny_bundle()
+    batch = _batch(0)
+    batch.requests.append(DecodeRequest("empty", [], 8))
+    res = run_batch(b, batch, overrides=STEPS)
+    assert res[-1].error == "empty prompt" and res[-1].token_ids == []
+    assert all(r.error is None for r in res[:-1])
+
+
+def test_cancellation_polled_between_forwards():
+    b = tiny_bundle()
+    calls = {"n": 0}
+
+    def stop():
+        calls["n"] += 1
+        return calls["n"] > 2
+
+    res = run_batch(b, _batch(0), overrides=STEPS, should_stop=stop)
+    assert all(r.error == CANCELLED and r.finish_reason == CANCELLED for r in res)
+    # the model is left unpatched
+    assert "forward" not in b.hf_model.__dict__
+    assert "forward" not in b.hf_model.model.encoder.__dict__
+
+
+def test_w4_arm_is_a_flag_and_leaves_bf16_untouched():
+    b = tiny_bundle()
+    before = b.hf_model.model.decoder.layers[0].experts.gate_up_proj.clone()
+    w4 = run_batch(b, _batch(0), overrides={**STEPS, "experts": "w4"})
+    run_batch(b, _batch(0), overrides=STEPS)  # the plain arm still runs after the twin exists
+    assert all(r.error is None for r in w4)
+    assert all(len(r.token_ids) <= q.max_tokens for r, q in zip(w4, _batch(0).requests))
+    from canvasq.decoders.experts import model_with_experts
+
+    twin = model_with_experts(b.hf_model, "w4")
+    assert "w4_experts" in twin.model.decoder.layers[0].experts.__dict__
+    assert (
+        twin.model.decoder.layers[0].self_attn.q_proj.weight
+        is b.hf_model.model.decoder.layers[0].self_attn.q_proj.weight
+    )
+    assert torch.equal(b.hf_model.model.decoder.layers[0].experts.gate_up_proj, before)
+    assert "w4_experts" not in b.hf_model.model.decoder.layers[0].experts.__dict__
+
+
+def test_time_limit_inside_one_group_ends_the_batch():
+    """Celery's soft time limit derives from Exception: it must not be swallowed group by group."""
+    b = tiny_bundle()
+
+    class SoftTimeLimitExceeded(Exception):
+        pass
+
+    calls = {"n": 0}
+    real = b.hf_model.generate
+
+    def boom(*a, **k):
+        calls["n"] += 1
+        raise SoftTimeLimitExceeded("soft limit")
+
+    b.hf_model.generate = boom
+    try:
+        res = run_batch(b, _batch(0), overrides=STEPS)  # three requests, three canvas groups
+    finally:
+        b.hf_model.generate = real
+    assert calls["n"] == 1
+    assert all(r.error == "SoftTimeLimitExceeded: soft limit" for r in res)

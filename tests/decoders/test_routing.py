@@ -1,0 +1,75 @@
+"""`--decoder auto` routing, the registry and typed configs."""
+
+import pytest
+from helpers import tiny_bundle
+
+from canvasq.decoders import DecodeBatch, DecodeRequest, run_batch
+from canvasq.decoders.configs import FunnelConfig, OfficialConfig, PipeConfig, with_overrides
+from canvasq.decoders.registry import NAMES, UnknownDecoder, decoder_class, make_config
+from canvasq.decoders.routing import route
+
+
+def test_seed_defaults():
+    p, f = PipeConfig(), FunnelConfig()
+    assert (p.tau_add, p.tau_act, p.jacobi_window, p.jacobi_max_commits) == (0.5, 0.95, 8, 1)
+    assert p.spawn_threshold == pytest.approx(0.35) and p.renoise == "argmax" and p.forced_accept
+    assert PipeConfig(draft_spawn=False).spawn_threshold == 0.5
+    assert (f.decay_after, f.decay_floor, f.early_spawn_rows) == (16, 0.45, 48)
+    assert f.promote == "arena" and f.self_conditioning and not f.retire_refresh
+    assert OfficialConfig().experts == "bf16"
+
+
+def test_route_math_and_code():
+    m = route("math")
+    assert m.decoder == "funnel" and m.overrides["tau_conf"] == 0.7 and m.overrides["max_canvases"] == 2
+    assert m.overrides["self_conditioning"] and m.overrides["promote"] == "arena"
+    assert route("arith").decoder == "funnel"
+    c = route("code")
+    assert c.decoder == "pipe" and c.overrides == {"tau_conf": 0.85, "tau_eos": 0.5, "draft_spawn": True}
+    assert route(None).decoder == "pipe" and route(None).overrides == {}
+    # the settings table replaces the decoder; the built-in knobs stay only for the same decoder
+    assert route("math", {"math": "official"}).decoder == "official"
+    assert route("code", {"code": "pipe"}).overrides["tau_eos"] == 0.5
+    assert route("code", {"code": "funnel"}).overrides == {}
+    # every routed config is valid for its decoder
+    for task in ("math", "code", None):
+        r = route(task)
+        make_config(r.decoder, r.overrides)
+
+
+def test_registry_is_explicit():
+    assert NAMES == ("official", "pipe", "funnel")
+    for n in NAMES:
+        assert decoder_class(n).name == n
+    with pytest.raises(UnknownDecoder):
+        decoder_class("auto")
+    with pytest.raises(ValueError, match="unknown FunnelConfig option"):
+        with_overrides(FunnelConfig(), {"promote_late": False})
+    with pytest.raises(ValueError):
+        PipeConfig(renoise="uniform")
+
+
+def test_auto_splits_the_batch_by_task_and_keeps_order():
+    b = tiny_bundle(peak=3.0)
+    reqs = [
+        DecodeRequest("m1", [2, 5, 6, 4], 8, "math"),
+        DecodeRequest("c1", [2, 7, 8, 4], 8, "code"),
+        DecodeRequest("m2", [2, 9, 10, 4], 8, "math"),
+    ]
+    res = run_batch(b, DecodeBatch(reqs, seed=0), decoder="auto")
+    assert [r.custom_id for r in res] == ["m1", "c1", "m2"]
+    assert [r.decoder for r in res] == ["funnel", "pipe", "funnel"]
+    res = run_batch(b, DecodeBatch(reqs, seed=0), decoder="auto", routing={"code": "funnel"})
+    assert [r.decoder for r in res] == ["funnel"] * 3
+    # per-request overrides apply on top of the routed knobs
+    res = run_batch(b, DecodeBatch(reqs[:1], seed=0), decoder="auto", overrides={"max_canvases": 1})
+    assert all("," not in t.states for t in res[0].traces)
+
+
+def test_answer_ends_at_eos_or_pad():
+    from canvasq.decoders.base import first_stop
+
+    stop = frozenset({1, 0})
+    assert first_stop([5, 6, 1, 7], stop) == 2
+    assert first_stop([5, 0, 1], stop) == 1  # a committed pad means the EOS was lost: padding follows
+    assert first_stop([5, 6], stop) is None

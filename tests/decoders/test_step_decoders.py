@@ -1,0 +1,241 @@
+"""Pipe and funnel invariants on a tiny random model (confidence spread over (0, 1) by `peak`)."""
+
+import pytest
+import torch
+from helpers import tiny_bundle
+
+from canvasq.decoders import CANCELLED, DecodeBatch, DecodeRequest, run_batch
+from canvasq.decoders.registry import UnknownDecoder, make_decoder
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return tiny_bundle(peak=3.0)
+
+
+def _batch(seed=0, n=3, max_tokens=20):
+    prompts = [[2, 5, 6, 7, 8, 9, 4], [2, 9, 4], [2, 11, 12, 13, 14, 15, 16, 17, 18, 4]]
+    return DecodeBatch(
+        [DecodeRequest(f"r{i}", prompts[i % 3], max_tokens + 3 * i) for i in range(n)], seed=seed
+    )
+
+
+def _ids(res):
+    return [r.token_ids for r in res]
+
+
+@pytest.mark.parametrize("name", ["pipe", "funnel"])
+def test_seeded_runs_repeat(bundle, name):
+    r1 = run_batch(bundle, _batch(0), decoder=name)
+    r2 = run_batch(bundle, _batch(0), decoder=name)
+    r3 = run_batch(bundle, _batch(5), decoder=name)
+    assert _ids(r1) == _ids(r2)
+    assert [[t.own_rows for t in r.traces] for r in r1] == [[t.own_rows for t in r.traces] for r in r2]
+    assert _ids(r1) != _ids(r3)
+    for req, r in zip(_batch(0).requests, r1):
+        assert r.error is None and len(r.token_ids) <= req.max_tokens
+        assert r.forwards == len(r.traces) and r.traces[0].kind == "encode"
+
+
+@pytest.mark.parametrize("name", ["pipe", "funnel"])
+def test_batched_equals_unbatched(bundle, name):
+    """Each row has its own RNG (seed, custom_id), so batching changes only float summation
+    order; on this model the tokens come out identical."""
+    batch = _batch(2)
+    together = run_batch(bundle, batch, decoder=name)
+    alone = [run_batch(bundle, DecodeBatch([r], seed=batch.seed), decoder=name)[0] for r in batch.requests]
+    assert _ids(together) == _ids(alone)
+
+
+@pytest.mark.parametrize("name", ["pipe", "funnel"])
+def test_forced_accept_bounds_forwards(bundle, name):
+    """τ_conf = 1 never clears: only forced accept commits, one token per step on the front, so a
+    canvas takes at most C decoder forwards; without forced accept the row never finishes."""
+    C = bundle.canvas_length
+    ov = {"tau_conf": 1.0, "max_canvases": 2}
+    res = run_batch(bundle, _batch(1, n=2, max_tokens=16), decoder=name, overrides=ov)
+    for r in res:
+        assert r.error is None
+        n_canvases = -(-(len(r.token_ids) or 1) // C)
+        dec = [t for t in r.traces if t.kind == "decode"]
+        assert len(dec) <= (n_canvases + 1) * C
+        # the front commits every step; the funnel adds at most one ride per canvas in which a
+        # finished front only waits to promote its last rows (promote one step late)
+        idle = sum(t.own_commits == 0 for t in dec)
+        assert idle <= (n_canvases if name == "funnel" else 0)
+        assert r.stats["forced_accepts"] == len(dec) - idle
+    stuck = run_batch(
+        bundle, _batch(1, n=1, max_tokens=8), decoder=name, overrides={**ov, "forced_accept": False}
+    )
+    assert stuck[0].error is not None and "no progress" in stuck[0].error
+
+
+def test_jacobi_restart_fires_on_stubborn_canvas(bundle):
+    ov = {"tau_conf": 1.0, "max_canvases": 1}
+    res = run_batch(bundle, _batch(1, n=1, max_tokens=8), decoder="pipe", overrides=ov)
+    dec = sum(t.kind == "decode" for t in res[0].traces)
+    # ≤ 1 commit per step throughout: one restart per 8 steps
+    assert res[0].stats["jacobi_restarts"] == dec // 8 >= 1
+    off = run_batch(
+        bundle, _batch(1, n=1, max_tokens=8), decoder="pipe", overrides={**ov, "jacobi_window": 10_000}
+    )
+    assert off[0].stats.get("jacobi_restarts", 0) == 0
+    # a shorter window fires mid-canvas (steps 3 and 6): the random restart changes the trajectory
+    short = run_batch(
+        bundle, _batch(1, n=1, max_tokens=8), decoder="pipe", overrides={**ov, "jacobi_window": 3}
+    )
+    assert short[0].stats["jacobi_restarts"] == 2
+    assert short[0].token_ids != off[0].token_ids
+
+
+def test_funnel_without_shrinking_is_the_pipe(bundle):
+    shared = {"tau_conf": 0.8, "max_canvases": 3, "sc_topk": None}
+    pipe = run_batch(bundle, _batch(3), decoder="pipe", overrides=shared)
+    fun = run_batch(bundle, _batch(3), decoder="funnel", overrides={**shared, "shrink": False})
+    assert _ids(pipe) == _ids(fun)
+    assert [r.forwards for r in pipe] == [r.forwards for r in fun]
+    shrunk = run_batch(bundle, _batch(3), decoder="funnel", overrides=shared)
+    rows = lambda res: sum(t.own_rows for r in res for t in r.traces if t.kind == "decode")
+    assert rows(shrunk) < rows(fun)  # the window does shrink when allowed
+
+
+def test_arena_and_simple_promotion_give_identical_tokens(bundle):
+    ov = {"tau_conf": 0.8, "max_canvases": 3}
+    a = run_batch(bundle, _batch(4), decoder="funnel", overrides={**ov, "promote": "arena"})
+    s = run_batch(bundle, _batch(4), decoder="funnel", overrides={**ov, "promote": "simple"})
+    assert _ids(a) == _ids(s)
+    assert all(r.stats["promoted"] > 0 for r in a)
+
+
+def test_funnel_free_retire_and_refresh(bundle):
+    ov = {"tau_conf": 0.8, "max_canvases": 2}
+    free = run_batch(bundle, _batch(6, n=1, max_tokens=30), decoder="funnel", overrides=ov)[0]
+    ref = run_batch(
+        bundle, _batch(6, n=1, max_tokens=30), decoder="funnel", overrides={**ov, "retire_refresh": True}
+    )[0]
+    assert free.stats.get("free_retires", 0) >= 1
+    assert sum(t.kind == "encode" for t in free.traces) == 1  # only the prefill
+    assert ref.stats.get("refresh_retires", 0) >= 1
+    assert sum(t.kind == "encode" for t in ref.traces) == 1 + ref.stats["refresh_retires"]
+
+
+def test_pipe_retire_costs_an_encoder_pass(bundle):
+    r = run_batch(bundle, _batch(6, n=1, max_tokens=30), decoder="pipe", overrides={"tau_conf": 0.8})[0]
+    enc = [t for t in r.traces if t.kind == "encode"]
+    assert r.stats["retired"] >= 1 and len(enc) == 1 + r.stats["retired"]
+    assert all(t.own_rows == bundle.canvas_length for t in enc[1:])
+
+
+def test_draft_spawn_and_states(bundle):
+    ov = {"tau_conf": 0.8, "max_canvases": 3}
+    r = run_batch(bundle, _batch(7, n=1, max_tokens=40), decoder="pipe", overrides=ov)[0]
+    states = [t.states for t in r.traces if t.kind == "decode"]
+    assert all(s.split(",")[0] == "full" for s in states)  # the front is always full
+    assert any("draft" in s for s in states)  # draft spawn before τ_add
+    nodraft = run_batch(
+        bundle, _batch(7, n=1, max_tokens=40), decoder="pipe", overrides={**ov, "draft_spawn": False}
+    )[0]
+    assert not any("draft" in t.states for t in nodraft.traces)
+
+
+def test_tau_decay_and_early_spawn_are_live(bundle):
+    base = {"tau_conf": 0.95, "max_canvases": 3}
+    plain = run_batch(bundle, _batch(8, n=1, max_tokens=40), decoder="funnel", overrides=base)[0]
+    decay = run_batch(
+        bundle,
+        _batch(8, n=1, max_tokens=40),
+        decoder="funnel",
+        overrides={**base, "tau_decay": True, "decay_after": 2},
+    )[0]
+    assert decay.stats.get("forced_accepts", 0) <= plain.stats.get("forced_accepts", 0)
+    assert decay.forwards <= plain.forwards
+    early = run_batch(
+        bundle,
+        _batch(8, n=1, max_tokens=40),
+        decoder="funnel",
+        overrides={**base, "early_spawn": True, "early_spawn_rows": 8},
+    )[0]
+    assert early.stats.get("early_spawns", 0) >= 1
+
+
+def test_mix_renoise_and_topk_sc_run(bundle):
+    r = run_batch(
+        bundle, _batch(9), decoder="pipe", overrides={"renoise": "mix", "mix_fraction": 0.5, "sc_topk": 4}
+    )
+    assert all(x.error is None for x in r)
+    a = run_batch(bundle, _batch(9), decoder="pipe", overrides={"renoise": "argmax"})
+    assert _ids(r) != _ids(a)
+
+
+def test_cancellation(bundle):
+    calls = {"n": 0}
+
+    def stop():
+        calls["n"] += 1
+        return calls["n"] > 3
+
+    res = run_batch(bundle, _batch(0), decoder="funnel", should_stop=stop)
+    assert all(r.error == CANCELLED and r.finish_reason == CANCELLED for r in res)
+
+
+def test_unknown_names_fail_loudly(bundle):
+    with pytest.raises(UnknownDecoder):
+        make_decoder("fast", bundle)
+    with pytest.raises(ValueError, match="unknown PipeConfig"):
+        run_batch(bundle, _batch(0), decoder="pipe", overrides={"tau_cnf": 0.5})
+    with pytest.raises(ValueError):
+        run_batch(bundle, _batch(0), decoder="funnel", overrides={"max_canvases": 6})
+
+
+@pytest.fixture(scope="module")
+def eos_bundle():
+    """The tiny model with the EOS logit row boosted: EOS is often the argmax at middling confidence,
+    the regime EOS priority is for."""
+    b = tiny_bundle(peak=3.0)
+    with torch.no_grad():
+        b.hf_model.lm_head.weight[b.eos_id] *= 1.5
+    return b
+
+
+def _eos_batch():
+    return DecodeBatch([DecodeRequest(f"r{i}", [2, 5 + i, 6 + i, 7, 8 + i, 4], 32) for i in range(6)], seed=0)
+
+
+def test_eos_priority_stops_earlier(eos_bundle):
+    plain = run_batch(eos_bundle, _eos_batch(), decoder="pipe", overrides={"tau_conf": 0.95})
+    eos = run_batch(eos_bundle, _eos_batch(), decoder="pipe", overrides={"tau_conf": 0.95, "tau_eos": 0.3})
+    assert sum(r.stats.get("eos_priority", 0) for r in eos) >= 1
+    assert all(len(e.token_ids) <= len(p.token_ids) for e, p in zip(eos, plain))
+    assert sum(r.forwards for r in eos) < sum(r.forwards for r in plain)
+    streak = run_batch(
+        eos_bundle,
+        _eos_batch(),
+        decoder="pipe",
+        overrides={"tau_conf": 0.95, "tau_eos": 0.3, "eos_streak": True},
+    )
+    fired = lambda res: sum(r.stats.get("eos_priority", 0) for r in res)
+    assert fired(streak) <= fired(eos)
+
+
+def test_agree_mode_costs_forwards(eos_bundle):
+    plain = run_batch(eos_bundle, _eos_batch(), decoder="funnel", overrides={"tau_conf": 0.7})
+    agree = run_batch(eos_bundle, _eos_batch(), decoder="funnel", overrides={"tau_conf": 0.7, "agree": True})
+    assert sum(r.stats.get("agree_blocked", 0) for r in agree) >= 1
+    assert sum(r.forwards for r in agree) > sum(r.forwards for r in plain)
+
+
+def test_failed_forward_errors_rows_without_raising(bundle):
+    from canvasq.decoders.base import runtime_for
+
+    rt = runtime_for(bundle.hf_model, "bf16")
+
+    def boom(*a, **k):
+        raise RuntimeError("device lost")
+
+    for method in ("encode_many", "decode"):
+        setattr(rt, method, boom)
+        try:
+            res = run_batch(bundle, _batch(0), decoder="pipe", overrides={"adapter": False})
+        finally:
+            delattr(rt, method)
+        assert all(r.error == "RuntimeError: device lost" and r.finish_reason == "error" for r in res)

@@ -1,0 +1,37 @@
+"""The soak, shrunk: `pytest -m soak tests/reliability/test_soak.py` (excluded from the default run
+by the `soak` marker). The full soak is `python scripts/soak.py` (2,000 requests, 3 workers)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.soak
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_soak_small():
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "soak.py"),
+            "--requests",
+            "120",
+            "--workers",
+            "2",
+            "--kill-every",
+            "25",
+            "--visibility-timeout",
+            "60",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=3000,
+    )
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert report["lost"] == 0 and report["duplicated"] == 0 and report["run_status"] == "completed"

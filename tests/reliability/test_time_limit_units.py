@@ -1,0 +1,99 @@
+"""The soft time limit must end the chunk even when the decoder swallows it: the decoders turn any
+exception inside a step into row errors (one forward serves every live row), Celery's
+SoftTimeLimitExceeded included. Runtime-level unit test (T8's in-process half): a real SQLite
+store, a decode function that behaves like a decoder hit by the limit in its second batch."""
+
+from __future__ import annotations
+
+import pytest
+from celery.exceptions import SoftTimeLimitExceeded
+
+from canvasq.api.schemas import Job
+from canvasq.api.settings import Settings
+from canvasq.api.store import Store
+from canvasq.decoders.types import DecodeResult
+from canvasq.testing.checks import assert_exactly_once
+from canvasq.worker.runtime import ChunkRuntime
+
+
+class _Bundle:  # the runtime only tokenises through the bundle; decoding is the decode_fn below
+    def encode_prompt(self, text, task):
+        return [5, 6, 7]
+
+
+def _decoder_hit_by_soft_limit():
+    calls = {"n": 0}
+
+    def decode(bundle, batch, decoder, should_stop=None, routing=None):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            return [
+                DecodeResult(r.custom_id, [9, 9], "ok", "length", 3, 2, decoder="official")
+                for r in batch.requests
+            ]
+        return [
+            DecodeResult(
+                r.custom_id, [], "", "error", 3, 1, error="SoftTimeLimitExceeded: SoftTimeLimitExceeded()"
+            )
+            for r in batch.requests
+        ]
+
+    return decode
+
+
+@pytest.fixture
+def store(tmp_path):
+    st = Store(f"sqlite:///{tmp_path / 'u.sqlite'}")
+    st.upgrade()
+    yield st
+    st.dispose()
+
+
+def _run(store):
+    jobs = [Job(f"u{i}", "p", "math", 8, None, i + 1) for i in range(6)]
+    return store.create_run(jobs, model="m", queue="q", chunk_size=6)
+
+
+def test_soft_limit_swallowed_by_the_decoder_still_ends_the_chunk(store, tmp_path):
+    created = _run(store)
+    rt = ChunkRuntime(
+        settings=Settings(database_url=store.url, model="m", decode_batch_size=2, device="cpu"),
+        store=store,
+        bundle=_Bundle(),
+        decode_fn=_decoder_hit_by_soft_limit(),
+        worker_id="t",
+    )
+    rt.interrupts = (SoftTimeLimitExceeded,)  # what the Celery task sets
+    cid = created.chunk_ids[0]
+    with pytest.raises(SoftTimeLimitExceeded):
+        rt.process_chunk(cid)
+    rt.abandon_chunk(cid, "timeout", "soft time limit exceeded")  # what the task does next
+    rep = assert_exactly_once(
+        store,
+        created.run_id,
+        [f"u{i}" for i in range(6)],
+        run_status="completed",
+        statuses={"done": 2, "errored": 4},
+    )
+    assert rep.error_codes == {"timeout": 4}
+
+
+def test_without_interrupts_a_failing_batch_errors_only_its_rows(store):
+    """Embedded mode (no Celery): the same failure is a per-batch decode error, the chunk goes on."""
+    created = _run(store)
+    rt = ChunkRuntime(
+        settings=Settings(database_url=store.url, model="m", decode_batch_size=2, device="cpu"),
+        store=store,
+        bundle=_Bundle(),
+        decode_fn=_decoder_hit_by_soft_limit(),
+        worker_id="t",
+    )
+    rt.process_chunk(created.chunk_ids[0])
+    rep = assert_exactly_once(
+        store,
+        created.run_id,
+        [f"u{i}" for i in range(6)],
+        run_status="completed",
+        statuses={"done": 2, "errored": 4},
+    )
+    assert rep.error_codes == {"decode_error": 4}

@@ -1,0 +1,211 @@
+"""Workers killed by signal (RELIABILITY.md T1, T2, T3, T4, T16, T20, T21). Each scenario ends with
+the exactly-once check: every custom_id once, terminal, counts summing to the total."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+from collections import Counter
+
+from canvasq.testing import probes
+from canvasq.testing.waiting import wait_for
+
+DELAY = "2"  # seconds each decode batch sleeps first (CANVASQ_TEST_DELAY_S): a wide mid-chunk window
+
+
+def test_t1_pool_child_sigkill_mid_chunk_redelivers_and_skips_done_rows(scenario):
+    """T1 (+T20): SIGKILL the pool child mid-chunk → Celery replaces it, the chunk is redelivered
+    (task_reject_on_worker_lost), rows finished before the kill are not decoded or written again;
+    status / workers report the distinct rows, not deliveries."""
+    with scenario(db="postgresql", extra={"CANVASQ_TEST_DELAY_S": DELAY}) as sc:
+        ids = sc.write_input(12)
+        work = sc.tmp / "work.log"
+        w = sc.worker(extra={"CANVASQ_TEST_DELAY_S": DELAY, "CANVASQ_TEST_WORK_LOG": str(work)})
+        run = sc.submit("--chunk-size", "4")
+        w.wait_ready()
+        cid = wait_for(
+            lambda: probes.mid_chunk(sc.store, run),
+            "a partially done chunk",
+            180,
+            every_s=0.1,
+            diagnose=sc.logs,
+        )
+        before = probes.outputs_snapshot(sc.store, run)
+        killed = w.kill_child(signal.SIGKILL)
+        rows_then = probes.chunk_rows(sc.store, cid)
+        done_then = {c for c, st in rows_then.items() if st != "queued"}
+        assert done_then and len(done_then) < len(rows_then)
+        sc.wait_terminal(run)
+        rep = sc.check(run, ids, run_status="completed", statuses={"done": 12})
+
+        assert w.alive(), "the worker itself must survive its child's death"
+        assert killed not in w.child_pids()
+        assert rep.attempts[cid] == 2, rep.attempts  # redelivered exactly once
+        assert all(n == 1 for c, n in rep.attempts.items() if c != cid), rep.attempts
+        after = probes.outputs_snapshot(sc.store, run)
+        for c, snap in before.items():  # rows finished before the kill: untouched
+            assert after[c] == snap, c
+        decoded = probes.work_log(work)
+        redo = [c for pid, c in decoded if pid != killed and c in rows_then]
+        assert redo and not set(redo) & done_then, (redo, done_then)  # done rows skipped on redelivery
+        assert Counter(c for _, c in decoded).most_common(1)[0][1] <= 2
+
+        # T20: the service's counters are distinct rows, whatever the deliveries were
+        st = json.loads(sc.cli("status", run, "--json").stdout.splitlines()[-1])
+        assert st["counts"] == {
+            "queued": 0,
+            "done": 12,
+            "errored": 0,
+            "expired": 0,
+            "cancelled": 0,
+            "total": 12,
+        }
+        assert st["completion_tokens"] == sum(v[4] for v in after.values())
+        per_worker = json.loads(sc.cli("workers", "--json").stdout.splitlines()[-1])
+        assert sum(r["requests"] for r in per_worker) == 12
+        assert sum(probes.outputs_by_worker(sc.store, run).values()) == 12
+
+
+def test_t2_t16_whole_worker_killed_second_worker_takes_over_after_visibility_timeout(scenario):
+    """T16: two workers started apart never reserve more than one chunk each (prefetch 1, late ack:
+    kombu's `unacked` set never exceeds the live workers). T2: SIGKILL one whole worker mid-chunk
+    (no goodbye to Redis) → its chunk comes back after the test-sized visibility timeout and the
+    other worker completes it."""
+    kw = dict(
+        soft_time_limit=20, hard_time_limit=24, visibility_timeout=28, extra={"CANVASQ_TEST_DELAY_S": DELAY}
+    )
+    with scenario(db="postgresql", **kw) as sc:
+        ids = sc.write_input(20)
+        a = sc.worker()
+        a.wait_ready()
+        run = sc.submit("--chunk-size", "2")
+        r = sc.redis.client()
+        peak = {"one": 0, "two": 0}
+        phase = {"v": "one"}
+        stop = threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                try:
+                    n = probes.unacked(r)
+                    peak[phase["v"]] = max(peak[phase["v"]], n)
+                except Exception:
+                    pass
+                stop.wait(0.05)
+
+        t = threading.Thread(target=sample, daemon=True)
+        t.start()
+        try:
+            wait_for(
+                lambda: probes.running_chunks(sc.store, run), "worker A on a chunk", 120, diagnose=sc.logs
+            )
+            b = sc.worker()  # staggered start
+            b.wait_ready()
+            phase["v"] = "two"
+            b_id = f"{socket.gethostname()}:{b.child_pids()[0]}"
+            wait_for(
+                lambda: b_id in probes.running_chunks(sc.store, run).values(),
+                "worker B on a chunk",
+                120,
+                every_s=0.1,
+                diagnose=sc.logs,
+            )
+            a_child = a.child_pids()[0]
+            a_id = f"{socket.gethostname()}:{a_child}"
+            cid = wait_for(
+                lambda: next(
+                    (c for c, wid in probes.running_chunks(sc.store, run).items() if wid == a_id), None
+                ),
+                "worker A on a chunk again",
+                120,
+                every_s=0.1,
+                diagnose=sc.logs,
+            )
+        finally:
+            stop.set()
+            t.join(5)
+        assert peak["one"] <= 1 and peak["two"] <= 2, peak
+        a.kill_all()
+        assert probes.unacked(r) >= 1  # A's chunk is still owed by Redis
+        sc.wait_terminal(run, deadline_s=300)
+        rep = sc.check(run, ids, run_status="completed", statuses={"done": 20})
+        assert rep.attempts[cid] >= 2, rep.attempts
+        by_worker = probes.outputs_by_worker(sc.store, run)
+        assert by_worker.get(a_id, 0) > 0 and by_worker.get(b_id, 0) > 0, by_worker
+        assert set(probes.chunk_rows(sc.store, cid)) <= {
+            c for c, st in probes.outputs_snapshot(sc.store, run).items()
+        }
+        assert probes.unacked(r) == 0 and sc.redis.queue_length(sc.queue) == 0
+        r.close()
+
+
+def test_t3_warm_shutdown_finishes_chunk_t4_cold_shutdown_restores_it(scenario):
+    """T3: SIGTERM mid-chunk → warm shutdown: the chunk finishes and is acked, never redelivered.
+    T4: SIGQUIT mid-chunk → cold shutdown: the unacked chunk is restored and a restarted worker
+    completes it (done rows skipped)."""
+    with scenario(db="sqlite", extra={"CANVASQ_TEST_DELAY_S": DELAY}) as sc:
+        ids = sc.write_input(12)
+        w1 = sc.worker()
+        run = sc.submit("--chunk-size", "4")
+        w1.wait_ready()
+        c1 = wait_for(
+            lambda: probes.mid_chunk(sc.store, run),
+            "a partially done chunk",
+            180,
+            every_s=0.1,
+            diagnose=sc.logs,
+        )
+        w1.send(signal.SIGTERM)
+        assert w1.wait_exit(120) == 0
+        assert set(probes.chunk_rows(sc.store, c1).values()) == {"done"}, "warm shutdown finishes the chunk"
+        attempts = probes.chunk_attempts(sc.store, run)
+        assert attempts[c1] == 1 and sorted(attempts.values()) == [0, 0, 1], attempts
+        assert sc.redis.queue_length(sc.queue) == 2 and probes.unacked(sc.redis.client()) == 0
+
+        w2 = sc.worker()
+        w2.wait_ready()
+        c2 = wait_for(
+            lambda: probes.mid_chunk(sc.store, run),
+            "a partially done chunk",
+            180,
+            every_s=0.1,
+            diagnose=sc.logs,
+        )
+        w2.send(signal.SIGQUIT)  # cold shutdown: the child is terminated mid-chunk
+        w2.wait_exit(120)
+        assert "queued" in probes.chunk_rows(sc.store, c2).values()
+        w3 = sc.worker()
+        w3.wait_ready()
+        sc.wait_terminal(run)
+        rep = sc.check(run, ids, run_status="completed", statuses={"done": 12})
+        assert rep.attempts[c1] == 1 and rep.attempts[c2] == 2, rep.attempts
+
+
+def test_t21_kill_at_half_rerun_keeps_finished_rows_and_does_one_pass(scenario):
+    """T21: SIGKILL the only worker when half the rows are done; a fresh worker finishes the run.
+    Rows finished before the kill are unchanged; work done ≈ one pass (at most the one chunk that
+    was in flight is partly redone)."""
+    chunk = 4
+    with scenario(db="postgresql", soft_time_limit=20, hard_time_limit=24, visibility_timeout=28) as sc:
+        ids = sc.write_input(16)
+        work = sc.tmp / "work.log"
+        env_extra = {"CANVASQ_TEST_DELAY_S": "1", "CANVASQ_TEST_WORK_LOG": str(work)}
+        w1 = sc.worker(extra=env_extra)
+        run = sc.submit("--chunk-size", str(chunk))
+        w1.wait_ready()
+        sc.wait_rows(run, 8)
+        w1.kill_all()
+        before = probes.outputs_snapshot(sc.store, run)
+        assert 8 <= len(before) < 16
+        w2 = sc.worker(extra=env_extra)
+        w2.wait_ready()
+        sc.wait_terminal(run, deadline_s=300)
+        sc.check(run, ids, run_status="completed", statuses={"done": 16})
+        after = probes.outputs_snapshot(sc.store, run)
+        assert {c: after[c] for c in before} == before
+        decoded = [c for _, c in probes.work_log(work)]
+        assert set(decoded) == set(ids)
+        assert len(decoded) <= len(ids) + chunk, Counter(decoded)
+        assert not {c for c, n in Counter(decoded).items() if n > 1} & set(before)

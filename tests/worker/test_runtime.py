@@ -1,0 +1,148 @@
+"""The chunk runtime on the real test model and a real SQLite store: rows done once, redelivery
+skips done rows, one bad row never sinks its chunk, cancel and the attempts cap end the run."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import func, select
+
+from canvasq.api.models import ForwardTraceRow, Output
+from canvasq.api.schemas import Job
+from canvasq.worker.runtime import ChunkRuntime
+
+PROMPTS = [
+    ("math", "Ann has 12 apples. She finds 3 more apples. How many apples does Ann have now?"),
+    ("code", 'def f_1(xs):\n    """Return the sum of xs.\n    >>> f_1([1, 2])\n    3\n    """\n'),
+]
+
+
+def jobs(n: int, max_tokens: int = 32) -> list[Job]:
+    return [Job(f"r{i}", PROMPTS[i % 2][1], PROMPTS[i % 2][0], max_tokens, None, i + 1) for i in range(n)]
+
+
+def runtime(wsettings, wstore, bundle, **kw) -> ChunkRuntime:
+    return ChunkRuntime(settings=wsettings, store=wstore, bundle=bundle, worker_id="test:1", queue="q", **kw)
+
+
+def test_chunk_done_once_and_redelivery_writes_nothing(wsettings, wstore, bundle):
+    run = wstore.create_run(jobs(5), model=wsettings.model, queue="q", decoder="official", chunk_size=5)
+    rt = runtime(wsettings, wstore, bundle)
+    first = rt.process_chunk(run.chunk_ids[0])
+    assert first["state"] == "work" and first["written"] == 5
+    assert wstore.run_status(run.run_id) == "completed"
+    with wstore.Session() as s:
+        outs = s.execute(select(Output.custom_id, Output.completion_tokens, Output.forwards, Output.decoder,
+                                Output.error_code).where(Output.run_id == run.run_id)).all()
+        n_traces = s.scalar(select(func.count()).select_from(ForwardTraceRow)
+                            .where(ForwardTraceRow.run_id == run.run_id))
+    assert sorted(o[0] for o in outs) == [f"r{i}" for i in range(5)]
+    assert all(o.error_code is None and 0 < o.completion_tokens <= 32 and o.forwards > 0 for o in outs)
+    assert {o.decoder for o in outs} == {"official"}
+    assert n_traces == sum(o.forwards for o in outs)  # one trace row per forward that served a request
+    again = rt.process_chunk(run.chunk_ids[0])  # duplicate delivery after the rows were stored
+    assert again["state"] == "empty" and again["written"] == 0 and again["attempt"] == 2
+    with wstore.Session() as s:
+        assert s.scalar(select(func.count()).select_from(Output).where(Output.run_id == run.run_id)) == 5
+
+
+def test_redelivery_after_partial_progress_skips_done_rows(wsettings, wstore, bundle):
+    run = wstore.create_run(jobs(4), model=wsettings.model, queue="q", decoder="official", chunk_size=4)
+    rt = runtime(wsettings, wstore, bundle)
+    # a first delivery that stored two rows, then its worker died
+    claim = wstore.claim_chunk(run.chunk_ids[0], "dead:1", 60, 3)
+    assert claim.state == "work"
+    from canvasq.api.store import ResultRecord
+
+    wstore.write_results(run.run_id, [ResultRecord("r0", text="kept", completion_tokens=1),
+                                      ResultRecord("r1", text="kept", completion_tokens=1)], "dead:1")
+    out = rt.process_chunk(run.chunk_ids[0])
+    assert out["written"] == 2
+    with wstore.Session() as s:
+        rows = dict(s.execute(select(Output.custom_id, Output.worker_id).where(Output.run_id == run.run_id)).all())
+    assert rows == {"r0": "dead:1", "r1": "dead:1", "r2": "test:1", "r3": "test:1"}
+
+
+class FailingTokenizerBundle:
+    """The real bundle, except that one marked prompt fails to tokenise (a worker-side row failure)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def encode_prompt(self, text, task=None):
+        if "FAIL-TOKENIZER" in text:
+            raise ValueError("cannot tokenise this prompt")
+        return self._inner.encode_prompt(text, task)
+
+
+def test_one_bad_row_errors_alone(wsettings, wstore, bundle):
+    js = jobs(4)
+    js[1] = Job("bad-tok", "FAIL-TOKENIZER please", "math", 32, None, 2)
+    js[2] = Job("too-long", PROMPTS[0][1], "math", 1020, None, 3)  # prompt + 1020 tokens > 1024 positions
+    run = wstore.create_run(js, model=wsettings.model, queue="q", decoder="official", chunk_size=4)
+    rt = runtime(wsettings, wstore, FailingTokenizerBundle(bundle))
+    rt.process_chunk(run.chunk_ids[0])
+    c = wstore.counts(run.run_id)
+    assert (c["done"], c["errored"], c["queued"]) == (2, 2, 0)
+    with wstore.Session() as s:
+        codes = dict(s.execute(select(Output.custom_id, Output.error_code).where(Output.run_id == run.run_id)).all())
+    assert codes == {"r0": None, "bad-tok": "tokenizer_error", "too-long": "decode_error", "r3": None}
+
+
+def test_cancelled_run_starts_no_work(wsettings, wstore, bundle):
+    run = wstore.create_run(jobs(4), model=wsettings.model, queue="q", decoder="official", chunk_size=2)
+    rt = runtime(wsettings, wstore, bundle)
+    rt.process_chunk(run.chunk_ids[0])
+    assert wstore.cancel_run(run.run_id) == "cancelled"  # chunk 1 never started: cancelled at once
+    out = rt.process_chunk(run.chunk_ids[1])  # its message arrives anyway
+    assert out["state"] == "cancelled" and out["written"] == 0
+    c = wstore.counts(run.run_id)
+    assert (c["done"], c["cancelled"]) == (2, 2)
+
+
+def test_should_stop_mid_chunk_keeps_finished_rows(wsettings, wstore, bundle):
+    """The cancelling flag is seen between batches and between decoder steps."""
+    run = wstore.create_run(jobs(8), model=wsettings.model, queue="q", decoder="official", chunk_size=8)
+    calls = {"n": 0}
+
+    def decode_then_cancel(bndl, batch, decoder, **kw):
+        from canvasq.decoders import run_batch
+
+        res = run_batch(bndl, batch, decoder, **kw)
+        calls["n"] += 1
+        if calls["n"] == 1:
+            wstore.cancel_run(run.run_id)  # a user cancels while the first batch decodes
+        return res
+
+    rt = runtime(wsettings, wstore, bundle, decode_fn=decode_then_cancel, stop_poll_s=0.0)
+    rt.process_chunk(run.chunk_ids[0])
+    c = wstore.counts(run.run_id)
+    assert calls["n"] == 1
+    assert (c["done"], c["cancelled"], c["queued"]) == (4, 4, 0)
+    assert wstore.run_status(run.run_id) == "cancelled"
+
+
+def test_attempts_cap_marks_worker_lost(wsettings, wstore, bundle):
+    run = wstore.create_run(jobs(2), model=wsettings.model, queue="q", decoder="official", chunk_size=2)
+    for _ in range(wsettings.max_attempts):  # deliveries whose worker died before writing anything
+        assert wstore.claim_chunk(run.chunk_ids[0], "dead", 60, wsettings.max_attempts).state == "work"
+    out = runtime(wsettings, wstore, bundle).process_chunk(run.chunk_ids[0])
+    assert out["state"] == "exhausted"
+    c = wstore.counts(run.run_id)
+    assert (c["errored"], c["queued"]) == (2, 0)
+    assert wstore.run_status(run.run_id) == "completed"
+
+
+@pytest.mark.parametrize("decoder", ["official"])
+def test_seeded_output_is_reproducible(wsettings, wstore, bundle, decoder):
+    a = wstore.create_run(jobs(2), model=wsettings.model, queue="q", decoder=decoder, chunk_size=2)
+    b = wstore.create_run(jobs(2), model=wsettings.model, queue="q", decoder=decoder, chunk_size=2)
+    rt = runtime(wsettings, wstore, bundle)
+    rt.process_chunk(a.chunk_ids[0])
+    rt.process_chunk(b.chunk_ids[0])
+    with wstore.Session() as s:
+        texts = [dict(s.execute(select(Output.custom_id, Output.token_ids).where(Output.run_id == r.run_id)).all())
+                 for r in (a, b)]
+    assert texts[0] == texts[1]

@@ -177,10 +177,19 @@ def markdown(report: dict, baseline: str | None = None) -> str:
             f"{base['fwd_per_req'] / max(r['fwd_per_req'], 1e-9):.2f} | {r['tok_per_fwd']:.2f} | "
             f"{r['rows_per_fwd']:.1f} | {r['g_over_tau']:.2f} |"
         )
-    lines += ["", "Per task:", "", "| arm | task | n | acc | tok/s |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Per task:",
+        "",
+        "| arm | task | n | acc | tok/s | fwd/req | tok/fwd |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         for task, t in r["per_task"].items():
-            lines.append(f"| {r['arm']} | {task} | {t['n']} | {t['acc']:.3f} | {t['tok_s']:.1f} |")
+            lines.append(
+                f"| {r['arm']} | {task} | {t['n']} | {t['acc']:.3f} | {t['tok_s']:.1f} | "
+                f"{t['fwd_req'] / max(t['n'], 1):.1f} | {t['tokens'] / max(t['fwd_req'], 1):.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -131,7 +131,7 @@ class OfficialDecoder:
         with rec.instrument(model):
             out = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **kwargs)
         seqs = out.sequences[:, L:].tolist()
-        self._pass_base += len(rec.passes)
+        base, self._pass_base = self._pass_base, self._pass_base + len(rec.passes)
 
         results = []
         for b, r in enumerate(reqs):
@@ -141,7 +141,7 @@ class OfficialDecoder:
                 tokens, reason = gen[:cut], "stop"
             else:
                 tokens, reason = gen[: r.max_tokens], "length"
-            traces = rec.traces_for(b, base=self._pass_base)
+            traces = rec.traces_for(b, base=base)
             results.append(
                 DecodeResult(
                     custom_id=r.custom_id,

@@ -1,8 +1,13 @@
-"""Fault harness for the reliability scenarios (T1–T21 in RELIABILITY.md) and the soak script.
+"""Fault harness for the reliability scenarios (T1–T21 in RELIABILITY.md) and scripts/soak.py.
 
-Real services only: `services` starts private `redis-server` / PostgreSQL instances on free ports
-(destructive scenarios stop and restart them without touching the machine's shared services) and a
-TCP proxy that can refuse connections; `workers` starts and signals `canvasq worker` subprocesses;
-`checks` holds the exactly-once check every scenario ends with; `waiting` the deadline-bounded
-wait-for helpers (safety limits, never timing assertions).
+Real services only:
+- `services`: private `redis-server` / PostgreSQL instances on free ports (destructive scenarios stop
+  and restart them without touching the machine's shared services) and a TCP proxy that can refuse
+  connections;
+- `workers`: `canvasq worker` subprocesses to signal (whole worker or its pool child);
+- `scenario`: one scenario's world (Redis, store, queue, workers, the CLI as a subprocess);
+- `checks`: the exactly-once check every scenario ends with; `probes`: read-only store/broker views;
+- `waiting`: deadline-bounded wait-for helpers (safety limits, never timing assertions).
+
+Worker-side fault injection lives in `canvasq.worker.faults` (inert unless CANVASQ_TEST_* is set).
 """

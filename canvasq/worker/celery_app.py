@@ -24,6 +24,9 @@ def celery_config(settings: Settings) -> dict:
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,  # a GPU worker holds one chunk, never a backlog
+        # On Redis, prefetch 1 still let a busy worker reserve a second chunk (seen in T16); Celery
+        # ≥ 5.6 then consumes only while a pool process is free.
+        worker_disable_prefetch=True,
         task_ignore_result=True,  # outputs are rows in SQL
         task_soft_time_limit=settings.soft_time_limit,
         task_time_limit=settings.hard_time_limit,

@@ -123,3 +123,31 @@ def test_time_limit_inside_one_group_ends_the_batch():
         b.hf_model.generate = real
     assert calls["n"] == 1
     assert all(r.error == "SoftTimeLimitExceeded: soft limit" for r in res)
+
+
+def test_pass_indices_are_distinct_across_canvas_groups():
+    b = tiny_bundle()
+    res = run_batch(b, _batch(0), overrides=STEPS)  # max_tokens 13, 8, 16 → 2, 1, 2 canvases: two groups
+    short = {t.index for t in res[1].traces}
+    long_ = {t.index for r in (res[0], res[2]) for t in r.traces}
+    assert short and long_ and not (short & long_)
+
+
+def test_observation_does_not_change_generate():
+    """The traced arm returns exactly what a plain `torch.manual_seed(seed); model.generate(...)`
+    returns for the same left-padded batch."""
+    b = tiny_bundle()
+    reqs = _batch(0).requests[:2]  # 13 and 8 tokens → 2 and 1 canvases: use one group
+    reqs = [DecodeRequest(r.custom_id, r.prompt_ids, 16) for r in reqs]
+    res = run_batch(b, DecodeBatch(reqs, seed=7), overrides=STEPS)
+    L = max(len(r.prompt_ids) for r in reqs)
+    ids = torch.zeros(2, L, dtype=torch.long)
+    mask = torch.zeros(2, L, dtype=torch.long)
+    for i, r in enumerate(reqs):
+        ids[i, L - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+        mask[i, L - len(r.prompt_ids) :] = 1
+    torch.manual_seed(7)
+    out = b.hf_model.generate(ids, attention_mask=mask, max_new_tokens=16, **STEPS).sequences[:, L:]
+    for r, row in zip(res, out.tolist()):
+        stop = next((i for i, t in enumerate(row) if t in (b.eos_id, b.pad_id)), len(row))
+        assert r.token_ids == row[:stop]

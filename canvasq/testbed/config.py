@@ -50,6 +50,19 @@ class TestbedShape:
     max_position_embeddings: int = 1024
 
 
+def toy_shape(**overrides) -> TestbedShape:
+    """Every structural feature at toy size, for tests and CPU smoke runs: sliding window 16 is
+    shorter than a prompt plus two canvases of 8."""
+    base = dict(
+        vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+        sliding_window=16, num_experts=8, top_k_experts=3, moe_intermediate_size=24, canvas_length=8,
+        max_position_embeddings=512,
+    )
+    base.update(overrides)
+    return TestbedShape(**base)
+
+
 def layer_types(n_layers: int) -> list[str]:
     """Two sliding layers then one full, repeated; the last layer is always full (HF requires it)."""
     return ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(n_layers)]

@@ -7,32 +7,14 @@ from pathlib import Path
 import torch
 
 from canvasq.model.loading import ModelBundle
-from canvasq.testbed.config import TestbedShape, build_config
+from canvasq.testbed.config import TestbedShape, build_config, toy_shape
 
 TESTBED_DIR = Path(__file__).resolve().parents[2] / "models" / "testbed"
 
 
 def tiny_shape(**kw) -> TestbedShape:
     """Every structural feature at toy size; sliding window 16 < prompt + two canvases of 8."""
-    base = {
-        "vocab_size": 96,
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "global_head_dim": 32,
-        "num_global_key_value_heads": 1,
-        "sliding_window": 16,
-        "num_experts": 8,
-        "top_k_experts": 3,
-        "moe_intermediate_size": 24,
-        "canvas_length": 8,
-        "max_position_embeddings": 512,
-    }
-    base.update(kw)
-    return TestbedShape(**base)
+    return toy_shape(**{"vocab_size": 96, **kw})
 
 
 @torch.no_grad()

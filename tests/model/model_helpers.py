@@ -5,29 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from canvasq.testbed.config import TestbedShape, build_config
+from canvasq.testbed.config import TestbedShape, build_config, toy_shape
 
 
 def small_shape(**kw) -> TestbedShape:
-    base = {
-        "vocab_size": 160,
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "global_head_dim": 32,
-        "num_global_key_value_heads": 1,
-        "sliding_window": 16,
-        "num_experts": 8,
-        "top_k_experts": 3,
-        "moe_intermediate_size": 24,
-        "canvas_length": 8,
-        "max_position_embeddings": 512,
-    }
-    base.update(kw)
-    return TestbedShape(**base)
+    return toy_shape(**{"vocab_size": 160, **kw})
 
 
 @torch.no_grad()

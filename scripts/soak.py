@@ -189,8 +189,11 @@ def main(argv=None) -> int:
 
         rep = collect(store, run_id, ids)
         attempts = Counter(rep.attempts.values())
-        long_lived = {pid: s for pid, s in rss.items() if len(s) >= 10}
-        growth = {pid: (s[len(s) // 5], s[-1]) for pid, s in long_lived.items()}
+        # T19: a child that lived long enough (≥ 30 one-second samples) must not keep growing after
+        # its model is loaded: compare the middle of its life with its end.
+        long_lived = {pid: xs for pid, xs in rss.items() if len(xs) >= 30}
+        growth = {pid: (xs[len(xs) // 2], xs[-1]) for pid, xs in long_lived.items()}
+        growth_max = max((b / a for a, b in growth.values()), default=None)
         result = {
             "requests": args.requests,
             "workers": args.workers,
@@ -207,9 +210,10 @@ def main(argv=None) -> int:
             "ok": rep.ok,
             "deliveries_per_chunk": {str(k): v for k, v in sorted(attempts.items())},
             "max_child_rss_mb": round(max((max(s) for s in rss.values()), default=0) / 1024, 1),
-            "rss_mb_after_warmup_vs_last": {
+            "rss_mb_mid_vs_last": {
                 str(pid): [round(a / 1024, 1), round(b / 1024, 1)] for pid, (a, b) in growth.items()
             },
+            "rss_growth_max": round(growth_max, 3) if growth_max else None,
             "wall_s": round(time.monotonic() - t_start, 1),
             "db": args.db,
         }

@@ -130,7 +130,10 @@ def test_t8_t9_soft_and_hard_time_limits_keep_partial_rows_without_a_loop(scenar
         assert rep.error_codes == {"timeout": 4}, rep.describe()
         rows = {**probes.chunk_rows(sc.store, f"{run}-00000"), **probes.chunk_rows(sc.store, f"{run}-00001")}
         assert {c for c, st in rows.items() if st == "errored"} == {ids[2], ids[3], ids[6], ids[7]}
-        assert set(rep.attempts.values()) == {1}, rep.attempts
+        # no loop: the two time-limited chunks were delivered once each. (A message the main process
+        # reserved while the hard limit killed the child can be delivered twice; that is harmless,
+        # the duplicate finds no queued row.)
+        assert rep.attempts[f"{run}-00000"] == 1 and rep.attempts[f"{run}-00001"] == 1, rep.attempts
         assert sc.redis.queue_length(sc.queue) == 0 and probes.unacked(sc.redis.client()) == 0
         log = w.log(100_000)
         assert "Soft time limit" in log and "Hard time limit" in log

@@ -156,3 +156,52 @@ def test_t17_four_processes_write_one_sqlite_file_without_lock_errors(tmp_path):
     assert max(rep.attempts.values()) >= 2  # the writers really did contend for the same chunks
     assert sum(probes.outputs_by_worker(st, created.run_id).values()) == n
     st.dispose()
+
+
+def test_t11_store_retries_through_a_proxy_that_refuses_then_accepts(tmp_path):
+    """T11, store level, on the shared PostgreSQL (left running): the connection goes through a TCP
+    proxy that drops live connections and refuses new ones for ~2 s. A write issued meanwhile
+    (`retry_transient`, as the worker wraps every store call) lands once the proxy accepts again,
+    exactly once; without the retry the same call fails."""
+    import threading
+
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import OperationalError
+
+    from canvasq.api.store import retry_transient
+    from canvasq.api.testing import fresh_pg_database
+    from canvasq.testing.services import TcpProxy
+
+    with fresh_pg_database("canvasq_proxy") as url:
+        u = make_url(url)
+        with TcpProxy((u.host or "127.0.0.1", u.port or 5432)) as proxy:
+            st = Store(proxy.url_for(url))
+            try:
+                st.upgrade()
+                created = st.create_run(
+                    [Job(f"p{i}", "x", "math", 8, None, i + 1) for i in range(4)],
+                    model="m",
+                    queue="q",
+                    chunk_size=4,
+                )
+                claim = st.claim_chunk(created.chunk_ids[0], "w", 60, 3)
+                proxy.refuse()
+                try:
+                    st.counts(created.run_id)
+                    raise AssertionError("the store answered while the proxy refused connections")
+                except OperationalError:
+                    pass
+                threading.Timer(2.0, proxy.accept).start()
+                recs = [ResultRecord(r["custom_id"], text="ok", completion_tokens=1) for r in claim.requests]
+                written = retry_transient(lambda: st.write_results(created.run_id, recs, "w"), base_s=0.5)
+                assert written == 4
+                st.finalize_run(created.run_id)
+                assert_exactly_once(
+                    st,
+                    created.run_id,
+                    [f"p{i}" for i in range(4)],
+                    run_status="completed",
+                    statuses={"done": 4},
+                )
+            finally:
+                st.dispose()

@@ -7,6 +7,7 @@ nothing else heavy. Settings come from `CANVASQ_*` variables (see `canvasq.api.s
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -234,7 +235,8 @@ def run(file, out_path, decoder, model, name, chunk_size, as_json):
 @model_option
 @click.option("--queue", default=None, help="Queue to publish to (default: canvasq.<model name>).")
 @click.option("--key", "idempotency_key", default=None,
-              help="Idempotency key: submitting the same key again returns the same run, publishes nothing.")
+              help="Idempotency key: submitting the same key again returns the same run, publishes nothing. "
+                   "Default: a hash of the file's bytes, the model, decoder, queue, chunk size and deadline.")
 @click.option("--chunk-size", type=int, default=None, help="Requests per chunk (default: CANVASQ_CHUNK_SIZE).")
 @click.option("--deadline", type=int, default=None, help="Seconds until unfinished rows expire.")
 def submit(file, name, decoder, model, queue, idempotency_key, chunk_size, deadline):
@@ -256,11 +258,17 @@ def submit(file, name, decoder, model, queue, idempotency_key, chunk_size, deadl
     limits, _ = _validate(file, settings)
     store = _open_store(settings)
     queue = queue or settings.queue_for()
+    chunk_size = chunk_size or settings.chunk_size
+    deadline = deadline or settings.run_deadline_s
+    digest = file_sha256(file)
+    if idempotency_key is None:  # the same file with the same parameters is the same run
+        params = json.dumps([digest, settings.model, decoder, queue, chunk_size, deadline])
+        idempotency_key = "auto:" + hashlib.sha256(params.encode()).hexdigest()[:32]
     created = store.create_run(
         iter_jobs(file, limits), model=settings.model, queue=queue, decoder=decoder,
-        chunk_size=chunk_size or settings.chunk_size, name=name or Path(file).name,
-        idempotency_key=idempotency_key, input_path=str(Path(file).resolve()), input_sha256=file_sha256(file),
-        deadline_s=deadline or settings.run_deadline_s,
+        chunk_size=chunk_size, name=name or Path(file).name,
+        idempotency_key=idempotency_key, input_path=str(Path(file).resolve()), input_sha256=digest,
+        deadline_s=deadline,
     )
     if created.created:
         publish_chunks(created.chunk_ids, queue, settings)

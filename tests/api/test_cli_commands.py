@@ -131,3 +131,16 @@ def test_submit_same_key_twice_is_one_run(service_env):
     assert "nothing published" in second.stderr
     assert queue_length(q) == 3
     assert len(json.loads(invoke("runs", "--json").stdout)) == 1
+
+
+def test_submit_without_key_defaults_to_file_and_parameters(service_env):
+    """The default idempotency key is a hash of the file, model and parameters: resubmitting the
+    same file is the same run; other parameters make a new one."""
+    q = service_env["queue"]
+    base = ["submit", str(REPO_ROOT / "examples" / "prompts.jsonl"), "--queue", q]
+    first = invoke(*base, "--chunk-size", "8").stdout.strip().splitlines()[-1]
+    again = invoke(*base, "--chunk-size", "8")
+    assert again.stdout.strip().splitlines()[-1] == first and "nothing published" in again.stderr
+    other = invoke(*base, "--chunk-size", "6").stdout.strip().splitlines()[-1]
+    assert other != first
+    assert queue_length(q) == 3 + 4

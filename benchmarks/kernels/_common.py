@@ -81,6 +81,7 @@ def device_info() -> dict:
         ).stdout.strip()
     except OSError:
         pass
+    info["commit"] = os.environ.get("CANVASQ_COMMIT") or info.get("commit") or "unknown"
     return info
 
 

@@ -50,14 +50,18 @@ def _time_down(h, h_ref, packed, metas, y, y_ref, iters, cfg):
     return C.time_ms(lambda i: launch_down(h[i], packed, metas[i], cfg, y), iters, 3, 3)
 
 
-def candidates(quick: bool):
-    """(block_m list, scale_in_tile list, gate_up (BLOCK_N, warps, stages) list, down list).
+# dequantisation modes: name -> (scale_in_tile, fold_zero)
+MODES = {"plain": (False, False), "scaled": (True, False), "folded": (False, True)}
+
+
+def candidates(quick: bool, gate_up_n=(32, 64, 128), down_n=(64, 128, 256)):
+    """(block_m list, mode names, gate_up (BLOCK_N, warps, stages) list, down list).
     Sized to compile in a few minutes (one compile per candidate, ~3 s each)."""
     if quick:
-        return [32], [False], [(32, 4, 2), (64, 4, 2)], [(64, 4, 2), (128, 4, 2)]
-    gate_up = list(itertools.product((32, 64, 128), (4, 8), (3, 4)))
-    down = list(itertools.product((64, 128, 256), (4, 8), (3, 4)))
-    return [32], [False, True], gate_up, down
+        return [32], ["plain", "folded"], [(32, 4, 2), (64, 4, 2)], [(64, 4, 2), (128, 4, 2)]
+    gate_up = list(itertools.product(gate_up_n, (4, 8), (3, 4)))
+    down = list(itertools.product(down_n, (4, 8), (3, 4)))
+    return [32], list(MODES), gate_up, down
 
 
 def main() -> None:
@@ -68,15 +72,21 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--block-m", default=None, help="comma list of routing block sizes; default 32")
     ap.add_argument("--out", default=None, help="JSON path (default: the package's configs/ file)")
+    ap.add_argument("--modes", default=None, help=f"comma list of {', '.join(MODES)} (default: all)")
+    ap.add_argument("--gate-up-n", default="32,64,128", help="gate_up BLOCK_N candidates")
+    ap.add_argument("--down-n", default="64,128,256", help="down BLOCK_N candidates")
     a = ap.parse_args()
     if a.quick:
         E, H, I, K, dtype, rows, iters = 8, 256, 64, 4, torch.float16, [6], 1
     else:
         E, H, I, K, dtype = 128, 2816, 704, 8, torch.bfloat16
         rows, iters = [int(r) for r in a.rows.split(",")], a.iters
-    block_ms, scale_modes, gu_cands, dn_cands = candidates(a.quick)
+    ints = lambda v: tuple(int(x) for x in v.split(","))  # noqa: E731
+    block_ms, modes, gu_cands, dn_cands = candidates(a.quick, ints(a.gate_up_n), ints(a.down_n))
     if a.block_m:
         block_ms = [int(b) for b in a.block_m.split(",")]
+    if a.modes:
+        modes = a.modes.split(",")
     torch.manual_seed(0)
     gate_up = (torch.randn(E, 2 * I, H, device=C.DEVICE) * H**-0.5).to(dtype)
     down = (torch.randn(E, H, I, device=C.DEVICE) * I**-0.5).to(dtype)
@@ -89,12 +99,13 @@ def main() -> None:
         x = [torch.randn(T, H, device=C.DEVICE, dtype=dtype) for _ in range(3)]
         ids = [torch.topk(torch.randn(T, E, device=C.DEVICE), K, -1).indices for _ in range(3)]
         overall = None
-        for bm, sit in itertools.product(block_ms, scale_modes):
+        for bm, mode in itertools.product(block_ms, modes):
+            sit, fold = MODES[mode]
             metas = [align_routing(i, E, bm) for i in ids]
             p_max = metas[0].sorted_ids.numel()
             h = [torch.empty(p_max, I, device=C.DEVICE, dtype=dtype) for _ in range(3)]
             y = torch.empty(T * K, H, device=C.DEVICE, dtype=dtype)
-            base = MoeLaunchConfig(block_m=bm, scale_in_tile=sit)
+            base = MoeLaunchConfig(block_m=bm, scale_in_tile=sit, fold_zero=fold)
             # reference outputs of the default tiles, to reject a candidate that computes garbage
             launch_gate_up(x[0], packed, metas[0], base, h[0])
             P = int(metas[0].num_padded.item())  # rows past P are never written: compare only [:P]
@@ -122,7 +133,7 @@ def main() -> None:
             dn_ms, dn_cfg = min(dn_results, key=lambda r: r[0])
             total = gu_ms + dn_ms
             print(
-                f"T={T} BLOCK_M={bm} scale_in_tile={sit}: gate_up {gu_ms:.4f} ms, down {dn_ms:.4f} ms",
+                f"T={T} BLOCK_M={bm} mode={mode}: gate_up {gu_ms:.4f} ms, down {dn_ms:.4f} ms",
                 flush=True,
             )
             if overall is None or total < overall[0]:
@@ -155,6 +166,7 @@ def main() -> None:
             "down_stages",
             "magic_dequant",
             "scale_in_tile",
+            "fold_zero",
         ],
         {"file": str(path), "written": not a.dry or bool(a.out)},
     )

@@ -608,8 +608,7 @@ class _AttnContext:
         valid = torch.arange(lmax, device=dev)[None, :] < self.ends[:, None]  # [B, L]
         full = valid[:, None, :] & (kp < self.hi[:, :, None])  # [B, Rmax, L]
         slide = full & (kp >= self.lo[:, :, None])
-        first_col = torch.zeros(lmax, dtype=torch.bool, device=dev)
-        first_col[0] = True
+        first_col = torch.arange(lmax, device=dev) == 0  # no host scalar: capturable in a CUDA graph
         pad = self.pad[:, :, None] & first_col  # padded query rows attend to entry 0: softmax stays finite
         self.masks = {False: (full | pad)[:, None], True: (slide | pad)[:, None]}  # [B, 1, Rmax, L]
         self._folded = {}

@@ -161,8 +161,15 @@ def block_causal_masks(model, ctx_mask, n_canvases: int, canvas: int, cache):
     return masks
 
 
-def denoise_loss(model, batch, n_canvases: int, canvas: int, sc_prob: float, gen, token_weight=None):
-    """Cross-entropy of the decoder's prediction of the clean canvases (optionally with SC)."""
+def denoise_loss(
+    model, batch, n_canvases: int, canvas: int, sc_prob: float, gen, token_weight=None, draft_rounds: int = 0
+):
+    """Cross-entropy of the decoder's prediction of the clean canvases (optionally with SC).
+
+    `draft_rounds` > 0 (the D2F adapter): the step draws r in 0..draft_rounds and first runs r
+    gradient-free passes, each replacing the corrupted positions with the previous pass's argmax and
+    feeding its raw logits back as SC — the state the pipe / funnel decoders are in after r steps of
+    argmax renoise. The trained pass then sees the model's own drafts instead of uniform noise."""
     import torch
     from transformers import DynamicCache
 
@@ -181,7 +188,16 @@ def denoise_loss(model, batch, n_canvases: int, canvas: int, sc_prob: float, gen
         dmask = block_causal_masks(model, ctx_mask, n_canvases, canvas, cache)
     kw = dict(past_key_values=cache, decoder_input_ids=noisy, decoder_attention_mask=dmask, decoder_position_ids=dpos)
     sc_logits, sc_mask = None, None
-    if sc_prob > 0:
+    rounds = int(torch.randint(0, draft_rounds + 1, (1,), device=ctx.device, generator=gen)) if draft_rounds else 0
+    if rounds:
+        corrupt = noisy != target
+        with torch.no_grad():
+            for _ in range(rounds):
+                first = model(**kw, self_conditioning_logits=sc_logits).logits
+                kw["decoder_input_ids"] = torch.where(corrupt, first.argmax(-1), target)
+                sc_logits = first.to(model.dtype)  # the decoders feed raw logits back
+        sc_mask = torch.rand(B, device=ctx.device, generator=gen) < max(sc_prob, 0.9)
+    elif sc_prob > 0:
         with torch.no_grad():
             first = model(**kw).logits
         # The official sampler feeds temperature-scaled logits (t from 0.8 down to 0.4) back as SC.
@@ -202,7 +218,7 @@ def denoise_loss(model, batch, n_canvases: int, canvas: int, sc_prob: float, gen
 
 
 def train_phase(model, params, batches, *, minutes, batch, lr, n_canvases, canvas, sc_prob, gen, log, tag,
-                token_weight=None):
+                token_weight=None, draft_rounds=0):
     import torch
 
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
@@ -220,7 +236,7 @@ def train_phase(model, params, batches, *, minutes, batch, lr, n_canvases, canva
         b = batches.sample(batch, n_canvases, gen)
         try:
             with torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
-                loss = denoise_loss(model, b, n_canvases, canvas, sc_prob, gen, token_weight)
+                loss = denoise_loss(model, b, n_canvases, canvas, sc_prob, gen, token_weight, draft_rounds)
         except (RuntimeError, NotImplementedError) as exc:  # grouped_mm unsupported for this dtype
             if step > 0 or not hasattr(model, "set_experts_implementation"):
                 raise
@@ -233,7 +249,7 @@ def train_phase(model, params, batches, *, minutes, batch, lr, n_canvases, canva
         opt.step()
         step += 1
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
-        if step % 100 == 0:
+        if step % 100 == 0 or (step < 100 and step % 10 == 0):
             log(f"[{tag}] step {step} loss {ema:.4f} lr {lr * scale:.2e} {time.time() - t0:.0f}s")
     log(f"[{tag}] done: {step} steps in {time.time() - t0:.0f}s, loss {ema:.4f}")
     return {"steps": step, "seconds": round(time.time() - t0, 1), "final_loss": round(float(ema), 4)}
@@ -252,6 +268,10 @@ def main(argv=None):
     ap.add_argument("--init", default=None, help="continue from this checkpoint directory")
     ap.add_argument("--d2f-canvases", type=int, default=2)
     ap.add_argument("--digit-weight", type=float, default=4.0)
+    ap.add_argument(
+        "--d2f-draft-rounds", type=int, default=2,
+        help="D2F adapter: up to this many gradient-free argmax-draft passes before the trained one (0: uniform noise only)",
+    )
     args = ap.parse_args(argv)
 
     import torch
@@ -289,13 +309,15 @@ def main(argv=None):
     tok = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
     token_weight = torch.ones(shape.vocab_size, device=device)
     token_weight[[tok.convert_tokens_to_ids(str(d)) for d in range(10)]] = args.digit_weight
-    report["base"] = train_phase(
-        model, [p for p in model.parameters() if p.requires_grad], batches,
-        minutes=args.minutes, batch=args.batch, lr=args.lr, n_canvases=1,
-        canvas=shape.canvas_length, sc_prob=0.5, gen=gen, log=log, tag="base", token_weight=token_weight,
-    )
+    if args.minutes > 0:
+        report["base"] = train_phase(
+            model, [p for p in model.parameters() if p.requires_grad], batches,
+            minutes=args.minutes, batch=args.batch, lr=args.lr, n_canvases=1,
+            canvas=shape.canvas_length, sc_prob=0.5, gen=gen, log=log, tag="base", token_weight=token_weight,
+        )
     model.eval()
-    save_model(model, out)
+    if args.minutes > 0:  # --minutes 0 --init DIR: train only the adapter against DIR's base
+        save_model(model, out)
 
     if args.d2f_minutes > 0:
         from peft import LoraConfig, get_peft_model
@@ -312,7 +334,7 @@ def main(argv=None):
             peft_model.base_model.model, [p for p in peft_model.parameters() if p.requires_grad], batches,
             minutes=args.d2f_minutes, batch=max(64, args.batch // 2), lr=args.lr / 2,
             n_canvases=args.d2f_canvases, canvas=shape.canvas_length, sc_prob=0.5, gen=gen, log=log, tag="d2f",
-            token_weight=token_weight,
+            token_weight=token_weight, draft_rounds=args.d2f_draft_rounds,
         )
         peft_model.save_pretrained(str(out / "d2f_adapter"))
     report["total_seconds"] = round(time.time() - t0, 1)

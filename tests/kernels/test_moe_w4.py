@@ -169,6 +169,10 @@ def test_w4_moe_deterministic_and_block_sizes():
     scaled = MoeLaunchConfig(scale_in_tile=True)  # weight tile scaled before the dot: the twin's rounding
     d = w4_moe_launch(x, ids, w, packed, config=scaled)
     assert rel_err(d, w4_moe_reference(x, ids, w, packed)) < TOL[torch.float16]
+    folded = MoeLaunchConfig(fold_zero=True)  # zero point subtracted after the dot (rowsum(x) * z)
+    f = w4_moe_launch(x, ids, w, packed, config=folded)
+    assert rel_err(f, w4_moe_reference(x, ids, w, packed)) < TOL[torch.float16]
+    assert torch.equal(f, w4_moe_launch(x, ids, w, packed, config=folded))
 
 
 def test_public_entry_points():
@@ -180,6 +184,10 @@ def test_public_entry_points():
     ref = w4_moe(x, ids, w, packed, impl="torch")
     assert torch.equal(ref, w4_moe_reference(x, ids, w, packed))
     assert rel_err(w4_moe(x, ids, w, packed, impl="triton"), ref) < TOL[torch.float32]
+    # fp32 with the zero folded out of the tile takes the plain nibble cast (the magic float would
+    # round x's low bits away): still within fp32 tolerance
+    folded = w4_moe_launch(x, ids, w, packed, config=MoeLaunchConfig(fold_zero=True))
+    assert rel_err(folded, ref) < TOL[torch.float32]
     with pytest.raises(ValueError):
         w4_moe(x, ids, w, packed, impl="nope")
 

@@ -77,6 +77,7 @@ def _w4_gate_up_kernel(
     DOT_PREC: tl.constexpr,
     DEQUANT: tl.constexpr,
     SCALE_IN_TILE: tl.constexpr,
+    FOLD_ZERO: tl.constexpr,
 ):
     """One program: BLOCK_M sorted rows (one expert) x BLOCK_N columns of I, gate and up together."""
     DT: tl.constexpr = x_ptr.dtype.element_ty
@@ -117,26 +118,37 @@ def _w4_gate_up_kernel(
         zg = _zero_bias(tl.load(z_e + (offs_n + srow), mask=n_mask, other=0.0), DT, DEQUANT)
         su = tl.load(s_e + (offs_n + (srow + I)), mask=n_mask, other=0.0).to(tl.float32)
         zu = _zero_bias(tl.load(z_e + (offs_n + (srow + I)), mask=n_mask, other=0.0), DT, DEQUANT)
-        # (q - zero) is an exact small integer in any float dtype; the scale is constant over the group,
-        # so it multiplies the [BLOCK_M, BLOCK_N] partial product instead of the [G, BLOCK_N] tile.
-        wg_lo = _nibble(qg & 0xF, DT, DEQUANT) - zg[None, :]
-        wg_hi = _nibble(qg >> 4, DT, DEQUANT) - zg[None, :]
-        wu_lo = _nibble(qu & 0xF, DT, DEQUANT) - zu[None, :]
-        wu_hi = _nibble(qu >> 4, DT, DEQUANT) - zu[None, :]
-        if SCALE_IN_TILE:
-            # dequantise fully, accumulate straight into acc: fewer live registers, one more multiply
-            # per weight (and the weight rounded to DT once, exactly as the torch twin does)
-            acc_g = tl.dot(xa, (wg_lo * sg[None, :]).to(DT), acc_g, input_precision=DOT_PREC)
-            acc_g = tl.dot(xb, (wg_hi * sg[None, :]).to(DT), acc_g, input_precision=DOT_PREC)
-            acc_u = tl.dot(xa, (wu_lo * su[None, :]).to(DT), acc_u, input_precision=DOT_PREC)
-            acc_u = tl.dot(xb, (wu_hi * su[None, :]).to(DT), acc_u, input_precision=DOT_PREC)
+        if FOLD_ZERO:
+            # x @ (q - z) == x @ q - rowsum(x) * z: the zero point leaves the weight tile (one
+            # multiply-add per output element per group instead of one subtract per weight)
+            rs = tl.sum(xa.to(tl.float32), 1) + tl.sum(xb.to(tl.float32), 1)
+            pg = tl.dot(xa, _nibble(qg & 0xF, DT, DEQUANT), input_precision=DOT_PREC)
+            pg = tl.dot(xb, _nibble(qg >> 4, DT, DEQUANT), pg, input_precision=DOT_PREC)
+            pu = tl.dot(xa, _nibble(qu & 0xF, DT, DEQUANT), input_precision=DOT_PREC)
+            pu = tl.dot(xb, _nibble(qu >> 4, DT, DEQUANT), pu, input_precision=DOT_PREC)
+            acc_g += (pg - rs[:, None] * zg.to(tl.float32)[None, :]) * sg[None, :]
+            acc_u += (pu - rs[:, None] * zu.to(tl.float32)[None, :]) * su[None, :]
         else:
-            pg = tl.dot(xa, wg_lo.to(DT), input_precision=DOT_PREC)
-            pg = tl.dot(xb, wg_hi.to(DT), pg, input_precision=DOT_PREC)
-            pu = tl.dot(xa, wu_lo.to(DT), input_precision=DOT_PREC)
-            pu = tl.dot(xb, wu_hi.to(DT), pu, input_precision=DOT_PREC)
-            acc_g += pg * sg[None, :]
-            acc_u += pu * su[None, :]
+            # (q - zero) is an exact small integer in any float dtype; the scale is constant over the group,
+            # so it multiplies the [BLOCK_M, BLOCK_N] partial product instead of the [G, BLOCK_N] tile.
+            wg_lo = _nibble(qg & 0xF, DT, DEQUANT) - zg[None, :]
+            wg_hi = _nibble(qg >> 4, DT, DEQUANT) - zg[None, :]
+            wu_lo = _nibble(qu & 0xF, DT, DEQUANT) - zu[None, :]
+            wu_hi = _nibble(qu >> 4, DT, DEQUANT) - zu[None, :]
+            if SCALE_IN_TILE:
+                # dequantise fully, accumulate straight into acc: fewer live registers, one more multiply
+                # per weight (and the weight rounded to DT once, exactly as the torch twin does)
+                acc_g = tl.dot(xa, (wg_lo * sg[None, :]).to(DT), acc_g, input_precision=DOT_PREC)
+                acc_g = tl.dot(xb, (wg_hi * sg[None, :]).to(DT), acc_g, input_precision=DOT_PREC)
+                acc_u = tl.dot(xa, (wu_lo * su[None, :]).to(DT), acc_u, input_precision=DOT_PREC)
+                acc_u = tl.dot(xb, (wu_hi * su[None, :]).to(DT), acc_u, input_precision=DOT_PREC)
+            else:
+                pg = tl.dot(xa, wg_lo.to(DT), input_precision=DOT_PREC)
+                pg = tl.dot(xb, wg_hi.to(DT), pg, input_precision=DOT_PREC)
+                pu = tl.dot(xa, wu_lo.to(DT), input_precision=DOT_PREC)
+                pu = tl.dot(xb, wu_hi.to(DT), pu, input_precision=DOT_PREC)
+                acc_g += pg * sg[None, :]
+                acc_u += pu * su[None, :]
     # activation folded into the epilogue: h = act(gate) * up, never stored separately
     h = _gelu_tanh(acc_g) * acc_u
     tl.store(
@@ -172,6 +184,7 @@ def _w4_down_kernel(
     DOT_PREC: tl.constexpr,
     DEQUANT: tl.constexpr,
     SCALE_IN_TILE: tl.constexpr,
+    FOLD_ZERO: tl.constexpr,
 ):
     """One program: BLOCK_M sorted rows x BLOCK_N columns of H; writes rows y_tk[t*K + k]."""
     DT: tl.constexpr = h_ptr.dtype.element_ty
@@ -203,15 +216,21 @@ def _w4_down_kernel(
         q = tl.load(q_e + (q_off + g * HALF * stride_qk), mask=n_mask[None, :], other=0)
         s = tl.load(s_e + (offs_n + g * stride_sg), mask=n_mask, other=0.0).to(tl.float32)
         z = _zero_bias(tl.load(z_e + (offs_n + g * stride_sg), mask=n_mask, other=0.0), DT, DEQUANT)
-        w_lo = _nibble(q & 0xF, DT, DEQUANT) - z[None, :]
-        w_hi = _nibble(q >> 4, DT, DEQUANT) - z[None, :]
-        if SCALE_IN_TILE:
-            acc = tl.dot(ha, (w_lo * s[None, :]).to(DT), acc, input_precision=DOT_PREC)
-            acc = tl.dot(hb, (w_hi * s[None, :]).to(DT), acc, input_precision=DOT_PREC)
+        if FOLD_ZERO:  # see the gate_up kernel
+            rs = tl.sum(ha.to(tl.float32), 1) + tl.sum(hb.to(tl.float32), 1)
+            p = tl.dot(ha, _nibble(q & 0xF, DT, DEQUANT), input_precision=DOT_PREC)
+            p = tl.dot(hb, _nibble(q >> 4, DT, DEQUANT), p, input_precision=DOT_PREC)
+            acc += (p - rs[:, None] * z.to(tl.float32)[None, :]) * s[None, :]
         else:
-            p = tl.dot(ha, w_lo.to(DT), input_precision=DOT_PREC)
-            p = tl.dot(hb, w_hi.to(DT), p, input_precision=DOT_PREC)
-            acc += p * s[None, :]
+            w_lo = _nibble(q & 0xF, DT, DEQUANT) - z[None, :]
+            w_hi = _nibble(q >> 4, DT, DEQUANT) - z[None, :]
+            if SCALE_IN_TILE:
+                acc = tl.dot(ha, (w_lo * s[None, :]).to(DT), acc, input_precision=DOT_PREC)
+                acc = tl.dot(hb, (w_hi * s[None, :]).to(DT), acc, input_precision=DOT_PREC)
+            else:
+                p = tl.dot(ha, w_lo.to(DT), input_precision=DOT_PREC)
+                p = tl.dot(hb, w_hi.to(DT), p, input_precision=DOT_PREC)
+                acc += p * s[None, :]
     tl.store(
         y_ptr + aid[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
         acc.to(y_ptr.dtype.element_ty),

@@ -35,6 +35,7 @@ class MoeLaunchConfig:
     combine_block_n: int = 1024
     magic_dequant: bool = True  # nibble -> float by OR-ing into a mantissa (kernels.py), else a cast
     scale_in_tile: bool = False  # scale the weight tile before the dot (fewer registers) or the product
+    fold_zero: bool = False  # subtract rowsum(x) * zero after the dot instead of zero from every weight
 
 
 @dataclass(frozen=True)
@@ -173,8 +174,16 @@ def _dot_precision(dtype: torch.dtype) -> str:
 _MAGIC_MODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 
 
+def _fold_zero(cfg: MoeLaunchConfig) -> bool:
+    return cfg.fold_zero and not cfg.scale_in_tile
+
+
 def _dequant_mode(cfg: MoeLaunchConfig, dtype: torch.dtype) -> int:
-    return _MAGIC_MODE[dtype] if cfg.magic_dequant else 0
+    # fp32's magic float is 2^23 + q: with the zero folded out of the tile, x * (2^23 + q) would lose
+    # x's low bits in the product, so the folded fp32 path converts the nibble with a plain cast
+    if not cfg.magic_dequant or (dtype == torch.float32 and _fold_zero(cfg)):
+        return 0
+    return _MAGIC_MODE[dtype]
 
 
 def launch_gate_up(
@@ -211,6 +220,7 @@ def launch_gate_up(
         DOT_PREC=_dot_precision(x.dtype),
         DEQUANT=_dequant_mode(cfg, x.dtype),
         SCALE_IN_TILE=cfg.scale_in_tile,
+        FOLD_ZERO=_fold_zero(cfg),
         num_warps=cfg.gate_up_warps,
         num_stages=cfg.gate_up_stages,
     )
@@ -249,6 +259,7 @@ def launch_down(
         DOT_PREC=_dot_precision(h.dtype),
         DEQUANT=_dequant_mode(cfg, h.dtype),
         SCALE_IN_TILE=cfg.scale_in_tile,
+        FOLD_ZERO=_fold_zero(cfg),
         num_warps=cfg.down_warps,
         num_stages=cfg.down_stages,
     )

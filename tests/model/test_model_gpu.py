@@ -52,8 +52,13 @@ def _hf_cache(m, prompts):
 
 @torch.no_grad()
 def test_real_shape_bf16_matches_hf(real_model):
+    """Op-for-op numerics (torch RMSNorm, grouped_mm experts like HF's default): within bf16 noise at
+    30 layers of random weights. With the Triton RMSNorm (`kernels=True`, the production default) the
+    last-bit differences are amplified by the random weights far beyond 2e-2 (HF against itself with
+    eager instead of grouped_mm experts moves as much; benchmarks/forward.py reports both): that
+    path is checked on the trained testbed below."""
     m = real_model
-    rt = Runtime.from_hf(m)
+    rt = Runtime.from_hf(m, kernels=False)
     v = rt.vocab_size
     g = torch.Generator(device="cpu").manual_seed(1)
     b, p, r = 2, 128, 64
@@ -77,6 +82,28 @@ def test_real_shape_bf16_matches_hf(real_model):
     ref2 = m(decoder_input_ids=nxt, past_key_values=cache, decoder_position_ids=pos2).logits
     out2 = rt.decode(arena, [Window.canvas(i, nxt[i], p + r) for i in range(b)])
     assert _rel(out2.logits, ref2.reshape(b * r, v)) <= BF16_TOL
+
+
+@torch.no_grad()
+def test_testbed_bf16_with_kernels_matches_hf():
+    """The production path (Triton RMSNorm, grouped experts) on the trained testbed in bf16."""
+    from canvasq.model.loading import load_bundle
+
+    m = load_bundle(device="cuda", dtype=torch.bfloat16).hf_model
+    rt = Runtime.from_hf(m)
+    assert rt.kernels
+    v, c = rt.vocab_size, m.config.canvas_length
+    g = torch.Generator(device="cpu").manual_seed(4)
+    b, p = 3, 40
+    prompts = torch.randint(5, v, (b, p), generator=g).cuda()
+    canvas = torch.randint(5, v, (b, c), generator=g).cuda()
+    cache = _hf_cache(m, prompts)
+    pos = torch.arange(p, p + c, device="cuda")[None].expand(b, c)
+    ref = m(decoder_input_ids=canvas, past_key_values=cache, decoder_position_ids=pos).logits
+    arena = rt.new_arena(b, 256)
+    rt.encode_many(arena, [(i, prompts[i], torch.arange(p, device="cuda")) for i in range(b)])
+    out = rt.decode(arena, [Window.canvas(i, canvas[i], p) for i in range(b)])
+    assert _rel(out.logits, ref.reshape(b * c, v)) <= BF16_TOL
 
 
 @torch.no_grad()

@@ -268,6 +268,7 @@ def main(argv=None):
     ap.add_argument("--init", default=None, help="continue from this checkpoint directory")
     ap.add_argument("--d2f-canvases", type=int, default=2)
     ap.add_argument("--digit-weight", type=float, default=4.0)
+    ap.add_argument("--d2f-init", default=None, help="continue training this D2F adapter directory")
     ap.add_argument(
         "--d2f-draft-rounds", type=int, default=2,
         help="D2F adapter: up to this many gradient-free argmax-draft passes before the trained one (0: uniform noise only)",
@@ -328,7 +329,12 @@ def main(argv=None):
             # into the decoder's weights updates the encoder too (adding it to both would double it).
             target_modules=r".*decoder\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)",
         )
-        peft_model = get_peft_model(model, lora)
+        if args.d2f_init:  # continue an adapter (same rank and targets)
+            from peft import PeftModel
+
+            peft_model = PeftModel.from_pretrained(model, args.d2f_init, is_trainable=True)
+        else:
+            peft_model = get_peft_model(model, lora)
         peft_model.train()
         report["d2f"] = train_phase(
             peft_model.base_model.model, [p for p in peft_model.parameters() if p.requires_grad], batches,

@@ -39,6 +39,13 @@ def real_model():
     torch.cuda.empty_cache()
 
 
+def testbed_bf16():
+    """A fresh copy of the trained testbed in bf16 on the GPU (tests may overwrite its weights)."""
+    from canvasq.model.loading import load_bundle
+
+    return load_bundle(device="cuda", dtype=torch.bfloat16).hf_model
+
+
 def _hf_cache(m, prompts):
     from transformers import DynamicCache
 
@@ -87,9 +94,7 @@ def test_real_shape_bf16_matches_hf(real_model):
 @torch.no_grad()
 def test_testbed_bf16_with_kernels_matches_hf():
     """The production path (Triton RMSNorm, grouped experts) on the trained testbed in bf16."""
-    from canvasq.model.loading import load_bundle
-
-    m = load_bundle(device="cuda", dtype=torch.bfloat16).hf_model
+    m = testbed_bf16()
     rt = Runtime.from_hf(m)
     assert rt.kernels
     v, c = rt.vocab_size, m.config.canvas_length
@@ -108,8 +113,15 @@ def test_testbed_bf16_with_kernels_matches_hf():
 
 @torch.no_grad()
 @pytest.mark.parametrize("experts", ["bf16", "w4"])
-def test_decode_graph_equals_eager_on_cuda(real_model, experts):
-    rt = Runtime.from_hf(real_model, experts=experts)
+@pytest.mark.parametrize("weights", ["testbed", "real"])
+def test_decode_graph_equals_eager_on_cuda(request, weights, experts):
+    """Graph replays (padded to the bucket, context bucket of 256) against eager forwards of the same
+    windows. The graph reads a longer context and more query rows, so SDPA tiles differently: on the
+    trained testbed that is bf16 noise (bounded); at the real shape random weights amplify it through
+    30 layers (as HF's own kernel choices do, see benchmarks/forward.py), so there only the argmax
+    agreement is checked."""
+    model = testbed_bf16() if weights == "testbed" else request.getfixturevalue("real_model")
+    rt = Runtime.from_hf(model, experts=experts)
     rt.prefix_attention = False  # the graph always applies the mask: compare like with like
     v = rt.vocab_size
     g = torch.Generator(device="cpu").manual_seed(2)
@@ -137,7 +149,11 @@ def test_decode_graph_equals_eager_on_cuda(real_model, experts):
         ws = windows(rows)
         got = graph.run(ws).logits
         want = rt.decode(arena, ws).logits
-        assert _rel(got, want) <= 1e-3
+        assert torch.isfinite(got).all()
+        if weights == "testbed":
+            assert _rel(got, want) <= BF16_TOL
+        else:
+            assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
         rt.encode(
             arena,
             0,
@@ -148,14 +164,10 @@ def test_decode_graph_equals_eager_on_cuda(real_model, experts):
 
 @torch.no_grad()
 def test_w4_arm_matches_dequantised_on_cuda():
-    from transformers import DiffusionGemmaForBlockDiffusion
-
+    """Trained testbed weights (random ones amplify bf16 rounding beyond any fixed bound)."""
     from canvasq.kernels.moe import unpack_w4
-    from canvasq.testbed.config import build_config
 
-    torch.manual_seed(3)
-    with torch.device("cuda"):
-        m = DiffusionGemmaForBlockDiffusion._from_config(build_config(), dtype=torch.bfloat16).eval()
+    m = testbed_bf16()
     w4 = Runtime.from_hf(m, experts="w4")
     v, c = w4.vocab_size, m.config.canvas_length
     prompt = torch.randint(5, v, (70,)).cuda()

@@ -50,8 +50,14 @@ def _time_down(h, h_ref, packed, metas, y, y_ref, iters, cfg):
     return C.time_ms(lambda i: launch_down(h[i], packed, metas[i], cfg, y), iters, 3, 3)
 
 
-# dequantisation modes: name -> (scale_in_tile, fold_zero)
-MODES = {"plain": (False, False), "scaled": (True, False), "folded": (False, True)}
+# dequantisation modes: name -> (scale_in_tile, fold_zero, prefetch_scale)
+MODES = {
+    "plain": (False, False, False),
+    "scaled": (True, False, False),
+    "folded": (False, True, False),
+    "prefetch": (False, False, True),
+    "scaled_prefetch": (True, False, True),
+}
 
 
 def candidates(quick: bool, gate_up_n=(32, 64, 128), down_n=(64, 128, 256)):
@@ -81,7 +87,7 @@ def main() -> None:
     else:
         E, H, I, K, dtype = 128, 2816, 704, 8, torch.bfloat16
         rows, iters = [int(r) for r in a.rows.split(",")], a.iters
-    ints = lambda v: tuple(int(x) for x in v.split(","))  # noqa: E731
+    ints = lambda v: tuple(int(x) for x in v.split(","))
     block_ms, modes, gu_cands, dn_cands = candidates(a.quick, ints(a.gate_up_n), ints(a.down_n))
     if a.block_m:
         block_ms = [int(b) for b in a.block_m.split(",")]
@@ -100,12 +106,12 @@ def main() -> None:
         ids = [torch.topk(torch.randn(T, E, device=C.DEVICE), K, -1).indices for _ in range(3)]
         overall = None
         for bm, mode in itertools.product(block_ms, modes):
-            sit, fold = MODES[mode]
+            sit, fold, pre = MODES[mode]
             metas = [align_routing(i, E, bm) for i in ids]
             p_max = metas[0].sorted_ids.numel()
             h = [torch.empty(p_max, I, device=C.DEVICE, dtype=dtype) for _ in range(3)]
             y = torch.empty(T * K, H, device=C.DEVICE, dtype=dtype)
-            base = MoeLaunchConfig(block_m=bm, scale_in_tile=sit, fold_zero=fold)
+            base = MoeLaunchConfig(block_m=bm, scale_in_tile=sit, fold_zero=fold, prefetch_scale=pre)
             # reference outputs of the default tiles, to reject a candidate that computes garbage
             launch_gate_up(x[0], packed, metas[0], base, h[0])
             P = int(metas[0].num_padded.item())  # rows past P are never written: compare only [:P]
@@ -167,6 +173,7 @@ def main() -> None:
             "magic_dequant",
             "scale_in_tile",
             "fold_zero",
+            "prefetch_scale",
         ],
         {"file": str(path), "written": not a.dry or bool(a.out)},
     )

@@ -171,6 +171,10 @@ def test_w4_moe_deterministic_and_block_sizes():
     f = w4_moe_launch(x, ids, w, packed, config=folded)
     assert rel_err(f, w4_moe_reference(x, ids, w, packed)) < TOL[torch.float16]
     assert torch.equal(f, w4_moe_launch(x, ids, w, packed, config=folded))
+    for cfg in (MoeLaunchConfig(prefetch_scale=True), MoeLaunchConfig(prefetch_scale=True, scale_in_tile=True)):
+        # scales of group g+1 loaded during group g: the same products, summed in the same order
+        p = w4_moe_launch(x, ids, w, packed, config=cfg)
+        assert torch.equal(p, a if not cfg.scale_in_tile else d)
 
 
 def test_public_entry_points():
@@ -186,6 +190,8 @@ def test_public_entry_points():
     # round x's low bits away): still within fp32 tolerance
     folded = w4_moe_launch(x, ids, w, packed, config=MoeLaunchConfig(fold_zero=True))
     assert rel_err(folded, ref) < TOL[torch.float32]
+    prefetched = w4_moe_launch(x, ids, w, packed, config=MoeLaunchConfig(prefetch_scale=True))
+    assert rel_err(prefetched, ref) < TOL[torch.float32]
     with pytest.raises(ValueError):
         w4_moe(x, ids, w, packed, impl="nope")
 

@@ -78,6 +78,7 @@ def _w4_gate_up_kernel(
     DEQUANT: tl.constexpr,
     SCALE_IN_TILE: tl.constexpr,
     FOLD_ZERO: tl.constexpr,
+    PREFETCH_SCALE: tl.constexpr,
 ):
     """One program: BLOCK_M sorted rows (one expert) x BLOCK_N columns of I, gate and up together."""
     DT: tl.constexpr = x_ptr.dtype.element_ty
@@ -104,6 +105,10 @@ def _w4_gate_up_kernel(
     z_e = z_ptr + e.to(tl.int64) * stride_se
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Scales feed the fp32 product, not the dot, so Triton's pipeliner leaves their loads synchronous:
+    # PREFETCH_SCALE issues group g+1's scale loads during group g by hand (software pipelining).
+    sg_next = tl.load(s_e + offs_n, mask=n_mask, other=0.0)
+    su_next = tl.load(s_e + (offs_n + I), mask=n_mask, other=0.0)
     for g in range(NUM_GROUPS):  # constexpr trip count (also dodges an interpreter bug)
         k0 = g * GROUP
         xa = tl.load(x_ptr + (x_off + k0), mask=valid[:, None] & (k0 + offs_k[None, :] < H), other=0.0)
@@ -114,9 +119,16 @@ def _w4_gate_up_kernel(
         qg = tl.load(q_e + (q_off + qrow), mask=n_mask[None, :], other=0)
         qu = tl.load(q_e + (q_off + (qrow + I)), mask=n_mask[None, :], other=0)
         srow = g * stride_sg
-        sg = tl.load(s_e + (offs_n + srow), mask=n_mask, other=0.0).to(tl.float32)
+        if PREFETCH_SCALE:
+            sg = sg_next.to(tl.float32)
+            su = su_next.to(tl.float32)
+            nrow = tl.minimum(g + 1, NUM_GROUPS - 1) * stride_sg  # the last prefetch re-reads group g
+            sg_next = tl.load(s_e + (offs_n + nrow), mask=n_mask, other=0.0)
+            su_next = tl.load(s_e + (offs_n + (nrow + I)), mask=n_mask, other=0.0)
+        else:
+            sg = tl.load(s_e + (offs_n + srow), mask=n_mask, other=0.0).to(tl.float32)
+            su = tl.load(s_e + (offs_n + (srow + I)), mask=n_mask, other=0.0).to(tl.float32)
         zg = _zero_bias(tl.load(z_e + (offs_n + srow), mask=n_mask, other=0.0), DT, DEQUANT)
-        su = tl.load(s_e + (offs_n + (srow + I)), mask=n_mask, other=0.0).to(tl.float32)
         zu = _zero_bias(tl.load(z_e + (offs_n + (srow + I)), mask=n_mask, other=0.0), DT, DEQUANT)
         if FOLD_ZERO:
             # x @ (q - z) == x @ q - rowsum(x) * z: the zero point leaves the weight tile (one
@@ -185,6 +197,7 @@ def _w4_down_kernel(
     DEQUANT: tl.constexpr,
     SCALE_IN_TILE: tl.constexpr,
     FOLD_ZERO: tl.constexpr,
+    PREFETCH_SCALE: tl.constexpr,
 ):
     """One program: BLOCK_M sorted rows x BLOCK_N columns of H; writes rows y_tk[t*K + k]."""
     DT: tl.constexpr = h_ptr.dtype.element_ty
@@ -207,6 +220,7 @@ def _w4_down_kernel(
     s_e = s_ptr + e * stride_se
     z_e = z_ptr + e * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    s_next = tl.load(s_e + offs_n, mask=n_mask, other=0.0)  # PREFETCH_SCALE: see the gate_up kernel
     for g in range(NUM_GROUPS):  # constexpr trip count (also dodges an interpreter bug)
         k0 = g * GROUP
         ha = tl.load(h_ptr + (h_off + k0), mask=valid[:, None] & (k0 + offs_k[None, :] < I), other=0.0)
@@ -214,7 +228,12 @@ def _w4_down_kernel(
             h_ptr + (h_off + (k0 + HALF)), mask=valid[:, None] & (k0 + HALF + offs_k[None, :] < I), other=0.0
         )
         q = tl.load(q_e + (q_off + g * HALF * stride_qk), mask=n_mask[None, :], other=0)
-        s = tl.load(s_e + (offs_n + g * stride_sg), mask=n_mask, other=0.0).to(tl.float32)
+        if PREFETCH_SCALE:
+            s = s_next.to(tl.float32)
+            nrow = tl.minimum(g + 1, NUM_GROUPS - 1) * stride_sg
+            s_next = tl.load(s_e + (offs_n + nrow), mask=n_mask, other=0.0)
+        else:
+            s = tl.load(s_e + (offs_n + g * stride_sg), mask=n_mask, other=0.0).to(tl.float32)
         z = _zero_bias(tl.load(z_e + (offs_n + g * stride_sg), mask=n_mask, other=0.0), DT, DEQUANT)
         if FOLD_ZERO:  # see the gate_up kernel
             rs = tl.sum(ha.to(tl.float32), 1) + tl.sum(hb.to(tl.float32), 1)

@@ -36,6 +36,7 @@ class MoeLaunchConfig:
     magic_dequant: bool = True  # nibble -> float by OR-ing into a mantissa (kernels.py), else a cast
     scale_in_tile: bool = False  # scale the weight tile before the dot (fewer registers) or the product
     fold_zero: bool = False  # subtract rowsum(x) * zero after the dot instead of zero from every weight
+    prefetch_scale: bool = False  # load group g+1's scales during group g (hand-pipelined)
 
 
 @dataclass(frozen=True)
@@ -221,6 +222,7 @@ def launch_gate_up(
         DEQUANT=_dequant_mode(cfg, x.dtype),
         SCALE_IN_TILE=cfg.scale_in_tile,
         FOLD_ZERO=_fold_zero(cfg),
+        PREFETCH_SCALE=cfg.prefetch_scale,
         num_warps=cfg.gate_up_warps,
         num_stages=cfg.gate_up_stages,
     )
@@ -260,6 +262,7 @@ def launch_down(
         DEQUANT=_dequant_mode(cfg, h.dtype),
         SCALE_IN_TILE=cfg.scale_in_tile,
         FOLD_ZERO=_fold_zero(cfg),
+        PREFETCH_SCALE=cfg.prefetch_scale,
         num_warps=cfg.down_warps,
         num_stages=cfg.down_stages,
     )

@@ -34,6 +34,7 @@ from canvasq.kernels.moe.launch import MoeLaunchConfig
 R = importlib.import_module("canvasq.kernels.rmsnorm")
 S = importlib.import_module("canvasq.kernels.softmax_argmax")
 K = importlib.import_module("canvasq.kernels.moe.kernels")
+NF = importlib.import_module("canvasq.kernels.norm_fused")
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -201,6 +202,39 @@ def other_kernels():
             },
             {"HAS_WEIGHT": True, "BLOCK_R": 1, "BLOCK_D": 4096},
             {"x_ptr", "w_ptr", "y_ptr", "D", "stride_x", "stride_y"},
+            8,
+            1,
+        ),
+    )
+    nr = NF._rms_norm_rope_kernel
+    for half in (128, 256):  # sliding layers d = 256, full layers d = 512
+        yield (
+            f"rms_norm_rope_d{2 * half}",
+            compile_kernel(
+                nr,
+                {
+                    **_ptrs(nr),
+                    "R": "i32",
+                    "HEADS": "i32",
+                    "stride_xn": "i32",
+                    "stride_xh": "i32",
+                    "stride_cn": "i32",
+                    "eps": "fp32",
+                },
+                {"HALF": half, "HAS_WEIGHT": True, "HAS_ROPE": True, "BLOCK_R": 4096 // (2 * half)},
+                {"x_ptr", "w_ptr", "cos_ptr", "sin_ptr", "y_ptr", "stride_xn", "stride_xh", "stride_cn"},
+                4,
+                1,
+            ),
+        )
+    an = NF._add_rms_norm_kernel
+    yield (
+        "add_rms_norm",
+        compile_kernel(
+            an,
+            {**_ptrs(an), "R": "i32", "D": "i32", "eps": "fp32"},
+            {"HAS_X2": True, "HAS_SCALE": True, "BLOCK_R": 1, "BLOCK_D": 4096},
+            {"x_ptr", "x2_ptr", "w_ptr", "res_ptr", "y_ptr", "D"},
             8,
             1,
         ),

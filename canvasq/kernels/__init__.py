@@ -3,6 +3,8 @@
 - `w4_moe(x, topk_ids, topk_weights, packed)`: grouped W4A16 routed experts (`moe/`), with
   `pack_w4`, `unpack_w4`, `pack_model_experts`, `save_packed`, `load_packed`.
 - `rms_norm(x, weight, eps)`: DiffusionGemma RMSNorm (`weight=None` for the with_scale=False norm).
+- `rms_norm_rope(x, weight, cos, sin)` / `add_rms_norm(x, weight, residual, x2, scale)`: the q/k
+  norm + RoPE and the residual-update norms of a layer, one launch each (`norm_fused.py`).
 - `softmax_argmax(logits, temperature)`: (max-prob confidence, argmax, entropy) per row.
 - `fuse_qkv_weights` / `qkv_proj`: one GEMM for q, k, v after the LoRA merge.
 
@@ -23,6 +25,7 @@ from .moe import (
     w4_moe,
     w4_moe_reference,
 )
+from .norm_fused import add_rms_norm, add_rms_norm_reference, rms_norm_rope, rms_norm_rope_reference
 from .qkv import FusedQKV, fuse_attention_module, fuse_qkv_weights, qkv_proj, qkv_proj_reference
 from .rmsnorm import rms_norm, rms_norm_reference
 from .softmax_argmax import softmax_argmax, softmax_argmax_reference
@@ -32,6 +35,8 @@ __all__ = [
     "MoeLaunchConfig",
     "W4Config",
     "W4Experts",
+    "add_rms_norm",
+    "add_rms_norm_reference",
     "fuse_attention_module",
     "fuse_qkv_weights",
     "load_packed",
@@ -41,6 +46,8 @@ __all__ = [
     "qkv_proj_reference",
     "rms_norm",
     "rms_norm_reference",
+    "rms_norm_rope",
+    "rms_norm_rope_reference",
     "save_packed",
     "softmax_argmax",
     "softmax_argmax_reference",

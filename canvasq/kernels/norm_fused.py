@@ -1,0 +1,206 @@
+"""Fused norm epilogues of a DiffusionGemma layer: fewer, larger launches around the matmuls.
+
+- `rms_norm_rope(x, weight, cos, sin)`: per-head RMSNorm then rotate-half RoPE, for q and k
+  (`weight=None, cos=None`: the V norm). x [N, h, d] may be a strided view (a column slice of the
+  fused QKV output); the result is contiguous [N, h, d]. HF runs this as ~6 launches per tensor.
+- `add_rms_norm(x, weight, residual, x2=None, scale=None)`: (residual + rms(x + x2) * weight) * scale,
+  the residual updates after attention and at the end of a layer (x2: the experts' output added to
+  the dense MLP's; scale: the layer scalar, read from device memory so CUDA graphs replay it).
+
+Both compute in fp32 and round once; their torch twins follow HF op for op (round after the norm,
+add in the model dtype), so fp32 results agree to ~1e-6 and bf16 ones to bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dispatch import auto_triton
+
+
+@triton.jit
+def _rms_norm_rope_kernel(
+    x_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    y_ptr,
+    R,
+    HEADS,
+    stride_xn,
+    stride_xh,
+    stride_cn,
+    eps,
+    HALF: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """One program: BLOCK_R (row, head) vectors of width 2 * HALF, read as their two halves."""
+    idx = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = idx < R
+    row = (idx // HEADS).to(tl.int64)
+    head = (idx % HEADS).to(tl.int64)
+    cols = tl.arange(0, HALF)
+    m = live[:, None]
+    base = x_ptr + row[:, None] * stride_xn + head[:, None] * stride_xh + cols[None, :]
+    x1 = tl.load(base, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=m, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
+    x1 = x1 * inv[:, None]
+    x2 = x2 * inv[:, None]
+    if HAS_WEIGHT:
+        x1 = x1 * tl.load(w_ptr + cols).to(tl.float32)[None, :]
+        x2 = x2 * tl.load(w_ptr + HALF + cols).to(tl.float32)[None, :]
+    if HAS_ROPE:  # y = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)
+        cb = cos_ptr + row[:, None] * stride_cn + cols[None, :]
+        sb = sin_ptr + row[:, None] * stride_cn + cols[None, :]
+        c1 = tl.load(cb, mask=m, other=0.0).to(tl.float32)
+        c2 = tl.load(cb + HALF, mask=m, other=0.0).to(tl.float32)
+        s1 = tl.load(sb, mask=m, other=0.0).to(tl.float32)
+        s2 = tl.load(sb + HALF, mask=m, other=0.0).to(tl.float32)
+        x1, x2 = x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+    out = y_ptr + idx.to(tl.int64)[:, None] * (2 * HALF) + cols[None, :]
+    tl.store(out, x1.to(y_ptr.dtype.element_ty), mask=m)
+    tl.store(out + HALF, x2.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr,
+    x2_ptr,
+    w_ptr,
+    res_ptr,
+    scale_ptr,
+    y_ptr,
+    R,
+    D,
+    eps,
+    HAS_X2: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """y = (res + rms(x [+ x2]) * w) [* scale]; all tensors contiguous [R, D]."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    m = (rows[:, None] < R) & (cols[None, :] < D)
+    off = rows[:, None] * D + cols[None, :]
+    x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+    if HAS_X2:
+        x += tl.load(x2_ptr + off, mask=m, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    y = tl.load(res_ptr + off, mask=m, other=0.0).to(tl.float32) + x * inv[:, None] * w[None, :]
+    if HAS_SCALE:
+        y = y * tl.load(scale_ptr).to(tl.float32)
+    tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+# --- launchers ---------------------------------------------------------------------------------------
+def rms_norm_rope_launch(x, weight, cos, sin, eps: float) -> torch.Tensor:
+    n, heads, d = x.shape
+    assert x.stride(-1) == 1 and d % 2 == 0 and triton.next_power_of_2(d) == d, x.shape
+    y = torch.empty(n, heads, d, dtype=x.dtype, device=x.device)
+    rope = cos is not None
+    if rope:
+        assert cos.shape == sin.shape == (n, d) and cos.stride() == sin.stride() and cos.stride(-1) == 1
+    r = n * heads
+    block_r = max(1, min(16, 4096 // d))
+    if r:
+        _rms_norm_rope_kernel[(triton.cdiv(r, block_r),)](
+            x,
+            weight if weight is not None else x,
+            cos if rope else x,
+            sin if rope else x,
+            y,
+            r,
+            heads,
+            x.stride(0),
+            x.stride(1),
+            cos.stride(0) if rope else 0,
+            float(eps),
+            HALF=d // 2,
+            HAS_WEIGHT=weight is not None,
+            HAS_ROPE=rope,
+            BLOCK_R=block_r,
+            num_warps=4,
+        )
+    return y
+
+
+def add_rms_norm_launch(x, weight, residual, x2=None, scale=None, eps: float = 1e-6) -> torch.Tensor:
+    D = x.shape[-1]
+    xs = [t.reshape(-1, D).contiguous() for t in (x, residual) + ((x2,) if x2 is not None else ())]
+    r = xs[0].shape[0]
+    y = torch.empty_like(xs[1])
+    block_d = triton.next_power_of_2(D)
+    block_r = max(1, min(16, 4096 // block_d, triton.next_power_of_2(max(r, 1))))
+    if r:
+        _add_rms_norm_kernel[(triton.cdiv(r, block_r),)](
+            xs[0],
+            xs[2] if x2 is not None else xs[0],
+            weight,
+            xs[1],
+            scale if scale is not None else weight,
+            y,
+            r,
+            D,
+            float(eps),
+            HAS_X2=x2 is not None,
+            HAS_SCALE=scale is not None,
+            BLOCK_R=block_r,
+            BLOCK_D=block_d,
+            num_warps=4 if block_d * block_r <= 4096 else 8,
+        )
+    return y.view(residual.shape)
+
+
+# --- torch twins (HF's op order) ----------------------------------------------------------------------
+def _norm(x, w, eps):
+    xf = x.float()
+    y = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if w is not None:
+        y = y * w.float()
+    return y.type_as(x)
+
+
+def rms_norm_rope_reference(x, weight, cos, sin, eps: float = 1e-6) -> torch.Tensor:
+    """HF: q/k norm (fp32, cast), then x * cos + rotate_half(x) * sin in the model dtype."""
+    y = _norm(x, weight, eps)
+    if cos is None:
+        return y.contiguous()
+    half = y.shape[-1] // 2
+    rot = torch.cat((-y[..., half:], y[..., :half]), dim=-1)
+    return y * cos[:, None] + rot * sin[:, None]
+
+
+def add_rms_norm_reference(x, weight, residual, x2=None, scale=None, eps: float = 1e-6) -> torch.Tensor:
+    """HF: residual + norm(x + x2) in the model dtype, then times the layer scalar."""
+    y = residual + _norm(x + x2 if x2 is not None else x, weight, eps)
+    return y * scale if scale is not None else y
+
+
+# --- public ---------------------------------------------------------------------------------------------
+def rms_norm_rope(x, weight, cos=None, sin=None, eps: float = 1e-6, impl: str = "auto") -> torch.Tensor:
+    """x [N, h, d] (last dim contiguous), weight [d] or None, cos/sin [N, d] or None -> [N, h, d]."""
+    if impl == "auto":
+        impl = "triton" if auto_triton(x, _rms_norm_rope_kernel) else "torch"
+    if impl == "triton":
+        return rms_norm_rope_launch(x, weight, cos, sin, eps)
+    if impl == "torch":
+        return rms_norm_rope_reference(x, weight, cos, sin, eps)
+    raise ValueError(f"unknown impl {impl!r}")
+
+
+def add_rms_norm(x, weight, residual, x2=None, scale=None, eps: float = 1e-6, impl: str = "auto"):
+    """(residual + rms(x + x2) * weight) * scale; x, x2, residual [..., D]; scale a [1] tensor or None."""
+    if impl == "auto":
+        impl = "triton" if auto_triton(x, _add_rms_norm_kernel) else "torch"
+    if impl == "triton":
+        return add_rms_norm_launch(x, weight, residual, x2, scale, eps)
+    if impl == "torch":
+        return add_rms_norm_reference(x, weight, residual, x2, scale, eps)
+    raise ValueError(f"unknown impl {impl!r}")

@@ -1,0 +1,74 @@
+"""Fused q/k norm + RoPE and residual-update norms against their torch twins (HF's op order)."""
+
+import pytest
+import torch
+from kernel_testutil import DEVICE, DTYPES, poison, rel_err
+
+from canvasq.kernels.norm_fused import (
+    add_rms_norm,
+    add_rms_norm_launch,
+    add_rms_norm_reference,
+    rms_norm_rope,
+    rms_norm_rope_launch,
+    rms_norm_rope_reference,
+)
+
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def _rope_tables(n, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.randint(0, 5000, (n,), generator=g).float()
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    inv[d // 8 :] = 0.0  # partial rotary (the full layers' proportional RoPE): cos 1, sin 0 there
+    emb = torch.cat([pos[:, None] * inv, pos[:, None] * inv], dim=-1)
+    return emb.cos().to(DEVICE, dtype), emb.sin().to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,heads,d", [(1, 1, 64), (7, 3, 128), (33, 8, 256)])
+@pytest.mark.parametrize("weight,rope", [(True, True), (False, False), (True, False)])
+def test_rms_norm_rope_parity(n, heads, d, dtype, weight, rope):
+    # a column slice of a wider projection output, as the fused QKV hands it over
+    wide = (torch.randn(n, (heads + 2) * d, device=DEVICE) * 3).to(dtype)
+    x = wide[:, d : (heads + 1) * d].view(n, heads, d)
+    assert n == 1 or not x.is_contiguous()
+    w = (torch.randn(d, device=DEVICE) * 0.2 + 1).to(dtype) if weight else None
+    cos, sin = _rope_tables(n, d, dtype) if rope else (None, None)
+    y = rms_norm_rope_launch(x, w, cos, sin, 1e-6)
+    assert y.shape == (n, heads, d) and y.is_contiguous() and torch.isfinite(y).all()
+    assert rel_err(y, rms_norm_rope_reference(x, w, cos, sin)) < TOL[dtype]
+    assert torch.equal(y, rms_norm_rope(x, w, cos, sin, impl="triton")), "deterministic"
+
+
+def test_rms_norm_rope_twin_is_the_runtime_formula():
+    from canvasq.model.runtime import rms_norm, rotate
+
+    x = torch.randn(5, 2, 64)
+    w = torch.randn(64) * 0.1 + 1
+    cos, sin = _rope_tables(5, 64, torch.float32)
+    want = rotate(rms_norm(x, w, 1e-6), cos.cpu(), sin.cpu())
+    assert torch.equal(rms_norm_rope(x, w, cos.cpu(), sin.cpu(), impl="torch"), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,D", [(1, 256), (9, 300), (40, 2816)])
+@pytest.mark.parametrize("with_x2,with_scale", [(False, False), (True, True), (False, True)])
+def test_add_rms_norm_parity(rows, D, dtype, with_x2, with_scale):
+    x = (torch.randn(rows, D, device=DEVICE) * 2).to(dtype)
+    res = torch.randn(rows, D, device=DEVICE).to(dtype)
+    x2 = torch.randn(rows, D, device=DEVICE).to(dtype) if with_x2 else None
+    w = (torch.randn(D, device=DEVICE) * 0.2 + 1).to(dtype)
+    scale = torch.tensor([0.7], device=DEVICE, dtype=dtype) if with_scale else None
+    y = add_rms_norm_launch(x, w, res, x2, scale, 1e-6)
+    assert y.shape == res.shape and y.dtype == dtype and torch.isfinite(y).all()
+    assert rel_err(y, add_rms_norm_reference(x, w, res, x2, scale)) < TOL[dtype]
+    assert not torch.equal(y, poison(y.shape, dtype))
+
+
+def test_add_rms_norm_rejects_unknown_impl():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError):
+        add_rms_norm(x, torch.ones(8), x, impl="nope")
+    with pytest.raises(ValueError):
+        rms_norm_rope(x.view(2, 1, 8), None, impl="nope")

@@ -43,6 +43,14 @@ class PipeConfig:
     jacobi_max_commits: int = 1  # ... of at most this many commits on a canvas
     forced_accept: bool = True  # the front full canvas commits ≥ 1 token per step
     tau_eos: float | None = None  # EOS priority: a lower bar for argmax-EOS (code: 0.5)
+    # Entropy budget (the official sampler's rule, applied on top of τ_conf): of the positions that
+    # clear τ_conf, commit the lowest-entropy ones while Σ entropy − max ≤ budget (nats). Guards
+    # against committing several individually confident but jointly inconsistent tokens at once.
+    entropy_budget: float | None = None
+    # Left-first commits: only the first `commit_window` still-open positions of a canvas may commit
+    # in a step (None: any position). Worked arithmetic is left-to-right dependent: a result digit
+    # committed before its operands settle cannot be revised (commits are final).
+    commit_window: int | None = None
     eos_streak: bool = False  # EOS priority needs two consecutive argmax-EOS decisions
     self_conditioning: bool = True
     sc_topk: int | None = None  # top-k self-conditioning projection; None = full vocabulary
@@ -59,6 +67,10 @@ class PipeConfig:
             v = getattr(self, name)
             if not 0.0 < v <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {v}")
+        if self.commit_window is not None and self.commit_window < 1:
+            raise ValueError(f"commit_window must be ≥ 1 or None, got {self.commit_window}")
+        if self.entropy_budget is not None and self.entropy_budget < 0:
+            raise ValueError(f"entropy_budget must be ≥ 0 or None, got {self.entropy_budget}")
         if self.tau_eos is not None and not 0.0 < self.tau_eos <= 1.0:
             raise ValueError(f"tau_eos must be in (0, 1] or None, got {self.tau_eos}")
         if self.sc_topk is not None and self.sc_topk < 1:

@@ -167,12 +167,17 @@ class PipeDecoder(StepDecoder):
             open_ &= ~cv.pending[idx]
         is_front = s.canvases and s.canvases[0] is cv
         newly = torch.zeros_like(open_)
+        eligible = open_  # left-first (commit_window): only the first W open positions, in order
+        if cfg.commit_window is not None:
+            eligible = open_ & (torch.cumsum(open_.long(), 0) <= cfg.commit_window)
         if cv.state != "draft":
-            newly = open_ & (conf >= self.bar(cv))
+            newly = eligible & (conf >= self.bar(cv))
             if self.agree():
                 agreed = newly & (arg == cv.tokens[idx])
                 s.stats["agree_blocked"] += int((newly & ~agreed).sum())
                 newly = agreed
+            if cfg.entropy_budget is not None and bool(newly.any()):
+                newly = self._entropy_cap(s, newly, probs, cfg.entropy_budget)
             if cfg.tau_eos is not None:
                 eos_ok = open_ & (arg == self.eos_id) & (conf >= cfg.tau_eos)
                 if cfg.eos_streak:
@@ -188,7 +193,7 @@ class PipeDecoder(StepDecoder):
                 and bool(open_.any())
             ):
                 # forced accept: the front never stalls; commit its most confident open position
-                j = torch.where(open_, conf, torch.full_like(conf, -1.0)).argmax()
+                j = torch.where(eligible, conf, torch.full_like(conf, -1.0)).argmax()
                 newly[j] = True
                 s.stats["forced_accepts"] += 1
         if cfg.tau_eos is not None and cfg.eos_streak:
@@ -230,6 +235,19 @@ class PipeDecoder(StepDecoder):
         if cfg.self_conditioning:
             self._store_sc(cv, idx, logits)
         return newly
+
+    @staticmethod
+    def _entropy_cap(s: Seq, newly: torch.Tensor, probs: torch.Tensor, budget: float) -> torch.Tensor:
+        """Keep the lowest-entropy candidates while Σ entropy − max ≤ budget (at least one)."""
+        cand = torch.nonzero(newly).flatten()
+        p = probs[cand]
+        ent = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
+        ent, order = torch.sort(ent)
+        keep = (torch.cumsum(ent, 0) - ent) <= budget  # ascending: ent is the running max
+        capped = torch.zeros_like(newly)
+        capped[cand[order[keep]]] = True
+        s.stats["entropy_capped"] += int(newly.sum()) - int(keep.sum())
+        return capped
 
     # -- self-conditioning ------------------------------------------------------------------------
     def _store_sc(self, cv: Canvas, idx: torch.Tensor, logits: torch.Tensor) -> None:

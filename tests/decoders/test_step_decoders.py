@@ -239,3 +239,21 @@ def test_failed_forward_errors_rows_without_raising(bundle):
         finally:
             delattr(rt, method)
         assert all(r.error == "RuntimeError: device lost" and r.finish_reason == "error" for r in res)
+
+
+def test_entropy_budget_caps_commits(eos_bundle):
+    over = {"tau_conf": 0.7}
+    plain = run_batch(eos_bundle, _eos_batch(), decoder="funnel", overrides=over)
+    capped = run_batch(eos_bundle, _eos_batch(), decoder="funnel", overrides={**over, "entropy_budget": 0.05})
+    assert sum(r.stats.get("entropy_capped", 0) for r in capped) >= 1
+    assert sum(r.forwards for r in capped) > sum(r.forwards for r in plain)
+
+
+def test_commit_window_commits_left_first(eos_bundle):
+    """With a window of 1 the front canvas commits at most one token per forward, so a request
+    takes at least as many forwards as tokens; without it the same bar commits several at once."""
+    over = {"tau_conf": 0.5, "max_canvases": 1, "adapter": False}
+    plain = run_batch(eos_bundle, _eos_batch(), decoder="pipe", overrides=over)
+    left = run_batch(eos_bundle, _eos_batch(), decoder="pipe", overrides={**over, "commit_window": 1})
+    assert sum(r.forwards for r in plain) < sum(len(r.token_ids) for r in plain)
+    assert all(r.forwards >= len(r.token_ids) for r in left)

@@ -32,12 +32,10 @@ def eval_cmd(task, n, seed, decoder, model_spec, batch_size, entropy_bound, as_j
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     bundle = load_bundle(model_spec, device=device)
-    gen_kwargs = None
-    if entropy_bound is not None:
-        from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
-
-        gen_kwargs = {"sampler_config": EntropyBoundSamplerConfig(entropy_bound=float(entropy_bound))}
-    report = evaluate(bundle, task, n, seed, decoder=decoder, batch_size=batch_size, gen_kwargs=gen_kwargs)
+    if entropy_bound is not None and decoder != "official":
+        raise click.UsageError("--entropy-bound applies to the official decoder only")
+    overrides = {"entropy_bound": float(entropy_bound)} if entropy_bound is not None else None
+    report = evaluate(bundle, task, n, seed, decoder=decoder, batch_size=batch_size, overrides=overrides)
     d = report.as_dict()
     click.echo(
         f"{task} · {decoder} · n={n} seed={seed}: accuracy {d['accuracy']:.3f}, "

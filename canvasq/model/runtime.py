@@ -38,7 +38,10 @@ Implementations: `experts="bf16"` runs the model-dtype experts as two grouped GE
 kernel HF's default `grouped_mm` uses; no host sync) and as a sorted-by-expert loop elsewhere
 (`"grouped"` / `"reference"` force one); `experts="w4"` packs the experts once (shared by encoder and
 decoder) and calls `canvasq.kernels.moe.w4_moe`. `kernels=True` (default on CUDA) uses the Triton
-RMSNorm of `canvasq.kernels`. Each expert combine is a fixed-order fp32 sum: reruns are
+RMSNorm of `canvasq.kernels` and its fused epilogues (`norm_fused`: q/k norm + RoPE in one launch,
+residual-update norms with the layer scalar), which round where HF's modules round; q/k/v and the
+dense gate/up always run as one GEMM each over weights concatenated once at construction (an extra
+copy of those weights, ~2.8 GB bf16 at the real shape). Each expert combine is a fixed-order fp32 sum: reruns are
 bit-identical.
 
 A forward is `_prepare` (host work: scratch placement, index tensors, per-row bounds) then `_run`
@@ -233,7 +236,8 @@ class Runtime:
             self._moe = self._moe_grouped
         else:
             self._moe = self._moe_reference
-        # Triton RMSNorm from canvasq.kernels on CUDA (one launch instead of ~8); HF's formula elsewhere
+        # Triton RMSNorm and fused norm epilogues on CUDA (one launch each instead of ~6-8); HF's op
+        # order (the torch twins) elsewhere
         self.kernels = self.device.type == "cuda" if kernels is None else kernels
         self._norm: Callable = rms_norm
         self._norm_rope: Callable = rms_norm_rope_reference

@@ -56,7 +56,6 @@ class PipeConfig:
     sc_topk: int | None = None  # top-k self-conditioning projection; None = full vocabulary
     adapter: bool = True  # decode with the D2F LoRA merged (`bundle.d2f_model()`)
     experts: str = "bf16"
-    max_steps_per_canvas: int = 0  # safety cap on forwards a canvas may stay live (0: 4 × canvas)
 
     def __post_init__(self):
         _check_choice("experts", self.experts, EXPERTS)

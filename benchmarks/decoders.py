@@ -3,6 +3,8 @@
     python3 benchmarks/decoders.py batched                  # testbed, CPU: batch 1, 4, 16
     python3 benchmarks/decoders.py replay --device cuda     # H200: record on the testbed, replay at
                                                             # random:26b-a4b shape (label: replayed)
+    python3 benchmarks/decoders.py replay --device cuda --graphs   # the same, decoder passes as
+                                                            # CUDA-graph replays (built untimed)
 
 `batched`: for each decoder and batch size, the same n problems (same seed) decoded in chunks of
 that batch size; wall tok/s, forwards per request, tokens per forward, distinct passes. Real commit
@@ -196,14 +198,27 @@ def record(bundle, spec: str, reqs: list, batch: int, seed: int) -> dict:
 
 # --- replay ------------------------------------------------------------------------------------------
 @torch.no_grad()
-def replay(rt, schedule: dict, canvas_length: int, device: str, reps: int = 1) -> dict:
-    """Time the schedule's passes at `rt`'s shape with rows and context scaled by the canvas ratio."""
+def replay(rt, schedule: dict, canvas_length: int, device: str, reps: int = 1, graphs: bool = False) -> dict:
+    """Time the schedule's passes at `rt`'s shape with rows and context scaled by the canvas ratio.
+
+    `graphs`: decoder passes go through `DecodeGraph`s, one per (slots, row bucket, context bucket),
+    built during an untimed warm-up repetition (a service builds them once per bucket); on CUDA each
+    pass is then one graph launch. Encoder passes stay eager."""
+    from canvasq.model.graph import ROW_BUCKETS, DecodeGraph, _bucket
     from canvasq.model.runtime import Window
 
     scale = canvas_length / schedule["canvas_length"]
     passes = schedule["passes"]
     width = max(len(p["windows"]) for p in passes)
-    cap = max(int((w["ctx"] + w["rows"]) * scale) + 8 for p in passes for w in p["windows"])
+
+    def scaled(w):
+        return int(w["ctx"] * scale), max(1, round(w["rows"] * scale))
+
+    def room(p):  # a graph pads every window of a pass to the bucket of its largest one
+        sizes = [scaled(w) for w in p["windows"]]
+        return max(c for c, _ in sizes) + _bucket(max(r for _, r in sizes), ROW_BUCKETS)
+
+    cap = max(room(p) for p in passes) + 8
     arena = rt.new_arena(slots=width, capacity=cap)
     g = torch.Generator(device="cpu").manual_seed(0)
     for layer in range(arena.num_layers):  # random context K/V: only its length matters for cost
@@ -217,14 +232,27 @@ def replay(rt, schedule: dict, canvas_length: int, device: str, reps: int = 1) -
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
+    cache: dict[tuple, DecodeGraph] = {}
+
+    def decode(wins):
+        if not graphs:
+            return rt.decode(arena, wins)
+        rows = _bucket(max(w.rows for w in wins), ROW_BUCKETS)
+        need = max(arena.length[w.slot] for w in wins) + rows
+        context = min(cap, -(-need // 256) * 256)
+        key = (tuple(w.slot for w in wins), rows, context)
+        if key not in cache:
+            cache[key] = DecodeGraph(rt, arena, wins, rows=rows, context=context)
+        return cache[key].run(wins)
+
     best = None
-    for _ in range(reps):
+    for rep in range(reps + int(graphs)):  # with graphs, repetition 0 builds them (untimed)
         sync()
         t0 = time.perf_counter()
         for p in passes:
             wins, items = [], []
             for slot, w in enumerate(p["windows"]):
-                ctx, r = int(w["ctx"] * scale), max(1, round(w["rows"] * scale))
+                ctx, r = scaled(w)
                 arena.length[slot] = ctx
                 ids = torch.randint(0, V, (r,), generator=g).to(device)
                 pos = torch.arange(ctx, ctx + r, device=device)
@@ -240,9 +268,12 @@ def replay(rt, schedule: dict, canvas_length: int, device: str, reps: int = 1) -
             if items:
                 rt.encode_many(arena, items)
             if wins:
-                rt.decode(arena, wins)
+                decode(wins)
         sync()
         dt = time.perf_counter() - t0
+        if graphs and rep == 0:
+            rows_total = 0
+            continue
         best = dt if best is None else min(best, dt)
     tokens = schedule["tokens"] * scale
     return {
@@ -255,6 +286,7 @@ def replay(rt, schedule: dict, canvas_length: int, device: str, reps: int = 1) -
         "tok_s_replayed": tokens / best,
         "ms_per_pass": 1e3 * best / len(passes),
         "rows_per_pass": rows_total / max(reps, 1) / len(passes),
+        "forward": f"CUDA graphs ({len(cache)} buckets)" if graphs else "eager",
     }
 
 
@@ -269,7 +301,7 @@ def replay_mode(args) -> dict:
         for spec in args.arms.split(";"):
             sched = record(testbed, spec, reqs[: max(bs, args.n)], bs, args.seed)
             rt = runtime_for(target.hf_model, args.experts)  # our runtime over the target's weights
-            res = replay(rt, sched, target.canvas_length, args.device, reps=args.reps)
+            res = replay(rt, sched, target.canvas_length, args.device, reps=args.reps, graphs=args.graphs)
             res.update({"batch": bs, "requests": sched["requests"], "testbed_tokens": sched["tokens"]})
             out.append(res)
             print(
@@ -300,10 +332,13 @@ def table(report: dict) -> str:
             for r in report["rows"]
         ]
     else:
-        head = "| arm | batch | passes | ms/pass | rows/pass | tok/s (replayed) |\n|---|---|---|---|---|---|"
+        head = (
+            "| arm | batch | passes | ms/pass | rows/pass | tok/s (replayed) | forward |\n"
+            "|---|---|---|---|---|---|---|"
+        )
         body = [
             f"| {r['decoder']} | {r['batch']} | {r['passes']} | {r['ms_per_pass']:.2f} | {r['rows_per_pass']:.0f} | "
-            f"{r['tok_s_replayed']:.1f} |"
+            f"{r['tok_s_replayed']:.1f} | {r['forward']} |"
             for r in report["rows"]
         ]
     return "\n".join([head, *body])
@@ -325,6 +360,7 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--experts", default="bf16", choices=["bf16", "w4"], help="replay: experts of the target")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--graphs", action="store_true", help="replay: decoder passes as CUDA-graph replays")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     report = batched(args) if args.mode == "batched" else replay_mode(args)

@@ -109,7 +109,8 @@ def _add_rms_norm_kernel(
         x = _rt(x + tl.load(x2_ptr + off, mask=m, other=0.0).to(tl.float32), DT)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-    y = _rt(tl.load(res_ptr + off, mask=m, other=0.0).to(tl.float32) + _rt(x * inv[:, None] * w[None, :], DT), DT)
+    normed = _rt(x * inv[:, None] * w[None, :], DT)
+    y = _rt(tl.load(res_ptr + off, mask=m, other=0.0).to(tl.float32) + normed, DT)
     if HAS_SCALE:
         y = y * tl.load(scale_ptr).to(tl.float32)
     tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=m)

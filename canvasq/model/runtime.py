@@ -41,8 +41,8 @@ decoder) and calls `canvasq.kernels.moe.w4_moe`. `kernels=True` (default on CUDA
 RMSNorm of `canvasq.kernels` and its fused epilogues (`norm_fused`: q/k norm + RoPE in one launch,
 residual-update norms with the layer scalar), which round where HF's modules round; q/k/v and the
 dense gate/up always run as one GEMM each over weights concatenated once at construction (an extra
-copy of those weights, ~2.8 GB bf16 at the real shape). Each expert combine is a fixed-order fp32 sum: reruns are
-bit-identical.
+copy of those weights, ~2.8 GB bf16 at the real shape). Each expert combine is a fixed-order fp32
+sum: reruns are bit-identical.
 
 A forward is `_prepare` (host work: scratch placement, index tensors, per-row bounds) then `_run`
 (device work only: positions into the arena, masks, RoPE, layers, LM head). `graph.DecodeGraph` captures

@@ -44,7 +44,9 @@ def evaluate(bundle, task: str, n: int, seed: int, decoder: str = "official", ba
     t0 = time.perf_counter()
     for start in range(0, n, batch_size):
         chunk = problems[start : start + batch_size]
-        reqs = [DecodeRequest(p.uid, bundle.encode_prompt(p.prompt, p.task), max_tokens, p.task) for p in chunk]
+        reqs = [
+            DecodeRequest(p.uid, bundle.encode_prompt(p.prompt, p.task), max_tokens, p.task) for p in chunk
+        ]
         results = run_batch(bundle, DecodeBatch(reqs, seed=seed * 100_003 + start), decoder, overrides)
         forwards += max(r.forwards for r in results)
         tokens += sum(_answer_len(r.token_ids, bundle.eos_id, bundle.pad_id) for r in results)

@@ -145,6 +145,7 @@ def run_bench(
     return {
         "model": bundle.spec,
         "device": str(bundle.device),
+        **_provenance(bundle.device),
         "tasks": task_names,
         "n": n,
         "seeds": seeds,
@@ -155,11 +156,44 @@ def run_bench(
     }
 
 
+def _provenance(device) -> dict:
+    """When, where and on what code a bench ran (every figure names its hardware and commit)."""
+    import datetime
+    import os
+    import platform
+    import subprocess
+
+    import torch
+
+    if str(device).startswith("cuda"):
+        hardware = torch.cuda.get_device_name(torch.device(device))
+    else:
+        hardware = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} threads"
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "hardware": hardware,
+        "torch": torch.__version__,
+        "commit": os.environ.get("CANVASQ_COMMIT") or commit or "unknown",
+    }
+
+
 def markdown(report: dict, baseline: str | None = None) -> str:
     rows = report["arms"]
     base = next((r for r in rows if r["arm"] == baseline), rows[0])
     lines = [
         f"# canvasq bench — {report['model']} on {report['device']}",
+        "",
+        (
+            f"{report.get('date', '?')}; {report.get('hardware', '?')}; torch {report.get('torch', '?')}; "
+            f"commit {report.get('commit', '?')}."
+        ),
         "",
         (
             f"tasks {', '.join(report['tasks'])}; n = {report['n']} per task per seed; seeds {report['seeds']}; "

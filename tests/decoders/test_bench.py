@@ -40,6 +40,7 @@ def test_run_bench_abba_and_reports(tmp_path):
     assert "| official:max_denoising_steps=2 |" in md.read_text() and png.stat().st_size > 0
     assert json.loads(summary_json(rep))["n"] == 2
     assert "× fewer" in markdown(rep)
+    assert rep["commit"] and rep["hardware"] and f"commit {rep['commit']}" in markdown(rep)
 
 
 def test_record_and_replay_schedule():

@@ -205,9 +205,10 @@ def rms_norm_rope(x, weight, cos=None, sin=None, eps: float = 1e-6, impl: str = 
     """x [N, h, d] (last dim contiguous), weight [d] or None, cos/sin [N, d] or None -> [N, h, d]."""
     if impl == "auto":
         impl = "triton" if auto_triton(x, _rms_norm_rope_kernel) else "torch"
-    if impl == "triton":
+    d = x.shape[-1]
+    if impl == "triton" and d % 2 == 0 and triton.next_power_of_2(d) == d:
         return rms_norm_rope_launch(x, weight, cos, sin, eps)
-    if impl == "torch":
+    if impl in ("triton", "torch"):  # the kernel reads power-of-two halves: other head dims use the twin
         return rms_norm_rope_reference(x, weight, cos, sin, eps)
     raise ValueError(f"unknown impl {impl!r}")
 

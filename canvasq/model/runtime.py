@@ -58,6 +58,7 @@ canvas, context before it, sliding band not clipping, equal slot lengths) runs m
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -243,11 +244,12 @@ class Runtime:
         self._norm_rope: Callable = rms_norm_rope_reference
         self._add_norm: Callable = add_rms_norm_reference
         if self.kernels:
-            from canvasq.kernels.norm_fused import add_rms_norm_launch, rms_norm_rope_launch
+            from canvasq.kernels.norm_fused import add_rms_norm_launch, rms_norm_rope
             from canvasq.kernels.rmsnorm import rms_norm as fused_rms_norm
 
             self._norm = fused_rms_norm
-            self._norm_rope, self._add_norm = rms_norm_rope_launch, add_rms_norm_launch
+            self._norm_rope = functools.partial(rms_norm_rope, impl="triton")  # twin for odd head dims
+            self._add_norm = add_rms_norm_launch
         _fuse_projections(enc_layers + dec_layers)
         self.prefix_attention = True  # mask-free SDPA when the mask is all-visible (eager forwards)
         self.scope: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()

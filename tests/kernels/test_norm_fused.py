@@ -72,3 +72,10 @@ def test_add_rms_norm_rejects_unknown_impl():
         add_rms_norm(x, torch.ones(8), x, impl="nope")
     with pytest.raises(ValueError):
         rms_norm_rope(x.view(2, 1, 8), None, impl="nope")
+
+
+def test_odd_head_dim_falls_back_to_the_twin():
+    x = torch.randn(3, 2, 48, device=DEVICE)  # 48 is not a power of two: the kernel cannot take it
+    cos, sin = _rope_tables(3, 48, torch.float32)
+    w = torch.ones(48, device=DEVICE)
+    assert torch.equal(rms_norm_rope(x, w, cos, sin, impl="triton"), rms_norm_rope_reference(x, w, cos, sin))

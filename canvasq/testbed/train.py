@@ -162,14 +162,20 @@ def block_causal_masks(model, ctx_mask, n_canvases: int, canvas: int, cache):
 
 
 def denoise_loss(
-    model, batch, n_canvases: int, canvas: int, sc_prob: float, gen, token_weight=None, draft_rounds: int = 0
+    model, batch, n_canvases: int, canvas: int, sc_prob: float, gen, token_weight=None, draft_rounds: int = 0,
+    commit_tau: tuple[float, float] | None = None,
 ):
     """Cross-entropy of the decoder's prediction of the clean canvases (optionally with SC).
 
     `draft_rounds` > 0 (the D2F adapter): the step draws r in 0..draft_rounds and first runs r
     gradient-free passes, each replacing the corrupted positions with the previous pass's argmax and
     feeding its raw logits back as SC — the state the pipe / funnel decoders are in after r steps of
-    argmax renoise. The trained pass then sees the model's own drafts instead of uniform noise."""
+    argmax renoise. The trained pass then sees the model's own drafts instead of uniform noise.
+
+    `commit_tau` (lo, hi) makes those passes on-policy for the step decoders' final commits: a bar
+    τ ~ U(lo, hi) is drawn, each pass commits the open positions whose confidence clears it (frozen,
+    right or wrong, as the pipe commits them), and the loss covers only the positions still open —
+    the ones whose confidence the next commit decision reads."""
     import torch
     from transformers import DynamicCache
 
@@ -189,12 +195,22 @@ def denoise_loss(
     kw = dict(past_key_values=cache, decoder_input_ids=noisy, decoder_attention_mask=dmask, decoder_position_ids=dpos)
     sc_logits, sc_mask = None, None
     rounds = int(torch.randint(0, draft_rounds + 1, (1,), device=ctx.device, generator=gen)) if draft_rounds else 0
+    open_ = None
     if rounds:
         corrupt = noisy != target
+        if commit_tau is not None:
+            lo, hi = commit_tau
+            tau = lo + (hi - lo) * float(torch.rand(1, device=ctx.device, generator=gen))
+            open_ = corrupt.clone()
         with torch.no_grad():
             for _ in range(rounds):
                 first = model(**kw, self_conditioning_logits=sc_logits).logits
-                kw["decoder_input_ids"] = torch.where(corrupt, first.argmax(-1), target)
+                if open_ is None:
+                    kw["decoder_input_ids"] = torch.where(corrupt, first.argmax(-1), target)
+                else:  # committed positions keep the id they were committed with
+                    conf, arg = torch.softmax(first.float(), dim=-1).max(dim=-1)
+                    kw["decoder_input_ids"] = torch.where(open_, arg, kw["decoder_input_ids"])
+                    open_ &= conf < tau
                 sc_logits = first.to(model.dtype)  # the decoders feed raw logits back
         sc_mask = torch.rand(B, device=ctx.device, generator=gen) < max(sc_prob, 0.9)
     elif sc_prob > 0:
@@ -208,9 +224,9 @@ def denoise_loss(
     ce = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), reduction="none"
     )
-    if token_weight is None:
-        return ce.mean()
-    w = token_weight[target.reshape(-1)]
+    w = token_weight[target.reshape(-1)] if token_weight is not None else torch.ones_like(ce)
+    if open_ is not None and bool(open_.any()):
+        w = w * open_.reshape(-1)
     return (ce * w).sum() / w.sum()
 
 
@@ -218,7 +234,7 @@ def denoise_loss(
 
 
 def train_phase(model, params, batches, *, minutes, batch, lr, n_canvases, canvas, sc_prob, gen, log, tag,
-                token_weight=None, draft_rounds=0):
+                token_weight=None, draft_rounds=0, commit_tau=None):
     import torch
 
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
@@ -236,7 +252,9 @@ def train_phase(model, params, batches, *, minutes, batch, lr, n_canvases, canva
         b = batches.sample(batch, n_canvases, gen)
         try:
             with torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
-                loss = denoise_loss(model, b, n_canvases, canvas, sc_prob, gen, token_weight, draft_rounds)
+                loss = denoise_loss(
+                    model, b, n_canvases, canvas, sc_prob, gen, token_weight, draft_rounds, commit_tau
+                )
         except (RuntimeError, NotImplementedError) as exc:  # grouped_mm unsupported for this dtype
             if step > 0 or not hasattr(model, "set_experts_implementation"):
                 raise
@@ -269,6 +287,10 @@ def main(argv=None):
     ap.add_argument("--d2f-canvases", type=int, default=2)
     ap.add_argument("--digit-weight", type=float, default=4.0)
     ap.add_argument("--d2f-init", default=None, help="continue training this D2F adapter directory")
+    ap.add_argument(
+        "--d2f-commit-tau", default=None,
+        help="LO,HI: draft passes commit (and freeze) positions at a bar drawn in [LO, HI]; loss on open ones",
+    )
     ap.add_argument(
         "--d2f-draft-rounds", type=int, default=2,
         help="D2F adapter: up to this many gradient-free argmax-draft passes before the trained one (0: uniform noise only)",
@@ -341,6 +363,7 @@ def main(argv=None):
             minutes=args.d2f_minutes, batch=max(64, args.batch // 2), lr=args.lr / 2,
             n_canvases=args.d2f_canvases, canvas=shape.canvas_length, sc_prob=0.5, gen=gen, log=log, tag="d2f",
             token_weight=token_weight, draft_rounds=args.d2f_draft_rounds,
+            commit_tau=tuple(float(v) for v in args.d2f_commit_tau.split(",")) if args.d2f_commit_tau else None,
         )
         peft_model.save_pretrained(str(out / "d2f_adapter"))
     report["total_seconds"] = round(time.time() - t0, 1)

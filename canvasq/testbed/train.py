@@ -200,7 +200,7 @@ def denoise_loss(
         corrupt = noisy != target
         if commit_tau is not None:
             lo, hi = commit_tau
-            tau = lo + (hi - lo) * float(torch.rand(1, device=ctx.device, generator=gen))
+            tau = lo if hi <= lo else lo + (hi - lo) * float(torch.rand(1, device=ctx.device, generator=gen))
             open_ = corrupt.clone()
         with torch.no_grad():
             for _ in range(rounds):

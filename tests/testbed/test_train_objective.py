@@ -32,7 +32,8 @@ def test_objectives_run_and_on_policy_trains_only_open_positions():
         g = torch.Generator().manual_seed(3)
         loss = denoise_loss(model, batch, 2, C, 0.5, g, **kw)
         assert torch.isfinite(loss) and loss.item() > 0
-    # a bar above 1 commits nothing, so the on-policy loss covers exactly the corrupted positions;
+    # a fixed bar above 1 commits nothing (and draws no random number), so the on-policy loss covers
+    # exactly the corrupted positions;
     # the plain draft objective covers every position: whenever a draft pass runs (r >= 1, drawn
     # from the generator) the two losses differ
     differ = 0

@@ -194,13 +194,17 @@ def denoise_loss(
         dmask = block_causal_masks(model, ctx_mask, n_canvases, canvas, cache)
     kw = dict(past_key_values=cache, decoder_input_ids=noisy, decoder_attention_mask=dmask, decoder_position_ids=dpos)
     sc_logits, sc_mask = None, None
-    rounds = int(torch.randint(0, draft_rounds + 1, (1,), device=ctx.device, generator=gen)) if draft_rounds else 0
+    rounds = 0
+    if draft_rounds:
+        rounds = int(torch.randint(0, draft_rounds + 1, (1,), device=ctx.device, generator=gen))
     open_ = None
     if rounds:
         corrupt = noisy != target
         if commit_tau is not None:
             lo, hi = commit_tau
-            tau = lo if hi <= lo else lo + (hi - lo) * float(torch.rand(1, device=ctx.device, generator=gen))
+            tau = lo
+            if hi > lo:
+                tau = lo + (hi - lo) * float(torch.rand(1, device=ctx.device, generator=gen))
             open_ = corrupt.clone()
         with torch.no_grad():
             for _ in range(rounds):
@@ -363,12 +367,20 @@ def main(argv=None):
             minutes=args.d2f_minutes, batch=max(64, args.batch // 2), lr=args.lr / 2,
             n_canvases=args.d2f_canvases, canvas=shape.canvas_length, sc_prob=0.5, gen=gen, log=log, tag="d2f",
             token_weight=token_weight, draft_rounds=args.d2f_draft_rounds,
-            commit_tau=tuple(float(v) for v in args.d2f_commit_tau.split(",")) if args.d2f_commit_tau else None,
+            commit_tau=_pair(args.d2f_commit_tau),
         )
         peft_model.save_pretrained(str(out / "d2f_adapter"))
     report["total_seconds"] = round(time.time() - t0, 1)
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
     log(json.dumps(report))
+
+
+def _pair(text: str | None) -> tuple[float, float] | None:
+    """'LO,HI' -> (LO, HI); None stays None."""
+    if not text:
+        return None
+    lo, hi = (float(v) for v in text.split(","))
+    return lo, hi
 
 
 def save_model(model, out: Path):

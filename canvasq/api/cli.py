@@ -104,20 +104,26 @@ def _tok_s(x) -> str | None:
     return f"{x:,.1f}" if x else None
 
 
+def _per_req(forwards: int, requests: int) -> str | None:
+    return f"{forwards / requests:.1f}" if requests else None
+
+
 def _summary_table(summary: dict) -> str:
-    rows = [[d["decoder"], d["requests"], d["tokens"], d["forwards"],
+    """fwd/req: model passes that served a request, averaged over requests (a pass shared by a batch
+    counts for each request it served, as in `canvasq bench`); tok/fwd: tokens per such pass."""
+    rows = [[d["decoder"], d["requests"], d["tokens"], _per_req(d["forwards"], d["requests"]),
              f"{d['tokens'] / d['forwards']:.2f}" if d["forwards"] else None, f"{d['gen_s']:.1f}", _tok_s(d["tok_s"])]
             for d in summary["decoders"]]
     c = summary["counts"]
     done = sum(d["requests"] for d in summary["decoders"])
     gen_s = sum(d["gen_s"] for d in summary["decoders"])
-    rows.append(["total", done, summary["completion_tokens"], summary["forwards"],
+    rows.append(["total", done, summary["completion_tokens"], _per_req(summary["forwards"], done),
                  f"{summary['completion_tokens'] / summary['forwards']:.2f}" if summary["forwards"] else None,
                  f"{gen_s:.1f}", _tok_s(summary["completion_tokens"] / gen_s if gen_s else None)])
     head = (f"run {summary['run_id']}  status {summary['status']}  model {model_name(summary['model'])}  "
             f"requests {c['total']} (done {c['done']}, errored {c['errored']}, expired {c['expired']}, "
             f"cancelled {c['cancelled']}, queued {c['queued']})  wall {_fmt_s(summary['wall_s'])}")
-    return head + "\n" + _table(["decoder", "requests", "tokens", "forwards", "tok/fwd", "gen s", "tok/s"], rows)
+    return head + "\n" + _table(["decoder", "requests", "tokens", "fwd/req", "tok/fwd", "gen s", "tok/s"], rows)
 
 
 def write_results(store, run, out, errors_out=None, ordered: bool = False) -> tuple[int, int]:
@@ -193,7 +199,7 @@ def run(file, out_path, decoder, model, name, chunk_size, as_json):
     """Generate FILE in this process (embedded mode: SQLite store, no broker, no worker).
 
     Validates every line first (nothing runs on any error), decodes in chunks with a progress bar,
-    writes OpenAI batch output lines and prints requests, tokens, forwards and tok/s per decoder.
+    writes OpenAI batch output lines and prints requests, tokens, forwards per request and tok/s per decoder.
 
     Example:
 

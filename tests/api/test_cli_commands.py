@@ -43,6 +43,7 @@ def test_embedded_run_then_queries(small_file, service_env, monkeypatch, tmp_pat
     out = tmp_path / "res.jsonl"
     res = invoke("run", str(path), "-o", str(out), "--decoder", "official", "--model", model_for_tests())
     assert "official" in res.stdout and "tok/s" in res.stdout and "wrote 4 results and 0 errors" in res.stdout
+    assert "fwd/req" in res.stdout  # forwards per request, not a sum that counts shared passes twice
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["custom_id"] for x in lines] == ids
     assert all(x["error"] is None and x["response"]["body"]["usage"]["completion_tokens"] > 0 for x in lines)

@@ -134,11 +134,9 @@ def record(bundle, spec: str, reqs: list, batch: int, seed: int) -> dict:
             for r in part:
                 for t in r.traces:
                     p = by_index.setdefault(t.index, {"kind": t.kind, "windows": []})
-                    if t.kind == "encode":
-                        p["windows"].append({"rows": t.own_rows, "canvases": 1, "ctx": ctx[r.custom_id]})
+                    p["windows"].append({"rows": t.own_rows, "canvases": 1, "ctx": ctx[r.custom_id]})
+                    if t.kind == "encode":  # the committed rows join this request's context
                         ctx[r.custom_id] += t.own_rows
-                    else:
-                        p["windows"].append({"rows": t.own_rows, "canvases": 1, "ctx": ctx[r.custom_id]})
             passes += [by_index[k] for k in sorted(by_index)]
         return {
             "decoder": spec,

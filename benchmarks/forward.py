@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from canvasq.model.graph import DecodeGraph
 from canvasq.model.runtime import Runtime, Window
+from canvasq.provenance import git_commit
 
 READ_BW = 4.5e12  # bytes/s, H200 measured read bandwidth (PERF.md)
 BF16_TOL = 2e-2
@@ -354,20 +354,6 @@ def _encoder_step(rt: Runtime, prompt_len: int, device: str):
 
 
 # --- main ------------------------------------------------------------------------------------------
-def git_commit() -> str:
-    if os.environ.get("CANVASQ_COMMIT"):  # the GPU machine gets a copy of the tree without .git
-        return os.environ["CANVASQ_COMMIT"]
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).parent,
-            text=True,
-            stderr=subprocess.DEVNULL,
-        ).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CPU, testbed shape, fp32, few configs")

@@ -69,19 +69,9 @@ def device_info() -> dict:
         info["triton"] = triton.__version__
     except ImportError:
         pass
-    try:
-        import subprocess
+    from canvasq.provenance import git_commit
 
-        info["commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            check=False,
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-        ).stdout.strip()
-    except OSError:
-        pass
-    info["commit"] = os.environ.get("CANVASQ_COMMIT") or info.get("commit") or "unknown"
+    info["commit"] = git_commit()
     return info
 
 

@@ -24,11 +24,12 @@ import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)  # must compile, not interpret
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from canvasq.kernels.moe.launch import MoeLaunchConfig
+from canvasq.kernels.moe.launch import MoeLaunchConfig, _dequant_mode, _fold_zero
 
 # importlib: `canvasq.kernels.softmax_argmax` the attribute is the public function, not the module
 R = importlib.import_module("canvasq.kernels.rmsnorm")
@@ -73,7 +74,7 @@ def _ptrs(fn, dtype="bf16", overrides=None):
 
 
 def moe_kernels(cfg: MoeLaunchConfig, H=2816, I=704):
-    deq = 2 if cfg.magic_dequant else 0
+    deq = _dequant_mode(cfg, torch.bfloat16)  # the launcher's rule, for bf16 operands
     ints = {"num_assign": "i32", "top_k": "i32", "H": "i32", "I": "i32"}
     div = lambda fn: (
         {n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("stride")} | {"H", "I", "num_assign"}
@@ -105,7 +106,7 @@ def moe_kernels(cfg: MoeLaunchConfig, H=2816, I=704):
                 "DOT_PREC": "tf32",
                 "DEQUANT": deq,
                 "SCALE_IN_TILE": cfg.scale_in_tile,
-                "FOLD_ZERO": cfg.fold_zero and not cfg.scale_in_tile,
+                "FOLD_ZERO": _fold_zero(cfg),
                 "PREFETCH_SCALE": cfg.prefetch_scale,
             },
             div(gu),
@@ -140,7 +141,7 @@ def moe_kernels(cfg: MoeLaunchConfig, H=2816, I=704):
                 "DOT_PREC": "tf32",
                 "DEQUANT": deq,
                 "SCALE_IN_TILE": cfg.scale_in_tile,
-                "FOLD_ZERO": cfg.fold_zero and not cfg.scale_in_tile,
+                "FOLD_ZERO": _fold_zero(cfg),
                 "PREFETCH_SCALE": cfg.prefetch_scale,
             },
             div(dn),

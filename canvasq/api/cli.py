@@ -19,7 +19,6 @@ import click
 
 from canvasq.api.settings import DECODERS, get_settings, mask_url, model_name
 
-REQUEST_STATUS_CHOICES = ("queued", "done", "errored", "expired", "cancelled")
 RUN_STATUS_CHOICES = ("queued", "running", "completed", "cancelling", "cancelled", "expired")
 
 
@@ -56,14 +55,11 @@ def _open_store(settings, *, upgrade_sqlite: bool = True):
 
     store = Store.from_settings(settings)
     try:
-        if store.dialect == "sqlite" and upgrade_sqlite:
-            from canvasq.api.store import current_revision, head_revision
-
-            if current_revision(store.engine) != head_revision():
-                store.upgrade()
         store.check_schema()
     except SchemaOutOfDate as exc:
-        raise click.ClickException(str(exc)) from None
+        if store.dialect != "sqlite" or not upgrade_sqlite:
+            raise click.ClickException(str(exc)) from None
+        store.upgrade()
     return store
 
 
@@ -151,21 +147,21 @@ def write_results(store, run, out, errors_out=None, ordered: bool = False) -> tu
     return n_ok, n_err
 
 
-def _process_embedded(store, settings, run_id: str, chunk_ids: list[str], total: int, quiet: bool = False):
+def _process_embedded(store, settings, run_id: str, chunk_ids: list[str], total: int):
     from canvasq.worker.runtime import ChunkRuntime
 
     rt = ChunkRuntime(settings=settings, store=store, worker_id=f"embedded:{os.getpid()}", queue="embedded")
     rt.register()
-    if not quiet:
-        click.echo(f"loading {settings.model} ...", err=True)
+    click.echo(f"loading {settings.model} ...", err=True)
     rt.bundle  # noqa: B018 - load before the progress bar starts
     with click.progressbar(length=total, label="generating", file=sys.stderr, show_eta=True,
                            show_percent=True, show_pos=True) as bar:
-        for cid in chunk_ids:
-            before = total - store.counts(run_id)["queued"]
+        queued = store.counts(run_id)["queued"]
+        for cid in chunk_ids:  # one count per chunk: after one chunk is before the next
             rt.process_chunk(cid)
-            after = total - store.counts(run_id)["queued"]
-            bar.update(after - before)
+            now = store.counts(run_id)["queued"]
+            bar.update(queued - now)
+            queued = now
     store.finalize_run(run_id)
 
 

@@ -19,9 +19,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # .../canvasq
-REPO_ROOT = PACKAGE_ROOT.parent
-DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "testbed"
+from canvasq.model.loading import DEFAULT_MODEL_DIR, REPO_ROOT  # noqa: F401 (re-exported; no torch import)
 
 DECODERS = ("auto", "official", "pipe", "funnel")
 TASKS = ("math", "code")

@@ -26,7 +26,6 @@ from canvasq.api.models import (
     REQUEST_STATUSES,
     REQUEST_TERMINAL,
     RUN_ACTIVE,
-    Base,
     Chunk,
     ForwardTraceRow,
     Output,
@@ -44,12 +43,12 @@ MIGRATIONS_DIR = REPO_ROOT / "migrations"
 # ---------------------------------------------------------------------------------------- engine
 
 
-def make_engine(url: str, busy_timeout_ms: int = 30_000, echo: bool = False) -> Engine:
+def make_engine(url: str, busy_timeout_ms: int = 30_000) -> Engine:
     """An engine; for SQLite every connection gets WAL, busy_timeout and foreign_keys=ON, and every
     transaction starts with BEGIN IMMEDIATE so concurrent writer processes queue on the lock instead
     of failing a read→write upgrade with "database is locked"."""
     if url.startswith("sqlite"):
-        engine = create_engine(url, echo=echo, connect_args={"timeout": busy_timeout_ms / 1000})
+        engine = create_engine(url, connect_args={"timeout": busy_timeout_ms / 1000})
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn, _record):
@@ -66,7 +65,7 @@ def make_engine(url: str, busy_timeout_ms: int = 30_000, echo: bool = False) -> 
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    return create_engine(url, echo=echo, pool_pre_ping=True)
+    return create_engine(url, pool_pre_ping=True)
 
 
 def alembic_config(url: str):
@@ -308,7 +307,7 @@ class Store:
         with self.Session.begin() as s:
             s.execute(update(Chunk).where(Chunk.id.in_(list(chunk_ids))).values(published_at=utcnow()))
 
-    def unpublished_chunks(self, run_id: str | None = None) -> list[tuple[str, str]]:
+    def unpublished_chunks(self) -> list[tuple[str, str]]:
         """(chunk_id, queue) of queued chunks never published (outbox leftovers)."""
         with self.Session() as s:
             q = (
@@ -316,8 +315,6 @@ class Store:
                 .join(Run, Run.id == Chunk.run_id)
                 .where(Chunk.status == "queued", Chunk.published_at.is_(None))
             )
-            if run_id:
-                q = q.where(Chunk.run_id == run_id)
             return [(r[0], r[1]) for r in s.execute(q.order_by(Chunk.id))]
 
     # -- worker side ------------------------------------------------------------------------------
@@ -638,15 +635,3 @@ class Store:
         return [{"worker": w, "host": h, "device": d, "model": m, "heartbeat_at": hb.isoformat(timespec="seconds"),
                  "requests": n, "tokens": int(t), "tok_s": (t / (ms / 1000)) if ms else None}
                 for w, h, d, m, hb, n, t, ms in rows]
-
-    def request_throughput(self, run_id: str) -> list[dict[str, Any]]:
-        with self.Session() as s:
-            rows = s.execute(select(Output.custom_id, Output.completion_tokens, Output.forwards, Output.gen_ms)
-                             .where(Output.run_id == run_id, Output.error_code.is_(None))).all()
-        return [{"custom_id": c, "tokens": t, "forwards": f, "tok_s": (t / (ms / 1000)) if ms else None}
-                for c, t, f, ms in rows]
-
-
-def create_all_for_tests(engine: Engine) -> None:
-    """Only for unit tests that do not exercise migrations; the service always uses Alembic."""
-    Base.metadata.create_all(engine)

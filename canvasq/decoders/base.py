@@ -79,10 +79,8 @@ class Canvas:
     committed: torch.Tensor  # bool
     state: str  # "full" | "semi" | "draft"
     pending: torch.Tensor | None = None  # bool, funnel: committed, rides once more, then promoted
-    promoted: torch.Tensor | None = None  # bool, funnel: K/V already in the arena
     age: int = 0  # decoder forwards this canvas has ridden
     streak: int = 0  # consecutive committing steps with ≤ jacobi_max_commits commits
-    restart: bool = False  # the next renoise is a one-shot random restart (Jacobi)
     sc: object = None  # self-conditioning for its next forward: None | [C, V] | ([C, k], [C, k])
     prev_eos: torch.Tensor | None = None  # bool: argmax was EOS on the previous step (EOS streak)
 

@@ -161,26 +161,20 @@ def _provenance(device) -> dict:
     import datetime
     import os
     import platform
-    import subprocess
 
     import torch
+
+    from canvasq.provenance import git_commit
 
     if str(device).startswith("cuda"):
         hardware = torch.cuda.get_device_name(torch.device(device))
     else:
         hardware = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} threads"
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
-            cwd=Path(__file__).resolve().parent,
-        ).stdout.strip()
-    except OSError:
-        commit = ""
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "hardware": hardware,
         "torch": torch.__version__,
-        "commit": os.environ.get("CANVASQ_COMMIT") or commit or "unknown",
+        "commit": git_commit(),
     }
 
 

@@ -83,7 +83,6 @@ class FunnelDecoder(PipeDecoder):
     def spawn(self, s: Seq) -> Canvas:
         cv = super().spawn(s)
         cv.pending = torch.zeros(cv.length, dtype=torch.bool, device=self.device)
-        cv.promoted = torch.zeros(cv.length, dtype=torch.bool, device=self.device)
         return cv
 
     # -- the shrinking window -------------------------------------------------------------------
@@ -114,9 +113,7 @@ class FunnelDecoder(PipeDecoder):
             rank = torch.cumsum(mask.long(), 0) - 1
             self.arena.promote(s.slot, cap, rows=(rank[done_now] + off).tolist())
         s.stats["promoted"] += int(done_now.sum())
-        rows = idx[done_now]
-        cv.promoted[rows] = True
-        cv.pending[rows] = False
+        cv.pending[idx[done_now]] = False
         if self.promote_late:
             cv.pending[idx[newly]] = True
 
@@ -158,13 +155,6 @@ class FunnelDecoder(PipeDecoder):
         return rows <= cfg.early_spawn_rows
 
     def decode_call(self, windows):
-        """Prefix attention is the runtime's (mask-free SDPA where the mask is all-visible); the
-        runtime is shared, so the switch is set for this forward only."""
-        before = getattr(self.rt, "prefix_attention", None)
-        if before is None:
-            return self.rt.decode(self.arena, windows)
-        self.rt.prefix_attention = self.config.prefix_attention
-        try:
-            return self.rt.decode(self.arena, windows)
-        finally:
-            self.rt.prefix_attention = before
+        """Prefix attention is the runtime's (mask-free SDPA where the mask is all-visible), chosen
+        per forward: the runtime is shared."""
+        return self.rt.decode(self.arena, windows, prefix_attention=self.config.prefix_attention)

@@ -204,12 +204,13 @@ class PipeDecoder(StepDecoder):
         pos_new = idx[newly]
         cv.committed[pos_new] = True
         cv.tokens[pos_new] = arg[newly]
-        s.stats["commits"] += int(newly.sum())
+        n_new = int(newly.sum())
+        s.stats["commits"] += n_new
 
         # Jacobi livelock: ≤ 1 commit for 8 consecutive committing steps → one random restart
         restart = False
         if cv.state != "draft":
-            if int(newly.sum()) <= cfg.jacobi_max_commits:
+            if n_new <= cfg.jacobi_max_commits:
                 cv.streak += 1
             else:
                 cv.streak = 0
@@ -347,12 +348,11 @@ class PipeDecoder(StepDecoder):
         if not ended and s.spawned < s.n_canvases:
             if not s.canvases:
                 self.spawn(s)
-            elif len(s.canvases) < cfg.max_canvases and (
-                s.canvases[-1].decoded >= cfg.spawn_threshold or self.early_spawn(s)
-            ):
-                if s.canvases[-1].decoded < cfg.spawn_threshold:
-                    s.stats["early_spawns"] += 1
-                self.spawn(s)
+            elif len(s.canvases) < cfg.max_canvases:
+                warm = s.canvases[-1].decoded >= cfg.spawn_threshold
+                if warm or self.early_spawn(s):
+                    s.stats["early_spawns"] += int(not warm)
+                    self.spawn(s)
         self._graduate(s)
         return encodes
 

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import auto_triton
+from .rmsnorm import rms_norm_reference
 
 
 @triton.jit
@@ -176,27 +177,22 @@ def add_rms_norm_launch(x, weight, residual, x2=None, scale=None, eps: float = 1
 
 
 # --- torch twins (HF's op order) ----------------------------------------------------------------------
-def _norm(x, w, eps):
-    xf = x.float()
-    y = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
-    if w is not None:
-        y = y * w.float()
-    return y.type_as(x)
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, h, d], cos/sin [N, d]: x * cos + rotate_half(x) * sin in x's dtype (HF's RoPE)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rot * sin[:, None]
 
 
 def rms_norm_rope_reference(x, weight, cos, sin, eps: float = 1e-6) -> torch.Tensor:
     """HF: q/k norm (fp32, cast), then x * cos + rotate_half(x) * sin in the model dtype."""
-    y = _norm(x, weight, eps)
-    if cos is None:
-        return y.contiguous()
-    half = y.shape[-1] // 2
-    rot = torch.cat((-y[..., half:], y[..., :half]), dim=-1)
-    return y * cos[:, None] + rot * sin[:, None]
+    y = rms_norm_reference(x, weight, eps)
+    return y.contiguous() if cos is None else rope_reference(y, cos, sin)
 
 
 def add_rms_norm_reference(x, weight, residual, x2=None, scale=None, eps: float = 1e-6) -> torch.Tensor:
     """HF: residual + norm(x + x2) in the model dtype, then times the layer scalar."""
-    y = residual + _norm(x + x2 if x2 is not None else x, weight, eps)
+    y = residual + rms_norm_reference(x + x2 if x2 is not None else x, weight, eps)
     return y * scale if scale is not None else y
 
 

@@ -66,6 +66,8 @@ import torch
 import torch.nn.functional as F
 
 from canvasq.kernels.norm_fused import add_rms_norm_reference, rms_norm_rope_reference
+from canvasq.kernels.norm_fused import rope_reference as rotate  # noqa: F401 (the runtime's RoPE twin)
+from canvasq.kernels.rmsnorm import rms_norm_reference as rms_norm  # HF's RMSNorm, op for op
 from canvasq.model.arena import Captured, KVArena
 from canvasq.model.experts import gelu_tanh, grouped_mm_available, moe_grouped, moe_reference
 
@@ -179,23 +181,6 @@ class LayerWeights:
     experts_packed: object = None  # W4Experts when experts="w4"
     wqkv: torch.Tensor | None = None  # [(h + kv [+ kv]) * d, H]: q, k (and v) in one GEMM
     mlp_gate_up: torch.Tensor | None = None  # [2 * Id, H]: the dense MLP's gate and up in one GEMM
-
-
-# --- small ops (torch twins of canvasq.kernels' fused ones; same numerics as HF) ----------------------
-def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x: [..., D]; fp32 math, cast back (HF's DiffusionGemmaRMSNorm, incl. its pow(-0.5))."""
-    xf = x.float()
-    y = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
-    if w is not None:
-        y = y * w.float()
-    return y.type_as(x)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [N, h, d]; cos/sin: [N, d] (rotate-half convention)."""
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None] + rot * sin[:, None]
 
 
 class Runtime:
@@ -348,17 +333,24 @@ class Runtime:
             arena.commit(w.slot, w.rows)
 
     @torch.no_grad()
-    def decode(self, arena: KVArena, windows: list[Window]) -> DecodeOutput:
+    def decode(
+        self, arena: KVArena, windows: list[Window], prefix_attention: bool | None = None
+    ) -> DecodeOutput:
         """Decoder forward over several windows (one arena slot each, read-only). Returns fp32
-        softcapped logits for every row and, per window, the captured K/V of its `capture` rows."""
-        return self._forward(arena, windows, encoder=False)
+        softcapped logits for every row and, per window, the captured K/V of its `capture` rows.
+        `prefix_attention` overrides `self.prefix_attention` for this forward."""
+        return self._forward(arena, windows, encoder=False, prefix_attention=prefix_attention)
 
     # --- the forward -------------------------------------------------------------------------------
     # Split in two so a decoder step can be replayed as a CUDA graph (`DecodeGraph`): `_prepare` does
     # every host-side and host→device step (scratch placement, masks, RoPE tables, index tensors);
     # `_run` only launches device work on tensors `_prepare` made, with no host sync.
-    def _forward(self, arena: KVArena, windows: list[Window], encoder: bool) -> DecodeOutput | None:
+    def _forward(
+        self, arena: KVArena, windows: list[Window], encoder: bool, prefix_attention: bool | None = None
+    ) -> DecodeOutput | None:
         prep = self._prepare(arena, windows, encoder)
+        if prefix_attention is not None:
+            prep.prefix_attention = prefix_attention
         logits, cap_k, cap_v = self._run(prep)
         if encoder:
             return None
@@ -414,7 +406,8 @@ class Runtime:
         layers = self.enc_layers if prep.encoder else self.dec_layers
         # window positions into the slots' scratch, then masks and RoPE tables from device tensors only
         prep.arena.pos[prep.row_slot, prep.row_col] = prep.pos
-        prep.ctx.build_masks(prep.arena, detect_maskfree=self.prefix_attention and not prep.static)
+        maskfree = self.prefix_attention if prep.prefix_attention is None else prep.prefix_attention
+        prep.ctx.build_masks(prep.arena, detect_maskfree=maskfree and not prep.static)
         prep.cos_sin = {
             sl: self._rope(prep.pos, inv, self.rope_scaling[sl]) for sl, inv in self.inv_freq.items()
         }
@@ -549,6 +542,7 @@ class _Prepared:
     arena: KVArena
     cos_sin: dict = field(default_factory=dict)  # filled by _run
     static: bool = False  # replayed as a CUDA graph: no host sync, masks always applied
+    prefix_attention: bool | None = None  # per-forward override of Runtime.prefix_attention
 
 
 class _AttnContext:

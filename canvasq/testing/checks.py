@@ -14,10 +14,11 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 
-from canvasq.api.models import REQUEST_TERMINAL, Chunk, Output, Request, Run
+from canvasq.api.models import REQUEST_TERMINAL, Output, Request, Run
 from canvasq.api.store import Store
+from canvasq.testing.probes import chunk_attempts
 
 RUN_TERMINAL = ("completed", "cancelled", "expired")
 
@@ -64,7 +65,7 @@ def collect(store: Store, run_id: str, input_ids: Iterable[str]) -> Report:
         req_rows = s.execute(select(Request.custom_id, Request.status).where(Request.run_id == run_id)).all()
         out_rows = s.execute(select(Output.custom_id, Output.error_code).where(Output.run_id == run_id)).all()
         rep.run_status = s.scalar(select(Run.status).where(Run.id == run_id))
-        rep.attempts = dict(s.execute(select(Chunk.id, Chunk.attempts).where(Chunk.run_id == run_id)).all())
+    rep.attempts = chunk_attempts(store, run_id)
     req_n = Counter(c for c, _ in req_rows)
     out_n = Counter(c for c, _ in out_rows)
     status = {c: st for c, st in req_rows}
@@ -103,11 +104,3 @@ def assert_exactly_once(
     if statuses is not None:
         assert rep.statuses == statuses, f"statuses {rep.statuses} != expected {statuses}: " + rep.describe()
     return rep
-
-
-def remaining(store: Store, run_id: str) -> int:
-    """Rows still queued (0 when every row is terminal)."""
-    with store.Session() as s:
-        return int(
-            s.scalar(select(func.count()).where(Request.run_id == run_id, Request.status == "queued")) or 0
-        )

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import datetime
-
 from sqlalchemy import func, select
 
 from canvasq.api.models import Chunk, Output, Request
@@ -74,11 +72,6 @@ def outputs_by_worker(store: Store, run_id: str) -> dict[str | None, int]:
                 .group_by(Output.worker_id)
             ).all()
         )
-
-
-def last_output_at(store: Store, run_id: str) -> datetime | None:
-    with store.Session() as s:
-        return s.scalar(select(func.max(Output.updated_at)).where(Output.run_id == run_id))
 
 
 def unacked(redis_client) -> int:

@@ -20,7 +20,8 @@ import uuid
 from pathlib import Path
 
 from canvasq.api.store import Store
-from canvasq.testing.checks import RUN_TERMINAL, Report, assert_exactly_once, remaining
+from canvasq.testing import probes
+from canvasq.testing.checks import RUN_TERMINAL, Report, assert_exactly_once
 from canvasq.testing.services import PostgresServer, RedisServer
 from canvasq.testing.waiting import wait_for
 from canvasq.testing.workers import WorkerProcess, worker_env
@@ -162,6 +163,17 @@ class Scenario:
         assert self.store is not None
         return self.store.run_status(run_id)
 
+    def wait_mid_chunk(self, run_id: str, deadline_s: float = 180) -> str:
+        """Until a chunk of the run is partly done; returns its id."""
+        assert self.store is not None
+        return wait_for(
+            lambda: probes.mid_chunk(self.store, run_id),
+            "a partially done chunk",
+            deadline_s,
+            every_s=0.1,
+            diagnose=self.logs,
+        )
+
     def wait_terminal(self, run_id: str, deadline_s: float = 240, statuses=RUN_TERMINAL) -> str:
         return wait_for(
             lambda: (st := self.status(run_id)) in statuses and st,
@@ -176,7 +188,7 @@ class Scenario:
         assert self.store is not None
         total = self.store.counts(run_id)["total"]
         wait_for(
-            lambda: total - remaining(self.store, run_id) >= n_terminal,
+            lambda: total - self.store.counts(run_id)["queued"] >= n_terminal,
             f"{n_terminal} terminal rows of {run_id}",
             deadline_s,
             every_s=0.2,

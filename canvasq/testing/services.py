@@ -19,7 +19,6 @@ import shutil
 import socket
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 from canvasq.testing.waiting import wait_for
@@ -122,11 +121,6 @@ class RedisServer:
                 self.proc.wait(10)
         self.proc = None
         wait_for(lambda: not port_open(self.port), f"redis port {self.port} to close", 30)
-
-    def restart(self, down_s: float = 0.0) -> None:
-        self.stop()
-        time.sleep(down_s)
-        self.start()
 
     def queue_length(self, queue: str) -> int:
         c = self.client()
@@ -291,7 +285,6 @@ class TcpProxy:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self.connections = 0
 
     def url_for(self, url: str) -> str:
         """`url` with its host:port replaced by the proxy's."""
@@ -322,7 +315,6 @@ class TcpProxy:
                 continue
             with self._lock:
                 self._conns.update((client, upstream))
-                self.connections += 1
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 

@@ -78,11 +78,6 @@ def publish_chunks(chunk_ids, queue: str, settings: Settings | None = None) -> i
     return n
 
 
-def check_worker_settings(settings: Settings) -> None:
-    """Refuse to start a worker whose time limits are out of order (raises ValueError)."""
-    settings.check_time_limits()
-
-
 app = make_app()
 
 
@@ -91,7 +86,7 @@ def _check_at_start(**_kw):
     # Also guards `celery -A canvasq.worker.celery_app worker` started without the canvasq CLI.
     # SystemExit, not ValueError: Celery logs and swallows exceptions raised by signal receivers.
     try:
-        check_worker_settings(get_settings())
+        get_settings().check_time_limits()  # time limits out of order: ValueError
     except ValueError as exc:
         raise SystemExit(f"canvasq worker refusing to start: {exc}") from None
 

@@ -10,14 +10,10 @@ from __future__ import annotations
 import os
 
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
+from redis.exceptions import ConnectionError as RedisConnectionError
 from sqlalchemy.exc import OperationalError
 
 from canvasq.worker.celery_app import TASK_NAME, app
-
-try:
-    from redis.exceptions import ConnectionError as RedisConnectionError
-except ImportError:  # pragma: no cover - redis is a hard dependency
-    RedisConnectionError = ConnectionError
 
 
 class ChunkTask(app.Task):

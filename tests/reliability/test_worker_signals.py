@@ -25,13 +25,7 @@ def test_t1_pool_child_sigkill_mid_chunk_redelivers_and_skips_done_rows(scenario
         w = sc.worker(extra={"CANVASQ_TEST_DELAY_S": DELAY, "CANVASQ_TEST_WORK_LOG": str(work)})
         run = sc.submit("--chunk-size", "4")
         w.wait_ready()
-        cid = wait_for(
-            lambda: probes.mid_chunk(sc.store, run),
-            "a partially done chunk",
-            180,
-            every_s=0.1,
-            diagnose=sc.logs,
-        )
+        cid = sc.wait_mid_chunk(run)
         before = probes.outputs_snapshot(sc.store, run)
         killed = w.kill_child(signal.SIGKILL)
         rows_then = probes.chunk_rows(sc.store, cid)
@@ -149,13 +143,7 @@ def test_t3_warm_shutdown_finishes_chunk_t4_cold_shutdown_restores_it(scenario):
         w1 = sc.worker()
         run = sc.submit("--chunk-size", "4")
         w1.wait_ready()
-        c1 = wait_for(
-            lambda: probes.mid_chunk(sc.store, run),
-            "a partially done chunk",
-            180,
-            every_s=0.1,
-            diagnose=sc.logs,
-        )
+        c1 = sc.wait_mid_chunk(run)
         w1.send(signal.SIGTERM)
         assert w1.wait_exit(120) == 0
         assert set(probes.chunk_rows(sc.store, c1).values()) == {"done"}, "warm shutdown finishes the chunk"
@@ -165,13 +153,7 @@ def test_t3_warm_shutdown_finishes_chunk_t4_cold_shutdown_restores_it(scenario):
 
         w2 = sc.worker()
         w2.wait_ready()
-        c2 = wait_for(
-            lambda: probes.mid_chunk(sc.store, run),
-            "a partially done chunk",
-            180,
-            every_s=0.1,
-            diagnose=sc.logs,
-        )
+        c2 = sc.wait_mid_chunk(run)
         w2.send(signal.SIGQUIT)  # cold shutdown: the child is terminated mid-chunk
         w2.wait_exit(120)
         assert "queued" in probes.chunk_rows(sc.store, c2).values()

@@ -8,7 +8,10 @@ allow it (strides, H = 2816, I = 704).
 
     python benchmarks/kernels/compile_check.py              # default configs, real shape, bf16
     python benchmarks/kernels/compile_check.py --sweep      # the tune_moe candidates too
-Exit status 1 when a default config spills or anything fails to compile.
+    python benchmarks/kernels/compile_check.py --only rms_norm_rope,add_rms_norm
+Exit status 1 when a default config spills, anything fails to compile, or a kernel that must round
+where HF rounds (`norm_fused`) contains a half-precision FMA (`fma.rn.bf16` / `fma.rn.f16`: one
+rounding where HF has two; tests/kernels/test_norm_fused.py runs this check in CI).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 
 
 def compile_kernel(
-    fn, types: dict, constexprs: dict, divisible: set, num_warps: int, num_stages: int
+    fn, types: dict, constexprs: dict, divisible: set, num_warps: int, num_stages: int, options=None
 ) -> dict:
     names = fn.arg_names
     sig = {n: ("constexpr" if n in constexprs else types[n]) for n in names}
@@ -50,7 +53,7 @@ def compile_kernel(
     k = triton.compile(
         ASTSource(fn, sig, constexprs, attrs),
         target=TARGET,
-        options={"num_warps": num_warps, "num_stages": num_stages},
+        options={"num_warps": num_warps, "num_stages": num_stages, **(options or {})},
     )
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
@@ -64,6 +67,7 @@ def compile_kernel(
         "stack": int(fields["STACK"]),
         "smem": k.metadata.shared,
         "async_copies": k.asm["ttgir"].count("async_copy_global_to_local"),
+        "half_fma": k.asm["ptx"].count("fma.rn.bf16") + k.asm["ptx"].count("fma.rn.f16"),
     }
 
 
@@ -226,6 +230,7 @@ def other_kernels():
                 {"x_ptr", "w_ptr", "cos_ptr", "sin_ptr", "y_ptr", "stride_xn", "stride_xh", "stride_cn"},
                 4,
                 1,
+                NF.NO_FP_FUSION,
             ),
         )
     an = NF._add_rms_norm_kernel
@@ -238,6 +243,7 @@ def other_kernels():
             {"x_ptr", "x2_ptr", "w_ptr", "res_ptr", "y_ptr", "D"},
             8,
             1,
+            NF.NO_FP_FUSION,
         ),
     )
     p = S._softmax_stats_partial_kernel
@@ -283,15 +289,29 @@ def other_kernels():
     )
 
 
+ROUNDING_FAITHFUL = ("rms_norm_rope", "add_rms_norm")  # norm_fused: must keep HF's roundings
+
+
+def _only(prefixes: tuple[str, ...]):
+    """The kernels whose names start with one of `prefixes` (the MoE pair is compiled only if asked)."""
+    moe = moe_kernels(MoeLaunchConfig()) if any(p in ("gate_up", "down") for p in prefixes) else ()
+    return ((n, r) for n, r in itertools.chain(moe, other_kernels()) if n.startswith(prefixes))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true", help="also compile the tune_moe candidate tiles")
+    ap.add_argument("--only", default="", help="comma list of kernel-name prefixes (default: all)")
     a = ap.parse_args()
     rows, failed = [], False
     default = MoeLaunchConfig()
-    for name, res in itertools.chain(moe_kernels(default), other_kernels()):
+    only = tuple(x for x in a.only.split(",") if x)
+    kernels = itertools.chain(moe_kernels(default), other_kernels())
+    if only:  # generators: a kernel is compiled only when reached, so filter by name first
+        kernels = _only(only)
+    for name, res in kernels:
         rows.append({"kernel": name, "config": "default", **res})
-        failed |= res["stack"] > 0
+        failed |= res["stack"] > 0 or (name.startswith(ROUNDING_FAITHFUL) and res["half_fma"] > 0)
     if a.sweep:
         for bn, w, st, sit in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (False, True)):
             cfg = MoeLaunchConfig(

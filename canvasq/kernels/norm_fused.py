@@ -12,6 +12,12 @@ the norm, after each RoPE product and sum, after the residual add and the layer 
 they reproduce HF's values, not a more precise variant of them: a trained model's logits move by
 ~8 % of their range when these roundings are skipped (measured in fp16 on the testbed). `_rt` is
 that rounding (a no-op in fp32). The torch twins follow HF op for op.
+
+Both kernels compile with floating-point contraction off (`NO_FP_FUSION`): with it on, LLVM narrows
+`_rt(x * cos) + _rt(rot * sin)` to bf16 ops and fuses them into `fma.rn.bf16`, one rounding where HF
+has two. That moved 15 % of the RoPE outputs by one bf16 ulp on the H200 and the trained testbed's
+logits by 6 % (2026-11-30); `tests/kernels/test_norm_fused.py` compiles both for sm_90 and checks
+the PTX holds no half-precision FMA.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ import triton.language as tl
 
 from ._dispatch import auto_triton
 from .rmsnorm import rms_norm_reference
+
+
+NO_FP_FUSION = {"enable_fp_fusion": False}  # launch option: keep every rounding where it is written
 
 
 @triton.jit
@@ -145,6 +154,7 @@ def rms_norm_rope_launch(x, weight, cos, sin, eps: float) -> torch.Tensor:
             HAS_ROPE=rope,
             BLOCK_R=block_r,
             num_warps=4,
+            **NO_FP_FUSION,
         )
     return y
 
@@ -172,6 +182,7 @@ def add_rms_norm_launch(x, weight, residual, x2=None, scale=None, eps: float = 1
             BLOCK_R=block_r,
             BLOCK_D=block_d,
             num_warps=4 if block_d * block_r <= 4096 else 8,
+            **NO_FP_FUSION,
         )
     return y.view(residual.shape)
 

@@ -168,25 +168,38 @@ def other_kernels():
             1,
         ),
     )
+    hk = K._histogram_kernel
+    yield (
+        "histogram",
+        compile_kernel(
+            hk,
+            {"ids_ptr": "*i64", "hist_ptr": "*i32", "num_assign": "i32"},
+            {"E_P2": 128, "CHUNK": 256, "SUB": 32},
+            set(),
+            4,
+            1,
+        ),
+    )
     a = K._align_kernel
     yield (
         "align",
         compile_kernel(
             a,
             {
-                "sorted_e_ptr": "*i64",
-                "order_ptr": "*i64",
+                "ids_ptr": "*i64",
+                "hist_ptr": "*i32",
                 "sorted_ids_ptr": "*i32",
                 "block_expert_ptr": "*i32",
                 "num_padded_ptr": "*i32",
                 "counts_ptr": "*i32",
                 "num_assign": "i32",
                 "num_experts": "i32",
+                "num_chunks": "i32",
                 "p_max": "i32",
             },
-            {"BLOCK_M": 32, "E_P2": 128, "CHUNK": 128, "LOG_N": 13},
+            {"BLOCK_M": 16, "E_P2": 128, "CHUNK": 256, "SUB": 32, "HIST_STEPS": 4},
             set(),
-            8,
+            4,
             1,
         ),
     )

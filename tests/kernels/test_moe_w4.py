@@ -116,9 +116,18 @@ def test_routing_invariants(T, K, E, impl):
 
 
 @pytest.mark.parametrize("block_m", [16, 32, 64])
-def test_routing_kernel_matches_twin(block_m):
-    ids, _ = _routing(60, 8, 64, seed=block_m)
-    a, b = align_routing(ids, 64, block_m), align_routing_reference(ids, 64, block_m)
+@pytest.mark.parametrize(
+    "T,K,E",
+    [
+        (60, 8, 64),
+        (2000, 8, 128),  # 16,000 assignments: 63 chunks of 256, each ranked in 2 one-hot tiles
+        (9000, 8, 128),  # 72,000: chunks of 2,048 (the histogram bound), 16 tiles each
+        (50, 3, 300),  # E past 256: narrower one-hot tiles
+    ],
+)
+def test_routing_kernel_matches_twin(block_m, T, K, E):
+    ids, _ = _routing(T, K, E, seed=block_m)
+    a, b = align_routing(ids, E, block_m), align_routing_reference(ids, E, block_m)
     assert torch.equal(a.sorted_ids, b.sorted_ids) and torch.equal(a.counts, b.counts)
     assert torch.equal(a.num_padded, b.num_padded) and torch.equal(a.block_expert, b.block_expert)
 
@@ -276,3 +285,4 @@ def test_tuned_config_lookup(tmp_path, monkeypatch):
     monkeypatch.delenv("CANVASQ_MOE_CONFIG")
     monkeypatch.delenv("CANVASQ_MOE_CONFIG_FILE")
     assert get_config(5, 8, packed, torch.float32) == MoeLaunchConfig()  # no file for cpu: defaults
+

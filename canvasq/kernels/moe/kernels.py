@@ -281,48 +281,65 @@ def _combine_kernel(
 
 
 @triton.jit
-def _lower_bound(sorted_ptr, n, x, LOG_N: tl.constexpr):
-    """Vectorised binary search: for each x, the first index i with sorted[i] >= x (n if none)."""
-    lo = tl.zeros(x.shape, tl.int32)
-    hi = tl.zeros(x.shape, tl.int32) + n
-    for _ in tl.static_range(LOG_N):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        v = tl.load(sorted_ptr + mid, mask=active & (mid < n), other=0)
-        right = active & (v < x)
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(active & (v >= x), mid, hi)
-    return lo
+def _onehot_rank(ids_ptr, i, num_assign, running, ex, SUB: tl.constexpr):
+    """For assignments i [SUB]: one-hot over experts [SUB, E_P2], each one's slot `running[e] + rank
+    among the earlier of those SUB with the same expert`, and the updated running counts."""
+    e_i = tl.load(ids_ptr + i, mask=i < num_assign, other=-1).to(tl.int32)
+    hit = (ex[None, :] == e_i[:, None]).to(tl.int32)  # [SUB, E_P2]; -1 (past the end) hits nothing
+    before = tl.cumsum(hit, 0) - hit  # earlier rows of the same expert within these SUB
+    dest = tl.sum(hit * (before + running[None, :]), 1)
+    return dest, running + tl.sum(hit, 0)
+
+
+@triton.jit
+def _histogram_kernel(ids_ptr, hist_ptr, num_assign, E_P2: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr):
+    """hist[c, e] = assignments of chunk c (CHUNK consecutive ids t*K + k) routed to expert e."""
+    c = tl.program_id(0)
+    ex = tl.arange(0, E_P2)
+    counts = tl.zeros((E_P2,), tl.int32)
+    for s in tl.static_range(CHUNK // SUB):
+        i = c * CHUNK + s * SUB + tl.arange(0, SUB)
+        _, counts = _onehot_rank(ids_ptr, i, num_assign, counts, ex, SUB)
+    tl.store(hist_ptr + c * E_P2 + ex, counts)
 
 
 @triton.jit
 def _align_kernel(
-    sorted_e_ptr,
-    order_ptr,
+    ids_ptr,
+    hist_ptr,
     sorted_ids_ptr,
     block_expert_ptr,
     num_padded_ptr,
     counts_ptr,
     num_assign,
     num_experts,
+    num_chunks,
     p_max,
     BLOCK_M: tl.constexpr,
     E_P2: tl.constexpr,
     CHUNK: tl.constexpr,
-    LOG_N: tl.constexpr,
+    SUB: tl.constexpr,
+    HIST_STEPS: tl.constexpr,
 ):
-    """Routing metadata from a stable sort of the flat expert ids (sorted_e, order), with no atomics.
-
-    Every program rebuilds the per-expert counts by binary search (2 x E_P2 searches, cheap) and then
-    owns CHUNK sorted positions (writes each assignment's padded slot), CHUNK padded rows (writes the
-    sentinel where no assignment lands: disjoint from the first set, so no ordering between programs)
-    and the CHUNK / BLOCK_M blocks of those rows.
+    """Routing metadata from the flat expert ids and the per-chunk histograms: a counting sort, no
+    atomics, no global sort. Every program sums the histograms (counts per expert, and the counts of
+    the chunks before its own) and then, SUB at a time, owns CHUNK assignments (writes each one's padded slot: its
+    expert's run start + assignments of that expert in earlier chunks + rank within its chunk, so
+    the order within an expert is assignment order), CHUNK padded rows (writes the sentinel where no
+    assignment lands: disjoint from the first set, so no ordering between programs) and the
+    CHUNK / BLOCK_M blocks of those rows.
     """
     pid = tl.program_id(0)
     ex = tl.arange(0, E_P2)
-    first = _lower_bound(sorted_e_ptr, num_assign, ex, LOG_N)
-    past = _lower_bound(sorted_e_ptr, num_assign, ex + 1, LOG_N)
-    counts = tl.where(ex < num_experts, past - first, 0)
+    HB: tl.constexpr = 16  # histogram rows summed per step; HIST_STEPS = cdiv(num_chunks, HB)
+    counts = tl.zeros((E_P2,), tl.int32)
+    earlier = tl.zeros((E_P2,), tl.int32)
+    for step in tl.static_range(HIST_STEPS):  # constexpr trip count (a runtime one trips the interpreter)
+        ch = step * HB + tl.arange(0, HB)
+        h = tl.load(hist_ptr + ch[:, None] * E_P2 + ex[None, :], mask=ch[:, None] < num_chunks, other=0)
+        counts += tl.sum(h, 0)
+        earlier += tl.sum(tl.where(ch[:, None] < pid, h, 0), 0)
+    counts = tl.where(ex < num_experts, counts, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     pad_end = tl.cumsum(padded, 0)
     pad_start = pad_end - padded
@@ -330,26 +347,23 @@ def _align_kernel(
         tl.store(num_padded_ptr, tl.sum(padded, 0))
         tl.store(counts_ptr + ex, counts, mask=ex < num_experts)
 
-    # assignments: sorted position i -> padded slot pad_start[e] + (i - first[e])
-    i = pid * CHUNK + tl.arange(0, CHUNK)
-    in_a = i < num_assign
-    e_i = tl.load(sorted_e_ptr + i, mask=in_a, other=0).to(tl.int32)
-    hit = ex[None, :] == e_i[:, None]  # [CHUNK, E_P2] one-hot gathers from the per-expert vectors
-    dest = tl.sum(tl.where(hit, (pad_start - first)[None, :], 0), 1) + i
-    src = tl.load(order_ptr + i, mask=in_a, other=0)
-    tl.store(sorted_ids_ptr + dest, src.to(tl.int32), mask=in_a)
+    running = pad_start + earlier  # next free slot of each expert for this chunk's assignments
+    for s in tl.static_range(CHUNK // SUB):
+        i = pid * CHUNK + s * SUB + tl.arange(0, SUB)
+        dest, running = _onehot_rank(ids_ptr, i, num_assign, running, ex, SUB)
+        tl.store(sorted_ids_ptr + dest, i, mask=i < num_assign)
 
-    # padding rows: row r belongs to expert #(experts whose padded run ends at or before r)
-    r = pid * CHUNK + tl.arange(0, CHUNK)
-    e_r = tl.sum((pad_end[None, :] <= r[:, None]).to(tl.int32), 1)
-    own = ex[None, :] == e_r[:, None]
-    local = r - tl.sum(tl.where(own, pad_start[None, :], 0), 1)
-    cnt = tl.sum(tl.where(own, counts[None, :], 0), 1)
-    pad = (e_r >= num_experts) | (local >= cnt)
-    tl.store(sorted_ids_ptr + r, tl.zeros_like(r) + num_assign, mask=(r < p_max) & pad)
+        # padding rows: row r belongs to expert #(experts whose padded run ends at or before r)
+        r = i
+        e_r = tl.sum((pad_end[None, :] <= r[:, None]).to(tl.int32), 1)
+        own = ex[None, :] == e_r[:, None]
+        local = r - tl.sum(tl.where(own, pad_start[None, :], 0), 1)
+        cnt = tl.sum(tl.where(own, counts[None, :], 0), 1)
+        pad = (e_r >= num_experts) | (local >= cnt)
+        tl.store(sorted_ids_ptr + r, tl.zeros_like(r) + num_assign, mask=(r < p_max) & pad)
 
-    # blocks of those rows
-    NB: tl.constexpr = CHUNK // BLOCK_M
-    b = pid * NB + tl.arange(0, NB)
-    e_b = tl.sum((pad_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), 1)
-    tl.store(block_expert_ptr + b, tl.minimum(e_b, num_experts - 1), mask=b * BLOCK_M < p_max)
+        # blocks of those rows (SUB is a multiple of BLOCK_M)
+        b = (pid * CHUNK + s * SUB) // BLOCK_M + tl.arange(0, SUB // BLOCK_M)
+        e_b = tl.sum((pad_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), 1)
+        tl.store(block_expert_ptr + b, tl.minimum(e_b, num_experts - 1), mask=b * BLOCK_M < p_max)
+

@@ -57,37 +57,51 @@ def max_padded_rows(num_assign: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_assign + nonempty * (block_m - 1), block_m) * block_m
 
 
+MAX_CHUNKS = 64  # every align program sums all chunks' histograms: keep that loop short
+
+
 def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int = 32) -> RoutingMeta:
-    """topk_ids [T, K] -> RoutingMeta: one stable sort + one Triton kernel, no host sync, no atomics.
-    (The pure-torch twin, ~25 small launches, is `align_routing_reference`.)"""
+    """topk_ids [T, K] -> RoutingMeta: a counting sort in two Triton kernels (per-chunk histograms,
+    then slots), no global sort, no host sync, no atomics. (The pure-torch twin, ~25 small launches,
+    is `align_routing_reference`; both give identical metadata.)"""
     assert topk_ids.dim() == 2
     if not can_launch(topk_ids, _k._align_kernel):
         return align_routing_reference(topk_ids, num_experts, block_m)
     dev = topk_ids.device
     A = topk_ids.numel()
     assert 0 < A < 2**30 and num_experts <= 4096
-    sorted_e, order = torch.sort(topk_ids.reshape(-1), stable=True)
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    e_p2 = triton.next_power_of_2(num_experts)
+    sub = max(block_m, 32)  # one-hot tiles [sub, E]: 32 rows x 128 experts compile without spills
+    chunk = max(sub, block_m, triton.next_power_of_2(triton.cdiv(A, MAX_CHUNKS)))
+    num_chunks = triton.cdiv(A, chunk)
     p_max = max_padded_rows(A, num_experts, block_m)
+    hist = torch.empty(num_chunks, e_p2, dtype=torch.int32, device=dev)
     sorted_ids = torch.empty(p_max, dtype=torch.int32, device=dev)
     block_expert = torch.empty(p_max // block_m, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    chunk = max(128, block_m)
+    warps = 4
+    _k._histogram_kernel[(num_chunks,)](ids, hist, A, E_P2=e_p2, CHUNK=chunk, SUB=sub, num_warps=warps)
     _k._align_kernel[(triton.cdiv(p_max, chunk),)](
-        sorted_e,
-        order,
+        ids,
+        hist,
         sorted_ids,
         block_expert,
         num_padded,
         counts,
         A,
         num_experts,
+        num_chunks,
         p_max,
         BLOCK_M=block_m,
-        E_P2=triton.next_power_of_2(num_experts),
+        E_P2=e_p2,
         CHUNK=chunk,
-        LOG_N=A.bit_length() + 1,
-        num_warps=8 if num_experts >= 128 else 4,
+        SUB=sub,
+        HIST_STEPS=triton.cdiv(num_chunks, 16),
+        num_warps=warps,
     )
     return RoutingMeta(sorted_ids, block_expert, num_padded, counts, A, block_m)
 

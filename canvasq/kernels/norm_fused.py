@@ -29,7 +29,6 @@ import triton.language as tl
 from ._dispatch import auto_triton
 from .rmsnorm import rms_norm_reference
 
-
 NO_FP_FUSION = {"enable_fp_fusion": False}  # launch option: keep every rounding where it is written
 
 

@@ -1,6 +1,5 @@
 """W4A16 MoE: packing error, layout, routing metadata, kernel vs dequantised twin, determinism, HF patching."""
 
-
 import pytest
 import torch
 from kernel_testutil import DEVICE, DTYPES, ON_GPU, poison, rel_err, rel_norm
@@ -180,7 +179,10 @@ def test_w4_moe_deterministic_and_block_sizes():
     f = w4_moe_launch(x, ids, w, packed, config=folded)
     assert rel_err(f, w4_moe_reference(x, ids, w, packed)) < TOL[torch.float16]
     assert torch.equal(f, w4_moe_launch(x, ids, w, packed, config=folded))
-    for cfg in (MoeLaunchConfig(prefetch_scale=True), MoeLaunchConfig(prefetch_scale=True, scale_in_tile=True)):
+    for cfg in (
+        MoeLaunchConfig(prefetch_scale=True),
+        MoeLaunchConfig(prefetch_scale=True, scale_in_tile=True),
+    ):
         # scales of group g+1 loaded during group g: the same products, summed in the same order
         p = w4_moe_launch(x, ids, w, packed, config=cfg)
         assert torch.equal(p, a if not cfg.scale_in_tile else d)
@@ -285,4 +287,3 @@ def test_tuned_config_lookup(tmp_path, monkeypatch):
     monkeypatch.delenv("CANVASQ_MOE_CONFIG")
     monkeypatch.delenv("CANVASQ_MOE_CONFIG_FILE")
     assert get_config(5, 8, packed, torch.float32) == MoeLaunchConfig()  # no file for cpu: defaults
-

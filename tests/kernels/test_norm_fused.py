@@ -96,6 +96,7 @@ def test_norm_kernels_compile_without_half_precision_fma():
         capture_output=True,
         text=True,
         timeout=600,
+        check=False,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])

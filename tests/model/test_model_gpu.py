@@ -87,13 +87,29 @@ def test_real_shape_bf16_matches_hf(real_model):
     rt.encode_many(arena, [(i, prompts[i], torch.arange(p, device="cuda")) for i in range(b)])
     out = rt.decode(arena, [Window.canvas(i, canvas[i], p, self_cond=sc[i]) for i in range(b)])
     assert _rel(out.logits, ref.reshape(b * r, v)) <= BF16_TOL
-    # commit the canvas through both encoders, then the next canvas
-    m.model.encoder(input_ids=canvas, position_ids=pos, past_key_values=cache)
-    rt.encode_many(arena, [(i, canvas[i], torch.arange(p, p + r, device="cuda")) for i in range(b)])
+    # commit the canvas through both encoders, then the next canvas. Here HF's attention backends
+    # disagree with each other by more than 2e-2 (the committed rows attend causally to the prompt: a
+    # masked SDPA kernel; random real-width weights make the scores sharp), so the bound is HF's own
+    # spread (eager attention against SDPA) when that is larger. On CPU in bf16 this step is
+    # bit-identical to HF (2026-11-30): what differs on the GPU is kernel selection, not the math.
     pos2 = pos + r
-    ref2 = m(decoder_input_ids=nxt, past_key_values=cache, decoder_position_ids=pos2).logits
+
+    def hf_next(attn: str) -> torch.Tensor:
+        m.set_attn_implementation(attn)
+        c = _hf_cache(m, prompts)
+        m.model.encoder(input_ids=canvas, position_ids=pos, past_key_values=c)
+        return m(decoder_input_ids=nxt, past_key_values=c, decoder_position_ids=pos2).logits.reshape(b * r, v)
+
+    try:
+        spread = _rel(hf_next("eager"), hf_next("sdpa"))
+    finally:
+        m.set_attn_implementation("sdpa")
+    ref2 = hf_next("sdpa")
+    rt.encode_many(arena, [(i, canvas[i], torch.arange(p, p + r, device="cuda")) for i in range(b)])
     out2 = rt.decode(arena, [Window.canvas(i, nxt[i], p + r) for i in range(b)])
-    assert _rel(out2.logits, ref2.reshape(b * r, v)) <= BF16_TOL
+    err2 = _rel(out2.logits, ref2)
+    print(f"step 2: ours {err2:.4f}, HF eager vs sdpa {spread:.4f}")
+    assert err2 <= max(BF16_TOL, spread)
 
 
 @torch.no_grad()

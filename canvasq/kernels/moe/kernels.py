@@ -292,7 +292,9 @@ def _onehot_rank(ids_ptr, i, num_assign, running, ex, SUB: tl.constexpr):
 
 
 @triton.jit
-def _histogram_kernel(ids_ptr, hist_ptr, num_assign, E_P2: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr):
+def _histogram_kernel(
+    ids_ptr, hist_ptr, num_assign, E_P2: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr
+):
     """hist[c, e] = assignments of chunk c (CHUNK consecutive ids t*K + k) routed to expert e."""
     c = tl.program_id(0)
     ex = tl.arange(0, E_P2)
@@ -366,4 +368,3 @@ def _align_kernel(
         b = (pid * CHUNK + s * SUB) // BLOCK_M + tl.arange(0, SUB // BLOCK_M)
         e_b = tl.sum((pad_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), 1)
         tl.store(block_expert_ptr + b, tl.minimum(e_b, num_experts - 1), mask=b * BLOCK_M < p_max)
-

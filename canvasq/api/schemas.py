@@ -23,6 +23,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from canvasq.api.settings import DECODERS, RANDOM_MODELS, TASKS, Settings, model_name
+from canvasq.model.shapes import RealShape  # a dataclass: no torch, no transformers
+from canvasq.testbed.config import TestbedShape
 
 OPENAI_URLS = ("/v1/chat/completions",)
 
@@ -168,7 +170,11 @@ class Limits:
         )
 
 
-_RANDOM_CONTEXT = {"random:26b-a4b": 131_072, "random:testbed": 1024}
+# the shapes `build_random` builds (one source of truth: 26B-A4B is 262,144, not the 131,072 once here)
+_RANDOM_CONTEXT = {
+    "random:26b-a4b": RealShape.max_position_embeddings,
+    "random:testbed": TestbedShape.max_position_embeddings,
+}
 
 
 def model_context(spec: str) -> tuple[int | None, Callable[[str], int] | None]:

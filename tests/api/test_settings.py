@@ -72,3 +72,14 @@ def test_config_command_masks_password():
     out = subprocess.run([sys.executable, "-m", "canvasq.api.cli", "config"], env=env, capture_output=True,
                          text=True, check=True).stdout
     assert "topsecret" not in out and "u:***@h/db" in out
+
+
+def test_random_model_context_is_the_built_models():
+    """The submit-side context limit of a `random:` model is the max_position_embeddings of the model
+    `load_bundle` builds for it (it was 131,072 for 26b-a4b while the built config said 262,144)."""
+    from canvasq.api.schemas import model_context
+    from canvasq.model.shapes import real_config
+    from canvasq.testbed.config import build_config
+
+    assert model_context("random:26b-a4b")[0] == real_config().get_text_config().max_position_embeddings
+    assert model_context("random:testbed")[0] == build_config().get_text_config().max_position_embeddings

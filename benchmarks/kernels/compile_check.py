@@ -197,7 +197,7 @@ def other_kernels():
                 "num_chunks": "i32",
                 "p_max": "i32",
             },
-            {"BLOCK_M": 16, "E_P2": 128, "CHUNK": 256, "SUB": 32, "HIST_STEPS": 4},
+            {"BLOCK_M": 16, "E_P2": 128, "CHUNK": 256, "SUB": 32, "HIST_ROWS": 16, "HIST_STEPS": 4},
             set(),
             4,
             1,
@@ -317,12 +317,10 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma list of kernel-name prefixes (default: all)")
     a = ap.parse_args()
     rows, failed = [], False
-    default = MoeLaunchConfig()
     only = tuple(x for x in a.only.split(",") if x)
-    kernels = itertools.chain(moe_kernels(default), other_kernels())
-    if only:  # generators: a kernel is compiled only when reached, so filter by name first
-        kernels = _only(only)
-    for name, res in kernels:
+    for name, res in (
+        _only(only) if only else itertools.chain(moe_kernels(MoeLaunchConfig()), other_kernels())
+    ):
         rows.append({"kernel": name, "config": "default", **res})
         failed |= res["stack"] > 0 or (name.startswith(ROUNDING_FAITHFUL) and res["half_fma"] > 0)
     if a.sweep:

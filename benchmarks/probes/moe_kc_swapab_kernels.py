@@ -1,14 +1,37 @@
 """Probe kernels (not used by canvasq): K-contiguous W4 layout q [E, N, Kp/2] with swap-AB (weights as the MMA A operand)."""
+
 import triton
 import triton.language as tl
-from canvasq.kernels.moe.kernels import _nibble, _zero_bias, _gelu_tanh
+
+from canvasq.kernels.moe.kernels import _gelu_tanh, _nibble, _zero_bias
 
 
 @triton.jit
-def gate_up_kc(x_ptr, q_ptr, s_ptr, z_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
-               num_assign, top_k, H, I, stride_xt, stride_qe, stride_qn, stride_se, stride_sg, stride_hm,
-               GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               SWAP: tl.constexpr):
+def gate_up_kc(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    h_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_assign,
+    top_k,
+    H,
+    I,
+    stride_xt,
+    stride_qe,
+    stride_qn,
+    stride_se,
+    stride_sg,
+    stride_hm,
+    GROUP: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SWAP: tl.constexpr,
+):
     DT: tl.constexpr = x_ptr.dtype.element_ty
     DEQUANT: tl.constexpr = 2 if DT == tl.bfloat16 else 1
     pid_m = tl.program_id(0)
@@ -72,15 +95,39 @@ def gate_up_kc(x_ptr, q_ptr, s_ptr, z_ptr, h_ptr, sorted_ids_ptr, block_expert_p
             acc_u += pu * su[None, :]
     h = _gelu_tanh(acc_g) * acc_u
     if SWAP:
-        tl.store(h_ptr + rows[None, :].to(tl.int64) * stride_hm + offs_n[:, None], h.to(DT), mask=n_mask[:, None])
+        tl.store(
+            h_ptr + rows[None, :].to(tl.int64) * stride_hm + offs_n[:, None], h.to(DT), mask=n_mask[:, None]
+        )
     else:
-        tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_n[None, :], h.to(DT), mask=n_mask[None, :])
+        tl.store(
+            h_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_n[None, :], h.to(DT), mask=n_mask[None, :]
+        )
 
 
 @triton.jit
-def down_kc(h_ptr, q_ptr, s_ptr, z_ptr, y_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
-            num_assign, H, I, stride_hm, stride_qe, stride_qn, stride_se, stride_sg, stride_ym,
-            GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def down_kc(
+    h_ptr,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    y_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_assign,
+    H,
+    I,
+    stride_hm,
+    stride_qe,
+    stride_qn,
+    stride_se,
+    stride_sg,
+    stride_ym,
+    GROUP: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     DT: tl.constexpr = h_ptr.dtype.element_ty
     DEQUANT: tl.constexpr = 2 if DT == tl.bfloat16 else 1
     pid_m = tl.program_id(0)

@@ -101,10 +101,11 @@ def test_real_shape_bf16_matches_hf(real_model):
         return m(decoder_input_ids=nxt, past_key_values=c, decoder_position_ids=pos2).logits.reshape(b * r, v)
 
     try:
-        spread = _rel(hf_next("eager"), hf_next("sdpa"))
+        eager = hf_next("eager")
     finally:
         m.set_attn_implementation("sdpa")
     ref2 = hf_next("sdpa")
+    spread = _rel(eager, ref2)
     rt.encode_many(arena, [(i, canvas[i], torch.arange(p, p + r, device="cuda")) for i in range(b)])
     out2 = rt.decode(arena, [Window.canvas(i, nxt[i], p + r) for i in range(b)])
     err2 = _rel(out2.logits, ref2)

@@ -321,6 +321,7 @@ def _align_kernel(
     E_P2: tl.constexpr,
     CHUNK: tl.constexpr,
     SUB: tl.constexpr,
+    HIST_ROWS: tl.constexpr,
     HIST_STEPS: tl.constexpr,
 ):
     """Routing metadata from the flat expert ids and the per-chunk histograms: a counting sort, no
@@ -333,11 +334,11 @@ def _align_kernel(
     """
     pid = tl.program_id(0)
     ex = tl.arange(0, E_P2)
-    HB: tl.constexpr = 16  # histogram rows summed per step; HIST_STEPS = cdiv(num_chunks, HB)
     counts = tl.zeros((E_P2,), tl.int32)
     earlier = tl.zeros((E_P2,), tl.int32)
-    for step in tl.static_range(HIST_STEPS):  # constexpr trip count (a runtime one trips the interpreter)
-        ch = step * HB + tl.arange(0, HB)
+    # HIST_STEPS = cdiv(num_chunks, HIST_ROWS), a constexpr trip count (a runtime one trips the interpreter)
+    for step in tl.static_range(HIST_STEPS):
+        ch = step * HIST_ROWS + tl.arange(0, HIST_ROWS)
         h = tl.load(hist_ptr + ch[:, None] * E_P2 + ex[None, :], mask=ch[:, None] < num_chunks, other=0)
         counts += tl.sum(h, 0)
         earlier += tl.sum(tl.where(ch[:, None] < pid, h, 0), 0)

@@ -58,6 +58,7 @@ def max_padded_rows(num_assign: int, num_experts: int, block_m: int) -> int:
 
 
 MAX_CHUNKS = 64  # every align program sums all chunks' histograms: keep that loop short
+HIST_ROWS = 16  # histogram rows the align kernel sums per step
 
 
 def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int = 32) -> RoutingMeta:
@@ -70,12 +71,10 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int = 32) -
     dev = topk_ids.device
     A = topk_ids.numel()
     assert 0 < A < 2**30 and num_experts <= 4096
-    ids = topk_ids.reshape(-1)
-    if not ids.is_contiguous():
-        ids = ids.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
     e_p2 = triton.next_power_of_2(num_experts)
     sub = max(block_m, 32)  # one-hot tiles [sub, E]: 32 rows x 128 experts compile without spills
-    chunk = max(sub, block_m, triton.next_power_of_2(triton.cdiv(A, MAX_CHUNKS)))
+    chunk = max(sub, triton.next_power_of_2(triton.cdiv(A, MAX_CHUNKS)))
     num_chunks = triton.cdiv(A, chunk)
     p_max = max_padded_rows(A, num_experts, block_m)
     hist = torch.empty(num_chunks, e_p2, dtype=torch.int32, device=dev)
@@ -100,7 +99,8 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int = 32) -
         E_P2=e_p2,
         CHUNK=chunk,
         SUB=sub,
-        HIST_STEPS=triton.cdiv(num_chunks, 16),
+        HIST_ROWS=HIST_ROWS,
+        HIST_STEPS=triton.cdiv(num_chunks, HIST_ROWS),
         num_warps=warps,
     )
     return RoutingMeta(sorted_ids, block_expert, num_padded, counts, A, block_m)

@@ -28,9 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 from canvasq.testing.checks import RUN_TERMINAL, collect
-from canvasq.testing.scenario import write_input
-from canvasq.testing.services import RedisServer
-from canvasq.testing.workers import WorkerProcess, worker_env
+from canvasq.testing.scenario import Scenario
 
 
 def rss_kb(pid: int) -> int | None:
@@ -64,86 +62,36 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rnd = random.Random(args.seed)
 
-    from canvasq.api.store import Store
-
     t_start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="canvasq-soak-") as tmpd, contextlib.ExitStack() as stack:
-        tmp = Path(tmpd)
-        redis = stack.enter_context(RedisServer(tmp))
-        if args.db == "sqlite":
-            db_url = f"sqlite:///{tmp / 'soak.sqlite'}"
-        else:
-            from canvasq.api.testing import fresh_pg_database
-
-            db_url = stack.enter_context(fresh_pg_database("canvasq_soak"))
-        vis = args.visibility_timeout
-        env = worker_env(
-            db_url=db_url,
-            broker_url=redis.url,
+    vis = args.visibility_timeout
+    with (
+        tempfile.TemporaryDirectory(prefix="canvasq-soak-") as tmpd,
+        Scenario(
+            Path(tmpd),
+            db=args.db,
             soft_time_limit=vis - 30,
             hard_time_limit=vis - 15,
             visibility_timeout=vis,
             max_attempts=args.max_attempts,
             decode_batch_size=args.chunk_size,
             chunk_size=args.chunk_size,
-        )
-        queue = "canvasq.soak"
-
-        def cli(*a, check=True):
-            return subprocess.run(
-                [sys.executable, "-m", "canvasq.api.cli", *a],
-                env=env,
-                capture_output=True,
-                text=True,
-                check=check,
-                timeout=600,
-                cwd=tmp,
-            )
-
-        cli("db", "upgrade")
-        store = Store(db_url)
-        stack.callback(store.dispose)
-        ids = write_input(tmp / "soak.jsonl", args.requests, prefix="k", max_tokens=args.max_tokens)
-
-        workers: list[WorkerProcess] = []
-        n_started = 0
-
-        def start_worker() -> WorkerProcess:
-            nonlocal n_started
-            w = WorkerProcess(env, queue, tmp / f"worker{n_started}.log").start()
-            n_started += 1
-            workers.append(w)
-            return w
-
+        ) as sc,
+        contextlib.ExitStack() as stack,
+    ):
+        store = sc.store
+        ids = sc.write_input(args.requests, prefix="k", max_tokens=args.max_tokens)
         for _ in range(args.workers):
-            start_worker()
-        stack.callback(lambda: [w.stop() for w in workers])
+            sc.worker()
         reconciler = subprocess.Popen(
             [sys.executable, "-m", "canvasq.api.cli", "reconcile", "--loop", "20"],
-            env=env,
+            env=sc.env(),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            cwd=tmp,
+            cwd=sc.tmp,
             start_new_session=True,
         )
         stack.callback(lambda: (reconciler.kill(), reconciler.wait(10)))
-
-        run_id = (
-            cli(
-                "submit",
-                str(tmp / "soak.jsonl"),
-                "--queue",
-                queue,
-                "--chunk-size",
-                str(args.chunk_size),
-                "--decoder",
-                "official",
-                "--name",
-                "soak",
-            )
-            .stdout.strip()
-            .splitlines()[-1]
-        )
+        run_id = sc.submit("--chunk-size", str(args.chunk_size), "--name", "soak")
         print(f"soak: run {run_id}, {args.requests} requests, {args.workers} workers", file=sys.stderr)
         kills, redis_restarted = 0, False
         next_kill = time.monotonic() + rnd.expovariate(1 / args.kill_every)
@@ -159,7 +107,7 @@ def main(argv=None) -> int:
             if now - t_start > args.deadline_s:
                 print("soak: deadline reached, giving up", file=sys.stderr)
                 break
-            live = [w for w in workers if w.alive()]
+            live = [w for w in sc.workers if w.alive()]
             for w in live:
                 for pid in w.child_pids():
                     kb = rss_kb(pid)
@@ -170,12 +118,12 @@ def main(argv=None) -> int:
                 victim.kill_all()
                 victim.stop()
                 kills += 1
-                start_worker()  # a supervisor restarts it
+                sc.worker()  # a supervisor restarts it
                 next_kill = now + rnd.expovariate(1 / args.kill_every)
             if not redis_restarted and finished >= args.redis_restart_at * counts["total"]:
-                redis.stop("kill")
+                sc.redis.stop("kill")
                 time.sleep(args.redis_down_s)
-                redis.start()
+                sc.redis.start()
                 redis_restarted = True
                 print(f"soak: redis restarted at {finished}/{counts['total']}", file=sys.stderr)
             if now - last_print > 30:

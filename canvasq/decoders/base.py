@@ -40,6 +40,30 @@ def request_error(bundle, req: DecodeRequest) -> str | None:
     return None
 
 
+def error_result(req: DecodeRequest, error: str, decoder: str, finish_reason: str = "error") -> DecodeResult:
+    """A request that produced nothing: refused, failed or cancelled before it finished."""
+    return DecodeResult(
+        custom_id=req.custom_id,
+        token_ids=[],
+        text="",
+        finish_reason=finish_reason,
+        prompt_tokens=len(req.prompt_ids),
+        forwards=0,
+        error=error,
+        decoder=decoder,
+    )
+
+
+class Cancelled(Exception):
+    """Raised by `poll` between forwards once `should_stop()` turns true; the decoder turns it into
+    CANCELLED rows."""
+
+
+def poll(should_stop) -> None:
+    if should_stop is not None and should_stop():
+        raise Cancelled()
+
+
 def first_stop(tokens: list[int], stop_ids: frozenset[int]) -> int | None:
     """Index of the first token that ends the answer, or None.
 
@@ -130,10 +154,6 @@ class _Pass:
     states: dict[int, str]
 
 
-class Cancelled(Exception):
-    pass
-
-
 class StepDecoder:
     """Base class: owns the loop. Subclasses implement `step(seqs)`."""
 
@@ -162,7 +182,7 @@ class StepDecoder:
         for i, req in enumerate(batch.requests):
             err = request_error(self.bundle, req)
             if err:
-                results[i] = self._error(req, err)
+                results[i] = error_result(req, err, self.name)
                 continue
             seqs.append(
                 Seq(
@@ -177,7 +197,7 @@ class StepDecoder:
         if seqs:
             self.arena = self.new_store(seqs)
             try:
-                self._poll(should_stop)
+                poll(should_stop)
                 try:
                     self.prefill(seqs)
                 except Exception as exc:  # noqa: BLE001 — the prefill serves every row
@@ -187,7 +207,7 @@ class StepDecoder:
                 max_steps = self.step_budget(seqs)
                 steps = 0
                 while live:
-                    self._poll(should_stop)
+                    poll(should_stop)
                     try:
                         self.step(live)
                     except Cancelled:
@@ -260,10 +280,6 @@ class StepDecoder:
     def timed(self):
         return _Timer(self.device)
 
-    def _poll(self, should_stop) -> None:
-        if should_stop is not None and should_stop():
-            raise Cancelled()
-
     # -- results --------------------------------------------------------------------------------
     def _result(self, s: Seq) -> DecodeResult:
         traces = []
@@ -301,18 +317,6 @@ class StepDecoder:
             error=s.error,
             decoder=self.name,
             stats=dict(s.stats),
-        )
-
-    def _error(self, req: DecodeRequest, err: str) -> DecodeResult:
-        return DecodeResult(
-            custom_id=req.custom_id,
-            token_ids=[],
-            text="",
-            finish_reason="error",
-            prompt_tokens=len(req.prompt_ids),
-            forwards=0,
-            error=err,
-            decoder=self.name,
         )
 
 

@@ -29,6 +29,7 @@ import math
 import time
 from collections import defaultdict
 
+from canvasq.decoders.base import Cancelled, error_result, first_stop, poll, request_error
 from canvasq.decoders.configs import OfficialConfig
 from canvasq.decoders.experts import model_with_experts
 from canvasq.decoders.types import CANCELLED, DecodeBatch, DecodeRequest, DecodeResult, ForwardTrace
@@ -36,10 +37,6 @@ from canvasq.decoders.types import CANCELLED, DecodeBatch, DecodeRequest, Decode
 # Exceptions that mean "stop this batch" rather than "this group failed" (Celery's soft time limit
 # derives from Exception; the worker recognises it by name in `error`).
 INTERRUPTS = frozenset({"SoftTimeLimitExceeded", "TimeLimitExceeded"})
-
-
-class Cancelled(Exception):
-    """Raised from inside an instrumented forward when `should_stop()` turns true."""
 
 
 class OfficialDecoder:
@@ -53,15 +50,13 @@ class OfficialDecoder:
     def decode(self, batch: DecodeBatch, should_stop=None) -> list[DecodeResult]:
         import torch
 
-        from canvasq.decoders.base import request_error
-
         bundle, C = self.bundle, self.bundle.canvas_length
         results: dict[int, DecodeResult] = {}
         groups: dict[int, list[int]] = defaultdict(list)
         for i, req in enumerate(batch.requests):
             err = request_error(bundle, req)
             if err:
-                results[i] = _error_result(req, err)
+                results[i] = error_result(req, err, self.name)
             else:
                 groups[math.ceil(req.max_tokens / C)].append(i)
 
@@ -80,21 +75,21 @@ class OfficialDecoder:
                 if cancelled or interrupted:
                     for i, r in zip(idx, reqs):
                         results[i] = (
-                            _error_result(r, interrupted)
+                            error_result(r, interrupted, self.name)
                             if interrupted
-                            else _error_result(r, CANCELLED, CANCELLED)
+                            else error_result(r, CANCELLED, self.name, CANCELLED)
                         )
                     continue
                 try:
                     out = self._generate_group(model, reqs, n_canvases, should_stop)
                 except Cancelled:
                     cancelled = True
-                    out = [_error_result(r, CANCELLED, CANCELLED) for r in reqs]
+                    out = [error_result(r, CANCELLED, self.name, CANCELLED) for r in reqs]
                 except Exception as exc:  # noqa: BLE001 — a failed group fails its rows, never the whole batch
                     msg = f"{type(exc).__name__}: {exc}"
                     if type(exc).__name__ in INTERRUPTS:
                         interrupted = msg
-                    out = [_error_result(r, msg) for r in reqs]
+                    out = [error_result(r, msg, self.name) for r in reqs]
                 for i, res in zip(idx, out):
                     results[i] = res
         return [results[i] for i in range(len(batch.requests))]
@@ -102,8 +97,6 @@ class OfficialDecoder:
     # ------------------------------------------------------------------------------------------
     def _generate_group(self, model, reqs: list[DecodeRequest], n_canvases: int, should_stop):
         import torch
-
-        from canvasq.decoders.base import first_stop
 
         bundle, C = self.bundle, self.bundle.canvas_length
         L = max(len(r.prompt_ids) for r in reqs)
@@ -182,7 +175,7 @@ class _Recorder:
         orig_finalize = model._finalize_canvas
 
         def forward(*args, **kwargs):
-            rec._poll()
+            poll(rec.should_stop)
             live = [not (d or s) for d, s in zip(rec.finished_denoising, rec.finished_sequences)]
             t0 = time.perf_counter()
             out = orig_forward(*args, **kwargs)
@@ -200,7 +193,7 @@ class _Recorder:
             return out
 
         def encoder_forward(*args, **kwargs):
-            rec._poll()
+            poll(rec.should_stop)
             alive = [not s for s in rec.finished_sequences]
             if rec.encoded_prompt:
                 rows = [rec.C if a else 0 for a in alive]
@@ -257,10 +250,6 @@ class _Recorder:
             ):
                 obj.__dict__.pop(name, None)
 
-    def _poll(self):
-        if self.should_stop is not None and self.should_stop():
-            raise Cancelled()
-
     # -- results -----------------------------------------------------------------------------
     def traces_for(self, b: int, base: int = 0) -> list[ForwardTrace]:
         """The passes that served row `b` (HF counts a row's decoder passes only while it is still
@@ -312,16 +301,3 @@ def _sync(t) -> None:
         import torch
 
         torch.cuda.synchronize(t.device)
-
-
-def _error_result(req: DecodeRequest, error: str, finish_reason: str = "error") -> DecodeResult:
-    return DecodeResult(
-        custom_id=req.custom_id,
-        token_ids=[],
-        text="",
-        finish_reason=finish_reason,
-        prompt_tokens=len(req.prompt_ids),
-        forwards=0,
-        error=error,
-        decoder=OfficialDecoder.name,
-    )

@@ -545,21 +545,22 @@ class Store:
         if run is None:
             raise KeyError(run_id)
         counts = self.counts(run.id)
-        with self.Session() as s:
-            agg = s.execute(
-                select(func.count(), func.coalesce(func.sum(Output.completion_tokens), 0),
-                       func.coalesce(func.sum(Output.prompt_tokens), 0),
-                       func.coalesce(func.sum(Output.forwards), 0), func.coalesce(func.sum(Output.gen_ms), 0.0),
-                       func.max(Output.updated_at))
-                .where(Output.run_id == run.id, Output.error_code.is_(None))
-            ).one()
+        with self.Session() as s:  # one GROUP BY: the run's totals are the sums of its decoders' rows
             per_dec = s.execute(
-                select(Output.decoder, func.count(), func.sum(Output.completion_tokens), func.sum(Output.forwards),
-                       func.sum(Output.gen_ms))
+                select(Output.decoder, func.count().label("requests"),
+                       func.coalesce(func.sum(Output.completion_tokens), 0).label("tokens"),
+                       func.coalesce(func.sum(Output.prompt_tokens), 0).label("prompt_tokens"),
+                       func.coalesce(func.sum(Output.forwards), 0).label("forwards"),
+                       func.coalesce(func.sum(Output.gen_ms), 0.0).label("gen_ms"),
+                       func.max(Output.updated_at).label("last"))
                 .where(Output.run_id == run.id, Output.error_code.is_(None))
                 .group_by(Output.decoder).order_by(Output.decoder)
             ).all()
-        _, tokens, ptoks, forwards, gen_ms, last = agg
+        tokens = sum(d.tokens for d in per_dec)
+        ptoks = sum(d.prompt_tokens for d in per_dec)
+        forwards = sum(d.forwards for d in per_dec)
+        gen_ms = sum(d.gen_ms for d in per_dec)
+        last = max((d.last for d in per_dec), default=None)
         end = run.finished_at or (last if run.status not in RUN_ACTIVE else utcnow())
         wall = (end - run.started_at).total_seconds() if run.started_at and end else 0.0
         done = counts["total"] - counts["queued"]
@@ -571,9 +572,10 @@ class Store:
             "forwards": int(forwards), "gen_s": float(gen_ms) / 1000, "wall_s": wall,
             "tok_s": (tokens / wall) if wall > 0 else None, "eta_s": eta,
             "decoders": [
-                {"decoder": d or "?", "requests": n, "tokens": int(t or 0), "forwards": int(f or 0),
-                 "gen_s": float(ms or 0) / 1000, "tok_s": (t / (ms / 1000)) if ms else None}
-                for d, n, t, f, ms in per_dec
+                {"decoder": d.decoder or "?", "requests": d.requests, "tokens": int(d.tokens),
+                 "forwards": int(d.forwards), "gen_s": float(d.gen_ms) / 1000,
+                 "tok_s": (d.tokens / (d.gen_ms / 1000)) if d.gen_ms else None}
+                for d in per_dec
             ],
         }
 

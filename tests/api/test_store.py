@@ -85,7 +85,10 @@ def test_summary_counts_come_from_rows(store):
     s = store.run_summary(run.run_id)
     assert s["counts"] == {"queued": 3, "done": 2, "errored": 1, "expired": 0, "cancelled": 0, "total": 6}
     assert s["completion_tokens"] == 30 and s["forwards"] == 6
-    assert {d["decoder"]: d["tokens"] for d in s["decoders"]} == {"official": 10, "funnel": 20}
+    assert s["prompt_tokens"] == 14 and s["gen_s"] == pytest.approx(0.2)  # the errored row counts nowhere
+    assert [(d["decoder"], d["requests"], d["tokens"], d["forwards"]) for d in s["decoders"]] == [
+        ("funnel", 1, 20, 3), ("official", 1, 10, 3)]
+    assert s["decoders"][0]["tok_s"] == pytest.approx(200.0)  # 20 tokens in 100 ms
     assert s["status"] == "running"
     listed = store.list_runs()[0]
     assert (listed["total"], listed["done"], listed["errored"], listed["queued"]) == (6, 2, 1, 3)

@@ -277,15 +277,22 @@ class Store:
             )
             s.flush()
             chunk_ids: list[str] = []
+            chunks: list[dict] = []  # chunk rows not yet inserted
             buf: list[dict] = []
+
+            def flush() -> None:  # one executemany per table; chunks first, the requests point at them
+                for model, rows in ((Chunk, chunks), (Request, buf)):
+                    if rows:
+                        s.execute(insert(model), rows)
+                        rows.clear()
+
             n = 0
             for job in jobs:
                 seq = n // chunk_size
                 if seq == len(chunk_ids):
-                    cid = f"{run_id}-{seq:05d}"
-                    s.execute(insert(Chunk).values(id=cid, run_id=run_id, seq=seq, status="queued",
-                                                   attempts=0, updated_at=now))
-                    chunk_ids.append(cid)
+                    chunk_ids.append(f"{run_id}-{seq:05d}")
+                    chunks.append(dict(id=chunk_ids[seq], run_id=run_id, seq=seq, status="queued", attempts=0,
+                                       updated_at=now))
                 buf.append(
                     dict(run_id=run_id, custom_id=job.custom_id, line_no=job.line_no, prompt=job.prompt,
                          task=job.task, max_tokens=job.max_tokens, decoder=job.decoder,
@@ -293,10 +300,8 @@ class Store:
                 )
                 n += 1
                 if len(buf) >= batch_rows:
-                    s.execute(insert(Request), buf)
-                    buf.clear()
-            if buf:
-                s.execute(insert(Request), buf)
+                    flush()
+            flush()
             if n == 0:
                 raise ValueError("a run needs at least one request")
         return RunCreated(run_id, True, chunk_ids, n)

@@ -7,7 +7,7 @@ import multiprocessing as mp
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import func, select, text
+from sqlalchemy import event, func, select, text
 
 from canvasq.api.models import Output, Request, utcnow
 from canvasq.api.schemas import Job
@@ -35,6 +35,33 @@ def test_create_run_chunks_and_counts(store):
     assert created.created and created.requests == 10 and len(created.chunk_ids) == 3
     c = store.counts(created.run_id)
     assert c["total"] == 10 and c["queued"] == 10 and c["done"] == 0
+
+
+def test_create_run_inserts_chunks_in_bulk(store):
+    """One INSERT per table per streamed batch, not one per chunk; requests still point at their chunk."""
+    statements: list[str] = []
+
+    def seen(conn, cursor, statement, params, context, executemany):
+        if statement.lstrip().upper().startswith("INSERT INTO"):
+            statements.append(statement.split()[2].strip('"'))
+
+    event.listen(store.engine, "before_cursor_execute", seen)
+    try:
+        big = make_run(store, 40, 4)  # 10 chunks, one batch of requests
+        small = store.create_run(jobs(10, "s"), model="m", queue="q", chunk_size=4, batch_rows=3)
+    finally:
+        event.remove(store.engine, "before_cursor_execute", seen)
+    assert len(big.chunk_ids) == 10 and len(small.chunk_ids) == 3
+    # big: the run, its chunks, its requests; small: the run, then chunks + requests for each of
+    # four batches of ≤ 3 rows (a batch starting inside a chunk opened by the previous one adds none)
+    assert statements[:3] == ["runs", "chunks", "requests"]
+    assert statements[3:] == ["runs", "chunks", "requests", "chunks", "requests", "chunks", "requests", "requests"]
+    with store.Session() as s:
+        for run in (big, small):
+            got = s.execute(select(Request.chunk_id, func.count()).where(Request.run_id == run.run_id)
+                            .group_by(Request.chunk_id).order_by(Request.chunk_id)).all()
+            sizes = [4] * (run.requests // 4) + ([run.requests % 4] if run.requests % 4 else [])
+            assert got == list(zip(run.chunk_ids, sizes))
 
 
 def test_idempotency_key_returns_same_run(store):

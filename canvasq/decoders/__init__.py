@@ -28,7 +28,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from canvasq.decoders.registry import NAMES, UnknownDecoder, make_decoder
-from canvasq.decoders.types import CANCELLED, DecodeBatch, DecodeRequest, DecodeResult, ForwardTrace
+from canvasq.decoders.types import (
+    CANCELLED,
+    DecodeBatch,
+    DecodeRequest,
+    DecodeResult,
+    ForwardTrace,
+    Interrupted,
+)
 
 __all__ = [
     "CANCELLED",
@@ -37,6 +44,7 @@ __all__ = [
     "DecodeRequest",
     "DecodeResult",
     "ForwardTrace",
+    "Interrupted",
     "UnknownDecoder",
     "run_batch",
 ]
@@ -49,6 +57,7 @@ def run_batch(
     overrides: dict | None = None,
     should_stop: Callable[[], bool] | None = None,
     routing: dict[str, str] | None = None,
+    interrupts: tuple[type[BaseException], ...] = (),
 ) -> list[DecodeResult]:
     """Decode every request of `batch`; one DecodeResult per request, in order.
 
@@ -57,10 +66,13 @@ def run_batch(
     overrides: config fields of the chosen decoder (unknown names raise ValueError before any work).
     should_stop: polled between forwards; when it turns true the unfinished rows come back with
       `error == finish_reason == "cancelled"`.
+    interrupts: exception types that end the batch instead of erroring rows (the worker's soft time
+      limit, which the decoders' per-step `except Exception` would otherwise swallow): one of them
+      raises `Interrupted` from it, holding the rows that had finished.
     """
     if decoder != "auto":
         dec = make_decoder(decoder, bundle, overrides)
-        return dec.decode(batch, should_stop=should_stop)
+        return dec.decode(batch, should_stop=should_stop, interrupts=interrupts)
 
     from canvasq.decoders.routing import route
 
@@ -77,6 +89,11 @@ def run_batch(
         name, knobs = chosen[key]
         dec = make_decoder(name, bundle, knobs)
         sub = DecodeBatch(requests=[batch.requests[i] for i in idx], seed=batch.seed)
-        for i, res in zip(idx, dec.decode(sub, should_stop=should_stop)):
+        try:
+            out = dec.decode(sub, should_stop=should_stop, interrupts=interrupts)
+        except Interrupted as cut:  # rows of the sub-batches decoded before it finished too
+            earlier = [res for res in results if res is not None and not res.error]
+            raise Interrupted(cut.cause, earlier + cut.done) from cut.cause
+        for i, res in zip(idx, out):
             results[i] = res
     return results  # type: ignore[return-value]

@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from canvasq.decoders.types import CANCELLED, DecodeBatch, DecodeRequest, DecodeResult, ForwardTrace
+from canvasq.decoders.types import (
+    CANCELLED,
+    DecodeBatch,
+    DecodeRequest,
+    DecodeResult,
+    ForwardTrace,
+    Interrupted,
+)
 
 # model -> {experts: Runtime}; weak keys, so a freed model never hands its runtime to a new one
 _RUNTIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -175,7 +182,9 @@ class StepDecoder:
         return self.bundle.d2f_model() if getattr(self.config, "adapter", False) else self.bundle.hf_model
 
     # -- the loop -------------------------------------------------------------------------------
-    def decode(self, batch: DecodeBatch, should_stop=None) -> list[DecodeResult]:
+    def decode(
+        self, batch: DecodeBatch, should_stop=None, interrupts: tuple[type[BaseException], ...] = ()
+    ) -> list[DecodeResult]:
         self.passes = []
         results: dict[int, DecodeResult] = {}
         seqs: list[Seq] = []
@@ -200,6 +209,8 @@ class StepDecoder:
                 poll(should_stop)
                 try:
                     self.prefill(seqs)
+                except interrupts:
+                    raise
                 except Exception as exc:  # noqa: BLE001 — the prefill serves every row
                     for s in seqs:
                         s.error, s.done = f"{type(exc).__name__}: {exc}", True
@@ -210,7 +221,7 @@ class StepDecoder:
                     poll(should_stop)
                     try:
                         self.step(live)
-                    except Cancelled:
+                    except (Cancelled, *interrupts):
                         raise
                     except Exception as exc:  # noqa: BLE001 — one forward serves every live row: they fail together
                         msg = f"{type(exc).__name__}: {exc}"
@@ -226,6 +237,8 @@ class StepDecoder:
                 for s in seqs:
                     if not s.done:
                         s.error, s.finish_reason, s.done = CANCELLED, CANCELLED, True
+            except interrupts as exc:  # the caller's time limit: hand back the rows that finished
+                raise Interrupted(exc, [self._result(s) for s in seqs if s.done and s.error is None]) from exc
             for s in seqs:
                 results[s.row] = self._result(s)
         return [results[i] for i in range(len(batch.requests))]

@@ -32,11 +32,14 @@ from collections import defaultdict
 from canvasq.decoders.base import Cancelled, error_result, first_stop, poll, request_error
 from canvasq.decoders.configs import OfficialConfig
 from canvasq.decoders.experts import model_with_experts
-from canvasq.decoders.types import CANCELLED, DecodeBatch, DecodeRequest, DecodeResult, ForwardTrace
-
-# Exceptions that mean "stop this batch" rather than "this group failed" (Celery's soft time limit
-# derives from Exception; the worker recognises it by name in `error`).
-INTERRUPTS = frozenset({"SoftTimeLimitExceeded", "TimeLimitExceeded"})
+from canvasq.decoders.types import (
+    CANCELLED,
+    DecodeBatch,
+    DecodeRequest,
+    DecodeResult,
+    ForwardTrace,
+    Interrupted,
+)
 
 
 class OfficialDecoder:
@@ -47,7 +50,9 @@ class OfficialDecoder:
         self.bundle = bundle
         self.config = config or OfficialConfig()
 
-    def decode(self, batch: DecodeBatch, should_stop=None) -> list[DecodeResult]:
+    def decode(
+        self, batch: DecodeBatch, should_stop=None, interrupts: tuple[type[BaseException], ...] = ()
+    ) -> list[DecodeResult]:
         import torch
 
         bundle, C = self.bundle, self.bundle.canvas_length
@@ -63,7 +68,6 @@ class OfficialDecoder:
         model = model_with_experts(bundle.hf_model, self.config.experts)
         self._pass_base = 0
         cancelled = False
-        interrupted: str | None = None  # a time limit hit inside one group ends the others too
         # Seeded like a script would be (`torch.manual_seed(seed)` then generate), without disturbing
         # the caller's global RNG.
         devices = [torch.device(bundle.device)] if str(bundle.device).startswith("cuda") else []
@@ -72,24 +76,19 @@ class OfficialDecoder:
             for n_canvases in sorted(groups):
                 idx = groups[n_canvases]
                 reqs = [batch.requests[i] for i in idx]
-                if cancelled or interrupted:
+                if cancelled:
                     for i, r in zip(idx, reqs):
-                        results[i] = (
-                            error_result(r, interrupted, self.name)
-                            if interrupted
-                            else error_result(r, CANCELLED, self.name, CANCELLED)
-                        )
+                        results[i] = error_result(r, CANCELLED, self.name, CANCELLED)
                     continue
                 try:
                     out = self._generate_group(model, reqs, n_canvases, should_stop)
                 except Cancelled:
                     cancelled = True
                     out = [error_result(r, CANCELLED, self.name, CANCELLED) for r in reqs]
+                except interrupts as exc:  # the caller's time limit: hand back the groups that finished
+                    raise Interrupted(exc, [res for res in results.values() if not res.error]) from exc
                 except Exception as exc:  # noqa: BLE001 — a failed group fails its rows, never the whole batch
-                    msg = f"{type(exc).__name__}: {exc}"
-                    if type(exc).__name__ in INTERRUPTS:
-                        interrupted = msg
-                    out = [error_result(r, msg, self.name) for r in reqs]
+                    out = [error_result(r, f"{type(exc).__name__}: {exc}", self.name) for r in reqs]
                 for i, res in zip(idx, out):
                     results[i] = res
         return [results[i] for i in range(len(batch.requests))]

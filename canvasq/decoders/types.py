@@ -63,3 +63,12 @@ class DecodeResult:
 
 
 CANCELLED = "cancelled"  # `error` and `finish_reason` of rows stopped by `should_stop`
+
+
+class Interrupted(Exception):
+    """One of the caller's `interrupts` (the worker's soft time limit) hit the decode. Raised from it;
+    `cause` is that exception, `done` the rows that had finished without error before it."""
+
+    def __init__(self, cause: BaseException, done: list[DecodeResult]):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause, self.done = cause, done

@@ -24,7 +24,7 @@ from typing import Any
 
 from canvasq.api.settings import Settings, get_settings, model_name
 from canvasq.api.store import ResultRecord, Store, retry_transient
-from canvasq.decoders.types import CANCELLED, DecodeBatch, DecodeRequest, DecodeResult
+from canvasq.decoders.types import CANCELLED, DecodeBatch, DecodeRequest, DecodeResult, Interrupted
 from canvasq.worker import faults
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,8 @@ class ChunkRuntime:
         self.device = os.environ.get("CUDA_VISIBLE_DEVICES") or "cpu"
         self.stop_poll_s = stop_poll_s  # how often should_stop re-reads the run's status
         # Exceptions that end the chunk instead of erroring a batch (the Celery task sets its soft
-        # time limit here; this module never imports Celery).
+        # time limit here; this module never imports Celery). Passed to the decoders, which raise
+        # `Interrupted` from one instead of turning it into row errors.
         self.interrupts: tuple[type[BaseException], ...] = ()
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
@@ -207,6 +208,8 @@ class ChunkRuntime:
             try:  # a tokenizer failure errors this row only
                 ids = bundle.encode_prompt(r["prompt"], r["task"])
                 reqs.append(DecodeRequest(r["custom_id"], list(ids), r["max_tokens"], r["task"]))
+            except self.interrupts:
+                raise
             except Exception as exc:
                 records.append(ResultRecord(r["custom_id"], status="errored", error_code="tokenizer_error",
                                             error_message=f"{type(exc).__name__}: {exc}", decoder=decoder))
@@ -215,7 +218,13 @@ class ChunkRuntime:
             try:
                 faults.before_decode(q.custom_id for q in reqs)  # inert unless CANVASQ_TEST_* is set
                 results = self.decode_fn(bundle, DecodeBatch(reqs, seed=self.settings.seed), decoder,
-                                         should_stop=should_stop, routing=self.settings.routing or None)
+                                         should_stop=should_stop, routing=self.settings.routing or None,
+                                         interrupts=self.interrupts)
+            except Interrupted as cut:  # keep the finished rows; the task abandons the rest of the chunk
+                share = (time.perf_counter() - t0) * 1000 / len(reqs)
+                done = [result_record(res, share, decoder) for res in cut.done]
+                retry_transient(lambda: self.store.write_results(run_id, records + done, self.worker_id))
+                raise cut.cause from None
             except self.interrupts:
                 raise
             except Exception as exc:  # deterministic per-batch failure → errored rows, never a retry storm
@@ -223,14 +232,6 @@ class ChunkRuntime:
                 results = [DecodeResult(q.custom_id, [], "", "error", len(q.prompt_ids), 0,
                                         error=f"{type(exc).__name__}: {exc}") for q in reqs]
             share = (time.perf_counter() - t0) * 1000 / len(reqs)
-            # The decoders turn any exception inside a step into row errors, Celery's soft time limit
-            # too: spot it by name, keep the rows that finished and let the task abandon the chunk.
-            names = {t.__name__ for t in self.interrupts}
-            cut = [res for res in results if res.error and res.error.split(":", 1)[0] in names]
-            if cut:
-                done = [result_record(res, share, decoder) for res in results if not res.error]
-                retry_transient(lambda: self.store.write_results(run_id, records + done, self.worker_id))
-                raise self.interrupts[0](cut[0].error)
             records += [result_record(res, share, decoder) for res in results]
         return retry_transient(lambda: self.store.write_results(run_id, records, self.worker_id))
 

@@ -46,3 +46,17 @@ def trained_testbed() -> bool:
     if not (TESTBED_DIR / "config.json").exists():
         return False
     return any(TESTBED_DIR.glob("train_report*.json"))
+
+
+def stop_that_raises(exc_type: type[BaseException]):
+    """A `should_stop` that counts its calls (`calls["n"]`) and raises `exc_type()` at call number
+    `calls["limit_at"]` (None: never), the way a signal-driven time limit fires between forwards."""
+    calls = {"n": 0, "limit_at": None}
+
+    def should_stop() -> bool:
+        calls["n"] += 1
+        if calls["n"] == calls["limit_at"]:
+            raise exc_type()
+        return False
+
+    return should_stop, calls

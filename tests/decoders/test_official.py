@@ -1,9 +1,11 @@
 """`official`: HF generate() unchanged, observed for traces, seeded, max_tokens respected."""
 
+import pytest
 import torch
-from helpers import tiny_bundle
+from celery.exceptions import SoftTimeLimitExceeded
+from helpers import stop_that_raises, tiny_bundle
 
-from canvasq.decoders import CANCELLED, DecodeBatch, DecodeRequest, run_batch
+from canvasq.decoders import CANCELLED, DecodeBatch, DecodeRequest, Interrupted, run_batch
 
 STEPS = {"max_denoising_steps": 3}
 
@@ -83,6 +85,26 @@ def test_cancellation_polled_between_forwards():
     assert "forward" not in b.hf_model.model.encoder.__dict__
 
 
+def test_time_limit_inside_generate_hands_back_finished_groups():
+    """The worker's soft time limit fires inside HF generate (here: at the last poll of a run): with
+    it in `interrupts` the batch ends in `Interrupted` holding the groups that finished; without, it
+    is an ordinary failure of the group it hit."""
+    b = tiny_bundle()
+    should_stop, calls = stop_that_raises(SoftTimeLimitExceeded)
+
+    full = run_batch(b, _batch(0), overrides=STEPS, should_stop=should_stop)
+    calls.update(limit_at=calls["n"], n=0)
+    with pytest.raises(Interrupted) as info:
+        run_batch(b, _batch(0), overrides=STEPS, should_stop=should_stop, interrupts=(SoftTimeLimitExceeded,))
+    assert isinstance(info.value.cause, SoftTimeLimitExceeded)
+    # "b" needs one canvas: its group ran first; the last poll falls in the group of "a" and "c"
+    assert [(r.custom_id, r.token_ids) for r in info.value.done] == [("b", full[1].token_ids)]
+    calls["n"] = 0
+    res = run_batch(b, _batch(0), overrides=STEPS, should_stop=should_stop)
+    errors = [r.error for r in res]
+    assert errors[1] is None and errors[0] == errors[2] and errors[0].startswith("SoftTimeLimitExceeded")
+
+
 def test_w4_arm_is_a_flag_and_leaves_bf16_untouched():
     b = tiny_bundle()
     before = b.hf_model.model.decoder.layers[0].experts.gate_up_proj.clone()
@@ -103,10 +125,11 @@ def test_w4_arm_is_a_flag_and_leaves_bf16_untouched():
 
 
 def test_time_limit_inside_one_group_ends_the_batch():
-    """Celery's soft time limit derives from Exception: it must not be swallowed group by group."""
+    """Celery's soft time limit derives from Exception: listed in `interrupts` it is recognised by its
+    type and ends the batch at the first group it hits, not swallowed group by group."""
     b = tiny_bundle()
 
-    class SoftTimeLimitExceeded(Exception):
+    class TimeLimit(Exception):
         pass
 
     calls = {"n": 0}
@@ -114,15 +137,18 @@ def test_time_limit_inside_one_group_ends_the_batch():
 
     def boom(*a, **k):
         calls["n"] += 1
-        raise SoftTimeLimitExceeded("soft limit")
+        raise TimeLimit("soft limit")
 
     b.hf_model.generate = boom
-    try:
-        res = run_batch(b, _batch(0), overrides=STEPS)  # three requests, three canvas groups
+    try:  # three requests, two canvas groups
+        with pytest.raises(Interrupted) as info:
+            run_batch(b, _batch(0), overrides=STEPS, interrupts=(TimeLimit,))
+        assert calls["n"] == 1 and info.value.done == [] and isinstance(info.value.cause, TimeLimit)
+        plain = run_batch(b, _batch(0), overrides=STEPS)  # not an interrupt: each group fails alone
+        assert calls["n"] == 1 + 2
     finally:
         b.hf_model.generate = real
-    assert calls["n"] == 1
-    assert all(r.error == "SoftTimeLimitExceeded: soft limit" for r in res)
+    assert all(r.error == "TimeLimit: soft limit" for r in plain)
 
 
 def test_pass_indices_are_distinct_across_canvas_groups():

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-from helpers import tiny_bundle
+from celery.exceptions import SoftTimeLimitExceeded
+from helpers import stop_that_raises, tiny_bundle
 
-from canvasq.decoders import CANCELLED, DecodeBatch, DecodeRequest, run_batch
+from canvasq.decoders import CANCELLED, DecodeBatch, DecodeRequest, Interrupted, run_batch
 from canvasq.decoders.registry import UnknownDecoder, make_decoder
 
 
@@ -176,6 +177,57 @@ def test_cancellation(bundle):
 
     res = run_batch(bundle, _batch(0), decoder="funnel", should_stop=stop)
     assert all(r.error == CANCELLED and r.finish_reason == CANCELLED for r in res)
+
+
+def _limit_at_step(dec, n: int | None) -> dict:
+    """Fault injection: the worker's soft time limit fires inside `dec`'s n-th step (None: never).
+    Returns the step counter."""
+    orig, steps = dec.step, {"n": 0}
+
+    def step(live):
+        steps["n"] += 1
+        if steps["n"] == n:
+            raise SoftTimeLimitExceeded()
+        return orig(live)
+
+    dec.step = step
+    return steps
+
+
+@pytest.mark.parametrize("name", ["pipe", "funnel"])
+def test_time_limit_inside_a_step_hands_back_finished_rows(bundle, name):
+    def batch():
+        return DecodeBatch([DecodeRequest("short", [2, 9, 4], 4), DecodeRequest("long", [2, 5, 6, 7, 4], 40)])
+
+    steps = _limit_at_step(dec := make_decoder(name, bundle), None)
+    full = dec.decode(batch())
+    _limit_at_step(dec := make_decoder(name, bundle), steps["n"])  # the last step
+    res = dec.decode(batch())  # not an interrupt: the rows of the failed forward error, the rest stand
+    finished = [r.custom_id for r in res if r.error is None]
+    assert len(finished) == 1 and all(r.error.startswith("SoftTimeLimitExceeded") for r in res if r.error)
+    _limit_at_step(dec := make_decoder(name, bundle), steps["n"])
+    with pytest.raises(Interrupted) as info:
+        dec.decode(batch(), interrupts=(SoftTimeLimitExceeded,))
+    assert isinstance(info.value.cause, SoftTimeLimitExceeded)
+    assert [(r.custom_id, r.token_ids, r.forwards) for r in info.value.done] == [
+        (r.custom_id, r.token_ids, r.forwards) for r in full if r.custom_id in finished
+    ]
+
+
+def test_time_limit_in_a_later_sub_batch_keeps_the_earlier_ones(bundle):
+    """`auto` splits by task (math → funnel, code → pipe); the limit fires at the last poll, inside
+    the pipe sub-batch: the finished funnel row comes back with the interrupt."""
+    batch = DecodeBatch(
+        [DecodeRequest("m", [2, 9, 4], 8, "math"), DecodeRequest("c", [2, 5, 6, 4], 8, "code")]
+    )
+    should_stop, calls = stop_that_raises(SoftTimeLimitExceeded)
+
+    full = run_batch(bundle, batch, decoder="auto", should_stop=should_stop)
+    assert [r.decoder for r in full] == ["funnel", "pipe"]
+    calls.update(limit_at=calls["n"], n=0)
+    with pytest.raises(Interrupted) as info:
+        run_batch(bundle, batch, decoder="auto", should_stop=should_stop, interrupts=(SoftTimeLimitExceeded,))
+    assert [(r.custom_id, r.token_ids) for r in info.value.done] == [("m", full[0].token_ids)]
 
 
 def test_unknown_names_fail_loudly(bundle):

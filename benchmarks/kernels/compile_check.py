@@ -39,6 +39,7 @@ R = importlib.import_module("canvasq.kernels.rmsnorm")
 S = importlib.import_module("canvasq.kernels.softmax_argmax")
 K = importlib.import_module("canvasq.kernels.moe.kernels")
 NF = importlib.import_module("canvasq.kernels.norm_fused")
+SC = importlib.import_module("canvasq.kernels.softcap")
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -161,8 +162,13 @@ def other_kernels():
         "combine",
         compile_kernel(
             c,
-            {**_ptrs(c, overrides={"w_ptr": "*fp32"}), "H": "i32", "stride_ym": "i32", "stride_ot": "i32"},
-            {"TOP_K": 8, "BLOCK_N": 1024},
+            {
+                **_ptrs(c, overrides={"w_ptr": "*fp32", "ids_ptr": "*i64"}),
+                "H": "i32",
+                "stride_ym": "i32",
+                "stride_ot": "i32",
+            },
+            {"TOP_K": 8, "K_P2": 8, "RENORM": True, "BLOCK_N": 1024},
             {"y_tk_ptr", "out_ptr", "H", "stride_ym", "stride_ot"},
             4,
             1,
@@ -203,22 +209,34 @@ def other_kernels():
             1,
         ),
     )
+    sc = SC._softcap_kernel
+    yield (
+        "softcap",
+        compile_kernel(
+            sc,
+            {"x_ptr": "*bf16", "y_ptr": "*fp32", "n": "i32", "inv_cap": "fp32", "cap": "fp32"},
+            {"BLOCK": 4096, "INTERPRETED": False},
+            {"x_ptr", "y_ptr"},
+            8,
+            1,
+            SC.NO_FP_FUSION,
+        ),
+    )
     r = R._rms_norm_kernel
     yield (
         "rms_norm",
         compile_kernel(
             r,
             {
-                "x_ptr": "*bf16",
-                "w_ptr": "*bf16",
-                "y_ptr": "*bf16",
+                **_ptrs(r),
                 "R": "i32",
                 "D": "i32",
                 "stride_x": "i32",
                 "stride_y": "i32",
                 "eps": "fp32",
+                "post_scalar": "fp32",
             },
-            {"HAS_WEIGHT": True, "BLOCK_R": 1, "BLOCK_D": 4096},
+            {"HAS_WEIGHT": True, "HAS_POST": False, "BLOCK_R": 1, "BLOCK_D": 4096},
             {"x_ptr", "w_ptr", "y_ptr", "D", "stride_x", "stride_y"},
             8,
             1,
@@ -237,9 +255,18 @@ def other_kernels():
                     "stride_xn": "i32",
                     "stride_xh": "i32",
                     "stride_cn": "i32",
+                    "stride_ya": "i32",
+                    "stride_yh": "i32",
+                    "stride_yb": "i32",
                     "eps": "fp32",
                 },
-                {"HALF": half, "HAS_WEIGHT": True, "HAS_ROPE": True, "BLOCK_R": 4096 // (2 * half)},
+                {
+                    "HALF": half,
+                    "HAS_WEIGHT": True,
+                    "HAS_ROPE": True,
+                    "SCATTER": True,
+                    "BLOCK_R": 4096 // (2 * half),
+                },
                 {"x_ptr", "w_ptr", "cos_ptr", "sin_ptr", "y_ptr", "stride_xn", "stride_xh", "stride_cn"},
                 4,
                 1,

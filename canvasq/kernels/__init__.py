@@ -5,6 +5,8 @@
 - `rms_norm(x, weight, eps)`: DiffusionGemma RMSNorm (`weight=None` for the with_scale=False norm).
 - `rms_norm_rope(x, weight, cos, sin)` / `add_rms_norm(x, weight, residual, x2, scale)`: the q/k
   norm + RoPE and the residual-update norms of a layer, one launch each (`norm_fused.py`).
+- `rms_norm_scaled(x, post, scalar)`: the router input, norm(x) * scale * scalar in one launch.
+- `softcap_logits(x, cap)`: the LM head's fp32 cast + final soft cap in one pass (`softcap.py`).
 - `softmax_argmax(logits, temperature)`: (max-prob confidence, argmax, entropy) per row.
 - `fuse_qkv_weights` / `qkv_proj`: one GEMM for q, k, v after the LoRA merge.
 
@@ -27,7 +29,8 @@ from .moe import (
 )
 from .norm_fused import add_rms_norm, add_rms_norm_reference, rms_norm_rope, rms_norm_rope_reference
 from .qkv import FusedQKV, fuse_attention_module, fuse_qkv_weights, qkv_proj, qkv_proj_reference
-from .rmsnorm import rms_norm, rms_norm_reference
+from .rmsnorm import rms_norm, rms_norm_reference, rms_norm_scaled, rms_norm_scaled_reference
+from .softcap import softcap_logits, softcap_reference
 from .softmax_argmax import softmax_argmax, softmax_argmax_reference
 
 __all__ = [
@@ -48,7 +51,11 @@ __all__ = [
     "rms_norm_reference",
     "rms_norm_rope",
     "rms_norm_rope_reference",
+    "rms_norm_scaled",
+    "rms_norm_scaled_reference",
     "save_packed",
+    "softcap_logits",
+    "softcap_reference",
     "softmax_argmax",
     "softmax_argmax_reference",
     "unpack_w4",

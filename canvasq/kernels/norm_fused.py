@@ -22,6 +22,8 @@ the PTX holds no half-precision FMA.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -30,6 +32,29 @@ from ._dispatch import auto_triton
 from .rmsnorm import rms_norm_reference
 
 NO_FP_FUSION = {"enable_fp_fusion": False}  # launch option: keep every rounding where it is written
+
+
+@dataclass(frozen=True)
+class Scatter:
+    """Where `rms_norm_rope` writes row n, head h: `dst[a[n], h, b[n], :]` of a 4-D `dst` whose
+    last dim is contiguous. The runtime points it at a layer's arena K/V ([slots, kv, capacity, d],
+    a = slot, b = entry) and at the attention's folded queries ([B, heads, Rmax, d], a = window,
+    b = row), so neither needs a separate copy or index_put."""
+
+    dst: torch.Tensor
+    a: torch.Tensor  # [N] int
+    b: torch.Tensor  # [N] int
+
+    def check(self, n: int, heads: int, d: int, dtype: torch.dtype) -> None:
+        if self.dst.dim() != 4 or self.dst.shape[1] != heads or self.dst.shape[3] != d:
+            raise ValueError(f"scatter target {tuple(self.dst.shape)} does not take [{n}, {heads}, {d}] rows")
+        if (
+            self.dst.stride(-1) != 1
+            or self.dst.dtype != dtype
+            or self.a.shape != (n,)
+            or self.b.shape != (n,)
+        ):
+            raise ValueError("scatter target needs a contiguous last dim, the rows' dtype and [N] indices")
 
 
 @triton.jit
@@ -45,18 +70,26 @@ def _rms_norm_rope_kernel(
     cos_ptr,
     sin_ptr,
     y_ptr,
+    a_ptr,
+    b_ptr,
     R,
     HEADS,
     stride_xn,
     stride_xh,
     stride_cn,
+    stride_ya,
+    stride_yh,
+    stride_yb,
     eps,
     HALF: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_ROPE: tl.constexpr,
+    SCATTER: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """One program: BLOCK_R (row, head) vectors of width 2 * HALF, read as their two halves."""
+    """One program: BLOCK_R (row, head) vectors of width 2 * HALF, read as their two halves.
+    Row n, head h goes to y + n*stride_ya + h*stride_yh, or with SCATTER to
+    y + a[n]*stride_ya + h*stride_yh + b[n]*stride_yb (an arena slot/entry, a folded query layout)."""
     DT: tl.constexpr = y_ptr.dtype.element_ty
     idx = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = idx < R
@@ -86,7 +119,13 @@ def _rms_norm_rope_kernel(
             _rt(_rt(x1 * c1, DT) + _rt(-x2 * s1, DT), DT),
             _rt(_rt(x2 * c2, DT) + _rt(x1 * s2, DT), DT),
         )
-    out = y_ptr + idx.to(tl.int64)[:, None] * (2 * HALF) + cols[None, :]
+    if SCATTER:
+        ra = tl.load(a_ptr + row, mask=live, other=0).to(tl.int64)
+        rb = tl.load(b_ptr + row, mask=live, other=0).to(tl.int64)
+        dst = ra * stride_ya + head * stride_yh + rb * stride_yb
+    else:
+        dst = row * stride_ya + head * stride_yh
+    out = y_ptr + dst[:, None] + cols[None, :]
     tl.store(out, x1.to(y_ptr.dtype.element_ty), mask=m)
     tl.store(out + HALF, x2.to(y_ptr.dtype.element_ty), mask=m)
 
@@ -126,10 +165,17 @@ def _add_rms_norm_kernel(
 
 
 # --- launchers ---------------------------------------------------------------------------------------
-def rms_norm_rope_launch(x, weight, cos, sin, eps: float) -> torch.Tensor:
+def rms_norm_rope_launch(x, weight, cos, sin, eps: float, out: Scatter | None = None) -> torch.Tensor:
     n, heads, d = x.shape
     assert x.stride(-1) == 1 and d % 2 == 0 and triton.next_power_of_2(d) == d, x.shape
-    y = torch.empty(n, heads, d, dtype=x.dtype, device=x.device)
+    if out is None:
+        y = torch.empty(n, heads, d, dtype=x.dtype, device=x.device)
+        a = b = None
+        strides = (heads * d, d, 0)
+    else:
+        out.check(n, heads, d, x.dtype)
+        y, a, b = out.dst, out.a, out.b
+        strides = (y.stride(0), y.stride(1), y.stride(2))
     rope = cos is not None
     if rope:
         assert cos.shape == sin.shape == (n, d) and cos.stride() == sin.stride() and cos.stride(-1) == 1
@@ -142,15 +188,19 @@ def rms_norm_rope_launch(x, weight, cos, sin, eps: float) -> torch.Tensor:
             cos if rope else x,
             sin if rope else x,
             y,
+            a if out is not None else y,
+            b if out is not None else y,
             r,
             heads,
             x.stride(0),
             x.stride(1),
             cos.stride(0) if rope else 0,
+            *strides,
             float(eps),
             HALF=d // 2,
             HAS_WEIGHT=weight is not None,
             HAS_ROPE=rope,
+            SCATTER=out is not None,
             BLOCK_R=block_r,
             num_warps=4,
             **NO_FP_FUSION,
@@ -194,10 +244,17 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return x * cos[:, None] + rot * sin[:, None]
 
 
-def rms_norm_rope_reference(x, weight, cos, sin, eps: float = 1e-6) -> torch.Tensor:
+def rms_norm_rope_reference(
+    x, weight, cos, sin, eps: float = 1e-6, out: Scatter | None = None
+) -> torch.Tensor:
     """HF: q/k norm (fp32, cast), then x * cos + rotate_half(x) * sin in the model dtype."""
     y = rms_norm_reference(x, weight, eps)
-    return y.contiguous() if cos is None else rope_reference(y, cos, sin)
+    y = y.contiguous() if cos is None else rope_reference(y, cos, sin)
+    if out is None:
+        return y
+    out.check(*y.shape, y.dtype)
+    out.dst[out.a, :, out.b] = y
+    return out.dst
 
 
 def add_rms_norm_reference(x, weight, residual, x2=None, scale=None, eps: float = 1e-6) -> torch.Tensor:
@@ -207,15 +264,18 @@ def add_rms_norm_reference(x, weight, residual, x2=None, scale=None, eps: float 
 
 
 # --- public ---------------------------------------------------------------------------------------------
-def rms_norm_rope(x, weight, cos=None, sin=None, eps: float = 1e-6, impl: str = "auto") -> torch.Tensor:
-    """x [N, h, d] (last dim contiguous), weight [d] or None, cos/sin [N, d] or None -> [N, h, d]."""
+def rms_norm_rope(
+    x, weight, cos=None, sin=None, eps: float = 1e-6, impl: str = "auto", out: Scatter | None = None
+) -> torch.Tensor:
+    """x [N, h, d] (last dim contiguous), weight [d] or None, cos/sin [N, d] or None -> [N, h, d],
+    or, with `out`, written into `out.dst` at (out.a[n], h, out.b[n]) and `out.dst` returned."""
     if impl == "auto":
         impl = "triton" if auto_triton(x, _rms_norm_rope_kernel) else "torch"
     d = x.shape[-1]
     if impl == "triton" and d % 2 == 0 and triton.next_power_of_2(d) == d:
-        return rms_norm_rope_launch(x, weight, cos, sin, eps)
+        return rms_norm_rope_launch(x, weight, cos, sin, eps, out)
     if impl in ("triton", "torch"):  # the kernel reads power-of-two halves: other head dims use the twin
-        return rms_norm_rope_reference(x, weight, cos, sin, eps)
+        return rms_norm_rope_reference(x, weight, cos, sin, eps, out)
     raise ValueError(f"unknown impl {impl!r}")
 
 

@@ -65,9 +65,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from canvasq.kernels.norm_fused import add_rms_norm_reference, rms_norm_rope_reference
+from canvasq.kernels.moe.reference import route_weights
+from canvasq.kernels.norm_fused import Scatter, add_rms_norm_reference, rms_norm_rope_reference
 from canvasq.kernels.norm_fused import rope_reference as rotate  # noqa: F401 (the runtime's RoPE twin)
 from canvasq.kernels.rmsnorm import rms_norm_reference as rms_norm  # HF's RMSNorm, op for op
+from canvasq.kernels.rmsnorm import rms_norm_scaled, rms_norm_scaled_reference
+from canvasq.kernels.softcap import softcap_logits
 from canvasq.model.arena import Captured, KVArena
 from canvasq.model.experts import gelu_tanh, grouped_mm_available, moe_grouped, moe_reference
 
@@ -226,15 +229,19 @@ class Runtime:
         # order (the torch twins) elsewhere
         self.kernels = self.device.type == "cuda" if kernels is None else kernels
         self._norm: Callable = rms_norm
+        self._norm_scaled: Callable = rms_norm_scaled_reference
         self._norm_rope: Callable = rms_norm_rope_reference
         self._add_norm: Callable = add_rms_norm_reference
+        self._softcap: Callable = functools.partial(softcap_logits, impl="torch")
         if self.kernels:
             from canvasq.kernels.norm_fused import add_rms_norm_launch, rms_norm_rope
             from canvasq.kernels.rmsnorm import rms_norm as fused_rms_norm
 
             self._norm = fused_rms_norm
+            self._norm_scaled = functools.partial(rms_norm_scaled, impl="triton")
             self._norm_rope = functools.partial(rms_norm_rope, impl="triton")  # twin for odd head dims
             self._add_norm = add_rms_norm_launch
+            self._softcap = functools.partial(softcap_logits, impl="triton")
         _fuse_projections(enc_layers + dec_layers)
         self.prefix_attention = True  # mask-free SDPA when the mask is all-visible (eager forwards)
         self.scope: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
@@ -411,6 +418,8 @@ class Runtime:
         prep.cos_sin = {
             sl: self._rope(prep.pos, inv, self.rope_scaling[sl]) for sl, inv in self.inv_freq.items()
         }
+        if prep.capture is not None:  # arena entries of the captured rows
+            prep.cap_slot, prep.cap_col = prep.row_slot[prep.capture], prep.row_col[prep.capture]
         h = self._embed(prep)
         cap_k: list[torch.Tensor] = []
         cap_v: list[torch.Tensor] = []
@@ -422,9 +431,7 @@ class Runtime:
             return None, cap_k, cap_v
         with self.scope("lm_head"):
             h = self._norm(h, self.final_norm, self.eps)
-            logits = F.linear(h, self.lm_head).float()  # [N, V] fp32, like HF
-            if self.softcap:  # in place: [N, V] fp32 is the largest activation of the forward
-                logits = logits.div_(self.softcap).tanh_().mul_(self.softcap)
+            logits = self._softcap(F.linear(h, self.lm_head), self.softcap)  # [N, V] fp32, like HF
         return logits, cap_k, cap_v
 
     def _split_captured(self, prep: _Prepared, cap_k, cap_v) -> list[Captured | None]:
@@ -484,15 +491,27 @@ class Runtime:
             qkv = F.linear(x, lw.wqkv)  # [N, nq + nk (+ nk)]; q, k, v are column views of it
             k_raw = qkv[:, nq : nq + nk].view(n, lw.kv_heads, d)
             v = qkv[:, nq + nk :].view(n, lw.kv_heads, d) if lw.wv is not None else k_raw
-            k = self._norm_rope(k_raw, lw.k_norm, cos, sin, eps)  # k-norm + RoPE, one launch on CUDA
-            v = self._norm_rope(v, None, None, None, eps)
-            prep.arena.write_rows(i, prep.row_slot, prep.row_col, k, v)
+            # k-norm + RoPE and the v-norm write straight into the rows' arena entries (one launch
+            # each on CUDA, no index_put)
+            arena_k, arena_v = prep.arena.k[i], prep.arena.v[i]
+            self._norm_rope(
+                k_raw, lw.k_norm, cos, sin, eps, out=Scatter(arena_k, prep.row_slot, prep.row_col)
+            )
+            self._norm_rope(v, None, None, None, eps, out=Scatter(arena_v, prep.row_slot, prep.row_col))
             if prep.capture is not None:
-                cap_k.append(k.index_select(0, prep.capture))
-                cap_v.append(v.index_select(0, prep.capture))
+                cap_k.append(arena_k[prep.cap_slot, :, prep.cap_col])
+                cap_v.append(arena_v[prep.cap_slot, :, prep.cap_col])
             if kv_only:  # the encoder's last layer: only its K/V are ever read
                 return h
-            q = self._norm_rope(qkv[:, :nq].view(n, lw.heads, d), lw.q_norm, cos, sin, eps)
+            # q-norm + RoPE written in the attention's folded layout [B, h, Rmax, d] (no permute copy)
+            q = self._norm_rope(
+                qkv[:, :nq].view(n, lw.heads, d),
+                lw.q_norm,
+                cos,
+                sin,
+                eps,
+                out=prep.ctx.query_target(lw.heads, d, h.dtype),
+            )
             a = prep.ctx.attend(i, prep.arena, q, lw.sliding)  # [N, h*d]
             a = F.linear(a, lw.wo)
             h = self._add_norm(a, lw.ln_post_attn, h, None, None, eps)  # h + norm(a)
@@ -503,25 +522,29 @@ class Runtime:
             m = F.linear(gelu_tanh(g) * u, lw.mlp_down)
             m = self._norm(m, lw.ln_post_ff1, eps)
         with self.scope("experts"):  # router + routed experts + their norms
-            r = self._norm(h, None, eps) * lw.router_scale * (self.hidden_size**-0.5)
+            r = self._norm_scaled(h, lw.router_scale, self.hidden_size**-0.5, eps)  # norm(h) * scale * H^-.5
             probs = torch.softmax(F.linear(r, lw.router_proj), dim=-1, dtype=torch.float32)
-            topk_w, topk_ids = torch.topk(probs, k=self.top_k, dim=-1)
-            topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
-            topk_w = topk_w * lw.per_expert_scale[topk_ids]
-            e = self._moe(self._norm(h, lw.ln_pre_ff2, eps), topk_ids, topk_w, lw)
+            topk_p, topk_ids = torch.topk(probs, k=self.top_k, dim=-1)
+            # each implementation applies the router epilogue (`route_weights`) itself: W4 in its combine
+            e = self._moe(self._norm(h, lw.ln_pre_ff2, eps), topk_ids, topk_p, lw)
             e = self._norm(e, lw.ln_post_ff2, eps)
         return self._add_norm(m, lw.ln_post_ff, h, e, lw.layer_scalar, eps)  # (h + norm(m + e)) * scalar
 
-    def _moe_reference(self, x, topk_ids, topk_w, lw: LayerWeights):
-        return moe_reference(x, topk_ids, topk_w, lw.gate_up, lw.down)
+    # the three take the router's raw top-k probabilities
+    def _moe_reference(self, x, topk_ids, topk_p, lw: LayerWeights):
+        return moe_reference(
+            x, topk_ids, route_weights(topk_p, topk_ids, lw.per_expert_scale), lw.gate_up, lw.down
+        )
 
-    def _moe_grouped(self, x, topk_ids, topk_w, lw: LayerWeights):
-        return moe_grouped(x, topk_ids, topk_w, lw.gate_up, lw.down)
+    def _moe_grouped(self, x, topk_ids, topk_p, lw: LayerWeights):
+        return moe_grouped(
+            x, topk_ids, route_weights(topk_p, topk_ids, lw.per_expert_scale), lw.gate_up, lw.down
+        )
 
-    def _moe_w4(self, x, topk_ids, topk_w, lw: LayerWeights):
+    def _moe_w4(self, x, topk_ids, topk_p, lw: LayerWeights):
         from canvasq.kernels.moe import w4_moe
 
-        return w4_moe(x, topk_ids, topk_w, lw.experts_packed)
+        return w4_moe(x, topk_ids, topk_p, lw.experts_packed, expert_scale=lw.per_expert_scale)
 
 
 @dataclass
@@ -541,6 +564,8 @@ class _Prepared:
     cap_owner: list[tuple[int, int]]  # (window, count) per window with captures
     arena: KVArena
     cos_sin: dict = field(default_factory=dict)  # filled by _run
+    cap_slot: torch.Tensor | None = None  # [n_cap] arena slot / entry of each captured row (by _run)
+    cap_col: torch.Tensor | None = None
     static: bool = False  # replayed as a CUDA graph: no host sync, masks always applied
     prefix_attention: bool | None = None  # per-forward override of Runtime.prefix_attention
 
@@ -642,11 +667,21 @@ class _AttnContext:
             )
         return self._folded[key]
 
+    def query_target(self, heads: int, d: int, dtype: torch.dtype) -> Scatter:
+        """Where the q-norm + RoPE puts the window rows' queries: [B, h, Rmax, d], row r of window b
+        at [b, :, r] (padding rows zero). Viewed as [B, kv, g*Rmax, d] that is the folded GQA layout
+        `attend` hands to SDPA."""
+        nb = self.hi.shape[0]
+        make = torch.empty if self.dense else torch.zeros
+        dst = make(nb, heads, self.rmax, d, dtype=dtype, device=self.hi.device)
+        return Scatter(dst, self.b_idx, self.r_idx)
+
     def attend(self, layer: int, arena: KVArena, q: torch.Tensor, sliding: bool) -> torch.Tensor:
-        """q: [N, h, d] -> [N, h*d]. GQA is folded into the query rows (the g query heads of a KV
-        head become g*Rmax rows against that head's keys), so K/V are read in place, never repeated."""
-        n, heads, d = q.shape
-        nb = self.masks[sliding].shape[0]
+        """q: [B, h, Rmax, d] (`query_target`) -> [N, h*d]. GQA is folded into the query rows (the g
+        query heads of a KV head become g*Rmax rows against that head's keys), so K/V are read in
+        place, never repeated."""
+        nb, heads, _, d = q.shape
+        n = self.b_idx.numel()
         if self.contiguous:
             s0 = int(self.first)
             k = arena.k[layer][s0 : s0 + nb, :, : self.lmax]
@@ -656,12 +691,7 @@ class _AttnContext:
             v = arena.v[layer][self.slots, :, : self.lmax]
         kvh = k.shape[1]
         g = heads // kvh
-        if self.dense:
-            qp = q.view(nb, self.rmax, heads, d)
-        else:
-            qp = q.new_zeros(nb, self.rmax, heads, d)
-            qp[self.b_idx, self.r_idx] = q
-        qf = qp.view(nb, self.rmax, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(nb, kvh, g * self.rmax, d)
+        qf = q.view(nb, kvh, g * self.rmax, d)
         mask = None if self.maskfree[sliding] else self._mask(sliding, g, q.dtype)
         o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=1.0)
         o = o.view(nb, kvh, g, self.rmax, d).permute(0, 3, 1, 2, 4).reshape(nb, self.rmax, heads, d)

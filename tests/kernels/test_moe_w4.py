@@ -20,6 +20,7 @@ from canvasq.kernels.moe import (
     w4_moe_reference,
 )
 from canvasq.kernels.moe.quant import max_abs_error_bound
+from canvasq.kernels.moe.reference import route_weights
 
 # kernel vs dequantised twin: same weights, only accumulation order and 16-bit roundings differ
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -205,6 +206,25 @@ def test_public_entry_points():
     assert rel_err(prefetched, ref) < TOL[torch.float32]
     with pytest.raises(ValueError):
         w4_moe(x, ids, w, packed, impl="nope")
+
+
+@pytest.mark.parametrize("K", [3, 8])
+def test_combine_applies_the_router_epilogue(K):
+    """Raw top-k probabilities + expert_scale: the combine renormalises and scales in-kernel, as
+    `route_weights` does in torch (the runtime's twin path), and that changes the result."""
+    T, E, H, I = 7, 9, 128, 64
+    gate_up, down = _experts(E, H, I, torch.float32, seed=5)
+    packed = pack_w4(gate_up, down)
+    x = torch.randn(T, H, device=DEVICE)
+    g = torch.Generator().manual_seed(6)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(DEVICE)
+    p = torch.rand(T, K, generator=g).to(DEVICE) * 0.3  # unnormalised, as topk of a softmax
+    scale = (torch.rand(E, generator=g) + 0.5).to(DEVICE)
+    got = w4_moe(x, ids, p, packed, impl="triton", expert_scale=scale)
+    want = w4_moe_reference(x, ids, route_weights(p, ids, scale), packed)
+    assert rel_err(got, want) < TOL[torch.float32]
+    assert torch.equal(w4_moe(x, ids, p, packed, impl="torch", expert_scale=scale), want)
+    assert rel_err(w4_moe(x, ids, p, packed, impl="triton"), want) > 0.1  # without it: raw weights
 
 
 def test_save_load_roundtrip(tmp_path):

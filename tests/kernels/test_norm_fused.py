@@ -5,6 +5,7 @@ import torch
 from kernel_testutil import DEVICE, DTYPES, poison, rel_err
 
 from canvasq.kernels.norm_fused import (
+    Scatter,
     add_rms_norm,
     add_rms_norm_launch,
     add_rms_norm_reference,
@@ -39,6 +40,29 @@ def test_rms_norm_rope_parity(n, heads, d, dtype, weight, rope):
     assert y.shape == (n, heads, d) and y.is_contiguous() and torch.isfinite(y).all()
     assert rel_err(y, rms_norm_rope_reference(x, w, cos, sin)) < TOL[dtype]
     assert torch.equal(y, rms_norm_rope(x, w, cos, sin, impl="triton")), "deterministic"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rope", [True, False])
+def test_rms_norm_rope_scatter_writes_rows_where_told(dtype, rope):
+    """Scatter into an arena-like [slots, h, capacity, d] target: every (a[n], h, b[n]) entry holds the
+    row's values (bit-equal to the plain launch), every other entry is untouched; the twin agrees."""
+    n, heads, d, slots, cap = 6, 3, 64, 3, 9
+    x = (torch.randn(n, heads, d, device=DEVICE) * 2).to(dtype)
+    w = (torch.randn(d, device=DEVICE) * 0.2 + 1).to(dtype)
+    cos, sin = _rope_tables(n, d, dtype) if rope else (None, None)
+    a = torch.tensor([2, 0, 2, 1, 0, 2], device=DEVICE)
+    b = torch.tensor([0, 5, 8, 3, 4, 1], device=DEVICE)
+    fill = torch.full((slots, heads, cap, d), 7.0, device=DEVICE).to(dtype)
+    plain = rms_norm_rope_launch(x, w, cos, sin, 1e-6)
+    got = rms_norm_rope_launch(x, w, cos, sin, 1e-6, out=Scatter(fill.clone(), a, b))
+    want = fill.clone()
+    want[a, :, b] = plain
+    assert torch.equal(got, want)
+    twin = rms_norm_rope_reference(x, w, cos, sin, out=Scatter(fill.clone(), a, b))
+    assert rel_err(twin, want) < TOL[dtype]
+    with pytest.raises(ValueError, match="does not take"):
+        rms_norm_rope_launch(x, w, cos, sin, 1e-6, out=Scatter(fill[:, :2], a, b))
 
 
 def test_rms_norm_rope_twin_is_the_runtime_formula():

@@ -261,20 +261,32 @@ def _w4_down_kernel(
 def _combine_kernel(
     y_tk_ptr,
     w_ptr,
+    ids_ptr,
+    scale_ptr,
     out_ptr,
     H,
     stride_ym,
     stride_ot,
     TOP_K: tl.constexpr,
+    K_P2: tl.constexpr,
+    RENORM: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """out[t] = sum_k w[t, k] * y_tk[t*K + k], k in fixed order 0..K-1, fp32 accumulation."""
+    """out[t] = sum_k w[t, k] * y_tk[t*K + k], k in fixed order 0..K-1, fp32 accumulation.
+    RENORM (DiffusionGemma's router epilogue, otherwise three torch ops per layer): w are the raw
+    top-k probabilities, used as w[t, k] / sum_k w[t, k] * scale[ids[t, k]] (correctly rounded divide)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < H
+    if RENORM:
+        ks = tl.arange(0, K_P2)
+        total = tl.sum(tl.load(w_ptr + t * TOP_K + ks, mask=ks < TOP_K, other=0.0).to(tl.float32), 0)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k in tl.static_range(TOP_K):
         w = tl.load(w_ptr + t * TOP_K + k).to(tl.float32)
+        if RENORM:
+            e = tl.load(ids_ptr + t * TOP_K + k)
+            w = tl.math.div_rn(w, total) * tl.load(scale_ptr + e).to(tl.float32)
         v = tl.load(y_tk_ptr + (t * TOP_K + k) * stride_ym + offs, mask=mask, other=0.0)
         acc += w * v.to(tl.float32)
     tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)

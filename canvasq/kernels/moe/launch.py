@@ -290,8 +290,10 @@ def w4_moe_launch(
     config: MoeLaunchConfig | None = None,
     out: torch.Tensor | None = None,
     routing: RoutingMeta | None = None,
+    expert_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton path. x [T, H] fp16/bf16/fp32, topk_ids [T, K] int, topk_weights [T, K] -> out [T, H] x.dtype."""
+    """Triton path. x [T, H] fp16/bf16/fp32, topk_ids [T, K] int, topk_weights [T, K] -> out [T, H] x.dtype.
+    `expert_scale` [E]: see `w4_moe`."""
     T, H = x.shape
     K = topk_ids.shape[1]
     E, I = packed.num_experts, packed.inter
@@ -318,34 +320,49 @@ def w4_moe_launch(
     y_tk = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
     launch_down(h, packed, meta, cfg, y_tk)
     bn = min(cfg.combine_block_n, triton.next_power_of_2(H))
+    renorm = expert_scale is not None
+    if renorm:
+        assert expert_scale.shape == (E,) and expert_scale.device == x.device
+    ids = topk_ids.contiguous()
     _k._combine_kernel[(T, triton.cdiv(H, bn))](
         y_tk,
         weights,
+        ids,
+        expert_scale if renorm else weights,
         out,
         H,
         y_tk.stride(0),
         out.stride(0),
         TOP_K=K,
+        K_P2=triton.next_power_of_2(K),
+        RENORM=renorm,
         BLOCK_N=bn,
     )
     return out
 
 
 def w4_moe(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, packed: W4Experts, impl: str = "auto"
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    packed: W4Experts,
+    impl: str = "auto",
+    expert_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts in W4A16: y[t] = sum_k w[t,k] * down_e(act(gate_e(x[t])) * up_e(x[t])), e = ids[t,k].
 
-    x [T, H], topk_ids [T, K], topk_weights [T, K] -> [T, H] in x.dtype. `impl`: "triton", "torch"
+    x [T, H], topk_ids [T, K], topk_weights [T, K] -> [T, H] in x.dtype. With `expert_scale` [E] the
+    weights are the router's raw top-k probabilities and w = p / sum_k p * expert_scale[e]
+    (`route_weights`, DiffusionGemma's router epilogue), applied inside the combine. `impl`: "triton", "torch"
     (the dequantised twin) or "auto" (Triton on CUDA, or on CPU when the kernels were imported under
     TRITON_INTERPRET=1 and it is still set; otherwise the twin; see `canvasq.kernels._dispatch`).
     """
     if impl == "auto":
         impl = "triton" if auto_triton(x, _k._w4_gate_up_kernel) else "torch"
     if impl == "triton":
-        return w4_moe_launch(x, topk_ids, topk_weights, packed)
+        return w4_moe_launch(x, topk_ids, topk_weights, packed, expert_scale=expert_scale)
     if impl == "torch":
         from .reference import w4_moe_reference
 
-        return w4_moe_reference(x, topk_ids, topk_weights, packed)
+        return w4_moe_reference(x, topk_ids, topk_weights, packed, expert_scale)
     raise ValueError(f"unknown impl {impl!r}: expected 'auto', 'triton' or 'torch'")

@@ -43,9 +43,22 @@ def moe_reference(
     return y.to(x.dtype)
 
 
+def route_weights(topk_p: torch.Tensor, topk_ids: torch.Tensor, expert_scale: torch.Tensor) -> torch.Tensor:
+    """DiffusionGemma's router epilogue (HF's op order): top-k probabilities renormalised to sum 1 per
+    token, times the chosen experts' scales. [T, K] fp32."""
+    w = topk_p / topk_p.sum(dim=-1, keepdim=True)
+    return w * expert_scale[topk_ids]
+
+
 def w4_moe_reference(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, packed: W4Experts
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    packed: W4Experts,
+    expert_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Twin of `w4_moe`: dequantise (fp32 math, cast to x.dtype), then `moe_reference`."""
     gate_up, down = unpack_w4(packed, x.dtype)
+    if expert_scale is not None:
+        topk_weights = route_weights(topk_weights, topk_ids, expert_scale)
     return moe_reference(x, topk_ids, topk_weights, gate_up, down)

@@ -1,0 +1,73 @@
+"""The LM head's epilogue: fp32 logits with the final soft cap, `cap * tanh(x / cap)`, in one pass.
+
+HF (and the runtime's twin) casts the [N, V] head output to fp32 and caps it in place: four passes over
+the largest activation of a forward (at the real shape, 256 rows x 262,144 vocab: 0.27 GB of fp32
+per pass, about 0.5 ms on an H200). The kernel reads the head output once and writes fp32 once.
+
+Numerics: torch on CUDA divides by a Python scalar as a multiply by its fp32 reciprocal, and its
+tanh is CUDA's tanhf; the kernel does the same (x * (1/cap), libdevice tanh, times cap), compiled
+without floating-point contraction, so on the GPU it reproduces the twin.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from ._dispatch import auto_triton, interpreted
+
+NO_FP_FUSION = {"enable_fp_fusion": False}
+
+
+@triton.jit
+def _softcap_kernel(x_ptr, y_ptr, n, inv_cap, cap, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    z = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32) * inv_cap
+    if INTERPRETED:  # Triton 3.6's interpreter has no libdevice: tanh through the sigmoid (CPU tests)
+        t = 2.0 * tl.sigmoid(2.0 * z) - 1.0
+    else:
+        t = libdevice.tanh(z)
+    tl.store(y_ptr + offs, t * cap, mask=m)
+
+
+def softcap_launch(x: torch.Tensor, cap: float) -> torch.Tensor:
+    x = x.contiguous()
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    n = x.numel()
+    block = 4096
+    if n:
+        inv = float(np.float32(1.0) / np.float32(cap))  # the fp32 reciprocal torch's CUDA div uses
+        _softcap_kernel[(triton.cdiv(n, block),)](
+            x,
+            y,
+            n,
+            inv,
+            float(cap),
+            BLOCK=block,
+            INTERPRETED=interpreted(_softcap_kernel),
+            num_warps=8,
+            **NO_FP_FUSION,
+        )
+    return y
+
+
+def softcap_reference(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """Twin (HF's order): fp32 copy, then divide, tanh, multiply in place."""
+    return x.float().div_(cap).tanh_().mul_(cap)
+
+
+def softcap_logits(x: torch.Tensor, cap: float | None, impl: str = "auto") -> torch.Tensor:
+    """x [..., V] any float dtype -> fp32 logits, soft-capped when `cap` is set."""
+    if not cap:
+        return x.float()
+    if impl == "auto":
+        impl = "triton" if auto_triton(x, _softcap_kernel) else "torch"
+    if impl == "triton":
+        return softcap_launch(x, cap)
+    if impl == "torch":
+        return softcap_reference(x, cap)
+    raise ValueError(f"unknown impl {impl!r}")

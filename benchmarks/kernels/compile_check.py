@@ -8,7 +8,7 @@ allow it (strides, H = 2816, I = 704).
 
     python benchmarks/kernels/compile_check.py              # default configs, real shape, bf16
     python benchmarks/kernels/compile_check.py --sweep      # the tune_moe candidates too
-    python benchmarks/kernels/compile_check.py --only rms_norm_rope,add_rms_norm
+    python benchmarks/kernels/compile_check.py --only rms_norm_rope,add_rms_norm,pre_ffn_norms,gelu_mul
 Exit status 1 when a default config spills, anything fails to compile, or a kernel that must round
 where HF rounds (`norm_fused`) contains a half-precision FMA (`fma.rn.bf16` / `fma.rn.f16`: one
 rounding where HF has two; tests/kernels/test_norm_fused.py runs this check in CI).
@@ -40,6 +40,7 @@ S = importlib.import_module("canvasq.kernels.softmax_argmax")
 K = importlib.import_module("canvasq.kernels.moe.kernels")
 NF = importlib.import_module("canvasq.kernels.norm_fused")
 SC = importlib.import_module("canvasq.kernels.softcap")
+GM = importlib.import_module("canvasq.kernels.gelu_mul")
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -234,9 +235,8 @@ def other_kernels():
                 "stride_x": "i32",
                 "stride_y": "i32",
                 "eps": "fp32",
-                "post_scalar": "fp32",
             },
-            {"HAS_WEIGHT": True, "HAS_POST": False, "BLOCK_R": 1, "BLOCK_D": 4096},
+            {"HAS_WEIGHT": True, "BLOCK_R": 1, "BLOCK_D": 4096},
             {"x_ptr", "w_ptr", "y_ptr", "D", "stride_x", "stride_y"},
             8,
             1,
@@ -279,11 +279,36 @@ def other_kernels():
         compile_kernel(
             an,
             {**_ptrs(an), "R": "i32", "D": "i32", "eps": "fp32"},
-            {"HAS_X2": True, "HAS_SCALE": True, "BLOCK_R": 1, "BLOCK_D": 4096},
+            {"HAS_X2": True, "PRE_NORM": True, "HAS_SCALE": True, "BLOCK_R": 1, "BLOCK_D": 4096},
             {"x_ptr", "x2_ptr", "w_ptr", "res_ptr", "y_ptr", "D"},
             8,
             1,
             NF.NO_FP_FUSION,
+        ),
+    )
+    pf = NF._pre_ffn_norms_kernel
+    yield (
+        "pre_ffn_norms",
+        compile_kernel(
+            pf,
+            {**_ptrs(pf), "R": "i32", "D": "i32", "eps": "fp32", "scalar": "fp32"},
+            {"BLOCK_R": 1, "BLOCK_D": 4096},
+            {"x_ptr", "ya_ptr", "yr_ptr", "yb_ptr", "D"},
+            8,
+            1,
+            NF.NO_FP_FUSION,
+        ),
+    )
+    gm = GM._gelu_mul_kernel
+    yield (
+        "gelu_mul",
+        compile_kernel(
+            gm,
+            {**_ptrs(gm), "R": "i32", "I": "i32", "stride_g": "i32", "k_beta": "fp32", "k_kappa": "fp32"},
+            {"BLOCK_R": 2, "BLOCK_I": 1024, "INTERPRETED": False},
+            {"gu_ptr", "y_ptr", "stride_g"},
+            4,
+            1,
         ),
     )
     p = S._softmax_stats_partial_kernel
@@ -329,7 +354,7 @@ def other_kernels():
     )
 
 
-ROUNDING_FAITHFUL = ("rms_norm_rope", "add_rms_norm")  # norm_fused: must keep HF's roundings
+ROUNDING_FAITHFUL = ("rms_norm_rope", "add_rms_norm", "pre_ffn_norms", "gelu_mul")  # must keep HF's roundings
 
 
 def _only(prefixes: tuple[str, ...]):

@@ -3,20 +3,23 @@
 - `rms_norm_rope(x, weight, cos, sin)`: per-head RMSNorm then rotate-half RoPE, for q and k
   (`weight=None, cos=None`: the V norm). x [N, h, d] may be a strided view (a column slice of the
   fused QKV output); the result is contiguous [N, h, d]. HF runs this as ~6 launches per tensor.
-- `add_rms_norm(x, weight, residual, x2=None, scale=None)`: (residual + rms(x + x2) * weight) * scale,
-  the residual updates after attention and at the end of a layer (x2: the experts' output added to
-  the dense MLP's; scale: the layer scalar, read from device memory so CUDA graphs replay it).
+- `add_rms_norm(x, weight, residual, x2=None, scale=None, pre=None)`: (residual + rms(x + x2) * weight)
+  * scale, the residual updates after attention and at the end of a layer (x2: the experts' output
+  added to the dense MLP's; scale: the layer scalar, read from device memory so CUDA graphs replay
+  it; pre: the two branches' own post-norm weights, applied first in the same launch).
+- `pre_ffn_norms(x, wa, post, scalar, wb)`: the three norms of the residual stream that feed the
+  dense MLP, the router (times its scale and H^-0.5) and the experts, from one read of x.
 
-Both compute in fp32 but round to the model dtype at every point where HF's modules round (after
+All compute in fp32 but round to the model dtype at every point where HF's modules round (after
 the norm, after each RoPE product and sum, after the residual add and the layer scalar), so in bf16
 they reproduce HF's values, not a more precise variant of them: a trained model's logits move by
 ~8 % of their range when these roundings are skipped (measured in fp16 on the testbed). `_rt` is
 that rounding (a no-op in fp32). The torch twins follow HF op for op.
 
-Both kernels compile with floating-point contraction off (`NO_FP_FUSION`): with it on, LLVM narrows
+The kernels compile with floating-point contraction off (`NO_FP_FUSION`): with it on, LLVM narrows
 `_rt(x * cos) + _rt(rot * sin)` to bf16 ops and fuses them into `fma.rn.bf16`, one rounding where HF
 has two. That moved 15 % of the RoPE outputs by one bf16 ulp on the H200 and the trained testbed's
-logits by 6 % (2026-11-30); `tests/kernels/test_norm_fused.py` compiles both for sm_90 and checks
+logits by 6 % (2026-11-30); `tests/kernels/test_norm_fused.py` compiles them for sm_90 and checks
 the PTX holds no half-precision FMA.
 """
 
@@ -131,10 +134,20 @@ def _rms_norm_rope_kernel(
 
 
 @triton.jit
+def _normed(x, w_ptr, cols, D, eps, DT: tl.constexpr):
+    """rms(x) * w over the rows of an fp32 [BLOCK_R, BLOCK_D] tile, rounded to DT (HF's RMSNorm)."""
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    return _rt(x * inv[:, None] * w[None, :], DT)
+
+
+@triton.jit
 def _add_rms_norm_kernel(
     x_ptr,
     x2_ptr,
     w_ptr,
+    wx_ptr,
+    wx2_ptr,
     res_ptr,
     scale_ptr,
     y_ptr,
@@ -142,26 +155,67 @@ def _add_rms_norm_kernel(
     D,
     eps,
     HAS_X2: tl.constexpr,
+    PRE_NORM: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """y = (res + rms(x [+ x2]) * w) [* scale]; all tensors contiguous [R, D]."""
+    """y = (res + rms(x [+ x2]) * w) [* scale]; all tensors contiguous [R, D]. PRE_NORM: x and x2
+    are first normalised themselves, with weights wx and wx2 (the dense MLP's and the experts'
+    post-norms at the end of a layer)."""
     DT: tl.constexpr = y_ptr.dtype.element_ty
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     m = (rows[:, None] < R) & (cols[None, :] < D)
     off = rows[:, None] * D + cols[None, :]
     x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+    if PRE_NORM:
+        x = _normed(x, wx_ptr, cols, D, eps, DT)
     if HAS_X2:
-        x = _rt(x + tl.load(x2_ptr + off, mask=m, other=0.0).to(tl.float32), DT)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)
-    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-    normed = _rt(x * inv[:, None] * w[None, :], DT)
+        x2 = tl.load(x2_ptr + off, mask=m, other=0.0).to(tl.float32)
+        if PRE_NORM:
+            x2 = _normed(x2, wx2_ptr, cols, D, eps, DT)
+        x = _rt(x + x2, DT)
+    normed = _normed(x, w_ptr, cols, D, eps, DT)
     y = _rt(tl.load(res_ptr + off, mask=m, other=0.0).to(tl.float32) + normed, DT)
     if HAS_SCALE:
         y = y * tl.load(scale_ptr).to(tl.float32)
     tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _pre_ffn_norms_kernel(
+    x_ptr,
+    wa_ptr,
+    post_ptr,
+    wb_ptr,
+    ya_ptr,
+    yr_ptr,
+    yb_ptr,
+    R,
+    D,
+    eps,
+    scalar,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One read of x [R, D], three norms out: ya = rms(x) * wa, yb = rms(x) * wb and the router's
+    input yr = round(round(rms(x)) * post) * scalar, each rounded to the output dtype where HF rounds."""
+    DT: tl.constexpr = ya_ptr.dtype.element_ty
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    cm = cols < D
+    m = (rows[:, None] < R) & cm[None, :]
+    off = rows[:, None] * D + cols[None, :]
+    x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+    n = x * (1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps))[:, None]
+    wa = tl.load(wa_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+    tl.store(ya_ptr + off, (n * wa[None, :]).to(DT), mask=m)
+    wb = tl.load(wb_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+    tl.store(yb_ptr + off, (n * wb[None, :]).to(DT), mask=m)
+    post = tl.load(post_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+    r = _rt(_rt(n, DT) * post[None, :], DT) * scalar
+    tl.store(yr_ptr + off, r.to(DT), mask=m)
 
 
 # --- launchers ---------------------------------------------------------------------------------------
@@ -208,8 +262,11 @@ def rms_norm_rope_launch(x, weight, cos, sin, eps: float, out: Scatter | None = 
     return y
 
 
-def add_rms_norm_launch(x, weight, residual, x2=None, scale=None, eps: float = 1e-6) -> torch.Tensor:
+def add_rms_norm_launch(
+    x, weight, residual, x2=None, scale=None, eps: float = 1e-6, pre: tuple | None = None
+) -> torch.Tensor:
     D = x.shape[-1]
+    assert pre is None or x2 is not None, "pre-norm weights come in a pair (x's and x2's)"
     xs = [t.reshape(-1, D).contiguous() for t in (x, residual) + ((x2,) if x2 is not None else ())]
     r = xs[0].shape[0]
     y = torch.empty_like(xs[1])
@@ -220,6 +277,8 @@ def add_rms_norm_launch(x, weight, residual, x2=None, scale=None, eps: float = 1
             xs[0],
             xs[2] if x2 is not None else xs[0],
             weight,
+            pre[0] if pre is not None else weight,
+            pre[1] if pre is not None else weight,
             xs[1],
             scale if scale is not None else weight,
             y,
@@ -227,6 +286,7 @@ def add_rms_norm_launch(x, weight, residual, x2=None, scale=None, eps: float = 1
             D,
             float(eps),
             HAS_X2=x2 is not None,
+            PRE_NORM=pre is not None,
             HAS_SCALE=scale is not None,
             BLOCK_R=block_r,
             BLOCK_D=block_d,
@@ -234,6 +294,32 @@ def add_rms_norm_launch(x, weight, residual, x2=None, scale=None, eps: float = 1
             **NO_FP_FUSION,
         )
     return y.view(residual.shape)
+
+
+def pre_ffn_norms_launch(x, wa, post, scalar: float, wb, eps: float = 1e-6):
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D).contiguous()
+    r = x2.shape[0]
+    outs = tuple(torch.empty_like(x2) for _ in range(3))
+    block_d = triton.next_power_of_2(D)
+    block_r = max(1, min(16, 4096 // block_d, triton.next_power_of_2(max(r, 1))))
+    if r:
+        _pre_ffn_norms_kernel[(triton.cdiv(r, block_r),)](
+            x2,
+            wa,
+            post,
+            wb,
+            *outs,
+            r,
+            D,
+            float(eps),
+            float(scalar),
+            BLOCK_R=block_r,
+            BLOCK_D=block_d,
+            num_warps=4 if block_d * block_r <= 4096 else 8,
+            **NO_FP_FUSION,
+        )
+    return tuple(t.view(x.shape) for t in outs)
 
 
 # --- torch twins (HF's op order) ----------------------------------------------------------------------
@@ -257,10 +343,21 @@ def rms_norm_rope_reference(
     return out.dst
 
 
-def add_rms_norm_reference(x, weight, residual, x2=None, scale=None, eps: float = 1e-6) -> torch.Tensor:
-    """HF: residual + norm(x + x2) in the model dtype, then times the layer scalar."""
+def add_rms_norm_reference(
+    x, weight, residual, x2=None, scale=None, eps: float = 1e-6, pre: tuple | None = None
+) -> torch.Tensor:
+    """HF: residual + norm(x + x2) in the model dtype, then times the layer scalar; with `pre`
+    (wx, wx2), x and x2 are first norm(x) * wx and norm(x2) * wx2."""
+    if pre is not None:
+        x, x2 = rms_norm_reference(x, pre[0], eps), rms_norm_reference(x2, pre[1], eps)
     y = residual + rms_norm_reference(x + x2 if x2 is not None else x, weight, eps)
     return y * scale if scale is not None else y
+
+
+def pre_ffn_norms_reference(x, wa, post, scalar: float, wb, eps: float = 1e-6):
+    """HF: the dense MLP's pre-norm, the router's input norm(x) * scale * scalar, the experts' pre-norm."""
+    router = rms_norm_reference(x, None, eps) * post * scalar
+    return rms_norm_reference(x, wa, eps), router, rms_norm_reference(x, wb, eps)
 
 
 # --- public ---------------------------------------------------------------------------------------------
@@ -279,12 +376,28 @@ def rms_norm_rope(
     raise ValueError(f"unknown impl {impl!r}")
 
 
-def add_rms_norm(x, weight, residual, x2=None, scale=None, eps: float = 1e-6, impl: str = "auto"):
-    """(residual + rms(x + x2) * weight) * scale; x, x2, residual [..., D]; scale a [1] tensor or None."""
+def add_rms_norm(
+    x, weight, residual, x2=None, scale=None, eps: float = 1e-6, impl: str = "auto", pre: tuple | None = None
+):
+    """(residual + rms(x + x2) * weight) * scale; x, x2, residual [..., D]; scale a [1] tensor or None;
+    `pre` = (wx, wx2): normalise x and x2 first (the end of a layer: one launch for three norms)."""
     if impl == "auto":
         impl = "triton" if auto_triton(x, _add_rms_norm_kernel) else "torch"
     if impl == "triton":
-        return add_rms_norm_launch(x, weight, residual, x2, scale, eps)
+        return add_rms_norm_launch(x, weight, residual, x2, scale, eps, pre)
     if impl == "torch":
-        return add_rms_norm_reference(x, weight, residual, x2, scale, eps)
+        return add_rms_norm_reference(x, weight, residual, x2, scale, eps, pre)
+    raise ValueError(f"unknown impl {impl!r}")
+
+
+def pre_ffn_norms(x, wa, post, scalar: float, wb, eps: float = 1e-6, impl: str = "auto"):
+    """x [..., D] -> (rms(x) * wa, rms(x) * post * scalar, rms(x) * wb), HF's roundings, one launch:
+    the three norms a DiffusionGemma layer takes of its residual stream before the dense MLP,
+    the router and the experts."""
+    if impl == "auto":
+        impl = "triton" if auto_triton(x, _pre_ffn_norms_kernel) else "torch"
+    if impl == "triton":
+        return pre_ffn_norms_launch(x, wa, post, scalar, wb, eps)
+    if impl == "torch":
+        return pre_ffn_norms_reference(x, wa, post, scalar, wb, eps)
     raise ValueError(f"unknown impl {impl!r}")

@@ -3,9 +3,6 @@
 HF's `DiffusionGemmaRMSNorm` multiplies by `weight` itself (initialised to ones, not Gemma 2/3's
 `1 + weight`), and has a `with_scale=False` variant (the V norm) with no weight at all: pass
 `weight=None`. x [..., D] any float dtype -> same shape and dtype. One program normalises BLOCK_R rows.
-
-`rms_norm_scaled(x, post, scalar)`: the MoE router's input, norm(x) * post * scalar, with HF's three
-roundings to x.dtype (after the norm, after each product) in the same launch (HF: three kernels).
 """
 
 from __future__ import annotations
@@ -21,16 +18,13 @@ from ._dispatch import auto_triton
 def _rms_norm_kernel(
     x_ptr,
     w_ptr,
-    post_ptr,
     y_ptr,
     R,
     D,
     stride_x,
     stride_y,
     eps,
-    post_scalar,
     HAS_WEIGHT: tl.constexpr,
-    HAS_POST: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -44,20 +38,11 @@ def _rms_norm_kernel(
     if HAS_WEIGHT:
         w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
         y = y * w[None, :]
-    if HAS_POST:  # (round(round(y) * post) * scalar): each product rounded to the output dtype, as HF
-        DT: tl.constexpr = y_ptr.dtype.element_ty
-        post = tl.load(post_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-        y = y.to(DT).to(tl.float32) * post[None, :]
-        y = y.to(DT).to(tl.float32) * post_scalar
     tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm_launch(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    out: torch.Tensor | None = None,
-    post: tuple[torch.Tensor, float] | None = None,
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     D = x.shape[-1]
     x2 = x.reshape(-1, D)
@@ -66,8 +51,6 @@ def rms_norm_launch(
     R = x2.shape[0]
     if weight is not None:
         assert weight.shape == (D,) and weight.is_contiguous() and weight.device == x.device
-    if post is not None:
-        assert post[0].shape == (D,) and post[0].is_contiguous() and post[0].device == x.device
     y = out if out is not None else torch.empty_like(x2)
     y = y.view(R, D)
     assert y.stride(-1) == 1
@@ -78,16 +61,13 @@ def rms_norm_launch(
         _rms_norm_kernel[(triton.cdiv(R, block_r),)](
             x2,
             weight if weight is not None else x2,
-            post[0] if post is not None else x2,
             y,
             R,
             D,
             x2.stride(0),
             y.stride(0),
             float(eps),
-            float(post[1]) if post is not None else 1.0,
             HAS_WEIGHT=weight is not None,
-            HAS_POST=post is not None,
             BLOCK_R=block_r,
             BLOCK_D=block_d,
             num_warps=4 if block_d * block_r <= 4096 else 8,
@@ -114,24 +94,4 @@ def rms_norm(
         return rms_norm_launch(x, weight, eps)
     if impl == "torch":
         return rms_norm_reference(x, weight, eps)
-    raise ValueError(f"unknown impl {impl!r}")
-
-
-def rms_norm_scaled_reference(
-    x: torch.Tensor, post: torch.Tensor, scalar: float, eps: float = 1e-6
-) -> torch.Tensor:
-    """Twin: HF's router input, `norm(x) * scale * hidden**-0.5` as three dtype-level ops."""
-    return rms_norm_reference(x, None, eps) * post * scalar
-
-
-def rms_norm_scaled(
-    x: torch.Tensor, post: torch.Tensor, scalar: float, eps: float = 1e-6, impl: str = "auto"
-) -> torch.Tensor:
-    """x [..., D], post [D], scalar -> norm(x) * post * scalar in x.dtype (no norm weight)."""
-    if impl == "auto":
-        impl = "triton" if auto_triton(x, _rms_norm_kernel) else "torch"
-    if impl == "triton":
-        return rms_norm_launch(x, None, eps, post=(post, scalar))
-    if impl == "torch":
-        return rms_norm_scaled_reference(x, post, scalar, eps)
     raise ValueError(f"unknown impl {impl!r}")

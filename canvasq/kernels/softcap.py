@@ -15,9 +15,9 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from ._dispatch import auto_triton, interpreted
+from ._math import tanh
 
 NO_FP_FUSION = {"enable_fp_fusion": False}
 
@@ -27,11 +27,7 @@ def _softcap_kernel(x_ptr, y_ptr, n, inv_cap, cap, BLOCK: tl.constexpr, INTERPRE
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     z = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32) * inv_cap
-    if INTERPRETED:  # Triton 3.6's interpreter has no libdevice: tanh through the sigmoid (CPU tests)
-        t = 2.0 * tl.sigmoid(2.0 * z) - 1.0
-    else:
-        t = libdevice.tanh(z)
-    tl.store(y_ptr + offs, t * cap, mask=m)
+    tl.store(y_ptr + offs, tanh(z, INTERPRETED) * cap, mask=m)
 
 
 def softcap_launch(x: torch.Tensor, cap: float) -> torch.Tensor:

@@ -65,11 +65,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from canvasq.kernels.gelu_mul import gelu_mul
 from canvasq.kernels.moe.reference import route_weights
-from canvasq.kernels.norm_fused import Scatter, add_rms_norm_reference, rms_norm_rope_reference
+from canvasq.kernels.norm_fused import Scatter, add_rms_norm, pre_ffn_norms, rms_norm_rope
 from canvasq.kernels.norm_fused import rope_reference as rotate  # noqa: F401 (the runtime's RoPE twin)
-from canvasq.kernels.rmsnorm import rms_norm_reference as rms_norm  # HF's RMSNorm, op for op
-from canvasq.kernels.rmsnorm import rms_norm_scaled, rms_norm_scaled_reference
+from canvasq.kernels.rmsnorm import rms_norm as rms_norm_any
+from canvasq.kernels.rmsnorm import rms_norm_reference as rms_norm  # noqa: F401 (HF's RMSNorm, the twin)
 from canvasq.kernels.softcap import softcap_logits
 from canvasq.model.arena import Captured, KVArena
 from canvasq.model.experts import gelu_tanh, grouped_mm_available, moe_grouped, moe_reference
@@ -228,20 +229,13 @@ class Runtime:
         # Triton RMSNorm and fused norm epilogues on CUDA (one launch each instead of ~6-8); HF's op
         # order (the torch twins) elsewhere
         self.kernels = self.device.type == "cuda" if kernels is None else kernels
-        self._norm: Callable = rms_norm
-        self._norm_scaled: Callable = rms_norm_scaled_reference
-        self._norm_rope: Callable = rms_norm_rope_reference
-        self._add_norm: Callable = add_rms_norm_reference
-        self._softcap: Callable = functools.partial(softcap_logits, impl="torch")
-        if self.kernels:
-            from canvasq.kernels.norm_fused import add_rms_norm_launch, rms_norm_rope
-            from canvasq.kernels.rmsnorm import rms_norm as fused_rms_norm
-
-            self._norm = fused_rms_norm
-            self._norm_scaled = functools.partial(rms_norm_scaled, impl="triton")
-            self._norm_rope = functools.partial(rms_norm_rope, impl="triton")  # twin for odd head dims
-            self._add_norm = add_rms_norm_launch
-            self._softcap = functools.partial(softcap_logits, impl="triton")
+        impl = "triton" if self.kernels else "torch"
+        self._norm: Callable = functools.partial(rms_norm_any, impl=impl)
+        self._pre_ffn: Callable = functools.partial(pre_ffn_norms, impl=impl)
+        self._norm_rope: Callable = functools.partial(rms_norm_rope, impl=impl)  # twin for odd head dims
+        self._add_norm: Callable = functools.partial(add_rms_norm, impl=impl)
+        self._gelu_mul: Callable = functools.partial(gelu_mul, impl=impl)
+        self._softcap: Callable = functools.partial(softcap_logits, impl=impl)
         _fuse_projections(enc_layers + dec_layers)
         self.prefix_attention = True  # mask-free SDPA when the mask is all-visible (eager forwards)
         self.scope: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
@@ -516,19 +510,20 @@ class Runtime:
             a = F.linear(a, lw.wo)
             h = self._add_norm(a, lw.ln_post_attn, h, None, None, eps)  # h + norm(a)
 
-        with self.scope("dense_mlp"):
-            x = self._norm(h, lw.ln_pre_ff, eps)
-            g, u = F.linear(x, lw.mlp_gate_up).chunk(2, dim=-1)
-            m = F.linear(gelu_tanh(g) * u, lw.mlp_down)
-            m = self._norm(m, lw.ln_post_ff1, eps)
-        with self.scope("experts"):  # router + routed experts + their norms
-            r = self._norm_scaled(h, lw.router_scale, self.hidden_size**-0.5, eps)  # norm(h) * scale * H^-.5
+        with self.scope("dense_mlp"):  # (with the router's and the experts' input norms: one launch)
+            x, r, x_e = self._pre_ffn(
+                h, lw.ln_pre_ff, lw.router_scale, self.hidden_size**-0.5, lw.ln_pre_ff2, eps
+            )
+            m = F.linear(self._gelu_mul(F.linear(x, lw.mlp_gate_up)), lw.mlp_down)
+        with self.scope("experts"):  # router + routed experts
             probs = torch.softmax(F.linear(r, lw.router_proj), dim=-1, dtype=torch.float32)
             topk_p, topk_ids = torch.topk(probs, k=self.top_k, dim=-1)
             # each implementation applies the router epilogue (`route_weights`) itself: W4 in its combine
-            e = self._moe(self._norm(h, lw.ln_pre_ff2, eps), topk_ids, topk_p, lw)
-            e = self._norm(e, lw.ln_post_ff2, eps)
-        return self._add_norm(m, lw.ln_post_ff, h, e, lw.layer_scalar, eps)  # (h + norm(m + e)) * scalar
+            e = self._moe(x_e, topk_ids, topk_p, lw)
+        # (h + norm(norm(m) + norm(e))) * scalar: the branches' post-norms and the residual update in one
+        return self._add_norm(
+            m, lw.ln_post_ff, h, e, lw.layer_scalar, eps, pre=(lw.ln_post_ff1, lw.ln_post_ff2)
+        )
 
     # the three take the router's raw top-k probabilities
     def _moe_reference(self, x, topk_ids, topk_p, lw: LayerWeights):

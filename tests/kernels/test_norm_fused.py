@@ -9,6 +9,8 @@ from canvasq.kernels.norm_fused import (
     add_rms_norm,
     add_rms_norm_launch,
     add_rms_norm_reference,
+    pre_ffn_norms,
+    pre_ffn_norms_reference,
     rms_norm_rope,
     rms_norm_rope_launch,
     rms_norm_rope_reference,
@@ -77,17 +79,42 @@ def test_rms_norm_rope_twin_is_the_runtime_formula():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,D", [(1, 256), (9, 300), (40, 2816)])
-@pytest.mark.parametrize("with_x2,with_scale", [(False, False), (True, True), (False, True)])
-def test_add_rms_norm_parity(rows, D, dtype, with_x2, with_scale):
+@pytest.mark.parametrize(
+    "with_x2,with_scale,pre",
+    [(False, False, False), (True, True, False), (False, True, False), (True, True, True)],
+)
+def test_add_rms_norm_parity(rows, D, dtype, with_x2, with_scale, pre):
     x = (torch.randn(rows, D, device=DEVICE) * 2).to(dtype)
     res = torch.randn(rows, D, device=DEVICE).to(dtype)
-    x2 = torch.randn(rows, D, device=DEVICE).to(dtype) if with_x2 else None
+    x2 = (torch.randn(rows, D, device=DEVICE) * 5).to(dtype) if with_x2 else None
     w = (torch.randn(D, device=DEVICE) * 0.2 + 1).to(dtype)
     scale = torch.tensor([0.7], device=DEVICE, dtype=dtype) if with_scale else None
-    y = add_rms_norm_launch(x, w, res, x2, scale, 1e-6)
+    # pre: x2's own norm weight is small, so after the branch norms x dominates the sum (x2 does without)
+    wpre = tuple((torch.randn(D, device=DEVICE) * 0.02 + s).to(dtype) for s in (1.0, 0.1)) if pre else None
+    y = add_rms_norm_launch(x, w, res, x2, scale, 1e-6, pre=wpre)
     assert y.shape == res.shape and y.dtype == dtype and torch.isfinite(y).all()
-    assert rel_err(y, add_rms_norm_reference(x, w, res, x2, scale)) < TOL[dtype]
+    want = add_rms_norm_reference(x, w, res, x2, scale, pre=wpre)
+    assert rel_err(y, want) < TOL[dtype]
     assert not torch.equal(y, poison(y.shape, dtype))
+    if pre:  # the branch norms really apply
+        assert rel_err(want, add_rms_norm_reference(x, w, res, x2, scale)) > 0.1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,D", [(1, 256), (9, 300), (33, 2816)])
+def test_pre_ffn_norms_parity(rows, D, dtype):
+    x = (torch.randn(rows, D, device=DEVICE) * 3 + 0.5).to(dtype)
+    wa, post, wb = ((torch.randn(D, device=DEVICE) * 0.2 + s).to(dtype) for s in (1.0, 2.0, 0.5))
+    got = pre_ffn_norms(x, wa, post, D**-0.5, wb, 1e-6, impl="triton")
+    want = pre_ffn_norms_reference(x, wa, post, D**-0.5, wb, 1e-6)
+    assert torch.equal(
+        torch.stack(pre_ffn_norms(x, wa, post, D**-0.5, wb, 1e-6, impl="torch")), torch.stack(want)
+    )
+    for g, w in zip(got, want):
+        assert g.shape == x.shape and g.dtype == dtype
+        assert rel_err(g, w) < TOL[dtype]
+    # three different outputs (a kernel writing one of them thrice would pass a shape check)
+    assert rel_err(got[0], want[1]) > 0.1 and rel_err(got[2], want[0]) > 0.1
 
 
 def test_add_rms_norm_rejects_unknown_impl():
@@ -106,7 +133,7 @@ def test_odd_head_dim_falls_back_to_the_twin():
 
 
 def test_norm_kernels_compile_without_half_precision_fma():
-    """Compiled for the H200 (sm_90, offline), the fused norms must not contract a rounded product and
+    """Compiled for the H200 (sm_90, offline), the fused norms (and gelu_mul) must not contract a rounded product and
     a sum into `fma.rn.bf16`: with contraction on they did, and moved the trained testbed's bf16
     logits by 6 % against HF on the GPU while the interpreter (no contraction) agreed."""
     import json
@@ -116,7 +143,7 @@ def test_norm_kernels_compile_without_half_precision_fma():
 
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "compile_check.py"
     out = subprocess.run(
-        [sys.executable, str(script), "--only", "rms_norm_rope,add_rms_norm"],
+        [sys.executable, str(script), "--only", "rms_norm_rope,add_rms_norm,pre_ffn_norms,gelu_mul"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -124,5 +151,5 @@ def test_norm_kernels_compile_without_half_precision_fma():
     )
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["ok"] and summary["kernels"] == 3
-    assert out.stdout.count("'half_fma': 0") == 3
+    assert summary["ok"] and summary["kernels"] == 5  # rope at two head dims, add, pre-FFN, gelu_mul
+    assert out.stdout.count("'half_fma': 0") == 5

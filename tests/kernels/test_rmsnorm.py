@@ -4,13 +4,7 @@ import pytest
 import torch
 from kernel_testutil import DEVICE, DTYPES, ON_GPU, poison, rel_err
 
-from canvasq.kernels.rmsnorm import (
-    rms_norm,
-    rms_norm_launch,
-    rms_norm_reference,
-    rms_norm_scaled,
-    rms_norm_scaled_reference,
-)
+from canvasq.kernels.rmsnorm import rms_norm, rms_norm_launch, rms_norm_reference
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -26,22 +20,6 @@ def test_rms_norm_parity(shape, dtype, with_weight):
     assert y.shape == x.shape and y.dtype == dtype and torch.isfinite(y).all()
     assert rel_err(y, rms_norm_reference(x, w, 1e-6)) < TOL[dtype]
     assert torch.equal(y, rms_norm_launch(x, w, 1e-6)), "deterministic"
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 256), (9, 300), (33, 2816)])
-def test_rms_norm_scaled_parity(shape, dtype):
-    """The router input: norm(x) * scale * D**-0.5 with HF's roundings, one launch."""
-    x = (torch.randn(shape, device=DEVICE) * 3 + 0.5).to(dtype)
-    post = (torch.randn(shape[-1], device=DEVICE) * 0.5 + 1).to(dtype)
-    scalar = shape[-1] ** -0.5
-    y = rms_norm_scaled(x, post, scalar, 1e-6, impl="triton")
-    want = rms_norm_scaled_reference(x, post, scalar, 1e-6)
-    assert y.shape == x.shape and y.dtype == dtype
-    assert rel_err(y, want) < TOL[dtype]
-    assert torch.equal(rms_norm_scaled(x, post, scalar, 1e-6, impl="torch"), want)
-    # the post factors really apply (a kernel that dropped them would still be a unit-RMS norm)
-    assert rel_err(y, rms_norm_reference(x, None, 1e-6)) > 0.1
 
 
 def test_matches_hf_module():

@@ -231,6 +231,7 @@ def replay(rt, schedule: dict, canvas_length: int, device: str, reps: int = 1, g
             torch.cuda.synchronize()
 
     cache: dict[tuple, DecodeGraph] = {}
+    pool = torch.cuda.graph_pool_handle() if graphs and device.startswith("cuda") else None
 
     def decode(wins):
         if not graphs:
@@ -240,7 +241,7 @@ def replay(rt, schedule: dict, canvas_length: int, device: str, reps: int = 1, g
         context = min(cap, -(-need // 256) * 256)
         key = (tuple(w.slot for w in wins), rows, context)
         if key not in cache:
-            cache[key] = DecodeGraph(rt, arena, wins, rows=rows, context=context)
+            cache[key] = DecodeGraph(rt, arena, wins, rows=rows, context=context, pool=pool)
         return cache[key].run(wins)
 
     best = None
@@ -288,6 +289,15 @@ def replay(rt, schedule: dict, canvas_length: int, device: str, reps: int = 1, g
     }
 
 
+def release_bf16_experts(hf_model) -> None:
+    """Drop the model-dtype expert weights once the W4 runtime has packed them (shared Parameters: the
+    runtime's bf16 references empty too, and the W4 path never reads them)."""
+    for name, p in hf_model.named_parameters():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            p.data = p.data.new_empty(0)
+    torch.cuda.empty_cache()
+
+
 def replay_mode(args) -> dict:
     from canvasq.model.loading import load_bundle
 
@@ -299,6 +309,8 @@ def replay_mode(args) -> dict:
         for spec in args.arms.split(";"):
             sched = record(testbed, spec, reqs[: max(bs, args.n)], bs, args.seed)
             rt = runtime_for(target.hf_model, args.experts)  # our runtime over the target's weights
+            if args.experts == "w4":
+                release_bf16_experts(target.hf_model)  # replays never read them: 42.5 GiB at the real shape
             res = replay(rt, sched, target.canvas_length, args.device, reps=args.reps, graphs=args.graphs)
             res.update({"batch": bs, "requests": sched["requests"], "testbed_tokens": sched["tokens"]})
             out.append(res)

@@ -78,6 +78,12 @@ class DecodeGraph:
     slot, <= capacity). Free per `run`: token ids, positions, canvas bounds, capture rows, SC inputs
     and the arena contents (lengths may grow by `encode` / `promote` while they fit `context`), so
     one graph serves a whole Funnel / pipe decode loop while the window fits its bucket.
+
+    `pool` (`torch.cuda.graph_pool_handle()`): graphs built with the same pool share the memory of
+    their temporaries, so a cache of buckets costs one forward's activations plus each graph's
+    logits, not one full forward's memory per bucket. Safe because graphs of one decode loop never
+    run concurrently and `run` copies its logits out (and reads captured K/V from the arena) before
+    any other graph replays.
     """
 
     def __init__(
@@ -89,6 +95,7 @@ class DecodeGraph:
         context: int | None = None,
         cuda_graph: bool | None = None,
         warmup: int = 2,
+        pool=None,
     ):
         self.rt, self.arena = rt, arena
         self.rows = rows or _bucket(max(w.rows for w in windows), ROW_BUCKETS)
@@ -121,7 +128,7 @@ class DecodeGraph:
                         rt._run(self.prep)
                 torch.cuda.current_stream().wait_stream(stream)
                 self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph), torch.no_grad():
+                with torch.cuda.graph(self.graph, pool=pool), torch.no_grad():
                     self._logits = rt._run(self.prep)[0]
             finally:
                 rt.scope = scope

@@ -281,9 +281,9 @@ class Store:
             buf: list[dict] = []
 
             def flush() -> None:  # one executemany per table; chunks first, the requests point at them
-                for model, rows in ((Chunk, chunks), (Request, buf)):
+                for table, rows in ((Chunk, chunks), (Request, buf)):
                     if rows:
-                        s.execute(insert(model), rows)
+                        s.execute(insert(table), rows)
                         rows.clear()
 
             n = 0

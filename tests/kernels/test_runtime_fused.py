@@ -31,3 +31,23 @@ def test_runtime_with_fused_kernels_matches_hf(dtype, tol):
     rt.encode_many(arena, [(i, prompts[i], torch.arange(p)) for i in range(b)])
     out = rt.decode(arena, [Window.canvas(i, canvas[i], p) for i in range(b)]).logits
     assert rel_err(out, ref.reshape(b * c, -1)) <= tol
+
+
+@torch.no_grad()
+def test_runtime_w4_kernels_match_w4_twins(monkeypatch):
+    """experts="w4" with every kernel on (the W4 MoE through the interpreter, the router epilogue
+    inside its combine) against the same runtime on its torch twins: the runtime hands the kernels
+    raw top-k probabilities and the expert scales, and the twins renormalise them in torch."""
+    m = load_bundle(device="cpu", dtype=torch.float32).hf_model
+    g = torch.Generator().manual_seed(5)
+    p, c = 24, m.config.canvas_length
+    prompt, canvas = torch.randint(5, 700, (p,), generator=g), torch.randint(5, 700, (c,), generator=g)
+    outs = []
+    for kernels in (False, True):
+        monkeypatch.setenv("TRITON_INTERPRET", "1" if kernels else "0")  # w4_moe's impl="auto"
+        rt = Runtime.from_hf(m, experts="w4", kernels=kernels)
+        arena = rt.new_arena(1, 96)
+        rt.encode(arena, 0, prompt, torch.arange(p))
+        outs.append(rt.decode(arena, [Window.canvas(0, canvas, p)]).logits)
+    assert rel_err(outs[1], outs[0]) <= 1e-4
+    assert not torch.equal(outs[1], outs[0])  # the kernels ran (fp32 sums in another order)

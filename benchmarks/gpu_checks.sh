@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The standard checks of one device call on the H200 machine (torch 2.11, triton 3.6, transformers
+# 5.17, no network), in the order that matters when the call is cut short: GPU tests first, then the
+# forward at the real shape, then the replayed decoder schedules. Everything lands in $OUT.
+#
+#   bash benchmarks/gpu_checks.sh tests forward    # one call, about 5 min
+#   bash benchmarks/gpu_checks.sh replay           # its own call, about 7 min (records on CPU first)
+#
+# peft is not on that machine: carry a wheel (`pip download peft==0.21.2 --no-deps -d .whl`) and
+# name `.whl` in the call's carry list. CANVASQ_COMMIT labels the reports.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if ls .whl/peft-*.whl >/dev/null 2>&1; then
+  pip install -q --no-deps --no-index --target /tmp/site .whl/peft-*.whl >/dev/null 2>&1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export CANVASQ_COMMIT=${CANVASQ_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+what=" ${*:-tests forward} "
+t0=$(date +%s)
+
+if [[ $what == *" tests "* ]]; then
+  # GPU-marked tests plus the CPU ones that also run in bf16 there; the slow subprocess benchmarks
+  # and the sm_90 compile sweep are left out (they alone overran a 470 s slot on 2026-11-30)
+  timeout 300 python -m pytest -q -p no:cacheprovider -m "(gpu or not gpu) and not slow and not soak" \
+    tests/kernels tests/model/test_model_gpu.py > "$OUT/pytest_gpu.txt" 2>&1
+  echo "rc=$?" >> "$OUT/pytest_gpu.txt"
+  tail -3 "$OUT/pytest_gpu.txt"
+fi
+if [[ $what == *" forward "* ]]; then
+  timeout 200 python benchmarks/forward.py --rows 256,8 --batches 1,4 --experts w4 --graphs --torch-profile \
+    > "$OUT/forward.txt" 2>&1
+  echo "rc=$?" >> "$OUT/forward.txt"
+  grep -A7 "^## Decoder forward" "$OUT/forward.txt"
+fi
+if [[ $what == *" replay "* ]]; then
+  timeout 560 python benchmarks/decoders.py replay --device cuda --experts w4 --graphs --batches 16,4,1 \
+    --n 16 --seed 1 --task arith > "$OUT/replay.txt" 2>&1
+  echo "rc=$?" >> "$OUT/replay.txt"
+  grep "tok/s (replayed)" "$OUT/replay.txt"
+fi
+echo "elapsed $(( $(date +%s) - t0 )) s"

@@ -114,6 +114,7 @@ def moe_kernels(cfg: MoeLaunchConfig, H=2816, I=704):
                 "SCALE_IN_TILE": cfg.scale_in_tile,
                 "FOLD_ZERO": _fold_zero(cfg),
                 "PREFETCH_SCALE": cfg.prefetch_scale,
+                "SUB": cfg.gate_up_sub_k or 64,
             },
             div(gu),
             cfg.gate_up_warps,
@@ -149,6 +150,7 @@ def moe_kernels(cfg: MoeLaunchConfig, H=2816, I=704):
                 "SCALE_IN_TILE": cfg.scale_in_tile,
                 "FOLD_ZERO": _fold_zero(cfg),
                 "PREFETCH_SCALE": cfg.prefetch_scale,
+                "SUB": cfg.down_sub_k or 32,
             },
             div(dn),
             cfg.down_warps,
@@ -367,6 +369,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true", help="also compile the tune_moe candidate tiles")
     ap.add_argument("--only", default="", help="comma list of kernel-name prefixes (default: all)")
+    ap.add_argument(
+        "--sub-k",
+        default="",
+        help="comma list of packed rows per MoE iteration to compile at the tuned 256-row tiles (e.g. 64,32,16)",
+    )
     a = ap.parse_args()
     rows, failed = [], False
     only = tuple(x for x in a.only.split(",") if x)
@@ -375,6 +382,25 @@ def main() -> None:
     ):
         rows.append({"kernel": name, "config": "default", **res})
         failed |= res["stack"] > 0 or (name.startswith(ROUNDING_FAITHFUL) and res["half_fma"] > 0)
+    for sub in (int(v) for v in a.sub_k.split(",") if v):
+        # the tuned tiles at 256 rows (configs/...H200.json); down's half group is 32 rows
+        cfg = MoeLaunchConfig(
+            block_m=16,
+            gate_up_block_n=64,
+            gate_up_stages=4,
+            down_block_n=256,
+            down_stages=3,
+            gate_up_sub_k=sub,
+            down_sub_k=min(sub, 32),
+        )
+        for name, res in moe_kernels(cfg):
+            rows.append(
+                {
+                    "kernel": name,
+                    "config": f"tuned-256 sub_k={cfg.gate_up_sub_k if name == 'gate_up' else cfg.down_sub_k}",
+                    **res,
+                }
+            )
     if a.sweep:
         for bn, w, st, sit in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (False, True)):
             cfg = MoeLaunchConfig(

@@ -60,13 +60,19 @@ MODES = {
 }
 
 
-def candidates(quick: bool, gate_up_n=(32, 64, 128), down_n=(64, 128, 256)):
-    """(block_m list, mode names, gate_up (BLOCK_N, warps, stages) list, down list).
-    Sized to compile in a few minutes (one compile per candidate, ~3 s each)."""
+def candidates(quick: bool, gate_up_n=(32, 64, 128), down_n=(64, 128, 256), sub_k=(None,)):
+    """(block_m list, mode names, gate_up (BLOCK_N, warps, stages, sub_k) list, down list).
+    Sized to compile in a few minutes (one compile per candidate, ~3 s each); each extra sub_k
+    multiplies the candidates (down takes the values ≤ its half group of 32)."""
     if quick:
-        return [32], ["plain", "folded"], [(32, 4, 2), (64, 4, 2)], [(64, 4, 2), (128, 4, 2)]
-    gate_up = list(itertools.product(gate_up_n, (4, 8), (3, 4)))
-    down = list(itertools.product(down_n, (4, 8), (3, 4)))
+        return (
+            [32],
+            ["plain", "folded"],
+            [(32, 4, 2, None), (64, 4, 2, 16)],
+            [(64, 4, 2, None), (128, 4, 2, 16)],
+        )
+    gate_up = list(itertools.product(gate_up_n, (4, 8), (3, 4), sub_k))
+    down = list(itertools.product(down_n, (4, 8), (3, 4), [k for k in sub_k if k is None or k <= 32]))
     return [32], list(MODES), gate_up, down
 
 
@@ -81,6 +87,11 @@ def main() -> None:
     ap.add_argument("--modes", default=None, help=f"comma list of {', '.join(MODES)} (default: all)")
     ap.add_argument("--gate-up-n", default="32,64,128", help="gate_up BLOCK_N candidates")
     ap.add_argument("--down-n", default="64,128,256", help="down BLOCK_N candidates")
+    ap.add_argument(
+        "--sub-k",
+        default="none",
+        help="packed rows per iteration candidates, e.g. none,32,16 (none: half a group)",
+    )
     a = ap.parse_args()
     if a.quick:
         E, H, I, K, dtype, rows, iters = 8, 256, 64, 4, torch.float16, [6], 1
@@ -88,7 +99,8 @@ def main() -> None:
         E, H, I, K, dtype = 128, 2816, 704, 8, torch.bfloat16
         rows, iters = [int(r) for r in a.rows.split(",")], a.iters
     ints = lambda v: tuple(int(x) for x in v.split(","))
-    block_ms, modes, gu_cands, dn_cands = candidates(a.quick, ints(a.gate_up_n), ints(a.down_n))
+    subs = tuple(None if v == "none" else int(v) for v in a.sub_k.split(","))
+    block_ms, modes, gu_cands, dn_cands = candidates(a.quick, ints(a.gate_up_n), ints(a.down_n), subs)
     if a.block_m:
         block_ms = [int(b) for b in a.block_m.split(",")]
     if a.modes:
@@ -122,16 +134,16 @@ def main() -> None:
             time_dn = partial(_time_down, h, h_ref, packed, metas, y, y_ref, iters)
 
             gu_results = []
-            for bn, w, st in gu_cands:
-                cfg = replace(base, gate_up_block_n=bn, gate_up_warps=w, gate_up_stages=st)
+            for bn, w, st, sub in gu_cands:
+                cfg = replace(base, gate_up_block_n=bn, gate_up_warps=w, gate_up_stages=st, gate_up_sub_k=sub)
                 try:
                     gu_results.append((time_gu(cfg), cfg))
                 except TUNE_ERRORS as exc:  # out of shared memory / registers for this tile: skip
                     log.append(f"T={T} {cfg}: {type(exc).__name__}")
             gu_ms, gu_cfg = min(gu_results, key=lambda r: r[0])
             dn_results = []
-            for bn, w, st in dn_cands:
-                cfg = replace(gu_cfg, down_block_n=bn, down_warps=w, down_stages=st)
+            for bn, w, st, sub in dn_cands:
+                cfg = replace(gu_cfg, down_block_n=bn, down_warps=w, down_stages=st, down_sub_k=sub)
                 try:
                     dn_results.append((time_dn(cfg), cfg))
                 except TUNE_ERRORS as exc:
@@ -174,6 +186,8 @@ def main() -> None:
             "scale_in_tile",
             "fold_zero",
             "prefetch_scale",
+            "gate_up_sub_k",
+            "down_sub_k",
         ],
         {"file": str(path), "written": not a.dry or bool(a.out)},
     )

@@ -189,6 +189,37 @@ def test_w4_moe_deterministic_and_block_sizes():
         assert torch.equal(p, a if not cfg.scale_in_tile else d)
 
 
+@pytest.mark.parametrize("mode", ["plain", "scaled", "folded", "prefetch"])
+def test_sub_k_iterations_match(mode):
+    """Fewer packed rows per iteration (sub_k < half a group: several iterations per group, the scale
+    still per group) computes the same layer; with prefetching, the next iteration's group is loaded."""
+    T, K, E, H, I = 13, 3, 6, 256, 128  # two gate_up groups of 128 and two down groups of 64
+    gate_up, down = _experts(E, H, I, torch.float16, seed=21)
+    packed = pack_w4(gate_up, down)
+    x = torch.randn(T, H, device=DEVICE).half()
+    ids, w = _routing(T, K, E, seed=22)
+    flags = {
+        "plain": {},
+        "scaled": {"scale_in_tile": True},
+        "folded": {"fold_zero": True},
+        "prefetch": {"prefetch_scale": True},
+    }[mode]
+    whole = w4_moe_launch(x, ids, w, packed, config=MoeLaunchConfig(**flags))
+    ref = w4_moe_reference(x, ids, w, packed)
+    for gu, dn in ((32, 16), (16, 16)):
+        cfg = MoeLaunchConfig(**flags, gate_up_sub_k=gu, down_sub_k=dn)
+        y = w4_moe_launch(x, ids, w, packed, config=cfg)
+        assert rel_err(y, ref) < TOL[torch.float16] and rel_err(y, whole) < TOL[torch.float16]
+        if mode == "prefetch":  # prefetched scales: the same products as without prefetching
+            assert torch.equal(
+                y, w4_moe_launch(x, ids, w, packed, config=MoeLaunchConfig(gate_up_sub_k=gu, down_sub_k=dn))
+            )
+    with pytest.raises(ValueError, match="sub_k"):
+        w4_moe_launch(x, ids, w, packed, config=MoeLaunchConfig(gate_up_sub_k=24))
+    with pytest.raises(ValueError, match="sub_k"):
+        w4_moe_launch(x, ids, w, packed, config=MoeLaunchConfig(down_sub_k=64))  # more than half a group
+
+
 def test_public_entry_points():
     T, K, E, H, I = 6, 2, 4, 128, 64
     gate_up, down = _experts(E, H, I, torch.float32, seed=1)

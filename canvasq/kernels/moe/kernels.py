@@ -79,8 +79,12 @@ def _w4_gate_up_kernel(
     SCALE_IN_TILE: tl.constexpr,
     FOLD_ZERO: tl.constexpr,
     PREFETCH_SCALE: tl.constexpr,
+    SUB: tl.constexpr,
 ):
-    """One program: BLOCK_M sorted rows (one expert) x BLOCK_N columns of I, gate and up together."""
+    """One program: BLOCK_M sorted rows (one expert) x BLOCK_N columns of I, gate and up together.
+    Each iteration takes SUB packed rows (k and k + G/2 of one group): SUB = G/2 is one group per
+    iteration; a smaller SUB holds a smaller weight tile in registers and shared memory (more
+    programs per SM) at the price of more iterations."""
     DT: tl.constexpr = x_ptr.dtype.element_ty
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -92,7 +96,8 @@ def _w4_gate_up_kernel(
     valid = aid < num_assign
     tok = aid // top_k
     HALF: tl.constexpr = GROUP // 2
-    offs_k = tl.arange(0, HALF)
+    NSUB: tl.constexpr = HALF // SUB
+    offs_k = tl.arange(0, SUB)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
 
@@ -109,20 +114,23 @@ def _w4_gate_up_kernel(
     # PREFETCH_SCALE issues group g+1's scale loads during group g by hand (software pipelining).
     sg_next = tl.load(s_e + offs_n, mask=n_mask, other=0.0)
     su_next = tl.load(s_e + (offs_n + I), mask=n_mask, other=0.0)
-    for g in range(NUM_GROUPS):  # constexpr trip count (also dodges an interpreter bug)
-        k0 = g * GROUP
+    for it in range(NUM_GROUPS * NSUB):  # constexpr trip count (also dodges an interpreter bug)
+        g = it // NSUB
+        sub = (it % NSUB) * SUB
+        k0 = g * GROUP + sub
         xa = tl.load(x_ptr + (x_off + k0), mask=valid[:, None] & (k0 + offs_k[None, :] < H), other=0.0)
         xb = tl.load(
             x_ptr + (x_off + (k0 + HALF)), mask=valid[:, None] & (k0 + HALF + offs_k[None, :] < H), other=0.0
         )
-        qrow = g * HALF * stride_qk
+        qrow = (g * HALF + sub) * stride_qk
         qg = tl.load(q_e + (q_off + qrow), mask=n_mask[None, :], other=0)
         qu = tl.load(q_e + (q_off + (qrow + I)), mask=n_mask[None, :], other=0)
         srow = g * stride_sg
         if PREFETCH_SCALE:
             sg = sg_next.to(tl.float32)
             su = su_next.to(tl.float32)
-            nrow = tl.minimum(g + 1, NUM_GROUPS - 1) * stride_sg  # the last prefetch re-reads group g
+            # the next iteration's group (the same one within a group; the last prefetch re-reads g)
+            nrow = tl.minimum((it + 1) // NSUB, NUM_GROUPS - 1) * stride_sg
             sg_next = tl.load(s_e + (offs_n + nrow), mask=n_mask, other=0.0)
             su_next = tl.load(s_e + (offs_n + (nrow + I)), mask=n_mask, other=0.0)
         else:
@@ -198,8 +206,10 @@ def _w4_down_kernel(
     SCALE_IN_TILE: tl.constexpr,
     FOLD_ZERO: tl.constexpr,
     PREFETCH_SCALE: tl.constexpr,
+    SUB: tl.constexpr,
 ):
-    """One program: BLOCK_M sorted rows x BLOCK_N columns of H; writes rows y_tk[t*K + k]."""
+    """One program: BLOCK_M sorted rows x BLOCK_N columns of H; writes rows y_tk[t*K + k]. SUB: as in
+    the gate_up kernel."""
     DT: tl.constexpr = h_ptr.dtype.element_ty
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -210,7 +220,8 @@ def _w4_down_kernel(
     aid = tl.load(sorted_ids_ptr + rows)
     valid = aid < num_assign
     HALF: tl.constexpr = GROUP // 2
-    offs_k = tl.arange(0, HALF)
+    NSUB: tl.constexpr = HALF // SUB
+    offs_k = tl.arange(0, SUB)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
 
@@ -221,16 +232,18 @@ def _w4_down_kernel(
     z_e = z_ptr + e * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     s_next = tl.load(s_e + offs_n, mask=n_mask, other=0.0)  # PREFETCH_SCALE: see the gate_up kernel
-    for g in range(NUM_GROUPS):  # constexpr trip count (also dodges an interpreter bug)
-        k0 = g * GROUP
+    for it in range(NUM_GROUPS * NSUB):  # constexpr trip count (also dodges an interpreter bug)
+        g = it // NSUB
+        sub = (it % NSUB) * SUB
+        k0 = g * GROUP + sub
         ha = tl.load(h_ptr + (h_off + k0), mask=valid[:, None] & (k0 + offs_k[None, :] < I), other=0.0)
         hb = tl.load(
             h_ptr + (h_off + (k0 + HALF)), mask=valid[:, None] & (k0 + HALF + offs_k[None, :] < I), other=0.0
         )
-        q = tl.load(q_e + (q_off + g * HALF * stride_qk), mask=n_mask[None, :], other=0)
+        q = tl.load(q_e + (q_off + (g * HALF + sub) * stride_qk), mask=n_mask[None, :], other=0)
         if PREFETCH_SCALE:
             s = s_next.to(tl.float32)
-            nrow = tl.minimum(g + 1, NUM_GROUPS - 1) * stride_sg
+            nrow = tl.minimum((it + 1) // NSUB, NUM_GROUPS - 1) * stride_sg
             s_next = tl.load(s_e + (offs_n + nrow), mask=n_mask, other=0.0)
         else:
             s = tl.load(s_e + (offs_n + g * stride_sg), mask=n_mask, other=0.0).to(tl.float32)

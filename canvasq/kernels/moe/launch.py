@@ -37,6 +37,10 @@ class MoeLaunchConfig:
     scale_in_tile: bool = False  # scale the weight tile before the dot (fewer registers) or the product
     fold_zero: bool = False  # subtract rowsum(x) * zero after the dot instead of zero from every weight
     prefetch_scale: bool = False  # load group g+1's scales during group g (hand-pipelined)
+    # packed rows per iteration (k and k + G/2 of a group; a power of two ≥ 16 dividing G/2); None: G/2,
+    # one group per iteration. Smaller: fewer registers and less shared memory per program.
+    gate_up_sub_k: int | None = None
+    down_sub_k: int | None = None
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,14 @@ def _dequant_mode(cfg: MoeLaunchConfig, dtype: torch.dtype) -> int:
     return _MAGIC_MODE[dtype]
 
 
+def _sub_k(sub: int | None, group: int) -> int:
+    half = group // 2
+    sub = half if sub is None else sub
+    if sub < 16 or half % sub or sub & (sub - 1):
+        raise ValueError(f"sub_k {sub} must be a power of two >= 16 dividing {half} (half a group)")
+    return sub
+
+
 def launch_gate_up(
     x: torch.Tensor, packed: W4Experts, meta: RoutingMeta, cfg: MoeLaunchConfig, h: torch.Tensor
 ) -> None:
@@ -237,6 +249,7 @@ def launch_gate_up(
         SCALE_IN_TILE=cfg.scale_in_tile,
         FOLD_ZERO=_fold_zero(cfg),
         PREFETCH_SCALE=cfg.prefetch_scale,
+        SUB=_sub_k(cfg.gate_up_sub_k, packed.config.group_gate_up),
         num_warps=cfg.gate_up_warps,
         num_stages=cfg.gate_up_stages,
     )
@@ -277,6 +290,7 @@ def launch_down(
         SCALE_IN_TILE=cfg.scale_in_tile,
         FOLD_ZERO=_fold_zero(cfg),
         PREFETCH_SCALE=cfg.prefetch_scale,
+        SUB=_sub_k(cfg.down_sub_k, packed.config.group_down),
         num_warps=cfg.down_warps,
         num_stages=cfg.down_stages,
     )

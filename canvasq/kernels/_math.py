@@ -1,8 +1,10 @@
-"""Device math shared by the kernels."""
+"""Device math and launch options shared by the kernels."""
 
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+NO_FP_FUSION = {"enable_fp_fusion": False}  # launch option: keep every rounding where it is written
 
 
 @triton.jit

@@ -32,9 +32,8 @@ import triton
 import triton.language as tl
 
 from ._dispatch import auto_triton
+from ._math import NO_FP_FUSION
 from .rmsnorm import rms_norm_reference
-
-NO_FP_FUSION = {"enable_fp_fusion": False}  # launch option: keep every rounding where it is written
 
 
 @dataclass(frozen=True)

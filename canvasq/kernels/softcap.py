@@ -17,9 +17,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import auto_triton, interpreted
-from ._math import tanh
-
-NO_FP_FUSION = {"enable_fp_fusion": False}
+from ._math import NO_FP_FUSION, tanh
 
 
 @triton.jit

@@ -400,7 +400,20 @@ class Runtime:
                     cap_owner.append((b, int(idx.numel())))
         cap = torch.cat(cap_rows) if cap_rows else None
         return _Prepared(
-            encoder, windows, offsets, ids, pos, row_slot, row_col, ctx, sc, cap, cap_owner, arena
+            encoder,
+            windows,
+            offsets,
+            ids,
+            pos,
+            row_slot,
+            row_col,
+            ctx,
+            sc,
+            cap,
+            cap_owner,
+            arena,
+            cap_slot=None if cap is None else row_slot[cap],
+            cap_col=None if cap is None else row_col[cap],
         )
 
     def _run(self, prep: _Prepared):
@@ -412,8 +425,6 @@ class Runtime:
         prep.cos_sin = {
             sl: self._rope(prep.pos, inv, self.rope_scaling[sl]) for sl, inv in self.inv_freq.items()
         }
-        if prep.capture is not None:  # arena entries of the captured rows
-            prep.cap_slot, prep.cap_col = prep.row_slot[prep.capture], prep.row_col[prep.capture]
         h = self._embed(prep)
         cap_k: list[torch.Tensor] = []
         cap_v: list[torch.Tensor] = []
@@ -559,7 +570,7 @@ class _Prepared:
     cap_owner: list[tuple[int, int]]  # (window, count) per window with captures
     arena: KVArena
     cos_sin: dict = field(default_factory=dict)  # filled by _run
-    cap_slot: torch.Tensor | None = None  # [n_cap] arena slot / entry of each captured row (by _run)
+    cap_slot: torch.Tensor | None = None  # [n_cap] arena slot / entry of each captured row
     cap_col: torch.Tensor | None = None
     static: bool = False  # replayed as a CUDA graph: no host sync, masks always applied
     prefix_attention: bool | None = None  # per-forward override of Runtime.prefix_attention

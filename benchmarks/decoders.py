@@ -5,6 +5,8 @@
                                                             # random:26b-a4b shape (label: replayed)
     python3 benchmarks/decoders.py replay --device cuda --graphs   # the same, decoder passes as
                                                             # CUDA-graph replays (built untimed)
+    python3 benchmarks/decoders.py live --device cuda       # the production decode loop at the real
+                                                            # shape, random weights, graphs on / off
 
 `batched`: for each decoder and batch size, the same n problems (same seed) decoded in chunks of
 that batch size; wall tok/s, forwards per request, tokens per forward, distinct passes. Real commit
@@ -17,6 +19,12 @@ context length scaled by canvas_real / canvas_testbed (256 / 32), random token i
 at the recorded context length. Reported tok/s = recorded tokens × scale ÷ replay seconds; every
 figure is labelled "replayed". The official schedule comes from its traces (C rows per denoising
 step, context = prompt + committed canvases) and is replayed on the same runtime forward.
+
+`live`: the service's own loop (`run_batch`) at the real shape on random weights and random prompt
+ids, each arm timed cold (its first batch: CUDA-graph captures included) and then warm. Random
+weights commit almost nothing on confidence, so the schedule is forced-accept bound (one token per
+canvas per step): a worst case for tokens per forward, and a like-for-like per-step cost comparison
+between arms (the graph and eager arms run the same loop; whether their tokens agree is reported).
 
 Prints a Markdown table; the last line is one JSON object; with $OUT set, raw results go to
 $OUT/decoders_<mode>.json.
@@ -73,6 +81,7 @@ def batched(args) -> dict:
                 bundle, DecodeBatch(reqs[:1], seed=args.seed), decoder=name, overrides=over or None
             )  # warm
             torch.manual_seed(args.seed)
+            before = _graph_stats(bundle, name, over)
             res, passes, t0 = [], 0, time.perf_counter()
             for i in range(0, len(reqs), bs):
                 part = run_batch(
@@ -100,6 +109,7 @@ def batched(args) -> dict:
                     "tok_per_fwd": toks / max(fwd, 1),
                     "passes": passes,
                     "tok_per_pass": toks / max(passes, 1),
+                    "graphs": _delta(_graph_stats(bundle, name, over), before),
                 }
             )
             print(f"batch {bs:>3} {spec:<30} {toks / dt:8.1f} tok/s  acc {acc:.2f}", file=sys.stderr)
@@ -114,6 +124,87 @@ def batched(args) -> dict:
         "threads": torch.get_num_threads(),
         "rows": rows,
         "schedule": "real (testbed)",
+    }
+
+
+def _graph_stats(bundle, name: str, over: dict) -> dict:
+    """The graph runner's counters of the runtime this arm decodes with ({} when it runs eagerly)."""
+    runner = make_decoder(name, bundle, over or None).graphs
+    return dict(runner.stats) if runner is not None else {}
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items()}
+
+
+# --- live --------------------------------------------------------------------------------------------
+def live(args) -> dict:
+    from canvasq.model.loading import load_bundle
+
+    target = load_bundle(args.shape, device=args.device)
+    if args.experts == "w4":
+        runtime_for(target.hf_model, "w4")  # pack first, then drop the bf16 experts nobody reads
+        release_bf16_experts(target.hf_model)
+    V = target.config.get_text_config().vocab_size
+    g = torch.Generator().manual_seed(args.seed)
+    arms = args.arms.split(";")
+    rows = []
+
+    def sync():
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    for bs in [int(x) for x in args.batches.split(",")]:
+        prompts = [torch.randint(3, V, (args.prompt_len,), generator=g).tolist() for _ in range(bs)]
+        reqs = [DecodeRequest(f"r{i}", p, args.max_tokens, args.task) for i, p in enumerate(prompts)]
+        tokens_by_arm = {}
+        for spec in arms if bs % 2 else list(reversed(arms)):
+            name, over = _parse_arm(spec)
+            over = {"adapter": False, "experts": args.experts, **over}
+            for rep in range(args.reps + 1):  # rep 0: cold (graph captures happen here)
+                before = _graph_stats(target, name, over)
+                sync()
+                t0 = time.perf_counter()
+                res = run_batch(target, DecodeBatch(reqs, seed=args.seed), decoder=name, overrides=over)
+                sync()
+                dt = time.perf_counter() - t0
+                errors = [r.error for r in res if r.error]
+                passes = len({t.index for r in res for t in r.traces})
+                toks = sum(len(r.token_ids) for r in res)
+                tokens_by_arm[spec] = [r.token_ids for r in res]
+                rows.append(
+                    {
+                        "arm": spec,
+                        "batch": bs,
+                        "rep": "cold" if rep == 0 else f"warm {rep}",
+                        "seconds": dt,
+                        "passes": passes,
+                        "ms_per_pass": 1e3 * dt / max(passes, 1),
+                        "tokens": toks,
+                        "tok_s": toks / dt,
+                        "errors": errors[:3],
+                        "graphs": _delta(_graph_stats(target, name, over), before),
+                    }
+                )
+                print(
+                    f"batch {bs:>3} {spec:<34} {rows[-1]['rep']:<7} {1e3 * dt / max(passes, 1):7.2f} ms/pass "
+                    f"{toks / dt:8.1f} tok/s  {rows[-1]['graphs']}",
+                    file=sys.stderr,
+                )
+        same = len({json.dumps(t) for t in tokens_by_arm.values()}) == 1
+        for r in rows:
+            if r["batch"] == bs:
+                r["tokens_equal_across_arms"] = same
+    return {
+        "mode": "live",
+        "shape": args.shape,
+        "device": args.device,
+        "experts": args.experts,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "seed": args.seed,
+        "rows": rows,
+        "schedule": "live loop, random weights (forced-accept bound)",
     }
 
 
@@ -334,6 +425,15 @@ def replay_mode(args) -> dict:
 
 
 def table(report: dict) -> str:
+    if report["mode"] == "live":
+        head = "| arm | batch | run | passes | ms/pass | tok/s | graphs built / replayed / eager |\n|---|---|---|---|---|---|---|"
+        body = [
+            f"| {r['arm']} | {r['batch']} | {r['rep']} | {r['passes']} | {r['ms_per_pass']:.2f} | {r['tok_s']:.1f} | "
+            + (" / ".join(str(r["graphs"].get(k, 0)) for k in ("built", "replayed", "eager")) if r["graphs"] else "off")
+            + " |"
+            for r in report["rows"]
+        ]
+        return "\n".join([head, *body])
     if report["mode"] == "batched":
         head = "| arm | batch | n | acc | tok/s | fwd/req | tok/fwd | passes | tok/pass |\n|---|---|---|---|---|---|---|---|---|"
         body = [
@@ -356,7 +456,7 @@ def table(report: dict) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("mode", choices=["batched", "replay"])
+    ap.add_argument("mode", choices=["batched", "replay", "live"])
     ap.add_argument("--model", default=None, help="testbed checkpoint (default models/testbed)")
     ap.add_argument("--arms", default="official;pipe;funnel", help="';'-separated decoder[:k=v,...]")
     ap.add_argument("--batches", default="1,4,16")
@@ -371,9 +471,10 @@ def main(argv=None) -> None:
     ap.add_argument("--experts", default="bf16", choices=["bf16", "w4"], help="replay: experts of the target")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--graphs", action="store_true", help="replay: decoder passes as CUDA-graph replays")
+    ap.add_argument("--prompt-len", type=int, default=128, help="live: random prompt length")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    report = batched(args) if args.mode == "batched" else replay_mode(args)
+    report = {"batched": batched, "replay": replay_mode, "live": live}[args.mode](args)
     report.update(
         {
             "host": platform.node(),

@@ -177,9 +177,19 @@ class StepDecoder:
         self.stop_ids = frozenset({bundle.eos_id, bundle.pad_id})
         self.device = self.rt.device
         self.passes: list[_Pass] = []
+        self.graphs = self.graph_runner()
 
     def pick_model(self):
         return self.bundle.d2f_model() if getattr(self.config, "adapter", False) else self.bundle.hf_model
+
+    def graph_runner(self):
+        """The runtime's `GraphRunner` when this decoder's forwards go through CUDA graphs, else None."""
+        mode = getattr(self.config, "cuda_graphs", "off")
+        if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
+            return None
+        from canvasq.model.graph import graph_runner
+
+        return graph_runner(self.rt, cuda_graph=self.device.type == "cuda")
 
     # -- the loop -------------------------------------------------------------------------------
     def decode(
@@ -251,7 +261,15 @@ class StepDecoder:
     # -- hooks ----------------------------------------------------------------------------------
     def new_store(self, seqs: list[Seq]):
         cap = max(s.prompt_len + (s.n_canvases + self.config.max_canvases + 1) * self.C for s in seqs)
+        if self.graphs is not None:  # graphs read one arena for the life of the process
+            return self.graphs.arena(len(seqs), cap)
         return self.rt.new_arena(slots=len(seqs), capacity=cap)
+
+    def forward(self, windows, **kw):
+        """One decoder forward over `windows` (through a CUDA graph when the runner can take it)."""
+        if self.graphs is not None:
+            return self.graphs.decode(self.arena, windows, **kw)
+        return self.rt.decode(self.arena, windows, **kw)
 
     def prefill(self, seqs: list[Seq]) -> None:
         """Encode every prompt in one pass, then spawn each row's first canvas."""

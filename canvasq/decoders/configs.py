@@ -13,6 +13,7 @@ from typing import Any
 EXPERTS = ("bf16", "w4")
 RENOISE = ("argmax", "mix")
 PROMOTE = ("arena", "simple")
+GRAPHS = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,14 @@ class PipeConfig:
     sc_topk: int | None = None  # top-k self-conditioning projection; None = full vocabulary
     adapter: bool = True  # decode with the D2F LoRA merged (`bundle.d2f_model()`)
     experts: str = "bf16"
+    # Decoder forwards replayed as CUDA graphs over a persistent arena (`model.graph.GraphRunner`):
+    # "auto" on a CUDA device, "off" eager, "on" the same prepared forwards on any device (CPU tests)
+    cuda_graphs: str = "auto"
 
     def __post_init__(self):
         _check_choice("experts", self.experts, EXPERTS)
         _check_choice("renoise", self.renoise, RENOISE)
+        _check_choice("cuda_graphs", self.cuda_graphs, GRAPHS)
         if not 1 <= self.max_canvases <= 8:
             raise ValueError(f"max_canvases must be in 1..8, got {self.max_canvases}")
         for name in ("tau_conf", "tau_add", "tau_act"):

@@ -157,4 +157,4 @@ class FunnelDecoder(PipeDecoder):
     def decode_call(self, windows):
         """Prefix attention is the runtime's (mask-free SDPA where the mask is all-visible), chosen
         per forward: the runtime is shared."""
-        return self.rt.decode(self.arena, windows, prefix_attention=self.config.prefix_attention)
+        return self.forward(windows, prefix_attention=self.config.prefix_attention)

@@ -48,7 +48,7 @@ class PipeDecoder(StepDecoder):
         """Called once per sequence after all its canvases were updated."""
 
     def decode_call(self, windows):
-        return self.rt.decode(self.arena, windows)
+        return self.forward(windows)
 
     def bar(self, cv: Canvas) -> float:
         return self.config.tau_conf

@@ -28,9 +28,9 @@ def _softcap_kernel(x_ptr, y_ptr, n, inv_cap, cap, BLOCK: tl.constexpr, INTERPRE
     tl.store(y_ptr + offs, tanh(z, INTERPRETED) * cap, mask=m)
 
 
-def softcap_launch(x: torch.Tensor, cap: float) -> torch.Tensor:
+def softcap_launch(x: torch.Tensor, cap: float, out: torch.Tensor | None = None) -> torch.Tensor:
     x = x.contiguous()
-    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    y = _dest(x, out)
     n = x.numel()
     block = 4096
     if n:
@@ -49,19 +49,33 @@ def softcap_launch(x: torch.Tensor, cap: float) -> torch.Tensor:
     return y
 
 
-def softcap_reference(x: torch.Tensor, cap: float) -> torch.Tensor:
+def softcap_reference(x: torch.Tensor, cap: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Twin (HF's order): fp32 copy, then divide, tanh, multiply in place."""
-    return x.float().div_(cap).tanh_().mul_(cap)
+    y = x.float() if out is None else _dest(x, out).copy_(x)
+    return y.div_(cap).tanh_().mul_(cap)
 
 
-def softcap_logits(x: torch.Tensor, cap: float | None, impl: str = "auto") -> torch.Tensor:
-    """x [..., V] any float dtype -> fp32 logits, soft-capped when `cap` is set."""
+def _dest(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The fp32 result tensor: a new one, or the caller's buffer (its leading elements, viewed as x's
+    shape; a CUDA graph writes every captured forward's logits into one shared buffer)."""
+    if out is None:
+        return torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    if out.dtype != torch.float32 or out.numel() < x.numel() or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32 buffer of at least {x.numel()} elements")
+    return out.view(-1)[: x.numel()].view(x.shape)
+
+
+def softcap_logits(
+    x: torch.Tensor, cap: float | None, impl: str = "auto", out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., V] any float dtype -> fp32 logits, soft-capped when `cap` is set; written into `out`
+    (a contiguous fp32 buffer with room for x) when it is given."""
     if not cap:
-        return x.float()
+        return x.float() if out is None else _dest(x, out).copy_(x)
     if impl == "auto":
         impl = "triton" if auto_triton(x, _softcap_kernel) else "torch"
     if impl == "triton":
-        return softcap_launch(x, cap)
+        return softcap_launch(x, cap, out)
     if impl == "torch":
-        return softcap_reference(x, cap)
+        return softcap_reference(x, cap, out)
     raise ValueError(f"unknown impl {impl!r}")

@@ -8,6 +8,8 @@ may change between runs.
 from __future__ import annotations
 
 import contextlib
+import logging
+from collections import OrderedDict
 
 import torch
 
@@ -66,6 +68,9 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 
 ROW_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)
+CONTEXT_BUCKET = 256  # a graph's context (arena entries it reads) is rounded up to a multiple of this
+
+log = logging.getLogger(__name__)
 
 
 class DecodeGraph:
@@ -79,11 +84,16 @@ class DecodeGraph:
     and the arena contents (lengths may grow by `encode` / `promote` while they fit `context`), so
     one graph serves a whole Funnel / pipe decode loop while the window fits its bucket.
 
+    Slots: windows on consecutive slots read the arena through a view, and the graph replays only on
+    those slots; otherwise the slots are a device index like the rest, and the graph replays on any
+    slots (same count), so a decode loop whose rows finish in any order keeps its graphs.
+
     `pool` (`torch.cuda.graph_pool_handle()`): graphs built with the same pool share the memory of
     their temporaries, so a cache of buckets costs one forward's activations plus each graph's
-    logits, not one full forward's memory per bucket. Safe because graphs of one decode loop never
-    run concurrently and `run` copies its logits out (and reads captured K/V from the arena) before
-    any other graph replays.
+    logits, not one full forward's memory per bucket. `logits_out` (a contiguous fp32 buffer with
+    room for rows x vocabulary) takes the logits too, so a cache holds one logits buffer in all.
+    Safe because graphs of one decode loop never run concurrently and `run` copies its logits out
+    (and reads captured K/V from the arena) before any other graph replays.
     """
 
     def __init__(
@@ -96,6 +106,7 @@ class DecodeGraph:
         cuda_graph: bool | None = None,
         warmup: int = 2,
         pool=None,
+        logits_out: torch.Tensor | None = None,
     ):
         self.rt, self.arena = rt, arena
         self.rows = rows or _bucket(max(w.rows for w in windows), ROW_BUCKETS)
@@ -111,6 +122,8 @@ class DecodeGraph:
             capture=False,
         )
         self.prep.static = True
+        self.prep.logits_out = logits_out
+        self.any_slots = not self.prep.ctx.contiguous
         # own every buffer a run overwrites (a payload may alias the caller's tensor)
         self.prep.sc = [
             (r, keep.clone(), tuple(t.clone() for t in pay) if isinstance(pay, tuple) else pay.clone())
@@ -137,7 +150,8 @@ class DecodeGraph:
     def run(self, windows: list[Window]) -> DecodeOutput:
         """Decode `windows` (same slots and SC kinds as at build, each at most `rows` rows) through
         the graph. Logits are copied out (real rows only); captured K/V are read from the scratch."""
-        if [w.slot for w in windows] != self.slots:
+        slots = [w.slot for w in windows]
+        if slots != self.slots and not (self.any_slots and len(slots) == len(self.slots)):
             raise ValueError(f"DecodeGraph built for slots {self.slots}")
         if [_sc_kind(w.self_cond) for w in windows] != self.sc_kinds:
             raise ValueError(f"DecodeGraph built for self-conditioning kinds {self.sc_kinds}")
@@ -147,6 +161,8 @@ class DecodeGraph:
         for dst, src in (
             (p.ids, new.ids),
             (p.pos, new.pos),
+            (p.row_slot, new.row_slot),
+            (p.ctx.slots, new.ctx.slots),
             (p.row_col, new.row_col),
             (p.ctx.hi, new.ctx.hi),
             (p.ctx.lo, new.ctx.lo),
@@ -176,7 +192,7 @@ class DecodeGraph:
         else:
             logits = logits.index_select(0, torch.cat(real).to(logits.device))
         captured: list[Captured | None] = []
-        for w, start in zip(windows, (self.arena.length[s] for s in self.slots)):
+        for w, start in zip(windows, (self.arena.length[s] for s in slots)):
             if w.capture is None or not bool(w.capture.any()):
                 captured.append(None)
                 continue
@@ -194,3 +210,124 @@ def _sc_kind(sc) -> str:
     if isinstance(sc, tuple):
         return f"top{sc[0].shape[1]}"
     return "full"
+
+
+class GraphRunner:
+    """The decode loop's forwards through cached `DecodeGraph`s on one persistent arena (one runner
+    per `Runtime`, so per worker process and model).
+
+    A CUDA graph keeps the addresses of every tensor it reads, so the arena outlives a batch:
+    `arena(slots, capacity)` hands out the runner's own arena with every slot reset, replacing it (and
+    dropping the graphs) only when a batch needs more slots or entries than it has. Graphs are keyed
+    by (window count, first slot when the slots are consecutive, row bucket, context bucket, SC kinds),
+    kept least recently used up to `max_graphs`, and share one temporaries pool and one logits buffer
+    of `logits_bytes`. `decode` runs eagerly what no graph can take: windows on another store (the
+    funnel's simple promotion), more padded rows than the logits buffer holds, a window larger than
+    the largest row bucket, or a key whose capture ran out of memory.
+
+    Numerics: a graph forward pads rows to the bucket and always applies the attention masks (no
+    host sync to detect mask-free segments), so its logits equal the eager forward's to rounding,
+    not bit for bit; seeded runs through the runner still repeat exactly.
+    """
+
+    def __init__(
+        self,
+        rt: Runtime,
+        max_graphs: int = 64,
+        logits_bytes: int = 4 << 30,
+        cuda_graph: bool | None = None,
+        warmup: int = 1,
+    ):
+        self.rt = rt
+        self.cuda_graph = rt.device.type == "cuda" if cuda_graph is None else cuda_graph
+        self.max_graphs, self.warmup, self.logits_bytes = max_graphs, warmup, logits_bytes
+        self.graphs: OrderedDict[tuple, DecodeGraph | None] = OrderedDict()
+        self.store: KVArena | None = None
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
+        self.logits: torch.Tensor | None = None
+        self.stats = {"built": 0, "replayed": 0, "eager": 0, "evicted": 0}
+
+    @property
+    def max_rows(self) -> int:
+        """Padded rows (all windows of a forward) a graph may have: the logits buffer's size."""
+        return max(ROW_BUCKETS[0], self.logits_bytes // (4 * self.rt.vocab_size))
+
+    def arena(self, slots: int, capacity: int) -> KVArena:
+        """The persistent arena, every slot empty, with at least `slots` slots of `capacity` entries."""
+        a = self.store
+        if a is None or a.slots < slots or a.capacity < capacity:
+            if a is not None:  # grow to cover both, so alternating batches do not thrash
+                slots, capacity = max(slots, a.slots), max(capacity, a.capacity)
+            self.graphs.clear()  # they read the old arena's tensors (and their logits buffer)
+            self.store = self.logits = a = None
+            capacity = -(-capacity // CONTEXT_BUCKET) * CONTEXT_BUCKET
+            a = self.store = self.rt.new_arena(slots=slots, capacity=capacity)
+        for s in range(a.slots):
+            a.reset(s)
+        return a
+
+    @torch.no_grad()
+    def decode(self, arena: KVArena, windows: list[Window], prefix_attention: bool | None = None) -> DecodeOutput:
+        """`Runtime.decode` through a graph when one can take these windows (see the class)."""
+        rows = _bucket(max(w.rows for w in windows), ROW_BUCKETS)
+        if arena is not self.store or rows > ROW_BUCKETS[-1] or rows * len(windows) > self.max_rows:
+            return self._eager(arena, windows, prefix_attention)
+        need = max(arena.length[w.slot] for w in windows) + rows
+        context = min(arena.capacity, -(-need // CONTEXT_BUCKET) * CONTEXT_BUCKET)
+        slots = [w.slot for w in windows]
+        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+        key = (
+            len(slots),
+            slots[0] if consecutive else None,
+            rows,
+            context,
+            tuple(_sc_kind(w.self_cond) for w in windows),
+        )
+        if key in self.graphs:
+            self.graphs.move_to_end(key)
+            graph = self.graphs[key]
+        else:
+            graph = self.graphs[key] = self._build(windows, rows, context)
+            while len(self.graphs) > self.max_graphs:
+                self.graphs.popitem(last=False)
+                self.stats["evicted"] += 1
+        if graph is None:
+            return self._eager(arena, windows, prefix_attention)
+        self.stats["replayed"] += 1
+        return graph.run(windows)
+
+    def _eager(self, arena, windows, prefix_attention) -> DecodeOutput:
+        self.stats["eager"] += 1
+        return self.rt.decode(arena, windows, prefix_attention=prefix_attention)
+
+    def _build(self, windows: list[Window], rows: int, context: int) -> DecodeGraph | None:
+        if self.logits is None:
+            n = min(self.max_rows, self.store.slots * ROW_BUCKETS[-1])
+            self.logits = torch.empty(n * self.rt.vocab_size, dtype=torch.float32, device=self.rt.device)
+        try:
+            graph = DecodeGraph(
+                self.rt,
+                self.store,
+                windows,
+                rows=rows,
+                context=context,
+                cuda_graph=self.cuda_graph,
+                warmup=self.warmup,
+                pool=self.pool,
+                logits_out=self.logits,
+            )
+        except torch.OutOfMemoryError:
+            log.warning("CUDA graph capture out of memory for %d x %d rows: eager from now on", len(windows), rows)
+            return None
+        self.stats["built"] += 1
+        return graph
+
+
+def graph_runner(rt: Runtime, cuda_graph: bool | None = None) -> GraphRunner:
+    """The runtime's `GraphRunner` (made on first use; `cuda_graph=False` is the CPU-testable path
+    through the same prepared forwards)."""
+    runner = getattr(rt, "graph_runner", None)
+    want = rt.device.type == "cuda" if cuda_graph is None else cuda_graph
+    if runner is None or runner.cuda_graph != want:
+        runner = rt.graph_runner = GraphRunner(rt, cuda_graph=want)
+    return runner

@@ -436,7 +436,8 @@ class Runtime:
             return None, cap_k, cap_v
         with self.scope("lm_head"):
             h = self._norm(h, self.final_norm, self.eps)
-            logits = self._softcap(F.linear(h, self.lm_head), self.softcap)  # [N, V] fp32, like HF
+            # [N, V] fp32, like HF
+            logits = self._softcap(F.linear(h, self.lm_head), self.softcap, out=prep.logits_out)
         return logits, cap_k, cap_v
 
     def _split_captured(self, prep: _Prepared, cap_k, cap_v) -> list[Captured | None]:
@@ -574,6 +575,7 @@ class _Prepared:
     cap_col: torch.Tensor | None = None
     static: bool = False  # replayed as a CUDA graph: no host sync, masks always applied
     prefix_attention: bool | None = None  # per-forward override of Runtime.prefix_attention
+    logits_out: torch.Tensor | None = None  # fp32 buffer the logits are written into (DecodeGraph)
 
 
 class _AttnContext:

@@ -309,3 +309,44 @@ def test_commit_window_commits_left_first(eos_bundle):
     left = run_batch(eos_bundle, _eos_batch(), decoder="pipe", overrides={**over, "commit_window": 1})
     assert sum(r.forwards for r in plain) < sum(len(r.token_ids) for r in plain)
     assert all(r.forwards >= len(r.token_ids) for r in left)
+
+
+@pytest.mark.parametrize("name", ["pipe", "funnel"])
+def test_graph_runner_decodes_like_eager(bundle, name):
+    """cuda_graphs="on" (on CPU: the prepared, padded, always-masked forwards a CUDA graph replays)
+    decodes the same tokens as the eager loop, over one persistent arena whose graphs the next batch
+    reuses; the funnel's simple promotion (another store) falls back to eager forwards."""
+    from canvasq.decoders.base import runtime_for
+
+    ov = {"max_canvases": 2}
+    eager = run_batch(bundle, _batch(3), decoder=name, overrides={**ov, "cuda_graphs": "off"})
+    dec = make_decoder(name, bundle, {**ov, "cuda_graphs": "on"})
+    runner = dec.graphs
+    assert runner is not None and not runner.cuda_graph
+    assert runner is runtime_for(dec.model, "bf16").graph_runner
+    first = dec.decode(_batch(3))
+    arena, built = runner.store, runner.stats["built"]
+    assert _ids(first) == _ids(eager)
+    assert runner.stats["replayed"] > built > 0 and runner.stats["eager"] == 0
+    again = make_decoder(name, bundle, {**ov, "cuda_graphs": "on"}).decode(_batch(3))
+    assert _ids(again) == _ids(first)
+    assert runner.store is arena and runner.stats["built"] == built  # same shapes: no new capture
+    if name == "funnel":
+        knobs = {**ov, "cuda_graphs": "on", "promote": "simple"}
+        simple = run_batch(bundle, _batch(3), decoder=name, overrides=knobs)
+        assert runner.stats["eager"] > 0 and all(r.error is None for r in simple)
+
+
+def test_graph_runner_grows_its_arena(bundle):
+    """A batch that needs more slots or entries than the runner's arena gets a larger one (the graphs
+    of the old one are dropped); a smaller batch keeps the larger arena."""
+    from canvasq.model.graph import GraphRunner
+
+    runner = GraphRunner(make_decoder("pipe", bundle).rt, cuda_graph=False)
+    small = runner.arena(1, 10)
+    assert runner.arena(1, 10) is small and (small.slots, small.capacity) == (1, 256)
+    big = runner.arena(5, 300)
+    assert big is not small and (big.slots, big.capacity) == (5, 512) and not runner.graphs
+    assert runner.arena(2, 20) is big and all(n == 0 for n in big.length)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        make_decoder("pipe", bundle, {"cuda_graphs": "yes"})

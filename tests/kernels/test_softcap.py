@@ -27,3 +27,19 @@ def test_softcap_off_and_dispatch():
     assert torch.equal(softcap_logits(x, 30.0, impl="torch"), softcap_reference(x, 30.0))
     with pytest.raises(ValueError, match="unknown impl"):
         softcap_logits(x, 30.0, impl="nope")
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("cap", [30.0, None])
+def test_softcap_into_buffer(impl, cap):
+    """`out=`: the same values land in the leading elements of a larger fp32 buffer (how every CUDA
+    graph of a GraphRunner shares one logits buffer); the rest of it is untouched."""
+    x = (torch.randn(3, 257, device=DEVICE) * 40).half()
+    buf = torch.full((3 * 257 + 11,), 7.0, device=DEVICE)
+    y = softcap_logits(x, cap, impl=impl, out=buf)
+    assert y.shape == x.shape and y.data_ptr() == buf.data_ptr()
+    assert torch.equal(y, softcap_logits(x, cap, impl=impl))
+    assert torch.equal(buf[-11:], torch.full((11,), 7.0, device=DEVICE))
+    for bad in (torch.empty(10, device=DEVICE), torch.empty(3 * 257, device=DEVICE).half()):
+        with pytest.raises(ValueError, match="fp32 buffer"):
+            softcap_logits(x, cap, impl=impl, out=bad)

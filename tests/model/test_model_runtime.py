@@ -384,6 +384,36 @@ def test_decode_graph_replays_like_decode(model):
         graph.run(windows(2 * c, c, 12, 30)[::-1])
 
 
+def test_decode_graph_on_any_slots(model):
+    """A graph built on non-consecutive slots indexes them on the device: it replays on any slots of
+    the same count (rows finishing in any order keep it), reads each slot's own context, writes the
+    logits into a shared buffer and copies them out; a graph on consecutive slots stays on them."""
+    from canvasq.model.graph import DecodeGraph
+
+    shape, _, rt = model
+    g = torch.Generator().manual_seed(5)
+    c, v = shape.canvas_length, shape.vocab_size
+    arena = rt.new_arena(4, 96)
+    for s, p in ((0, 7), (1, 19), (2, 11), (3, 26)):
+        rt.encode(arena, s, _ids(g, p, v), torch.arange(p))
+
+    def windows(slots, rows):
+        return [Window.canvas(s, _ids(g, r, v), arena.length[s]) for s, r in zip(slots, rows)]
+
+    buf = torch.full((2 * 16 * v + 5,), float("nan"))
+    graph = DecodeGraph(rt, arena, windows([0, 2], [c, c]), rows=16, context=64, logits_out=buf)
+    for slots, rows in (([0, 2], [c, 3]), ([3, 1], [5, c]), ([1, 2], [c, c])):
+        ws = windows(slots, rows)
+        out, ref = graph.run(ws), rt.decode(arena, ws)
+        assert out.offsets == ref.offsets
+        assert rel_err(out.logits, ref.logits) <= TOL
+        assert out.logits.data_ptr() != buf.data_ptr()  # copied out: the next replay overwrites buf
+    assert not torch.isnan(buf[: 2 * 16 * v]).all() and torch.isnan(buf[-5:]).all()
+    fixed = DecodeGraph(rt, arena, windows([1, 2], [c, c]), rows=16, context=64)
+    with pytest.raises(ValueError, match="built for slots"):
+        fixed.run(windows([0, 2], [c, c]))
+
+
 def test_decoder_kv_is_not_encoder_kv():
     """What "promote instead of re-encode" trades (seed: free front retire): decoder K/V of rows
     given causal visibility equal the encoder's at layer 0 only (its input RMSNorm makes the decoder's

@@ -223,7 +223,7 @@ class GraphRunner:
     kept least recently used up to `max_graphs`, and share one temporaries pool and one logits buffer
     of `logits_bytes`. `decode` runs eagerly what no graph can take: windows on another store (the
     funnel's simple promotion), more padded rows than the logits buffer holds, a window larger than
-    the largest row bucket, or a key whose capture ran out of memory.
+    the largest row bucket, or a key whose graph failed to build (counted in `stats["failed"]`).
 
     Numerics: a graph forward pads rows to the bucket and always applies the attention masks (no
     host sync to detect mask-free segments), so its logits equal the eager forward's to rounding,
@@ -245,7 +245,7 @@ class GraphRunner:
         self.store: KVArena | None = None
         self.pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
         self.logits: torch.Tensor | None = None
-        self.stats = {"built": 0, "replayed": 0, "eager": 0, "evicted": 0}
+        self.stats = {"built": 0, "replayed": 0, "eager": 0, "evicted": 0, "failed": 0}
 
     @property
     def max_rows(self) -> int:
@@ -260,6 +260,9 @@ class GraphRunner:
                 slots, capacity = max(slots, a.slots), max(capacity, a.capacity)
             self.graphs.clear()  # they read the old arena's tensors (and their logits buffer)
             self.store = self.logits = a = None
+            # and a new pool: once its last graph is gone, torch frees a pool and refuses new
+            # captures into its handle
+            self.pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
             capacity = -(-capacity // CONTEXT_BUCKET) * CONTEXT_BUCKET
             a = self.store = self.rt.new_arena(slots=slots, capacity=capacity)
         for s in range(a.slots):
@@ -316,8 +319,9 @@ class GraphRunner:
                 pool=self.pool,
                 logits_out=self.logits,
             )
-        except torch.OutOfMemoryError:
-            log.warning("CUDA graph capture out of memory for %d x %d rows: eager from now on", len(windows), rows)
+        except Exception:  # noqa: BLE001 — a graph is an optimisation: the rows still decode eagerly
+            log.exception("CUDA graph for %d x %d rows failed: eager forwards for that shape", len(windows), rows)
+            self.stats["failed"] += 1
             return None
         self.stats["built"] += 1
         return graph

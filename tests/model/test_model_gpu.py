@@ -227,7 +227,12 @@ def test_decoders_through_cuda_graphs(name):
     )
     runner = make_decoder(name, bundle).graphs
     assert runner is not None and runner.cuda_graph
-    graphs = [run_batch(bundle, batch, decoder=name) for _ in range(2)]
+    one = DecodeBatch(batch.requests[:1], seed=4)
+    assert run_batch(bundle, one, decoder=name)[0].error is None
+    small = runner.store
+    graphs = [run_batch(bundle, batch, decoder=name) for _ in range(2)]  # a larger arena, new graphs
+    assert runner.stats["failed"] == 0  # the first parametrisation grows the arena here (new pool)
+    assert runner.store.slots >= len(batch.requests) and (small.slots > 1 or runner.store is not small)
     eager = run_batch(bundle, batch, decoder=name, overrides={"cuda_graphs": "off"})
     assert all(r.error is None for r in graphs[0] + eager)
     assert [r.token_ids for r in graphs[0]] == [r.token_ids for r in graphs[1]]

@@ -265,6 +265,13 @@ class StepDecoder:
             return self.graphs.arena(len(seqs), cap)
         return self.rt.new_arena(slots=len(seqs), capacity=cap)
 
+    def encode(self, items) -> None:
+        """One encoder pass over (slot, ids, positions) items (through a CUDA graph when it can)."""
+        if self.graphs is not None:
+            self.graphs.encode_many(self.arena, items)
+        else:
+            self.rt.encode_many(self.arena, items)
+
     def forward(self, windows, **kw):
         """One decoder forward over `windows` (through a CUDA graph when the runner can take it)."""
         if self.graphs is not None:
@@ -278,7 +285,7 @@ class StepDecoder:
             ids = torch.tensor(s.req.prompt_ids, dtype=torch.long, device=self.device)
             items.append((s.slot, ids, torch.arange(s.prompt_len, device=self.device)))
         with self.timed() as t:
-            self.rt.encode_many(self.arena, items)
+            self.encode(items)
         self.record("encode", t.ms, {s.row: s.prompt_len for s in seqs}, {}, {s.row: "prefill" for s in seqs})
         for s in seqs:
             self.spawn(s)

@@ -146,7 +146,7 @@ class PipeDecoder(StepDecoder):
                 encodes.append((s, (s.slot, ids, pos)))
         if encodes:
             with self.timed() as t:
-                self.rt.encode_many(self.arena, [e[1] for e in encodes])
+                self.encode([e[1] for e in encodes])
             self.record(
                 "encode",
                 t.ms,

@@ -14,7 +14,7 @@ from collections import OrderedDict
 import torch
 
 from canvasq.model.arena import Captured, KVArena
-from canvasq.model.runtime import DecodeOutput, Runtime, Window
+from canvasq.model.runtime import DecodeOutput, Runtime, Window, encoder_windows
 
 PAD_POSITION = 1 << 30  # padding rows sit far beyond any real position: no real row ever sees them
 
@@ -76,6 +76,8 @@ log = logging.getLogger(__name__)
 class DecodeGraph:
     """A decoder forward replayed with new inputs: a CUDA graph on CUDA (one launch per step instead
     of thousands), the same prepared forward elsewhere (so CPU tests cover its buffer logic).
+    `encoder=True` makes it an encoder pass instead (`Runtime.encode_many`'s causal windows: `run`
+    writes their K/V into the arena's scratch and returns None; the caller commits the lengths).
 
     Fixed at build: the windows' slots (same order), `rows` per window (a bucket: every window is
     padded to it with `pad_window`), the SC kind of each window (none / full / top-k with its k) and
@@ -107,17 +109,18 @@ class DecodeGraph:
         warmup: int = 2,
         pool=None,
         logits_out: torch.Tensor | None = None,
+        encoder: bool = False,
     ):
-        self.rt, self.arena = rt, arena
+        self.rt, self.arena, self.encoder = rt, arena, encoder
         self.rows = rows or _bucket(max(w.rows for w in windows), ROW_BUCKETS)
         need = max(arena.length[w.slot] for w in windows) + self.rows
-        self.context = context or min(arena.capacity, -(-need // 256) * 256)
+        self.context = context or min(arena.capacity, -(-need // CONTEXT_BUCKET) * CONTEXT_BUCKET)
         self.slots = [w.slot for w in windows]
         self.sc_kinds = [_sc_kind(w.self_cond) for w in windows]
         self.prep = rt._prepare(
             arena,
             [pad_window(w, self.rows) for w in windows],
-            encoder=False,
+            encoder=encoder,
             lmax=self.context,
             capture=False,
         )
@@ -147,16 +150,17 @@ class DecodeGraph:
                 rt.scope = scope
 
     @torch.no_grad()
-    def run(self, windows: list[Window]) -> DecodeOutput:
+    def run(self, windows: list[Window]) -> DecodeOutput | None:
         """Decode `windows` (same slots and SC kinds as at build, each at most `rows` rows) through
-        the graph. Logits are copied out (real rows only); captured K/V are read from the scratch."""
+        the graph. Logits are copied out (real rows only); captured K/V are read from the scratch.
+        An encoder graph returns None."""
         slots = [w.slot for w in windows]
         if slots != self.slots and not (self.any_slots and len(slots) == len(self.slots)):
             raise ValueError(f"DecodeGraph built for slots {self.slots}")
         if [_sc_kind(w.self_cond) for w in windows] != self.sc_kinds:
             raise ValueError(f"DecodeGraph built for self-conditioning kinds {self.sc_kinds}")
         padded = [pad_window(w, self.rows) for w in windows]
-        new = self.rt._prepare(self.arena, padded, encoder=False, lmax=self.context, capture=False)
+        new = self.rt._prepare(self.arena, padded, encoder=self.encoder, lmax=self.context, capture=False)
         p = self.prep
         for dst, src in (
             (p.ids, new.ids),
@@ -182,6 +186,8 @@ class DecodeGraph:
             logits = self._logits
         else:
             logits = self.rt._run(p)[0]
+        if self.encoder:
+            return None
 
         offsets, real = [0], []
         for b, w in enumerate(windows):
@@ -213,13 +219,14 @@ def _sc_kind(sc) -> str:
 
 
 class GraphRunner:
-    """The decode loop's forwards through cached `DecodeGraph`s on one persistent arena (one runner
-    per `Runtime`, so per worker process and model).
+    """The decode loop's forwards (decoder steps and encoder passes) through cached `DecodeGraph`s on
+    one persistent arena (one runner per `Runtime`, so per worker process and model).
 
     A CUDA graph keeps the addresses of every tensor it reads, so the arena outlives a batch:
     `arena(slots, capacity)` hands out the runner's own arena with every slot reset, replacing it (and
     dropping the graphs) only when a batch needs more slots or entries than it has. Graphs are keyed
-    by (window count, first slot when the slots are consecutive, row bucket, context bucket, SC kinds),
+    by (encoder or decoder, window count, first slot when the slots are consecutive, row bucket,
+    context bucket, SC kinds),
     kept least recently used up to `max_graphs`, and share one temporaries pool and one logits buffer
     of `logits_bytes`. `decode` runs eagerly what no graph can take: windows on another store (the
     funnel's simple promotion), more padded rows than the logits buffer holds, a window larger than
@@ -272,14 +279,38 @@ class GraphRunner:
     @torch.no_grad()
     def decode(self, arena: KVArena, windows: list[Window], prefix_attention: bool | None = None) -> DecodeOutput:
         """`Runtime.decode` through a graph when one can take these windows (see the class)."""
+        graph = self._graph(arena, windows, encoder=False)
+        if graph is None:
+            self.stats["eager"] += 1
+            return self.rt.decode(arena, windows, prefix_attention=prefix_attention)
+        self.stats["replayed"] += 1
+        return graph.run(windows)
+
+    @torch.no_grad()
+    def encode_many(self, arena: KVArena, items: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """`Runtime.encode_many` (prefill, a retired canvas) through a graph when one can take it."""
+        windows = encoder_windows(items)
+        graph = self._graph(arena, windows, encoder=True)
+        if graph is None:
+            self.stats["eager"] += 1
+            self.rt.encode_many(arena, items)
+            return
+        self.stats["replayed"] += 1
+        graph.run(windows)
+        for w in windows:
+            arena.commit(w.slot, w.rows)
+
+    def _graph(self, arena: KVArena, windows: list[Window], encoder: bool) -> DecodeGraph | None:
+        """The cached (or a new) graph for these windows; None: run them eagerly."""
         rows = _bucket(max(w.rows for w in windows), ROW_BUCKETS)
         if arena is not self.store or rows > ROW_BUCKETS[-1] or rows * len(windows) > self.max_rows:
-            return self._eager(arena, windows, prefix_attention)
+            return None
         need = max(arena.length[w.slot] for w in windows) + rows
         context = min(arena.capacity, -(-need // CONTEXT_BUCKET) * CONTEXT_BUCKET)
         slots = [w.slot for w in windows]
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
         key = (
+            encoder,
             len(slots),
             slots[0] if consecutive else None,
             rows,
@@ -288,22 +319,14 @@ class GraphRunner:
         )
         if key in self.graphs:
             self.graphs.move_to_end(key)
-            graph = self.graphs[key]
-        else:
-            graph = self.graphs[key] = self._build(windows, rows, context)
-            while len(self.graphs) > self.max_graphs:
-                self.graphs.popitem(last=False)
-                self.stats["evicted"] += 1
-        if graph is None:
-            return self._eager(arena, windows, prefix_attention)
-        self.stats["replayed"] += 1
-        return graph.run(windows)
+            return self.graphs[key]
+        graph = self.graphs[key] = self._build(windows, rows, context, encoder)
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+            self.stats["evicted"] += 1
+        return graph
 
-    def _eager(self, arena, windows, prefix_attention) -> DecodeOutput:
-        self.stats["eager"] += 1
-        return self.rt.decode(arena, windows, prefix_attention=prefix_attention)
-
-    def _build(self, windows: list[Window], rows: int, context: int) -> DecodeGraph | None:
+    def _build(self, windows: list[Window], rows: int, context: int, encoder: bool) -> DecodeGraph | None:
         if self.logits is None:
             n = min(self.max_rows, self.store.slots * ROW_BUCKETS[-1])
             self.logits = torch.empty(n * self.rt.vocab_size, dtype=torch.float32, device=self.rt.device)
@@ -318,6 +341,7 @@ class GraphRunner:
                 warmup=self.warmup,
                 pool=self.pool,
                 logits_out=self.logits,
+                encoder=encoder,
             )
         except Exception:  # noqa: BLE001 — a graph is an optimisation: the rows still decode eagerly
             log.exception("CUDA graph for %d x %d rows failed: eager forwards for that shape", len(windows), rows)

@@ -142,6 +142,15 @@ class Window:
         return cls(slot, torch.cat(ids), torch.cat(pos), torch.cat(lo), torch.cat(hi), **kw)
 
 
+def encoder_windows(items: list[tuple[int, torch.Tensor, torch.Tensor]]) -> list[Window]:
+    """(slot, ids, positions) per sequence -> the causal windows of an encoder pass."""
+    windows = []
+    for slot, ids, pos in items:
+        pos = torch.as_tensor(pos, dtype=torch.long, device=ids.device)
+        windows.append(Window(slot, ids, pos, pos, pos + 1))
+    return windows
+
+
 @dataclass
 class DecodeOutput:
     logits: torch.Tensor  # [N, V] fp32, softcapped; window i is rows offsets[i]:offsets[i+1]
@@ -325,10 +334,7 @@ class Runtime:
     @torch.no_grad()
     def encode_many(self, arena: KVArena, items: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         """`encode` for several slots in one forward."""
-        windows = []
-        for slot, ids, pos in items:
-            pos = torch.as_tensor(pos, dtype=torch.long, device=ids.device)
-            windows.append(Window(slot, ids, pos, pos, pos + 1))
+        windows = encoder_windows(items)
         self._forward(arena, windows, encoder=True)
         for w in windows:
             arena.commit(w.slot, w.rows)

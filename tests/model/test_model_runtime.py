@@ -414,6 +414,34 @@ def test_decode_graph_on_any_slots(model):
         fixed.run(windows([0, 2], [c, c]))
 
 
+def test_encoder_graph_writes_what_encode_many_writes(model):
+    """An encoder DecodeGraph (padded rows, replayed as the contexts grow) leaves the same committed
+    K/V and positions in the arena as `encode_many`, and returns no logits."""
+    from canvasq.model.graph import DecodeGraph
+    from canvasq.model.runtime import encoder_windows
+
+    shape, _, rt = model
+    g = torch.Generator().manual_seed(9)
+    v = shape.vocab_size
+    arenas = [rt.new_arena(2, 96) for _ in range(2)]
+    graph = None
+    for lens in ((13, 5), (7, 11)):  # prefill, then a second pass on top of it
+        items = [(s, _ids(g, n, v), torch.arange(arenas[0].length[s], arenas[0].length[s] + n)) for s, n in enumerate(lens)]
+        rt.encode_many(arenas[0], items)
+        if graph is None:
+            graph = DecodeGraph(rt, arenas[1], encoder_windows(items), rows=16, context=64, encoder=True)
+        assert graph.run(encoder_windows(items)) is None
+        for s, ids, _ in items:
+            arenas[1].commit(s, ids.numel())
+    assert arenas[0].length == arenas[1].length == [20, 16]
+    for s in range(2):
+        n = arenas[0].length[s]
+        assert torch.equal(arenas[0].pos[s, :n], arenas[1].pos[s, :n])
+        for layer in (0, rt.num_layers - 1):
+            assert rel_err(arenas[1].prefix(s, layer)[0], arenas[0].prefix(s, layer)[0]) <= TOL
+            assert rel_err(arenas[1].prefix(s, layer)[1], arenas[0].prefix(s, layer)[1]) <= TOL
+
+
 def test_decoder_kv_is_not_encoder_kv():
     """What "promote instead of re-encode" trades (seed: free front retire): decoder K/V of rows
     given causal visibility equal the encoder's at layer 0 only (its input RMSNorm makes the decoder's

@@ -429,7 +429,11 @@ def table(report: dict) -> str:
         head = "| arm | batch | run | passes | ms/pass | tok/s | graphs built / replayed / eager |\n|---|---|---|---|---|---|---|"
         body = [
             f"| {r['arm']} | {r['batch']} | {r['rep']} | {r['passes']} | {r['ms_per_pass']:.2f} | {r['tok_s']:.1f} | "
-            + (" / ".join(str(r["graphs"].get(k, 0)) for k in ("built", "replayed", "eager")) if r["graphs"] else "off")
+            + (
+                " / ".join(str(r["graphs"].get(k, 0)) for k in ("built", "replayed", "eager"))
+                if r["graphs"]
+                else "off"
+            )
             + " |"
             for r in report["rows"]
         ]

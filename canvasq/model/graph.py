@@ -277,7 +277,9 @@ class GraphRunner:
         return a
 
     @torch.no_grad()
-    def decode(self, arena: KVArena, windows: list[Window], prefix_attention: bool | None = None) -> DecodeOutput:
+    def decode(
+        self, arena: KVArena, windows: list[Window], prefix_attention: bool | None = None
+    ) -> DecodeOutput:
         """`Runtime.decode` through a graph when one can take these windows (see the class)."""
         graph = self._graph(arena, windows, encoder=False)
         if graph is None:
@@ -343,8 +345,10 @@ class GraphRunner:
                 logits_out=self.logits,
                 encoder=encoder,
             )
-        except Exception:  # noqa: BLE001 — a graph is an optimisation: the rows still decode eagerly
-            log.exception("CUDA graph for %d x %d rows failed: eager forwards for that shape", len(windows), rows)
+        except Exception:  # a graph is an optimisation: the rows still decode eagerly
+            log.exception(
+                "CUDA graph for %d x %d rows failed: eager forwards for that shape", len(windows), rows
+            )
             self.stats["failed"] += 1
             return None
         self.stats["built"] += 1

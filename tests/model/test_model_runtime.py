@@ -426,7 +426,10 @@ def test_encoder_graph_writes_what_encode_many_writes(model):
     arenas = [rt.new_arena(2, 96) for _ in range(2)]
     graph = None
     for lens in ((13, 5), (7, 11)):  # prefill, then a second pass on top of it
-        items = [(s, _ids(g, n, v), torch.arange(arenas[0].length[s], arenas[0].length[s] + n)) for s, n in enumerate(lens)]
+        items = [
+            (s, _ids(g, n, v), torch.arange(arenas[0].length[s], arenas[0].length[s] + n))
+            for s, n in enumerate(lens)
+        ]
         rt.encode_many(arenas[0], items)
         if graph is None:
             graph = DecodeGraph(rt, arenas[1], encoder_windows(items), rows=16, context=64, encoder=True)

@@ -226,11 +226,11 @@ class GraphRunner:
     `arena(slots, capacity)` hands out the runner's own arena with every slot reset, replacing it (and
     dropping the graphs) only when a batch needs more slots or entries than it has. Graphs are keyed
     by (encoder or decoder, window count, first slot when the slots are consecutive, row bucket,
-    context bucket, SC kinds),
-    kept least recently used up to `max_graphs`, and share one temporaries pool and one logits buffer
-    of `logits_bytes`. `decode` runs eagerly what no graph can take: windows on another store (the
-    funnel's simple promotion), more padded rows than the logits buffer holds, a window larger than
-    the largest row bucket, or a key whose graph failed to build (counted in `stats["failed"]`).
+    context bucket, SC kinds), kept least recently used up to `max_graphs`, and share one temporaries
+    pool and one logits buffer of `logits_bytes`. `decode` and `encode_many` run eagerly what no
+    graph can take: windows on another store (the funnel's simple promotion), more padded rows than
+    the logits buffer holds, a window larger than the largest row bucket, padded rows that would not
+    fit a slot's free entries, or a key whose graph failed to build (counted in `stats["failed"]`).
 
     Numerics: a graph forward pads rows to the bucket and always applies the attention masks (no
     host sync to detect mask-free segments), so its logits equal the eager forward's to rounding,
@@ -308,6 +308,8 @@ class GraphRunner:
         if arena is not self.store or rows > ROW_BUCKETS[-1] or rows * len(windows) > self.max_rows:
             return None
         need = max(arena.length[w.slot] for w in windows) + rows
+        if need > arena.capacity:  # the real rows may fit where the padded ones do not
+            return None
         context = min(arena.capacity, -(-need // CONTEXT_BUCKET) * CONTEXT_BUCKET)
         slots = [w.slot for w in windows]
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))

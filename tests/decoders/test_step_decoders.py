@@ -350,3 +350,24 @@ def test_graph_runner_grows_its_arena(bundle):
     assert runner.arena(2, 20) is big and all(n == 0 for n in big.length)
     with pytest.raises(ValueError, match="cuda_graphs"):
         make_decoder("pipe", bundle, {"cuda_graphs": "yes"})
+
+
+def test_graph_runner_runs_eagerly_what_a_graph_cannot_take(bundle):
+    """Padded rows beyond a slot's free entries, or windows on another arena, run eagerly and give the
+    eager forward's logits; a graph then serves what fits."""
+    from canvasq.model.graph import GraphRunner
+    from canvasq.model.runtime import Window
+
+    rt = make_decoder("pipe", bundle).rt
+    runner = GraphRunner(rt, cuda_graph=False)
+    arena = runner.arena(1, 256)
+    runner.encode_many(arena, [(0, torch.arange(250) % rt.vocab_size, torch.arange(250))])
+    assert arena.length[0] == 250 and runner.stats["replayed"] == 1  # 250 rows: bucket 256 fits
+    win = [Window.canvas(0, torch.arange(5) + 3, 250)]  # 5 rows fit, the 8-row bucket does not
+    out = runner.decode(arena, win)
+    assert runner.stats["eager"] == 1 and torch.equal(out.logits, rt.decode(arena, win).logits)
+    assert runner.stats["failed"] == 0  # declined up front, not a capture that raised
+    other = rt.new_arena(1, 64)
+    rt.encode(other, 0, torch.arange(9) + 2, torch.arange(9))
+    runner.decode(other, [Window.canvas(0, torch.arange(4) + 3, 9)])
+    assert runner.stats["eager"] == 2 and runner.stats["built"] == 1

@@ -360,7 +360,7 @@ class GraphRunner:
 def graph_runner(rt: Runtime, cuda_graph: bool | None = None) -> GraphRunner:
     """The runtime's `GraphRunner` (made on first use; `cuda_graph=False` is the CPU-testable path
     through the same prepared forwards)."""
-    runner = getattr(rt, "graph_runner", None)
+    runner = rt.graph_runner
     want = rt.device.type == "cuda" if cuda_graph is None else cuda_graph
     if runner is None or runner.cuda_graph != want:
         runner = rt.graph_runner = GraphRunner(rt, cuda_graph=want)

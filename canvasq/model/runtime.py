@@ -248,6 +248,7 @@ class Runtime:
         _fuse_projections(enc_layers + dec_layers)
         self.prefix_attention = True  # mask-free SDPA when the mask is all-visible (eager forwards)
         self.scope: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
+        self.graph_runner = None  # `model.graph.graph_runner(self)`: the decode loop's CUDA graphs
 
     # --- construction ------------------------------------------------------------------------------
     @classmethod

@@ -262,7 +262,9 @@ class StepDecoder:
     def new_store(self, seqs: list[Seq]):
         cap = max(s.prompt_len + (s.n_canvases + self.config.max_canvases + 1) * self.C for s in seqs)
         if self.graphs is not None:  # graphs read one arena for the life of the process
-            return self.graphs.arena(len(seqs), cap)
+            arena = self.graphs.arena(len(seqs), cap)
+            if arena is not None:
+                return arena
         return self.rt.new_arena(slots=len(seqs), capacity=cap)
 
     def encode(self, items) -> None:

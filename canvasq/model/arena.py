@@ -84,6 +84,12 @@ class KVArena:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v) + self.pos.numel() * 8
 
+    @staticmethod
+    def bytes_for(layer_shapes: list[tuple[int, int]], slots: int, capacity: int, dtype: torch.dtype) -> int:
+        """What `KVArena(layer_shapes, slots, capacity, dtype=dtype).nbytes()` will be, before allocating."""
+        per_entry = sum(2 * h * d for h, d in layer_shapes) * dtype.itemsize + 8
+        return slots * capacity * per_entry
+
     # --- reads -------------------------------------------------------------------------------------
     def prefix(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views of a slot's committed context at one layer: k, v [h, L, d] and positions [L]."""

@@ -224,7 +224,8 @@ class GraphRunner:
 
     A CUDA graph keeps the addresses of every tensor it reads, so the arena outlives a batch:
     `arena(slots, capacity)` hands out the runner's own arena with every slot reset, replacing it (and
-    dropping the graphs) only when a batch needs more slots or entries than it has. Graphs are keyed
+    dropping the graphs) only when a batch needs more slots or entries than it has, and never larger
+    than `max_arena_bytes` (a batch beyond that gets no runner arena and decodes eagerly). Graphs are keyed
     by (encoder or decoder, window count, first slot when the slots are consecutive, row bucket,
     context bucket, SC kinds), kept least recently used up to `max_graphs`, and share one temporaries
     pool and one logits buffer of `logits_bytes`. `decode` and `encode_many` run eagerly what no
@@ -244,8 +245,9 @@ class GraphRunner:
         logits_bytes: int = 4 << 30,
         cuda_graph: bool | None = None,
         warmup: int = 1,
+        max_arena_bytes: int = 16 << 30,
     ):
-        self.rt = rt
+        self.rt, self.max_arena_bytes = rt, max_arena_bytes
         self.cuda_graph = rt.device.type == "cuda" if cuda_graph is None else cuda_graph
         self.max_graphs, self.warmup, self.logits_bytes = max_graphs, warmup, logits_bytes
         self.graphs: OrderedDict[tuple, DecodeGraph | None] = OrderedDict()
@@ -259,22 +261,30 @@ class GraphRunner:
         """Padded rows (all windows of a forward) a graph may have: the logits buffer's size."""
         return max(ROW_BUCKETS[0], self.logits_bytes // (4 * self.rt.vocab_size))
 
-    def arena(self, slots: int, capacity: int) -> KVArena:
-        """The persistent arena, every slot empty, with at least `slots` slots of `capacity` entries."""
+    def arena(self, slots: int, capacity: int) -> KVArena | None:
+        """The persistent arena, every slot empty, with at least `slots` slots of `capacity` entries;
+        None when that would hold more than `max_arena_bytes` for the life of the process (the caller
+        then allocates its own arena for the batch, whose forwards run eagerly)."""
         a = self.store
         if a is None or a.slots < slots or a.capacity < capacity:
-            if a is not None:  # grow to cover both, so alternating batches do not thrash
-                slots, capacity = max(slots, a.slots), max(capacity, a.capacity)
+            want = (slots, -(-capacity // CONTEXT_BUCKET) * CONTEXT_BUCKET)
+            grown = want if a is None else (max(slots, a.slots), max(want[1], a.capacity))
+            if self._arena_bytes(*grown) > self.max_arena_bytes:  # grow to cover both batches if
+                grown = want  # that fits, so alternating shapes do not thrash; else just this one
+                if self._arena_bytes(*grown) > self.max_arena_bytes:
+                    return None
             self.graphs.clear()  # they read the old arena's tensors (and their logits buffer)
             self.store = self.logits = a = None
             # and a new pool: once its last graph is gone, torch frees a pool and refuses new
             # captures into its handle
             self.pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
-            capacity = -(-capacity // CONTEXT_BUCKET) * CONTEXT_BUCKET
-            a = self.store = self.rt.new_arena(slots=slots, capacity=capacity)
+            a = self.store = self.rt.new_arena(slots=grown[0], capacity=grown[1])
         for s in range(a.slots):
             a.reset(s)
         return a
+
+    def _arena_bytes(self, slots: int, capacity: int) -> int:
+        return KVArena.bytes_for(self.rt.layer_shapes, slots, capacity, self.rt.dtype)
 
     @torch.no_grad()
     def decode(

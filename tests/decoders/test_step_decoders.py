@@ -340,6 +340,7 @@ def test_graph_runner_decodes_like_eager(bundle, name):
 def test_graph_runner_grows_its_arena(bundle):
     """A batch that needs more slots or entries than the runner's arena gets a larger one (the graphs
     of the old one are dropped); a smaller batch keeps the larger arena."""
+    from canvasq.model.arena import KVArena
     from canvasq.model.graph import GraphRunner
 
     runner = GraphRunner(make_decoder("pipe", bundle).rt, cuda_graph=False)
@@ -348,6 +349,13 @@ def test_graph_runner_grows_its_arena(bundle):
     big = runner.arena(5, 300)
     assert big is not small and (big.slots, big.capacity) == (5, 512) and not runner.graphs
     assert runner.arena(2, 20) is big and all(n == 0 for n in big.length)
+    assert big.nbytes() == KVArena.bytes_for(runner.rt.layer_shapes, 5, 512, runner.rt.dtype)
+    # the byte cap: a batch whose arena would exceed it gets none (its decoder allocates its own and
+    # runs eagerly); growing to cover both shapes is skipped when only the new one fits
+    runner.max_arena_bytes = big.nbytes()
+    assert runner.arena(6, 600) is None and runner.store is big
+    wide = runner.arena(10, 200)
+    assert (wide.slots, wide.capacity) == (10, 256) and wide.nbytes() == big.nbytes()
     with pytest.raises(ValueError, match="cuda_graphs"):
         make_decoder("pipe", bundle, {"cuda_graphs": "yes"})
 
@@ -371,3 +379,22 @@ def test_graph_runner_runs_eagerly_what_a_graph_cannot_take(bundle):
     rt.encode(other, 0, torch.arange(9) + 2, torch.arange(9))
     runner.decode(other, [Window.canvas(0, torch.arange(4) + 3, 9)])
     assert runner.stats["eager"] == 2 and runner.stats["built"] == 1
+
+
+def test_decoder_beyond_the_arena_cap_decodes_eagerly(bundle):
+    """A batch whose arena would exceed the runner's byte cap gets its own arena: every forward runs
+    eagerly and the tokens are the eager loop's."""
+    runner = make_decoder("pipe", bundle, {"cuda_graphs": "on"}).graphs
+    saved = runner.max_arena_bytes, runner.store, dict(runner.graphs)
+    runner.max_arena_bytes, runner.store = 0, None
+    runner.graphs.clear()
+    try:
+        before = runner.stats["eager"]
+        capped = run_batch(bundle, _batch(1), decoder="pipe", overrides={"cuda_graphs": "on"})
+        assert runner.store is None and runner.stats["eager"] > before
+    finally:
+        runner.max_arena_bytes, runner.store = saved[0], saved[1]
+        runner.graphs.update(saved[2])
+    assert _ids(capped) == _ids(
+        run_batch(bundle, _batch(1), decoder="pipe", overrides={"cuda_graphs": "off"})
+    )

@@ -10,7 +10,8 @@ results come back in request order. A failing request returns a result with `err
 
 Where each Part 3 mechanism lives (config field in parentheses):
     official.py   HF generate() unchanged, traced from outside; W4 experts arm (experts="w4")
-    base.py       loop, prefill, per-row RNG, cancellation, per-row errors, traces, liveness budget
+    base.py       loop, prefill, per-row RNG, cancellation, per-row errors, traces, liveness budget,
+                  CUDA-graph forwards over a persistent arena (cuda_graphs → model.graph.GraphRunner)
     pipe.py       multi-canvas D2F scheduling (max_canvases), full/semi/draft, τ_add / τ_act, draft
                   spawn (draft_spawn, spawn_margin), τ_conf, argmax / mix renoise (renoise,
                   mix_fraction), Jacobi restart (jacobi_window, jacobi_max_commits), forced accept,

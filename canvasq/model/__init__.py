@@ -5,7 +5,8 @@
 - `arena`: `KVArena`, the per-layer K/V buffers with absolute positions per entry;
 - `runtime`: `Runtime` (weights taken from the HF model), `Window`, `DecodeOutput`;
 - `experts`: torch twins of the routed experts (per-expert loop, grouped GEMMs);
-- `graph`: `DecodeGraph` (CUDA-graph replay over row / context buckets), `pad_window`.
+- `graph`: `DecodeGraph` (CUDA-graph replay over row / context buckets), `pad_window`, and
+  `GraphRunner` (the decoders' cache of graphs over one persistent arena per runtime).
 
 Flow: Job (api, CPU) → DecodeBatch (worker) → ForwardInputs (here: a list of `Window`s, one forward).
 Nothing is imported here so that `canvasq.model.loading` stays cheap to import.

@@ -357,7 +357,9 @@ class GraphRunner:
                 logits_out=self.logits,
                 encoder=encoder,
             )
-        except Exception:  # a graph is an optimisation: the rows still decode eagerly
+        except (RuntimeError, ValueError):  # CUDA / capture / out-of-memory / shape errors: a graph
+            # is an optimisation, the rows still decode eagerly. Anything else (the worker's soft
+            # time limit fires as an Exception, not a RuntimeError) must reach the decode loop.
             log.exception(
                 "CUDA graph for %d x %d rows failed: eager forwards for that shape", len(windows), rows
             )

@@ -398,3 +398,37 @@ def test_decoder_beyond_the_arena_cap_decodes_eagerly(bundle):
     assert _ids(capped) == _ids(
         run_batch(bundle, _batch(1), decoder="pipe", overrides={"cuda_graphs": "off"})
     )
+
+
+def test_graph_build_failures_fall_back_but_interrupts_pass(bundle, monkeypatch):
+    """A graph that fails to build (a RuntimeError, as a CUDA capture or out-of-memory error is) is
+    counted and its forwards run eagerly; the worker's soft time limit raised during a capture is not
+    swallowed: it ends the batch as `Interrupted`."""
+    from canvasq.model import graph as graph_mod
+
+    runner = make_decoder("pipe", bundle, {"cuda_graphs": "on"}).graphs
+    saved = dict(runner.graphs)
+    ov = {"cuda_graphs": "on", "max_canvases": 1}
+
+    def fail(exc):
+        def build(*a, **kw):
+            raise exc
+
+        return build
+
+    try:
+        runner.graphs.clear()
+        monkeypatch.setattr(graph_mod, "DecodeGraph", fail(RuntimeError("capture failed")))
+        failed = runner.stats["failed"]
+        res = run_batch(bundle, _batch(2), decoder="pipe", overrides=ov)
+        assert all(r.error is None for r in res) and runner.stats["failed"] > failed
+        eager = run_batch(bundle, _batch(2), decoder="pipe", overrides={**ov, "cuda_graphs": "off"})
+        assert _ids(res) == _ids(eager)
+        runner.graphs.clear()
+        monkeypatch.setattr(graph_mod, "DecodeGraph", fail(SoftTimeLimitExceeded()))
+        with pytest.raises(Interrupted) as info:
+            run_batch(bundle, _batch(2), decoder="pipe", overrides=ov, interrupts=(SoftTimeLimitExceeded,))
+        assert isinstance(info.value.cause, SoftTimeLimitExceeded)
+    finally:
+        runner.graphs.clear()
+        runner.graphs.update(saved)

@@ -4,6 +4,7 @@
     CANVASQ_BROKER_URL     Celery broker (default redis://localhost:6379/0)
     CANVASQ_MODEL          model spec: HF directory or random:26b-a4b (default: the repo's models/testbed)
     CANVASQ_ROUTING        JSON object task -> decoder, overrides `--decoder auto` routing
+    CANVASQ_CUDA_GRAPHS    auto (pipe / funnel replay CUDA graphs on a GPU) | off (eager forwards)
     CANVASQ_CHUNK_SIZE, CANVASQ_SOFT_TIME_LIMIT, CANVASQ_HARD_TIME_LIMIT,
     CANVASQ_VISIBILITY_TIMEOUT, CANVASQ_MAX_ATTEMPTS, ...  (see the fields below)
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -60,6 +62,8 @@ class Settings(BaseSettings):
     gpu_slots: int | None = Field(None, ge=1)  # `worker --gpu auto`: GPUs on this host to share out
     gpu_host: str | None = None  # the physical host's name for slot keys (containers differ in hostname)
     torch_threads: int | None = Field(None, ge=1)  # CPU workers: threads per process (None: torch's default)
+    # pipe / funnel forwards replayed as CUDA graphs on a CUDA device ("auto"), or always eager ("off")
+    cuda_graphs: Literal["auto", "off"] = "auto"
 
     @field_validator("routing")
     @classmethod

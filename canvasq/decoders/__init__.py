@@ -59,6 +59,7 @@ def run_batch(
     should_stop: Callable[[], bool] | None = None,
     routing: dict[str, str] | None = None,
     interrupts: tuple[type[BaseException], ...] = (),
+    cuda_graphs: str | None = None,
 ) -> list[DecodeResult]:
     """Decode every request of `batch`; one DecodeResult per request, in order.
 
@@ -70,9 +71,11 @@ def run_batch(
     interrupts: exception types that end the batch instead of erroring rows (the worker's soft time
       limit, which the decoders' per-step `except Exception` would otherwise swallow): one of them
       raises `Interrupted` from it, holding the rows that had finished.
+    cuda_graphs: "auto" / "off" for the step decoders (the service's `cuda_graphs` setting); None
+      keeps their config default, and `overrides` win over it.
     """
     if decoder != "auto":
-        dec = make_decoder(decoder, bundle, overrides)
+        dec = make_decoder(decoder, bundle, overrides, cuda_graphs)
         return dec.decode(batch, should_stop=should_stop, interrupts=interrupts)
 
     from canvasq.decoders.routing import route
@@ -88,7 +91,7 @@ def run_batch(
     results: list[DecodeResult | None] = [None] * len(batch.requests)
     for key, idx in groups.items():
         name, knobs = chosen[key]
-        dec = make_decoder(name, bundle, knobs)
+        dec = make_decoder(name, bundle, knobs, cuda_graphs)
         sub = DecodeBatch(requests=[batch.requests[i] for i in idx], seed=batch.seed)
         try:
             out = dec.decode(sub, should_stop=should_stop, interrupts=interrupts)

@@ -4,6 +4,7 @@ service can list names without importing torch."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 from canvasq.decoders.configs import CONFIGS, with_overrides
@@ -35,6 +36,11 @@ def make_config(name: str, overrides: dict | None = None):
     return with_overrides(CONFIGS[name](), overrides)
 
 
-def make_decoder(name: str, bundle, overrides: dict | None = None):
-    """A ready strategy instance: `.decode(batch, should_stop) -> list[DecodeResult]`."""
-    return decoder_class(name)(bundle, make_config(name, overrides))
+def make_decoder(name: str, bundle, overrides: dict | None = None, cuda_graphs: str | None = None):
+    """A ready strategy instance: `.decode(batch, should_stop) -> list[DecodeResult]`.
+    `cuda_graphs` (the service setting) applies to the decoders that have that option, unless
+    `overrides` set it themselves."""
+    config = make_config(name, overrides)
+    if cuda_graphs is not None and hasattr(config, "cuda_graphs") and "cuda_graphs" not in (overrides or {}):
+        config = dataclasses.replace(config, cuda_graphs=cuda_graphs)
+    return decoder_class(name)(bundle, config)

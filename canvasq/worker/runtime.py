@@ -219,7 +219,7 @@ class ChunkRuntime:
                 faults.before_decode(q.custom_id for q in reqs)  # inert unless CANVASQ_TEST_* is set
                 results = self.decode_fn(bundle, DecodeBatch(reqs, seed=self.settings.seed), decoder,
                                          should_stop=should_stop, routing=self.settings.routing or None,
-                                         interrupts=self.interrupts)
+                                         interrupts=self.interrupts, cuda_graphs=self.settings.cuda_graphs)
             except Interrupted as cut:  # keep the finished rows; the task abandons the rest of the chunk
                 share = (time.perf_counter() - t0) * 1000 / len(reqs)
                 done = [result_record(res, share, decoder) for res in cut.done]

@@ -146,3 +146,34 @@ def test_seeded_output_is_reproducible(wsettings, wstore, bundle, decoder):
         texts = [dict(s.execute(select(Output.custom_id, Output.token_ids).where(Output.run_id == r.run_id)).all())
                  for r in (a, b)]
     assert texts[0] == texts[1]
+
+
+def test_cuda_graphs_setting_reaches_the_step_decoders(wsettings, wstore, bundle, monkeypatch):
+    """CANVASQ_CUDA_GRAPHS is validated and handed to run_batch by the chunk runtime; it sets the
+    step decoders' `cuda_graphs` (the official decoder has none and ignores it), and a per-call
+    override still wins."""
+    from pydantic import ValidationError
+
+    from canvasq.api.settings import Settings
+    from canvasq.decoders import run_batch
+    from canvasq.decoders.registry import make_decoder
+
+    monkeypatch.setenv("CANVASQ_CUDA_GRAPHS", "off")
+    assert Settings().cuda_graphs == "off"
+    monkeypatch.setenv("CANVASQ_CUDA_GRAPHS", "on")  # "on" is the CPU test path, not a service mode
+    with pytest.raises(ValidationError):
+        Settings()
+    assert make_decoder("pipe", bundle, cuda_graphs="off").config.cuda_graphs == "off"
+    assert make_decoder("funnel", bundle, {"cuda_graphs": "on"}, cuda_graphs="off").config.cuda_graphs == "on"
+    assert not hasattr(make_decoder("official", bundle, cuda_graphs="off").config, "cuda_graphs")
+
+    seen = []
+
+    def recording(bndl, batch, decoder, **kw):
+        seen.append(kw.get("cuda_graphs"))
+        return run_batch(bndl, batch, decoder, **kw)
+
+    settings = wsettings.model_copy(update={"cuda_graphs": "off"})
+    run = wstore.create_run(jobs(2), model=settings.model, queue="q", decoder="auto", chunk_size=2)
+    out = runtime(settings, wstore, bundle, decode_fn=recording).process_chunk(run.chunk_ids[0])
+    assert out["written"] == 2 and seen == ["off"]

@@ -293,7 +293,7 @@ def replay(rt, schedule: dict, canvas_length: int, device: str, reps: int = 1, g
     `graphs`: decoder passes go through `DecodeGraph`s, one per (slots, row bucket, context bucket),
     built during an untimed warm-up repetition (a service builds them once per bucket); on CUDA each
     pass is then one graph launch. Encoder passes stay eager."""
-    from canvasq.model.graph import ROW_BUCKETS, DecodeGraph, _bucket
+    from canvasq.model.graph import ROW_BUCKETS, DecodeGraph, _bucket, context_bucket
     from canvasq.model.runtime import Window
 
     scale = canvas_length / schedule["canvas_length"]
@@ -329,7 +329,7 @@ def replay(rt, schedule: dict, canvas_length: int, device: str, reps: int = 1, g
             return rt.decode(arena, wins)
         rows = _bucket(max(w.rows for w in wins), ROW_BUCKETS)
         need = max(arena.length[w.slot] for w in wins) + rows
-        context = min(cap, -(-need // 256) * 256)
+        context = context_bucket(need, cap)
         key = (tuple(w.slot for w in wins), rows, context)
         if key not in cache:
             cache[key] = DecodeGraph(rt, arena, wins, rows=rows, context=context, pool=pool)

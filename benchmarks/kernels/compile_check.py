@@ -32,7 +32,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from canvasq.kernels.moe.launch import MoeLaunchConfig, _dequant_mode, _fold_zero
+from canvasq.kernels.moe.launch import MoeLaunchConfig, _dequant_mode, _fold_zero, _sub_k
 
 # importlib: `canvasq.kernels.softmax_argmax` the attribute is the public function, not the module
 R = importlib.import_module("canvasq.kernels.rmsnorm")
@@ -114,7 +114,7 @@ def moe_kernels(cfg: MoeLaunchConfig, H=2816, I=704):
                 "SCALE_IN_TILE": cfg.scale_in_tile,
                 "FOLD_ZERO": _fold_zero(cfg),
                 "PREFETCH_SCALE": cfg.prefetch_scale,
-                "SUB": cfg.gate_up_sub_k or 64,
+                "SUB": _sub_k(cfg.gate_up_sub_k, 128),
             },
             div(gu),
             cfg.gate_up_warps,
@@ -150,7 +150,7 @@ def moe_kernels(cfg: MoeLaunchConfig, H=2816, I=704):
                 "SCALE_IN_TILE": cfg.scale_in_tile,
                 "FOLD_ZERO": _fold_zero(cfg),
                 "PREFETCH_SCALE": cfg.prefetch_scale,
-                "SUB": cfg.down_sub_k or 32,
+                "SUB": _sub_k(cfg.down_sub_k, 64),
             },
             div(dn),
             cfg.down_warps,

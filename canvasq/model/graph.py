@@ -70,6 +70,13 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
 ROW_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)
 CONTEXT_BUCKET = 256  # a graph's context (arena entries it reads) is rounded up to a multiple of this
 
+
+def context_bucket(entries: int, capacity: int | None = None) -> int:
+    """`entries` rounded up to a multiple of CONTEXT_BUCKET, at most `capacity`."""
+    rounded = -(-entries // CONTEXT_BUCKET) * CONTEXT_BUCKET
+    return rounded if capacity is None else min(capacity, rounded)
+
+
 log = logging.getLogger(__name__)
 
 
@@ -114,7 +121,7 @@ class DecodeGraph:
         self.rt, self.arena, self.encoder = rt, arena, encoder
         self.rows = rows or _bucket(max(w.rows for w in windows), ROW_BUCKETS)
         need = max(arena.length[w.slot] for w in windows) + self.rows
-        self.context = context or min(arena.capacity, -(-need // CONTEXT_BUCKET) * CONTEXT_BUCKET)
+        self.context = context or context_bucket(need, arena.capacity)
         self.slots = [w.slot for w in windows]
         self.sc_kinds = [_sc_kind(w.self_cond) for w in windows]
         self.prep = rt._prepare(
@@ -267,7 +274,7 @@ class GraphRunner:
         then allocates its own arena for the batch, whose forwards run eagerly)."""
         a = self.store
         if a is None or a.slots < slots or a.capacity < capacity:
-            want = (slots, -(-capacity // CONTEXT_BUCKET) * CONTEXT_BUCKET)
+            want = (slots, context_bucket(capacity))
             grown = want if a is None else (max(slots, a.slots), max(want[1], a.capacity))
             if self._arena_bytes(*grown) > self.max_arena_bytes:  # grow to cover both batches if
                 grown = want  # that fits, so alternating shapes do not thrash; else just this one
@@ -320,7 +327,7 @@ class GraphRunner:
         need = max(arena.length[w.slot] for w in windows) + rows
         if need > arena.capacity:  # the real rows may fit where the padded ones do not
             return None
-        context = min(arena.capacity, -(-need // CONTEXT_BUCKET) * CONTEXT_BUCKET)
+        context = context_bucket(need, arena.capacity)
         slots = [w.slot for w in windows]
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
         key = (

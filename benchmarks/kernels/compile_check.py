@@ -80,7 +80,7 @@ def _ptrs(fn, dtype="bf16", overrides=None):
 
 
 def moe_kernels(cfg: MoeLaunchConfig, H=2816, I=704):
-    deq = _dequant_mode(cfg, torch.bfloat16)  # the launcher's rule, for bf16 operands
+    deq = _dequant_mode(cfg, torch.bfloat16, compiled=True)  # the launcher's rule, bf16 on a GPU
     ints = {"num_assign": "i32", "top_k": "i32", "H": "i32", "I": "i32"}
     div = lambda fn: (
         {n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("stride")} | {"H", "I", "num_assign"}

@@ -1,7 +1,10 @@
 """GPU probe (2026-11-30, session 6): the current W4 MoE kernels against `moe_asm_kc_kernels` (K-contiguous
 packing, nibbles dequantised on 32-bit words by inline PTX) at the real shape; each candidate's output is
 checked against the current kernels' before it is timed. `python benchmarks/probes/moe_asm_kc_probe.py`
-(H200; writes $OUT/asm_probe.json)."""
+(H200; writes $OUT/asm_probe.json).
+Ran at commit 5a08c5f on the first packing (q [E, Kp/2, N], transposed here for the probe kernels); the
+probe kernels became the production ones with the K-contiguous packing, so at later commits both arms
+read the transposed bytes as if they were the other layout: not maintained."""
 
 import itertools
 import json

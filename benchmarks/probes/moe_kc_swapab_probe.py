@@ -1,6 +1,8 @@
 """GPU probe (2026-11-30, kept because BENCHMARKS.md cites it): current W4 MoE kernels vs a K-contiguous
 layout with swap-AB at the real shape, T=256; `python benchmarks/probes/moe_kc_swapab_probe.py` (H200).
-Result: no variant beat the current kernels by more than noise (raw: results/h200_2026-11-30_moe_kc_swapab_probe.json)."""
+Result: no variant beat the current kernels by more than noise (raw: results/h200_2026-11-30_moe_kc_swapab_probe.json).
+Ran on the first packing (q [E, Kp/2, N]); since the K-contiguous packing (session 6) it no longer describes
+the current kernels and is not maintained."""
 
 import itertools
 import json

@@ -70,7 +70,7 @@ def test_pack_layout_matches_docstring():
             if k >= w.shape[2]:
                 continue
             g, j = divmod(k, G)
-            byte = int(q[e, g * G // 2 + (j % (G // 2)), n])
+            byte = int(q[e, n, g * G // 2 + (j % (G // 2))])
             nib = (byte >> 4) if j >= G // 2 else (byte & 0xF)
             assert w[e, n, k] == (nib - z[e, g, n]) * s[e, g, n]
     assert ((p.gate_up_zero == p.gate_up_zero.round()) & (p.gate_up_zero >= 0) & (p.gate_up_zero <= 15)).all()
@@ -269,6 +269,43 @@ def test_save_load_roundtrip(tmp_path):
     assert (got.hidden, got.inter, got.config) == (packed.hidden, packed.inter, packed.config)
     for k, t in packed.tensors().items():
         assert torch.equal(got.tensors()[k], t), k
+
+
+def test_stale_layout_file_is_refused_and_repacked(tmp_path):
+    """A cache written for the first nibble layout ([E, Kp/2, N], no `layout` key) must not load as if
+    it were today's [E, N, Kp/2] (same bytes, other weights); pack_model_experts repacks over it."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from canvasq.kernels.moe.store import StalePackError
+
+    gate_up, down = _experts(2, 128, 64, torch.float32, seed=5, device="cpu")
+    packed = pack_w4(gate_up, down)
+    path = tmp_path / "old.safetensors"
+    save_packed(path, {"m.experts": packed})
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["canvasq_w4"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    del meta["m.experts"]["layout"]
+    save_file(tensors, str(path), metadata={"canvasq_w4": json.dumps(meta)})
+    with pytest.raises(StalePackError, match="layout"):
+        load_packed(path)
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(gate_up.clone())
+            self.down_proj = torch.nn.Parameter(down.clone())
+
+    model = torch.nn.Module()
+    model.m = torch.nn.Module()
+    model.m.experts = Experts()
+    packs = pack_model_experts(model, cache=path)  # repacks, rewrites the file
+    for k, t in packed.tensors().items():
+        assert torch.equal(packs["m.experts"].tensors()[k], t), k
+    assert torch.equal(load_packed(path)[0]["m.experts"].gate_up_q, packed.gate_up_q)
 
 
 def test_pack_model_experts_testbed(tmp_path):

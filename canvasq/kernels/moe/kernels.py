@@ -25,11 +25,13 @@ def _gelu_tanh(x):
 # DEQUANT modes: 0 converts the nibble with a plain int->float cast; 1/2/3 (fp16/bf16/fp32 operands)
 # OR the nibble into the mantissa of a float whose exponent makes one ulp == 1 (1024.0 / 128.0 / 2^23),
 # so the conversion is one OR and the offset folds into the zero point: q - z == magic(q) - (z + M).
+# 4/5 (fp16/bf16, compiled for a GPU only: the interpreter runs no PTX) give mode 1/2's values from
+# inline PTX on 32-bit words: four bytes -> eight weights in two prmt, two shifts and four lop3.
 @triton.jit
 def _zero_bias(z, DT: tl.constexpr, DEQUANT: tl.constexpr):
-    if DEQUANT == 1:
+    if DEQUANT == 1 or DEQUANT == 4:
         return (z.to(tl.float32) + 1024.0).to(DT)
-    elif DEQUANT == 2:
+    elif DEQUANT == 2 or DEQUANT == 5:
         return (z.to(tl.float32) + 128.0).to(DT)
     elif DEQUANT == 3:
         return z.to(tl.float32) + 8388608.0
@@ -39,7 +41,7 @@ def _zero_bias(z, DT: tl.constexpr, DEQUANT: tl.constexpr):
 
 @triton.jit
 def _nibble(v, DT: tl.constexpr, DEQUANT: tl.constexpr):
-    """v: uint8 values 0..15 -> DT (plus the mode's magic offset)."""
+    """v: uint8 values 0..15 -> DT (plus the mode's magic offset); modes 0-3."""
     if DEQUANT == 1:
         return (v.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
     elif DEQUANT == 2:
@@ -48,6 +50,40 @@ def _nibble(v, DT: tl.constexpr, DEQUANT: tl.constexpr):
         return (v.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
     else:
         return v.to(DT)
+
+
+# prmt spreads bytes 0,1 (2,3) of a word into the low bytes of its two halves; lop3 0xEA is (a & b) | c:
+# keep one nibble per half and OR in the magic exponent (0x6400: fp16 1024, 0x4300: bf16 128)
+_NIBBLES_PTX = """
+{
+.reg .b32 t01, t23, s01, s23;
+prmt.b32 t01, $4, 0, 0x4140;
+prmt.b32 t23, $4, 0, 0x4342;
+shr.u32 s01, t01, 4;
+shr.u32 s23, t23, 4;
+lop3.b32 $0, t01, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 $1, t23, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 $2, s01, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 $3, s23, 0x000F000F, MAGIC, 0xEA;
+}
+"""
+_NIBBLES_FP16: tl.constexpr = tl.constexpr(_NIBBLES_PTX.replace("MAGIC", "0x64006400"))
+_NIBBLES_BF16: tl.constexpr = tl.constexpr(_NIBBLES_PTX.replace("MAGIC", "0x43004300"))
+
+
+@triton.jit
+def _nibbles(q, DT: tl.constexpr, DEQUANT: tl.constexpr):
+    """Packed bytes q (uint8, any shape) -> (low nibbles, high nibbles) in DT, plus the mode's offset."""
+    if DEQUANT == 4:
+        return tl.inline_asm_elementwise(
+            _NIBBLES_FP16, "=r,=r,=r,=r,r", [q], dtype=(tl.float16, tl.float16), is_pure=True, pack=4
+        )
+    elif DEQUANT == 5:
+        return tl.inline_asm_elementwise(
+            _NIBBLES_BF16, "=r,=r,=r,=r,r", [q], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
+        )
+    else:
+        return _nibble(q & 0xF, DT, DEQUANT), _nibble(q >> 4, DT, DEQUANT)
 
 
 @triton.jit
@@ -66,7 +102,7 @@ def _w4_gate_up_kernel(
     I,
     stride_xt,
     stride_qe,
-    stride_qk,
+    stride_qn,
     stride_se,
     stride_sg,
     stride_hm,
@@ -103,9 +139,9 @@ def _w4_gate_up_kernel(
 
     # Scalar base pointers + int32 offset tiles: 64-bit pointer tiles held across the loop cost two
     # registers per element and made this kernel spill (255 regs at BLOCK_N=64, 4 warps).
-    x_off = tok[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, G/2]
+    x_off = tok[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, SUB]
     q_e = q_ptr + e.to(tl.int64) * stride_qe
-    q_off = offs_k[:, None] * stride_qk + offs_n[None, :]  # [G/2, BLOCK_N], up tile at + I
+    q_off = offs_n[:, None] * stride_qn + offs_k[None, :]  # [BLOCK_N, SUB] bytes, up rows at + I
     s_e = s_ptr + e.to(tl.int64) * stride_se
     z_e = z_ptr + e.to(tl.int64) * stride_se
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -122,9 +158,9 @@ def _w4_gate_up_kernel(
         xb = tl.load(
             x_ptr + (x_off + (k0 + HALF)), mask=valid[:, None] & (k0 + HALF + offs_k[None, :] < H), other=0.0
         )
-        qrow = (g * HALF + sub) * stride_qk
-        qg = tl.load(q_e + (q_off + qrow), mask=n_mask[None, :], other=0)
-        qu = tl.load(q_e + (q_off + (qrow + I)), mask=n_mask[None, :], other=0)
+        qcol = g * HALF + sub
+        qg = tl.trans(tl.load(q_e + (q_off + qcol), mask=n_mask[:, None], other=0))  # [SUB, BLOCK_N]
+        qu = tl.trans(tl.load(q_e + (q_off + (qcol + I * stride_qn)), mask=n_mask[:, None], other=0))
         srow = g * stride_sg
         if PREFETCH_SCALE:
             sg = sg_next.to(tl.float32)
@@ -138,23 +174,25 @@ def _w4_gate_up_kernel(
             su = tl.load(s_e + (offs_n + (srow + I)), mask=n_mask, other=0.0).to(tl.float32)
         zg = _zero_bias(tl.load(z_e + (offs_n + srow), mask=n_mask, other=0.0), DT, DEQUANT)
         zu = _zero_bias(tl.load(z_e + (offs_n + (srow + I)), mask=n_mask, other=0.0), DT, DEQUANT)
+        qg_lo, qg_hi = _nibbles(qg, DT, DEQUANT)
+        qu_lo, qu_hi = _nibbles(qu, DT, DEQUANT)
         if FOLD_ZERO:
             # x @ (q - z) == x @ q - rowsum(x) * z: the zero point leaves the weight tile (one
             # multiply-add per output element per group instead of one subtract per weight)
             rs = tl.sum(xa.to(tl.float32), 1) + tl.sum(xb.to(tl.float32), 1)
-            pg = tl.dot(xa, _nibble(qg & 0xF, DT, DEQUANT), input_precision=DOT_PREC)
-            pg = tl.dot(xb, _nibble(qg >> 4, DT, DEQUANT), pg, input_precision=DOT_PREC)
-            pu = tl.dot(xa, _nibble(qu & 0xF, DT, DEQUANT), input_precision=DOT_PREC)
-            pu = tl.dot(xb, _nibble(qu >> 4, DT, DEQUANT), pu, input_precision=DOT_PREC)
+            pg = tl.dot(xa, qg_lo, input_precision=DOT_PREC)
+            pg = tl.dot(xb, qg_hi, pg, input_precision=DOT_PREC)
+            pu = tl.dot(xa, qu_lo, input_precision=DOT_PREC)
+            pu = tl.dot(xb, qu_hi, pu, input_precision=DOT_PREC)
             acc_g += (pg - rs[:, None] * zg.to(tl.float32)[None, :]) * sg[None, :]
             acc_u += (pu - rs[:, None] * zu.to(tl.float32)[None, :]) * su[None, :]
         else:
             # (q - zero) is an exact small integer in any float dtype; the scale is constant over the group,
             # so it multiplies the [BLOCK_M, BLOCK_N] partial product instead of the [G, BLOCK_N] tile.
-            wg_lo = _nibble(qg & 0xF, DT, DEQUANT) - zg[None, :]
-            wg_hi = _nibble(qg >> 4, DT, DEQUANT) - zg[None, :]
-            wu_lo = _nibble(qu & 0xF, DT, DEQUANT) - zu[None, :]
-            wu_hi = _nibble(qu >> 4, DT, DEQUANT) - zu[None, :]
+            wg_lo = qg_lo - zg[None, :]
+            wg_hi = qg_hi - zg[None, :]
+            wu_lo = qu_lo - zu[None, :]
+            wu_hi = qu_hi - zu[None, :]
             if SCALE_IN_TILE:
                 # dequantise fully, accumulate straight into acc: fewer live registers, one more multiply
                 # per weight (and the weight rounded to DT once, exactly as the torch twin does)
@@ -193,7 +231,7 @@ def _w4_down_kernel(
     I,
     stride_hm,
     stride_qe,
-    stride_qk,
+    stride_qn,
     stride_se,
     stride_sg,
     stride_ym,
@@ -227,7 +265,7 @@ def _w4_down_kernel(
 
     h_off = rows[:, None] * stride_hm + offs_k[None, :]  # int32 offset tiles, scalar bases (see above)
     q_e = q_ptr + e * stride_qe
-    q_off = offs_k[:, None] * stride_qk + offs_n[None, :]
+    q_off = offs_n[:, None] * stride_qn + offs_k[None, :]  # [BLOCK_N, SUB] bytes
     s_e = s_ptr + e * stride_se
     z_e = z_ptr + e * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -240,7 +278,7 @@ def _w4_down_kernel(
         hb = tl.load(
             h_ptr + (h_off + (k0 + HALF)), mask=valid[:, None] & (k0 + HALF + offs_k[None, :] < I), other=0.0
         )
-        q = tl.load(q_e + (q_off + (g * HALF + sub) * stride_qk), mask=n_mask[None, :], other=0)
+        q = tl.trans(tl.load(q_e + (q_off + (g * HALF + sub)), mask=n_mask[:, None], other=0))
         if PREFETCH_SCALE:
             s = s_next.to(tl.float32)
             nrow = tl.minimum((it + 1) // NSUB, NUM_GROUPS - 1) * stride_sg
@@ -248,14 +286,15 @@ def _w4_down_kernel(
         else:
             s = tl.load(s_e + (offs_n + g * stride_sg), mask=n_mask, other=0.0).to(tl.float32)
         z = _zero_bias(tl.load(z_e + (offs_n + g * stride_sg), mask=n_mask, other=0.0), DT, DEQUANT)
+        q_lo, q_hi = _nibbles(q, DT, DEQUANT)
         if FOLD_ZERO:  # see the gate_up kernel
             rs = tl.sum(ha.to(tl.float32), 1) + tl.sum(hb.to(tl.float32), 1)
-            p = tl.dot(ha, _nibble(q & 0xF, DT, DEQUANT), input_precision=DOT_PREC)
-            p = tl.dot(hb, _nibble(q >> 4, DT, DEQUANT), p, input_precision=DOT_PREC)
+            p = tl.dot(ha, q_lo, input_precision=DOT_PREC)
+            p = tl.dot(hb, q_hi, p, input_precision=DOT_PREC)
             acc += (p - rs[:, None] * z.to(tl.float32)[None, :]) * s[None, :]
         else:
-            w_lo = _nibble(q & 0xF, DT, DEQUANT) - z[None, :]
-            w_hi = _nibble(q >> 4, DT, DEQUANT) - z[None, :]
+            w_lo = q_lo - z[None, :]
+            w_hi = q_hi - z[None, :]
             if SCALE_IN_TILE:
                 acc = tl.dot(ha, (w_lo * s[None, :]).to(DT), acc, input_precision=DOT_PREC)
                 acc = tl.dot(hb, (w_hi * s[None, :]).to(DT), acc, input_precision=DOT_PREC)

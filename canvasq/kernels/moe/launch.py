@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import triton
 
-from .._dispatch import auto_triton, can_launch
+from .._dispatch import auto_triton, can_launch, interpreted
 from . import kernels as _k
 from .quant import W4Experts
 
@@ -34,6 +34,7 @@ class MoeLaunchConfig:
     down_stages: int = 4
     combine_block_n: int = 1024
     magic_dequant: bool = True  # nibble -> float by OR-ing into a mantissa (kernels.py), else a cast
+    ptx_dequant: bool = True  # the magic conversion in inline PTX on 32-bit words (fp16/bf16, compiled only)
     scale_in_tile: bool = False  # scale the weight tile before the dot (fewer registers) or the product
     fold_zero: bool = False  # subtract rowsum(x) * zero after the dot instead of zero from every weight
     prefetch_scale: bool = False  # load group g+1's scales during group g (hand-pipelined)
@@ -191,17 +192,24 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 _MAGIC_MODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+_PTX_MODE = {torch.float16: 4, torch.bfloat16: 5}
 
 
 def _fold_zero(cfg: MoeLaunchConfig) -> bool:
     return cfg.fold_zero and not cfg.scale_in_tile
 
 
-def _dequant_mode(cfg: MoeLaunchConfig, dtype: torch.dtype) -> int:
+def _dequant_mode(cfg: MoeLaunchConfig, dtype: torch.dtype, compiled: bool | None = None) -> int:
+    """kernels.py's DEQUANT for these operands; `compiled`: the kernels are compiled for a GPU, not
+    interpreted (default: ask the kernel object)."""
     # fp32's magic float is 2^23 + q: with the zero folded out of the tile, x * (2^23 + q) would lose
     # x's low bits in the product, so the folded fp32 path converts the nibble with a plain cast
     if not cfg.magic_dequant or (dtype == torch.float32 and _fold_zero(cfg)):
         return 0
+    if compiled is None:
+        compiled = not interpreted(_k._w4_gate_up_kernel)
+    if cfg.ptx_dequant and compiled and dtype in _PTX_MODE:
+        return _PTX_MODE[dtype]
     return _MAGIC_MODE[dtype]
 
 

@@ -6,15 +6,19 @@ K its reduction width, G group size along K, Kp = K rounded up to a multiple of 
 HF layout in:   gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I]  (N-major, K last)
 Packed layout out (one projection; gate/up: N = 2I, K = H, G = 128; down: N = H, K = I, G = 64):
 
-    q     [E, Kp/2, N] uint8   byte row g*G/2 + j of group g holds k = g*G + j      in the low nibble
-                               and                                  k = g*G + G/2 + j in the high nibble
+    q     [E, N, Kp/2] uint8   byte g*G/2 + j of row n holds k = g*G + j       in the low nibble
+                               and                        k = g*G + G/2 + j in the high nibble
     scale [E, Kp/G, N] fp16/bf16
     zero  [E, Kp/G, N] same dtype, integer values 0..15
 
     w[n, k] = (q[n, k] - zero[n, k // G]) * scale[n, k // G]
 
-Why this layout: N is the contiguous axis, so a kernel tile [G/2 bytes x BLOCK_N] is read as G/2 rows of
-BLOCK_N consecutive bytes (coalesced), and the scale/zero of a group are one contiguous BLOCK_N vector.
+Why this layout: K is the contiguous axis of q, so the bytes an MMA operand needs for consecutive k sit in
+one 32-bit word: the kernels load a [BLOCK_N, G/2] byte tile (one row of G/2 consecutive bytes per
+column), transpose it in registers and turn four bytes into eight bf16/fp16 weights with two `prmt` and
+four `lop3` on 32-bit words (kernels.py, `_nibbles`). (The first layout, [E, Kp/2, N] with N contiguous,
+made the compiler fetch the operand from shared memory one byte at a time: 707 instructions per gate_up
+iteration against 462.) Scales and zeros keep N contiguous: a group's are one contiguous BLOCK_N vector.
 Splitting each group in halves (not even/odd k) lets the kernel use the low and the high nibbles as two
 separate K = G/2 operands of `tl.dot` against the two contiguous halves of the activation tile, with no
 register shuffle to interleave them. K is zero-padded to Kp (704 = 11 x 64 and 2816 = 22 x 128 need no
@@ -30,6 +34,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
+
+
+# the packed layout above, recorded in cached files (store.py): a file written for another layout is repacked
+PACK_LAYOUT = "q[E,N,Kp/2]:k,k+G/2"
 
 
 @dataclass(frozen=True)
@@ -49,10 +57,10 @@ class W4Config:
 class W4Experts:
     """One MoE layer's experts in W4A16. Shapes in the module docstring."""
 
-    gate_up_q: torch.Tensor  # [E, Hp/2, 2I] uint8
+    gate_up_q: torch.Tensor  # [E, 2I, Hp/2] uint8
     gate_up_scale: torch.Tensor  # [E, Hp/Gg, 2I]
     gate_up_zero: torch.Tensor  # [E, Hp/Gg, 2I]
-    down_q: torch.Tensor  # [E, Ip/2, H] uint8
+    down_q: torch.Tensor  # [E, H, Ip/2] uint8
     down_scale: torch.Tensor  # [E, Ip/Gd, H]
     down_zero: torch.Tensor  # [E, Ip/Gd, H]
     hidden: int  # H
@@ -95,9 +103,9 @@ class W4Experts:
         E, H, I = self.num_experts, self.hidden, self.inter
         gg, gd = self.config.group_gate_up, self.config.group_down
         hp, ip = _round_up(H, gg), _round_up(I, gd)
-        assert self.gate_up_q.shape == (E, hp // 2, 2 * I) and self.gate_up_q.dtype == torch.uint8
+        assert self.gate_up_q.shape == (E, 2 * I, hp // 2) and self.gate_up_q.dtype == torch.uint8
         assert self.gate_up_scale.shape == (E, hp // gg, 2 * I) == self.gate_up_zero.shape
-        assert self.down_q.shape == (E, ip // 2, H) and self.down_q.dtype == torch.uint8
+        assert self.down_q.shape == (E, H, ip // 2) and self.down_q.dtype == torch.uint8
         assert self.down_scale.shape == (E, ip // gd, H) == self.down_zero.shape
         for t in self.tensors().values():
             assert t.is_contiguous() and t.device == self.device
@@ -108,7 +116,7 @@ def _round_up(x: int, m: int) -> int:
 
 
 def quantize_w4(w: torch.Tensor, group: int, scale_dtype: torch.dtype, chunk: int = 8):
-    """w [E, N, K] float -> (q [E, Kp/2, N] uint8, scale [E, Kp/G, N], zero [E, Kp/G, N]).
+    """w [E, N, K] float -> (q [E, N, Kp/2] uint8, scale [E, Kp/G, N], zero [E, Kp/G, N]).
 
     Works `chunk` experts at a time so packing a 1 GB BF16 tensor on the GPU needs only a few
     hundred MB of fp32 scratch.
@@ -117,7 +125,7 @@ def quantize_w4(w: torch.Tensor, group: int, scale_dtype: torch.dtype, chunk: in
     E, N, K = w.shape
     kp = _round_up(K, group)
     ng = kp // group
-    q_out = torch.empty(E, kp // 2, N, dtype=torch.uint8, device=w.device)
+    q_out = torch.empty(E, N, kp // 2, dtype=torch.uint8, device=w.device)
     s_out = torch.empty(E, ng, N, dtype=scale_dtype, device=w.device)
     z_out = torch.empty(E, ng, N, dtype=scale_dtype, device=w.device)
     for e0 in range(0, E, chunk):
@@ -133,7 +141,7 @@ def quantize_w4(w: torch.Tensor, group: int, scale_dtype: torch.dtype, chunk: in
         q = torch.round(wg / scale[..., None] + zero[..., None]).clamp(0, 15).to(torch.uint8)
         half = group // 2
         byte = q[..., :half] | (q[..., half:] << 4)  # [e, N, ng, G/2]
-        q_out[e0 : e0 + chunk] = byte.permute(0, 2, 3, 1).reshape(wc.shape[0], kp // 2, N)
+        q_out[e0 : e0 + chunk] = byte.reshape(wc.shape[0], N, kp // 2)
         s_out[e0 : e0 + chunk] = scale.transpose(1, 2).to(scale_dtype)
         z_out[e0 : e0 + chunk] = zero.transpose(1, 2).to(scale_dtype)
     return q_out, s_out, z_out
@@ -147,16 +155,14 @@ def dequantize_w4(
     Each weight is rounded once, (q - zero) * scale computed in fp32 then cast (what a W4 kernel that
     dequantises tiles in registers sees, up to where it applies the scale).
     """
-    E, kp2, N = q.shape
+    E, N, kp2 = q.shape
     ng = scale.shape[1]
     group = 2 * kp2 // ng
     half = group // 2
-    b = q.view(E, ng, half, N)
-    lo = (b & 0xF).float()
-    hi = (b >> 4).float()
-    vals = torch.cat([lo, hi], dim=2)  # [E, ng, G, N]
-    w = (vals - zero.float()[:, :, None, :]) * scale.float()[:, :, None, :]
-    w = w.reshape(E, ng * group, N)[:, :k, :].transpose(1, 2).contiguous()
+    b = q.view(E, N, ng, half)
+    vals = torch.cat([(b & 0xF).float(), (b >> 4).float()], dim=3)  # [E, N, ng, G]
+    sz = lambda t: t.float().transpose(1, 2)[..., None]  # [E, ng, N] -> [E, N, ng, 1]
+    w = ((vals - sz(zero)) * sz(scale)).reshape(E, N, ng * group)[:, :, :k].contiguous()
     return w.to(dtype or scale.dtype)
 
 

@@ -8,20 +8,27 @@ instead of repacking, or writes one.
 
 File layout: one tensor per field, key `"{group}.{field}"` (group = the first module name that owns the
 weights), and metadata `canvasq_w4` = JSON {group: {hidden, inter, group_gate_up, group_down,
-modules: [names]}}.
+modules: [names], layout}}. `layout` is `quant.PACK_LAYOUT`; a file without it or with another one
+(an older canvasq's packing) does not load (`StalePackError`), and `pack_model_experts` repacks over it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import types
 from pathlib import Path
 
 import torch
 
-from .quant import W4Config, W4Experts, pack_w4
+from .quant import PACK_LAYOUT, W4Config, W4Experts, pack_w4
 
+log = logging.getLogger(__name__)
 _META_KEY = "canvasq_w4"
+
+
+class StalePackError(ValueError):
+    """A packed-experts file written for another nibble layout than this canvasq's."""
 
 
 def save_packed(
@@ -39,6 +46,7 @@ def save_packed(
             "group_gate_up": p.config.group_gate_up,
             "group_down": p.config.group_down,
             "modules": (modules or {}).get(name, [name]),
+            "layout": PACK_LAYOUT,
         }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata={_META_KEY: json.dumps(meta)})
@@ -54,6 +62,11 @@ def load_packed(
     with safe_open(str(path), framework="pt", device=str(device)) as f:
         meta = json.loads(f.metadata()[_META_KEY])
         for name, m in meta.items():
+            if m.get("layout") != PACK_LAYOUT:
+                raise StalePackError(
+                    f"{path}: packed for layout {m.get('layout', 'q[E,Kp/2,N] (before 2026-11-30)')!r}, "
+                    f"this canvasq reads {PACK_LAYOUT!r}; delete the file to repack"
+                )
             fields = {
                 k: f.get_tensor(f"{name}.{k}")
                 for k in ("gate_up_q", "gate_up_scale", "gate_up_zero", "down_q", "down_scale", "down_zero")
@@ -102,8 +115,14 @@ def pack_model_experts(
     if not mods:
         return {}
     device = mods[0][1].gate_up_proj.device
+    loaded = None
     if cache is not None and Path(cache).exists():
-        packs, owners = load_packed(cache, device)
+        try:
+            loaded = load_packed(cache, device)
+        except StalePackError as ex:
+            log.warning("%s: repacking", ex)
+    if loaded is not None:
+        packs, owners = loaded
         by_name = dict(mods)
         for group, names in owners.items():
             for n in names:

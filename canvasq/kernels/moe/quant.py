@@ -35,7 +35,6 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-
 # the packed layout above, recorded in cached files (store.py): a file written for another layout is repacked
 PACK_LAYOUT = "q[E,N,Kp/2]:k,k+G/2"
 

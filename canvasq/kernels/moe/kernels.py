@@ -116,6 +116,7 @@ def _w4_gate_up_kernel(
     FOLD_ZERO: tl.constexpr,
     PREFETCH_SCALE: tl.constexpr,
     SUB: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """One program: BLOCK_M sorted rows (one expert) x BLOCK_N columns of I, gate and up together.
     Each iteration takes SUB packed rows (k and k + G/2 of one group): SUB = G/2 is one group per
@@ -154,10 +155,16 @@ def _w4_gate_up_kernel(
         g = it // NSUB
         sub = (it % NSUB) * SUB
         k0 = g * GROUP + sub
-        xa = tl.load(x_ptr + (x_off + k0), mask=valid[:, None] & (k0 + offs_k[None, :] < H), other=0.0)
-        xb = tl.load(
-            x_ptr + (x_off + (k0 + HALF)), mask=valid[:, None] & (k0 + HALF + offs_k[None, :] < H), other=0.0
-        )
+        if EVEN_K:  # no group runs past H: the row mask alone (the K mask cost down ~20 % at 8 rows)
+            xa = tl.load(x_ptr + (x_off + k0), mask=valid[:, None], other=0.0)
+            xb = tl.load(x_ptr + (x_off + (k0 + HALF)), mask=valid[:, None], other=0.0)
+        else:
+            xa = tl.load(x_ptr + (x_off + k0), mask=valid[:, None] & (k0 + offs_k[None, :] < H), other=0.0)
+            xb = tl.load(
+                x_ptr + (x_off + (k0 + HALF)),
+                mask=valid[:, None] & (k0 + HALF + offs_k[None, :] < H),
+                other=0.0,
+            )
         qcol = g * HALF + sub
         qg = tl.trans(tl.load(q_e + (q_off + qcol), mask=n_mask[:, None], other=0))  # [SUB, BLOCK_N]
         qu = tl.trans(tl.load(q_e + (q_off + (qcol + I * stride_qn)), mask=n_mask[:, None], other=0))
@@ -245,6 +252,7 @@ def _w4_down_kernel(
     FOLD_ZERO: tl.constexpr,
     PREFETCH_SCALE: tl.constexpr,
     SUB: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """One program: BLOCK_M sorted rows x BLOCK_N columns of H; writes rows y_tk[t*K + k]. SUB: as in
     the gate_up kernel."""
@@ -274,10 +282,16 @@ def _w4_down_kernel(
         g = it // NSUB
         sub = (it % NSUB) * SUB
         k0 = g * GROUP + sub
-        ha = tl.load(h_ptr + (h_off + k0), mask=valid[:, None] & (k0 + offs_k[None, :] < I), other=0.0)
-        hb = tl.load(
-            h_ptr + (h_off + (k0 + HALF)), mask=valid[:, None] & (k0 + HALF + offs_k[None, :] < I), other=0.0
-        )
+        if EVEN_K:  # see the gate_up kernel
+            ha = tl.load(h_ptr + (h_off + k0), mask=valid[:, None], other=0.0)
+            hb = tl.load(h_ptr + (h_off + (k0 + HALF)), mask=valid[:, None], other=0.0)
+        else:
+            ha = tl.load(h_ptr + (h_off + k0), mask=valid[:, None] & (k0 + offs_k[None, :] < I), other=0.0)
+            hb = tl.load(
+                h_ptr + (h_off + (k0 + HALF)),
+                mask=valid[:, None] & (k0 + HALF + offs_k[None, :] < I),
+                other=0.0,
+            )
         q = tl.trans(tl.load(q_e + (q_off + (g * HALF + sub)), mask=n_mask[:, None], other=0))
         if PREFETCH_SCALE:
             s = s_next.to(tl.float32)

@@ -258,6 +258,7 @@ def launch_gate_up(
         FOLD_ZERO=_fold_zero(cfg),
         PREFETCH_SCALE=cfg.prefetch_scale,
         SUB=_sub_k(cfg.gate_up_sub_k, packed.config.group_gate_up),
+        EVEN_K=H % packed.config.group_gate_up == 0,
         num_warps=cfg.gate_up_warps,
         num_stages=cfg.gate_up_stages,
     )
@@ -299,6 +300,7 @@ def launch_down(
         FOLD_ZERO=_fold_zero(cfg),
         PREFETCH_SCALE=cfg.prefetch_scale,
         SUB=_sub_k(cfg.down_sub_k, packed.config.group_down),
+        EVEN_K=I % packed.config.group_down == 0,
         num_warps=cfg.down_warps,
         num_stages=cfg.down_stages,
     )

@@ -179,41 +179,44 @@ def other_kernels():
             1,
         ),
     )
-    hk = K._histogram_kernel
-    yield (
-        "histogram",
-        compile_kernel(
-            hk,
-            {"ids_ptr": "*i64", "hist_ptr": "*i32", "num_assign": "i32"},
-            {"E_P2": 128, "CHUNK": 256, "SUB": 32},
-            set(),
-            4,
-            1,
-        ),
-    )
-    a = K._align_kernel
-    yield (
-        "align",
-        compile_kernel(
-            a,
-            {
-                "ids_ptr": "*i64",
-                "hist_ptr": "*i32",
-                "sorted_ids_ptr": "*i32",
-                "block_expert_ptr": "*i32",
-                "num_padded_ptr": "*i32",
-                "counts_ptr": "*i32",
-                "num_assign": "i32",
-                "num_experts": "i32",
-                "num_chunks": "i32",
-                "p_max": "i32",
-            },
-            {"BLOCK_M": 16, "E_P2": 128, "CHUNK": 256, "SUB": 32, "HIST_ROWS": 16, "HIST_STEPS": 4},
-            set(),
-            4,
-            1,
-        ),
-    )
+    # routing chunks of 256 assignments (2,048 tokens) and of 2,048 (past 8,192 tokens): the chunk loop
+    # once unrolled at the larger size compiled for minutes and spilled
+    for chunk in (256, 2048):
+        hk = K._histogram_kernel
+        yield (
+            f"histogram_chunk{chunk}",
+            compile_kernel(
+                hk,
+                {"ids_ptr": "*i64", "hist_ptr": "*i32", "num_assign": "i32"},
+                {"E_P2": 128, "CHUNK": chunk, "SUB": 32},
+                set(),
+                4,
+                1,
+            ),
+        )
+        a = K._align_kernel
+        yield (
+            f"align_chunk{chunk}",
+            compile_kernel(
+                a,
+                {
+                    "ids_ptr": "*i64",
+                    "hist_ptr": "*i32",
+                    "sorted_ids_ptr": "*i32",
+                    "block_expert_ptr": "*i32",
+                    "num_padded_ptr": "*i32",
+                    "counts_ptr": "*i32",
+                    "num_assign": "i32",
+                    "num_experts": "i32",
+                    "num_chunks": "i32",
+                    "p_max": "i32",
+                },
+                {"BLOCK_M": 16, "E_P2": 128, "CHUNK": chunk, "SUB": 32, "HIST_ROWS": 16, "HIST_STEPS": 4},
+                set(),
+                4,
+                1,
+            ),
+        )
     sc = SC._softcap_kernel
     yield (
         "softcap",

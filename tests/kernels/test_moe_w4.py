@@ -121,7 +121,7 @@ def test_routing_invariants(T, K, E, impl):
     [
         (60, 8, 64),
         (2000, 8, 128),  # 16,000 assignments: 63 chunks of 256, each ranked in 2 one-hot tiles
-        (9000, 8, 128),  # 72,000: chunks of 2,048 (the histogram bound), 16 tiles each
+        (9000, 8, 128),  # 72,000: chunks of 2,048 (the histogram bound), 64 one-hot tiles each
         (50, 3, 300),  # E past 256: narrower one-hot tiles
     ],
 )

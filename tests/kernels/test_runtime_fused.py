@@ -12,6 +12,13 @@ from canvasq.model.runtime import Runtime, Window
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.forward import hf_cache, rel_err
 
+# CPU tensors through the interpreted kernels: where CUDA is present conftest leaves the kernels compiled,
+# and CPU tensors cannot reach them (the 2026-11-30 H200 run failed all three here on that alone). The
+# same paths on CUDA: tests/model/test_model_gpu.py (testbed bf16 with kernels vs HF, W4 vs dequantised).
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="interpreter test; the CUDA twin is tests/model/test_model_gpu.py"
+)
+
 
 @torch.no_grad()
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 2e-2)])

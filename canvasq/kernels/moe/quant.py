@@ -18,7 +18,7 @@ one 32-bit word: the kernels load a [BLOCK_N, G/2] byte tile (one row of G/2 con
 column), transpose it in registers and turn four bytes into eight bf16/fp16 weights with two `prmt` and
 four `lop3` on 32-bit words (kernels.py, `_nibbles`). (The first layout, [E, Kp/2, N] with N contiguous,
 made the compiler fetch the operand from shared memory one byte at a time: 707 instructions per gate_up
-iteration against 462.) Scales and zeros keep N contiguous: a group's are one contiguous BLOCK_N vector.
+iteration against 472.) Scales and zeros keep N contiguous: a group's are one contiguous BLOCK_N vector.
 Splitting each group in halves (not even/odd k) lets the kernel use the low and the high nibbles as two
 separate K = G/2 operands of `tl.dot` against the two contiguous halves of the activation tile, with no
 register shuffle to interleave them. K is zero-padded to Kp (704 = 11 x 64 and 2816 = 22 x 128 need no

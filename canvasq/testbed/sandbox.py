@@ -88,6 +88,7 @@ def run_python(
                 cwd=tmp,
                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
                 preexec_fn=lambda: _limits(cpu_s, mem_bytes, file_bytes),
+                check=False,  # a failing program is a result, not an error
             )
         except subprocess.TimeoutExpired as exc:
             return SandboxResult(False, None, _text(exc.stdout), _text(exc.stderr), True)

@@ -117,6 +117,7 @@ class Scenario:
             text=True,
             timeout=timeout,
             cwd=self.tmp,
+            check=False,  # `check` below raises with the CLI's output
         )
         if check and res.returncode != 0:
             raise AssertionError(

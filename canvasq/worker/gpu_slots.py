@@ -9,9 +9,12 @@ when its TTL lapses. No torch or CUDA here: this runs in the worker's parent pro
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import uuid
+
+log = logging.getLogger(__name__)
 
 KEY = "canvasq:gpu-slot:{host}:{slot}"
 
@@ -40,8 +43,8 @@ class GpuSlot:
             while not self._stop.wait(self.ttl_s / 3):
                 try:
                     self.refresh()
-                except Exception:  # Redis briefly down: retry on the next tick, the TTL has slack
-                    pass
+                except Exception as exc:  # noqa: BLE001 Redis briefly down: retry next tick, the TTL has slack
+                    log.debug("gpu slot refresh failed: %s", exc)
 
         self._thread = threading.Thread(target=loop, name="canvasq-gpu-slot", daemon=True)
         self._thread.start()
@@ -51,8 +54,8 @@ class GpuSlot:
         script = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
         try:
             self.client.eval(script, 1, self.key, self.token)
-        except Exception:
-            pass
+        except Exception as exc:  # noqa: BLE001 the slot's TTL frees it anyway
+            log.debug("gpu slot release failed (its TTL frees it): %s", exc)
 
 
 def claim_slot(redis_url: str, host: str, slots: int, ttl_s: int = 90) -> GpuSlot:

@@ -137,7 +137,7 @@ class ChunkRuntime:
             while not self._hb_stop.wait(self.settings.heartbeat_s):
                 try:
                     self.store.heartbeat(self.worker_id)
-                except Exception as exc:  # a missed beat is not worth killing the worker
+                except Exception as exc:  # noqa: BLE001 a missed beat is not worth killing the worker
                     log.warning("heartbeat failed: %s", exc)
 
         self._hb_thread = threading.Thread(target=beat, name="canvasq-heartbeat", daemon=True)
@@ -157,8 +157,8 @@ class ChunkRuntime:
                 state["t"] = now
                 try:
                     state["stop"] = self.store.run_status(run_id) in ("cancelling", "cancelled", "expired")
-                except Exception:  # a flaky read never stops generation
-                    pass
+                except Exception as exc:  # noqa: BLE001 a flaky read never stops generation
+                    log.debug("cancel-flag read failed: %s", exc)
             return state["stop"]
 
         return should_stop

@@ -311,14 +311,64 @@ def test_commit_window_commits_left_first(eos_bundle):
     assert all(r.forwards >= len(r.token_ids) for r in left)
 
 
-@pytest.mark.parametrize("name", ["pipe", "funnel"])
-def test_graph_runner_decodes_like_eager(bundle, name):
-    """cuda_graphs="on" (on CPU: the prepared, padded, always-masked forwards a CUDA graph replays)
-    decodes the same tokens as the eager loop, over one persistent arena whose graphs the next batch
-    reuses; the funnel's simple promotion (another store) falls back to eager forwards."""
-    from canvasq.decoders.base import runtime_for
+def _sc_ids(sc) -> list | None:
+    """The discrete part of a window's self-conditioning: top-k ids (a near-tie there flips an id)."""
+    return sc[0].tolist() if isinstance(sc, tuple) else None
 
+
+def _same_forwards(got: list, want: list) -> int:
+    """Compare two decodes' model passes (kind, inputs, logits) in order while their inputs agree:
+    encoder passes (prefill, retired canvases) by their inputs only, decoder forwards by logits too.
+    The first forward sees identical everything: fp32 summation-order noise only (9e-7 measured).
+    Later ones also read the K/V and self-conditioning that their own earlier forwards wrote, so that
+    noise compounds (about x3 a forward on the tiny model, 3e-3 at most over 15 forwards), and a row
+    whose router top-k sits on a near-tie can take another expert (one row of 32 moved 0.21 on
+    2026-11-30); a wrong slot, stale input or missing mask moves most rows by O(1). Returns how many
+    forwards were compared."""
+    n = 0
+    for (gk, gi, g), (wk, wi, w) in zip(got, want):
+        if (gk, gi) != (wk, wi):  # the schedules split: a commit went the other way
+            break
+        if gk == "forward":
+            row_err = (g - w).abs().amax(-1) / w.abs().max()
+            if n == 0:
+                assert row_err.max().item() <= 1e-5, f"forward 0: {row_err.max().item():.2e}"
+            else:
+                close = (row_err <= 2e-2).float().mean().item()
+                assert close >= 0.9, f"forward {n}: {close:.0%} of rows within 2e-2"
+            n += 1
+    return n
+
+
+@pytest.mark.parametrize("name", ["pipe", "funnel"])
+def test_graph_runner_decodes_like_eager(bundle, name, monkeypatch):
+    """cuda_graphs="on" (on CPU: the prepared, padded, always-masked forwards a CUDA graph replays)
+    computes the eager loop's logits, over one persistent arena whose graphs the next batch reuses;
+    the funnel's simple promotion (another store) falls back to eager forwards.
+
+    Padding changes the GEMM shapes, so the CPU BLAS may sum in another order: tokens must be equal
+    unless the two runs, their logits close at every forward up to there (`_same_forwards`), split
+    on a near-tie late in the decode (on 2026-11-30, transformers 5.24: one row's last token, 75
+    against 60)."""
+    from canvasq.decoders.base import StepDecoder, runtime_for
+
+    logits: list[list] = []  # per decode: (kind, inputs, logits) per model pass
+    plain_forward, plain_encode = StepDecoder.forward, StepDecoder.encode
+
+    def recording(self, windows, **kw):
+        out = plain_forward(self, windows, **kw)
+        inputs = [(w.slot, w.token_ids.tolist(), w.positions.tolist(), _sc_ids(w.self_cond)) for w in windows]
+        logits[-1].append(("forward", inputs, out.logits.detach().float().clone()))
+        return out
+
+    def recording_encode(self, items):
+        logits[-1].append(("encode", [(slot, ids.tolist(), pos.tolist()) for slot, ids, pos in items], None))
+        return plain_encode(self, items)
+
+    monkeypatch.setattr(StepDecoder, "forward", recording)
+    monkeypatch.setattr(StepDecoder, "encode", recording_encode)
     ov = {"max_canvases": 2}
+    logits.append([])
     eager = run_batch(bundle, _batch(3), decoder=name, overrides={**ov, "cuda_graphs": "off"})
     dec = make_decoder(name, bundle, {**ov, "cuda_graphs": "on"})
     runner = dec.graphs
@@ -329,9 +379,14 @@ def test_graph_runner_decodes_like_eager(bundle, name):
     def grew():
         return {k: v - before[k] for k, v in runner.stats.items()}
 
+    logits.append([])
     first = dec.decode(_batch(3))
     arena, built = runner.store, grew()["built"]
-    assert _ids(first) == _ids(eager)
+    compared, forwards = _same_forwards(logits[1], logits[0]), sum(k == "forward" for k, _, _ in logits[0])
+    if _ids(first) != _ids(eager):  # a split on a near-tie, late: most of the decode was compared
+        assert compared >= forwards // 2, (compared, forwards)
+    else:
+        assert compared == forwards
     assert grew()["replayed"] > built > 0 and grew()["eager"] == grew()["failed"] == 0
     again = make_decoder(name, bundle, {**ov, "cuda_graphs": "on"}).decode(_batch(3))
     assert _ids(again) == _ids(first)

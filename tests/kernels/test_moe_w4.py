@@ -375,3 +375,54 @@ def test_tuned_config_lookup(tmp_path, monkeypatch):
     monkeypatch.delenv("CANVASQ_MOE_CONFIG")
     monkeypatch.delenv("CANVASQ_MOE_CONFIG_FILE")
     assert get_config(5, 8, packed, torch.float32) == MoeLaunchConfig()  # no file for cpu: defaults
+
+
+def _run_ptx(program: str, inp: int) -> dict[str, int]:
+    """A tiny interpreter for the four PTX instructions `_NIBBLES_PTX` uses (prmt in its default mode,
+    shr.u32, lop3.b32 with an immediate truth table), on 32-bit registers; $4 is the input."""
+    regs = {"$4": inp}
+    val = lambda tok: int(tok, 16) if tok.startswith("0x") else (int(tok) if tok.isdigit() else regs[tok])
+    for line in program.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}." or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        if op == "prmt.b32":
+            a, b, sel = (val(t) for t in src)
+            pool = (b << 32) | a  # bytes 0-3 from a, 4-7 from b
+            regs[d] = sum(((pool >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        elif op == "shr.u32":
+            regs[d] = val(src[0]) >> val(src[1])
+        elif op == "lop3.b32":
+            a, b, c, lut = (val(t) for t in src)
+            regs[d] = sum(
+                ((lut >> (((a >> k) & 1) << 2 | ((b >> k) & 1) << 1 | ((c >> k) & 1))) & 1) << k
+                for k in range(32)
+            )
+        else:
+            raise AssertionError(f"unexpected instruction {op}")
+    return regs
+
+
+@pytest.mark.parametrize("dtype,magic", [(torch.bfloat16, 128.0), (torch.float16, 1024.0)])
+def test_nibble_ptx_gives_the_magic_values(dtype, magic):
+    """The GPU-only dequantisation (kernels.py `_NIBBLES_PTX`, DEQUANT 4/5) read instruction by
+    instruction: every byte value in every lane of the word must give (magic + low nibble,
+    magic + high nibble) in the order Triton packs four uint8 elements into $4 and two 16-bit
+    results into each of $0/$1 (low nibbles) and $2/$3 (high nibbles)."""
+    import numpy as np
+
+    from canvasq.kernels.moe import kernels as K
+
+    program = (K._NIBBLES_BF16 if dtype == torch.bfloat16 else K._NIBBLES_FP16).value
+    g = torch.Generator().manual_seed(0)
+    for byte in range(256):
+        for lane in range(4):
+            word = [int(v) for v in torch.randint(0, 256, (4,), generator=g)]
+            word[lane] = byte
+            regs = _run_ptx(program, sum(b << (8 * i) for i, b in enumerate(word)))
+            halves = [(regs[f"${r}"] >> (16 * h)) & 0xFFFF for r in range(4) for h in range(2)]
+            got = torch.from_numpy(np.array(halves, dtype=np.uint16).view(np.int16)).view(dtype).float()
+            want = [magic + (b & 0xF) for b in word] + [magic + (b >> 4) for b in word]
+            assert got.tolist() == want, (byte, lane, word)

@@ -1,7 +1,9 @@
 """Compile every canvasq Triton kernel for an H200 (sm_90) on any machine, no GPU needed, and print
 registers, spill stack, shared memory and the number of async (cp.async) copies the pipeliner made.
 
-Uses the ptxas/cuobjdump that ship with the Triton wheel. Catches lowering errors before a GPU lease,
+Uses the ptxas/cuobjdump that ship with the Triton wheel. Kernels with a loop also report its size in
+SASS instructions per iteration and its commonest opcodes (`loop_instr`, `loop_top`): the offline
+measure used to work on the W4 MoE's dequantisation. Catches lowering errors before a GPU lease,
 and flags tile configs that spill (a spilling W4 kernel cannot reach the bandwidth target).
 Integer arguments get the divisibility-by-16 hint Triton gives them at launch when the real shapes
 allow it (strides, H = 2816, I = 704).
@@ -17,13 +19,16 @@ rounding where HF has two; tests/kernels/test_norm_fused.py runs this check in C
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 
 os.environ.pop("TRITON_INTERPRET", None)  # must compile, not interpret
 
@@ -32,7 +37,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from canvasq.kernels.moe.launch import MoeLaunchConfig, _dequant_mode, _fold_zero, _sub_k
+from canvasq.kernels.moe.launch import (
+    CONFIG_DIR,
+    MoeLaunchConfig,
+    _dequant_mode,
+    _fold_zero,
+    _load_configs,
+    _sub_k,
+    config_file_name,
+)
 
 # importlib: `canvasq.kernels.softmax_argmax` the attribute is the public function, not the module
 R = importlib.import_module("canvasq.kernels.rmsnorm")
@@ -43,6 +56,7 @@ SC = importlib.import_module("canvasq.kernels.softcap")
 GM = importlib.import_module("canvasq.kernels.gelu_mul")
 
 TARGET = GPUTarget("cuda", 90, 32)
+H200_CONFIGS = config_file_name(128, 2816, 704, 8, torch.bfloat16, "NVIDIA_H200")
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
@@ -63,6 +77,7 @@ def compile_kernel(
         out = subprocess.run(
             [CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True
         ).stdout
+        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     fields = dict(tok.split(":") for tok in next(ln for ln in out.splitlines() if "REG:" in ln).split()[:2])
     return {
         "regs": int(fields["REG"]),
@@ -70,7 +85,30 @@ def compile_kernel(
         "smem": k.metadata.shared,
         "async_copies": k.asm["ttgir"].count("async_copy_global_to_local"),
         "half_fma": k.asm["ptx"].count("fma.rn.bf16") + k.asm["ptx"].count("fma.rn.f16"),
+        **loop_profile(sass),
     }
+
+
+_SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(?:\.\S+)?\s*(.*);")
+
+
+def loop_profile(sass: str) -> dict:
+    """The largest loop of a kernel's SASS (the body of its longest backward branch): instructions per
+    iteration and the six commonest opcodes, e.g. the W4 MoE's gate_up went 707 -> 472 when the
+    nibbles moved to 32-bit words (BENCHMARKS.md, session 6). Empty for kernels without a loop."""
+    instr = [
+        (int(m.group(1), 16), m.group(2), m.group(3)) for m in map(_SASS_LINE.match, sass.splitlines()) if m
+    ]
+    best: list = []
+    for addr, op, args in instr:
+        target = re.search(r"0x([0-9a-f]+)", args) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            body = [o for a, o, _ in instr if int(target.group(1), 16) <= a <= addr]
+            best = body if len(body) > len(best) else best
+    if not best:
+        return {}
+    top = collections.Counter(best).most_common(6)
+    return {"loop_instr": len(best), "loop_top": " ".join(f"{op}:{n}" for op, n in top)}
 
 
 def _ptrs(fn, dtype="bf16", overrides=None):
@@ -377,7 +415,8 @@ def main() -> None:
     ap.add_argument(
         "--sub-k",
         default="",
-        help="comma list of packed rows per MoE iteration to compile at the tuned 256-row tiles (e.g. 64,32,16)",
+        help="comma list of packed rows per MoE iteration to compile at the tuned 256-row tiles (none = half a"
+        " group, e.g. none,32,16)",
     )
     a = ap.parse_args()
     rows, failed = [], False
@@ -387,17 +426,10 @@ def main() -> None:
     ):
         rows.append({"kernel": name, "config": "default", **res})
         failed |= res["stack"] > 0 or (name.startswith(ROUNDING_FAITHFUL) and res["half_fma"] > 0)
-    for sub in (int(v) for v in a.sub_k.split(",") if v):
-        # the tuned tiles at 256 rows (configs/...H200.json); down's half group is 32 rows
-        cfg = MoeLaunchConfig(
-            block_m=16,
-            gate_up_block_n=64,
-            gate_up_stages=4,
-            down_block_n=256,
-            down_stages=3,
-            gate_up_sub_k=sub,
-            down_sub_k=min(sub, 32),
-        )
+    tuned = _load_configs(str(CONFIG_DIR / H200_CONFIGS))[256]  # the checked-in tiles at 256 rows
+    for sub in (None if v == "none" else int(v) for v in a.sub_k.split(",") if v):
+        # down's half group is 32 rows
+        cfg = replace(tuned, gate_up_sub_k=sub, down_sub_k=None if sub is None else min(sub, 32))
         for name, res in moe_kernels(cfg):
             rows.append(
                 {

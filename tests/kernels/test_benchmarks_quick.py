@@ -1,6 +1,7 @@
 """The kernel benchmarks run end to end at tiny shapes (`--quick`, Triton interpreter on CPU) and end
 with a JSON line that says their outputs were checked."""
 
+import ast
 import json
 import os
 import subprocess
@@ -70,3 +71,9 @@ def test_kernels_compile_for_sm90_without_spills():
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["ok"] is True
+    rows = [ast.literal_eval(ln) for ln in proc.stdout.splitlines() if ln.startswith("{'kernel'")]
+    moe = {r["kernel"]: r for r in rows if r["kernel"] in ("gate_up", "down")}
+    # the MoE loops' SASS size is reported (the offline measure of the dequantisation's cost)
+    assert set(moe) == {"gate_up", "down"} and all(
+        r["loop_instr"] > 0 and "HMMA" in r["loop_top"] for r in moe.values()
+    )

@@ -377,10 +377,19 @@ def test_tuned_config_lookup(tmp_path, monkeypatch):
     assert get_config(5, 8, packed, torch.float32) == MoeLaunchConfig()  # no file for cpu: defaults
 
 
-def _run_ptx(program: str, inp: int) -> dict[str, int]:
-    """A tiny interpreter for the four PTX instructions `_NIBBLES_PTX` uses (prmt in its default mode,
-    shr.u32, lop3.b32 with an immediate truth table), on 32-bit registers; $4 is the input."""
-    regs = {"$4": inp}
+def _half_float(bits: int, dtype: torch.dtype) -> float:
+    return torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(dtype).float().item()
+
+
+def _float_half(v: float, dtype: torch.dtype) -> int:
+    return torch.tensor([v], dtype=dtype).view(torch.int16).to(torch.int32).item() & 0xFFFF
+
+
+def _run_ptx(program: str, inp: int, extra: dict[str, int] | None = None) -> dict[str, int]:
+    """A tiny interpreter for the PTX instructions the dequantisation programs use (prmt in its default
+    mode, shr.u32, lop3.b32 with an immediate truth table, mov.b32 and fma.rn on bf16x2/f16x2 pairs,
+    rounded through torch), on 32-bit registers; $4 is the input word, `extra` more inputs."""
+    regs = {"$4": inp, **(extra or {})}
     val = lambda tok: int(tok, 16) if tok.startswith("0x") else (int(tok) if tok.isdigit() else regs[tok])
     for line in program.splitlines():
         line = line.strip().rstrip(";")
@@ -394,6 +403,16 @@ def _run_ptx(program: str, inp: int) -> dict[str, int]:
             regs[d] = sum(((pool >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
         elif op == "shr.u32":
             regs[d] = val(src[0]) >> val(src[1])
+        elif op == "mov.b32":
+            regs[d] = val(src[0])
+        elif op in ("fma.rn.bf16x2", "fma.rn.f16x2"):
+            dt = torch.bfloat16 if op.endswith("bf16x2") else torch.float16
+            a, b, c = (val(t) for t in src)
+            halves = []
+            for h in range(2):
+                fa, fb, fc = (_half_float((r >> (16 * h)) & 0xFFFF, dt) for r in (a, b, c))
+                halves.append(_float_half(fa * fb + fc, dt))  # exact here: small integers
+            regs[d] = halves[0] | (halves[1] << 16)
         elif op == "lop3.b32":
             a, b, c, lut = (val(t) for t in src)
             regs[d] = sum(
@@ -426,3 +445,65 @@ def test_nibble_ptx_gives_the_magic_values(dtype, magic):
             got = torch.from_numpy(np.array(halves, dtype=np.uint16).view(np.int16)).view(dtype).float()
             want = [magic + (b & 0xF) for b in word] + [magic + (b >> 4) for b in word]
             assert got.tolist() == want, (byte, lane, word)
+
+
+def test_gluon_tiling_round_trips_and_orders_k():
+    """`tile_q` is a permutation of the K-contiguous bytes (untile inverts it), and each tiled word
+    holds the 8 consecutive k its lane's MMA registers take, in `NIBBLE_K` order."""
+    from canvasq.kernels.moe.gluon_w4 import NIBBLE_K, tile_q, untile_q
+
+    g = torch.Generator().manual_seed(0)
+    for group, n, kb in ((128, 32, 128), (64, 48, 96)):
+        q = torch.randint(0, 256, (3, n, kb), generator=g, dtype=torch.int32).to(torch.uint8)
+        qt = tile_q(q, group)
+        assert qt.dtype == torch.int32 and qt.shape == (3, n // 16, kb // (group // 2), 2 * group)
+        assert torch.equal(untile_q(qt, group), q)
+        hb, nh = group // 2, group // 32
+        e, tile, grp, rr, gg, c, h = 2, 1, 1, 1, 5, 3, nh - 1
+        word = int(qt[e, tile, grp, 32 * nh * rr + nh * (4 * gg + c) + h])
+        row = q[e, 16 * tile + 8 * rr + gg, grp * hb : (grp + 1) * hb].tolist()
+        nib = [b & 0xF for b in row] + [b >> 4 for b in row]  # k = j, HB + j
+        for n_ in range(8):
+            assert (word >> (4 * n_)) & 0xF == nib[32 * h + 8 * c + NIBBLE_K[n_]]
+
+
+@pytest.mark.parametrize("dtype,magic", [(torch.bfloat16, 128.0), (torch.float16, 1024.0)])
+def test_word_ptx_gives_weights_in_pair_order(dtype, magic):
+    """The Gluon kernels' dequantisation (gluon_w4 `_WORD_PTX`) read instruction by instruction: a word
+    of 8 nibbles and a row's -(magic + zero) pair give $i = (k 2i, k 2i + 1) of q - zero, exactly."""
+    from canvasq.kernels.moe.gluon_w4 import NIBBLE_K, WORD_PTX_BF16, WORD_PTX_FP16
+
+    program = WORD_PTX_BF16 if dtype == torch.bfloat16 else WORD_PTX_FP16
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        word = int(torch.randint(0, 2**32, (1,), generator=g, dtype=torch.int64))
+        zero = int(torch.randint(0, 16, (1,), generator=g))
+        nz = _float_half(-(magic + zero), dtype)
+        regs = _run_ptx(program, word, {"$5": nz | (nz << 16)})
+        k_of = {k: (word >> (4 * n)) & 0xF for n, k in enumerate(NIBBLE_K)}
+        for i in range(4):
+            got = [_half_float((regs[f"${i}"] >> (16 * h)) & 0xFFFF, dtype) for h in range(2)]
+            assert got == [k_of[2 * i] - zero, k_of[2 * i + 1] - zero], (word, zero, i)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_m,T", [(16, 37), (32, 200)])
+def test_gluon_kernels_match_triton_kernels(dtype, block_m, T):
+    """The Gluon gate_up/down (gluon_w4.py) against the Triton ones and the dequantised twin."""
+    from canvasq.kernels.moe.launch import gluon_eligible
+
+    E, H, I, K = 8, 256, 128, 4
+    gate_up, down = _experts(E, H, I, dtype, seed=0)
+    packed = pack_w4(gate_up, down)
+    x = torch.randn(T, H, device="cuda", dtype=dtype)
+    ids, w = _routing(T, K, E, seed=1)
+    cfg = MoeLaunchConfig(block_m=block_m, gluon=True, gluon_down_tiles=2)
+    assert gluon_eligible(x, packed, cfg)
+    y = w4_moe_launch(x, ids, w, packed, config=cfg, out=poison((T, H), dtype))
+    y_triton = w4_moe_launch(x, ids, w, packed, config=MoeLaunchConfig(block_m=block_m))
+    ref = w4_moe_reference(x, ids, w, packed)
+    assert rel_err(y, ref) < TOL[dtype]
+    assert rel_err(y, y_triton) < TOL[dtype]
+    assert torch.equal(y, w4_moe_launch(x, ids, w, packed, config=cfg))

@@ -42,6 +42,12 @@ class MoeLaunchConfig:
     # one group per iteration. Smaller: fewer registers and less shared memory per program.
     gate_up_sub_k: int | None = None
     down_sub_k: int | None = None
+    # the Gluon kernels (gluon_w4.py: explicit MMA layouts, tiled packing) where `gluon_eligible`;
+    # their tiles are 16 * warps * gluon_tiles rows; the *_block_n / *_stages above are the Triton ones'
+    gluon: bool = False
+    gluon_gate_up_warps: int = 4
+    gluon_down_warps: int = 4
+    gluon_down_tiles: int = 2
 
 
 @dataclass(frozen=True)
@@ -306,6 +312,117 @@ def launch_down(
     )
 
 
+def gluon_eligible(x: torch.Tensor, packed: W4Experts, cfg: MoeLaunchConfig) -> bool:
+    """The Gluon kernels take compiled fp16/bf16 on a GPU, whole groups and whole row tiles."""
+    gg, gd = packed.config.group_gate_up, packed.config.group_down
+    bn_gu = 16 * cfg.gluon_gate_up_warps
+    bn_dn = 16 * cfg.gluon_down_warps * cfg.gluon_down_tiles
+    return (
+        cfg.gluon
+        and x.is_cuda
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and packed.scale_dtype == x.dtype
+        and not interpreted(_k._w4_gate_up_kernel)
+        and packed.hidden % gg == 0
+        and packed.inter % gd == 0
+        and packed.inter % bn_gu == 0
+        and packed.hidden % bn_dn == 0
+        and gg in (64, 128)
+        and gd in (64, 128)
+        and x.stride(0) % 2 == 0
+        and x.data_ptr() % 4 == 0
+    )
+
+
+def gluon_tiles(packed: W4Experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed bytes in the Gluon kernels' order (`gluon_w4.tile_q`), made once per W4Experts and kept
+    beside the K-contiguous ones (their bytes again: 0.5 of the expert memory)."""
+    cached = getattr(packed, "_gluon_tiles", None)
+    if cached is None or cached[0].device != packed.device:
+        from .gluon_w4 import tile_q
+
+        cached = (
+            tile_q(packed.gate_up_q, packed.config.group_gate_up),
+            tile_q(packed.down_q, packed.config.group_down),
+        )
+        object.__setattr__(packed, "_gluon_tiles", cached)
+    return cached
+
+
+def launch_gate_up_gluon(
+    x: torch.Tensor, packed: W4Experts, meta: RoutingMeta, cfg: MoeLaunchConfig, h: torch.Tensor
+) -> None:
+    """`launch_gate_up` through the Gluon kernel (same h)."""
+    from .gluon_w4 import _gl_w4_gate_up_kernel
+
+    I = packed.inter
+    assert h.shape == (meta.sorted_ids.numel(), I) and h.dtype == x.dtype and h.is_contiguous()
+    qt, _ = gluon_tiles(packed)
+    gs = packed.gate_up_scale
+    nw = cfg.gluon_gate_up_warps
+    grid = (meta.sorted_ids.numel() // cfg.block_m, I // (16 * nw))
+    _gl_w4_gate_up_kernel[grid](
+        x,
+        qt,
+        gs,
+        packed.gate_up_zero,
+        h,
+        meta.sorted_ids,
+        meta.block_expert,
+        meta.num_padded,
+        meta.num_assign,
+        meta.num_assign // x.shape[0],
+        I,
+        x.stride(0),
+        qt.stride(0),
+        gs.stride(0),
+        gs.stride(1),
+        h.stride(0),
+        GROUP=packed.config.group_gate_up,
+        NUM_GROUPS=gs.shape[1],
+        BLOCK_M=cfg.block_m,
+        BN=16 * nw,
+        NW=nw,
+        num_warps=nw,
+    )
+
+
+def launch_down_gluon(
+    h: torch.Tensor, packed: W4Experts, meta: RoutingMeta, cfg: MoeLaunchConfig, y_tk: torch.Tensor
+) -> None:
+    """`launch_down` through the Gluon kernel (same y_tk)."""
+    from .gluon_w4 import _gl_w4_down_kernel
+
+    H = packed.hidden
+    assert y_tk.shape == (meta.num_assign, H) and y_tk.is_contiguous() and h.is_contiguous()
+    _, qt = gluon_tiles(packed)
+    ds = packed.down_scale
+    nw = cfg.gluon_down_warps
+    bn = 16 * nw * cfg.gluon_down_tiles
+    _gl_w4_down_kernel[(meta.sorted_ids.numel() // cfg.block_m, H // bn)](
+        h,
+        qt,
+        ds,
+        packed.down_zero,
+        y_tk,
+        meta.sorted_ids,
+        meta.block_expert,
+        meta.num_padded,
+        meta.num_assign,
+        h.stride(0),
+        qt.stride(0),
+        ds.stride(0),
+        ds.stride(1),
+        y_tk.stride(0),
+        GROUP=packed.config.group_down,
+        NUM_GROUPS=ds.shape[1],
+        BLOCK_M=cfg.block_m,
+        BN=bn,
+        NW=nw,
+        num_warps=nw,
+    )
+
+
 def w4_moe_launch(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -340,9 +457,13 @@ def w4_moe_launch(
     weights = topk_weights.contiguous()
 
     h = torch.empty(p_max, I, dtype=x.dtype, device=x.device)
-    launch_gate_up(x, packed, meta, cfg, h)
     y_tk = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
-    launch_down(h, packed, meta, cfg, y_tk)
+    if gluon_eligible(x, packed, cfg):
+        launch_gate_up_gluon(x, packed, meta, cfg, h)
+        launch_down_gluon(h, packed, meta, cfg, y_tk)
+    else:
+        launch_gate_up(x, packed, meta, cfg, h)
+        launch_down(h, packed, meta, cfg, y_tk)
     bn = min(cfg.combine_block_n, triton.next_power_of_2(H))
     renorm = expert_scale is not None
     if renorm:

@@ -4,29 +4,36 @@ random-normal weights and routing, torch seed 0). Timing: `benchmarks/kernels/_c
 (an event pair around each of 50 calls queued back to back, one synchronise, median); every arm's
 output checked against the first (Triton, tuned config) arm's within 2e-2, else "WRONG".
 
-    python benchmarks/probes/moe_gluon_gpu_timing.py 256,8       # H200; writes $OUT/gluon_timing.json
+    python benchmarks/probes/moe_gluon_gpu_timing.py 8,16,256     # H200; $OUT/gluon_timing.json
+
+For each row count: the checked-in tuned config's BLOCK_M, its Triton tiles, and the Gluon tiles below;
+a Gluon tile is chosen where it is at least 3 % faster, and the tuned configs with those choices are
+written to $OUT under the configs' file name (copy it to canvasq/kernels/moe/configs/ to keep it).
 """
 
 import json
 import os
 import sys
+from dataclasses import replace
 from functools import partial
+from pathlib import Path
 
 import torch
 
 from canvasq.kernels.moe import align_routing, pack_w4
 from canvasq.kernels.moe.launch import (
-    MoeLaunchConfig,
+    config_file_name,
     get_config,
     gluon_tiles,
     launch_down,
     launch_down_gluon,
     launch_gate_up,
     launch_gate_up_gluon,
+    save_configs,
 )
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "kernels"))
-from _common import time_ms  # noqa: E402
+from _common import time_ms
 
 
 def compare(arms, out, n_rows):
@@ -37,8 +44,23 @@ def compare(arms, out, n_rows):
         got = out[:n_rows].float().clone()
         ref = got if ref is None else ref
         ok = torch.allclose(got, ref, rtol=2e-2, atol=2e-2)
-        row[name] = round(time_ms(lambda _: fn()) * 1e3, 1) if ok else f"WRONG {float((got - ref).abs().max()):.3g}"
+        row[name] = (
+            round(time_ms(lambda _, f=fn: f()) * 1e3, 1)
+            if ok
+            else f"WRONG {float((got - ref).abs().max()):.3g}"
+        )
     return row
+
+
+GATE_UP_TILES = ((4, 1), (2, 1), (2, 2), (1, 1), (1, 2), (1, 4))  # (warps, tiles): 16 * w * t rows | 704
+DOWN_TILES = ((4, 1), (4, 2), (4, 4), (2, 2), (2, 4), (8, 1), (8, 2))
+MARGIN = 0.97  # a Gluon tile replaces the Triton kernel only when at least 3 % faster
+
+
+def best(row: dict) -> tuple[str, float]:
+    timed = {k: v for k, v in row.items() if isinstance(v, float)}
+    k = min(timed, key=timed.get)
+    return (k, timed[k]) if timed[k] < MARGIN * timed["triton"] else ("triton", timed["triton"])
 
 
 def main():
@@ -51,32 +73,44 @@ def main():
     p = pack_w4(gate_up, down)
     del gate_up, down
     gluon_tiles(p)
-    res = {}
+    res, configs = {}, {}
     for T in rows:
         x = torch.randn(T, H, device=dev, dtype=dt)
         ids = torch.topk(torch.randn(T, E, device=dev), K, -1).indices
         tuned = get_config(T, K, p, dt)
-        for bm in (16, 32):
-            m = align_routing(ids, E, bm)
-            n_real = int(m.num_padded.item())
-            h = torch.zeros(m.sorted_ids.numel(), I, device=dev, dtype=dt)
-            y = torch.zeros(T * K, H, device=dev, dtype=dt)
-            base = MoeLaunchConfig(**{**tuned.__dict__, "block_m": bm})
-            arms = {"triton": partial(launch_gate_up, x, p, m, base, h)}
-            for w in (4, 2, 1):
-                cfg = MoeLaunchConfig(block_m=bm, gluon=True, gluon_gate_up_warps=w)
-                arms[f"gluon w{w}"] = partial(launch_gate_up_gluon, x, p, m, cfg, h)
-            res[f"T{T} bm{bm} gate_up"] = compare(arms, h, n_real)
-            launch_gate_up(x, p, m, base, h)  # down's input
-            arms = {"triton": partial(launch_down, h, p, m, base, y)}
-            for w, t in ((4, 1), (4, 2), (4, 4), (2, 2), (2, 4), (8, 1)):
-                cfg = MoeLaunchConfig(block_m=bm, gluon=True, gluon_down_warps=w, gluon_down_tiles=t)
-                arms[f"gluon w{w} t{t}"] = partial(launch_down_gluon, h, p, m, cfg, y)
-            res[f"T{T} bm{bm} down"] = compare(arms, y, T * K)
-            for k in (f"T{T} bm{bm} gate_up", f"T{T} bm{bm} down"):
-                print(k, res[k], flush=True)
-    with open(os.path.join(os.environ.get("OUT", "/tmp"), "gluon_timing.json"), "w") as f:
+        m = align_routing(ids, E, tuned.block_m)
+        n_real = int(m.num_padded.item())
+        h = torch.zeros(m.sorted_ids.numel(), I, device=dev, dtype=dt)
+        y = torch.zeros(T * K, H, device=dev, dtype=dt)
+        arms = {"triton": partial(launch_gate_up, x, p, m, tuned, h)}
+        for w, t in GATE_UP_TILES:
+            cfg = replace(tuned, gluon_gate_up=True, gluon_gate_up_warps=w, gluon_gate_up_tiles=t)
+            arms[f"gluon w{w} t{t}"] = partial(launch_gate_up_gluon, x, p, m, cfg, h)
+        res[f"T{T} gate_up"] = compare(arms, h, n_real)
+        launch_gate_up(x, p, m, tuned, h)  # down's input
+        arms = {"triton": partial(launch_down, h, p, m, tuned, y)}
+        for w, t in DOWN_TILES:
+            cfg = replace(tuned, gluon_down=True, gluon_down_warps=w, gluon_down_tiles=t)
+            arms[f"gluon w{w} t{t}"] = partial(launch_down_gluon, h, p, m, cfg, y)
+        res[f"T{T} down"] = compare(arms, y, T * K)
+        cfg = tuned
+        for which in ("gate_up", "down"):
+            name, _ = best(res[f"T{T} {which}"])
+            if name != "triton":
+                w, t = (int(v[1:]) for v in name.split()[1:])
+                cfg = replace(
+                    cfg, **{f"gluon_{which}": True, f"gluon_{which}_warps": w, f"gluon_{which}_tiles": t}
+                )
+        configs[T] = cfg
+        for k in (f"T{T} gate_up", f"T{T} down"):
+            print(k, res[k], "->", best(res[k]), flush=True)
+    out = os.environ.get("OUT", "/tmp")
+    with open(os.path.join(out, "gluon_timing.json"), "w") as f:
         json.dump(res, f, indent=1)
+    name = config_file_name(E, H, I, K, dt, torch.cuda.get_device_name().replace(" ", "_"))
+    meta = {"source": "benchmarks/probes/moe_gluon_gpu_timing.py", "commit": os.environ.get("CANVASQ_COMMIT")}
+    save_configs(Path(out) / name, configs, meta)
+    print("configs with the Gluon choices:", Path(out) / name)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-
 TILE_ROWS = 16  # rows of one mma.m16n8k16 A operand
 
 # One 32-bit word holds 8 consecutive k of a row; nibble n (bits 4n..4n+3) is k = 2n for n < 4 and
@@ -208,7 +207,6 @@ def _gl_w4_gate_up_kernel(
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
     A8: gl.constexpr = gl.DotOperandLayout(0, mma, 8)
     B8: gl.constexpr = gl.DotOperandLayout(1, mma, 8)
-    HB: gl.constexpr = GROUP // 2
     LW: gl.constexpr = _word_layout(BN, GROUP, NW)
     pid_m = gl.program_id(0)
     n0 = gl.program_id(1) * BN
@@ -296,7 +294,6 @@ def _gl_w4_down_kernel(
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
     A8: gl.constexpr = gl.DotOperandLayout(0, mma, 8)
     B8: gl.constexpr = gl.DotOperandLayout(1, mma, 8)
-    HB: gl.constexpr = GROUP // 2
     LW: gl.constexpr = _word_layout(BN, GROUP, NW)
     pid_m = gl.program_id(0)
     n0 = gl.program_id(1) * BN
@@ -331,7 +328,9 @@ def _gl_w4_down_kernel(
         ht = gl.load(hw_ptr + (h_off + g2 * (GROUP // 2)))
         acc = _group_mma(acc, q1, _act_tile(ht1, DT, B8), s_e, z_e, (g0 + 1) * stride_sg, rz, rs, DT, A8)
     if NUM_GROUPS % 2 == 1:
-        acc = _group_mma(acc, q, _act_tile(ht, DT, B8), s_e, z_e, (NUM_GROUPS - 1) * stride_sg, rz, rs, DT, A8)
+        acc = _group_mma(
+            acc, q, _act_tile(ht, DT, B8), s_e, z_e, (NUM_GROUPS - 1) * stride_sg, rz, rs, DT, A8
+        )
 
     mc = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     aid = gl.load(sorted_ids_ptr + mc)

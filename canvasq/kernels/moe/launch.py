@@ -42,10 +42,12 @@ class MoeLaunchConfig:
     # one group per iteration. Smaller: fewer registers and less shared memory per program.
     gate_up_sub_k: int | None = None
     down_sub_k: int | None = None
-    # the Gluon kernels (gluon_w4.py: explicit MMA layouts, tiled packing) where `gluon_eligible`;
-    # their tiles are 16 * warps * gluon_tiles rows; the *_block_n / *_stages above are the Triton ones'
-    gluon: bool = False
+    # the Gluon kernels (gluon_w4.py: explicit MMA layouts, tiled packing) where `gluon_eligible`, per
+    # matmul; a program's rows are 16 * warps * tiles (the *_block_n / *_stages above are the Triton ones')
+    gluon_gate_up: bool = False
+    gluon_down: bool = False
     gluon_gate_up_warps: int = 4
+    gluon_gate_up_tiles: int = 1
     gluon_down_warps: int = 4
     gluon_down_tiles: int = 2
 
@@ -312,13 +314,14 @@ def launch_down(
     )
 
 
-def gluon_eligible(x: torch.Tensor, packed: W4Experts, cfg: MoeLaunchConfig) -> bool:
-    """The Gluon kernels take compiled fp16/bf16 on a GPU, whole groups and whole row tiles."""
+def gluon_eligible(x: torch.Tensor, packed: W4Experts, cfg: MoeLaunchConfig, which: str) -> bool:
+    """Whether `which` ("gate_up" or "down") runs the Gluon kernel: asked for in `cfg`, compiled
+    fp16/bf16 on a GPU, whole groups and whole row tiles."""
     gg, gd = packed.config.group_gate_up, packed.config.group_down
-    bn_gu = 16 * cfg.gluon_gate_up_warps
+    bn_gu = 16 * cfg.gluon_gate_up_warps * cfg.gluon_gate_up_tiles
     bn_dn = 16 * cfg.gluon_down_warps * cfg.gluon_down_tiles
     return (
-        cfg.gluon
+        (cfg.gluon_gate_up if which == "gate_up" else cfg.gluon_down)
         and x.is_cuda
         and x.dtype in (torch.float16, torch.bfloat16)
         and packed.scale_dtype == x.dtype
@@ -341,6 +344,9 @@ def gluon_tiles(packed: W4Experts) -> tuple[torch.Tensor, torch.Tensor]:
     if cached is None or cached[0].device != packed.device:
         from .gluon_w4 import tile_q
 
+        if packed.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the Gluon tiles are made on first use: run one eager call before capturing")
+
         cached = (
             tile_q(packed.gate_up_q, packed.config.group_gate_up),
             tile_q(packed.down_q, packed.config.group_down),
@@ -360,7 +366,8 @@ def launch_gate_up_gluon(
     qt, _ = gluon_tiles(packed)
     gs = packed.gate_up_scale
     nw = cfg.gluon_gate_up_warps
-    grid = (meta.sorted_ids.numel() // cfg.block_m, I // (16 * nw))
+    bn = 16 * nw * cfg.gluon_gate_up_tiles
+    grid = (meta.sorted_ids.numel() // cfg.block_m, I // bn)
     _gl_w4_gate_up_kernel[grid](
         x,
         qt,
@@ -381,7 +388,7 @@ def launch_gate_up_gluon(
         GROUP=packed.config.group_gate_up,
         NUM_GROUPS=gs.shape[1],
         BLOCK_M=cfg.block_m,
-        BN=16 * nw,
+        BN=bn,
         NW=nw,
         num_warps=nw,
     )
@@ -458,12 +465,10 @@ def w4_moe_launch(
 
     h = torch.empty(p_max, I, dtype=x.dtype, device=x.device)
     y_tk = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
-    if gluon_eligible(x, packed, cfg):
-        launch_gate_up_gluon(x, packed, meta, cfg, h)
-        launch_down_gluon(h, packed, meta, cfg, y_tk)
-    else:
-        launch_gate_up(x, packed, meta, cfg, h)
-        launch_down(h, packed, meta, cfg, y_tk)
+    gate_up = launch_gate_up_gluon if gluon_eligible(x, packed, cfg, "gate_up") else launch_gate_up
+    gate_up(x, packed, meta, cfg, h)
+    down = launch_down_gluon if gluon_eligible(h, packed, cfg, "down") else launch_down
+    down(h, packed, meta, cfg, y_tk)
     bn = min(cfg.combine_block_n, triton.next_power_of_2(H))
     renorm = expert_scale is not None
     if renorm:

@@ -52,8 +52,19 @@ def compare(arms, out, n_rows):
     return row
 
 
-GATE_UP_TILES = ((4, 1), (2, 1), (2, 2), (1, 1), (1, 2), (1, 4))  # (warps, tiles): 16 * w * t rows | 704
-DOWN_TILES = ((4, 1), (4, 2), (4, 4), (2, 2), (2, 4), (8, 1), (8, 2))
+# (warps, row tiles, stages): 16 * warps * tiles rows must divide I = 704 (gate_up) / H = 2816 (down)
+GATE_UP_TILES = ((4, 1, 0), (2, 2, 0), (1, 1, 0), (4, 1, 3), (4, 1, 4), (2, 2, 3), (2, 1, 3), (1, 4, 3))
+DOWN_TILES = (
+    (4, 1, 0),
+    (4, 2, 0),
+    (2, 2, 0),
+    (8, 1, 0),
+    (4, 1, 3),
+    (4, 2, 3),
+    (4, 2, 4),
+    (2, 2, 3),
+    (8, 1, 3),
+)
 MARGIN = 0.97  # a Gluon tile replaces the Triton kernel only when at least 3 % faster
 
 
@@ -83,24 +94,29 @@ def main():
         h = torch.zeros(m.sorted_ids.numel(), I, device=dev, dtype=dt)
         y = torch.zeros(T * K, H, device=dev, dtype=dt)
         arms = {"triton": partial(launch_gate_up, x, p, m, tuned, h)}
-        for w, t in GATE_UP_TILES:
-            cfg = replace(tuned, gluon_gate_up=True, gluon_gate_up_warps=w, gluon_gate_up_tiles=t)
-            arms[f"gluon w{w} t{t}"] = partial(launch_gate_up_gluon, x, p, m, cfg, h)
+        for w, t, s in GATE_UP_TILES:
+            cfg = replace(
+                tuned,
+                gluon_gate_up=True,
+                gluon_gate_up_warps=w,
+                gluon_gate_up_tiles=t,
+                gluon_gate_up_stages=s,
+            )
+            arms[f"gluon w{w} t{t} s{s}"] = partial(launch_gate_up_gluon, x, p, m, cfg, h)
         res[f"T{T} gate_up"] = compare(arms, h, n_real)
         launch_gate_up(x, p, m, tuned, h)  # down's input
         arms = {"triton": partial(launch_down, h, p, m, tuned, y)}
-        for w, t in DOWN_TILES:
-            cfg = replace(tuned, gluon_down=True, gluon_down_warps=w, gluon_down_tiles=t)
-            arms[f"gluon w{w} t{t}"] = partial(launch_down_gluon, h, p, m, cfg, y)
+        for w, t, s in DOWN_TILES:
+            cfg = replace(tuned, gluon_down=True, gluon_down_warps=w, gluon_down_tiles=t, gluon_down_stages=s)
+            arms[f"gluon w{w} t{t} s{s}"] = partial(launch_down_gluon, h, p, m, cfg, y)
         res[f"T{T} down"] = compare(arms, y, T * K)
         cfg = tuned
         for which in ("gate_up", "down"):
             name, _ = best(res[f"T{T} {which}"])
             if name != "triton":
-                w, t = (int(v[1:]) for v in name.split()[1:])
-                cfg = replace(
-                    cfg, **{f"gluon_{which}": True, f"gluon_{which}_warps": w, f"gluon_{which}_tiles": t}
-                )
+                w, t, st = (int(v[1:]) for v in name.split()[1:])
+                pick = {"": True, "_warps": w, "_tiles": t, "_stages": st}
+                cfg = replace(cfg, **{f"gluon_{which}{k}": v for k, v in pick.items()})
         configs[T] = cfg
         for k in (f"T{T} gate_up", f"T{T} down"):
             print(k, res[k], "->", best(res[k]), flush=True)

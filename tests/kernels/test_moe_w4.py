@@ -489,8 +489,8 @@ def test_word_ptx_gives_weights_in_pair_order(dtype, magic):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("block_m,T", [(16, 37), (32, 200)])
-def test_gluon_kernels_match_triton_kernels(dtype, block_m, T):
+@pytest.mark.parametrize("block_m,T,stages", [(16, 37, 0), (32, 200, 0), (16, 37, 3), (32, 200, 4)])
+def test_gluon_kernels_match_triton_kernels(dtype, block_m, T, stages):
     """The Gluon gate_up/down (gluon_w4.py) against the Triton ones and the dequantised twin."""
     from canvasq.kernels.moe.launch import gluon_eligible
 
@@ -499,7 +499,14 @@ def test_gluon_kernels_match_triton_kernels(dtype, block_m, T):
     packed = pack_w4(gate_up, down)
     x = torch.randn(T, H, device="cuda", dtype=dtype)
     ids, w = _routing(T, K, E, seed=1)
-    cfg = MoeLaunchConfig(block_m=block_m, gluon_gate_up=True, gluon_down=True, gluon_gate_up_tiles=2)
+    cfg = MoeLaunchConfig(
+        block_m=block_m,
+        gluon_gate_up=True,
+        gluon_down=True,
+        gluon_gate_up_tiles=2,
+        gluon_gate_up_stages=stages,
+        gluon_down_stages=stages,
+    )
     assert gluon_eligible(x, packed, cfg, "gate_up") and gluon_eligible(x, packed, cfg, "down")
     y = w4_moe_launch(x, ids, w, packed, config=cfg, out=poison((T, H), dtype))
     y_triton = w4_moe_launch(x, ids, w, packed, config=MoeLaunchConfig(block_m=block_m))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 TILE_ROWS = 16  # rows of one mma.m16n8k16 A operand
 
@@ -165,6 +165,22 @@ def _neg_zero(z, DT: gl.constexpr):
         v = (-(z.to(gl.float32) + 1024.0)).to(DT)
     h = v.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
     return h | (h << 16)
+
+
+@gluon.constexpr_function
+def _copy_layout(BM, G, NW):
+    """A coalesced layout for copying the [BM, G/2] int32 activation tile: 16 bytes a lane."""
+    return gl.BlockedLayout([1, 4], [32 * 4 // (G // 2), G // 2 // 4], [NW, 1], [1, 0])
+
+
+@gluon.jit
+def _stage_in(sws, q_offs, sx, st, grp, q_e, xw_ptr, x_cp, x_cp_mask, G: gl.constexpr):
+    """Issue the cp.async copies of group `grp`'s weight tiles (one per matrix: buffers `sws`, offsets
+    `q_offs`) and activation tile into stage `st` of the [STAGES, ...] buffers, as one commit group."""
+    for i in gl.static_range(len(sws)):
+        async_copy.async_copy_global_to_shared(sws[i].index(st), q_e + (q_offs[i] + grp * 2 * G))
+    async_copy.async_copy_global_to_shared(sx.index(st), xw_ptr + (x_cp + grp * (G // 2)), mask=x_cp_mask)
+    async_copy.commit_group()
 
 
 @gluon.jit
@@ -334,6 +350,167 @@ def _gl_w4_down_kernel(
 
     mc = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     aid = gl.load(sorted_ids_ptr + mc)
+    gl.store(
+        y_ptr + aid[None, :].to(gl.int64) * stride_ym + rs[:, None],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=(aid < num_assign)[None, :] & (rs < 1 << 30)[:, None],
+    )
+
+
+@gluon.jit
+def _gl_w4_gate_up_cp_kernel(
+    x_ptr,
+    qt_ptr,
+    s_ptr,
+    z_ptr,
+    h_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_assign,
+    top_k,
+    I,
+    stride_xt,
+    stride_qe,
+    stride_se,
+    stride_sg,
+    stride_hm,
+    GROUP: gl.constexpr,
+    NUM_GROUPS: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BN: gl.constexpr,
+    NW: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """`_gl_w4_gate_up_kernel` with the weight and activation tiles brought in by cp.async through
+    STAGES shared-memory buffers: only the current group is held in registers."""
+    DT: gl.constexpr = x_ptr.dtype.element_ty
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+    A8: gl.constexpr = gl.DotOperandLayout(0, mma, 8)
+    B8: gl.constexpr = gl.DotOperandLayout(1, mma, 8)
+    LW: gl.constexpr = _word_layout(BN, GROUP, NW)
+    LX: gl.constexpr = _act_layout(BLOCK_M, GROUP, NW)
+    LC: gl.constexpr = _copy_layout(BLOCK_M, GROUP, NW)
+    SW: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 1, [1, 0])  # lanes read 512 contiguous bytes
+    SX: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])  # 16-byte vectors xor-ed by row
+    pid_m = gl.program_id(0)
+    n0 = gl.program_id(1) * BN
+    if pid_m * BLOCK_M >= gl.load(num_padded_ptr):
+        return
+    e = gl.load(block_expert_ptr + pid_m).to(gl.int64)
+
+    xw_ptr = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    mc = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LC))
+    aid = gl.load(sorted_ids_ptr + pid_m * BLOCK_M + mc)
+    valid = aid < num_assign
+    kc = gl.arange(0, GROUP // 2, layout=gl.SliceLayout(0, LC))
+    x_cp = gl.where(valid, aid // top_k, 0)[:, None] * (stride_xt // 2) + kc[None, :]
+    x_cp_mask = valid[:, None] & (kc[None, :] < GROUP)
+
+    q_e = qt_ptr + e * stride_qe
+    q_offs = (_q_offsets(n0, BN, GROUP, NUM_GROUPS, LW), _q_offsets(n0 + I, BN, GROUP, NUM_GROUPS, LW))
+    rz = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
+    rs = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    s_e = s_ptr + e * stride_se
+    z_e = z_ptr + e * stride_se
+    sws = (
+        gl.allocate_shared_memory(gl.int32, [STAGES, BN, GROUP // 8], SW),
+        gl.allocate_shared_memory(gl.int32, [STAGES, BN, GROUP // 8], SW),
+    )
+    sx = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_M, GROUP // 2], SX)
+
+    for st in gl.static_range(STAGES - 1):
+        _stage_in(sws, q_offs, sx, st, st, q_e, xw_ptr, x_cp, x_cp_mask, GROUP)
+    acc_g = gl.zeros([BN, BLOCK_M], gl.float32, mma)
+    acc_u = gl.zeros([BN, BLOCK_M], gl.float32, mma)
+    for grp in range(NUM_GROUPS):
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()  # group grp landed for every thread; stage (grp - 1) % STAGES is free again
+        nxt = gl.minimum(grp + STAGES - 1, NUM_GROUPS - 1)  # past the end: a harmless re-read
+        ns = (grp + STAGES - 1) % STAGES
+        _stage_in(sws, q_offs, sx, ns, nxt, q_e, xw_ptr, x_cp, x_cp_mask, GROUP)
+        cur = grp % STAGES
+        xb = _act_tile(sx.index(cur).load(LX), DT, B8)
+        acc_g = _group_mma(acc_g, sws[0].index(cur).load(LW), xb, s_e, z_e, grp * stride_sg, rz, rs, DT, A8)
+        acc_u = _group_mma(
+            acc_u, sws[1].index(cur).load(LW), xb, s_e, z_e, grp * stride_sg + I, rz, rs, DT, A8
+        )
+    async_copy.wait_group(0)
+
+    u = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
+    hv = acc_g / (1.0 + gl.exp(-2.0 * u)) * acc_u
+    mrow = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    gl.store(h_ptr + mrow[None, :].to(gl.int64) * stride_hm + rs[:, None], hv.to(h_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def _gl_w4_down_cp_kernel(
+    h_ptr,
+    qt_ptr,
+    s_ptr,
+    z_ptr,
+    y_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_assign,
+    stride_hm,
+    stride_qe,
+    stride_se,
+    stride_sg,
+    stride_ym,
+    GROUP: gl.constexpr,
+    NUM_GROUPS: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BN: gl.constexpr,
+    NW: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """`_gl_w4_down_kernel` with the tiles brought in by cp.async (see `_gl_w4_gate_up_cp_kernel`)."""
+    DT: gl.constexpr = h_ptr.dtype.element_ty
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+    A8: gl.constexpr = gl.DotOperandLayout(0, mma, 8)
+    B8: gl.constexpr = gl.DotOperandLayout(1, mma, 8)
+    LW: gl.constexpr = _word_layout(BN, GROUP, NW)
+    LX: gl.constexpr = _act_layout(BLOCK_M, GROUP, NW)
+    LC: gl.constexpr = _copy_layout(BLOCK_M, GROUP, NW)
+    SW: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 1, [1, 0])
+    SX: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+    pid_m = gl.program_id(0)
+    n0 = gl.program_id(1) * BN
+    if pid_m * BLOCK_M >= gl.load(num_padded_ptr):
+        return
+    e = gl.load(block_expert_ptr + pid_m).to(gl.int64)
+
+    hw_ptr = h_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    mc = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LC))
+    kc = gl.arange(0, GROUP // 2, layout=gl.SliceLayout(0, LC))
+    h_cp = mc[:, None] * (stride_hm // 2) + kc[None, :]
+
+    q_e = qt_ptr + e * stride_qe
+    q_offs = (_q_offsets(n0, BN, GROUP, NUM_GROUPS, LW),)
+    rz = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
+    rs = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    s_e = s_ptr + e * stride_se
+    z_e = z_ptr + e * stride_se
+    sws = (gl.allocate_shared_memory(gl.int32, [STAGES, BN, GROUP // 8], SW),)
+    sx = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_M, GROUP // 2], SX)
+
+    for st in gl.static_range(STAGES - 1):
+        _stage_in(sws, q_offs, sx, st, st, q_e, hw_ptr, h_cp, None, GROUP)
+    acc = gl.zeros([BN, BLOCK_M], gl.float32, mma)
+    for grp in range(NUM_GROUPS):
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()
+        nxt = gl.minimum(grp + STAGES - 1, NUM_GROUPS - 1)
+        _stage_in(sws, q_offs, sx, (grp + STAGES - 1) % STAGES, nxt, q_e, hw_ptr, h_cp, None, GROUP)
+        cur = grp % STAGES
+        xb = _act_tile(sx.index(cur).load(LX), DT, B8)
+        acc = _group_mma(acc, sws[0].index(cur).load(LW), xb, s_e, z_e, grp * stride_sg, rz, rs, DT, A8)
+    async_copy.wait_group(0)
+
+    mo = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    aid = gl.load(sorted_ids_ptr + mo)
     gl.store(
         y_ptr + aid[None, :].to(gl.int64) * stride_ym + rs[:, None],
         acc.to(y_ptr.dtype.element_ty),

@@ -50,6 +50,9 @@ class MoeLaunchConfig:
     gluon_gate_up_tiles: int = 1
     gluon_down_warps: int = 4
     gluon_down_tiles: int = 2
+    # 0: the next group's tiles wait in registers; >= 2: cp.async through that many shared-memory stages
+    gluon_gate_up_stages: int = 0
+    gluon_down_stages: int = 0
 
 
 @dataclass(frozen=True)
@@ -359,7 +362,7 @@ def launch_gate_up_gluon(
     x: torch.Tensor, packed: W4Experts, meta: RoutingMeta, cfg: MoeLaunchConfig, h: torch.Tensor
 ) -> None:
     """`launch_gate_up` through the Gluon kernel (same h)."""
-    from .gluon_w4 import _gl_w4_gate_up_kernel
+    from .gluon_w4 import _gl_w4_gate_up_cp_kernel, _gl_w4_gate_up_kernel
 
     I = packed.inter
     assert h.shape == (meta.sorted_ids.numel(), I) and h.dtype == x.dtype and h.is_contiguous()
@@ -368,7 +371,8 @@ def launch_gate_up_gluon(
     nw = cfg.gluon_gate_up_warps
     bn = 16 * nw * cfg.gluon_gate_up_tiles
     grid = (meta.sorted_ids.numel() // cfg.block_m, I // bn)
-    _gl_w4_gate_up_kernel[grid](
+    staged = {"STAGES": cfg.gluon_gate_up_stages} if cfg.gluon_gate_up_stages else {}
+    (_gl_w4_gate_up_cp_kernel if staged else _gl_w4_gate_up_kernel)[grid](
         x,
         qt,
         gs,
@@ -391,6 +395,7 @@ def launch_gate_up_gluon(
         BN=bn,
         NW=nw,
         num_warps=nw,
+        **staged,
     )
 
 
@@ -398,7 +403,7 @@ def launch_down_gluon(
     h: torch.Tensor, packed: W4Experts, meta: RoutingMeta, cfg: MoeLaunchConfig, y_tk: torch.Tensor
 ) -> None:
     """`launch_down` through the Gluon kernel (same y_tk)."""
-    from .gluon_w4 import _gl_w4_down_kernel
+    from .gluon_w4 import _gl_w4_down_cp_kernel, _gl_w4_down_kernel
 
     H = packed.hidden
     assert y_tk.shape == (meta.num_assign, H) and y_tk.is_contiguous() and h.is_contiguous()
@@ -406,7 +411,10 @@ def launch_down_gluon(
     ds = packed.down_scale
     nw = cfg.gluon_down_warps
     bn = 16 * nw * cfg.gluon_down_tiles
-    _gl_w4_down_kernel[(meta.sorted_ids.numel() // cfg.block_m, H // bn)](
+    staged = {"STAGES": cfg.gluon_down_stages} if cfg.gluon_down_stages else {}
+    (_gl_w4_down_cp_kernel if staged else _gl_w4_down_kernel)[
+        (meta.sorted_ids.numel() // cfg.block_m, H // bn)
+    ](
         h,
         qt,
         ds,
@@ -427,6 +435,7 @@ def launch_down_gluon(
         BN=bn,
         NW=nw,
         num_warps=nw,
+        **staged,
     )
 
 

@@ -449,10 +449,19 @@ def test_nibble_ptx_gives_the_magic_values(dtype, magic):
 
 def test_gluon_tiling_round_trips_and_orders_k():
     """`tile_q` is a permutation of the K-contiguous bytes (untile inverts it), and each tiled word
-    holds the 8 consecutive k its lane's MMA registers take, in `NIBBLE_K` order."""
-    from canvasq.kernels.moe.gluon_w4 import NIBBLE_K, tile_q, untile_q
+    holds the 8 logical k its lane's MMA registers take (real k by `mma_k`), in `NIBBLE_K` order."""
+    from canvasq.kernels.moe.gluon_w4 import NIBBLE_K, mma_k, tile_q, untile_q
 
     g = torch.Generator().manual_seed(0)
+    for group in (64, 128):
+        real = mma_k(group)
+        assert sorted(real.tolist()) == list(range(group))  # a permutation of the group's k
+        # one MMA takes logical pairs 4c + i and 16 + 4c + i of a 64-k block: real pairs side by side
+        for blk in range(group // 64):
+            for c in range(4):
+                for i in range(4):
+                    lo, hi = 32 * blk + 4 * c + i, 32 * blk + 16 + 4 * c + i
+                    assert int(real[2 * hi]) == int(real[2 * lo]) + 2 == 64 * blk + 16 * c + 4 * i + 2
     for group, n, kb in ((128, 32, 128), (64, 48, 96)):
         q = torch.randint(0, 256, (3, n, kb), generator=g, dtype=torch.int32).to(torch.uint8)
         qt = tile_q(q, group)
@@ -464,7 +473,7 @@ def test_gluon_tiling_round_trips_and_orders_k():
         row = q[e, 16 * tile + 8 * rr + gg, grp * hb : (grp + 1) * hb].tolist()
         nib = [b & 0xF for b in row] + [b >> 4 for b in row]  # k = j, HB + j
         for n_ in range(8):
-            assert (word >> (4 * n_)) & 0xF == nib[32 * h + 8 * c + NIBBLE_K[n_]]
+            assert (word >> (4 * n_)) & 0xF == nib[int(mma_k(group)[32 * h + 8 * c + NIBBLE_K[n_]])]
 
 
 @pytest.mark.parametrize("dtype,magic", [(torch.bfloat16, 128.0), (torch.float16, 1024.0)])

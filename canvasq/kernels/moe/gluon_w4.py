@@ -54,18 +54,32 @@ _WORD_PTX_FP16: gl.constexpr = gl.constexpr(WORD_PTX_FP16)
 NIBBLE_K = (0, 2, 4, 6, 1, 3, 5, 7)  # k within the word of nibble n
 
 
+def mma_k(group: int) -> torch.Tensor:
+    """The real k (activation column within a group) behind each of the MMA's logical k. The
+    operands' logical k are in Triton's k_width = 8 order, where one `mma.m16n8k16` takes each lane's
+    activation pairs 4c + i and 16 + 4c + i of a 64-k block; giving those two logical pairs the
+    adjacent real pairs 8c + 2i and 8c + 2i + 1 lets a lane's 16-byte shared-memory load be the MMA's
+    B registers as they are (no moves). Logical pair L = 32b + 16h + 4c + i <-> real pair
+    m = 32b + 8c + 2i + h; `_act_tile` applies the same map to the activations."""
+    L = torch.arange(group // 2)
+    b, h, c, i = L // 32, (L // 16) % 2, (L // 4) % 4, L % 4
+    m = 32 * b + 8 * c + 2 * i + h
+    return torch.stack([2 * m, 2 * m + 1], dim=-1).reshape(group)
+
+
 def tile_q(q: torch.Tensor, group: int) -> torch.Tensor:
     """K-contiguous packed bytes [E, N, Kp/2] (`quant.py`) -> int32 words [E, N/16, Kp/G, 2G], the
-    order the Gluon kernels' lanes load. Word p = c*NH + h (NH = G/32) of row r = 8rr + g holds k =
-    32h + 8c .. + 7 of the group (nibbles as `NIBBLE_K`) and sits at 32*NH*rr + NH*(4g + c) + h of its
-    16-row tile's group: a lane's NH words of a row are one vector load, and a warp's load is contiguous."""
+    order the Gluon kernels' lanes load. Word p = c*NH + h (NH = G/32) of row r = 8rr + g holds logical
+    k = 32h + 8c .. + 7 of the group (real k: `mma_k`; nibbles as `NIBBLE_K`) and sits at
+    32*NH*rr + NH*(4g + c) + h of its 16-row tile's group: a lane's NH words of a row are one vector
+    load, and a warp's load is contiguous."""
     E, N, KB = q.shape
     hb = group // 2
-    assert N % TILE_ROWS == 0 and KB % hb == 0 and group % 32 == 0, (q.shape, group)
+    assert N % TILE_ROWS == 0 and KB % hb == 0 and group % 64 == 0, (q.shape, group)
     ng, nh = KB // hb, group // 32
     b = q.reshape(E, N, ng, hb).to(torch.int32)
-    nib = torch.cat([b & 0xF, b >> 4], dim=-1)  # [E, N, ng, G]: k = j (low nibble), HB + j (high)
-    nib = nib.reshape(E, N, ng, nh, 4, 8)  # k = 32h + 8c + kin
+    nib = torch.cat([b & 0xF, b >> 4], dim=-1)  # [E, N, ng, G]: real k = j (low nibble), HB + j (high)
+    nib = nib[..., mma_k(group).to(q.device)].reshape(E, N, ng, nh, 4, 8)  # logical k = 32h + 8c + kin
     word = torch.zeros(E, N, ng, nh, 4, dtype=torch.int32, device=q.device)
     for n, kin in enumerate(NIBBLE_K):
         word |= nib[..., kin] << (4 * n)
@@ -79,7 +93,9 @@ def untile_q(qt: torch.Tensor, group: int) -> torch.Tensor:
     nh, hb = group // 32, group // 2
     word = qt.reshape(E, T, ng, 2, 8, 4, nh).permute(0, 1, 3, 4, 2, 6, 5)  # E, tile, rr, g, group, h, c
     nib = torch.stack([(word >> (4 * n)) & 0xF for n in range(8)], dim=-1)  # [..., h, c, n]
-    nib = nib[..., [NIBBLE_K.index(k) for k in range(8)]].reshape(E, T * TILE_ROWS, ng, 2 * hb)
+    logical = nib[..., [NIBBLE_K.index(k) for k in range(8)]].reshape(E, T * TILE_ROWS, ng, 2 * hb)
+    nib = torch.empty_like(logical)
+    nib[..., mma_k(group).to(qt.device)] = logical
     return (nib[..., :hb] | (nib[..., hb:] << 4)).to(torch.uint8).reshape(E, T * TILE_ROWS, ng * hb)
 
 
@@ -117,22 +133,28 @@ def _halves(p, DT: gl.constexpr):
 
 @gluon.constexpr_function
 def _act_layout(BM, G, NW):
-    """Layout of a [BM, G/2] int32 tile of activation pairs that `_act_tile` turns into the MMA's B
-    operand [G, BM] with register renaming only: a lane holds 4 pairs (one 16-byte load) per 32 k."""
-    reg = [[0, 1], [0, 2], [0, 16]] + ([[0, 32]] if G == 128 else [])
+    """Layout of a [BM, G/2] int32 tile of activation pairs (real order) that `_act_tile` turns into
+    the MMA's B operand [G, BM] with register renaming only: lane 4g + c holds real pairs 8c .. 8c + 7
+    of each 64-k block of token g (two 16-byte loads)."""
+    reg = [[0, 1], [0, 2], [0, 4]] + ([[0, 32]] if G == 128 else [])
     rows = 8
     while rows < BM:
         reg.append([rows, 0])
         rows *= 2
-    lanes = [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]]
+    lanes = [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]]
     warps = [[0, 0]] * (NW.bit_length() - 1)
     return gl.DistributedLinearLayout(reg, lanes, warps, [], [BM, G // 2])
 
 
 @gluon.jit
 def _act_tile(pairs, DT: gl.constexpr, B8: gl.constexpr):
-    """int32 [BM, G/2] activation pairs -> the MMA's B operand [G, BM] in DT."""
-    return gl.convert_layout(gl.permute(_halves(pairs, DT), [1, 0]), B8, assert_trivial=True)
+    """int32 [BM, G/2] activation pairs in real order -> the MMA's B operand [G, BM] in DT, logical
+    order (`mma_k`: real pair 32b + 8c + 2i + h is logical 32b + 16h + 4c + i)."""
+    BM: gl.constexpr = pairs.shape[0]
+    W: gl.constexpr = pairs.shape[1]
+    p = gl.reshape(pairs, [BM, W // 32, 4, 4, 2])  # b, c, i, h
+    p = gl.reshape(gl.permute(p, [0, 1, 4, 2, 3]), [BM, W])  # b, h, c, i
+    return gl.convert_layout(gl.permute(_halves(p, DT), [1, 0]), B8, assert_trivial=True)
 
 
 @gluon.jit

@@ -349,7 +349,6 @@ def launch_gate_up_gluon(
 
     I = packed.inter
     assert h.shape == (meta.sorted_ids.numel(), I) and h.dtype == x.dtype and h.is_contiguous()
-    assert cfg.gluon_gate_up_stages >= 2, "the Gluon kernels pipeline through at least 2 stages"
     q = packed.gate_up_q.view(torch.int32)  # the packed bytes as 32-bit words
     gs = packed.gate_up_scale
     nw = cfg.gluon_gate_up_warps
@@ -390,7 +389,6 @@ def launch_down_gluon(
 
     H = packed.hidden
     assert y_tk.shape == (meta.num_assign, H) and y_tk.is_contiguous() and h.is_contiguous()
-    assert cfg.gluon_down_stages >= 2, "the Gluon kernels pipeline through at least 2 stages"
     q = packed.down_q.view(torch.int32)
     ds = packed.down_scale
     nw = cfg.gluon_down_warps

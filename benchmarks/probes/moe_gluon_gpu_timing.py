@@ -24,6 +24,7 @@ from canvasq.kernels.moe import align_routing, pack_w4
 from canvasq.kernels.moe.launch import (
     config_file_name,
     get_config,
+    gluon_tiles,
     launch_down,
     launch_down_gluon,
     launch_gate_up,
@@ -82,6 +83,7 @@ def main():
     down = (torch.randn(E, H, I, device=dev) * I**-0.5).to(dt)
     p = pack_w4(gate_up, down)
     del gate_up, down
+    gluon_tiles(p)
     res, configs = {}, {}
     for T in rows:
         x = torch.randn(T, H, device=dev, dtype=dt)
@@ -108,7 +110,7 @@ def main():
             cfg = replace(tuned, gluon_down=True, gluon_down_warps=w, gluon_down_tiles=t, gluon_down_stages=s)
             arms[f"gluon w{w} t{t} s{s}"] = partial(launch_down_gluon, h, p, m, cfg, y)
         res[f"T{T} down"] = compare(arms, y, T * K)
-        cfg = replace(tuned, gluon_gate_up=False, gluon_down=False)
+        cfg = tuned
         for which in ("gate_up", "down"):
             name, _ = best(res[f"T{T} {which}"])
             if name != "triton":

@@ -42,16 +42,17 @@ class MoeLaunchConfig:
     # one group per iteration. Smaller: fewer registers and less shared memory per program.
     gate_up_sub_k: int | None = None
     down_sub_k: int | None = None
-    # the Gluon kernels (gluon_w4.py: explicit MMA layouts, same packed bytes) where `gluon_eligible`,
-    # per matmul; a program's rows are 16 * warps * tiles (the *_block_n / *_stages above are Triton's)
+    # the Gluon kernels (gluon_w4.py: explicit MMA layouts, tiled packing) where `gluon_eligible`, per
+    # matmul; a program's rows are 16 * warps * tiles (the *_block_n / *_stages above are the Triton ones')
     gluon_gate_up: bool = False
     gluon_down: bool = False
     gluon_gate_up_warps: int = 4
     gluon_gate_up_tiles: int = 1
     gluon_down_warps: int = 4
     gluon_down_tiles: int = 2
-    gluon_gate_up_stages: int = 3  # shared-memory buffers the tiles come in through (cp.async), >= 2
-    gluon_down_stages: int = 3
+    # 0: the next group's tiles wait in registers; >= 2: cp.async through that many shared-memory stages
+    gluon_gate_up_stages: int = 0
+    gluon_down_stages: int = 0
 
 
 @dataclass(frozen=True)
@@ -334,28 +335,46 @@ def gluon_eligible(x: torch.Tensor, packed: W4Experts, cfg: MoeLaunchConfig, whi
         and packed.hidden % bn_dn == 0
         and gg in (64, 128)
         and gd in (64, 128)
-        and cfg.gluon_gate_up_stages >= 2
-        and cfg.gluon_down_stages >= 2
-        and x.stride(0) % 8 == 0  # 16-byte rows for cp.async
-        and x.data_ptr() % 16 == 0
+        and x.stride(0) % 2 == 0
+        and x.data_ptr() % 4 == 0
     )
+
+
+def gluon_tiles(packed: W4Experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed bytes in the Gluon kernels' order (`gluon_w4.tile_q`), made once per W4Experts and kept
+    beside the K-contiguous ones (their bytes again: 0.5 of the expert memory)."""
+    cached = getattr(packed, "_gluon_tiles", None)
+    if cached is None or cached[0].device != packed.device:
+        from .gluon_w4 import tile_q
+
+        if packed.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the Gluon tiles are made on first use: run one eager call before capturing")
+
+        cached = (
+            tile_q(packed.gate_up_q, packed.config.group_gate_up),
+            tile_q(packed.down_q, packed.config.group_down),
+        )
+        object.__setattr__(packed, "_gluon_tiles", cached)
+    return cached
 
 
 def launch_gate_up_gluon(
     x: torch.Tensor, packed: W4Experts, meta: RoutingMeta, cfg: MoeLaunchConfig, h: torch.Tensor
 ) -> None:
     """`launch_gate_up` through the Gluon kernel (same h)."""
-    from .gluon_w4 import _gl_w4_gate_up_kernel
+    from .gluon_w4 import _gl_w4_gate_up_cp_kernel, _gl_w4_gate_up_kernel
 
     I = packed.inter
     assert h.shape == (meta.sorted_ids.numel(), I) and h.dtype == x.dtype and h.is_contiguous()
-    q = packed.gate_up_q.view(torch.int32)  # the packed bytes as 32-bit words
+    qt, _ = gluon_tiles(packed)
     gs = packed.gate_up_scale
     nw = cfg.gluon_gate_up_warps
     bn = 16 * nw * cfg.gluon_gate_up_tiles
-    _gl_w4_gate_up_kernel[(meta.sorted_ids.numel() // cfg.block_m, I // bn)](
+    grid = (meta.sorted_ids.numel() // cfg.block_m, I // bn)
+    staged = {"STAGES": cfg.gluon_gate_up_stages} if cfg.gluon_gate_up_stages else {}
+    (_gl_w4_gate_up_cp_kernel if staged else _gl_w4_gate_up_kernel)[grid](
         x,
-        q,
+        qt,
         gs,
         packed.gate_up_zero,
         h,
@@ -366,8 +385,7 @@ def launch_gate_up_gluon(
         meta.num_assign // x.shape[0],
         I,
         x.stride(0),
-        q.stride(0),
-        q.stride(1),
+        qt.stride(0),
         gs.stride(0),
         gs.stride(1),
         h.stride(0),
@@ -376,8 +394,8 @@ def launch_gate_up_gluon(
         BLOCK_M=cfg.block_m,
         BN=bn,
         NW=nw,
-        STAGES=cfg.gluon_gate_up_stages,
         num_warps=nw,
+        **staged,
     )
 
 
@@ -385,17 +403,20 @@ def launch_down_gluon(
     h: torch.Tensor, packed: W4Experts, meta: RoutingMeta, cfg: MoeLaunchConfig, y_tk: torch.Tensor
 ) -> None:
     """`launch_down` through the Gluon kernel (same y_tk)."""
-    from .gluon_w4 import _gl_w4_down_kernel
+    from .gluon_w4 import _gl_w4_down_cp_kernel, _gl_w4_down_kernel
 
     H = packed.hidden
     assert y_tk.shape == (meta.num_assign, H) and y_tk.is_contiguous() and h.is_contiguous()
-    q = packed.down_q.view(torch.int32)
+    _, qt = gluon_tiles(packed)
     ds = packed.down_scale
     nw = cfg.gluon_down_warps
     bn = 16 * nw * cfg.gluon_down_tiles
-    _gl_w4_down_kernel[(meta.sorted_ids.numel() // cfg.block_m, H // bn)](
+    staged = {"STAGES": cfg.gluon_down_stages} if cfg.gluon_down_stages else {}
+    (_gl_w4_down_cp_kernel if staged else _gl_w4_down_kernel)[
+        (meta.sorted_ids.numel() // cfg.block_m, H // bn)
+    ](
         h,
-        q,
+        qt,
         ds,
         packed.down_zero,
         y_tk,
@@ -404,8 +425,7 @@ def launch_down_gluon(
         meta.num_padded,
         meta.num_assign,
         h.stride(0),
-        q.stride(0),
-        q.stride(1),
+        qt.stride(0),
         ds.stride(0),
         ds.stride(1),
         y_tk.stride(0),
@@ -414,8 +434,8 @@ def launch_down_gluon(
         BLOCK_M=cfg.block_m,
         BN=bn,
         NW=nw,
-        STAGES=cfg.gluon_down_stages,
         num_warps=nw,
+        **staged,
     )
 
 

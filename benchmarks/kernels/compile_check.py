@@ -36,6 +36,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 from canvasq.kernels.moe.launch import (
     CONFIG_DIR,
@@ -66,8 +67,9 @@ def compile_kernel(
     names = fn.arg_names
     sig = {n: ("constexpr" if n in constexprs else types[n]) for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
     k = triton.compile(
-        ASTSource(fn, sig, constexprs, attrs),
+        source(fn, sig, constexprs, attrs),
         target=TARGET,
         options={"num_warps": num_warps, "num_stages": num_stages, **(options or {})},
     )
@@ -197,6 +199,43 @@ def moe_kernels(cfg: MoeLaunchConfig, H=2816, I=704):
             cfg.down_stages,
         ),
     )
+
+
+GLUON_CONFIGS = os.path.join(CONFIG_DIR, "gluon", H200_CONFIGS)
+
+
+def gluon_kernels(path: str = GLUON_CONFIGS):
+    """The Gluon MoE kernels (canvasq/kernels/moe/gluon_w4.py) at every distinct tile of the opt-in
+    H200 configs: a layout that stops converting trivially (`assert_trivial`) fails here, on CPU."""
+    G = importlib.import_module("canvasq.kernels.moe.gluon_w4")
+    ptrs = {"q_ptr": "*i32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32"}
+    seen = set()
+    for cfg in _load_configs(path).values():
+        for which, group, groups in (("gate_up", 128, 22), ("down", 64, 11)):
+            if not getattr(cfg, f"gluon_{which}"):
+                continue
+            w, t, st = (getattr(cfg, f"gluon_{which}_{k}") for k in ("warps", "tiles", "stages"))
+            key = (which, cfg.block_m, w, t, st)
+            if key in seen:
+                continue
+            seen.add(key)
+            fn = (
+                (G._gl_w4_gate_up_cp_kernel if st else G._gl_w4_gate_up_kernel)
+                if which == "gate_up"
+                else (G._gl_w4_down_cp_kernel if st else G._gl_w4_down_kernel)
+            )
+            types = {
+                **_ptrs(fn, overrides=ptrs),
+                **{n: "i32" for n in fn.arg_names if not n.endswith("_ptr")},
+            }
+            consts = {"GROUP": group, "NUM_GROUPS": groups, "BLOCK_M": cfg.block_m, "BN": 16 * w * t, "NW": w}
+            if st:
+                consts["STAGES"] = st
+            div = {n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("stride") or n == "I"}
+            yield (
+                f"gluon_{which} m{cfg.block_m} w{w} t{t} s{st}",
+                compile_kernel(fn, types, consts, div, w, 1),
+            )
 
 
 def other_kernels():
@@ -403,9 +442,10 @@ ROUNDING_FAITHFUL = ("rms_norm_rope", "add_rms_norm", "pre_ffn_norms", "gelu_mul
 
 
 def _only(prefixes: tuple[str, ...]):
-    """The kernels whose names start with one of `prefixes` (the MoE pair is compiled only if asked)."""
+    """The kernels whose names start with one of `prefixes` (the MoE kernels are compiled only if asked)."""
     moe = moe_kernels(MoeLaunchConfig()) if any(p in ("gate_up", "down") for p in prefixes) else ()
-    return ((n, r) for n, r in itertools.chain(moe, other_kernels()) if n.startswith(prefixes))
+    gl = gluon_kernels() if any(p.startswith("gluon") for p in prefixes) else ()
+    return ((n, r) for n, r in itertools.chain(moe, gl, other_kernels()) if n.startswith(prefixes))
 
 
 def main() -> None:
@@ -422,7 +462,9 @@ def main() -> None:
     rows, failed = [], False
     only = tuple(x for x in a.only.split(",") if x)
     for name, res in (
-        _only(only) if only else itertools.chain(moe_kernels(MoeLaunchConfig()), other_kernels())
+        _only(only)
+        if only
+        else itertools.chain(moe_kernels(MoeLaunchConfig()), gluon_kernels(), other_kernels())
     ):
         rows.append({"kernel": name, "config": "default", **res})
         failed |= res["stack"] > 0 or (name.startswith(ROUNDING_FAITHFUL) and res["half_fma"] > 0)

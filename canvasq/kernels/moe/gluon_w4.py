@@ -1,5 +1,6 @@
 """W4A16 MoE matmuls in Gluon, Triton's layout-explicit dialect: GPU only (sm_80+, compiled; the CPU
-interpreter cannot run Gluon, so CPU CI checks the tiling in torch and compiles the kernels for sm_90).
+interpreter cannot run Gluon, so CPU CI checks the tiling, the k order and the PTX in torch and
+compiles the kernels for sm_90; the GPU tests run them against the Triton kernels and the twin).
 
 Why a second pair of kernels: the Triton ones (`kernels.py`) leave the register layout of the MMA
 operands to the compiler, which re-pairs the dequantised weights and the activations with about 75
@@ -7,14 +8,19 @@ moves and 42 `prmt` per iteration (BENCHMARKS.md, session 6). Here the layouts a
 
 - swap-AB: the weights are the MMA's A operand (rows = output columns n, 16 per `mma.m16n8k16`) and
   the activations its B operand (the BLOCK_M sorted rows of one expert, 8 per MMA column tile);
-- both operands use `DotOperandLayout(k_width=8)`: each thread holds 8 consecutive k of a row, so the
-  activations come straight from global memory as 16-byte vectors and the four registers that the
-  nibble PTX writes for four packed bytes are an MMA operand as they are;
-- the packed bytes are re-tiled (`tile_q`) so that every lane's 8 bytes of a group sit together and a
-  warp's load is 256 contiguous bytes; the values are the K-contiguous layout's (`quant.py`), permuted;
-- a group's next tiles are loaded while the current one is multiplied (software pipelining by hand).
+- both operands use `DotOperandLayout(k_width=8)`, whose logical k are assigned to real k (`mma_k`) so
+  that each MMA's two activation registers are adjacent pairs in memory: one 16-byte load gives them;
+- the packed bytes are re-tiled (`tile_q`, a permutation of `quant.py`'s bytes) so that one 32-bit
+  word holds the 8 logical k of one lane's A registers and a warp's load is contiguous; one PTX block
+  per word gives those registers with the zero point subtracted;
+- two main loops: the next group's tiles wait in registers (`_gl_w4_*_kernel`), or come in by cp.async
+  through STAGES shared-memory buffers (`_gl_w4_*_cp_kernel`).
 
-Letters as in `kernels.py`; HB = G/2 packed bytes per row per group; BN = 16 * warps * TILES rows.
+The tiled bytes are a second copy of the experts (launch.gluon_tiles), so these kernels are opt-in
+(MoeLaunchConfig.gluon_*; tuned choices in configs/gluon/). Reading the K-contiguous bytes directly
+was tried and was slower: BENCHMARKS.md, session 7.
+
+Letters as in `kernels.py`; HB = G/2 packed bytes per row per group; BN = 16 * warps * tiles rows.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ moves and 42 `prmt` per iteration (BENCHMARKS.md, session 6). Here the layouts a
 - the packed bytes are re-tiled (`tile_q`, a permutation of `quant.py`'s bytes) so that one 32-bit
   word holds the 8 logical k of one lane's A registers and a warp's load is contiguous; one PTX block
   per word gives those registers with the zero point subtracted;
-- two main loops: the next group's tiles wait in registers (`_gl_w4_*_kernel`), or come in by cp.async
-  through STAGES shared-memory buffers (`_gl_w4_*_cp_kernel`).
+- two main loops: the next group's tiles wait in registers (STAGES = 0, `_loop_registers`), or come
+  in by cp.async through STAGES shared-memory buffers (`_loop_staged`).
 
 The tiled bytes are a second copy of the experts (launch.gluon_tiles), so these kernels are opt-in
 (MoeLaunchConfig.gluon_*; tuned choices in configs/gluon/). Reading the K-contiguous bytes directly
@@ -221,6 +221,141 @@ def _group_mma(acc, qw, xb, s_e, z_e, srow, rz, rs, DT: gl.constexpr, A8: gl.con
     return acc + p * sc[:, None]
 
 
+@gluon.constexpr_function
+def _act_load_layout(BM, G, NW, STAGES):
+    """Where the activation offsets live: the MMA-ready layout when each lane loads its own pairs
+    (STAGES = 0), the coalesced copy layout when cp.async stages them through shared memory."""
+    return _copy_layout(BM, G, NW) if STAGES else _act_layout(BM, G, NW)
+
+
+@gluon.jit
+def _act_offsets(
+    sorted_ids_ptr, pid_m, num_assign, top_k, stride_t, BLOCK_M: gl.constexpr, GROUP: gl.constexpr,
+    L: gl.constexpr,
+):  # fmt: skip
+    """gate_up's activations: int32-pair offsets [BLOCK_M, G/2] (layout L) of group 0 of each sorted
+    assignment's token row, and their mask (padding rows masked, and pointed at row 0)."""
+    m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L))
+    kk = gl.arange(0, GROUP // 2, layout=gl.SliceLayout(0, L))
+    aid = gl.load(sorted_ids_ptr + pid_m * BLOCK_M + m)
+    valid = aid < num_assign
+    off = gl.where(valid, aid // top_k, 0)[:, None] * (stride_t // 2) + kk[None, :]
+    return off, valid[:, None] & (kk[None, :] < GROUP)
+
+
+@gluon.jit
+def _row_offsets(pid_m, stride_t, BLOCK_M: gl.constexpr, GROUP: gl.constexpr, L: gl.constexpr):
+    """down's activations: int32-pair offsets [BLOCK_M, G/2] (layout L) of group 0 of the sorted rows."""
+    m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L))
+    kk = gl.arange(0, GROUP // 2, layout=gl.SliceLayout(0, L))
+    return m[:, None] * (stride_t // 2) + kk[None, :]
+
+
+@gluon.jit
+def _load_pairs(ptr, mask):
+    if mask is None:
+        return gl.load(ptr)
+    else:
+        return gl.load(ptr, mask=mask, other=0)
+
+
+@gluon.jit
+def _group_step(
+    acc0, acc1, w0, w1, pairs, srow, shift1, s_e, z_e, rz, rs, NMAT: gl.constexpr, DT: gl.constexpr,
+    A8: gl.constexpr, B8: gl.constexpr,
+):  # fmt: skip
+    """One group of every matrix (1: down; 2: gate, then up with scale/zero rows shifted by shift1)."""
+    xb = _act_tile(pairs, DT, B8)
+    acc0 = _group_mma(acc0, w0, xb, s_e, z_e, srow, rz, rs, DT, A8)
+    if NMAT == 2:
+        acc1 = _group_mma(acc1, w1, xb, s_e, z_e, srow + shift1, rz, rs, DT, A8)
+    return acc0, acc1
+
+
+@gluon.jit
+def _loop_registers(
+    acc0, acc1, q_e, q_off0, q_off1, act_ptr, act_off, act_mask, s_e, z_e, stride_sg, shift1, rz, rs,
+    NMAT: gl.constexpr, GROUP: gl.constexpr, NUM_GROUPS: gl.constexpr, DT: gl.constexpr,
+    A8: gl.constexpr, B8: gl.constexpr,
+):  # fmt: skip
+    """The main loop with the next group's tiles waiting in registers: two groups per iteration,
+    ping-pong (group g + 1's tiles load while g multiplies, and g + 2's reuse g's registers; a
+    one-group loop moved every prefetched register once per iteration)."""
+    TILE_W: gl.constexpr = 2 * GROUP  # words of one 16-row tile's group
+    HALF: gl.constexpr = GROUP // 2
+    w0 = gl.load(q_e + q_off0)
+    w1 = w0
+    if NMAT == 2:
+        w1 = gl.load(q_e + q_off1)
+    xt = _load_pairs(act_ptr + act_off, act_mask)
+    for it in range(NUM_GROUPS // 2):
+        g0 = 2 * it
+        w0n = gl.load(q_e + (q_off0 + (g0 + 1) * TILE_W))
+        if NMAT == 2:
+            w1n = gl.load(q_e + (q_off1 + (g0 + 1) * TILE_W))
+        else:
+            w1n = w1
+        xtn = _load_pairs(act_ptr + (act_off + (g0 + 1) * HALF), act_mask)
+        acc0, acc1 = _group_step(
+            acc0, acc1, w0, w1, xt, g0 * stride_sg, shift1, s_e, z_e, rz, rs, NMAT, DT, A8, B8
+        )
+        g2 = gl.minimum(g0 + 2, NUM_GROUPS - 1)  # the last prefetch re-reads the last group
+        w0 = gl.load(q_e + (q_off0 + g2 * TILE_W))
+        if NMAT == 2:
+            w1 = gl.load(q_e + (q_off1 + g2 * TILE_W))
+        xt = _load_pairs(act_ptr + (act_off + g2 * HALF), act_mask)
+        srow = (g0 + 1) * stride_sg
+        acc0, acc1 = _group_step(acc0, acc1, w0n, w1n, xtn, srow, shift1, s_e, z_e, rz, rs, NMAT, DT, A8, B8)
+    if NUM_GROUPS % 2 == 1:
+        srow = (NUM_GROUPS - 1) * stride_sg
+        acc0, acc1 = _group_step(acc0, acc1, w0, w1, xt, srow, shift1, s_e, z_e, rz, rs, NMAT, DT, A8, B8)
+    return acc0, acc1
+
+
+@gluon.jit
+def _loop_staged(
+    acc0, acc1, q_e, q_off0, q_off1, act_ptr, act_off, act_mask, s_e, z_e, stride_sg, shift1, rz, rs,
+    NMAT: gl.constexpr, GROUP: gl.constexpr, NUM_GROUPS: gl.constexpr, DT: gl.constexpr,
+    A8: gl.constexpr, B8: gl.constexpr, BN: gl.constexpr, BLOCK_M: gl.constexpr, NW: gl.constexpr,
+    STAGES: gl.constexpr,
+):  # fmt: skip
+    """The main loop with the weight and activation tiles brought in by cp.async through STAGES
+    shared-memory buffers: only the current group is held in registers."""
+    LW: gl.constexpr = _word_layout(BN, GROUP, NW)
+    LX: gl.constexpr = _act_layout(BLOCK_M, GROUP, NW)
+    SW: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 1, [1, 0])  # lanes read 512 contiguous bytes
+    SX: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])  # 16-byte vectors xor-ed by row
+    if NMAT == 2:
+        q_offs = (q_off0, q_off1)
+        sws = (
+            gl.allocate_shared_memory(gl.int32, [STAGES, BN, GROUP // 8], SW),
+            gl.allocate_shared_memory(gl.int32, [STAGES, BN, GROUP // 8], SW),
+        )
+    else:
+        q_offs = (q_off0,)
+        sws = (gl.allocate_shared_memory(gl.int32, [STAGES, BN, GROUP // 8], SW),)
+    sx = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_M, GROUP // 2], SX)
+
+    for st in gl.static_range(STAGES - 1):
+        _stage_in(sws, q_offs, sx, st, st, q_e, act_ptr, act_off, act_mask, GROUP)
+    for grp in range(NUM_GROUPS):
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()  # group grp landed for every thread; stage (grp - 1) % STAGES is free again
+        nxt = gl.minimum(grp + STAGES - 1, NUM_GROUPS - 1)  # past the end: a harmless re-read
+        ns = (grp + STAGES - 1) % STAGES
+        _stage_in(sws, q_offs, sx, ns, nxt, q_e, act_ptr, act_off, act_mask, GROUP)
+        cur = grp % STAGES
+        pairs = sx.index(cur).load(LX)
+        w0 = sws[0].index(cur).load(LW)
+        w1 = w0
+        if NMAT == 2:
+            w1 = sws[1].index(cur).load(LW)
+        srow = grp * stride_sg
+        acc0, acc1 = _group_step(acc0, acc1, w0, w1, pairs, srow, shift1, s_e, z_e, rz, rs, NMAT, DT, A8, B8)
+    async_copy.wait_group(0)
+    return acc0, acc1
+
+
 @gluon.jit
 def _gl_w4_gate_up_kernel(
     x_ptr,
@@ -244,65 +379,44 @@ def _gl_w4_gate_up_kernel(
     BLOCK_M: gl.constexpr,
     BN: gl.constexpr,
     NW: gl.constexpr,
+    STAGES: gl.constexpr,
 ):
     """One program: BLOCK_M sorted rows of one expert x BN columns of I, gate and up together;
-    h = act(gate) * up. qt_ptr: int32 words of `tile_q`'s layout (stride_qe in words)."""
+    h = act(gate) * up. qt_ptr: int32 words of `tile_q`'s layout (stride_qe in words). STAGES: 0 for
+    the register main loop, >= 2 for the cp.async one."""
     DT: gl.constexpr = x_ptr.dtype.element_ty
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
     A8: gl.constexpr = gl.DotOperandLayout(0, mma, 8)
     B8: gl.constexpr = gl.DotOperandLayout(1, mma, 8)
     LW: gl.constexpr = _word_layout(BN, GROUP, NW)
+    LA: gl.constexpr = _act_load_layout(BLOCK_M, GROUP, NW, STAGES)
     pid_m = gl.program_id(0)
     n0 = gl.program_id(1) * BN
     if pid_m * BLOCK_M >= gl.load(num_padded_ptr):
         return
     e = gl.load(block_expert_ptr + pid_m).to(gl.int64)
 
-    # activations: the B operand [GROUP, BLOCK_M] = x[tok, g*GROUP + k], loaded as int32 pairs
-    LX: gl.constexpr = _act_layout(BLOCK_M, GROUP, NW)
-    xw_ptr = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-    m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LX))
-    aid = gl.load(sorted_ids_ptr + pid_m * BLOCK_M + m)
-    kk = gl.arange(0, GROUP // 2, layout=gl.SliceLayout(0, LX))
-    x_off = (aid // top_k)[:, None] * (stride_xt // 2) + kk[None, :]
-    x_mask = (aid < num_assign)[:, None] & (kk[None, :] < GROUP)
-
-    q_e = qt_ptr + e * stride_qe
+    xw_ptr = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)  # activations as int32 pairs
+    x_off, x_mask = _act_offsets(sorted_ids_ptr, pid_m, num_assign, top_k, stride_xt, BLOCK_M, GROUP, LA)
     q_off_g = _q_offsets(n0, BN, GROUP, NUM_GROUPS, LW)
     q_off_u = _q_offsets(n0 + I, BN, GROUP, NUM_GROUPS, LW)
-    TILE_W: gl.constexpr = 2 * GROUP  # words of one 16-row tile's group
     rz = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
     rs = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    q_e = qt_ptr + e * stride_qe
     s_e = s_ptr + e * stride_se
     z_e = z_ptr + e * stride_se
-
     acc_g = gl.zeros([BN, BLOCK_M], gl.float32, mma)
     acc_u = gl.zeros([BN, BLOCK_M], gl.float32, mma)
-    # two groups per iteration, ping-pong: group g + 1's tiles load while g multiplies, and g + 2's
-    # reuse g's registers (a one-group loop moved every prefetched register once per iteration)
-    qg = gl.load(q_e + q_off_g)
-    qu = gl.load(q_e + q_off_u)
-    xt = gl.load(xw_ptr + x_off, mask=x_mask, other=0)
-    for it in range(NUM_GROUPS // 2):
-        g0 = 2 * it
-        qg1 = gl.load(q_e + (q_off_g + (g0 + 1) * TILE_W))
-        qu1 = gl.load(q_e + (q_off_u + (g0 + 1) * TILE_W))
-        xt1 = gl.load(xw_ptr + (x_off + (g0 + 1) * (GROUP // 2)), mask=x_mask, other=0)
-        xb = _act_tile(xt, DT, B8)
-        acc_g = _group_mma(acc_g, qg, xb, s_e, z_e, g0 * stride_sg, rz, rs, DT, A8)
-        acc_u = _group_mma(acc_u, qu, xb, s_e, z_e, g0 * stride_sg + I, rz, rs, DT, A8)
-        g2 = gl.minimum(g0 + 2, NUM_GROUPS - 1)  # the last prefetch re-reads the last group
-        qg = gl.load(q_e + (q_off_g + g2 * TILE_W))
-        qu = gl.load(q_e + (q_off_u + g2 * TILE_W))
-        xt = gl.load(xw_ptr + (x_off + g2 * (GROUP // 2)), mask=x_mask, other=0)
-        xb = _act_tile(xt1, DT, B8)
-        acc_g = _group_mma(acc_g, qg1, xb, s_e, z_e, (g0 + 1) * stride_sg, rz, rs, DT, A8)
-        acc_u = _group_mma(acc_u, qu1, xb, s_e, z_e, (g0 + 1) * stride_sg + I, rz, rs, DT, A8)
-    if NUM_GROUPS % 2 == 1:
-        last = (NUM_GROUPS - 1) * stride_sg
-        xb = _act_tile(xt, DT, B8)
-        acc_g = _group_mma(acc_g, qg, xb, s_e, z_e, last, rz, rs, DT, A8)
-        acc_u = _group_mma(acc_u, qu, xb, s_e, z_e, last + I, rz, rs, DT, A8)
+    if STAGES == 0:
+        acc_g, acc_u = _loop_registers(
+            acc_g, acc_u, q_e, q_off_g, q_off_u, xw_ptr, x_off, x_mask, s_e, z_e, stride_sg, I, rz, rs,
+            2, GROUP, NUM_GROUPS, DT, A8, B8,
+        )  # fmt: skip
+    else:
+        acc_g, acc_u = _loop_staged(
+            acc_g, acc_u, q_e, q_off_g, q_off_u, xw_ptr, x_off, x_mask, s_e, z_e, stride_sg, I, rz, rs,
+            2, GROUP, NUM_GROUPS, DT, A8, B8, BN, BLOCK_M, NW, STAGES,
+        )  # fmt: skip
 
     # gelu_pytorch_tanh(gate) * up (kernels._gelu_tanh), stored transposed: h[row, n]
     u = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
@@ -332,213 +446,44 @@ def _gl_w4_down_kernel(
     BLOCK_M: gl.constexpr,
     BN: gl.constexpr,
     NW: gl.constexpr,
+    STAGES: gl.constexpr,
 ):
-    """One program: BLOCK_M sorted rows x BN columns of H; writes rows y_tk[t*K + k] (unweighted)."""
+    """One program: BLOCK_M sorted rows x BN columns of H; writes rows y_tk[t*K + k] (unweighted).
+    STAGES: as in the gate_up kernel."""
     DT: gl.constexpr = h_ptr.dtype.element_ty
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
     A8: gl.constexpr = gl.DotOperandLayout(0, mma, 8)
     B8: gl.constexpr = gl.DotOperandLayout(1, mma, 8)
     LW: gl.constexpr = _word_layout(BN, GROUP, NW)
+    LA: gl.constexpr = _act_load_layout(BLOCK_M, GROUP, NW, STAGES)
     pid_m = gl.program_id(0)
     n0 = gl.program_id(1) * BN
     if pid_m * BLOCK_M >= gl.load(num_padded_ptr):
         return
     e = gl.load(block_expert_ptr + pid_m).to(gl.int64)
 
-    LX: gl.constexpr = _act_layout(BLOCK_M, GROUP, NW)
     hw_ptr = h_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-    m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LX))
-    kk = gl.arange(0, GROUP // 2, layout=gl.SliceLayout(0, LX))
-    h_off = m[:, None] * (stride_hm // 2) + kk[None, :]
-
-    q_e = qt_ptr + e * stride_qe
+    h_off = _row_offsets(pid_m, stride_hm, BLOCK_M, GROUP, LA)
     q_off = _q_offsets(n0, BN, GROUP, NUM_GROUPS, LW)
-    TILE_W: gl.constexpr = 2 * GROUP
     rz = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
     rs = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    q_e = qt_ptr + e * stride_qe
     s_e = s_ptr + e * stride_se
     z_e = z_ptr + e * stride_se
-
     acc = gl.zeros([BN, BLOCK_M], gl.float32, mma)
-    q = gl.load(q_e + q_off)  # two groups per iteration, ping-pong (see the gate_up kernel)
-    ht = gl.load(hw_ptr + h_off)
-    for it in range(NUM_GROUPS // 2):
-        g0 = 2 * it
-        q1 = gl.load(q_e + (q_off + (g0 + 1) * TILE_W))
-        ht1 = gl.load(hw_ptr + (h_off + (g0 + 1) * (GROUP // 2)))
-        acc = _group_mma(acc, q, _act_tile(ht, DT, B8), s_e, z_e, g0 * stride_sg, rz, rs, DT, A8)
-        g2 = gl.minimum(g0 + 2, NUM_GROUPS - 1)
-        q = gl.load(q_e + (q_off + g2 * TILE_W))
-        ht = gl.load(hw_ptr + (h_off + g2 * (GROUP // 2)))
-        acc = _group_mma(acc, q1, _act_tile(ht1, DT, B8), s_e, z_e, (g0 + 1) * stride_sg, rz, rs, DT, A8)
-    if NUM_GROUPS % 2 == 1:
-        acc = _group_mma(
-            acc, q, _act_tile(ht, DT, B8), s_e, z_e, (NUM_GROUPS - 1) * stride_sg, rz, rs, DT, A8
-        )
+    if STAGES == 0:
+        acc, _ = _loop_registers(
+            acc, acc, q_e, q_off, q_off, hw_ptr, h_off, None, s_e, z_e, stride_sg, 0, rz, rs,
+            1, GROUP, NUM_GROUPS, DT, A8, B8,
+        )  # fmt: skip
+    else:
+        acc, _ = _loop_staged(
+            acc, acc, q_e, q_off, q_off, hw_ptr, h_off, None, s_e, z_e, stride_sg, 0, rz, rs,
+            1, GROUP, NUM_GROUPS, DT, A8, B8, BN, BLOCK_M, NW, STAGES,
+        )  # fmt: skip
 
     mc = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     aid = gl.load(sorted_ids_ptr + mc)
-    gl.store(
-        y_ptr + aid[None, :].to(gl.int64) * stride_ym + rs[:, None],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=(aid < num_assign)[None, :] & (rs < 1 << 30)[:, None],
-    )
-
-
-@gluon.jit
-def _gl_w4_gate_up_cp_kernel(
-    x_ptr,
-    qt_ptr,
-    s_ptr,
-    z_ptr,
-    h_ptr,
-    sorted_ids_ptr,
-    block_expert_ptr,
-    num_padded_ptr,
-    num_assign,
-    top_k,
-    I,
-    stride_xt,
-    stride_qe,
-    stride_se,
-    stride_sg,
-    stride_hm,
-    GROUP: gl.constexpr,
-    NUM_GROUPS: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BN: gl.constexpr,
-    NW: gl.constexpr,
-    STAGES: gl.constexpr,
-):
-    """`_gl_w4_gate_up_kernel` with the weight and activation tiles brought in by cp.async through
-    STAGES shared-memory buffers: only the current group is held in registers."""
-    DT: gl.constexpr = x_ptr.dtype.element_ty
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
-    A8: gl.constexpr = gl.DotOperandLayout(0, mma, 8)
-    B8: gl.constexpr = gl.DotOperandLayout(1, mma, 8)
-    LW: gl.constexpr = _word_layout(BN, GROUP, NW)
-    LX: gl.constexpr = _act_layout(BLOCK_M, GROUP, NW)
-    LC: gl.constexpr = _copy_layout(BLOCK_M, GROUP, NW)
-    SW: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 1, [1, 0])  # lanes read 512 contiguous bytes
-    SX: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])  # 16-byte vectors xor-ed by row
-    pid_m = gl.program_id(0)
-    n0 = gl.program_id(1) * BN
-    if pid_m * BLOCK_M >= gl.load(num_padded_ptr):
-        return
-    e = gl.load(block_expert_ptr + pid_m).to(gl.int64)
-
-    xw_ptr = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-    mc = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LC))
-    aid = gl.load(sorted_ids_ptr + pid_m * BLOCK_M + mc)
-    valid = aid < num_assign
-    kc = gl.arange(0, GROUP // 2, layout=gl.SliceLayout(0, LC))
-    x_cp = gl.where(valid, aid // top_k, 0)[:, None] * (stride_xt // 2) + kc[None, :]
-    x_cp_mask = valid[:, None] & (kc[None, :] < GROUP)
-
-    q_e = qt_ptr + e * stride_qe
-    q_offs = (_q_offsets(n0, BN, GROUP, NUM_GROUPS, LW), _q_offsets(n0 + I, BN, GROUP, NUM_GROUPS, LW))
-    rz = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
-    rs = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-    s_e = s_ptr + e * stride_se
-    z_e = z_ptr + e * stride_se
-    sws = (
-        gl.allocate_shared_memory(gl.int32, [STAGES, BN, GROUP // 8], SW),
-        gl.allocate_shared_memory(gl.int32, [STAGES, BN, GROUP // 8], SW),
-    )
-    sx = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_M, GROUP // 2], SX)
-
-    for st in gl.static_range(STAGES - 1):
-        _stage_in(sws, q_offs, sx, st, st, q_e, xw_ptr, x_cp, x_cp_mask, GROUP)
-    acc_g = gl.zeros([BN, BLOCK_M], gl.float32, mma)
-    acc_u = gl.zeros([BN, BLOCK_M], gl.float32, mma)
-    for grp in range(NUM_GROUPS):
-        async_copy.wait_group(STAGES - 2)
-        gl.thread_barrier()  # group grp landed for every thread; stage (grp - 1) % STAGES is free again
-        nxt = gl.minimum(grp + STAGES - 1, NUM_GROUPS - 1)  # past the end: a harmless re-read
-        ns = (grp + STAGES - 1) % STAGES
-        _stage_in(sws, q_offs, sx, ns, nxt, q_e, xw_ptr, x_cp, x_cp_mask, GROUP)
-        cur = grp % STAGES
-        xb = _act_tile(sx.index(cur).load(LX), DT, B8)
-        acc_g = _group_mma(acc_g, sws[0].index(cur).load(LW), xb, s_e, z_e, grp * stride_sg, rz, rs, DT, A8)
-        acc_u = _group_mma(
-            acc_u, sws[1].index(cur).load(LW), xb, s_e, z_e, grp * stride_sg + I, rz, rs, DT, A8
-        )
-    async_copy.wait_group(0)
-
-    u = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
-    hv = acc_g / (1.0 + gl.exp(-2.0 * u)) * acc_u
-    mrow = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
-    gl.store(h_ptr + mrow[None, :].to(gl.int64) * stride_hm + rs[:, None], hv.to(h_ptr.dtype.element_ty))
-
-
-@gluon.jit
-def _gl_w4_down_cp_kernel(
-    h_ptr,
-    qt_ptr,
-    s_ptr,
-    z_ptr,
-    y_ptr,
-    sorted_ids_ptr,
-    block_expert_ptr,
-    num_padded_ptr,
-    num_assign,
-    stride_hm,
-    stride_qe,
-    stride_se,
-    stride_sg,
-    stride_ym,
-    GROUP: gl.constexpr,
-    NUM_GROUPS: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BN: gl.constexpr,
-    NW: gl.constexpr,
-    STAGES: gl.constexpr,
-):
-    """`_gl_w4_down_kernel` with the tiles brought in by cp.async (see `_gl_w4_gate_up_cp_kernel`)."""
-    DT: gl.constexpr = h_ptr.dtype.element_ty
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
-    A8: gl.constexpr = gl.DotOperandLayout(0, mma, 8)
-    B8: gl.constexpr = gl.DotOperandLayout(1, mma, 8)
-    LW: gl.constexpr = _word_layout(BN, GROUP, NW)
-    LX: gl.constexpr = _act_layout(BLOCK_M, GROUP, NW)
-    LC: gl.constexpr = _copy_layout(BLOCK_M, GROUP, NW)
-    SW: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 1, [1, 0])
-    SX: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
-    pid_m = gl.program_id(0)
-    n0 = gl.program_id(1) * BN
-    if pid_m * BLOCK_M >= gl.load(num_padded_ptr):
-        return
-    e = gl.load(block_expert_ptr + pid_m).to(gl.int64)
-
-    hw_ptr = h_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-    mc = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LC))
-    kc = gl.arange(0, GROUP // 2, layout=gl.SliceLayout(0, LC))
-    h_cp = mc[:, None] * (stride_hm // 2) + kc[None, :]
-
-    q_e = qt_ptr + e * stride_qe
-    q_offs = (_q_offsets(n0, BN, GROUP, NUM_GROUPS, LW),)
-    rz = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
-    rs = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-    s_e = s_ptr + e * stride_se
-    z_e = z_ptr + e * stride_se
-    sws = (gl.allocate_shared_memory(gl.int32, [STAGES, BN, GROUP // 8], SW),)
-    sx = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_M, GROUP // 2], SX)
-
-    for st in gl.static_range(STAGES - 1):
-        _stage_in(sws, q_offs, sx, st, st, q_e, hw_ptr, h_cp, None, GROUP)
-    acc = gl.zeros([BN, BLOCK_M], gl.float32, mma)
-    for grp in range(NUM_GROUPS):
-        async_copy.wait_group(STAGES - 2)
-        gl.thread_barrier()
-        nxt = gl.minimum(grp + STAGES - 1, NUM_GROUPS - 1)
-        _stage_in(sws, q_offs, sx, (grp + STAGES - 1) % STAGES, nxt, q_e, hw_ptr, h_cp, None, GROUP)
-        cur = grp % STAGES
-        xb = _act_tile(sx.index(cur).load(LX), DT, B8)
-        acc = _group_mma(acc, sws[0].index(cur).load(LW), xb, s_e, z_e, grp * stride_sg, rz, rs, DT, A8)
-    async_copy.wait_group(0)
-
-    mo = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
-    aid = gl.load(sorted_ids_ptr + mo)
     gl.store(
         y_ptr + aid[None, :].to(gl.int64) * stride_ym + rs[:, None],
         acc.to(y_ptr.dtype.element_ty),

@@ -354,7 +354,7 @@ def gluon_tiles(packed: W4Experts) -> tuple[torch.Tensor, torch.Tensor]:
             tile_q(packed.gate_up_q, packed.config.group_gate_up),
             tile_q(packed.down_q, packed.config.group_down),
         )
-        object.__setattr__(packed, "_gluon_tiles", cached)
+        packed._gluon_tiles = cached
     return cached
 
 
@@ -362,7 +362,7 @@ def launch_gate_up_gluon(
     x: torch.Tensor, packed: W4Experts, meta: RoutingMeta, cfg: MoeLaunchConfig, h: torch.Tensor
 ) -> None:
     """`launch_gate_up` through the Gluon kernel (same h)."""
-    from .gluon_w4 import _gl_w4_gate_up_cp_kernel, _gl_w4_gate_up_kernel
+    from .gluon_w4 import _gl_w4_gate_up_kernel
 
     I = packed.inter
     assert h.shape == (meta.sorted_ids.numel(), I) and h.dtype == x.dtype and h.is_contiguous()
@@ -370,9 +370,7 @@ def launch_gate_up_gluon(
     gs = packed.gate_up_scale
     nw = cfg.gluon_gate_up_warps
     bn = 16 * nw * cfg.gluon_gate_up_tiles
-    grid = (meta.sorted_ids.numel() // cfg.block_m, I // bn)
-    staged = {"STAGES": cfg.gluon_gate_up_stages} if cfg.gluon_gate_up_stages else {}
-    (_gl_w4_gate_up_cp_kernel if staged else _gl_w4_gate_up_kernel)[grid](
+    _gl_w4_gate_up_kernel[(meta.sorted_ids.numel() // cfg.block_m, I // bn)](
         x,
         qt,
         gs,
@@ -394,8 +392,8 @@ def launch_gate_up_gluon(
         BLOCK_M=cfg.block_m,
         BN=bn,
         NW=nw,
+        STAGES=cfg.gluon_gate_up_stages,
         num_warps=nw,
-        **staged,
     )
 
 
@@ -403,7 +401,7 @@ def launch_down_gluon(
     h: torch.Tensor, packed: W4Experts, meta: RoutingMeta, cfg: MoeLaunchConfig, y_tk: torch.Tensor
 ) -> None:
     """`launch_down` through the Gluon kernel (same y_tk)."""
-    from .gluon_w4 import _gl_w4_down_cp_kernel, _gl_w4_down_kernel
+    from .gluon_w4 import _gl_w4_down_kernel
 
     H = packed.hidden
     assert y_tk.shape == (meta.num_assign, H) and y_tk.is_contiguous() and h.is_contiguous()
@@ -411,10 +409,7 @@ def launch_down_gluon(
     ds = packed.down_scale
     nw = cfg.gluon_down_warps
     bn = 16 * nw * cfg.gluon_down_tiles
-    staged = {"STAGES": cfg.gluon_down_stages} if cfg.gluon_down_stages else {}
-    (_gl_w4_down_cp_kernel if staged else _gl_w4_down_kernel)[
-        (meta.sorted_ids.numel() // cfg.block_m, H // bn)
-    ](
+    _gl_w4_down_kernel[(meta.sorted_ids.numel() // cfg.block_m, H // bn)](
         h,
         qt,
         ds,
@@ -434,8 +429,8 @@ def launch_down_gluon(
         BLOCK_M=cfg.block_m,
         BN=bn,
         NW=nw,
+        STAGES=cfg.gluon_down_stages,
         num_warps=nw,
-        **staged,
     )
 
 

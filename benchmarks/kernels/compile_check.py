@@ -208,7 +208,7 @@ def gluon_kernels(path: str = GLUON_CONFIGS):
     """The Gluon MoE kernels (canvasq/kernels/moe/gluon_w4.py) at every distinct tile of the opt-in
     H200 configs: a layout that stops converting trivially (`assert_trivial`) fails here, on CPU."""
     G = importlib.import_module("canvasq.kernels.moe.gluon_w4")
-    ptrs = {"q_ptr": "*i32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32"}
+    ptrs = {"qt_ptr": "*i32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32"}
     seen = set()
     for cfg in _load_configs(path).values():
         for which, group, groups in (("gate_up", 128, 22), ("down", 64, 11)):
@@ -219,18 +219,19 @@ def gluon_kernels(path: str = GLUON_CONFIGS):
             if key in seen:
                 continue
             seen.add(key)
-            fn = (
-                (G._gl_w4_gate_up_cp_kernel if st else G._gl_w4_gate_up_kernel)
-                if which == "gate_up"
-                else (G._gl_w4_down_cp_kernel if st else G._gl_w4_down_kernel)
-            )
+            fn = G._gl_w4_gate_up_kernel if which == "gate_up" else G._gl_w4_down_kernel
             types = {
                 **_ptrs(fn, overrides=ptrs),
                 **{n: "i32" for n in fn.arg_names if not n.endswith("_ptr")},
             }
-            consts = {"GROUP": group, "NUM_GROUPS": groups, "BLOCK_M": cfg.block_m, "BN": 16 * w * t, "NW": w}
-            if st:
-                consts["STAGES"] = st
+            consts = {
+                "GROUP": group,
+                "NUM_GROUPS": groups,
+                "BLOCK_M": cfg.block_m,
+                "BN": 16 * w * t,
+                "NW": w,
+                "STAGES": st,
+            }
             div = {n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("stride") or n == "I"}
             yield (
                 f"gluon_{which} m{cfg.block_m} w{w} t{t} s{st}",

@@ -201,19 +201,18 @@ def moe_kernels(cfg: MoeLaunchConfig, H=2816, I=704):
     )
 
 
-GLUON_CONFIGS = os.path.join(CONFIG_DIR, "gluon", H200_CONFIGS)
+GLUON_CONFIGS = os.path.join(CONFIG_DIR, H200_CONFIGS)
 
 
 def gluon_kernels(path: str = GLUON_CONFIGS):
-    """The Gluon MoE kernels (canvasq/kernels/moe/gluon_w4.py) at every distinct tile of the opt-in
-    H200 configs: a layout that stops converting trivially (`assert_trivial`) fails here, on CPU."""
+    """The Gluon MoE kernels (canvasq/kernels/moe/gluon_w4.py) at every distinct Gluon tile of the
+    H200 configs (what a CUDA worker runs on its tiled packs): a layout that stops converting
+    trivially (`assert_trivial`) fails here, on CPU."""
     G = importlib.import_module("canvasq.kernels.moe.gluon_w4")
     ptrs = {"qt_ptr": "*i32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32"}
     seen = set()
     for cfg in _load_configs(path).values():
         for which, group, groups in (("gate_up", 128, 22), ("down", 64, 11)):
-            if not getattr(cfg, f"gluon_{which}"):
-                continue
             w, t, st = (getattr(cfg, f"gluon_{which}_{k}") for k in ("warps", "tiles", "stages"))
             key = (which, cfg.block_m, w, t, st)
             if key in seen:

@@ -6,6 +6,9 @@ CPU:  python benchmarks/kernels/tune_moe.py --quick --dry   (interpreter smoke t
                                                              unless --out is given)
 The gate_up and down kernels are tuned separately for each BLOCK_M (they are independent given the
 routing), each candidate checked against the first for correctness before it may win.
+This tunes the Triton kernels (K-contiguous packs). The Gluon tiles in the same file (what a CUDA
+worker runs on its tiled packs) are kept from the file this one replaces, and are re-chosen by
+benchmarks/probes/moe_gluon_gpu_timing.py, which starts from this file's configs.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-from dataclasses import replace
+from dataclasses import fields, replace
 from functools import partial
 from pathlib import Path
 
@@ -26,6 +29,7 @@ from canvasq.kernels.moe import MoeLaunchConfig, align_routing, pack_w4
 from canvasq.kernels.moe.launch import (
     CONFIG_DIR,
     _device_name,
+    _load_configs,
     config_file_name,
     launch_down,
     launch_gate_up,
@@ -34,6 +38,17 @@ from canvasq.kernels.moe.launch import (
 
 # a tile too big for shared memory or registers fails at compile or launch; the tuner skips it
 TUNE_ERRORS = (OutOfResources, CompilationError, RuntimeError)
+
+
+def keep_gluon_tiles(
+    best: dict[int, MoeLaunchConfig], previous: dict[int, MoeLaunchConfig]
+) -> dict[int, MoeLaunchConfig]:
+    """The tuned Triton tiles with the Gluon tiles of the previous file's entry for the same rows."""
+    gluon = [f.name for f in fields(MoeLaunchConfig) if f.name.startswith("gluon_")]
+    return {
+        t: replace(c, **{k: getattr(previous[t], k) for k in gluon}) if t in previous else c
+        for t, c in best.items()
+    }
 
 
 def _time_gate_up(x, packed, metas, h, h_ref, P, iters, cfg):
@@ -162,6 +177,7 @@ def main() -> None:
     name = config_file_name(E, H, I, K, dtype, _device_name(packed.device))
     path = Path(a.out) if a.out else CONFIG_DIR / name
     meta = {**C.device_info(), "shape": {"E": E, "H": H, "I": I, "K": K}, "dtype": str(dtype), "file": name}
+    best = keep_gluon_tiles(best, _load_configs(str(CONFIG_DIR / name)))
     if not a.dry or a.out:
         save_configs(path, best, meta)
         print(f"wrote {path}")

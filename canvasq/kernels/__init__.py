@@ -7,6 +7,7 @@
   `pre_ffn_norms(x, wa, post, scalar, wb)`: the q/k norm + RoPE, the residual-update norms and the
   three pre-FFN norms of a layer, one launch each (`norm_fused.py`).
 - `gelu_mul(gu)`: the dense MLP's gelu_tanh(gate) * up over the fused gate/up output (`gelu_mul.py`).
+- `router_topk(logits, k)`: the MoE router's fp32 softmax + top-k in one launch (`router.py`).
 - `softcap_logits(x, cap)`: the LM head's fp32 cast + final soft cap in one pass (`softcap.py`).
 - `softmax_argmax(logits, temperature)`: (max-prob confidence, argmax, entropy) per row.
 - `fuse_qkv_weights` / `qkv_proj`: one GEMM for q, k, v after the LoRA merge.
@@ -39,6 +40,7 @@ from .norm_fused import (
 )
 from .qkv import FusedQKV, fuse_attention_module, fuse_qkv_weights, qkv_proj, qkv_proj_reference
 from .rmsnorm import rms_norm, rms_norm_reference
+from .router import router_topk, router_topk_reference
 from .softcap import softcap_logits, softcap_reference
 from .softmax_argmax import softmax_argmax, softmax_argmax_reference
 
@@ -64,6 +66,8 @@ __all__ = [
     "rms_norm_reference",
     "rms_norm_rope",
     "rms_norm_rope_reference",
+    "router_topk",
+    "router_topk_reference",
     "save_packed",
     "softcap_logits",
     "softcap_reference",

@@ -37,9 +37,10 @@ logits match HF to ~1e-6 and bf16 GPU logits to bf16 noise.
 Implementations: `experts="bf16"` runs the model-dtype experts as two grouped GEMMs on CUDA (the
 kernel HF's default `grouped_mm` uses; no host sync) and as a sorted-by-expert loop elsewhere
 (`"grouped"` / `"reference"` force one); `experts="w4"` packs the experts once (shared by encoder and
-decoder) and calls `canvasq.kernels.moe.w4_moe`. `kernels=True` (default on CUDA) uses the Triton
-RMSNorm of `canvasq.kernels` and its fused epilogues (`norm_fused`: q/k norm + RoPE in one launch,
-residual-update norms with the layer scalar), which round where HF's modules round; q/k/v and the
+decoder; on CUDA in the Gluon kernels' tiled order) and calls `canvasq.kernels.moe.w4_moe`.
+`kernels=True` (default on CUDA) uses the Triton RMSNorm of `canvasq.kernels` and its fused epilogues
+(`norm_fused`: q/k norm + RoPE in one launch, residual-update norms with the layer scalar), which round
+where HF's modules round, and the router's softmax + top-k in one launch (`router_topk`); q/k/v and the
 dense gate/up always run as one GEMM each over weights concatenated once at construction (an extra
 copy of those weights, ~2.8 GB bf16 at the real shape). Each expert combine is a fixed-order fp32
 sum: reruns are bit-identical.
@@ -71,6 +72,7 @@ from canvasq.kernels.norm_fused import Scatter, add_rms_norm, pre_ffn_norms, rms
 from canvasq.kernels.norm_fused import rope_reference as rotate  # noqa: F401 (the runtime's RoPE twin)
 from canvasq.kernels.rmsnorm import rms_norm as rms_norm_any
 from canvasq.kernels.rmsnorm import rms_norm_reference as rms_norm  # noqa: F401 (HF's RMSNorm, the twin)
+from canvasq.kernels.router import router_topk
 from canvasq.kernels.softcap import softcap_logits
 from canvasq.model.arena import Captured, KVArena
 from canvasq.model.experts import gelu_tanh, grouped_mm_available, moe_grouped, moe_reference
@@ -244,6 +246,7 @@ class Runtime:
         self._norm_rope: Callable = functools.partial(rms_norm_rope, impl=impl)  # twin for odd head dims
         self._add_norm: Callable = functools.partial(add_rms_norm, impl=impl)
         self._gelu_mul: Callable = functools.partial(gelu_mul, impl=impl)
+        self._router: Callable = functools.partial(router_topk, impl=impl)
         self._softcap: Callable = functools.partial(softcap_logits, impl=impl)
         _fuse_projections(enc_layers + dec_layers)
         self.prefix_attention = True  # mask-free SDPA when the mask is all-visible (eager forwards)
@@ -315,13 +318,16 @@ class Runtime:
         return KVArena(self.layer_shapes, slots, capacity, device=self.device, dtype=self.dtype)
 
     def _pack_w4(self) -> None:
+        """Pack each distinct expert tensor once (encoder and decoder share them); on CUDA the packs are
+        kept in the Gluon kernels' tiled order (`prefer_tiled`: one copy, the faster kernels)."""
         from canvasq.kernels.moe import pack_w4
+        from canvasq.kernels.moe.launch import prefer_tiled
 
         packed: dict[int, object] = {}
         for lw in self.enc_layers + self.dec_layers:
             key = lw.gate_up.data_ptr()
             if key not in packed:
-                packed[key] = pack_w4(lw.gate_up, lw.down)
+                packed[key] = prefer_tiled(pack_w4(lw.gate_up, lw.down), self.dtype)
             lw.experts_packed = packed[key]
 
     # --- public passes -----------------------------------------------------------------------------
@@ -535,8 +541,7 @@ class Runtime:
             )
             m = F.linear(self._gelu_mul(F.linear(x, lw.mlp_gate_up)), lw.mlp_down)
         with self.scope("experts"):  # router + routed experts
-            probs = torch.softmax(F.linear(r, lw.router_proj), dim=-1, dtype=torch.float32)
-            topk_p, topk_ids = torch.topk(probs, k=self.top_k, dim=-1)
+            topk_p, topk_ids = self._router(F.linear(r, lw.router_proj), self.top_k)  # fp32 softmax, top-k
             # each implementation applies the router epilogue (`route_weights`) itself: W4 in its combine
             e = self._moe(x_e, topk_ids, topk_p, lw)
         # (h + norm(norm(m) + norm(e))) * scalar: the branches' post-norms and the residual update in one

@@ -77,7 +77,7 @@ def test_kernels_compile_for_sm90_without_spills():
     assert set(moe) == {"gate_up", "down"} and all(
         r["loop_instr"] > 0 and "HMMA" in r["loop_top"] for r in moe.values()
     )
-    # the Gluon kernels at the opt-in H200 configs' tiles compile (their layout conversions are checked
+    # the Gluon kernels at the H200 configs' Gluon tiles compile (their layout conversions are checked
     # trivial at compile time) and their loops keep the MMA
     gluon = [r for r in rows if r["kernel"].startswith("gluon_")]
     assert {r["kernel"].split()[0] for r in gluon} == {"gluon_gate_up", "gluon_down"}

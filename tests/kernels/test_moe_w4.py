@@ -358,6 +358,50 @@ def test_w4_moe_real_shape_bf16():
     ref = w4_moe_reference(x, ids, w, packed)
     assert rel_err(y, ref) < TOL[torch.bfloat16]
     assert torch.equal(y, w4_moe_launch(x, ids, w, packed))
+    tiled = packed.to_tiled()  # the Gluon kernels with the tuned H200 tiles (elsewhere: the defaults)
+    y_gl = w4_moe_launch(x, ids, w, tiled, out=poison((T, H), torch.bfloat16))
+    assert rel_err(y_gl, ref) < TOL[torch.bfloat16] and rel_err(y_gl, y) < TOL[torch.bfloat16]
+    assert torch.equal(y_gl, w4_moe_launch(x, ids, w, tiled))
+
+
+def test_tiled_pack_round_trips_and_serves_the_twin(tmp_path):
+    """`to_tiled` keeps the same nibbles in the Gluon order: the K-contiguous bytes come back exactly,
+    the twin and a saved file see the same weights, and a tiled pack refuses the Triton kernels
+    with a clear error where the Gluon ones cannot run (here: CPU)."""
+    from canvasq.kernels.moe.launch import prefer_tiled, tiled_runnable
+
+    E, H, I, K, T = 4, 256, 64, 2, 7
+    gate_up, down = _experts(E, H, I, torch.float32, seed=4, device="cpu")
+    packed = pack_w4(gate_up, down, W4Config(scale_dtype=torch.float16))
+    tiled = packed.to_tiled()
+    assert tiled.tiled and not packed.tiled and tiled.to_tiled() is tiled
+    assert tiled.gate_up_q.dtype == torch.int32 and tiled.nbytes() == packed.nbytes()
+    for a, b in zip(tiled.kcontig_q(), (packed.gate_up_q, packed.down_q)):
+        assert torch.equal(a, b)
+    for a, b in zip(unpack_w4(tiled), unpack_w4(packed)):
+        assert torch.equal(a, b)
+    x = torch.randn(T, H).half()
+    ids, w = _routing(T, K, E, seed=5, device="cpu")
+    ref = w4_moe_reference(x, ids, w, packed)
+    assert torch.equal(w4_moe_reference(x, ids, w, tiled), ref)
+    assert not tiled_runnable(tiled, x.dtype) and prefer_tiled(packed) is packed  # CPU: no Gluon
+    assert torch.equal(w4_moe(x, ids, w, tiled), ref)  # "auto" falls back to the twin
+    with pytest.raises(ValueError, match="tiled for the Gluon kernels"):
+        w4_moe_launch(x, ids, w, tiled)
+    save_packed(tmp_path / "t.safetensors", {"m": tiled})
+    loaded = load_packed(tmp_path / "t.safetensors")[0]["m"]
+    assert not loaded.tiled and torch.equal(loaded.gate_up_q, packed.gate_up_q)
+    odd = pack_w4(*_experts(2, 200, 88, torch.float32, seed=6, device="cpu"))  # padded groups
+    with pytest.raises(ValueError, match="whole groups"):
+        odd.to_tiled()
+
+
+def test_gluon_tile_narrows_to_divide():
+    from canvasq.kernels.moe.launch import _gluon_tile
+
+    assert _gluon_tile(2, 2, 704) == (2, 2)  # 64 | 704
+    assert _gluon_tile(4, 2, 704) == (4, 1)  # 128 does not divide 704 = 11 * 64
+    assert _gluon_tile(8, 1, 48) == (1, 1)
 
 
 def test_tuned_config_lookup(tmp_path, monkeypatch):
@@ -500,26 +544,28 @@ def test_word_ptx_gives_weights_in_pair_order(dtype, magic):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_m,T,stages", [(16, 37, 0), (32, 200, 0), (16, 37, 3), (32, 200, 4)])
 def test_gluon_kernels_match_triton_kernels(dtype, block_m, T, stages):
-    """The Gluon gate_up/down (gluon_w4.py) against the Triton ones and the dequantised twin."""
-    from canvasq.kernels.moe.launch import gluon_eligible
+    """The Gluon gate_up/down (gluon_w4.py, on the tiled pack) against the Triton ones (on the
+    K-contiguous pack) and the dequantised twin; CUDA packs are tiled by default (`prefer_tiled`)."""
+    from canvasq.kernels.moe.launch import prefer_tiled
 
     E, H, I, K = 8, 256, 128, 4
     gate_up, down = _experts(E, H, I, dtype, seed=0)
     packed = pack_w4(gate_up, down)
+    tiled = prefer_tiled(packed)
+    assert tiled.tiled
     x = torch.randn(T, H, device="cuda", dtype=dtype)
     ids, w = _routing(T, K, E, seed=1)
     cfg = MoeLaunchConfig(
-        block_m=block_m,
-        gluon_gate_up=True,
-        gluon_down=True,
-        gluon_gate_up_tiles=2,
-        gluon_gate_up_stages=stages,
-        gluon_down_stages=stages,
+        block_m=block_m, gluon_gate_up_tiles=2, gluon_gate_up_stages=stages, gluon_down_stages=stages
     )
-    assert gluon_eligible(x, packed, cfg, "gate_up") and gluon_eligible(x, packed, cfg, "down")
-    y = w4_moe_launch(x, ids, w, packed, config=cfg, out=poison((T, H), dtype))
+    y = w4_moe_launch(x, ids, w, tiled, config=cfg, out=poison((T, H), dtype))
     y_triton = w4_moe_launch(x, ids, w, packed, config=MoeLaunchConfig(block_m=block_m))
     ref = w4_moe_reference(x, ids, w, packed)
     assert rel_err(y, ref) < TOL[dtype]
     assert rel_err(y, y_triton) < TOL[dtype]
-    assert torch.equal(y, w4_moe_launch(x, ids, w, packed, config=cfg))
+    assert torch.equal(y, w4_moe_launch(x, ids, w, tiled, config=cfg))
+    x_odd = torch.randn(T, H + 1, device="cuda", dtype=dtype)[:, 1:]  # 2-byte aligned rows: copied
+    assert torch.equal(
+        w4_moe_launch(x_odd, ids, w, tiled, config=cfg),
+        w4_moe_launch(x_odd.contiguous(), ids, w, tiled, config=cfg),
+    )

@@ -16,9 +16,11 @@ moves and 42 `prmt` per iteration (BENCHMARKS.md, session 6). Here the layouts a
 - two main loops: the next group's tiles wait in registers (STAGES = 0, `_loop_registers`), or come
   in by cp.async through STAGES shared-memory buffers (`_loop_staged`).
 
-The tiled bytes are a second copy of the experts (launch.gluon_tiles), so these kernels are opt-in
-(MoeLaunchConfig.gluon_*; tuned choices in configs/gluon/). Reading the K-contiguous bytes directly
-was tried and was slower: BENCHMARKS.md, session 7.
+On CUDA the runtime keeps the experts in the tiled order only (`W4Experts.to_tiled`,
+`launch.prefer_tiled`), so these kernels are what a GPU worker runs; the Triton ones serve K-contiguous
+packs (CPU/interpreter, fp32, padded widths, CANVASQ_MOE_LAYOUT=kcontig). Tiles per row count:
+MoeLaunchConfig.gluon_*. Reading the K-contiguous bytes directly was tried and was slower:
+BENCHMARKS.md, session 7.
 
 Letters as in `kernels.py`; HB = G/2 packed bytes per row per group; BN = 16 * warps * tiles rows.
 """

@@ -42,10 +42,9 @@ class MoeLaunchConfig:
     # one group per iteration. Smaller: fewer registers and less shared memory per program.
     gate_up_sub_k: int | None = None
     down_sub_k: int | None = None
-    # the Gluon kernels (gluon_w4.py: explicit MMA layouts, tiled packing) where `gluon_eligible`, per
-    # matmul; a program's rows are 16 * warps * tiles (the *_block_n / *_stages above are the Triton ones')
-    gluon_gate_up: bool = False
-    gluon_down: bool = False
+    # the Gluon kernels' tiles (gluon_w4.py), which run instead of the Triton ones on a tiled pack
+    # (W4Experts.tiled, `prefer_tiled`): a program's columns are 16 * warps * tiles (the *_block_n /
+    # *_stages above are the Triton kernels')
     gluon_gate_up_warps: int = 4
     gluon_gate_up_tiles: int = 1
     gluon_down_warps: int = 4
@@ -237,6 +236,7 @@ def launch_gate_up(
 ) -> None:
     """h [P_max, I] = act(x[tok] @ gate^T) * (x[tok] @ up^T) per sorted row (padding rows: zeros)."""
     H, I = packed.hidden, packed.inter
+    assert not packed.tiled, "a tiled pack is read by the Gluon kernels (launch_gate_up_gluon)"
     assert h.shape == (meta.sorted_ids.numel(), I) and h.dtype == x.dtype and h.stride(-1) == 1
     gq, gs = packed.gate_up_q, packed.gate_up_scale
     grid = (meta.sorted_ids.numel() // cfg.block_m, triton.cdiv(I, cfg.gate_up_block_n))
@@ -280,6 +280,7 @@ def launch_down(
 ) -> None:
     """y_tk [A, H]: row t*K + k = h[row of (t, k)] @ down_e^T (unweighted; the combine weights it)."""
     H, I = packed.hidden, packed.inter
+    assert not packed.tiled, "a tiled pack is read by the Gluon kernels (launch_down_gluon)"
     assert y_tk.shape == (meta.num_assign, H) and y_tk.stride(-1) == 1
     dq, ds = packed.down_q, packed.down_scale
     grid = (meta.sorted_ids.numel() // cfg.block_m, triton.cdiv(H, cfg.down_block_n))
@@ -317,59 +318,71 @@ def launch_down(
     )
 
 
-def gluon_eligible(x: torch.Tensor, packed: W4Experts, cfg: MoeLaunchConfig, which: str) -> bool:
-    """Whether `which` ("gate_up" or "down") runs the Gluon kernel: asked for in `cfg`, compiled
-    fp16/bf16 on a GPU, whole groups and whole row tiles."""
+LAYOUT_ENV = "CANVASQ_MOE_LAYOUT"  # "kcontig": keep the K-contiguous packing (Triton kernels) on CUDA too
+
+
+def tiled_runnable(packed: W4Experts, dtype: torch.dtype) -> bool:
+    """Whether the Gluon kernels can serve every call on `packed` with `dtype` activations: compiled
+    on a CUDA device, fp16/bf16 with scales of that dtype, no padded groups, whole 16-row tiles."""
     gg, gd = packed.config.group_gate_up, packed.config.group_down
-    bn_gu = 16 * cfg.gluon_gate_up_warps * cfg.gluon_gate_up_tiles
-    bn_dn = 16 * cfg.gluon_down_warps * cfg.gluon_down_tiles
     return (
-        (cfg.gluon_gate_up if which == "gate_up" else cfg.gluon_down)
-        and x.is_cuda
-        and x.dtype in (torch.float16, torch.bfloat16)
-        and packed.scale_dtype == x.dtype
+        packed.device.type == "cuda"
         and not interpreted(_k._w4_gate_up_kernel)
-        and packed.hidden % gg == 0
-        and packed.inter % gd == 0
-        and packed.inter % bn_gu == 0
-        and packed.hidden % bn_dn == 0
+        and dtype in (torch.float16, torch.bfloat16)
+        and packed.scale_dtype == dtype
         and gg in (64, 128)
         and gd in (64, 128)
-        and x.stride(0) % 2 == 0
-        and x.data_ptr() % 4 == 0
+        and packed.hidden % gg == 0
+        and packed.inter % gd == 0
+        and packed.inter % 16 == 0
+        and packed.hidden % 16 == 0
     )
 
 
-def gluon_tiles(packed: W4Experts) -> tuple[torch.Tensor, torch.Tensor]:
-    """The packed bytes in the Gluon kernels' order (`gluon_w4.tile_q`), made once per W4Experts and kept
-    beside the K-contiguous ones (their bytes again: 0.5 of the expert memory)."""
-    cached = getattr(packed, "_gluon_tiles", None)
-    if cached is None or cached[0].device != packed.device:
-        from .gluon_w4 import tile_q
+def tiled_supported(packed: W4Experts, dtype: torch.dtype) -> bool:
+    """`tiled_runnable`, unless switched off with CANVASQ_MOE_LAYOUT=kcontig."""
+    return os.environ.get(LAYOUT_ENV, "tiled") != "kcontig" and tiled_runnable(packed, dtype)
 
-        if packed.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the Gluon tiles are made on first use: run one eager call before capturing")
 
-        cached = (
-            tile_q(packed.gate_up_q, packed.config.group_gate_up),
-            tile_q(packed.down_q, packed.config.group_down),
+def prefer_tiled(packed: W4Experts, dtype: torch.dtype | None = None) -> W4Experts:
+    """`packed.to_tiled()` where `tiled_supported` (the Gluon kernels: faster, BENCHMARKS.md session 7;
+    the K-contiguous bytes are then dropped, so expert memory stays one copy), else `packed`."""
+    return packed.to_tiled() if tiled_supported(packed, dtype or packed.scale_dtype) else packed
+
+
+def _gluon_tile(warps: int, tiles: int, n: int) -> tuple[int, int]:
+    """(warps, tiles) of a config, narrowed until 16 * warps * tiles divides the n output columns."""
+    while n % (16 * warps * tiles):
+        if tiles > 1:
+            tiles //= 2
+        else:
+            warps //= 2
+    return warps, tiles
+
+
+def _check_tiled(x: torch.Tensor, packed: W4Experts) -> None:
+    if not tiled_runnable(packed, x.dtype):
+        raise ValueError(
+            f"this pack is tiled for the Gluon kernels, which need compiled CUDA and fp16/bf16 activations "
+            f"in the scales' dtype ({packed.scale_dtype}); got {x.dtype} on {x.device}. Run the torch twin "
+            f"(impl='torch') or keep the pack K-contiguous (CANVASQ_MOE_LAYOUT=kcontig)"
         )
-        packed._gluon_tiles = cached
-    return cached
 
 
 def launch_gate_up_gluon(
     x: torch.Tensor, packed: W4Experts, meta: RoutingMeta, cfg: MoeLaunchConfig, h: torch.Tensor
 ) -> None:
-    """`launch_gate_up` through the Gluon kernel (same h)."""
+    """`launch_gate_up` through the Gluon kernel on a tiled pack (same h)."""
     from .gluon_w4 import _gl_w4_gate_up_kernel
 
     I = packed.inter
-    assert h.shape == (meta.sorted_ids.numel(), I) and h.dtype == x.dtype and h.is_contiguous()
-    qt, _ = gluon_tiles(packed)
-    gs = packed.gate_up_scale
-    nw = cfg.gluon_gate_up_warps
-    bn = 16 * nw * cfg.gluon_gate_up_tiles
+    assert (
+        packed.tiled and h.shape == (meta.sorted_ids.numel(), I) and h.dtype == x.dtype and h.is_contiguous()
+    )
+    assert x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0, "activations are read as 32-bit pairs"
+    qt, gs = packed.gate_up_q, packed.gate_up_scale
+    nw, tiles = _gluon_tile(cfg.gluon_gate_up_warps, cfg.gluon_gate_up_tiles, I)
+    bn = 16 * nw * tiles
     _gl_w4_gate_up_kernel[(meta.sorted_ids.numel() // cfg.block_m, I // bn)](
         x,
         qt,
@@ -400,15 +413,14 @@ def launch_gate_up_gluon(
 def launch_down_gluon(
     h: torch.Tensor, packed: W4Experts, meta: RoutingMeta, cfg: MoeLaunchConfig, y_tk: torch.Tensor
 ) -> None:
-    """`launch_down` through the Gluon kernel (same y_tk)."""
+    """`launch_down` through the Gluon kernel on a tiled pack (same y_tk)."""
     from .gluon_w4 import _gl_w4_down_kernel
 
     H = packed.hidden
-    assert y_tk.shape == (meta.num_assign, H) and y_tk.is_contiguous() and h.is_contiguous()
-    _, qt = gluon_tiles(packed)
-    ds = packed.down_scale
-    nw = cfg.gluon_down_warps
-    bn = 16 * nw * cfg.gluon_down_tiles
+    assert packed.tiled and y_tk.shape == (meta.num_assign, H) and y_tk.is_contiguous() and h.is_contiguous()
+    qt, ds = packed.down_q, packed.down_scale
+    nw, tiles = _gluon_tile(cfg.gluon_down_warps, cfg.gluon_down_tiles, H)
+    bn = 16 * nw * tiles
     _gl_w4_down_kernel[(meta.sorted_ids.numel() // cfg.block_m, H // bn)](
         h,
         qt,
@@ -444,7 +456,8 @@ def w4_moe_launch(
     routing: RoutingMeta | None = None,
     expert_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton path. x [T, H] fp16/bf16/fp32, topk_ids [T, K] int, topk_weights [T, K] -> out [T, H] x.dtype.
+    """Kernel path (Triton kernels on a K-contiguous pack, Gluon on a tiled one, `prefer_tiled`).
+    x [T, H] fp16/bf16/fp32, topk_ids [T, K] int, topk_weights [T, K] -> out [T, H] x.dtype.
     `expert_scale` [E]: see `w4_moe`."""
     T, H = x.shape
     K = topk_ids.shape[1]
@@ -469,10 +482,15 @@ def w4_moe_launch(
 
     h = torch.empty(p_max, I, dtype=x.dtype, device=x.device)
     y_tk = torch.empty(T * K, H, dtype=x.dtype, device=x.device)
-    gate_up = launch_gate_up_gluon if gluon_eligible(x, packed, cfg, "gate_up") else launch_gate_up
-    gate_up(x, packed, meta, cfg, h)
-    down = launch_down_gluon if gluon_eligible(h, packed, cfg, "down") else launch_down
-    down(h, packed, meta, cfg, y_tk)
+    if packed.tiled:
+        _check_tiled(x, packed)
+        if x.stride(0) % 2 or x.data_ptr() % 4:  # the Gluon kernels read activations as 32-bit pairs
+            x = x.clone(memory_format=torch.contiguous_format)
+        launch_gate_up_gluon(x, packed, meta, cfg, h)
+        launch_down_gluon(h, packed, meta, cfg, y_tk)
+    else:
+        launch_gate_up(x, packed, meta, cfg, h)
+        launch_down(h, packed, meta, cfg, y_tk)
     bn = min(cfg.combine_block_n, triton.next_power_of_2(H))
     renorm = expert_scale is not None
     if renorm:
@@ -512,7 +530,10 @@ def w4_moe(
     TRITON_INTERPRET=1 and it is still set; otherwise the twin; see `canvasq.kernels._dispatch`).
     """
     if impl == "auto":
-        impl = "triton" if auto_triton(x, _k._w4_gate_up_kernel) else "torch"
+        usable = auto_triton(x, _k._w4_gate_up_kernel) and (
+            not packed.tiled or tiled_runnable(packed, x.dtype)
+        )
+        impl = "triton" if usable else "torch"
     if impl == "triton":
         return w4_moe_launch(x, topk_ids, topk_weights, packed, expert_scale=expert_scale)
     if impl == "torch":

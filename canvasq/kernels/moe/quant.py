@@ -24,6 +24,10 @@ separate K = G/2 operands of `tl.dot` against the two contiguous halves of the a
 register shuffle to interleave them. K is zero-padded to Kp (704 = 11 x 64 and 2816 = 22 x 128 need no
 padding at the real shape; odd test widths do).
 
+On CUDA the runtime keeps the bytes in another order instead (`to_tiled`, `gluon_w4.tile_q`): the
+same nibbles as int32 words [E, N/16, Kp/G, 2G], the order the Gluon kernels' lanes load; `tiled` says
+which one a W4Experts holds. Only the Gluon kernels read the tiled order; the torch twin untiles it.
+
 Quantisation error: the group range is widened to include 0 (so padding and zero weights stay exact),
 scale = (max - min) / 15 rounded to the storage dtype first, zero = round(-min / scale); every element
 is within about scale / 2 of its dequantised value (`max_abs_error_bound`).
@@ -56,15 +60,16 @@ class W4Config:
 class W4Experts:
     """One MoE layer's experts in W4A16. Shapes in the module docstring."""
 
-    gate_up_q: torch.Tensor  # [E, 2I, Hp/2] uint8
+    gate_up_q: torch.Tensor  # [E, 2I, Hp/2] uint8 (tiled: [E, 2I/16, Hp/Gg, 2Gg] int32)
     gate_up_scale: torch.Tensor  # [E, Hp/Gg, 2I]
     gate_up_zero: torch.Tensor  # [E, Hp/Gg, 2I]
-    down_q: torch.Tensor  # [E, H, Ip/2] uint8
+    down_q: torch.Tensor  # [E, H, Ip/2] uint8 (tiled: [E, H/16, Ip/Gd, 2Gd] int32)
     down_scale: torch.Tensor  # [E, Ip/Gd, H]
     down_zero: torch.Tensor  # [E, Ip/Gd, H]
     hidden: int  # H
     inter: int  # I
     config: W4Config = field(default_factory=W4Config)
+    tiled: bool = False  # q in the Gluon kernels' order (`to_tiled`), not the K-contiguous one
 
     @property
     def num_experts(self) -> int:
@@ -98,13 +103,44 @@ class W4Experts:
     def to(self, device) -> W4Experts:
         return replace(self, **{k: v.to(device) for k, v in self.tensors().items()})
 
+    def kcontig_q(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up_q, down_q) in the K-contiguous order, untiling a tiled pack (a copy)."""
+        if not self.tiled:
+            return self.gate_up_q, self.down_q
+        from .gluon_w4 import untile_q
+
+        return untile_q(self.gate_up_q, self.config.group_gate_up), untile_q(
+            self.down_q, self.config.group_down
+        )
+
+    def to_tiled(self) -> W4Experts:
+        """The same pack with q in the Gluon kernels' order (no padding: H and I whole groups, 2I and
+        H whole 16-row tiles). The K-contiguous bytes are not kept: drop this pack to free them."""
+        if self.tiled:
+            return self
+        from .gluon_w4 import tile_q
+
+        gg, gd = self.config.group_gate_up, self.config.group_down
+        if self.hidden % gg or self.inter % gd or self.inter % 16 or self.hidden % 16 or min(gg, gd) < 64:
+            raise ValueError(
+                f"the tiled layout needs whole groups and 16-row tiles: H={self.hidden} I={self.inter} "
+                f"groups {gg}/{gd} (>= 64)"
+            )
+        out = replace(self, gate_up_q=tile_q(self.gate_up_q, gg), down_q=tile_q(self.down_q, gd), tiled=True)
+        out.validate()
+        return out
+
     def validate(self) -> None:
         E, H, I = self.num_experts, self.hidden, self.inter
         gg, gd = self.config.group_gate_up, self.config.group_down
         hp, ip = _round_up(H, gg), _round_up(I, gd)
-        assert self.gate_up_q.shape == (E, 2 * I, hp // 2) and self.gate_up_q.dtype == torch.uint8
+        if self.tiled:
+            assert self.gate_up_q.shape == (E, 2 * I // 16, hp // gg, 2 * gg), self.gate_up_q.shape
+            assert self.down_q.shape == (E, H // 16, ip // gd, 2 * gd) and self.down_q.dtype == torch.int32
+        else:
+            assert self.gate_up_q.shape == (E, 2 * I, hp // 2) and self.gate_up_q.dtype == torch.uint8
+            assert self.down_q.shape == (E, H, ip // 2) and self.down_q.dtype == torch.uint8
         assert self.gate_up_scale.shape == (E, hp // gg, 2 * I) == self.gate_up_zero.shape
-        assert self.down_q.shape == (E, H, ip // 2) and self.down_q.dtype == torch.uint8
         assert self.down_scale.shape == (E, ip // gd, H) == self.down_zero.shape
         for t in self.tensors().values():
             assert t.is_contiguous() and t.device == self.device
@@ -183,8 +219,9 @@ def pack_w4(gate_up: torch.Tensor, down: torch.Tensor, config: W4Config | None =
 
 def unpack_w4(packed: W4Experts, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """W4Experts -> dequantised (gate_up [E, 2I, H], down [E, H, I]) in `dtype` (default scale dtype)."""
-    gu = dequantize_w4(packed.gate_up_q, packed.gate_up_scale, packed.gate_up_zero, packed.hidden, dtype)
-    dn = dequantize_w4(packed.down_q, packed.down_scale, packed.down_zero, packed.inter, dtype)
+    gq, dq = packed.kcontig_q()
+    gu = dequantize_w4(gq, packed.gate_up_scale, packed.gate_up_zero, packed.hidden, dtype)
+    dn = dequantize_w4(dq, packed.down_scale, packed.down_zero, packed.inter, dtype)
     return gu, dn
 
 

@@ -9,7 +9,8 @@ instead of repacking, or writes one.
 File layout: one tensor per field, key `"{group}.{field}"` (group = the first module name that owns the
 weights), and metadata `canvasq_w4` = JSON {group: {hidden, inter, group_gate_up, group_down,
 modules: [names], layout}}. `layout` is `quant.PACK_LAYOUT`; a file without it or with another one
-(an older canvasq's packing) does not load (`StalePackError`), and `pack_model_experts` repacks over it.
+(an older canvasq's packing) does not load (`StalePackError`), and `pack_model_experts` repacks over it. Files hold the K-contiguous order; on CUDA the installed packs
+are tiled for the Gluon kernels (`launch.prefer_tiled`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .launch import prefer_tiled
 from .quant import PACK_LAYOUT, W4Config, W4Experts, pack_w4
 
 log = logging.getLogger(__name__)
@@ -38,7 +40,8 @@ def save_packed(
 
     tensors, meta = {}, {}
     for name, p in packs.items():
-        for field, t in p.tensors().items():
+        gq, dq = p.kcontig_q()  # files always hold the K-contiguous order
+        for field, t in dict(p.tensors(), gate_up_q=gq, down_q=dq).items():
             tensors[f"{name}.{field}"] = t.detach().contiguous().cpu()
         meta[name] = {
             "hidden": p.hidden,
@@ -122,13 +125,7 @@ def pack_model_experts(
         except StalePackError as ex:
             log.warning("%s: repacking", ex)
     if loaded is not None:
-        packs, owners = loaded
-        by_name = dict(mods)
-        for group, names in owners.items():
-            for n in names:
-                assert n in by_name, f"{cache}: module {n} not in the model"
-                _install(by_name[n], packs[group])
-        return packs
+        return _install_all(mods, *loaded, source=cache)
 
     groups: dict[int, list[tuple[str, torch.nn.Module]]] = {}
     for name, mod in mods:  # tied encoder/decoder experts share the Parameter object
@@ -136,13 +133,26 @@ def pack_model_experts(
     packs, owners = {}, {}
     for members in groups.values():
         first_name, first = members[0]
-        packed = pack_w4(first.gate_up_proj.data, first.down_proj.data, config)
-        for _, mod in members:
-            _install(mod, packed)
-        packs[first_name] = packed
+        packs[first_name] = pack_w4(first.gate_up_proj.data, first.down_proj.data, config)
         owners[first_name] = [n for n, _ in members]
+        for _, mod in members:  # drops the BF16 parameters now (frees the layer on a GPU)
+            _install(mod, packs[first_name])
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if cache is not None:
         save_packed(cache, packs, owners)
-    return packs
+    return _install_all(mods, packs, owners, source="packing")
+
+
+def _install_all(
+    mods, packs: dict[str, W4Experts], owners: dict[str, list[str]], source
+) -> dict[str, W4Experts]:
+    """Install each group's pack (tiled where `prefer_tiled`) on every module that shares it."""
+    by_name = dict(mods)
+    out = {}
+    for group, names in owners.items():
+        out[group] = prefer_tiled(packs.pop(group))  # pop: a tiled copy replaces the K-contiguous one
+        for n in names:
+            assert n in by_name, f"{source}: module {n} not in the model"
+            _install(by_name[n], out[group])
+    return out

@@ -214,7 +214,8 @@ def gluon_kernels(path: str = GLUON_CONFIGS):
     for cfg in _load_configs(path).values():
         for which, group, groups in (("gate_up", 128, 22), ("down", 64, 11)):
             w, t, st = (getattr(cfg, f"gluon_{which}_{k}") for k in ("warps", "tiles", "stages"))
-            key = (which, cfg.block_m, w, t, st)
+            bm = cfg.gluon_block_m or cfg.block_m
+            key = (which, bm, w, t, st)
             if key in seen:
                 continue
             seen.add(key)
@@ -226,14 +227,14 @@ def gluon_kernels(path: str = GLUON_CONFIGS):
             consts = {
                 "GROUP": group,
                 "NUM_GROUPS": groups,
-                "BLOCK_M": cfg.block_m,
+                "BLOCK_M": bm,
                 "BN": 16 * w * t,
                 "NW": w,
                 "STAGES": st,
             }
             div = {n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("stride") or n == "I"}
             yield (
-                f"gluon_{which} m{cfg.block_m} w{w} t{t} s{st}",
+                f"gluon_{which} m{bm} w{w} t{t} s{st}",
                 compile_kernel(fn, types, consts, div, w, 1),
             )
 

@@ -1,5 +1,7 @@
 """W4A16 MoE: packing error, layout, routing metadata, kernel vs dequantised twin, determinism, HF patching."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from kernel_testutil import DEVICE, DTYPES, ON_GPU, poison, rel_err, rel_norm
@@ -397,7 +399,12 @@ def test_tiled_pack_round_trips_and_serves_the_twin(tmp_path):
 
 
 def test_gluon_tile_narrows_to_divide():
-    from canvasq.kernels.moe.launch import _gluon_tile
+    from canvasq.kernels.moe.launch import _gluon_tile, routing_block
+
+    packed = pack_w4(*_experts(2, 128, 64, torch.float32, seed=7, device="cpu"))
+    cfg = MoeLaunchConfig(block_m=16, gluon_block_m=32)
+    assert routing_block(cfg, packed) == 16 and routing_block(cfg, packed.to_tiled()) == 32
+    assert routing_block(MoeLaunchConfig(block_m=16), packed.to_tiled()) == 16
 
     assert _gluon_tile(2, 2, 704) == (2, 2)  # 64 | 704
     assert _gluon_tile(4, 2, 704) == (4, 1)  # 128 does not divide 704 = 11 * 64
@@ -564,6 +571,9 @@ def test_gluon_kernels_match_triton_kernels(dtype, block_m, T, stages):
     assert rel_err(y, ref) < TOL[dtype]
     assert rel_err(y, y_triton) < TOL[dtype]
     assert torch.equal(y, w4_moe_launch(x, ids, w, tiled, config=cfg))
+    if block_m == 16:  # the Gluon kernels' own routing block (the Triton tiles keep block_m)
+        y32 = w4_moe_launch(x, ids, w, tiled, config=replace(cfg, gluon_block_m=32))
+        assert rel_err(y32, ref) < TOL[dtype]
     x_odd = torch.randn(T, H + 1, device="cuda", dtype=dtype)[:, 1:]  # 2-byte aligned rows: copied
     assert torch.equal(
         w4_moe_launch(x_odd, ids, w, tiled, config=cfg),

@@ -49,6 +49,7 @@ class MoeLaunchConfig:
     gluon_gate_up_tiles: int = 1
     gluon_down_warps: int = 4
     gluon_down_tiles: int = 2
+    gluon_block_m: int | None = None  # the Gluon kernels' routing block (None: block_m)
     # 0: the next group's tiles wait in registers; >= 2: cp.async through that many shared-memory stages
     gluon_gate_up_stages: int = 0
     gluon_down_stages: int = 0
@@ -360,6 +361,11 @@ def _gluon_tile(warps: int, tiles: int, n: int) -> tuple[int, int]:
     return warps, tiles
 
 
+def routing_block(cfg: MoeLaunchConfig, packed: W4Experts) -> int:
+    """BLOCK_M of the kernels that will run: the Gluon one on a tiled pack, else the Triton one."""
+    return (cfg.gluon_block_m or cfg.block_m) if packed.tiled else cfg.block_m
+
+
 def _check_tiled(x: torch.Tensor, packed: W4Experts) -> None:
     if not tiled_runnable(packed, x.dtype):
         raise ValueError(
@@ -383,7 +389,7 @@ def launch_gate_up_gluon(
     qt, gs = packed.gate_up_q, packed.gate_up_scale
     nw, tiles = _gluon_tile(cfg.gluon_gate_up_warps, cfg.gluon_gate_up_tiles, I)
     bn = 16 * nw * tiles
-    _gl_w4_gate_up_kernel[(meta.sorted_ids.numel() // cfg.block_m, I // bn)](
+    _gl_w4_gate_up_kernel[(meta.sorted_ids.numel() // meta.block_m, I // bn)](
         x,
         qt,
         gs,
@@ -402,7 +408,7 @@ def launch_gate_up_gluon(
         h.stride(0),
         GROUP=packed.config.group_gate_up,
         NUM_GROUPS=gs.shape[1],
-        BLOCK_M=cfg.block_m,
+        BLOCK_M=meta.block_m,
         BN=bn,
         NW=nw,
         STAGES=cfg.gluon_gate_up_stages,
@@ -421,7 +427,7 @@ def launch_down_gluon(
     qt, ds = packed.down_q, packed.down_scale
     nw, tiles = _gluon_tile(cfg.gluon_down_warps, cfg.gluon_down_tiles, H)
     bn = 16 * nw * tiles
-    _gl_w4_down_kernel[(meta.sorted_ids.numel() // cfg.block_m, H // bn)](
+    _gl_w4_down_kernel[(meta.sorted_ids.numel() // meta.block_m, H // bn)](
         h,
         qt,
         ds,
@@ -438,7 +444,7 @@ def launch_down_gluon(
         y_tk.stride(0),
         GROUP=packed.config.group_down,
         NUM_GROUPS=ds.shape[1],
-        BLOCK_M=cfg.block_m,
+        BLOCK_M=meta.block_m,
         BN=bn,
         NW=nw,
         STAGES=cfg.gluon_down_stages,
@@ -474,8 +480,9 @@ def w4_moe_launch(
     assert out.shape == (T, H) and out.stride(-1) == 1
     if T == 0:
         return out
-    meta = routing or align_routing(topk_ids, E, cfg.block_m)
-    assert meta.block_m == cfg.block_m and meta.num_assign == T * K
+    block_m = routing_block(cfg, packed)
+    meta = routing or align_routing(topk_ids, E, block_m)
+    assert meta.block_m == block_m and meta.num_assign == T * K
     p_max = meta.sorted_ids.numel()
     assert p_max * I < 2**31, "kernels use int32 offsets into h"
     weights = topk_weights.contiguous()

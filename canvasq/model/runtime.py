@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -252,10 +251,6 @@ class Runtime:
         _fuse_projections(enc_layers + dec_layers)
         self.prefix_attention = True  # mask-free SDPA when the mask is all-visible (eager forwards)
         self.scope: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
-        # CUDA: the dense MLP runs on a second stream, overlapping the router and the routed experts
-        # (CANVASQ_MLP_STREAM=off keeps one stream); captured into the decode graphs as a fork and join
-        overlap = self.device.type == "cuda" and os.environ.get("CANVASQ_MLP_STREAM", "on") != "off"
-        self.mlp_stream = torch.cuda.Stream(self.device) if overlap else None
         self.graph_runner = None  # `model.graph.graph_runner(self)`: the decode loop's CUDA graphs
 
     # --- construction ------------------------------------------------------------------------------
@@ -540,21 +535,15 @@ class Runtime:
             a = F.linear(a, lw.wo)
             h = self._add_norm(a, lw.ln_post_attn, h, None, None, eps)  # h + norm(a)
 
-        side = self.mlp_stream
         with self.scope("dense_mlp"):  # (with the router's and the experts' input norms: one launch)
             x, r, x_e = self._pre_ffn(
                 h, lw.ln_pre_ff, lw.router_scale, self.hidden_size**-0.5, lw.ln_pre_ff2, eps
             )
-            if side is not None:  # the dense MLP beside the router and experts (they share only x's norm)
-                side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                m = F.linear(self._gelu_mul(F.linear(x, lw.mlp_gate_up)), lw.mlp_down)
+            m = F.linear(self._gelu_mul(F.linear(x, lw.mlp_gate_up)), lw.mlp_down)
         with self.scope("experts"):  # router + routed experts
             topk_p, topk_ids = self._router(F.linear(r, lw.router_proj), self.top_k)  # fp32 softmax, top-k
             # each implementation applies the router epilogue (`route_weights`) itself: W4 in its combine
             e = self._moe(x_e, topk_ids, topk_p, lw)
-        if side is not None:
-            torch.cuda.current_stream().wait_stream(side)
         # (h + norm(norm(m) + norm(e))) * scalar: the branches' post-norms and the residual update in one
         return self._add_norm(
             m, lw.ln_post_ff, h, e, lw.layer_scalar, eps, pre=(lw.ln_post_ff1, lw.ln_post_ff2)

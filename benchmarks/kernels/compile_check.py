@@ -65,6 +65,9 @@ def compile_kernel(
     fn, types: dict, constexprs: dict, divisible: set, num_warps: int, num_stages: int, options=None
 ) -> dict:
     names = fn.arg_names
+    if "PDL" in names and "PDL" not in constexprs:  # as launched on sm_90 (`_dispatch.pdl`)
+        constexprs = {**constexprs, "PDL": True}
+        options = {"launch_pdl": True, **(options or {})}
     sig = {n: ("constexpr" if n in constexprs else types[n]) for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource

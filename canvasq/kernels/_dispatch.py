@@ -8,6 +8,7 @@ CPU tests keeps the fast torch twins while the kernel tests ask for `impl="trito
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -25,3 +26,28 @@ def can_launch(t: torch.Tensor, kernel) -> bool:
 def auto_triton(t: torch.Tensor, kernel) -> bool:
     """What `impl="auto"` picks."""
     return t.is_cuda or (interpreted(kernel) and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+PDL_ENV = "CANVASQ_PDL"  # "off": launch without programmatic dependent launch
+
+
+@functools.lru_cache(maxsize=16)
+def _pdl_device(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def pdl(t: torch.Tensor, kernel) -> bool:
+    """Whether to launch `kernel` on `t`'s device with programmatic dependent launch (Hopper and later,
+    compiled, not switched off with CANVASQ_PDL=off). The kernel must start with `_math.pdl_enter`."""
+    return (
+        t.is_cuda
+        and not interpreted(kernel)
+        and os.environ.get(PDL_ENV, "on") != "off"
+        and _pdl_device(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    )
+
+
+def pdl_kwargs(t: torch.Tensor, kernel) -> dict:
+    """Launch keywords for a kernel with a `PDL: tl.constexpr` parameter (see `pdl`)."""
+    on = pdl(t, kernel)
+    return {"PDL": on, "launch_pdl": on}

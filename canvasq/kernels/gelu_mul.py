@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import auto_triton, interpreted
-from ._math import tanh
+from ._dispatch import auto_triton, interpreted, pdl_kwargs
+from ._math import pdl_enter, tanh
 
 K_BETA = math.sqrt(2.0) * (2.0 / math.sqrt(math.pi)) * 0.5  # sqrt(2 / pi), as torch spells it
 K_KAPPA = 0.044715
@@ -35,8 +35,10 @@ def _gelu_mul_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_I: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """y[r, i] = round(round(gelu_tanh(gu[r, i])) * gu[r, I + i])."""
+    pdl_enter(PDL)
     DT: tl.constexpr = y_ptr.dtype.element_ty
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -67,6 +69,7 @@ def gelu_mul_launch(gu: torch.Tensor) -> torch.Tensor:
             BLOCK_R=block_r,
             BLOCK_I=block_i,
             INTERPRETED=interpreted(_gelu_mul_kernel),
+            **pdl_kwargs(gu, _gelu_mul_kernel),
             num_warps=4,
         )
     return y

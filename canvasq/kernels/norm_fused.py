@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import auto_triton
-from ._math import NO_FP_FUSION
+from ._dispatch import auto_triton, pdl_kwargs
+from ._math import NO_FP_FUSION, pdl_enter
 from .rmsnorm import rms_norm_reference
 
 
@@ -88,10 +88,12 @@ def _rms_norm_rope_kernel(
     HAS_ROPE: tl.constexpr,
     SCATTER: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: BLOCK_R (row, head) vectors of width 2 * HALF, read as their two halves.
     Row n, head h goes to y + n*stride_ya + h*stride_yh, or with SCATTER to
     y + a[n]*stride_ya + h*stride_yh + b[n]*stride_yb (an arena slot/entry, a folded query layout)."""
+    pdl_enter(PDL)
     DT: tl.constexpr = y_ptr.dtype.element_ty
     idx = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = idx < R
@@ -158,10 +160,12 @@ def _add_rms_norm_kernel(
     HAS_SCALE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """y = (res + rms(x [+ x2]) * w) [* scale]; all tensors contiguous [R, D]. PRE_NORM: x and x2
     are first normalised themselves, with weights wx and wx2 (the dense MLP's and the experts'
     post-norms at the end of a layer)."""
+    pdl_enter(PDL)
     DT: tl.constexpr = y_ptr.dtype.element_ty
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
@@ -197,9 +201,11 @@ def _pre_ffn_norms_kernel(
     scalar,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One read of x [R, D], three norms out: ya = rms(x) * wa, yb = rms(x) * wb and the router's
     input yr = round(round(rms(x)) * post) * scalar, each rounded to the output dtype where HF rounds."""
+    pdl_enter(PDL)
     DT: tl.constexpr = ya_ptr.dtype.element_ty
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
@@ -255,6 +261,7 @@ def rms_norm_rope_launch(x, weight, cos, sin, eps: float, out: Scatter | None = 
             HAS_ROPE=rope,
             SCATTER=out is not None,
             BLOCK_R=block_r,
+            **pdl_kwargs(x, _rms_norm_rope_kernel),
             num_warps=4,
             **NO_FP_FUSION,
         )
@@ -289,6 +296,7 @@ def add_rms_norm_launch(
             HAS_SCALE=scale is not None,
             BLOCK_R=block_r,
             BLOCK_D=block_d,
+            **pdl_kwargs(y, _add_rms_norm_kernel),
             num_warps=4 if block_d * block_r <= 4096 else 8,
             **NO_FP_FUSION,
         )
@@ -315,6 +323,7 @@ def pre_ffn_norms_launch(x, wa, post, scalar: float, wb, eps: float = 1e-6):
             float(scalar),
             BLOCK_R=block_r,
             BLOCK_D=block_d,
+            **pdl_kwargs(x2, _pre_ffn_norms_kernel),
             num_warps=4 if block_d * block_r <= 4096 else 8,
             **NO_FP_FUSION,
         )

@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import auto_triton
+from ._dispatch import auto_triton, pdl_kwargs
+from ._math import pdl_enter
 
 
 @triton.jit
@@ -27,7 +28,9 @@ def _rms_norm_kernel(
     HAS_WEIGHT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < R) & (cols[None, :] < D)
@@ -70,6 +73,7 @@ def rms_norm_launch(
             HAS_WEIGHT=weight is not None,
             BLOCK_R=block_r,
             BLOCK_D=block_d,
+            **pdl_kwargs(x2, _rms_norm_kernel),
             num_warps=4 if block_d * block_r <= 4096 else 8,
         )
     return y.view(x.shape)

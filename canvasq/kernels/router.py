@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import auto_triton
+from ._dispatch import auto_triton, pdl_kwargs
+from ._math import pdl_enter
 
 
 @triton.jit
@@ -32,7 +33,9 @@ def _router_topk_kernel(
     TOP_K: tl.constexpr,
     E_P2: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, E_P2)
     src = tl.minimum(rows, N - 1).to(tl.int64)  # rows past N re-read the last one (stores are masked)
@@ -63,7 +66,17 @@ def router_topk_launch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
     block_r = max(1, min(8, 1024 // e_p2))  # 8 rows of 128 experts: 32 programs at 256 rows
     if n:
         _router_topk_kernel[(triton.cdiv(n, block_r),)](
-            logits, p, ids, n, e, logits.stride(0), TOP_K=k, E_P2=e_p2, BLOCK_R=block_r, num_warps=4
+            logits,
+            p,
+            ids,
+            n,
+            e,
+            logits.stride(0),
+            TOP_K=k,
+            E_P2=e_p2,
+            BLOCK_R=block_r,
+            **pdl_kwargs(logits, _router_topk_kernel),
+            num_warps=4,
         )
     return p, ids
 

@@ -16,12 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import auto_triton, interpreted
-from ._math import NO_FP_FUSION, tanh
+from ._dispatch import auto_triton, interpreted, pdl_kwargs
+from ._math import NO_FP_FUSION, pdl_enter, tanh
 
 
 @triton.jit
-def _softcap_kernel(x_ptr, y_ptr, n, inv_cap, cap, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
+def _softcap_kernel(
+    x_ptr, y_ptr, n, inv_cap, cap, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr
+):
+    pdl_enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     z = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32) * inv_cap
@@ -43,6 +46,7 @@ def softcap_launch(x: torch.Tensor, cap: float, out: torch.Tensor | None = None)
             float(cap),
             BLOCK=block,
             INTERPRETED=interpreted(_softcap_kernel),
+            **pdl_kwargs(x, _softcap_kernel),
             num_warps=8,
             **NO_FP_FUSION,
         )

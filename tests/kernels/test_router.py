@@ -57,3 +57,22 @@ def test_router_topk_ties_pick_the_experts_cuda_topk_picks():
     want_p, want_ids = router_topk_reference(logits, 8)
     torch.testing.assert_close(p, want_p, rtol=2e-6, atol=1e-7)
     assert torch.equal(ids.sort(1).values, want_ids.sort(1).values)
+
+
+def test_pdl_only_for_compiled_kernels_on_hopper(monkeypatch):
+    """Programmatic dependent launch is asked for only where it exists (compiled, CUDA, sm_90+) and can
+    be switched off; on a GPU the kernels give the same bits either way."""
+    from canvasq.kernels._dispatch import pdl
+    from canvasq.kernels.router import _router_topk_kernel
+
+    cpu = torch.zeros(2, 8)
+    assert not pdl(cpu, _router_topk_kernel)
+    if not torch.cuda.is_available():
+        return
+    logits = torch.randn(300, 128, device="cuda").to(torch.bfloat16)
+    on = router_topk_launch(logits, 8)
+    assert pdl(logits, _router_topk_kernel) == (torch.cuda.get_device_capability() >= (9, 0))
+    monkeypatch.setenv("CANVASQ_PDL", "off")
+    assert not pdl(logits, _router_topk_kernel)
+    off = router_topk_launch(logits, 8)
+    assert all(torch.equal(a, b) for a, b in zip(on, off))

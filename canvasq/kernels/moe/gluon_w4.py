@@ -107,6 +107,18 @@ def untile_q(qt: torch.Tensor, group: int) -> torch.Tensor:
     return (nib[..., :hb] | (nib[..., hb:] << 4)).to(torch.uint8).reshape(E, T * TILE_ROWS, ng * hb)
 
 
+@gluon.jit
+def _pdl_enter(PDL: gl.constexpr):
+    """`canvasq.kernels._math.pdl_enter` for Gluon kernels (the same two PTX instructions)."""
+    if PDL:
+        gl.inline_asm_elementwise(
+            "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+        gl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+
+
 @gluon.constexpr_function
 def _word_layout(BN, G, NW):
     """Layout of a [BN, G/8] int32 tile of packed words: lane 4g + c holds words c*NH .. c*NH + NH - 1
@@ -382,10 +394,12 @@ def _gl_w4_gate_up_kernel(
     BN: gl.constexpr,
     NW: gl.constexpr,
     STAGES: gl.constexpr,
+    PDL: gl.constexpr,
 ):
     """One program: BLOCK_M sorted rows of one expert x BN columns of I, gate and up together;
     h = act(gate) * up. qt_ptr: int32 words of `tile_q`'s layout (stride_qe in words). STAGES: 0 for
     the register main loop, >= 2 for the cp.async one."""
+    _pdl_enter(PDL)
     DT: gl.constexpr = x_ptr.dtype.element_ty
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
     A8: gl.constexpr = gl.DotOperandLayout(0, mma, 8)
@@ -449,9 +463,11 @@ def _gl_w4_down_kernel(
     BN: gl.constexpr,
     NW: gl.constexpr,
     STAGES: gl.constexpr,
+    PDL: gl.constexpr,
 ):
     """One program: BLOCK_M sorted rows x BN columns of H; writes rows y_tk[t*K + k] (unweighted).
     STAGES: as in the gate_up kernel."""
+    _pdl_enter(PDL)
     DT: gl.constexpr = h_ptr.dtype.element_ty
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
     A8: gl.constexpr = gl.DotOperandLayout(0, mma, 8)

@@ -14,6 +14,8 @@ No atomics anywhere: every output element is written by exactly one program, so 
 import triton
 import triton.language as tl
 
+from .._math import pdl_enter
+
 
 @triton.jit
 def _gelu_tanh(x):
@@ -133,11 +135,13 @@ def _w4_gate_up_kernel(
     PREFETCH_SCALE: tl.constexpr,
     SUB: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: BLOCK_M sorted rows (one expert) x BLOCK_N columns of I, gate and up together.
     Each iteration takes SUB packed rows (k and k + G/2 of one group): SUB = G/2 is one group per
     iteration; a smaller SUB holds a smaller weight tile in registers and shared memory (more
     programs per SM) at the price of more iterations."""
+    pdl_enter(PDL)
     DT: tl.constexpr = x_ptr.dtype.element_ty
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -260,9 +264,11 @@ def _w4_down_kernel(
     PREFETCH_SCALE: tl.constexpr,
     SUB: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: BLOCK_M sorted rows x BLOCK_N columns of H; writes rows y_tk[t*K + k]. SUB: as in
     the gate_up kernel."""
+    pdl_enter(PDL)
     DT: tl.constexpr = h_ptr.dtype.element_ty
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -335,10 +341,12 @@ def _combine_kernel(
     K_P2: tl.constexpr,
     RENORM: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[t] = sum_k w[t, k] * y_tk[t*K + k], k in fixed order 0..K-1, fp32 accumulation.
     RENORM (DiffusionGemma's router epilogue, otherwise three torch ops per layer): w are the raw
     top-k probabilities, used as w[t, k] / sum_k w[t, k] * scale[ids[t, k]] (correctly rounded divide)."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < H
@@ -369,9 +377,16 @@ def _onehot_rank(ids_ptr, i, num_assign, running, ex, SUB: tl.constexpr):
 
 @triton.jit
 def _histogram_kernel(
-    ids_ptr, hist_ptr, num_assign, E_P2: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr
+    ids_ptr,
+    hist_ptr,
+    num_assign,
+    E_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SUB: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """hist[c, e] = assignments of chunk c (CHUNK consecutive ids t*K + k) routed to expert e."""
+    pdl_enter(PDL)
     c = tl.program_id(0)
     ex = tl.arange(0, E_P2)
     counts = tl.zeros((E_P2,), tl.int32)
@@ -402,6 +417,7 @@ def _align_kernel(
     SUB: tl.constexpr,
     HIST_ROWS: tl.constexpr,
     HIST_STEPS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Routing metadata from the flat expert ids and the per-chunk histograms: a counting sort, no
     atomics, no global sort. Every program sums the histograms (counts per expert, and the counts of
@@ -411,6 +427,7 @@ def _align_kernel(
     assignment lands: disjoint from the first set, so no ordering between programs) and the
     CHUNK / BLOCK_M blocks of those rows.
     """
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     ex = tl.arange(0, E_P2)
     counts = tl.zeros((E_P2,), tl.int32)

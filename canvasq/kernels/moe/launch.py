@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import triton
 
-from .._dispatch import auto_triton, can_launch, interpreted
+from .._dispatch import auto_triton, can_launch, interpreted, pdl_kwargs
 from . import kernels as _k
 from .quant import W4Experts
 
@@ -99,7 +99,16 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int = 32) -
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
     warps = 4
-    _k._histogram_kernel[(num_chunks,)](ids, hist, A, E_P2=e_p2, CHUNK=chunk, SUB=sub, num_warps=warps)
+    _k._histogram_kernel[(num_chunks,)](
+        ids,
+        hist,
+        A,
+        E_P2=e_p2,
+        CHUNK=chunk,
+        SUB=sub,
+        **pdl_kwargs(ids, _k._histogram_kernel),
+        num_warps=warps,
+    )
     _k._align_kernel[(triton.cdiv(p_max, chunk),)](
         ids,
         hist,
@@ -117,6 +126,7 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int = 32) -
         SUB=sub,
         HIST_ROWS=HIST_ROWS,
         HIST_STEPS=triton.cdiv(num_chunks, HIST_ROWS),
+        **pdl_kwargs(ids, _k._align_kernel),
         num_warps=warps,
     )
     return RoutingMeta(sorted_ids, block_expert, num_padded, counts, A, block_m)
@@ -271,6 +281,7 @@ def launch_gate_up(
         PREFETCH_SCALE=cfg.prefetch_scale,
         SUB=_sub_k(cfg.gate_up_sub_k, packed.config.group_gate_up),
         EVEN_K=H % packed.config.group_gate_up == 0,
+        **pdl_kwargs(x, _k._w4_gate_up_kernel),
         num_warps=cfg.gate_up_warps,
         num_stages=cfg.gate_up_stages,
     )
@@ -314,6 +325,7 @@ def launch_down(
         PREFETCH_SCALE=cfg.prefetch_scale,
         SUB=_sub_k(cfg.down_sub_k, packed.config.group_down),
         EVEN_K=I % packed.config.group_down == 0,
+        **pdl_kwargs(h, _k._w4_down_kernel),
         num_warps=cfg.down_warps,
         num_stages=cfg.down_stages,
     )
@@ -412,6 +424,7 @@ def launch_gate_up_gluon(
         BN=bn,
         NW=nw,
         STAGES=cfg.gluon_gate_up_stages,
+        **pdl_kwargs(x, _gl_w4_gate_up_kernel),
         num_warps=nw,
     )
 
@@ -448,6 +461,7 @@ def launch_down_gluon(
         BN=bn,
         NW=nw,
         STAGES=cfg.gluon_down_stages,
+        **pdl_kwargs(h, _gl_w4_down_kernel),
         num_warps=nw,
     )
 
@@ -516,6 +530,7 @@ def w4_moe_launch(
         K_P2=triton.next_power_of_2(K),
         RENORM=renorm,
         BLOCK_N=bn,
+        **pdl_kwargs(y_tk, _k._combine_kernel),
     )
     return out
 

@@ -212,7 +212,13 @@ def gluon_kernels(path: str = GLUON_CONFIGS):
     H200 configs (what a CUDA worker runs on its tiled packs): a layout that stops converting
     trivially (`assert_trivial`) fails here, on CPU."""
     G = importlib.import_module("canvasq.kernels.moe.gluon_w4")
-    ptrs = {"qt_ptr": "*i32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32"}
+    ptrs = {
+        "qt_ptr": "*i32",
+        "sz_ptr": "*i32",
+        "sorted_ids_ptr": "*i32",
+        "block_expert_ptr": "*i32",
+        "num_padded_ptr": "*i32",
+    }
     seen = set()
     for cfg in _load_configs(path).values():
         for which, group, groups in (("gate_up", 128, 22), ("down", 64, 11)):

@@ -377,7 +377,9 @@ def test_tiled_pack_round_trips_and_serves_the_twin(tmp_path):
     packed = pack_w4(gate_up, down, W4Config(scale_dtype=torch.float16))
     tiled = packed.to_tiled()
     assert tiled.tiled and not packed.tiled and tiled.to_tiled() is tiled
-    assert tiled.gate_up_q.dtype == torch.int32 and tiled.nbytes() == packed.nbytes()
+    assert tiled.gate_up_q.dtype == torch.int32
+    words = 4 * (packed.gate_up_scale.numel() + packed.down_scale.numel())  # the packed scale/zero words
+    assert tiled.nbytes() == packed.nbytes() + words
     for a, b in zip(tiled.kcontig_q(), (packed.gate_up_q, packed.down_q)):
         assert torch.equal(a, b)
     for a, b in zip(unpack_w4(tiled), unpack_w4(packed)):
@@ -393,15 +395,46 @@ def test_tiled_pack_round_trips_and_serves_the_twin(tmp_path):
     save_packed(tmp_path / "t.safetensors", {"m": tiled})
     loaded = load_packed(tmp_path / "t.safetensors")[0]["m"]
     assert not loaded.tiled and torch.equal(loaded.gate_up_q, packed.gate_up_q)
-    odd = pack_w4(*_experts(2, 200, 88, torch.float32, seed=6, device="cpu"))  # padded groups
+    odd = pack_w4(
+        *_experts(2, 200, 88, torch.float32, seed=6, device="cpu"), W4Config(scale_dtype=torch.float16)
+    )
     with pytest.raises(ValueError, match="whole groups"):
         odd.to_tiled()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_packed_scale_zero_words(dtype):
+    """`pack_scale_zero`: the low half is the scale's bits, the high half -(magic + zero) in the same
+    dtype (what the PTX adds to magic + q), exactly; `unpack_scale_zero` inverts it, and a tiled pack
+    carries the words of its own scales and zeros."""
+    from canvasq.kernels.moe.gluon_w4 import MAGIC, pack_scale_zero, unpack_scale_zero
+
+    g = torch.Generator().manual_seed(3)
+    scale = (torch.rand(2, 3, 40, generator=g) * 0.1 + 1e-4).to(dtype)
+    zero = torch.randint(0, 16, (2, 3, 40), generator=g).to(dtype)
+    sz = pack_scale_zero(scale, zero)
+    assert sz.dtype == torch.int32 and sz.shape == scale.shape
+    lo = (sz & 0xFFFF).to(torch.int32)
+    hi = ((sz >> 16) & 0xFFFF).to(torch.int32)
+    as_dtype = lambda v: torch.where(v >= 2**15, v - 2**16, v).to(torch.int16).view(dtype)
+    assert torch.equal(as_dtype(lo), scale)
+    assert torch.equal(as_dtype(hi).float(), -(zero.float() + MAGIC[dtype]))
+    s2, z2 = unpack_scale_zero(sz, dtype)
+    assert torch.equal(s2, scale) and torch.equal(z2, zero)
+    packed = pack_w4(*_experts(2, 128, 64, torch.float32, seed=8, device="cpu"), W4Config(scale_dtype=dtype))
+    tiled = packed.to_tiled()
+    assert torch.equal(tiled.gate_up_sz, pack_scale_zero(packed.gate_up_scale, packed.gate_up_zero))
+    assert torch.equal(tiled.down_sz, pack_scale_zero(packed.down_scale, packed.down_zero))
+    with pytest.raises(ValueError, match="fp16/bf16"):
+        pack_w4(*_experts(2, 128, 64, torch.float32, seed=8, device="cpu")).to_tiled()
 
 
 def test_gluon_tile_narrows_to_divide():
     from canvasq.kernels.moe.launch import _gluon_tile, routing_block
 
-    packed = pack_w4(*_experts(2, 128, 64, torch.float32, seed=7, device="cpu"))
+    packed = pack_w4(
+        *_experts(2, 128, 64, torch.float32, seed=7, device="cpu"), W4Config(scale_dtype=torch.float16)
+    )
     cfg = MoeLaunchConfig(block_m=16, gluon_block_m=32)
     assert routing_block(cfg, packed) == 16 and routing_block(cfg, packed.to_tiled()) == 32
     assert routing_block(MoeLaunchConfig(block_m=16), packed.to_tiled()) == 16

@@ -198,15 +198,31 @@ def _dequant(qw, nz, DT: gl.constexpr, A8: gl.constexpr):
     return gl.convert_layout(w, A8, assert_trivial=True)
 
 
+MAGIC = {torch.bfloat16: 128.0, torch.float16: 1024.0}  # the magic float the nibbles are or-ed into
+
+
+def pack_scale_zero(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """scale, zero [E, ng, N] (fp16/bf16, zero integer-valued) -> int32 words [E, ng, N]: the scale's bits
+    in the low half and -(magic + zero)'s in the high half, both in the scale dtype (exact: magic + 15
+    has 8 significant bits). One load gives a row's scale and the PTX's zero operand (`_group_mma`)."""
+    lo = scale.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+    nz = (-(zero.float() + MAGIC[scale.dtype])).to(scale.dtype).view(torch.int16).to(torch.int64) & 0xFFFF
+    word = lo | (nz << 16)
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def unpack_scale_zero(sz: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `pack_scale_zero` (tests)."""
+    w = sz.to(torch.int64) & 0xFFFFFFFF
+    half = lambda v: torch.where(v >= 2**15, v - 2**16, v).to(torch.int16).view(dtype)
+    scale, nz = half(w & 0xFFFF), half(w >> 16)
+    return scale, (-nz.float() - MAGIC[dtype]).to(dtype)
+
+
 @gluon.jit
-def _neg_zero(z, DT: gl.constexpr):
-    """zero [BN] (DT, integer values) -> -(magic + zero) in DT, both halves of an int32."""
-    if DT == gl.bfloat16:
-        v = (-(z.to(gl.float32) + 128.0)).to(DT)
-    else:
-        v = (-(z.to(gl.float32) + 1024.0)).to(DT)
-    h = v.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-    return h | (h << 16)
+def _load_sz(sz_e, srow, rz):
+    """The packed scale/zero words [BN] of rows rz (offsets of this matrix's rows) in one group."""
+    return gl.load(sz_e + srow + rz)
 
 
 @gluon.constexpr_function
@@ -226,12 +242,16 @@ def _stage_in(sws, q_offs, sx, st, grp, q_e, xw_ptr, x_cp, x_cp_mask, G: gl.cons
 
 
 @gluon.jit
-def _group_mma(acc, qw, xb, s_e, z_e, srow, rz, rs, DT: gl.constexpr, A8: gl.constexpr):
-    """acc += ((q - zero) @ x) * scale over one group: rows rz/rs (offsets of this matrix's scale and
-    zero, in two layouts), qw [BN, G/8] packed words, xb the B operand [G, BM]."""
-    nz = _neg_zero(gl.load(z_e + srow + rz), DT)
-    sc = gl.load(s_e + srow + rs).to(gl.float32)
-    p = mma_v2(_dequant(qw, nz, DT, A8), xb, gl.zeros_like(acc))
+def _group_mma(acc, qw, xb, sz, DT: gl.constexpr, A8: gl.constexpr):
+    """acc += ((q - zero) @ x) * scale over one group: qw [BN, G/8] packed words, xb the B operand
+    [G, BM], sz the rows' packed scale/zero words (`pack_scale_zero`, loaded groups ahead)."""
+    hi = (sz >> 16) & 0xFFFF
+    p = mma_v2(_dequant(qw, hi | (hi << 16), DT, A8), xb, gl.zeros_like(acc))
+    if DT == gl.bfloat16:
+        sc = (sz << 16).to(gl.float32, bitcast=True)
+    else:
+        sc = (sz & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+    sc = gl.convert_layout(sc, gl.SliceLayout(1, acc.type.layout), assert_trivial=True)
     return acc + p * sc[:, None]
 
 
@@ -275,26 +295,38 @@ def _load_pairs(ptr, mask):
 
 @gluon.jit
 def _group_step(
-    acc0, acc1, w0, w1, pairs, srow, shift1, s_e, z_e, rz, rs, NMAT: gl.constexpr, DT: gl.constexpr,
-    A8: gl.constexpr, B8: gl.constexpr,
+    acc0, acc1, w0, w1, pairs, sz0, sz1, NMAT: gl.constexpr, DT: gl.constexpr, A8: gl.constexpr,
+    B8: gl.constexpr,
 ):  # fmt: skip
-    """One group of every matrix (1: down; 2: gate, then up with scale/zero rows shifted by shift1)."""
+    """One group of every matrix (1: down; 2: gate, then up), scale/zero words sz0 / sz1."""
     xb = _act_tile(pairs, DT, B8)
-    acc0 = _group_mma(acc0, w0, xb, s_e, z_e, srow, rz, rs, DT, A8)
+    acc0 = _group_mma(acc0, w0, xb, sz0, DT, A8)
     if NMAT == 2:
-        acc1 = _group_mma(acc1, w1, xb, s_e, z_e, srow + shift1, rz, rs, DT, A8)
+        acc1 = _group_mma(acc1, w1, xb, sz1, DT, A8)
     return acc0, acc1
 
 
 @gluon.jit
+def _load_sz2(sz_e, grp, stride_sg, shift1, rz, NMAT: gl.constexpr):
+    """Both matrices' scale/zero words of group `grp` (the second: rows shifted by shift1)."""
+    a = _load_sz(sz_e, grp * stride_sg, rz)
+    b = a
+    if NMAT == 2:
+        b = _load_sz(sz_e, grp * stride_sg + shift1, rz)
+    return a, b
+
+
+@gluon.jit
 def _loop_registers(
-    acc0, acc1, q_e, q_off0, q_off1, act_ptr, act_off, act_mask, s_e, z_e, stride_sg, shift1, rz, rs,
+    acc0, acc1, q_e, q_off0, q_off1, act_ptr, act_off, act_mask, sz_e, stride_sg, shift1, rz,
     NMAT: gl.constexpr, GROUP: gl.constexpr, NUM_GROUPS: gl.constexpr, DT: gl.constexpr,
     A8: gl.constexpr, B8: gl.constexpr,
 ):  # fmt: skip
     """The main loop with the next group's tiles waiting in registers: two groups per iteration,
     ping-pong (group g + 1's tiles load while g multiplies, and g + 2's reuse g's registers; a
-    one-group loop moved every prefetched register once per iteration)."""
+    one-group loop moved every prefetched register once per iteration). The scale/zero words are
+    loaded two groups ahead (they come from DRAM on first touch: a load right before its use left
+    every group waiting on it)."""
     TILE_W: gl.constexpr = 2 * GROUP  # words of one 16-row tile's group
     HALF: gl.constexpr = GROUP // 2
     w0 = gl.load(q_e + q_off0)
@@ -302,39 +334,41 @@ def _loop_registers(
     if NMAT == 2:
         w1 = gl.load(q_e + q_off1)
     xt = _load_pairs(act_ptr + act_off, act_mask)
+    sa0, sa1 = _load_sz2(sz_e, 0, stride_sg, shift1, rz, NMAT)
+    sb0, sb1 = _load_sz2(sz_e, gl.minimum(1, NUM_GROUPS - 1), stride_sg, shift1, rz, NMAT)
     for it in range(NUM_GROUPS // 2):
         g0 = 2 * it
+        sc0, sc1 = _load_sz2(sz_e, gl.minimum(g0 + 2, NUM_GROUPS - 1), stride_sg, shift1, rz, NMAT)
+        sd0, sd1 = _load_sz2(sz_e, gl.minimum(g0 + 3, NUM_GROUPS - 1), stride_sg, shift1, rz, NMAT)
         w0n = gl.load(q_e + (q_off0 + (g0 + 1) * TILE_W))
         if NMAT == 2:
             w1n = gl.load(q_e + (q_off1 + (g0 + 1) * TILE_W))
         else:
             w1n = w1
         xtn = _load_pairs(act_ptr + (act_off + (g0 + 1) * HALF), act_mask)
-        acc0, acc1 = _group_step(
-            acc0, acc1, w0, w1, xt, g0 * stride_sg, shift1, s_e, z_e, rz, rs, NMAT, DT, A8, B8
-        )
+        acc0, acc1 = _group_step(acc0, acc1, w0, w1, xt, sa0, sa1, NMAT, DT, A8, B8)
         g2 = gl.minimum(g0 + 2, NUM_GROUPS - 1)  # the last prefetch re-reads the last group
         w0 = gl.load(q_e + (q_off0 + g2 * TILE_W))
         if NMAT == 2:
             w1 = gl.load(q_e + (q_off1 + g2 * TILE_W))
         xt = _load_pairs(act_ptr + (act_off + g2 * HALF), act_mask)
-        srow = (g0 + 1) * stride_sg
-        acc0, acc1 = _group_step(acc0, acc1, w0n, w1n, xtn, srow, shift1, s_e, z_e, rz, rs, NMAT, DT, A8, B8)
+        acc0, acc1 = _group_step(acc0, acc1, w0n, w1n, xtn, sb0, sb1, NMAT, DT, A8, B8)
+        sa0, sa1, sb0, sb1 = sc0, sc1, sd0, sd1
     if NUM_GROUPS % 2 == 1:
-        srow = (NUM_GROUPS - 1) * stride_sg
-        acc0, acc1 = _group_step(acc0, acc1, w0, w1, xt, srow, shift1, s_e, z_e, rz, rs, NMAT, DT, A8, B8)
+        acc0, acc1 = _group_step(acc0, acc1, w0, w1, xt, sa0, sa1, NMAT, DT, A8, B8)
     return acc0, acc1
 
 
 @gluon.jit
 def _loop_staged(
-    acc0, acc1, q_e, q_off0, q_off1, act_ptr, act_off, act_mask, s_e, z_e, stride_sg, shift1, rz, rs,
+    acc0, acc1, q_e, q_off0, q_off1, act_ptr, act_off, act_mask, sz_e, stride_sg, shift1, rz,
     NMAT: gl.constexpr, GROUP: gl.constexpr, NUM_GROUPS: gl.constexpr, DT: gl.constexpr,
     A8: gl.constexpr, B8: gl.constexpr, BN: gl.constexpr, BLOCK_M: gl.constexpr, NW: gl.constexpr,
     STAGES: gl.constexpr,
 ):  # fmt: skip
     """The main loop with the weight and activation tiles brought in by cp.async through STAGES
-    shared-memory buffers: only the current group is held in registers."""
+    shared-memory buffers: only the current group is held in registers (and the scale/zero words of
+    the next two, loaded ahead as in `_loop_registers`)."""
     LW: gl.constexpr = _word_layout(BN, GROUP, NW)
     LX: gl.constexpr = _act_layout(BLOCK_M, GROUP, NW)
     SW: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 1, [1, 0])  # lanes read 512 contiguous bytes
@@ -352,20 +386,23 @@ def _loop_staged(
 
     for st in gl.static_range(STAGES - 1):
         _stage_in(sws, q_offs, sx, st, st, q_e, act_ptr, act_off, act_mask, GROUP)
+    sa0, sa1 = _load_sz2(sz_e, 0, stride_sg, shift1, rz, NMAT)
+    sb0, sb1 = _load_sz2(sz_e, gl.minimum(1, NUM_GROUPS - 1), stride_sg, shift1, rz, NMAT)
     for grp in range(NUM_GROUPS):
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()  # group grp landed for every thread; stage (grp - 1) % STAGES is free again
         nxt = gl.minimum(grp + STAGES - 1, NUM_GROUPS - 1)  # past the end: a harmless re-read
         ns = (grp + STAGES - 1) % STAGES
         _stage_in(sws, q_offs, sx, ns, nxt, q_e, act_ptr, act_off, act_mask, GROUP)
+        sc0, sc1 = _load_sz2(sz_e, gl.minimum(grp + 2, NUM_GROUPS - 1), stride_sg, shift1, rz, NMAT)
         cur = grp % STAGES
         pairs = sx.index(cur).load(LX)
         w0 = sws[0].index(cur).load(LW)
         w1 = w0
         if NMAT == 2:
             w1 = sws[1].index(cur).load(LW)
-        srow = grp * stride_sg
-        acc0, acc1 = _group_step(acc0, acc1, w0, w1, pairs, srow, shift1, s_e, z_e, rz, rs, NMAT, DT, A8, B8)
+        acc0, acc1 = _group_step(acc0, acc1, w0, w1, pairs, sa0, sa1, NMAT, DT, A8, B8)
+        sa0, sa1, sb0, sb1 = sb0, sb1, sc0, sc1
     async_copy.wait_group(0)
     return acc0, acc1
 
@@ -374,8 +411,7 @@ def _loop_staged(
 def _gl_w4_gate_up_kernel(
     x_ptr,
     qt_ptr,
-    s_ptr,
-    z_ptr,
+    sz_ptr,
     h_ptr,
     sorted_ids_ptr,
     block_expert_ptr,
@@ -397,8 +433,9 @@ def _gl_w4_gate_up_kernel(
     PDL: gl.constexpr,
 ):
     """One program: BLOCK_M sorted rows of one expert x BN columns of I, gate and up together;
-    h = act(gate) * up. qt_ptr: int32 words of `tile_q`'s layout (stride_qe in words). STAGES: 0 for
-    the register main loop, >= 2 for the cp.async one."""
+    h = act(gate) * up. qt_ptr: int32 words of `tile_q`'s layout (stride_qe in words); sz_ptr: int32
+    words of `pack_scale_zero` [E, ng, 2I] (strides stride_se, stride_sg). STAGES: 0 for the register
+    main loop, >= 2 for the cp.async one."""
     _pdl_enter(PDL)
     DT: gl.constexpr = x_ptr.dtype.element_ty
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
@@ -419,18 +456,17 @@ def _gl_w4_gate_up_kernel(
     rz = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
     rs = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     q_e = qt_ptr + e * stride_qe
-    s_e = s_ptr + e * stride_se
-    z_e = z_ptr + e * stride_se
+    sz_e = sz_ptr + e * stride_se
     acc_g = gl.zeros([BN, BLOCK_M], gl.float32, mma)
     acc_u = gl.zeros([BN, BLOCK_M], gl.float32, mma)
     if STAGES == 0:
         acc_g, acc_u = _loop_registers(
-            acc_g, acc_u, q_e, q_off_g, q_off_u, xw_ptr, x_off, x_mask, s_e, z_e, stride_sg, I, rz, rs,
+            acc_g, acc_u, q_e, q_off_g, q_off_u, xw_ptr, x_off, x_mask, sz_e, stride_sg, I, rz,
             2, GROUP, NUM_GROUPS, DT, A8, B8,
         )  # fmt: skip
     else:
         acc_g, acc_u = _loop_staged(
-            acc_g, acc_u, q_e, q_off_g, q_off_u, xw_ptr, x_off, x_mask, s_e, z_e, stride_sg, I, rz, rs,
+            acc_g, acc_u, q_e, q_off_g, q_off_u, xw_ptr, x_off, x_mask, sz_e, stride_sg, I, rz,
             2, GROUP, NUM_GROUPS, DT, A8, B8, BN, BLOCK_M, NW, STAGES,
         )  # fmt: skip
 
@@ -445,8 +481,7 @@ def _gl_w4_gate_up_kernel(
 def _gl_w4_down_kernel(
     h_ptr,
     qt_ptr,
-    s_ptr,
-    z_ptr,
+    sz_ptr,
     y_ptr,
     sorted_ids_ptr,
     block_expert_ptr,
@@ -486,17 +521,16 @@ def _gl_w4_down_kernel(
     rz = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
     rs = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     q_e = qt_ptr + e * stride_qe
-    s_e = s_ptr + e * stride_se
-    z_e = z_ptr + e * stride_se
+    sz_e = sz_ptr + e * stride_se
     acc = gl.zeros([BN, BLOCK_M], gl.float32, mma)
     if STAGES == 0:
         acc, _ = _loop_registers(
-            acc, acc, q_e, q_off, q_off, hw_ptr, h_off, None, s_e, z_e, stride_sg, 0, rz, rs,
+            acc, acc, q_e, q_off, q_off, hw_ptr, h_off, None, sz_e, stride_sg, 0, rz,
             1, GROUP, NUM_GROUPS, DT, A8, B8,
         )  # fmt: skip
     else:
         acc, _ = _loop_staged(
-            acc, acc, q_e, q_off, q_off, hw_ptr, h_off, None, s_e, z_e, stride_sg, 0, rz, rs,
+            acc, acc, q_e, q_off, q_off, hw_ptr, h_off, None, sz_e, stride_sg, 0, rz,
             1, GROUP, NUM_GROUPS, DT, A8, B8, BN, BLOCK_M, NW, STAGES,
         )  # fmt: skip
 

@@ -398,14 +398,13 @@ def launch_gate_up_gluon(
         packed.tiled and h.shape == (meta.sorted_ids.numel(), I) and h.dtype == x.dtype and h.is_contiguous()
     )
     assert x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0, "activations are read as 32-bit pairs"
-    qt, gs = packed.gate_up_q, packed.gate_up_scale
+    qt, gs = packed.gate_up_q, packed.gate_up_sz
     nw, tiles = _gluon_tile(cfg.gluon_gate_up_warps, cfg.gluon_gate_up_tiles, I)
     bn = 16 * nw * tiles
     _gl_w4_gate_up_kernel[(meta.sorted_ids.numel() // meta.block_m, I // bn)](
         x,
         qt,
         gs,
-        packed.gate_up_zero,
         h,
         meta.sorted_ids,
         meta.block_expert,
@@ -437,14 +436,13 @@ def launch_down_gluon(
 
     H = packed.hidden
     assert packed.tiled and y_tk.shape == (meta.num_assign, H) and y_tk.is_contiguous() and h.is_contiguous()
-    qt, ds = packed.down_q, packed.down_scale
+    qt, ds = packed.down_q, packed.down_sz
     nw, tiles = _gluon_tile(cfg.gluon_down_warps, cfg.gluon_down_tiles, H)
     bn = 16 * nw * tiles
     _gl_w4_down_kernel[(meta.sorted_ids.numel() // meta.block_m, H // bn)](
         h,
         qt,
         ds,
-        packed.down_zero,
         y_tk,
         meta.sorted_ids,
         meta.block_expert,

@@ -70,6 +70,10 @@ class W4Experts:
     inter: int  # I
     config: W4Config = field(default_factory=W4Config)
     tiled: bool = False  # q in the Gluon kernels' order (`to_tiled`), not the K-contiguous one
+    # tiled packs: each group's scale and -(magic + zero) as one int32 word per row [E, ng, N]
+    # (`gluon_w4.pack_scale_zero`), what the Gluon kernels load; scale/zero above stay for the twin
+    gate_up_sz: torch.Tensor | None = None
+    down_sz: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:
@@ -84,7 +88,7 @@ class W4Experts:
         return self.gate_up_scale.dtype
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {
+        out = {
             "gate_up_q": self.gate_up_q,
             "gate_up_scale": self.gate_up_scale,
             "gate_up_zero": self.gate_up_zero,
@@ -92,6 +96,9 @@ class W4Experts:
             "down_scale": self.down_scale,
             "down_zero": self.down_zero,
         }
+        if self.tiled:
+            out.update(gate_up_sz=self.gate_up_sz, down_sz=self.down_sz)
+        return out
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
@@ -115,18 +122,29 @@ class W4Experts:
 
     def to_tiled(self) -> W4Experts:
         """The same pack with q in the Gluon kernels' order (no padding: H and I whole groups, 2I and
-        H whole 16-row tiles). The K-contiguous bytes are not kept: drop this pack to free them."""
+        H whole 16-row tiles) and each group's scale and zero packed as one word per row (+ 4 bytes per
+        row and group: 0.86 GB at the real shape). The K-contiguous bytes are not kept: drop this pack
+        to free them. fp16/bf16 scales only."""
         if self.tiled:
             return self
-        from .gluon_w4 import tile_q
+        from .gluon_w4 import pack_scale_zero, tile_q
 
         gg, gd = self.config.group_gate_up, self.config.group_down
+        if self.scale_dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"the tiled layout serves fp16/bf16 scales, not {self.scale_dtype}")
         if self.hidden % gg or self.inter % gd or self.inter % 16 or self.hidden % 16 or min(gg, gd) < 64:
             raise ValueError(
                 f"the tiled layout needs whole groups and 16-row tiles: H={self.hidden} I={self.inter} "
                 f"groups {gg}/{gd} (>= 64)"
             )
-        out = replace(self, gate_up_q=tile_q(self.gate_up_q, gg), down_q=tile_q(self.down_q, gd), tiled=True)
+        out = replace(
+            self,
+            gate_up_q=tile_q(self.gate_up_q, gg),
+            down_q=tile_q(self.down_q, gd),
+            tiled=True,
+            gate_up_sz=pack_scale_zero(self.gate_up_scale, self.gate_up_zero),
+            down_sz=pack_scale_zero(self.down_scale, self.down_zero),
+        )
         out.validate()
         return out
 
@@ -135,6 +153,8 @@ class W4Experts:
         gg, gd = self.config.group_gate_up, self.config.group_down
         hp, ip = _round_up(H, gg), _round_up(I, gd)
         if self.tiled:
+            assert self.gate_up_sz.shape == self.gate_up_scale.shape and self.gate_up_sz.dtype == torch.int32
+            assert self.down_sz.shape == self.down_scale.shape and self.down_sz.dtype == torch.int32
             assert self.gate_up_q.shape == (E, 2 * I // 16, hp // gg, 2 * gg), self.gate_up_q.shape
             assert self.down_q.shape == (E, H // 16, ip // gd, 2 * gd) and self.down_q.dtype == torch.int32
         else:

@@ -40,8 +40,9 @@ def save_packed(
 
     tensors, meta = {}, {}
     for name, p in packs.items():
-        gq, dq = p.kcontig_q()  # files always hold the K-contiguous order
-        for field, t in dict(p.tensors(), gate_up_q=gq, down_q=dq).items():
+        gq, dq = p.kcontig_q()  # files always hold the K-contiguous order (and no packed words)
+        fields = {k: v for k, v in p.tensors().items() if not k.endswith("_sz")}
+        for field, t in dict(fields, gate_up_q=gq, down_q=dq).items():
             tensors[f"{name}.{field}"] = t.detach().contiguous().cpu()
         meta[name] = {
             "hidden": p.hidden,

@@ -112,8 +112,13 @@ def loop_profile(sass: str) -> dict:
             best = body if len(body) > len(best) else best
     if not best:
         return {}
-    top = collections.Counter(best).most_common(6)
-    return {"loop_instr": len(best), "loop_top": " ".join(f"{op}:{n}" for op, n in top)}
+    counts = collections.Counter(best)
+    top = counts.most_common(6)
+    return {
+        "loop_instr": len(best),
+        "loop_top": " ".join(f"{op}:{n}" for op, n in top),
+        "loop_mma": counts["HMMA"] + counts["HGMMA"],
+    }
 
 
 def _ptrs(fn, dtype="bf16", overrides=None):
@@ -205,6 +210,9 @@ def moe_kernels(cfg: MoeLaunchConfig, H=2816, I=704):
 
 
 GLUON_CONFIGS = os.path.join(CONFIG_DIR, H200_CONFIGS)
+# checked-in tiles that spill and were measured fastest anyway (bytes of stack allowed): BLOCK_M 32 gate_up
+# w2 t2 s3, 297 vs 336 us at 1024 rows and 956 vs 1075 at 4096 (probe 7cf24bd, BENCHMARKS.md session 8)
+MEASURED_SPILLS = {"gluon_gate_up m32 w2 t2 s3": 48}
 
 
 def gluon_kernels(path: str = GLUON_CONFIGS):
@@ -222,9 +230,10 @@ def gluon_kernels(path: str = GLUON_CONFIGS):
     seen = set()
     for cfg in _load_configs(path).values():
         for which, group, groups in (("gate_up", 128, 22), ("down", 64, 11)):
-            w, t, st = (getattr(cfg, f"gluon_{which}_{k}") for k in ("warps", "tiles", "stages"))
+            w, t, st, fr = (getattr(cfg, f"gluon_{which}_{k}") for k in ("warps", "tiles", "stages", "frags"))
+            fr = fr and st >= 4
             bm = cfg.gluon_block_m or cfg.block_m
-            key = (which, bm, w, t, st)
+            key = (which, bm, w, t, st, fr)
             if key in seen:
                 continue
             seen.add(key)
@@ -240,10 +249,11 @@ def gluon_kernels(path: str = GLUON_CONFIGS):
                 "BN": 16 * w * t,
                 "NW": w,
                 "STAGES": st,
+                "FRAGS": fr,
             }
             div = {n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("stride") or n == "I"}
             yield (
-                f"gluon_{which} m{bm} w{w} t{t} s{st}",
+                f"gluon_{which} m{bm} w{w} t{t} s{st}" + (" frags" if fr else ""),
                 compile_kernel(fn, types, consts, div, w, 1),
             )
 
@@ -477,7 +487,8 @@ def main() -> None:
         else itertools.chain(moe_kernels(MoeLaunchConfig()), gluon_kernels(), other_kernels())
     ):
         rows.append({"kernel": name, "config": "default", **res})
-        failed |= res["stack"] > 0 or (name.startswith(ROUNDING_FAITHFUL) and res["half_fma"] > 0)
+        spill_ok = MEASURED_SPILLS.get(name.removesuffix(" frags"), 0)
+        failed |= res["stack"] > spill_ok or (name.startswith(ROUNDING_FAITHFUL) and res["half_fma"] > 0)
     tuned = _load_configs(str(CONFIG_DIR / H200_CONFIGS))[256]  # the checked-in tiles at 256 rows
     for sub in (None if v == "none" else int(v) for v in a.sub_k.split(",") if v):
         # down's half group is 32 rows

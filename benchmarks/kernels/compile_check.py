@@ -230,10 +230,9 @@ def gluon_kernels(path: str = GLUON_CONFIGS):
     seen = set()
     for cfg in _load_configs(path).values():
         for which, group, groups in (("gate_up", 128, 22), ("down", 64, 11)):
-            w, t, st, fr = (getattr(cfg, f"gluon_{which}_{k}") for k in ("warps", "tiles", "stages", "frags"))
-            fr = fr and st >= 4
+            w, t, st = (getattr(cfg, f"gluon_{which}_{k}") for k in ("warps", "tiles", "stages"))
             bm = cfg.gluon_block_m or cfg.block_m
-            key = (which, bm, w, t, st, fr)
+            key = (which, bm, w, t, st)
             if key in seen:
                 continue
             seen.add(key)
@@ -249,11 +248,10 @@ def gluon_kernels(path: str = GLUON_CONFIGS):
                 "BN": 16 * w * t,
                 "NW": w,
                 "STAGES": st,
-                "FRAGS": fr,
             }
             div = {n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("stride") or n == "I"}
             yield (
-                f"gluon_{which} m{bm} w{w} t{t} s{st}" + (" frags" if fr else ""),
+                f"gluon_{which} m{bm} w{w} t{t} s{st}",
                 compile_kernel(fn, types, consts, div, w, 1),
             )
 
@@ -487,7 +485,7 @@ def main() -> None:
         else itertools.chain(moe_kernels(MoeLaunchConfig()), gluon_kernels(), other_kernels())
     ):
         rows.append({"kernel": name, "config": "default", **res})
-        spill_ok = MEASURED_SPILLS.get(name.removesuffix(" frags"), 0)
+        spill_ok = MEASURED_SPILLS.get(name, 0)
         failed |= res["stack"] > spill_ok or (name.startswith(ROUNDING_FAITHFUL) and res["half_fma"] > 0)
     tuned = _load_configs(str(CONFIG_DIR / H200_CONFIGS))[256]  # the checked-in tiles at 256 rows
     for sub in (None if v == "none" else int(v) for v in a.sub_k.split(",") if v):

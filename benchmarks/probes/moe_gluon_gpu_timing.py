@@ -61,7 +61,6 @@ def compare(arms, out, n_rows):
 
 
 # (warps, row tiles, stages): 16 * warps * tiles rows must divide I = 704 (gate_up) / H = 2816 (down)
-# (warps, row tiles, stages[, "f": fragments read a group ahead, `_loop_staged`'s FRAGS])
 GATE_UP_TILES = (
     (4, 1, 0),
     (2, 2, 0),
@@ -71,8 +70,6 @@ GATE_UP_TILES = (
     (2, 2, 3),
     (2, 1, 3),
     (1, 4, 3),
-    (4, 1, 4, "f"),
-    (2, 1, 4, "f"),
 )
 DOWN_TILES = (
     (4, 1, 0),
@@ -84,21 +81,14 @@ DOWN_TILES = (
     (4, 2, 4),
     (2, 2, 3),
     (8, 1, 3),
-    (4, 2, 4, "f"),
-    (2, 2, 4, "f"),
 )
 
 
 BLOCK_MS = (16, 32, 64)  # the Gluon kernels' routing block (64 only from 512 rows)
 
 
-def _pick(which: str, warps: int, tiles: int, stages: int, frags: bool) -> dict:
-    return {
-        f"gluon_{which}_warps": warps,
-        f"gluon_{which}_tiles": tiles,
-        f"gluon_{which}_stages": stages,
-        f"gluon_{which}_frags": frags,
-    }
+def _pick(which: str, warps: int, tiles: int, stages: int) -> dict:
+    return {f"gluon_{which}_warps": warps, f"gluon_{which}_tiles": tiles, f"gluon_{which}_stages": stages}
 
 
 def best(row: dict) -> tuple[str, float]:
@@ -131,19 +121,15 @@ def main():
             n_real = int(m.num_padded.item())
             h = torch.zeros(m.sorted_ids.numel(), I, device=dev, dtype=dt)
             arms = {"triton": partial(launch_gate_up, x, p, m, tri, h)}
-            for w, t, s, *f in GATE_UP_TILES:
-                cfg = replace(tri, **_pick("gate_up", w, t, s, bool(f)))
-                arms[f"gluon w{w} t{t} s{s}" + (" f" if f else "")] = partial(
-                    launch_gate_up_gluon, x, pt, m, cfg, h
-                )
+            for w, t, s in GATE_UP_TILES:
+                cfg = replace(tri, **_pick("gate_up", w, t, s))
+                arms[f"gluon w{w} t{t} s{s}"] = partial(launch_gate_up_gluon, x, pt, m, cfg, h)
             gu = res[f"T{T} m{bm} gate_up"] = compare(arms, h, n_real)
             launch_gate_up(x, p, m, tri, h)  # down's input
             arms = {"triton": partial(launch_down, h, p, m, tri, y)}
-            for w, t, s, *f in DOWN_TILES:
-                cfg = replace(tri, **_pick("down", w, t, s, bool(f)))
-                arms[f"gluon w{w} t{t} s{s}" + (" f" if f else "")] = partial(
-                    launch_down_gluon, h, pt, m, cfg, y
-                )
+            for w, t, s in DOWN_TILES:
+                cfg = replace(tri, **_pick("down", w, t, s))
+                arms[f"gluon w{w} t{t} s{s}"] = partial(launch_down_gluon, h, pt, m, cfg, y)
             dn = res[f"T{T} m{bm} down"] = compare(arms, y, T * K)
             (gu_name, gu_us), (dn_name, dn_us) = best(gu), best(dn)
             choice[bm] = (gu_us + dn_us, gu_name, dn_name)
@@ -152,9 +138,8 @@ def main():
         bm = min(choice, key=lambda b: choice[b][0])
         cfg = replace(tuned, gluon_block_m=None if bm == tuned.block_m else bm)
         for which, name in zip(("gate_up", "down"), choice[bm][1:]):
-            parts = name.split()[1:]
-            w, t, st = (int(v[1:]) for v in parts[:3])
-            cfg = replace(cfg, **_pick(which, w, t, st, parts[3:] == ["f"]))
+            w, t, st = (int(v[1:]) for v in name.split()[1:])
+            cfg = replace(cfg, **_pick(which, w, t, st))
         configs[T] = cfg
         print(f"T{T}: Gluon BLOCK_M {bm}, {choice[bm][0]:.1f} us per layer", flush=True)
     out = os.environ.get("OUT", "/tmp")

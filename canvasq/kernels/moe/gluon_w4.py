@@ -14,8 +14,7 @@ moves and 42 `prmt` per iteration (BENCHMARKS.md, session 6). Here the layouts a
   word holds the 8 logical k of one lane's A registers and a warp's load is contiguous; one PTX block
   per word gives those registers with the zero point subtracted;
 - two main loops: the next group's tiles wait in registers (STAGES = 0, `_loop_registers`), or come
-  in by cp.async through STAGES shared-memory buffers (`_loop_staged`; with FRAGS the next group's
-  fragments leave shared memory while the current one multiplies);
+  in by cp.async through STAGES shared-memory buffers (`_loop_staged`);
 - each group's scale and zero are one int32 word per row (`pack_scale_zero`), loaded two groups
   before their use: loaded right before it, they stalled every group on DRAM (BENCHMARKS.md, session 8).
 
@@ -367,7 +366,7 @@ def _loop_staged(
     acc0, acc1, q_e, q_off0, q_off1, act_ptr, act_off, act_mask, sz_e, stride_sg, shift1, rz,
     NMAT: gl.constexpr, GROUP: gl.constexpr, NUM_GROUPS: gl.constexpr, DT: gl.constexpr,
     A8: gl.constexpr, B8: gl.constexpr, BN: gl.constexpr, BLOCK_M: gl.constexpr, NW: gl.constexpr,
-    STAGES: gl.constexpr, FRAGS: gl.constexpr,
+    STAGES: gl.constexpr,
 ):  # fmt: skip
     """The main loop with the weight and activation tiles brought in by cp.async through STAGES
     shared-memory buffers: only the current group is held in registers (and the scale/zero words of
@@ -391,35 +390,16 @@ def _loop_staged(
         _stage_in(sws, q_offs, sx, st, st, q_e, act_ptr, act_off, act_mask, GROUP)
     sa0, sa1 = _load_sz2(sz_e, 0, stride_sg, shift1, rz, NMAT)
     sb0, sb1 = _load_sz2(sz_e, gl.minimum(1, NUM_GROUPS - 1), stride_sg, shift1, rz, NMAT)
-    if FRAGS:
-        # the fragments of group grp + 1 come out of shared memory while group grp multiplies: one
-        # stage less of copies in flight (wait for STAGES - 3 instead of STAGES - 2; needs STAGES >= 4)
+    for grp in range(NUM_GROUPS):
         async_copy.wait_group(STAGES - 2)
-        gl.thread_barrier()
-        pairs, w0, w1 = _stage_frags(sws, sx, 0, LW, LX, NMAT)
-        for grp in range(NUM_GROUPS):
-            async_copy.wait_group(STAGES - 3)
-            gl.thread_barrier()  # group grp + 1 landed; stage (grp - 1) % STAGES was read two groups ago
-            nxt = gl.minimum(grp + STAGES - 1, NUM_GROUPS - 1)
-            _stage_in(
-                sws, q_offs, sx, (grp + STAGES - 1) % STAGES, nxt, q_e, act_ptr, act_off, act_mask, GROUP
-            )
-            sc0, sc1 = _load_sz2(sz_e, gl.minimum(grp + 2, NUM_GROUPS - 1), stride_sg, shift1, rz, NMAT)
-            pairs_n, w0n, w1n = _stage_frags(sws, sx, (grp + 1) % STAGES, LW, LX, NMAT)
-            acc0, acc1 = _group_step(acc0, acc1, w0, w1, pairs, sa0, sa1, NMAT, DT, A8, B8)
-            pairs, w0, w1 = pairs_n, w0n, w1n
-            sa0, sa1, sb0, sb1 = sb0, sb1, sc0, sc1
-    else:
-        for grp in range(NUM_GROUPS):
-            async_copy.wait_group(STAGES - 2)
-            gl.thread_barrier()  # group grp landed for every thread; stage (grp - 1) % STAGES is free again
-            nxt = gl.minimum(grp + STAGES - 1, NUM_GROUPS - 1)  # past the end: a harmless re-read
-            ns = (grp + STAGES - 1) % STAGES
-            _stage_in(sws, q_offs, sx, ns, nxt, q_e, act_ptr, act_off, act_mask, GROUP)
-            sc0, sc1 = _load_sz2(sz_e, gl.minimum(grp + 2, NUM_GROUPS - 1), stride_sg, shift1, rz, NMAT)
-            pairs, w0, w1 = _stage_frags(sws, sx, grp % STAGES, LW, LX, NMAT)
-            acc0, acc1 = _group_step(acc0, acc1, w0, w1, pairs, sa0, sa1, NMAT, DT, A8, B8)
-            sa0, sa1, sb0, sb1 = sb0, sb1, sc0, sc1
+        gl.thread_barrier()  # group grp landed for every thread; stage (grp - 1) % STAGES is free again
+        nxt = gl.minimum(grp + STAGES - 1, NUM_GROUPS - 1)  # past the end: a harmless re-read
+        ns = (grp + STAGES - 1) % STAGES
+        _stage_in(sws, q_offs, sx, ns, nxt, q_e, act_ptr, act_off, act_mask, GROUP)
+        sc0, sc1 = _load_sz2(sz_e, gl.minimum(grp + 2, NUM_GROUPS - 1), stride_sg, shift1, rz, NMAT)
+        pairs, w0, w1 = _stage_frags(sws, sx, grp % STAGES, LW, LX, NMAT)
+        acc0, acc1 = _group_step(acc0, acc1, w0, w1, pairs, sa0, sa1, NMAT, DT, A8, B8)
+        sa0, sa1, sb0, sb1 = sb0, sb1, sc0, sc1
     async_copy.wait_group(0)
     return acc0, acc1
 
@@ -458,13 +438,12 @@ def _gl_w4_gate_up_kernel(
     BN: gl.constexpr,
     NW: gl.constexpr,
     STAGES: gl.constexpr,
-    FRAGS: gl.constexpr,
     PDL: gl.constexpr,
 ):
     """One program: BLOCK_M sorted rows of one expert x BN columns of I, gate and up together;
     h = act(gate) * up. qt_ptr: int32 words of `tile_q`'s layout (stride_qe in words); sz_ptr: int32
     words of `pack_scale_zero` [E, ng, 2I] (strides stride_se, stride_sg). STAGES: 0 for the register
-    main loop, >= 2 for the cp.async one; FRAGS (STAGES >= 4): its fragments read a group ahead."""
+    main loop, >= 2 for the cp.async one."""
     _pdl_enter(PDL)
     DT: gl.constexpr = x_ptr.dtype.element_ty
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
@@ -496,7 +475,7 @@ def _gl_w4_gate_up_kernel(
     else:
         acc_g, acc_u = _loop_staged(
             acc_g, acc_u, q_e, q_off_g, q_off_u, xw_ptr, x_off, x_mask, sz_e, stride_sg, I, rz,
-            2, GROUP, NUM_GROUPS, DT, A8, B8, BN, BLOCK_M, NW, STAGES, FRAGS,
+            2, GROUP, NUM_GROUPS, DT, A8, B8, BN, BLOCK_M, NW, STAGES,
         )  # fmt: skip
 
     # gelu_pytorch_tanh(gate) * up (kernels._gelu_tanh), stored transposed: h[row, n]
@@ -527,7 +506,6 @@ def _gl_w4_down_kernel(
     BN: gl.constexpr,
     NW: gl.constexpr,
     STAGES: gl.constexpr,
-    FRAGS: gl.constexpr,
     PDL: gl.constexpr,
 ):
     """One program: BLOCK_M sorted rows x BN columns of H; writes rows y_tk[t*K + k] (unweighted).
@@ -561,7 +539,7 @@ def _gl_w4_down_kernel(
     else:
         acc, _ = _loop_staged(
             acc, acc, q_e, q_off, q_off, hw_ptr, h_off, None, sz_e, stride_sg, 0, rz,
-            1, GROUP, NUM_GROUPS, DT, A8, B8, BN, BLOCK_M, NW, STAGES, FRAGS,
+            1, GROUP, NUM_GROUPS, DT, A8, B8, BN, BLOCK_M, NW, STAGES,
         )  # fmt: skip
 
     mc = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))

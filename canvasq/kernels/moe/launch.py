@@ -53,9 +53,6 @@ class MoeLaunchConfig:
     # 0: the next group's tiles wait in registers; >= 2: cp.async through that many shared-memory stages
     gluon_gate_up_stages: int = 0
     gluon_down_stages: int = 0
-    # with >= 4 stages: the next group's fragments are read from shared memory during this group's MMAs
-    gluon_gate_up_frags: bool = False
-    gluon_down_frags: bool = False
 
 
 @dataclass(frozen=True)
@@ -426,7 +423,6 @@ def launch_gate_up_gluon(
         BN=bn,
         NW=nw,
         STAGES=cfg.gluon_gate_up_stages,
-        FRAGS=cfg.gluon_gate_up_frags and cfg.gluon_gate_up_stages >= 4,
         **pdl_kwargs(x, _gl_w4_gate_up_kernel),
         num_warps=nw,
     )
@@ -463,7 +459,6 @@ def launch_down_gluon(
         BN=bn,
         NW=nw,
         STAGES=cfg.gluon_down_stages,
-        FRAGS=cfg.gluon_down_frags and cfg.gluon_down_stages >= 4,
         **pdl_kwargs(h, _gl_w4_down_kernel),
         num_warps=nw,
     )

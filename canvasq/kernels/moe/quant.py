@@ -123,7 +123,7 @@ class W4Experts:
     def to_tiled(self) -> W4Experts:
         """The same pack with q in the Gluon kernels' order (no padding: H and I whole groups, 2I and
         H whole 16-row tiles) and each group's scale and zero packed as one word per row (+ 4 bytes per
-        row and group: 0.86 GB at the real shape). The K-contiguous bytes are not kept: drop this pack
+        row and group: 0.89 GiB at the real shape). The K-contiguous bytes are not kept: drop this pack
         to free them. fp16/bf16 scales only."""
         if self.tiled:
             return self

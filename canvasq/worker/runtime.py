@@ -40,6 +40,16 @@ def resolve_device(setting: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def bind_cuda_device(device: str) -> None:
+    """Make `device` ("cuda" or "cuda:N") the current CUDA device. The kernels launch, and the decode
+    graphs capture, on the current device's stream, so a worker pinned with CANVASQ_DEVICE=cuda:N
+    (rather than CUDA_VISIBLE_DEVICES) must select N before it loads the model."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(torch.device(device))
+
+
 def default_decode_fn() -> DecodeFn:
     from canvasq.decoders import run_batch
 
@@ -112,11 +122,12 @@ class ChunkRuntime:
                 import torch
 
                 torch.set_num_threads(self.settings.torch_threads)
+            bind_cuda_device(device)
             t0 = time.perf_counter()
             self._bundle = load_bundle(self.settings.model, device=device)
             log.info("loaded %s on %s in %.1fs", self.settings.model, device, time.perf_counter() - t0)
             if device.startswith("cuda"):
-                self.device = f"cuda:{os.environ.get('CUDA_VISIBLE_DEVICES', '0')}"
+                self.device = device if ":" in device else f"cuda:{os.environ.get('CUDA_VISIBLE_DEVICES', '0')}"
         return self._bundle
 
     @property

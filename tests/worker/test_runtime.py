@@ -177,3 +177,18 @@ def test_cuda_graphs_setting_reaches_the_step_decoders(wsettings, wstore, bundle
     run = wstore.create_run(jobs(2), model=settings.model, queue="q", decoder="auto", chunk_size=2)
     out = runtime(settings, wstore, bundle, decode_fn=recording).process_chunk(run.chunk_ids[0])
     assert out["written"] == 2 and seen == ["off"]
+
+
+def test_a_worker_pinned_to_cuda_n_selects_that_device(monkeypatch):
+    """CANVASQ_DEVICE=cuda:N without CUDA_VISIBLE_DEVICES: the kernels and graphs use the current
+    device's stream, so the worker must make N current before loading; cpu selects nothing."""
+    import torch
+
+    from canvasq.worker.runtime import bind_cuda_device
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(torch.device(d)))
+    bind_cuda_device("cpu")
+    assert chosen == []
+    bind_cuda_device("cuda:1")
+    assert chosen == [torch.device("cuda:1")]

@@ -1,5 +1,6 @@
-"""Grouped W4A16 MoE: packing (`quant`), Triton kernels (`kernels`), launchers + `w4_moe` (`launch`),
-torch twins (`reference`), safetensors cache and HF model patching (`store`), tuned configs (`configs/`)."""
+"""Grouped W4A16 MoE: packing (`quant`), Triton kernels on K-contiguous packs (`kernels`), Gluon kernels
+on tiled packs, the CUDA default (`gluon_w4`), launchers + `w4_moe` (`launch`), torch twins (`reference`),
+safetensors cache and HF model patching (`store`), tuned configs (`configs/`)."""
 
 from .launch import (
     MoeLaunchConfig,

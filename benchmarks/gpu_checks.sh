@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/gpu_checks.sh tests forward    # one call, at most 5 + 3.5 min
 #   bash benchmarks/gpu_checks.sh replay           # its own call, about 7 min (records on CPU first)
+#   bash benchmarks/gpu_checks.sh ncu              # Nsight Compute on the Gluon MoE kernels, 256 rows
 #
 # peft is not on that machine: carry a wheel (`pip download peft==0.21.2 --no-deps -d .whl`) and
 # name `.whl` in the call's carry list. CANVASQ_COMMIT labels the reports.
@@ -48,6 +49,15 @@ if [[ $what == *" forward "* ]]; then
     > "$OUT/forward.txt" 2>&1
   echo "rc=$?" >> "$OUT/forward.txt"
   grep -A7 "^## Decoder forward" "$OUT/forward.txt"
+fi
+if [[ $what == *" ncu "* ]]; then
+  # Nsight Compute on the Gluon MoE kernels at 256 rows (the second of three calls; see the driver)
+  timeout 300 /usr/local/cuda/bin/ncu --kernel-name regex:_gl_w4 --launch-skip 2 --launch-count 2 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis \
+    python benchmarks/probes/moe_ncu_driver.py 256 > "$OUT/ncu_moe_256.txt" 2>&1
+  echo "rc=$?" >> "$OUT/ncu_moe_256.txt"
+  grep -E "_gl_w4|Duration|DRAM Throughput|Issued Warp|No Eligible|Registers Per|Achieved Occupancy" "$OUT/ncu_moe_256.txt"
 fi
 if [[ $what == *" replay "* ]]; then
   timeout 560 python benchmarks/decoders.py replay --device cuda --experts w4 --graphs --batches 16,4,1 \

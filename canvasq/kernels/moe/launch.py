@@ -358,7 +358,7 @@ def tiled_supported(packed: W4Experts, dtype: torch.dtype) -> bool:
 
 
 def prefer_tiled(packed: W4Experts, dtype: torch.dtype | None = None) -> W4Experts:
-    """`packed.to_tiled()` where `tiled_supported` (the Gluon kernels: faster, BENCHMARKS.md session 7;
+    """`packed.to_tiled()` where `tiled_supported` (the Gluon kernels: faster, BENCHMARKS.md sessions 7-8;
     the K-contiguous bytes are then dropped, so expert memory stays one copy), else `packed`."""
     return packed.to_tiled() if tiled_supported(packed, dtype or packed.scale_dtype) else packed
 

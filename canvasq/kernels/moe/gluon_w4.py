@@ -405,6 +405,26 @@ def _loop_staged(
 
 
 @gluon.jit
+def _main_loop(
+    acc0, acc1, q_e, q_off0, q_off1, act_ptr, act_off, act_mask, sz_e, stride_sg, shift1, rz,
+    NMAT: gl.constexpr, GROUP: gl.constexpr, NUM_GROUPS: gl.constexpr, DT: gl.constexpr,
+    A8: gl.constexpr, B8: gl.constexpr, BN: gl.constexpr, BLOCK_M: gl.constexpr, NW: gl.constexpr,
+    STAGES: gl.constexpr,
+):  # fmt: skip
+    """Both kernels' main loop over the groups: `_loop_registers` (STAGES 0) or `_loop_staged`."""
+    if STAGES == 0:
+        return _loop_registers(
+            acc0, acc1, q_e, q_off0, q_off1, act_ptr, act_off, act_mask, sz_e, stride_sg, shift1, rz,
+            NMAT, GROUP, NUM_GROUPS, DT, A8, B8,
+        )  # fmt: skip
+    else:
+        return _loop_staged(
+            acc0, acc1, q_e, q_off0, q_off1, act_ptr, act_off, act_mask, sz_e, stride_sg, shift1, rz,
+            NMAT, GROUP, NUM_GROUPS, DT, A8, B8, BN, BLOCK_M, NW, STAGES,
+        )  # fmt: skip
+
+
+@gluon.jit
 def _stage_frags(sws, sx, st, LW: gl.constexpr, LX: gl.constexpr, NMAT: gl.constexpr):
     """Stage st's activation pairs and weight words, from shared memory into registers."""
     pairs = sx.index(st).load(LX)
@@ -467,16 +487,10 @@ def _gl_w4_gate_up_kernel(
     sz_e = sz_ptr + e * stride_se
     acc_g = gl.zeros([BN, BLOCK_M], gl.float32, mma)
     acc_u = gl.zeros([BN, BLOCK_M], gl.float32, mma)
-    if STAGES == 0:
-        acc_g, acc_u = _loop_registers(
-            acc_g, acc_u, q_e, q_off_g, q_off_u, xw_ptr, x_off, x_mask, sz_e, stride_sg, I, rz,
-            2, GROUP, NUM_GROUPS, DT, A8, B8,
-        )  # fmt: skip
-    else:
-        acc_g, acc_u = _loop_staged(
-            acc_g, acc_u, q_e, q_off_g, q_off_u, xw_ptr, x_off, x_mask, sz_e, stride_sg, I, rz,
-            2, GROUP, NUM_GROUPS, DT, A8, B8, BN, BLOCK_M, NW, STAGES,
-        )  # fmt: skip
+    acc_g, acc_u = _main_loop(
+        acc_g, acc_u, q_e, q_off_g, q_off_u, xw_ptr, x_off, x_mask, sz_e, stride_sg, I, rz,
+        2, GROUP, NUM_GROUPS, DT, A8, B8, BN, BLOCK_M, NW, STAGES,
+    )  # fmt: skip
 
     # gelu_pytorch_tanh(gate) * up (kernels._gelu_tanh), stored transposed: h[row, n]
     u = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
@@ -531,16 +545,10 @@ def _gl_w4_down_kernel(
     q_e = qt_ptr + e * stride_qe
     sz_e = sz_ptr + e * stride_se
     acc = gl.zeros([BN, BLOCK_M], gl.float32, mma)
-    if STAGES == 0:
-        acc, _ = _loop_registers(
-            acc, acc, q_e, q_off, q_off, hw_ptr, h_off, None, sz_e, stride_sg, 0, rz,
-            1, GROUP, NUM_GROUPS, DT, A8, B8,
-        )  # fmt: skip
-    else:
-        acc, _ = _loop_staged(
-            acc, acc, q_e, q_off, q_off, hw_ptr, h_off, None, sz_e, stride_sg, 0, rz,
-            1, GROUP, NUM_GROUPS, DT, A8, B8, BN, BLOCK_M, NW, STAGES,
-        )  # fmt: skip
+    acc, _ = _main_loop(
+        acc, acc, q_e, q_off, q_off, hw_ptr, h_off, None, sz_e, stride_sg, 0, rz,
+        1, GROUP, NUM_GROUPS, DT, A8, B8, BN, BLOCK_M, NW, STAGES,
+    )  # fmt: skip
 
     mc = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     aid = gl.load(sorted_ids_ptr + mc)

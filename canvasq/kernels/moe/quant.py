@@ -120,6 +120,18 @@ class W4Experts:
             self.down_q, self.config.group_down
         )
 
+    def tiling_problem(self) -> str | None:
+        """Why this pack cannot take the tiled layout (`to_tiled`), or None."""
+        gg, gd = self.config.group_gate_up, self.config.group_down
+        if self.scale_dtype not in (torch.float16, torch.bfloat16):
+            return f"the tiled layout serves fp16/bf16 scales, not {self.scale_dtype}"
+        if self.hidden % gg or self.inter % gd or self.inter % 16 or self.hidden % 16 or min(gg, gd) < 64:
+            return (
+                f"the tiled layout needs whole groups and 16-row tiles: H={self.hidden} I={self.inter} "
+                f"groups {gg}/{gd} (>= 64)"
+            )
+        return None
+
     def to_tiled(self) -> W4Experts:
         """The same pack with q in the Gluon kernels' order (no padding: H and I whole groups, 2I and
         H whole 16-row tiles) and each group's scale and zero packed as one word per row (+ 4 bytes per
@@ -129,14 +141,10 @@ class W4Experts:
             return self
         from .gluon_w4 import pack_scale_zero, tile_q
 
+        problem = self.tiling_problem()
+        if problem:
+            raise ValueError(problem)
         gg, gd = self.config.group_gate_up, self.config.group_down
-        if self.scale_dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"the tiled layout serves fp16/bf16 scales, not {self.scale_dtype}")
-        if self.hidden % gg or self.inter % gd or self.inter % 16 or self.hidden % 16 or min(gg, gd) < 64:
-            raise ValueError(
-                f"the tiled layout needs whole groups and 16-row tiles: H={self.hidden} I={self.inter} "
-                f"groups {gg}/{gd} (>= 64)"
-            )
         out = replace(
             self,
             gate_up_q=tile_q(self.gate_up_q, gg),

@@ -608,7 +608,7 @@ def test_gluon_kernels_match_triton_kernels(dtype, block_m, T, stages, fold):
     """The Gluon gate_up/down (gluon_w4.py, on the tiled pack) against the Triton ones (on the
     K-contiguous pack) and the dequantised twin; CUDA packs are tiled by default (`prefer_tiled`).
     `fold`: gate_up with the zero point folded out of its tiles (`gluon_fold_zero`)."""
-    from canvasq.kernels.moe.launch import prefer_tiled
+    from canvasq.kernels.moe.launch import launch_gate_up_gluon, prefer_tiled
 
     E, H, I, K = 8, 256, 128, 4
     gate_up, down = _experts(E, H, I, dtype, seed=0)
@@ -625,6 +625,15 @@ def test_gluon_kernels_match_triton_kernels(dtype, block_m, T, stages, fold):
         gluon_fold_zero=fold,
     )
     y = w4_moe_launch(x, ids, w, tiled, config=cfg, out=poison((T, H), dtype))
+    if fold:  # h, padding rows included (zeros), as the zero-in-tile kernel gives it
+        meta = align_routing(ids, E, block_m)
+        h_fold, h_tile = (
+            torch.full((meta.sorted_ids.numel(), I), 7.0, device="cuda", dtype=dtype) for _ in range(2)
+        )
+        launch_gate_up_gluon(x, tiled, meta, cfg, h_fold)
+        launch_gate_up_gluon(x, tiled, meta, replace(cfg, gluon_fold_zero=False), h_tile)
+        n = int(meta.num_padded.item())
+        assert rel_err(h_fold[:n], h_tile[:n]) < TOL[dtype]
     y_triton = w4_moe_launch(x, ids, w, packed, config=MoeLaunchConfig(block_m=block_m))
     ref = w4_moe_reference(x, ids, w, packed)
     assert rel_err(y, ref) < TOL[dtype]

@@ -553,8 +553,10 @@ def _gl_w4_gate_up_kernel(
 
     # gelu_pytorch_tanh(gate) * up (kernels._gelu_tanh), stored transposed: h[row, n]
     u = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
-    hv = (acc_g / (1.0 + gl.exp(-2.0 * u)) * acc_u).to(h_ptr.dtype.element_ty)
-    gl.store(h_ptr + mrow[None, :].to(gl.int64) * stride_hm + rs[:, None], hv)
+    hv = acc_g / (1.0 + gl.exp(-2.0 * u)) * acc_u
+    if FOLD:  # padding rows read token 0's sums against zeroed activations: keep their h zero
+        hv = gl.where((aid < num_assign)[None, :], hv, 0.0)
+    gl.store(h_ptr + mrow[None, :].to(gl.int64) * stride_hm + rs[:, None], hv.to(h_ptr.dtype.element_ty))
 
 
 @gluon.jit

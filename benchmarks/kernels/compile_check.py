@@ -215,11 +215,10 @@ GLUON_CONFIGS = os.path.join(CONFIG_DIR, H200_CONFIGS)
 MEASURED_SPILLS = {"gluon_gate_up m32 w2 t2 s3": 48}
 
 
-def gluon_kernels(path: str = GLUON_CONFIGS, folds: tuple = (None,)):
+def gluon_kernels(path: str = GLUON_CONFIGS):
     """The Gluon MoE kernels (canvasq/kernels/moe/gluon_w4.py) at every distinct Gluon tile of the
     H200 configs (what a CUDA worker runs on its tiled packs): a layout that stops converting
-    trivially (`assert_trivial`) fails here, on CPU. `folds`: gate_up's zero-point modes to compile
-    (None: the config's `gluon_fold_zero`; names of folded kernels end in " fold")."""
+    trivially (`assert_trivial`) fails here, on CPU."""
     G = importlib.import_module("canvasq.kernels.moe.gluon_w4")
     ptrs = {
         "qt_ptr": "*i32",
@@ -227,16 +226,13 @@ def gluon_kernels(path: str = GLUON_CONFIGS, folds: tuple = (None,)):
         "sorted_ids_ptr": "*i32",
         "block_expert_ptr": "*i32",
         "num_padded_ptr": "*i32",
-        "xs_ptr": "*fp32",
     }
     seen = set()
-    for cfg, fold_arg in itertools.product(_load_configs(path).values(), folds):
-        fold = cfg.gluon_fold_zero if fold_arg is None else fold_arg
+    for cfg in _load_configs(path).values():
         for which, group, groups in (("gate_up", 128, 22), ("down", 64, 11)):
             w, t, st = (getattr(cfg, f"gluon_{which}_{k}") for k in ("warps", "tiles", "stages"))
             bm = cfg.gluon_block_m or cfg.block_m
-            fold = fold and which == "gate_up"  # down keeps the zero in its tiles
-            key = (which, bm, w, t, st, fold)
+            key = (which, bm, w, t, st)
             if key in seen:
                 continue
             seen.add(key)
@@ -252,11 +248,10 @@ def gluon_kernels(path: str = GLUON_CONFIGS, folds: tuple = (None,)):
                 "BN": 16 * w * t,
                 "NW": w,
                 "STAGES": st,
-                **({"FOLD": fold} if which == "gate_up" else {}),
             }
             div = {n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("stride") or n == "I"}
             yield (
-                f"gluon_{which} m{bm} w{w} t{t} s{st}" + (" fold" if fold else ""),
+                f"gluon_{which} m{bm} w{w} t{t} s{st}",
                 compile_kernel(fn, types, consts, div, w, 1),
             )
 
@@ -464,10 +459,10 @@ def other_kernels():
 ROUNDING_FAITHFUL = ("rms_norm_rope", "add_rms_norm", "pre_ffn_norms", "gelu_mul")  # must keep HF's roundings
 
 
-def _only(prefixes: tuple[str, ...], folds: tuple = (None,)):
+def _only(prefixes: tuple[str, ...]):
     """The kernels whose names start with one of `prefixes` (the MoE kernels are compiled only if asked)."""
     moe = moe_kernels(MoeLaunchConfig()) if any(p in ("gate_up", "down") for p in prefixes) else ()
-    gl = gluon_kernels(folds=folds) if any(p.startswith("gluon") for p in prefixes) else ()
+    gl = gluon_kernels() if any(p.startswith("gluon") for p in prefixes) else ()
     return ((n, r) for n, r in itertools.chain(moe, gl, other_kernels()) if n.startswith(prefixes))
 
 
@@ -481,20 +476,13 @@ def main() -> None:
         help="comma list of packed rows per MoE iteration to compile at the tuned 256-row tiles (none = half a"
         " group, e.g. none,32,16)",
     )
-    ap.add_argument(
-        "--gluon-fold",
-        choices=("config", "both"),
-        default="config",
-        help="the Gluon kernels' zero-point mode: the configs' `gluon_fold_zero`, or both modes",
-    )
     a = ap.parse_args()
     rows, failed = [], False
     only = tuple(x for x in a.only.split(",") if x)
-    folds = (None,) if a.gluon_fold == "config" else (False, True)
     for name, res in (
-        _only(only, folds)
+        _only(only)
         if only
-        else itertools.chain(moe_kernels(MoeLaunchConfig()), gluon_kernels(folds=folds), other_kernels())
+        else itertools.chain(moe_kernels(MoeLaunchConfig()), gluon_kernels(), other_kernels())
     ):
         rows.append({"kernel": name, "config": "default", **res})
         spill_ok = MEASURED_SPILLS.get(name, 0)

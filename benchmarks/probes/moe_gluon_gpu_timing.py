@@ -5,7 +5,6 @@ random-normal weights and routing, torch seed 0). Timing: `benchmarks/kernels/_c
 output checked against the first (Triton, tuned config) arm's within 2e-2, else "WRONG".
 
     python benchmarks/probes/moe_gluon_gpu_timing.py 8,16,256     # H200; $OUT/gluon_timing.json
-    FOLD=off python benchmarks/probes/moe_gluon_gpu_timing.py 256  # gate_up arms without the folded zero
 
 For each row count and each routing block BLOCK_M in BLOCK_MS: the checked-in Triton tiles at that BLOCK_M
 (on the K-contiguous pack; the reference arm) and the Gluon tiles below (on the tiled pack,
@@ -15,7 +14,6 @@ canvasq/kernels/moe/configs/ to keep it). Since session 8 a CUDA worker's packs 
 tiles are what runs; the Triton column says what the K-contiguous path (CANVASQ_MOE_LAYOUT=kcontig) gets.
 """
 
-import itertools
 import json
 import os
 import sys
@@ -88,21 +86,10 @@ DOWN_TILES = (
 
 # the Gluon kernels' routing block (64 only from 512 rows); BLOCK_MS=16 in the environment: only that one
 BLOCK_MS = tuple(int(v) for v in os.environ.get("BLOCK_MS", "16,32,64").split(","))
-# gate_up with the zero point in its tiles and folded out (`gluon_fold_zero`, session 9; its arms
-# include the x group-sum reduction it launches first)
-FOLDS = (False, True) if os.environ.get("FOLD", "both") == "both" else (os.environ["FOLD"] == "on",)
 
 
-def _pick(which: str, warps: int, tiles: int, stages: int, fold: bool = False) -> dict:
-    cfg = {f"gluon_{which}_warps": warps, f"gluon_{which}_tiles": tiles, f"gluon_{which}_stages": stages}
-    return {**cfg, "gluon_fold_zero": fold} if which == "gate_up" else cfg
-
-
-def _arm(name: str) -> tuple[int, int, int, bool]:
-    """ "gluon w4 t1 s3 [fold]" -> (4, 1, 3, fold)."""
-    parts = name.split()
-    w, t, st = (int(v[1:]) for v in parts[1:4])
-    return w, t, st, parts[-1] == "fold"
+def _pick(which: str, warps: int, tiles: int, stages: int) -> dict:
+    return {f"gluon_{which}_warps": warps, f"gluon_{which}_tiles": tiles, f"gluon_{which}_stages": stages}
 
 
 def best(row: dict) -> tuple[str, float]:
@@ -135,10 +122,9 @@ def main():
             n_real = int(m.num_padded.item())
             h = torch.zeros(m.sorted_ids.numel(), I, device=dev, dtype=dt)
             arms = {"triton": partial(launch_gate_up, x, p, m, tri, h)}
-            for (w, t, s), fold in itertools.product(GATE_UP_TILES, FOLDS):
-                cfg = replace(tri, **_pick("gate_up", w, t, s, fold))
-                name = f"gluon w{w} t{t} s{s}" + (" fold" if fold else "")
-                arms[name] = partial(launch_gate_up_gluon, x, pt, m, cfg, h)
+            for w, t, s in GATE_UP_TILES:
+                cfg = replace(tri, **_pick("gate_up", w, t, s))
+                arms[f"gluon w{w} t{t} s{s}"] = partial(launch_gate_up_gluon, x, pt, m, cfg, h)
             gu = res[f"T{T} m{bm} gate_up"] = compare(arms, h, n_real)
             launch_gate_up(x, p, m, tri, h)  # down's input
             arms = {"triton": partial(launch_down, h, p, m, tri, y)}
@@ -153,7 +139,8 @@ def main():
         bm = min(choice, key=lambda b: choice[b][0])
         cfg = replace(tuned, gluon_block_m=None if bm == tuned.block_m else bm)
         for which, name in zip(("gate_up", "down"), choice[bm][1:]):
-            cfg = replace(cfg, **_pick(which, *_arm(name)))
+            w, t, st = (int(v[1:]) for v in name.split()[1:])
+            cfg = replace(cfg, **_pick(which, w, t, st))
         configs[T] = cfg
         print(f"T{T}: Gluon BLOCK_M {bm}, {choice[bm][0]:.1f} us per layer", flush=True)
     out = os.environ.get("OUT", "/tmp")

@@ -579,36 +579,14 @@ def test_word_ptx_gives_weights_in_pair_order(dtype, magic):
             assert got == [k_of[2 * i] - zero, k_of[2 * i + 1] - zero], (word, zero, i)
 
 
-@pytest.mark.parametrize("dtype,magic", [(torch.bfloat16, 128.0), (torch.float16, 1024.0)])
-def test_raw_word_ptx_leaves_magic_plus_nibble(dtype, magic):
-    """The folded-zero variant (gluon_w4 `_RAW_PTX`): the same pairs as `_WORD_PTX` before its zero
-    subtraction, (magic + q) exactly, so x @ them - (magic + zero) * sum(x) is x @ (q - zero)."""
-    from canvasq.kernels.moe.gluon_w4 import NIBBLE_K, RAW_PTX_BF16, RAW_PTX_FP16
-
-    program = RAW_PTX_BF16 if dtype == torch.bfloat16 else RAW_PTX_FP16
-    g = torch.Generator().manual_seed(1)
-    for _ in range(300):
-        word = int(torch.randint(0, 2**32, (1,), generator=g, dtype=torch.int64))
-        regs = _run_ptx(program, word)
-        k_of = {k: (word >> (4 * n)) & 0xF for n, k in enumerate(NIBBLE_K)}
-        for i in range(4):
-            got = [_half_float((regs[f"${i}"] >> (16 * h)) & 0xFFFF, dtype) for h in range(2)]
-            assert got == [magic + k_of[2 * i], magic + k_of[2 * i + 1]], (word, i)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(
-    "block_m,T,stages,fold",
-    [(16, 37, 0, False), (32, 200, 0, False), (16, 37, 3, False), (32, 200, 4, False)]
-    + [(16, 37, 0, True), (16, 37, 3, True), (32, 200, 4, True)],
-)
-def test_gluon_kernels_match_triton_kernels(dtype, block_m, T, stages, fold):
+@pytest.mark.parametrize("block_m,T,stages", [(16, 37, 0), (32, 200, 0), (16, 37, 3), (32, 200, 4)])
+def test_gluon_kernels_match_triton_kernels(dtype, block_m, T, stages):
     """The Gluon gate_up/down (gluon_w4.py, on the tiled pack) against the Triton ones (on the
-    K-contiguous pack) and the dequantised twin; CUDA packs are tiled by default (`prefer_tiled`).
-    `fold`: gate_up with the zero point folded out of its tiles (`gluon_fold_zero`)."""
-    from canvasq.kernels.moe.launch import launch_gate_up_gluon, prefer_tiled
+    K-contiguous pack) and the dequantised twin; CUDA packs are tiled by default (`prefer_tiled`)."""
+    from canvasq.kernels.moe.launch import prefer_tiled
 
     E, H, I, K = 8, 256, 128, 4
     gate_up, down = _experts(E, H, I, dtype, seed=0)
@@ -618,22 +596,9 @@ def test_gluon_kernels_match_triton_kernels(dtype, block_m, T, stages, fold):
     x = torch.randn(T, H, device="cuda", dtype=dtype)
     ids, w = _routing(T, K, E, seed=1)
     cfg = MoeLaunchConfig(
-        block_m=block_m,
-        gluon_gate_up_tiles=2,
-        gluon_gate_up_stages=stages,
-        gluon_down_stages=stages,
-        gluon_fold_zero=fold,
+        block_m=block_m, gluon_gate_up_tiles=2, gluon_gate_up_stages=stages, gluon_down_stages=stages
     )
     y = w4_moe_launch(x, ids, w, tiled, config=cfg, out=poison((T, H), dtype))
-    if fold:  # h, padding rows included (zeros), as the zero-in-tile kernel gives it
-        meta = align_routing(ids, E, block_m)
-        h_fold, h_tile = (
-            torch.full((meta.sorted_ids.numel(), I), 7.0, device="cuda", dtype=dtype) for _ in range(2)
-        )
-        launch_gate_up_gluon(x, tiled, meta, cfg, h_fold)
-        launch_gate_up_gluon(x, tiled, meta, replace(cfg, gluon_fold_zero=False), h_tile)
-        n = int(meta.num_padded.item())
-        assert rel_err(h_fold[:n], h_tile[:n]) < TOL[dtype]
     y_triton = w4_moe_launch(x, ids, w, packed, config=MoeLaunchConfig(block_m=block_m))
     ref = w4_moe_reference(x, ids, w, packed)
     assert rel_err(y, ref) < TOL[dtype]

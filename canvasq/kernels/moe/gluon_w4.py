@@ -61,24 +61,6 @@ WORD_PTX_BF16 = _WORD_PTX.replace("MAGIC", "0x43004300").replace("TY", "bf16x2")
 WORD_PTX_FP16 = _WORD_PTX.replace("MAGIC", "0x64006400").replace("TY", "f16x2").replace("ONE", "0x3C003C00")
 _WORD_PTX_BF16: gl.constexpr = gl.constexpr(WORD_PTX_BF16)
 _WORD_PTX_FP16: gl.constexpr = gl.constexpr(WORD_PTX_FP16)
-# With the zero point folded out of the tile (`_group_mma`, FOLD): the pairs stay (magic + q); the MMA's
-# x @ (magic + q) loses -(magic + zero) * sum(x) per group, added back to the product.
-_RAW_PTX = """
-{
-.reg .b32 s1, s2, s3;
-shr.u32 s1, $4, 4;
-shr.u32 s2, $4, 8;
-shr.u32 s3, $4, 12;
-lop3.b32 $0, $4, 0x000F000F, MAGIC, 0xEA;
-lop3.b32 $1, s1, 0x000F000F, MAGIC, 0xEA;
-lop3.b32 $2, s2, 0x000F000F, MAGIC, 0xEA;
-lop3.b32 $3, s3, 0x000F000F, MAGIC, 0xEA;
-}
-"""
-RAW_PTX_BF16 = _RAW_PTX.replace("MAGIC", "0x43004300")
-RAW_PTX_FP16 = _RAW_PTX.replace("MAGIC", "0x64006400")
-_RAW_PTX_BF16: gl.constexpr = gl.constexpr(RAW_PTX_BF16)
-_RAW_PTX_FP16: gl.constexpr = gl.constexpr(RAW_PTX_FP16)
 NIBBLE_K = (0, 2, 4, 6, 1, 3, 5, 7)  # k within the word of nibble n
 
 
@@ -198,31 +180,20 @@ def _act_tile(pairs, DT: gl.constexpr, B8: gl.constexpr):
 
 
 @gluon.jit
-def _dequant(qw, nz, DT: gl.constexpr, A8: gl.constexpr, FOLD: gl.constexpr):
+def _dequant(qw, nz, DT: gl.constexpr, A8: gl.constexpr):
     """Packed words [BN, G/8] and each row's -(magic + zero) as a DT pair [BN] int32 -> the weights
-    (q - zero) [BN, G] in the MMA's A layout (k in the group's order: no register moves); with FOLD,
-    (magic + q) and `nz` unused."""
+    (q - zero) [BN, G] in the MMA's A layout (k in the group's order: no register moves)."""
     BN: gl.constexpr = qw.shape[0]
     W: gl.constexpr = qw.shape[1]
-    if FOLD:
-        if DT == gl.bfloat16:
-            r0, r1, r2, r3 = gl.inline_asm_elementwise(
-                _RAW_PTX_BF16, "=r,=r,=r,=r,r", [qw], dtype=(gl.int32,) * 4, is_pure=True, pack=1
-            )
-        else:
-            r0, r1, r2, r3 = gl.inline_asm_elementwise(
-                _RAW_PTX_FP16, "=r,=r,=r,=r,r", [qw], dtype=(gl.int32,) * 4, is_pure=True, pack=1
-            )
+    zz = gl.broadcast(nz[:, None], qw)[0]
+    if DT == gl.bfloat16:
+        r0, r1, r2, r3 = gl.inline_asm_elementwise(
+            _WORD_PTX_BF16, "=r,=r,=r,=r,r,r", [qw, zz], dtype=(gl.int32,) * 4, is_pure=True, pack=1
+        )
     else:
-        zz = gl.broadcast(nz[:, None], qw)[0]
-        if DT == gl.bfloat16:
-            r0, r1, r2, r3 = gl.inline_asm_elementwise(
-                _WORD_PTX_BF16, "=r,=r,=r,=r,r,r", [qw, zz], dtype=(gl.int32,) * 4, is_pure=True, pack=1
-            )
-        else:
-            r0, r1, r2, r3 = gl.inline_asm_elementwise(
-                _WORD_PTX_FP16, "=r,=r,=r,=r,r,r", [qw, zz], dtype=(gl.int32,) * 4, is_pure=True, pack=1
-            )
+        r0, r1, r2, r3 = gl.inline_asm_elementwise(
+            _WORD_PTX_FP16, "=r,=r,=r,=r,r,r", [qw, zz], dtype=(gl.int32,) * 4, is_pure=True, pack=1
+        )
     pairs = gl.reshape(gl.join(gl.join(r0, r2), gl.join(r1, r3)), [BN, 4 * W])  # pair 2a + b = r_{2a+b}
     w = _halves(pairs, DT)  # [BN, 8W], k_phys = 8p + kin, p = c*NH + h
     w = gl.reshape(gl.permute(gl.reshape(w, [BN, 4, W // 4, 8]), [0, 2, 1, 3]), [BN, 8 * W])
@@ -273,28 +244,16 @@ def _stage_in(sws, q_offs, sx, st, grp, q_e, xw_ptr, x_cp, x_cp_mask, G: gl.cons
 
 
 @gluon.jit
-def _half_f32(bits, DT: gl.constexpr):
-    """int32 holding a DT value's 16 bits in its low half -> that value in fp32."""
-    if DT == gl.bfloat16:
-        return (bits << 16).to(gl.float32, bitcast=True)
-    else:
-        return (bits & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
-
-
-@gluon.jit
-def _group_mma(acc, qw, xb, sz, xs, DT: gl.constexpr, A8: gl.constexpr, FOLD: gl.constexpr):
+def _group_mma(acc, qw, xb, sz, DT: gl.constexpr, A8: gl.constexpr):
     """acc += ((q - zero) @ x) * scale over one group: qw [BN, G/8] packed words, xb the B operand
-    [G, BM], sz the rows' packed scale/zero words (`pack_scale_zero`, loaded groups ahead). FOLD: the
-    MMA takes (magic + q) as the PTX leaves it and -(magic + zero) * xs is added to its product, xs [BM]
-    the group's sums of x (fp32, of the same rounded values the MMA reads): 7 instead of 11 integer/half
-    instructions per word for 2 fp32 multiply-adds per output instead of 1."""
-    L: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    [G, BM], sz the rows' packed scale/zero words (`pack_scale_zero`, loaded groups ahead)."""
     hi = (sz >> 16) & 0xFFFF
-    p = mma_v2(_dequant(qw, hi | (hi << 16), DT, A8, FOLD), xb, gl.zeros_like(acc))
-    sc = gl.convert_layout(_half_f32(sz, DT), L, assert_trivial=True)
-    if FOLD:
-        nz = gl.convert_layout(_half_f32(hi, DT), L, assert_trivial=True)
-        p = p + nz[:, None] * xs[None, :]
+    p = mma_v2(_dequant(qw, hi | (hi << 16), DT, A8), xb, gl.zeros_like(acc))
+    if DT == gl.bfloat16:
+        sc = (sz << 16).to(gl.float32, bitcast=True)
+    else:
+        sc = (sz & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+    sc = gl.convert_layout(sc, gl.SliceLayout(1, acc.type.layout), assert_trivial=True)
     return acc + p * sc[:, None]
 
 
@@ -338,37 +297,32 @@ def _load_pairs(ptr, mask):
 
 @gluon.jit
 def _group_step(
-    acc0, acc1, w0, w1, pairs, sz0, sz1, xs, NMAT: gl.constexpr, DT: gl.constexpr, A8: gl.constexpr,
-    B8: gl.constexpr, FOLD: gl.constexpr,
+    acc0, acc1, w0, w1, pairs, sz0, sz1, NMAT: gl.constexpr, DT: gl.constexpr, A8: gl.constexpr,
+    B8: gl.constexpr,
 ):  # fmt: skip
-    """One group of every matrix (1: down; 2: gate, then up), scale/zero words sz0 / sz1, x's sums xs."""
+    """One group of every matrix (1: down; 2: gate, then up), scale/zero words sz0 / sz1."""
     xb = _act_tile(pairs, DT, B8)
-    acc0 = _group_mma(acc0, w0, xb, sz0, xs, DT, A8, FOLD)
+    acc0 = _group_mma(acc0, w0, xb, sz0, DT, A8)
     if NMAT == 2:
-        acc1 = _group_mma(acc1, w1, xb, sz1, xs, DT, A8, FOLD)
+        acc1 = _group_mma(acc1, w1, xb, sz1, DT, A8)
     return acc0, acc1
 
 
 @gluon.jit
-def _load_side(sz_e, grp, stride_sg, shift1, rz, xs_off, NMAT: gl.constexpr, FOLD: gl.constexpr):
-    """What group `grp` needs besides the tiles: both matrices' scale/zero words (the second: rows
-    shifted by shift1) and, with FOLD, x's sums over the group (xs_off: pointers to the rows' group-0
-    sums; 0.0 without FOLD)."""
+def _load_sz2(sz_e, grp, stride_sg, shift1, rz, NMAT: gl.constexpr):
+    """Both matrices' scale/zero words of group `grp` (the second: rows shifted by shift1)."""
     a = _load_sz(sz_e, grp * stride_sg, rz)
     b = a
     if NMAT == 2:
         b = _load_sz(sz_e, grp * stride_sg + shift1, rz)
-    s = 0.0
-    if FOLD:
-        s = gl.load(xs_off + grp)
-    return a, b, s
+    return a, b
 
 
 @gluon.jit
 def _loop_registers(
-    acc0, acc1, q_e, q_off0, q_off1, act_ptr, act_off, act_mask, sz_e, stride_sg, shift1, rz, xs_off,
+    acc0, acc1, q_e, q_off0, q_off1, act_ptr, act_off, act_mask, sz_e, stride_sg, shift1, rz,
     NMAT: gl.constexpr, GROUP: gl.constexpr, NUM_GROUPS: gl.constexpr, DT: gl.constexpr,
-    A8: gl.constexpr, B8: gl.constexpr, FOLD: gl.constexpr,
+    A8: gl.constexpr, B8: gl.constexpr,
 ):  # fmt: skip
     """The main loop with the next group's tiles waiting in registers: two groups per iteration,
     ping-pong (group g + 1's tiles load while g multiplies, and g + 2's reuse g's registers; a
@@ -382,41 +336,37 @@ def _loop_registers(
     if NMAT == 2:
         w1 = gl.load(q_e + q_off1)
     xt = _load_pairs(act_ptr + act_off, act_mask)
-    sa0, sa1, xa = _load_side(sz_e, 0, stride_sg, shift1, rz, xs_off, NMAT, FOLD)
-    sb0, sb1, xb = _load_side(sz_e, gl.minimum(1, NUM_GROUPS - 1), stride_sg, shift1, rz, xs_off, NMAT, FOLD)
+    sa0, sa1 = _load_sz2(sz_e, 0, stride_sg, shift1, rz, NMAT)
+    sb0, sb1 = _load_sz2(sz_e, gl.minimum(1, NUM_GROUPS - 1), stride_sg, shift1, rz, NMAT)
     for it in range(NUM_GROUPS // 2):
         g0 = 2 * it
-        sc0, sc1, xc = _load_side(
-            sz_e, gl.minimum(g0 + 2, NUM_GROUPS - 1), stride_sg, shift1, rz, xs_off, NMAT, FOLD
-        )
-        sd0, sd1, xd = _load_side(
-            sz_e, gl.minimum(g0 + 3, NUM_GROUPS - 1), stride_sg, shift1, rz, xs_off, NMAT, FOLD
-        )
+        sc0, sc1 = _load_sz2(sz_e, gl.minimum(g0 + 2, NUM_GROUPS - 1), stride_sg, shift1, rz, NMAT)
+        sd0, sd1 = _load_sz2(sz_e, gl.minimum(g0 + 3, NUM_GROUPS - 1), stride_sg, shift1, rz, NMAT)
         w0n = gl.load(q_e + (q_off0 + (g0 + 1) * TILE_W))
         if NMAT == 2:
             w1n = gl.load(q_e + (q_off1 + (g0 + 1) * TILE_W))
         else:
             w1n = w1
         xtn = _load_pairs(act_ptr + (act_off + (g0 + 1) * HALF), act_mask)
-        acc0, acc1 = _group_step(acc0, acc1, w0, w1, xt, sa0, sa1, xa, NMAT, DT, A8, B8, FOLD)
+        acc0, acc1 = _group_step(acc0, acc1, w0, w1, xt, sa0, sa1, NMAT, DT, A8, B8)
         g2 = gl.minimum(g0 + 2, NUM_GROUPS - 1)  # the last prefetch re-reads the last group
         w0 = gl.load(q_e + (q_off0 + g2 * TILE_W))
         if NMAT == 2:
             w1 = gl.load(q_e + (q_off1 + g2 * TILE_W))
         xt = _load_pairs(act_ptr + (act_off + g2 * HALF), act_mask)
-        acc0, acc1 = _group_step(acc0, acc1, w0n, w1n, xtn, sb0, sb1, xb, NMAT, DT, A8, B8, FOLD)
-        sa0, sa1, xa, sb0, sb1, xb = sc0, sc1, xc, sd0, sd1, xd
+        acc0, acc1 = _group_step(acc0, acc1, w0n, w1n, xtn, sb0, sb1, NMAT, DT, A8, B8)
+        sa0, sa1, sb0, sb1 = sc0, sc1, sd0, sd1
     if NUM_GROUPS % 2 == 1:
-        acc0, acc1 = _group_step(acc0, acc1, w0, w1, xt, sa0, sa1, xa, NMAT, DT, A8, B8, FOLD)
+        acc0, acc1 = _group_step(acc0, acc1, w0, w1, xt, sa0, sa1, NMAT, DT, A8, B8)
     return acc0, acc1
 
 
 @gluon.jit
 def _loop_staged(
-    acc0, acc1, q_e, q_off0, q_off1, act_ptr, act_off, act_mask, sz_e, stride_sg, shift1, rz, xs_off,
+    acc0, acc1, q_e, q_off0, q_off1, act_ptr, act_off, act_mask, sz_e, stride_sg, shift1, rz,
     NMAT: gl.constexpr, GROUP: gl.constexpr, NUM_GROUPS: gl.constexpr, DT: gl.constexpr,
     A8: gl.constexpr, B8: gl.constexpr, BN: gl.constexpr, BLOCK_M: gl.constexpr, NW: gl.constexpr,
-    STAGES: gl.constexpr, FOLD: gl.constexpr,
+    STAGES: gl.constexpr,
 ):  # fmt: skip
     """The main loop with the weight and activation tiles brought in by cp.async through STAGES
     shared-memory buffers: only the current group is held in registers (and the scale/zero words of
@@ -438,41 +388,39 @@ def _loop_staged(
 
     for st in gl.static_range(STAGES - 1):
         _stage_in(sws, q_offs, sx, st, st, q_e, act_ptr, act_off, act_mask, GROUP)
-    sa0, sa1, xa = _load_side(sz_e, 0, stride_sg, shift1, rz, xs_off, NMAT, FOLD)
-    sb0, sb1, xb = _load_side(sz_e, gl.minimum(1, NUM_GROUPS - 1), stride_sg, shift1, rz, xs_off, NMAT, FOLD)
+    sa0, sa1 = _load_sz2(sz_e, 0, stride_sg, shift1, rz, NMAT)
+    sb0, sb1 = _load_sz2(sz_e, gl.minimum(1, NUM_GROUPS - 1), stride_sg, shift1, rz, NMAT)
     for grp in range(NUM_GROUPS):
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()  # group grp landed for every thread; stage (grp - 1) % STAGES is free again
         nxt = gl.minimum(grp + STAGES - 1, NUM_GROUPS - 1)  # past the end: a harmless re-read
         ns = (grp + STAGES - 1) % STAGES
         _stage_in(sws, q_offs, sx, ns, nxt, q_e, act_ptr, act_off, act_mask, GROUP)
-        sc0, sc1, xc = _load_side(
-            sz_e, gl.minimum(grp + 2, NUM_GROUPS - 1), stride_sg, shift1, rz, xs_off, NMAT, FOLD
-        )
+        sc0, sc1 = _load_sz2(sz_e, gl.minimum(grp + 2, NUM_GROUPS - 1), stride_sg, shift1, rz, NMAT)
         pairs, w0, w1 = _stage_frags(sws, sx, grp % STAGES, LW, LX, NMAT)
-        acc0, acc1 = _group_step(acc0, acc1, w0, w1, pairs, sa0, sa1, xa, NMAT, DT, A8, B8, FOLD)
-        sa0, sa1, xa, sb0, sb1, xb = sb0, sb1, xb, sc0, sc1, xc
+        acc0, acc1 = _group_step(acc0, acc1, w0, w1, pairs, sa0, sa1, NMAT, DT, A8, B8)
+        sa0, sa1, sb0, sb1 = sb0, sb1, sc0, sc1
     async_copy.wait_group(0)
     return acc0, acc1
 
 
 @gluon.jit
 def _main_loop(
-    acc0, acc1, q_e, q_off0, q_off1, act_ptr, act_off, act_mask, sz_e, stride_sg, shift1, rz, xs_off,
+    acc0, acc1, q_e, q_off0, q_off1, act_ptr, act_off, act_mask, sz_e, stride_sg, shift1, rz,
     NMAT: gl.constexpr, GROUP: gl.constexpr, NUM_GROUPS: gl.constexpr, DT: gl.constexpr,
     A8: gl.constexpr, B8: gl.constexpr, BN: gl.constexpr, BLOCK_M: gl.constexpr, NW: gl.constexpr,
-    STAGES: gl.constexpr, FOLD: gl.constexpr,
+    STAGES: gl.constexpr,
 ):  # fmt: skip
     """Both kernels' main loop over the groups: `_loop_registers` (STAGES 0) or `_loop_staged`."""
     if STAGES == 0:
         return _loop_registers(
             acc0, acc1, q_e, q_off0, q_off1, act_ptr, act_off, act_mask, sz_e, stride_sg, shift1, rz,
-            xs_off, NMAT, GROUP, NUM_GROUPS, DT, A8, B8, FOLD,
+            NMAT, GROUP, NUM_GROUPS, DT, A8, B8,
         )  # fmt: skip
     else:
         return _loop_staged(
             acc0, acc1, q_e, q_off0, q_off1, act_ptr, act_off, act_mask, sz_e, stride_sg, shift1, rz,
-            xs_off, NMAT, GROUP, NUM_GROUPS, DT, A8, B8, BN, BLOCK_M, NW, STAGES, FOLD,
+            NMAT, GROUP, NUM_GROUPS, DT, A8, B8, BN, BLOCK_M, NW, STAGES,
         )  # fmt: skip
 
 
@@ -496,7 +444,6 @@ def _gl_w4_gate_up_kernel(
     sorted_ids_ptr,
     block_expert_ptr,
     num_padded_ptr,
-    xs_ptr,
     num_assign,
     top_k,
     I,
@@ -505,21 +452,18 @@ def _gl_w4_gate_up_kernel(
     stride_se,
     stride_sg,
     stride_hm,
-    stride_xs,
     GROUP: gl.constexpr,
     NUM_GROUPS: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BN: gl.constexpr,
     NW: gl.constexpr,
     STAGES: gl.constexpr,
-    FOLD: gl.constexpr,
     PDL: gl.constexpr,
 ):
     """One program: BLOCK_M sorted rows of one expert x BN columns of I, gate and up together;
     h = act(gate) * up. qt_ptr: int32 words of `tile_q`'s layout (stride_qe in words); sz_ptr: int32
     words of `pack_scale_zero` [E, ng, 2I] (strides stride_se, stride_sg). STAGES: 0 for the register
-    main loop, >= 2 for the cp.async one. FOLD: the zero point leaves the weight tile (`_group_mma`);
-    xs_ptr holds x's group sums [T, ng] (fp32, row stride stride_xs)."""
+    main loop, >= 2 for the cp.async one."""
     _pdl_enter(PDL)
     DT: gl.constexpr = x_ptr.dtype.element_ty
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
@@ -541,21 +485,17 @@ def _gl_w4_gate_up_kernel(
     rs = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     q_e = qt_ptr + e * stride_qe
     sz_e = sz_ptr + e * stride_se
-    mrow = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
-    aid = gl.load(sorted_ids_ptr + mrow)
-    xs_row = xs_ptr + gl.where(aid < num_assign, aid // top_k, 0) * stride_xs  # the rows' tokens' sums
     acc_g = gl.zeros([BN, BLOCK_M], gl.float32, mma)
     acc_u = gl.zeros([BN, BLOCK_M], gl.float32, mma)
     acc_g, acc_u = _main_loop(
-        acc_g, acc_u, q_e, q_off_g, q_off_u, xw_ptr, x_off, x_mask, sz_e, stride_sg, I, rz, xs_row,
-        2, GROUP, NUM_GROUPS, DT, A8, B8, BN, BLOCK_M, NW, STAGES, FOLD,
+        acc_g, acc_u, q_e, q_off_g, q_off_u, xw_ptr, x_off, x_mask, sz_e, stride_sg, I, rz,
+        2, GROUP, NUM_GROUPS, DT, A8, B8, BN, BLOCK_M, NW, STAGES,
     )  # fmt: skip
 
     # gelu_pytorch_tanh(gate) * up (kernels._gelu_tanh), stored transposed: h[row, n]
     u = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
     hv = acc_g / (1.0 + gl.exp(-2.0 * u)) * acc_u
-    if FOLD:  # padding rows read token 0's sums against zeroed activations: keep their h zero
-        hv = gl.where((aid < num_assign)[None, :], hv, 0.0)
+    mrow = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     gl.store(h_ptr + mrow[None, :].to(gl.int64) * stride_hm + rs[:, None], hv.to(h_ptr.dtype.element_ty))
 
 
@@ -583,8 +523,7 @@ def _gl_w4_down_kernel(
     PDL: gl.constexpr,
 ):
     """One program: BLOCK_M sorted rows x BN columns of H; writes rows y_tk[t*K + k] (unweighted).
-    STAGES: as in the gate_up kernel. (The zero point stays in the tile here: with groups of 64, folding
-    it out cost as many instructions as it saved, offline sm_90 SASS, BENCHMARKS.md session 9.)"""
+    STAGES: as in the gate_up kernel."""
     _pdl_enter(PDL)
     DT: gl.constexpr = h_ptr.dtype.element_ty
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
@@ -607,8 +546,8 @@ def _gl_w4_down_kernel(
     sz_e = sz_ptr + e * stride_se
     acc = gl.zeros([BN, BLOCK_M], gl.float32, mma)
     acc, _ = _main_loop(
-        acc, acc, q_e, q_off, q_off, hw_ptr, h_off, None, sz_e, stride_sg, 0, rz, None,
-        1, GROUP, NUM_GROUPS, DT, A8, B8, BN, BLOCK_M, NW, STAGES, False,
+        acc, acc, q_e, q_off, q_off, hw_ptr, h_off, None, sz_e, stride_sg, 0, rz,
+        1, GROUP, NUM_GROUPS, DT, A8, B8, BN, BLOCK_M, NW, STAGES,
     )  # fmt: skip
 
     mc = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))

@@ -53,9 +53,6 @@ class MoeLaunchConfig:
     # 0: the next group's tiles wait in registers; >= 2: cp.async through that many shared-memory stages
     gluon_gate_up_stages: int = 0
     gluon_down_stages: int = 0
-    # the zero point out of the Gluon gate_up's weight tiles (gluon_w4 `_group_mma`): x's group sums
-    # come with the activations, and each word dequantises in 7 instead of 11 instructions
-    gluon_fold_zero: bool = False
 
 
 @dataclass(frozen=True)
@@ -386,18 +383,10 @@ def _check_tiled(x: torch.Tensor, packed: W4Experts) -> None:
         )
 
 
-def group_sums(t: torch.Tensor, cols: int) -> torch.Tensor:
-    """[R, C] -> fp32 [R, C / cols]: each run of `cols` columns summed (the folded zero point's input:
-    the values the MMA reads, summed in fp32)."""
-    return t.unflatten(-1, (-1, cols)).float().sum(-1)
-
-
 def launch_gate_up_gluon(
     x: torch.Tensor, packed: W4Experts, meta: RoutingMeta, cfg: MoeLaunchConfig, h: torch.Tensor
 ) -> None:
-    """`launch_gate_up` through the Gluon kernel on a tiled pack (same h). `gluon_fold_zero`: x's
-    group sums are taken first (one small reduction) and the kernel folds the zero point out of its
-    weight tiles."""
+    """`launch_gate_up` through the Gluon kernel on a tiled pack (same h)."""
     from .gluon_w4 import _gl_w4_gate_up_kernel
 
     I = packed.inter
@@ -408,8 +397,6 @@ def launch_gate_up_gluon(
     qt, gs = packed.gate_up_q, packed.gate_up_sz
     nw, tiles = _gluon_tile(cfg.gluon_gate_up_warps, cfg.gluon_gate_up_tiles, I)
     bn = 16 * nw * tiles
-    fold = cfg.gluon_fold_zero
-    xs = group_sums(x, packed.config.group_gate_up) if fold else gs
     _gl_w4_gate_up_kernel[(meta.sorted_ids.numel() // meta.block_m, I // bn)](
         x,
         qt,
@@ -418,7 +405,6 @@ def launch_gate_up_gluon(
         meta.sorted_ids,
         meta.block_expert,
         meta.num_padded,
-        xs,
         meta.num_assign,
         meta.num_assign // x.shape[0],
         I,
@@ -427,14 +413,12 @@ def launch_gate_up_gluon(
         gs.stride(0),
         gs.stride(1),
         h.stride(0),
-        xs.stride(0),
         GROUP=packed.config.group_gate_up,
         NUM_GROUPS=gs.shape[1],
         BLOCK_M=meta.block_m,
         BN=bn,
         NW=nw,
         STAGES=cfg.gluon_gate_up_stages,
-        FOLD=fold,
         **pdl_kwargs(x, _gl_w4_gate_up_kernel),
         num_warps=nw,
     )

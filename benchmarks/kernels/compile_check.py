@@ -10,7 +10,7 @@ allow it (strides, H = 2816, I = 704).
 
     python benchmarks/kernels/compile_check.py              # default configs, real shape, bf16
     python benchmarks/kernels/compile_check.py --sweep      # the tune_moe candidates too
-    python benchmarks/kernels/compile_check.py --only rms_norm_rope,add_rms_norm,pre_ffn_norms,gelu_mul
+    python benchmarks/kernels/compile_check.py --only rms_norm_rope,qkv_norm_rope,add_rms_norm,pre_ffn_norms,gelu_mul
 Exit status 1 when a default config spills, anything fails to compile, or a kernel that must round
 where HF rounds (`norm_fused`) contains a half-precision FMA (`fma.rn.bf16` / `fma.rn.f16`: one
 rounding where HF has two; tests/kernels/test_norm_fused.py runs this check in CI).
@@ -375,6 +375,24 @@ def other_kernels():
                 NF.NO_FP_FUSION,
             ),
         )
+    qn = NF._qkv_norm_rope_kernel
+    for half in (128, 256):
+        yield (
+            f"qkv_norm_rope_d{2 * half}",
+            compile_kernel(
+                qn,
+                {
+                    **_ptrs(qn, overrides={n: "*i64" for n in qn.arg_names if n[1:] in ("a_ptr", "b_ptr")}),
+                    **{n: "i32" for n in qn.arg_names if not n.endswith("_ptr") and n not in ("eps",)},
+                    "eps": "fp32",
+                },
+                {"HALF": half, "BLOCK_R": 4096 // (2 * half)},
+                {n for n in qn.arg_names if n.endswith("_ptr")},
+                4,
+                1,
+                NF.NO_FP_FUSION,
+            ),
+        )
     an = NF._add_rms_norm_kernel
     yield (
         "add_rms_norm",
@@ -456,7 +474,13 @@ def other_kernels():
     )
 
 
-ROUNDING_FAITHFUL = ("rms_norm_rope", "add_rms_norm", "pre_ffn_norms", "gelu_mul")  # must keep HF's roundings
+ROUNDING_FAITHFUL = (
+    "rms_norm_rope",
+    "qkv_norm_rope",
+    "add_rms_norm",
+    "pre_ffn_norms",
+    "gelu_mul",
+)  # must keep HF's roundings
 
 
 def _only(prefixes: tuple[str, ...]):

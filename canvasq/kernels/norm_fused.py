@@ -66,7 +66,8 @@ def _rt(v, DT: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_rope_kernel(
+def _norm_rope_rows(
+    pid,
     x_ptr,
     w_ptr,
     cos_ptr,
@@ -88,14 +89,12 @@ def _rms_norm_rope_kernel(
     HAS_ROPE: tl.constexpr,
     SCATTER: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    """One program: BLOCK_R (row, head) vectors of width 2 * HALF, read as their two halves.
+    """Block `pid`: BLOCK_R (row, head) vectors of width 2 * HALF, read as their two halves.
     Row n, head h goes to y + n*stride_ya + h*stride_yh, or with SCATTER to
     y + a[n]*stride_ya + h*stride_yh + b[n]*stride_yb (an arena slot/entry, a folded query layout)."""
-    pdl_enter(PDL)
     DT: tl.constexpr = y_ptr.dtype.element_ty
-    idx = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    idx = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     live = idx < R
     row = (idx // HEADS).to(tl.int64)
     head = (idx % HEADS).to(tl.int64)
@@ -132,6 +131,72 @@ def _rms_norm_rope_kernel(
     out = y_ptr + dst[:, None] + cols[None, :]
     tl.store(out, x1.to(y_ptr.dtype.element_ty), mask=m)
     tl.store(out + HALF, x2.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rms_norm_rope_kernel(
+    x_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    y_ptr,
+    a_ptr,
+    b_ptr,
+    R,
+    HEADS,
+    stride_xn,
+    stride_xh,
+    stride_cn,
+    stride_ya,
+    stride_yh,
+    stride_yb,
+    eps,
+    HALF: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    SCATTER: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One program: `_norm_rope_rows` block program_id(0)."""
+    pdl_enter(PDL)
+    _norm_rope_rows(
+        tl.program_id(0), x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, a_ptr, b_ptr, R, HEADS, stride_xn,
+        stride_xh, stride_cn, stride_ya, stride_yh, stride_yb, eps, HALF, HAS_WEIGHT, HAS_ROPE, SCATTER,
+        BLOCK_R,
+    )  # fmt: skip
+
+
+@triton.jit
+def _qkv_norm_rope_kernel(
+    q_ptr, qw_ptr, qy_ptr, qa_ptr, qb_ptr, RQ, HQ, sq_xn, sq_xh, sq_ya, sq_yh, sq_yb,
+    k_ptr, kw_ptr, ky_ptr, ka_ptr, kb_ptr, RK, HK, sk_xn, sk_xh, sk_ya, sk_yh, sk_yb,
+    v_ptr, vy_ptr, va_ptr, vb_ptr, sv_xn, sv_xh, sv_ya, sv_yh, sv_yb,
+    cos_ptr, sin_ptr, stride_cn, eps,
+    HALF: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """A layer's three head norms in one launch, each block as `_norm_rope_rows`: the first
+    cdiv(RQ, BLOCK_R) programs q (weight, RoPE), then k (weight, RoPE; RK vectors), then v (the
+    unweighted V norm over k's rows and heads), all scattered."""
+    pdl_enter(PDL)
+    pid = tl.program_id(0)
+    nq = tl.cdiv(RQ, BLOCK_R)
+    nk = tl.cdiv(RK, BLOCK_R)
+    if pid < nq:
+        _norm_rope_rows(
+            pid, q_ptr, qw_ptr, cos_ptr, sin_ptr, qy_ptr, qa_ptr, qb_ptr, RQ, HQ, sq_xn, sq_xh, stride_cn,
+            sq_ya, sq_yh, sq_yb, eps, HALF, True, True, True, BLOCK_R,
+        )  # fmt: skip
+    elif pid < nq + nk:
+        _norm_rope_rows(
+            pid - nq, k_ptr, kw_ptr, cos_ptr, sin_ptr, ky_ptr, ka_ptr, kb_ptr, RK, HK, sk_xn, sk_xh,
+            stride_cn, sk_ya, sk_yh, sk_yb, eps, HALF, True, True, True, BLOCK_R,
+        )  # fmt: skip
+    else:
+        _norm_rope_rows(
+            pid - nq - nk, v_ptr, v_ptr, cos_ptr, sin_ptr, vy_ptr, va_ptr, vb_ptr, RK, HK, sv_xn, sv_xh,
+            stride_cn, sv_ya, sv_yh, sv_yb, eps, HALF, False, False, True, BLOCK_R,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -239,7 +304,7 @@ def rms_norm_rope_launch(x, weight, cos, sin, eps: float, out: Scatter | None = 
     if rope:
         assert cos.shape == sin.shape == (n, d) and cos.stride() == sin.stride() and cos.stride(-1) == 1
     r = n * heads
-    block_r = max(1, min(16, 4096 // d))
+    block_r = _block_r(d)
     if r:
         _rms_norm_rope_kernel[(triton.cdiv(r, block_r),)](
             x,
@@ -266,6 +331,40 @@ def rms_norm_rope_launch(x, weight, cos, sin, eps: float, out: Scatter | None = 
             **NO_FP_FUSION,
         )
     return y
+
+
+def _block_r(d: int) -> int:
+    return max(1, min(16, 4096 // d))
+
+
+def qkv_norm_rope_launch(q, k, v, q_weight, k_weight, cos, sin, eps: float, q_out, k_out, v_out) -> None:
+    """`rms_norm_rope` of q (q_weight, RoPE) into q_out, k (k_weight, RoPE) into k_out and the V norm of
+    v into v_out (all `Scatter`s) in one launch; q may be None (an encoder's K/V-only last layer)."""
+    n, hk, d = k.shape
+    assert v.shape == k.shape and d % 2 == 0 and triton.next_power_of_2(d) == d, (k.shape, v.shape)
+    assert cos.shape == sin.shape == (n, d) and cos.stride() == sin.stride() and cos.stride(-1) == 1
+    for x, out in ((q, q_out), (k, k_out), (v, v_out)):
+        if x is not None:
+            assert x.stride(-1) == 1 and x.shape[0] == n and x.shape[-1] == d, x.shape
+            out.check(n, x.shape[1], d, x.dtype)
+    block_r = _block_r(d)
+    rq = 0 if q is None else n * q.shape[1]
+    rk = n * hk
+    grid = triton.cdiv(rq, block_r) + 2 * triton.cdiv(rk, block_r)
+    qs = (q, q_weight, q_out) if q is not None else (k, k_weight, k_out)  # unread when rq == 0
+    if rk:
+        _qkv_norm_rope_kernel[(grid,)](
+            qs[0], qs[1], qs[2].dst, qs[2].a, qs[2].b, rq, qs[0].shape[1], qs[0].stride(0), qs[0].stride(1),
+            *qs[2].dst.stride()[:3],
+            k, k_weight, k_out.dst, k_out.a, k_out.b, rk, hk, k.stride(0), k.stride(1), *k_out.dst.stride()[:3],
+            v, v_out.dst, v_out.a, v_out.b, v.stride(0), v.stride(1), *v_out.dst.stride()[:3],
+            cos, sin, cos.stride(0), float(eps),
+            HALF=d // 2,
+            BLOCK_R=block_r,
+            **pdl_kwargs(k, _qkv_norm_rope_kernel),
+            num_warps=4,
+            **NO_FP_FUSION,
+        )  # fmt: skip
 
 
 def add_rms_norm_launch(
@@ -382,6 +481,23 @@ def rms_norm_rope(
     if impl in ("triton", "torch"):  # the kernel reads power-of-two halves: other head dims use the twin
         return rms_norm_rope_reference(x, weight, cos, sin, eps, out)
     raise ValueError(f"unknown impl {impl!r}")
+
+
+def qkv_norm_rope(q, k, v, q_weight, k_weight, cos, sin, eps: float, q_out, k_out, v_out, impl: str = "auto"):
+    """The three head norms of an attention layer into their `Scatter` targets: q and k normalised with
+    their weights and rotated, v normalised without weight (`rms_norm_rope` each); one launch on the
+    kernel path (power-of-two head dims), three twin calls otherwise. q may be None (K/V only)."""
+    if impl == "auto":
+        impl = "triton" if auto_triton(k, _qkv_norm_rope_kernel) else "torch"
+    d = k.shape[-1]
+    if impl == "triton" and d % 2 == 0 and triton.next_power_of_2(d) == d:
+        return qkv_norm_rope_launch(q, k, v, q_weight, k_weight, cos, sin, eps, q_out, k_out, v_out)
+    if impl not in ("triton", "torch"):
+        raise ValueError(f"unknown impl {impl!r}")
+    rms_norm_rope_reference(k, k_weight, cos, sin, eps, k_out)
+    rms_norm_rope_reference(v, None, None, None, eps, v_out)
+    if q is not None:
+        rms_norm_rope_reference(q, q_weight, cos, sin, eps, q_out)
 
 
 def add_rms_norm(

@@ -39,7 +39,7 @@ kernel HF's default `grouped_mm` uses; no host sync) and as a sorted-by-expert l
 (`"grouped"` / `"reference"` force one); `experts="w4"` packs the experts once (shared by encoder and
 decoder; on CUDA in the Gluon kernels' tiled order) and calls `canvasq.kernels.moe.w4_moe`.
 `kernels=True` (default on CUDA) uses the Triton RMSNorm of `canvasq.kernels` and its fused epilogues
-(`norm_fused`: q/k norm + RoPE in one launch, residual-update norms with the layer scalar), which round
+(`norm_fused`: the q/k/v head norms and q/k RoPE in one launch, residual-update norms with the layer scalar), which round
 where HF's modules round, and the router's softmax + top-k in one launch (`router_topk`); q/k/v and the
 dense gate/up always run as one GEMM each over weights concatenated once at construction (an extra
 copy of those weights, ~2.8 GB bf16 at the real shape). Each expert combine is a fixed-order fp32
@@ -68,7 +68,7 @@ import torch.nn.functional as F
 
 from canvasq.kernels.gelu_mul import gelu_mul
 from canvasq.kernels.moe.reference import route_weights
-from canvasq.kernels.norm_fused import Scatter, add_rms_norm, pre_ffn_norms, rms_norm_rope
+from canvasq.kernels.norm_fused import Scatter, add_rms_norm, pre_ffn_norms, qkv_norm_rope
 from canvasq.kernels.norm_fused import rope_reference as rotate  # noqa: F401 (the runtime's RoPE twin)
 from canvasq.kernels.rmsnorm import rms_norm as rms_norm_any
 from canvasq.kernels.rmsnorm import rms_norm_reference as rms_norm  # noqa: F401 (HF's RMSNorm, the twin)
@@ -243,7 +243,7 @@ class Runtime:
         impl = "triton" if self.kernels else "torch"
         self._norm: Callable = functools.partial(rms_norm_any, impl=impl)
         self._pre_ffn: Callable = functools.partial(pre_ffn_norms, impl=impl)
-        self._norm_rope: Callable = functools.partial(rms_norm_rope, impl=impl)  # twin for odd head dims
+        self._qkv_norms: Callable = functools.partial(qkv_norm_rope, impl=impl)  # twin for odd head dims
         self._add_norm: Callable = functools.partial(add_rms_norm, impl=impl)
         self._gelu_mul: Callable = functools.partial(gelu_mul, impl=impl)
         self._router: Callable = functools.partial(router_topk, impl=impl)
@@ -510,28 +510,30 @@ class Runtime:
             qkv = F.linear(x, lw.wqkv)  # [N, nq + nk (+ nk)]; q, k, v are column views of it
             k_raw = qkv[:, nq : nq + nk].view(n, lw.kv_heads, d)
             v = qkv[:, nq + nk :].view(n, lw.kv_heads, d) if lw.wv is not None else k_raw
-            # k-norm + RoPE and the v-norm write straight into the rows' arena entries (one launch
-            # each on CUDA, no index_put)
+            # k-norm + RoPE and the v-norm write straight into the rows' arena entries (no index_put),
+            # q-norm + RoPE into the attention's folded layout [B, h, Rmax, d] (no permute copy): one
+            # launch on CUDA. The encoder's last layer (kv_only) needs only its K/V.
             arena_k, arena_v = prep.arena.k[i], prep.arena.v[i]
-            self._norm_rope(
-                k_raw, lw.k_norm, cos, sin, eps, out=Scatter(arena_k, prep.row_slot, prep.row_col)
-            )
-            self._norm_rope(v, None, None, None, eps, out=Scatter(arena_v, prep.row_slot, prep.row_col))
-            if prep.capture is not None:
-                cap_k.append(arena_k[prep.cap_slot, :, prep.cap_col])
-                cap_v.append(arena_v[prep.cap_slot, :, prep.cap_col])
-            if kv_only:  # the encoder's last layer: only its K/V are ever read
-                return h
-            # q-norm + RoPE written in the attention's folded layout [B, h, Rmax, d] (no permute copy)
-            q = self._norm_rope(
-                qkv[:, :nq].view(n, lw.heads, d),
+            q_out = None if kv_only else prep.ctx.query_target(lw.heads, d, h.dtype)
+            self._qkv_norms(
+                None if kv_only else qkv[:, :nq].view(n, lw.heads, d),
+                k_raw,
+                v,
                 lw.q_norm,
+                lw.k_norm,
                 cos,
                 sin,
                 eps,
-                out=prep.ctx.query_target(lw.heads, d, h.dtype),
+                q_out,
+                Scatter(arena_k, prep.row_slot, prep.row_col),
+                Scatter(arena_v, prep.row_slot, prep.row_col),
             )
-            a = prep.ctx.attend(i, prep.arena, q, lw.sliding)  # [N, h*d]
+            if prep.capture is not None:
+                cap_k.append(arena_k[prep.cap_slot, :, prep.cap_col])
+                cap_v.append(arena_v[prep.cap_slot, :, prep.cap_col])
+            if kv_only:
+                return h
+            a = prep.ctx.attend(i, prep.arena, q_out.dst, lw.sliding)  # [N, h*d]
             a = F.linear(a, lw.wo)
             h = self._add_norm(a, lw.ln_post_attn, h, None, None, eps)  # h + norm(a)
 

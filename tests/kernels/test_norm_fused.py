@@ -11,6 +11,7 @@ from canvasq.kernels.norm_fused import (
     add_rms_norm_reference,
     pre_ffn_norms,
     pre_ffn_norms_reference,
+    qkv_norm_rope,
     rms_norm_rope,
     rms_norm_rope_launch,
     rms_norm_rope_reference,
@@ -143,7 +144,12 @@ def test_norm_kernels_compile_without_half_precision_fma():
 
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "compile_check.py"
     out = subprocess.run(
-        [sys.executable, str(script), "--only", "rms_norm_rope,add_rms_norm,pre_ffn_norms,gelu_mul"],
+        [
+            sys.executable,
+            str(script),
+            "--only",
+            "rms_norm_rope,qkv_norm_rope,add_rms_norm,pre_ffn_norms,gelu_mul",
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -151,5 +157,48 @@ def test_norm_kernels_compile_without_half_precision_fma():
     )
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["ok"] and summary["kernels"] == 5  # rope at two head dims, add, pre-FFN, gelu_mul
-    assert out.stdout.count("'half_fma': 0") == 5
+    # rope and the q/k/v launch at two head dims, add, pre-FFN, gelu_mul
+    assert summary["ok"] and summary["kernels"] == 7
+    assert out.stdout.count("'half_fma': 0") == 7
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "n,hq,hk,d,with_q", [(5, 4, 2, 64, True), (33, 16, 8, 256, True), (9, 4, 1, 128, False)]
+)
+def test_qkv_norm_rope_is_the_three_separate_norms(dtype, n, hq, hk, d, with_q):
+    """One launch for a layer's q/k/v head norms writes exactly what the three `rms_norm_rope` calls
+    write (q and k from column views of one fused projection, all scattered), and nothing else; the
+    twin path is the three twin calls. with_q=False: the encoder's K/V-only last layer."""
+    g = torch.Generator().manual_seed(n)
+    qkv = torch.randn(n, (hq + 2 * hk) * d, generator=g).to(DEVICE, dtype)
+    q, k, v = (t.view(n, -1, d) for t in qkv.split([hq * d, hk * d, hk * d], dim=1))
+    wq, wk = (torch.rand(d, generator=g).to(DEVICE, dtype) + 0.5 for _ in range(2))
+    cos, sin = _rope_tables(n, d, dtype)
+    slots, cap = 3, n + 4
+    a = torch.randint(0, slots, (n,), generator=g).to(DEVICE)
+    b = torch.randperm(cap, generator=g)[:n].to(DEVICE)  # distinct entries
+    qa = torch.zeros(n, dtype=torch.long, device=DEVICE)
+    qb = torch.arange(n, device=DEVICE)
+
+    def targets():
+        fill = lambda *shape: torch.full(shape, 7.0, dtype=dtype, device=DEVICE)
+        return (
+            Scatter(fill(1, hq, n, d), qa, qb),
+            Scatter(fill(slots, hk, cap, d), a, b),
+            Scatter(fill(slots, hk, cap, d), a, b),
+        )
+
+    want = targets()
+    if with_q:
+        rms_norm_rope(q, wq, cos, sin, out=want[0])
+    rms_norm_rope(k, wk, cos, sin, out=want[1])
+    rms_norm_rope(v, None, None, None, out=want[2])
+    for impl in ("auto", "torch"):
+        got = targets()
+        qkv_norm_rope(q if with_q else None, k, v, wq, wk, cos, sin, 1e-6, *got, impl=impl)
+        for w_, g_ in zip(want, got):
+            if impl == "auto":
+                assert torch.equal(g_.dst, w_.dst)
+            else:
+                assert rel_err(g_.dst, w_.dst) < TOL[dtype]

@@ -230,9 +230,11 @@ def gluon_kernels(path: str = GLUON_CONFIGS):
     seen = set()
     for cfg in _load_configs(path).values():
         for which, group, groups in (("gate_up", 128, 22), ("down", 64, 11)):
-            w, t, st = (getattr(cfg, f"gluon_{which}_{k}") for k in ("warps", "tiles", "stages"))
+            w, t, st, mr = (
+                getattr(cfg, f"gluon_{which}_{k}") for k in ("warps", "tiles", "stages", "maxnreg")
+            )
             bm = cfg.gluon_block_m or cfg.block_m
-            key = (which, bm, w, t, st)
+            key = (which, bm, w, t, st, mr)
             if key in seen:
                 continue
             seen.add(key)
@@ -251,8 +253,8 @@ def gluon_kernels(path: str = GLUON_CONFIGS):
             }
             div = {n for n in fn.arg_names if n.endswith("_ptr") or n.startswith("stride") or n == "I"}
             yield (
-                f"gluon_{which} m{bm} w{w} t{t} s{st}",
-                compile_kernel(fn, types, consts, div, w, 1),
+                f"gluon_{which} m{bm} w{w} t{t} s{st}" + (f" r{mr}" if mr else ""),
+                compile_kernel(fn, types, consts, div, w, 1, options={"maxnreg": mr} if mr else None),
             )
 
 

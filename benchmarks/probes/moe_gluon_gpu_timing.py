@@ -84,12 +84,29 @@ DOWN_TILES = (
 )
 
 
+# (warps, row tiles, stages, register cap): the best tiles under a register cap (more programs per
+# SM; ptxas spills what does not fit), session 9
+GATE_UP_CAPPED = ((4, 1, 3, 96), (4, 1, 4, 96), (4, 1, 3, 80), (2, 1, 3, 96), (2, 1, 3, 80))
+DOWN_CAPPED = ((4, 2, 3, 72), (4, 2, 3, 64), (2, 2, 3, 96), (4, 1, 0, 64), (2, 2, 0, 96))
+
 # the Gluon kernels' routing block (64 only from 512 rows); BLOCK_MS=16 in the environment: only that one
 BLOCK_MS = tuple(int(v) for v in os.environ.get("BLOCK_MS", "16,32,64").split(","))
 
 
-def _pick(which: str, warps: int, tiles: int, stages: int) -> dict:
-    return {f"gluon_{which}_warps": warps, f"gluon_{which}_tiles": tiles, f"gluon_{which}_stages": stages}
+def _pick(which: str, warps: int, tiles: int, stages: int, maxnreg: int | None = None) -> dict:
+    return {
+        f"gluon_{which}_warps": warps,
+        f"gluon_{which}_tiles": tiles,
+        f"gluon_{which}_stages": stages,
+        f"gluon_{which}_maxnreg": maxnreg,
+    }
+
+
+def _arm(name: str) -> dict:
+    """ "gluon w4 t1 s3 [r96]" -> its _pick arguments."""
+    parts = name.split()
+    w, t, st = (int(v[1:]) for v in parts[1:4])
+    return {"warps": w, "tiles": t, "stages": st, "maxnreg": int(parts[4][1:]) if len(parts) > 4 else None}
 
 
 def best(row: dict) -> tuple[str, float]:
@@ -122,15 +139,19 @@ def main():
             n_real = int(m.num_padded.item())
             h = torch.zeros(m.sorted_ids.numel(), I, device=dev, dtype=dt)
             arms = {"triton": partial(launch_gate_up, x, p, m, tri, h)}
-            for w, t, s in GATE_UP_TILES:
-                cfg = replace(tri, **_pick("gate_up", w, t, s))
-                arms[f"gluon w{w} t{t} s{s}"] = partial(launch_gate_up_gluon, x, pt, m, cfg, h)
+            for w, t, s, *r in GATE_UP_TILES + GATE_UP_CAPPED:
+                cfg = replace(tri, **_pick("gate_up", w, t, s, *r))
+                arms[f"gluon w{w} t{t} s{s}" + (f" r{r[0]}" if r else "")] = partial(
+                    launch_gate_up_gluon, x, pt, m, cfg, h
+                )
             gu = res[f"T{T} m{bm} gate_up"] = compare(arms, h, n_real)
             launch_gate_up(x, p, m, tri, h)  # down's input
             arms = {"triton": partial(launch_down, h, p, m, tri, y)}
-            for w, t, s in DOWN_TILES:
-                cfg = replace(tri, **_pick("down", w, t, s))
-                arms[f"gluon w{w} t{t} s{s}"] = partial(launch_down_gluon, h, pt, m, cfg, y)
+            for w, t, s, *r in DOWN_TILES + DOWN_CAPPED:
+                cfg = replace(tri, **_pick("down", w, t, s, *r))
+                arms[f"gluon w{w} t{t} s{s}" + (f" r{r[0]}" if r else "")] = partial(
+                    launch_down_gluon, h, pt, m, cfg, y
+                )
             dn = res[f"T{T} m{bm} down"] = compare(arms, y, T * K)
             (gu_name, gu_us), (dn_name, dn_us) = best(gu), best(dn)
             choice[bm] = (gu_us + dn_us, gu_name, dn_name)
@@ -139,8 +160,7 @@ def main():
         bm = min(choice, key=lambda b: choice[b][0])
         cfg = replace(tuned, gluon_block_m=None if bm == tuned.block_m else bm)
         for which, name in zip(("gate_up", "down"), choice[bm][1:]):
-            w, t, st = (int(v[1:]) for v in name.split()[1:])
-            cfg = replace(cfg, **_pick(which, w, t, st))
+            cfg = replace(cfg, **_pick(which, **_arm(name)))
         configs[T] = cfg
         print(f"T{T}: Gluon BLOCK_M {bm}, {choice[bm][0]:.1f} us per layer", flush=True)
     out = os.environ.get("OUT", "/tmp")

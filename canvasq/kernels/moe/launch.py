@@ -53,6 +53,10 @@ class MoeLaunchConfig:
     # 0: the next group's tiles wait in registers; >= 2: cp.async through that many shared-memory stages
     gluon_gate_up_stages: int = 0
     gluon_down_stages: int = 0
+    # register cap per thread (ptxas maxnreg; None: the compiler's choice): more programs per SM for
+    # these latency-bound kernels (ncu, BENCHMARKS.md session 9), at the price of spills
+    gluon_gate_up_maxnreg: int | None = None
+    gluon_down_maxnreg: int | None = None
 
 
 @dataclass(frozen=True)
@@ -383,6 +387,10 @@ def _check_tiled(x: torch.Tensor, packed: W4Experts) -> None:
         )
 
 
+def _maxnreg(cap: int | None) -> dict:
+    return {} if cap is None else {"maxnreg": cap}
+
+
 def launch_gate_up_gluon(
     x: torch.Tensor, packed: W4Experts, meta: RoutingMeta, cfg: MoeLaunchConfig, h: torch.Tensor
 ) -> None:
@@ -420,6 +428,7 @@ def launch_gate_up_gluon(
         NW=nw,
         STAGES=cfg.gluon_gate_up_stages,
         **pdl_kwargs(x, _gl_w4_gate_up_kernel),
+        **_maxnreg(cfg.gluon_gate_up_maxnreg),
         num_warps=nw,
     )
 
@@ -456,6 +465,7 @@ def launch_down_gluon(
         NW=nw,
         STAGES=cfg.gluon_down_stages,
         **pdl_kwargs(h, _gl_w4_down_kernel),
+        **_maxnreg(cfg.gluon_down_maxnreg),
         num_warps=nw,
     )
 

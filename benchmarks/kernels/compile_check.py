@@ -211,8 +211,9 @@ def moe_kernels(cfg: MoeLaunchConfig, H=2816, I=704):
 
 GLUON_CONFIGS = os.path.join(CONFIG_DIR, H200_CONFIGS)
 # checked-in tiles that spill and were measured fastest anyway (bytes of stack allowed): BLOCK_M 32 gate_up
-# w2 t2 s3, 297 vs 336 us at 1024 rows and 956 vs 1075 at 4096 (probe 7cf24bd, BENCHMARKS.md session 8)
-MEASURED_SPILLS = {"gluon_gate_up m32 w2 t2 s3": 48}
+# w2 t2 s3, 297 vs 336 us at 1024 rows and 956 vs 1075 at 4096 (probe 7cf24bd, BENCHMARKS.md session 8);
+# down at 256 rows under a 72-register cap, 72.0 vs 78.2 us (probe c43a03e, session 9)
+MEASURED_SPILLS = {"gluon_gate_up m32 w2 t2 s3": 48, "gluon_down m16 w4 t2 s3 r72": 8}
 
 
 def gluon_kernels(path: str = GLUON_CONFIGS):

@@ -397,18 +397,35 @@ def other_kernels():
             ),
         )
     an = NF._add_rms_norm_kernel
-    yield (
-        "add_rms_norm",
-        compile_kernel(
-            an,
-            {**_ptrs(an), "R": "i32", "D": "i32", "eps": "fp32"},
-            {"HAS_X2": True, "PRE_NORM": True, "HAS_SCALE": True, "BLOCK_R": 1, "BLOCK_D": 4096},
-            {"x_ptr", "x2_ptr", "w_ptr", "res_ptr", "y_ptr", "D"},
-            8,
-            1,
-            NF.NO_FP_FUSION,
-        ),
-    )
+    for combine in (False, True):  # the end of a layer: the experts' output combined, or their rows
+        yield (
+            "add_rms_norm" + ("_combine" if combine else ""),
+            compile_kernel(
+                an,
+                {
+                    **_ptrs(an, overrides={"rw_ptr": "*fp32", "ids_ptr": "*i64"}),
+                    "R": "i32",
+                    "D": "i32",
+                    "stride_ym": "i32",
+                    "eps": "fp32",
+                },
+                {
+                    "HAS_X2": True,
+                    "PRE_NORM": True,
+                    "HAS_SCALE": True,
+                    "BLOCK_R": 1,
+                    "BLOCK_D": 4096,
+                    "COMBINE": combine,
+                    "TOP_K": 8,
+                    "K_P2": 8,
+                    "RENORM": True,
+                },
+                {"x_ptr", "x2_ptr", "w_ptr", "res_ptr", "y_ptr", "D", "stride_ym"},
+                8,
+                1,
+                NF.NO_FP_FUSION,
+            ),
+        )
     pf = NF._pre_ffn_norms_kernel
     yield (
         "pre_ffn_norms",

@@ -33,6 +33,8 @@ import triton.language as tl
 
 from ._dispatch import auto_triton, pdl_kwargs
 from ._math import NO_FP_FUSION, pdl_enter
+from .moe.kernels import combine_row
+from .moe.launch import ExpertRows
 from .rmsnorm import rms_norm_reference
 
 
@@ -217,19 +219,29 @@ def _add_rms_norm_kernel(
     res_ptr,
     scale_ptr,
     y_ptr,
+    rw_ptr,
+    ids_ptr,
+    es_ptr,
     R,
     D,
+    stride_ym,
     eps,
     HAS_X2: tl.constexpr,
     PRE_NORM: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    COMBINE: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_P2: tl.constexpr,
+    RENORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """y = (res + rms(x [+ x2]) * w) [* scale]; all tensors contiguous [R, D]. PRE_NORM: x and x2
     are first normalised themselves, with weights wx and wx2 (the dense MLP's and the experts'
-    post-norms at the end of a layer)."""
+    post-norms at the end of a layer). COMBINE (BLOCK_R 1): x2 is the experts' combine of row t,
+    from x2_ptr = their uncombined rows [R*TOP_K, D] (row stride stride_ym), weights rw, ids and
+    expert scales es (`moe.kernels.combine_row`), rounded to the dtype as the combine kernel stores it."""
     pdl_enter(PDL)
     DT: tl.constexpr = y_ptr.dtype.element_ty
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -240,7 +252,14 @@ def _add_rms_norm_kernel(
     if PRE_NORM:
         x = _normed(x, wx_ptr, cols, D, eps, DT)
     if HAS_X2:
-        x2 = tl.load(x2_ptr + off, mask=m, other=0.0).to(tl.float32)
+        if COMBINE:
+            t = tl.program_id(0).to(tl.int64)
+            c = combine_row(
+                x2_ptr, rw_ptr, ids_ptr, es_ptr, t, cols, cols < D, stride_ym, TOP_K, K_P2, RENORM
+            )
+            x2 = _rt(c, DT)[None, :]
+        else:
+            x2 = tl.load(x2_ptr + off, mask=m, other=0.0).to(tl.float32)
         if PRE_NORM:
             x2 = _normed(x2, wx2_ptr, cols, D, eps, DT)
         x = _rt(x + x2, DT)
@@ -372,29 +391,43 @@ def add_rms_norm_launch(
 ) -> torch.Tensor:
     D = x.shape[-1]
     assert pre is None or x2 is not None, "pre-norm weights come in a pair (x's and x2's)"
-    xs = [t.reshape(-1, D).contiguous() for t in (x, residual) + ((x2,) if x2 is not None else ())]
+    rows = x2 if isinstance(x2, ExpertRows) else None
+    dense = () if x2 is None or rows is not None else (x2,)
+    xs = [t.reshape(-1, D).contiguous() for t in (x, residual) + dense]
     r = xs[0].shape[0]
     y = torch.empty_like(xs[1])
     block_d = triton.next_power_of_2(D)
-    block_r = max(1, min(16, 4096 // block_d, triton.next_power_of_2(max(r, 1))))
+    block_r = 1 if rows is not None else max(1, min(16, 4096 // block_d, triton.next_power_of_2(max(r, 1))))
+    if rows is not None:
+        top_k = rows.ids.shape[1]
+        assert rows.shape == (r, D) and rows.y_tk.stride(-1) == 1 and rows.weights.is_contiguous()
+        assert rows.ids.is_contiguous() and rows.y_tk.dtype == y.dtype
     if r:
         _add_rms_norm_kernel[(triton.cdiv(r, block_r),)](
             xs[0],
-            xs[2] if x2 is not None else xs[0],
+            rows.y_tk if rows is not None else (xs[2] if x2 is not None else xs[0]),
             weight,
             pre[0] if pre is not None else weight,
             pre[1] if pre is not None else weight,
             xs[1],
             scale if scale is not None else weight,
             y,
+            rows.weights if rows is not None else weight,
+            rows.ids if rows is not None else weight,
+            rows.expert_scale if rows is not None and rows.expert_scale is not None else weight,
             r,
             D,
+            rows.y_tk.stride(0) if rows is not None else 0,
             float(eps),
             HAS_X2=x2 is not None,
             PRE_NORM=pre is not None,
             HAS_SCALE=scale is not None,
             BLOCK_R=block_r,
             BLOCK_D=block_d,
+            COMBINE=rows is not None,
+            TOP_K=top_k if rows is not None else 1,
+            K_P2=triton.next_power_of_2(top_k) if rows is not None else 1,
+            RENORM=rows is not None and rows.expert_scale is not None,
             **pdl_kwargs(y, _add_rms_norm_kernel),
             num_warps=4 if block_d * block_r <= 4096 else 8,
             **NO_FP_FUSION,
@@ -454,7 +487,10 @@ def add_rms_norm_reference(
     x, weight, residual, x2=None, scale=None, eps: float = 1e-6, pre: tuple | None = None
 ) -> torch.Tensor:
     """HF: residual + norm(x + x2) in the model dtype, then times the layer scalar; with `pre`
-    (wx, wx2), x and x2 are first norm(x) * wx and norm(x2) * wx2."""
+    (wx, wx2), x and x2 are first norm(x) * wx and norm(x2) * wx2. x2 may be `ExpertRows` (combined
+    first)."""
+    if isinstance(x2, ExpertRows):
+        x2 = x2.combined()
     if pre is not None:
         x, x2 = rms_norm_reference(x, pre[0], eps), rms_norm_reference(x2, pre[1], eps)
     y = residual + rms_norm_reference(x + x2 if x2 is not None else x, weight, eps)
@@ -504,7 +540,9 @@ def add_rms_norm(
     x, weight, residual, x2=None, scale=None, eps: float = 1e-6, impl: str = "auto", pre: tuple | None = None
 ):
     """(residual + rms(x + x2) * weight) * scale; x, x2, residual [..., D]; scale a [1] tensor or None;
-    `pre` = (wx, wx2): normalise x and x2 first (the end of a layer: one launch for three norms)."""
+    `pre` = (wx, wx2): normalise x and x2 first (the end of a layer: one launch for three norms).
+    x2 may be the experts' uncombined `ExpertRows` (x and residual then [T, D]): their combine happens
+    in the same launch."""
     if impl == "auto":
         impl = "triton" if auto_triton(x, _add_rms_norm_kernel) else "torch"
     if impl == "triton":

@@ -565,7 +565,15 @@ class Runtime:
     def _moe_w4(self, x, topk_ids, topk_p, lw: LayerWeights):
         from canvasq.kernels.moe import w4_moe
 
-        return w4_moe(x, topk_ids, topk_p, lw.experts_packed, expert_scale=lw.per_expert_scale)
+        # with the fused norms, the combine happens in the end-of-layer norm (`ExpertRows`)
+        return w4_moe(
+            x,
+            topk_ids,
+            topk_p,
+            lw.experts_packed,
+            expert_scale=lw.per_expert_scale,
+            defer_combine=self.kernels,
+        )
 
 
 @dataclass

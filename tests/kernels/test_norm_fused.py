@@ -157,9 +157,10 @@ def test_norm_kernels_compile_without_half_precision_fma():
     )
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    # rope and the q/k/v launch at two head dims, add, pre-FFN, gelu_mul
-    assert summary["ok"] and summary["kernels"] == 7
-    assert out.stdout.count("'half_fma': 0") == 7
+    # rope and the q/k/v launch at two head dims, add (with and without the experts' combine),
+    # pre-FFN, gelu_mul
+    assert summary["ok"] and summary["kernels"] == 8
+    assert out.stdout.count("'half_fma': 0") == 8
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -202,3 +203,30 @@ def test_qkv_norm_rope_is_the_three_separate_norms(dtype, n, hq, hk, d, with_q):
                 assert torch.equal(g_.dst, w_.dst)
             else:
                 assert rel_err(g_.dst, w_.dst) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,D,K,renorm", [(1, 256, 2, True), (7, 300, 8, True), (5, 2816, 8, False)])
+def test_add_rms_norm_combines_expert_rows(T, D, K, renorm, dtype):
+    """The end-of-layer norm fed the experts' uncombined rows (`ExpertRows`) writes exactly what it
+    writes when fed their combine (`combine_rows`, the separate launch it replaces); the torch twin
+    combines in torch first."""
+    from canvasq.kernels.moe.launch import ExpertRows, combine_rows
+
+    g = torch.Generator().manual_seed(T)
+    E = 16
+    m, res = (torch.randn(T, D, generator=g).to(DEVICE, dtype) for _ in range(2))
+    y_tk = (torch.randn(T * K, D, generator=g) * 3).to(DEVICE, dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(DEVICE)
+    p = torch.rand(T, K, generator=g).to(DEVICE) + 0.1
+    es = (torch.rand(E, generator=g) + 0.5).to(DEVICE, dtype) if renorm else None
+    rows = ExpertRows(y_tk, p if renorm else p / p.sum(1, keepdim=True), ids, es)
+    w, w1, w2 = ((torch.randn(D, generator=g) * 0.1 + s).to(DEVICE, dtype) for s in (1.0, 1.0, 0.5))
+    scale = torch.tensor([0.7], device=DEVICE, dtype=dtype)
+    e = combine_rows(rows)
+    assert rel_err(e, rows.combined()) < TOL[dtype]
+    fused = add_rms_norm(m, w, res, rows, scale, pre=(w1, w2), impl="triton")
+    assert torch.equal(fused, add_rms_norm(m, w, res, e, scale, pre=(w1, w2), impl="triton"))
+    twin = add_rms_norm(m, w, res, rows, scale, pre=(w1, w2), impl="torch")
+    assert rel_err(fused, twin) < TOL[dtype]
+    assert rel_err(fused, add_rms_norm(m, w, res, None, scale, impl="torch")) > 0.01  # the rows count

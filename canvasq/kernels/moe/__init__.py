@@ -3,6 +3,7 @@ on tiled packs, the CUDA default (`gluon_w4`), launchers + `w4_moe` (`launch`), 
 safetensors cache and HF model patching (`store`), tuned configs (`configs/`)."""
 
 from .launch import (
+    ExpertRows,
     MoeLaunchConfig,
     RoutingMeta,
     align_routing,
@@ -16,6 +17,7 @@ from .reference import moe_reference, w4_moe_reference
 from .store import load_packed, pack_model_experts, save_packed
 
 __all__ = [
+    "ExpertRows",
     "MoeLaunchConfig",
     "RoutingMeta",
     "W4Config",

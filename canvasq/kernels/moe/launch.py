@@ -71,6 +71,36 @@ class RoutingMeta:
     block_m: int
 
 
+@dataclass(frozen=True)
+class ExpertRows:
+    """The routed experts' output before its combine (`w4_moe(..., defer_combine=True)`): the
+    per-assignment rows and the routing that weights them. The end-of-layer norm reads these directly
+    (`norm_fused.add_rms_norm`), one launch and one [T, H] round trip fewer than combining first;
+    `combined()` is the combine in torch (same math: fp32, k in fixed order, rounded once)."""
+
+    y_tk: torch.Tensor  # [T*K, H], row t*K + k: expert ids[t, k]'s output for token t (unweighted)
+    weights: torch.Tensor  # [T, K] combine weights, or the router's raw top-k probabilities (expert_scale)
+    ids: torch.Tensor  # [T, K] int
+    expert_scale: torch.Tensor | None  # [E]: weights are renormalised and scaled (`route_weights`)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.ids.shape[0], self.y_tk.shape[1])
+
+    def combined(self) -> torch.Tensor:
+        from .reference import route_weights
+
+        T, K = self.ids.shape
+        w = self.weights.float()
+        if self.expert_scale is not None:
+            w = route_weights(w, self.ids, self.expert_scale.float())
+        y = self.y_tk.view(T, K, -1).float()
+        acc = torch.zeros_like(y[:, 0])
+        for k in range(K):
+            acc += w[:, k : k + 1] * y[:, k]
+        return acc.to(self.y_tk.dtype)
+
+
 def max_padded_rows(num_assign: int, num_experts: int, block_m: int) -> int:
     """Upper bound on P: each non-empty expert wastes < BLOCK_M rows, at most min(E, A) are non-empty."""
     nonempty = min(num_experts, num_assign)
@@ -479,10 +509,11 @@ def w4_moe_launch(
     out: torch.Tensor | None = None,
     routing: RoutingMeta | None = None,
     expert_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
+    combine: bool = True,
+) -> torch.Tensor | ExpertRows:
     """Kernel path (Triton kernels on a K-contiguous pack, Gluon on a tiled one, `prefer_tiled`).
     x [T, H] fp16/bf16/fp32, topk_ids [T, K] int, topk_weights [T, K] -> out [T, H] x.dtype.
-    `expert_scale` [E]: see `w4_moe`."""
+    `expert_scale` [E]: see `w4_moe`. combine=False: the uncombined `ExpertRows` instead of out."""
     T, H = x.shape
     K = topk_ids.shape[1]
     E, I = packed.num_experts, packed.inter
@@ -516,25 +547,33 @@ def w4_moe_launch(
     else:
         launch_gate_up(x, packed, meta, cfg, h)
         launch_down(h, packed, meta, cfg, y_tk)
-    bn = min(cfg.combine_block_n, triton.next_power_of_2(H))
-    renorm = expert_scale is not None
-    if renorm:
+    if expert_scale is not None:
         assert expert_scale.shape == (E,) and expert_scale.device == x.device
-    ids = topk_ids.contiguous()
+    rows = ExpertRows(y_tk, weights, topk_ids.contiguous(), expert_scale)
+    return combine_rows(rows, out, cfg.combine_block_n) if combine else rows
+
+
+def combine_rows(rows: ExpertRows, out: torch.Tensor | None = None, block_n: int = 1024) -> torch.Tensor:
+    """The experts' combine in one launch (`kernels._combine_kernel`): out [T, H] in the rows' dtype."""
+    (T, H), K = rows.shape, rows.ids.shape[1]
+    out = torch.empty(T, H, dtype=rows.y_tk.dtype, device=rows.y_tk.device) if out is None else out
+    assert out.shape == (T, H) and out.stride(-1) == 1 and rows.y_tk.stride(-1) == 1
+    bn = min(block_n, triton.next_power_of_2(H))
+    renorm = rows.expert_scale is not None
     _k._combine_kernel[(T, triton.cdiv(H, bn))](
-        y_tk,
-        weights,
-        ids,
-        expert_scale if renorm else weights,
+        rows.y_tk,
+        rows.weights,
+        rows.ids,
+        rows.expert_scale if renorm else rows.weights,
         out,
         H,
-        y_tk.stride(0),
+        rows.y_tk.stride(0),
         out.stride(0),
         TOP_K=K,
         K_P2=triton.next_power_of_2(K),
         RENORM=renorm,
         BLOCK_N=bn,
-        **pdl_kwargs(y_tk, _k._combine_kernel),
+        **pdl_kwargs(rows.y_tk, _k._combine_kernel),
     )
     return out
 
@@ -546,7 +585,8 @@ def w4_moe(
     packed: W4Experts,
     impl: str = "auto",
     expert_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
+    defer_combine: bool = False,
+) -> torch.Tensor | ExpertRows:
     """Routed experts in W4A16: y[t] = sum_k w[t,k] * down_e(act(gate_e(x[t])) * up_e(x[t])), e = ids[t,k].
 
     x [T, H], topk_ids [T, K], topk_weights [T, K] -> [T, H] in x.dtype. With `expert_scale` [E] the
@@ -554,6 +594,7 @@ def w4_moe(
     (`route_weights`, DiffusionGemma's router epilogue), applied inside the combine. `impl`: "triton", "torch"
     (the dequantised twin) or "auto" (Triton on CUDA, or on CPU when the kernels were imported under
     TRITON_INTERPRET=1 and it is still set; otherwise the twin; see `canvasq.kernels._dispatch`).
+    `defer_combine`: on the kernel path, return the uncombined `ExpertRows` (the twin always combines).
     """
     if impl == "auto":
         usable = auto_triton(x, _k._w4_gate_up_kernel) and (
@@ -561,7 +602,9 @@ def w4_moe(
         )
         impl = "triton" if usable else "torch"
     if impl == "triton":
-        return w4_moe_launch(x, topk_ids, topk_weights, packed, expert_scale=expert_scale)
+        return w4_moe_launch(
+            x, topk_ids, topk_weights, packed, expert_scale=expert_scale, combine=not defer_combine
+        )
     if impl == "torch":
         from .reference import w4_moe_reference
 

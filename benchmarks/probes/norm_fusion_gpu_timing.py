@@ -1,8 +1,9 @@
 """GPU probe (2026-11-30, session 9): the layer's fused launches against the ones they replace, at the
 real shape (hidden 2816, 16 query / 8 KV heads x 256 on a sliding layer, top-8 of 128 experts, bf16,
-random inputs, torch seed 0), rows 256 and 8. Timing: `benchmarks/kernels/_common.time_ms` (an event
-pair around each of 50 calls queued back to back, median); PDL off (CANVASQ_PDL=off is set here), so
-a kernel's time is its own, not its wait on the one before. Outputs checked equal first.
+random inputs, torch seed 0), rows 256 and 8. Timing: each arm captured 20 times in one CUDA
+graph, the graph replayed 10 times between CUDA events, median / 20 (queued from Python one by one,
+these launches leave the GPU idle: host-bound); PDL off (CANVASQ_PDL=off is set here), so a kernel's
+time is its own, not its wait on the one before. Outputs checked equal first.
 
 - end of layer: `add_rms_norm` fed the experts' uncombined rows (`ExpertRows`, one launch) against
   `combine_rows` then `add_rms_norm` (two), at 4 / 8 / 16 warps for the fused one;
@@ -26,8 +27,24 @@ from canvasq.kernels.norm_fused import (
     rms_norm_rope_launch,
 )
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "kernels"))
-from _common import time_ms
+
+def time_ms(fn, n: int = 20, reps: int = 10) -> float:
+    """ms per call of `fn(0)`, n calls captured in one CUDA graph, median over reps replays."""
+    fn(0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn(0)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / n)
+    return sorted(times)[reps // 2]
 
 
 def end_of_layer(T, D=2816, K=8, E=128, dt=torch.bfloat16):
@@ -60,8 +77,8 @@ def qkv(T, hq=16, hk=8, d=256, dt=torch.bfloat16):
     )
     cos, sin = (f(torch.cat([pos, pos], -1)).to(dt) for f in (torch.cos, torch.sin))
     a, b = torch.zeros(T, dtype=torch.long, device="cuda"), torch.arange(T, device="cuda")
-    tq = Scatter(torch.empty(1, hq, T, d, device="cuda", dtype=dt), a, b)
-    tk, tv = (Scatter(torch.empty(1, hk, T + 128, d, device="cuda", dtype=dt), a, b) for _ in range(2))
+    tq = Scatter(torch.zeros(1, hq, T, d, device="cuda", dtype=dt), a, b)
+    tk, tv = (Scatter(torch.zeros(1, hk, T + 128, d, device="cuda", dtype=dt), a, b) for _ in range(2))
 
     def three(_):
         rms_norm_rope_launch(k, wk, cos, sin, 1e-6, tk)

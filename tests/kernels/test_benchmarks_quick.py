@@ -81,8 +81,12 @@ def test_kernels_compile_for_sm90_without_spills():
     # trivial at compile time) and their loops keep the MMA
     gluon = [r for r in rows if r["kernel"].startswith("gluon_")]
     assert {r["kernel"].split()[0] for r in gluon} == {"gluon_gate_up", "gluon_down"}
-    # spill-free, except the one measured winner that spills a little: BLOCK_M 32 gate_up w2 t2 s3
-    # (48 bytes; still the fastest at 1024 and 4096 rows, probe 7cf24bd); a layout change that made
-    # any tile spill more would show here
-    assert all(r["stack"] <= (48 if r["kernel"].startswith("gluon_gate_up m32 w2 t2") else 0) for r in gluon)
+    # spill-free, except the measured winners that spill a little (compile_check.MEASURED_SPILLS: BLOCK_M 32
+    # gate_up w2 t2 s3, 48 bytes, probe 7cf24bd; the 256-row down under its 72-register cap, 8 bytes,
+    # probe c43a03e); a layout change that made any tile spill more would show here
+    allowed = {"gluon_gate_up m32 w2 t2 s3": 48, "gluon_down m16 w4 t2 s3 r72": 8}
+    assert all(r["stack"] <= allowed.get(r["kernel"], 0) for r in gluon), [
+        (r["kernel"], r["stack"]) for r in gluon
+    ]
+    assert any(r["kernel"].endswith(" r72") for r in gluon)  # the configured register cap is compiled in
     assert all(r["loop_mma"] > 0 for r in gluon)

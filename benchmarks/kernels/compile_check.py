@@ -396,6 +396,23 @@ def other_kernels():
                 NF.NO_FP_FUSION,
             ),
         )
+    at = importlib.import_module("canvasq.kernels.attention")
+    for d in (256, 512):  # sliding and full layers
+        bm, bn, warps, stages = at._tiles(d)
+        yield (
+            f"attend_d{d}",
+            compile_kernel(
+                at._attend_kernel,
+                {
+                    **_ptrs(at._attend_kernel, overrides={"slot_ptr": "*i64"}),
+                    **{n: "i32" for n in at._attend_kernel.arg_names if not n.endswith("_ptr")},
+                },
+                {"D": d, "BLOCK_M": bm, "BLOCK_N": bn, "HAS_MASK": True, "INTERPRET_STEPS": 0},
+                {n for n in at._attend_kernel.arg_names if n.endswith("_ptr") or n.startswith("s")},
+                warps,
+                stages,
+            ),
+        )
     an = NF._add_rms_norm_kernel
     for combine in (False, True):  # the end of a layer: the experts' output combined, or their rows
         yield (

@@ -17,6 +17,7 @@ through the interpreter on CPU when TRITON_INTERPRET=1 was set before import and
 torch twin otherwise (the CPU testbed). See `_dispatch.py`.
 """
 
+from .attention import attend, attend_reference
 from .gelu_mul import gelu_mul, gelu_mul_reference
 from .moe import (
     MoeLaunchConfig,
@@ -51,6 +52,8 @@ __all__ = [
     "W4Experts",
     "add_rms_norm",
     "add_rms_norm_reference",
+    "attend",
+    "attend_reference",
     "fuse_attention_module",
     "fuse_qkv_weights",
     "gelu_mul",

@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from canvasq.kernels.attention import attend
 from canvasq.kernels.gelu_mul import gelu_mul
 from canvasq.kernels.moe.reference import route_weights
 from canvasq.kernels.norm_fused import Scatter, add_rms_norm, pre_ffn_norms, qkv_norm_rope
@@ -396,6 +397,7 @@ class Runtime:
         row_slot = torch.cat([torch.full((r,), s, dtype=torch.long) for s, r in zip(slots, sizes)]).to(dev)
         row_col = torch.cat([torch.arange(s, s + r) for s, r in zip(starts, sizes)]).to(dev)
         ctx = _AttnContext.build(windows, starts, self.sliding_window, dev, lmax, arena.capacity)
+        ctx.kernel = self.kernels
 
         sc = []  # (rows [R] on device, keep [R, 1] or None, self_cond on device) per SC window
         cap_rows, cap_owner = [], []
@@ -613,6 +615,7 @@ class _AttnContext:
         self.hi, self.lo, self.ends, self.pad = hi, lo, ends, pad
         self.masks: dict[bool, torch.Tensor] = {}
         self.maskfree: dict[bool, bool] = {False: False, True: False}
+        self.kernel = False  # `attend` through the attention kernel (the runtime's `kernels`), else SDPA
         self._folded: dict[tuple[bool, int], torch.Tensor] = {}
 
     @classmethod
@@ -712,6 +715,15 @@ class _AttnContext:
         place, never repeated."""
         nb, heads, _, d = q.shape
         n = self.b_idx.numel()
+        if self.kernel:  # one launch, arena read in place, o_proj's layout out (`kernels.attention`)
+            kvh = arena.k[layer].shape[1]
+            g = heads // kvh
+            mask = None if self.maskfree[sliding] else self._mask(sliding, g, q.dtype)
+            qf = q.view(nb, kvh, g * self.rmax, d)
+            o = attend(
+                qf, arena.k[layer], arena.v[layer], self.slots, self.lmax, mask, groups=g, impl="triton"
+            )
+            return o if self.dense else o.view(nb, self.rmax, heads * d)[self.b_idx, self.r_idx]
         if self.contiguous:
             s0 = int(self.first)
             k = arena.k[layer][s0 : s0 + nb, :, : self.lmax]

@@ -407,7 +407,7 @@ def other_kernels():
                     **_ptrs(at._attend_kernel, overrides={"slot_ptr": "*i64"}),
                     **{n: "i32" for n in at._attend_kernel.arg_names if not n.endswith("_ptr")},
                 },
-                {"D": d, "BLOCK_M": bm, "BLOCK_N": bn, "HAS_MASK": True, "INTERPRET_STEPS": 0},
+                {"D": d, "BLOCK_M": bm, "BLOCK_N": bn, "HAS_MASK": True, "INTERPRET_STEPS": 0, "DOT_PREC": "tf32"},
                 {n for n in at._attend_kernel.arg_names if n.endswith("_ptr") or n.startswith("s")},
                 warps,
                 stages,

@@ -37,14 +37,14 @@ LOG2E = tl.constexpr(1.4426950408889634)
 @triton.jit
 def _attend_block(
     q, k_base, v_base, mrow, start, L, sk_l, sv_l, live, m_i, l_i, acc, D: tl.constexpr,
-    BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     """Keys start .. start + BLOCK_N: the online-softmax update of (row max, row sum, accumulator)."""
     cols_d = tl.arange(0, D)
     keys = start + tl.arange(0, BLOCK_N)
     kin = keys < L
     k = tl.load(k_base + keys[:, None].to(tl.int64) * sk_l + cols_d[None, :], mask=kin[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k)) * LOG2E  # [BLOCK_M, BLOCK_N] fp32, base-2 logits
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * LOG2E  # [BLOCK_M, BLOCK_N] fp32, base-2 logits
     if HAS_MASK:
         s += tl.load(mrow + keys[None, :], mask=live[:, None] & kin[None, :], other=0.0).to(tl.float32)
     s = tl.where(kin[None, :], s, float("-inf"))
@@ -53,7 +53,7 @@ def _attend_block(
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
     v = tl.load(v_base + keys[:, None].to(tl.int64) * sv_l + cols_d[None, :], mask=kin[:, None], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
@@ -85,6 +85,7 @@ def _attend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    DOT_PREC: tl.constexpr,
     INTERPRET_STEPS: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -127,11 +128,27 @@ def _attend_kernel(
                 D,
                 BLOCK_N,
                 HAS_MASK,
+                DOT_PREC,
             )
     else:
         for start in range(0, L, BLOCK_N):
             m_i, l_i, acc = _attend_block(
-                q, k_base, v_base, mrow, start, L, sk_l, sv_l, live, m_i, l_i, acc, D, BLOCK_N, HAS_MASK
+                q,
+                k_base,
+                v_base,
+                mrow,
+                start,
+                L,
+                sk_l,
+                sv_l,
+                live,
+                m_i,
+                l_i,
+                acc,
+                D,
+                BLOCK_N,
+                HAS_MASK,
+                DOT_PREC,
             )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     head = kv * G + (rows // R)
@@ -150,7 +167,9 @@ def _tiles(d: int) -> tuple[int, int, int, int]:
     return 32, 32, 8, 2
 
 
-def attend_launch(q, k_arena, v_arena, slots, lmax: int, mask=None, groups: int = 1) -> torch.Tensor:
+def attend_launch(
+    q, k_arena, v_arena, slots, lmax: int, mask=None, groups: int = 1, tiles: tuple | None = None
+) -> torch.Tensor:
     nb, kvh, gr, d = q.shape
     assert k_arena.shape[1] == v_arena.shape[1] == kvh and k_arena.shape[3] == v_arena.shape[3] == d
     assert q.stride(-1) == k_arena.stride(-1) == v_arena.stride(-1) == 1 and slots.shape == (nb,)
@@ -161,7 +180,7 @@ def attend_launch(q, k_arena, v_arena, slots, lmax: int, mask=None, groups: int 
     o = torch.empty(nb * r, kvh * g * d, dtype=q.dtype, device=q.device)
     if mask is not None:
         assert mask.shape == (nb, 1, gr, lmax) and mask.stride(-1) == 1, mask.shape
-    bm, bn, warps, stages = _tiles(d)
+    bm, bn, warps, stages = tiles or _tiles(d)
     if o.numel():
         _attend_kernel[(triton.cdiv(gr, bm), kvh, nb)](
             q,
@@ -190,6 +209,7 @@ def attend_launch(q, k_arena, v_arena, slots, lmax: int, mask=None, groups: int 
             BLOCK_M=bm,
             BLOCK_N=bn,
             HAS_MASK=mask is not None,
+            DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: no TF32 products
             INTERPRET_STEPS=triton.cdiv(lmax, bn) if interpreted(_attend_kernel) else 0,
             **pdl_kwargs(q, _attend_kernel),
             num_warps=warps,

@@ -160,11 +160,13 @@ def _attend_kernel(
     )
 
 
-def _tiles(d: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages): 32 x 32 tiles with 8 warps compile without spills for head
-    dims 256 and 512 on sm_90 (141 / 197 registers, 53 / 102 KB of shared memory) and give 128
-    programs at the real shape's 256 rows (sliding and full layers alike)."""
-    return 32, 32, 8, 2
+def _tiles(d: int, rows: int, kv_heads: int, windows: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages), the fastest of 7 tiles in `benchmarks/probes/attention_gpu_timing.py`
+    on the H200 (BENCHMARKS.md, session 9): large tiles once they still give about 64 programs
+    (sliding 256-row window: 15.6 us; full: 34.0), 16-row tiles for short windows (8 rows: 8.6 / 11.7 us).
+    The two large ones spill a little (compile_check.MEASURED_SPILLS)."""
+    big = (64, 64, 4, 2) if d <= 256 else (32, 32, 4, 2)
+    return big if triton.cdiv(rows, big[0]) * kv_heads * windows >= 64 else (16, 32, 4, 2)
 
 
 def attend_launch(
@@ -180,7 +182,7 @@ def attend_launch(
     o = torch.empty(nb * r, kvh * g * d, dtype=q.dtype, device=q.device)
     if mask is not None:
         assert mask.shape == (nb, 1, gr, lmax) and mask.stride(-1) == 1, mask.shape
-    bm, bn, warps, stages = tiles or _tiles(d)
+    bm, bn, warps, stages = tiles or _tiles(d, gr, kvh, nb)
     if o.numel():
         _attend_kernel[(triton.cdiv(gr, bm), kvh, nb)](
             q,

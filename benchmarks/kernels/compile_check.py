@@ -216,8 +216,6 @@ GLUON_CONFIGS = os.path.join(CONFIG_DIR, H200_CONFIGS)
 MEASURED_SPILLS = {
     "gluon_gate_up m32 w2 t2 s3": 48,
     "gluon_down m16 w4 t2 s3 r72": 8,
-    "attend_d256 m64 n64 w4 s2": 72,  # 15.6 vs 17.4 us for the best spill-free tile (probe 5d83a54)
-    "attend_d512 m32 n32 w4 s2": 48,  # 34.0 vs 35.7 us
 }
 
 
@@ -402,30 +400,29 @@ def other_kernels():
             ),
         )
     at = importlib.import_module("canvasq.kernels.attention")
-    for d, kvh in ((256, 8), (512, 2)):  # sliding and full layers, a long and a short window
-        for rows in (2048, 16):
-            bm, bn, warps, stages = at._tiles(d, rows, kvh, 1)
-            yield (
-                f"attend_d{d} m{bm} n{bn} w{warps} s{stages}",
-                compile_kernel(
-                    at._attend_kernel,
-                    {
-                        **_ptrs(at._attend_kernel, overrides={"slot_ptr": "*i64"}),
-                        **{n: "i32" for n in at._attend_kernel.arg_names if not n.endswith("_ptr")},
-                    },
-                    {
-                        "D": d,
-                        "BLOCK_M": bm,
-                        "BLOCK_N": bn,
-                        "HAS_MASK": True,
-                        "INTERPRET_STEPS": 0,
-                        "DOT_PREC": "tf32",
-                    },
-                    {n for n in at._attend_kernel.arg_names if n.endswith("_ptr") or n.startswith("s")},
-                    warps,
-                    stages,
-                ),
-            )
+    for d in (256, 512):  # sliding and full layers
+        bm, bn, warps, stages = at._tiles(d)
+        yield (
+            f"attend_d{d} m{bm} n{bn} w{warps} s{stages}",
+            compile_kernel(
+                at._attend_kernel,
+                {
+                    **_ptrs(at._attend_kernel, overrides={"slot_ptr": "*i64"}),
+                    **{n: "i32" for n in at._attend_kernel.arg_names if not n.endswith("_ptr")},
+                },
+                {
+                    "D": d,
+                    "BLOCK_M": bm,
+                    "BLOCK_N": bn,
+                    "HAS_MASK": True,
+                    "INTERPRET_STEPS": 0,
+                    "DOT_PREC": "tf32",
+                },
+                {n for n in at._attend_kernel.arg_names if n.endswith("_ptr") or n.startswith("s")},
+                warps,
+                stages,
+            ),
+        )
     an = NF._add_rms_norm_kernel
     for combine in (False, True):  # the end of a layer: the experts' output combined, or their rows
         yield (

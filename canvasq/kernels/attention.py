@@ -16,9 +16,10 @@ value dtype before the second product, as flash attention does; a row with every
 rows) gives zeros, where SDPA gives NaN (the runtime drops those rows). The torch twin is SDPA on the
 gathered arena slices, the runtime's earlier path.
 
-Why: on the H200 at the real shape (16 query heads, 384 keys) cuDNN's flash kernel took 13.2 µs per
-sliding layer, and the five full layers' head dim 512 fell back to a generic kernel at 35.6 µs,
-plus a 4.4 µs transposing copy per layer (BENCHMARKS.md, session 9).
+Why: SDPA's fixed costs per call dominate short windows. On the H200 at the real shape the runtime
+uses this kernel for windows of up to `SHORT_WINDOW` rows (8-row windows: 5.6-5.7 instead of 6.0-6.3 ms
+per forward); for a full 256-row canvas it was no faster than cuDNN's flash kernel plus the copy, so
+SDPA keeps that (BENCHMARKS.md, session 9).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ._dispatch import auto_triton, interpreted, pdl_kwargs
 from ._math import pdl_enter
 
 LOG2E = tl.constexpr(1.4426950408889634)
+SHORT_WINDOW = 64  # rows per window up to which the runtime attends through this kernel
 
 
 @triton.jit
@@ -160,13 +162,12 @@ def _attend_kernel(
     )
 
 
-def _tiles(d: int, rows: int, kv_heads: int, windows: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages), the fastest of 7 tiles in `benchmarks/probes/attention_gpu_timing.py`
-    on the H200 (BENCHMARKS.md, session 9): large tiles once they still give about 64 programs
-    (sliding 256-row window: 15.6 us; full: 34.0), 16-row tiles for short windows (8 rows: 8.6 / 11.7 us).
-    The two large ones spill a little (compile_check.MEASURED_SPILLS)."""
-    big = (64, 64, 4, 2) if d <= 256 else (32, 32, 4, 2)
-    return big if triton.cdiv(rows, big[0]) * kv_heads * windows >= 64 else (16, 32, 4, 2)
+def _tiles(d: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages): 32 x 32 tiles with 8 warps, spill-free for head dims 256 and
+    512 on sm_90 (141 / 197 registers). The tile probe (`benchmarks/probes/attention_gpu_timing.py`)
+    favoured 64 x 64 / 16 x 32 tiles kernel by kernel, but in the whole forward those made the 256-row
+    window 1 ms slower (BENCHMARKS.md, session 9), so they are not used."""
+    return 32, 32, 8, 2
 
 
 def attend_launch(
@@ -182,7 +183,7 @@ def attend_launch(
     o = torch.empty(nb * r, kvh * g * d, dtype=q.dtype, device=q.device)
     if mask is not None:
         assert mask.shape == (nb, 1, gr, lmax) and mask.stride(-1) == 1, mask.shape
-    bm, bn, warps, stages = tiles or _tiles(d, gr, kvh, nb)
+    bm, bn, warps, stages = tiles or _tiles(d)
     if o.numel():
         _attend_kernel[(triton.cdiv(gr, bm), kvh, nb)](
             q,

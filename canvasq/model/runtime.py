@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from canvasq.kernels.attention import attend
+from canvasq.kernels.attention import SHORT_WINDOW, attend
 from canvasq.kernels.gelu_mul import gelu_mul
 from canvasq.kernels.moe.reference import route_weights
 from canvasq.kernels.norm_fused import Scatter, add_rms_norm, pre_ffn_norms, qkv_norm_rope
@@ -615,7 +615,7 @@ class _AttnContext:
         self.hi, self.lo, self.ends, self.pad = hi, lo, ends, pad
         self.masks: dict[bool, torch.Tensor] = {}
         self.maskfree: dict[bool, bool] = {False: False, True: False}
-        self.kernel = False  # `attend` through the attention kernel (the runtime's `kernels`), else SDPA
+        self.kernel = False  # short windows through `kernels.attention` (the runtime's `kernels`), else SDPA
         self._folded: dict[tuple[bool, int], torch.Tensor] = {}
 
     @classmethod
@@ -715,7 +715,7 @@ class _AttnContext:
         place, never repeated."""
         nb, heads, _, d = q.shape
         n = self.b_idx.numel()
-        if self.kernel:  # one launch, arena read in place, o_proj's layout out (`kernels.attention`)
+        if self.kernel and self.rmax <= SHORT_WINDOW:  # one launch, arena read in place, o_proj's layout out
             kvh = arena.k[layer].shape[1]
             g = heads // kvh
             mask = None if self.maskfree[sliding] else self._mask(sliding, g, q.dtype)

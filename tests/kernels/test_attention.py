@@ -73,8 +73,7 @@ def test_attend_reads_only_the_named_slots_and_entries():
 
 @pytest.mark.parametrize("tiles", [(64, 64, 4, 2), (32, 32, 4, 2), (16, 32, 4, 2)])
 def test_attend_tiles_agree(tiles):
-    """Each tile `_tiles` can pick (large ones for long windows, 16-row ones for short) gives the same
-    result up to summation order."""
+    """The tiles the H200 probe compared give the same result up to summation order."""
     q, k, v, slots, mask = _case(2, 2, 2, 40, 64, 4, 150, 140, torch.float32)
     got = attend_launch(q, k, v, slots, 140, mask, groups=2, tiles=tiles)
     assert rel_err(got, attend_launch(q, k, v, slots, 140, mask, groups=2, tiles=(16, 32, 4, 2))) < 1e-5

@@ -23,10 +23,20 @@ pytestmark = pytest.mark.skipif(
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("attention", ["kernel", "sdpa"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 2e-2)])
-def test_runtime_with_fused_kernels_matches_hf(dtype, tol):
+def test_runtime_with_fused_kernels_matches_hf(dtype, tol, attention, monkeypatch):
     """fp16 stands in for bf16 (the interpreter cannot load bf16): the fused kernels must round where
-    HF's modules round, else the trained model's logits move by ~8 % (the bf16 bound is 2e-2)."""
+    HF's modules round, else the trained model's logits move by ~8 % (the bf16 bound is 2e-2).
+    attention: the testbed's windows (40 prompt rows, 32 canvas rows) through `kernels.attention`, or,
+    with the short-window limit at 0, through SDPA as the runtime does for long windows."""
+    import canvasq.model.runtime as runtime_module
+
+    calls = []
+    real_attend = runtime_module.attend
+    monkeypatch.setattr(runtime_module, "attend", lambda *a, **k: calls.append(1) or real_attend(*a, **k))
+    if attention == "sdpa":
+        monkeypatch.setattr(runtime_module, "SHORT_WINDOW", 0)
     m = load_bundle(device="cpu", dtype=dtype).hf_model  # the trained testbed
     g = torch.Generator().manual_seed(4)
     b, p, c = 3, 40, m.config.canvas_length  # a case where unrounded epilogues move logits by 8 %
@@ -44,6 +54,7 @@ def test_runtime_with_fused_kernels_matches_hf(dtype, tol):
     rt.encode_many(arena, [(i, prompts[i], torch.arange(p)) for i in range(b)])
     out = rt.decode(arena, [Window.canvas(i, canvas[i], p) for i in range(b)]).logits
     assert rel_err(out, ref.reshape(b * c, -1)) <= tol
+    assert (len(calls) > 0) == (attention == "kernel")  # the path asked for is the one taken
 
 
 @torch.no_grad()

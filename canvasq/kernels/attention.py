@@ -221,27 +221,40 @@ def attend_launch(
     return o
 
 
-def attend_reference(q, k_arena, v_arena, slots, lmax: int, mask=None, groups: int = 1) -> torch.Tensor:
-    """Twin: SDPA (scale 1) on the slots' gathered arena entries, then the transposing copy."""
+def attend_reference(
+    q, k_arena, v_arena, slots, lmax: int, mask=None, groups: int = 1, first: int | None = None
+) -> torch.Tensor:
+    """Twin: SDPA (scale 1) on the slots' arena entries, then the transposing copy. `first`: the slots
+    are first, first + 1, ... (a host int), read as a slice instead of gathered."""
     nb, kvh, gr, d = q.shape
     r = gr // groups
-    k = k_arena[slots, :, :lmax]
-    v = v_arena[slots, :, :lmax]
+    pick = slots if first is None else slice(first, first + nb)
+    k = k_arena[pick, :, :lmax]
+    v = v_arena[pick, :, :lmax]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
     return o.view(nb, kvh, groups, r, d).permute(0, 3, 1, 2, 4).reshape(nb * r, kvh * groups * d)
 
 
 def attend(
-    q, k_arena, v_arena, slots, lmax: int, mask=None, groups: int = 1, impl: str = "auto"
+    q,
+    k_arena,
+    v_arena,
+    slots,
+    lmax: int,
+    mask=None,
+    groups: int = 1,
+    impl: str = "auto",
+    first: int | None = None,
 ) -> torch.Tensor:
     """q [B, kv, g*R, d] (g = `groups` query heads per KV head), a layer's arena K/V [S, kv, C, d], the B
     windows' slots, their first `lmax` entries, an additive mask [B, 1, g*R, lmax] or None ->
-    o [B*R, kv*g*d] (see the module docstring)."""
+    o [B*R, kv*g*d] (see the module docstring). `first`: see `attend_reference` (the kernel reads any
+    slots in place)."""
     if impl == "auto":
         impl = "triton" if auto_triton(q, _attend_kernel) else "torch"
     d = q.shape[-1]
     if impl == "triton" and d >= 16 and triton.next_power_of_2(d) == d:
         return attend_launch(q, k_arena, v_arena, slots, lmax, mask, groups)
     if impl in ("triton", "torch"):
-        return attend_reference(q, k_arena, v_arena, slots, lmax, mask, groups)
+        return attend_reference(q, k_arena, v_arena, slots, lmax, mask, groups, first)
     raise ValueError(f"unknown impl {impl!r}")

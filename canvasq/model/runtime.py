@@ -714,31 +714,23 @@ class _AttnContext:
         query heads of a KV head become g*Rmax rows against that head's keys), so K/V are read in
         place, never repeated."""
         nb, heads, _, d = q.shape
-        n = self.b_idx.numel()
-        if self.kernel and self.rmax <= SHORT_WINDOW:  # one launch, arena read in place, o_proj's layout out
-            kvh = arena.k[layer].shape[1]
-            g = heads // kvh
-            mask = None if self.maskfree[sliding] else self._mask(sliding, g, q.dtype)
-            qf = q.view(nb, kvh, g * self.rmax, d)
-            o = attend(
-                qf, arena.k[layer], arena.v[layer], self.slots, self.lmax, mask, groups=g, impl="triton"
-            )
-            return o if self.dense else o.view(nb, self.rmax, heads * d)[self.b_idx, self.r_idx]
-        if self.contiguous:
-            s0 = int(self.first)
-            k = arena.k[layer][s0 : s0 + nb, :, : self.lmax]
-            v = arena.v[layer][s0 : s0 + nb, :, : self.lmax]
-        else:
-            k = arena.k[layer][self.slots, :, : self.lmax]
-            v = arena.v[layer][self.slots, :, : self.lmax]
-        kvh = k.shape[1]
+        kvh = arena.k[layer].shape[1]
         g = heads // kvh
-        qf = q.view(nb, kvh, g * self.rmax, d)
         mask = None if self.maskfree[sliding] else self._mask(sliding, g, q.dtype)
-        o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=1.0)
-        o = o.view(nb, kvh, g, self.rmax, d).permute(0, 3, 1, 2, 4).reshape(nb, self.rmax, heads, d)
-        o = o.reshape(n, heads * d) if self.dense else o[self.b_idx, self.r_idx].reshape(n, heads * d)
-        return o
+        # short windows: one launch, arena read in place, o_proj's layout out; longer ones: SDPA
+        kernel = self.kernel and self.rmax <= SHORT_WINDOW
+        o = attend(
+            q.view(nb, kvh, g * self.rmax, d),
+            arena.k[layer],
+            arena.v[layer],
+            self.slots,
+            self.lmax,
+            mask,
+            groups=g,
+            impl="triton" if kernel else "torch",
+            first=int(self.first) if self.contiguous else None,
+        )
+        return o if self.dense else o.view(nb, self.rmax, heads * d)[self.b_idx, self.r_idx]
 
 
 def _fuse_projections(layers: list[LayerWeights]) -> None:

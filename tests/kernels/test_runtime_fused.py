@@ -30,13 +30,15 @@ def test_runtime_with_fused_kernels_matches_hf(dtype, tol, attention, monkeypatc
     HF's modules round, else the trained model's logits move by ~8 % (the bf16 bound is 2e-2).
     attention: the testbed's windows (40 prompt rows, 32 canvas rows) through `kernels.attention`, or,
     with the short-window limit at 0, through SDPA as the runtime does for long windows."""
-    import canvasq.model.runtime as runtime_module
+    import canvasq.kernels.attention as attention_module
 
-    calls = []
-    real_attend = runtime_module.attend
-    monkeypatch.setattr(runtime_module, "attend", lambda *a, **k: calls.append(1) or real_attend(*a, **k))
+    calls = []  # launches of the attention kernel
+    real_launch = attention_module.attend_launch
+    monkeypatch.setattr(
+        attention_module, "attend_launch", lambda *a, **k: calls.append(1) or real_launch(*a, **k)
+    )
     if attention == "sdpa":
-        monkeypatch.setattr(runtime_module, "SHORT_WINDOW", 0)
+        monkeypatch.setattr("canvasq.model.runtime.SHORT_WINDOW", 0)
     m = load_bundle(device="cpu", dtype=dtype).hf_model  # the trained testbed
     g = torch.Generator().manual_seed(4)
     b, p, c = 3, 40, m.config.canvas_length  # a case where unrounded epilogues move logits by 8 %

@@ -76,7 +76,7 @@ class ExpertRows:
     """The routed experts' output before its combine (`w4_moe(..., defer_combine=True)`): the
     per-assignment rows and the routing that weights them. The end-of-layer norm reads these directly
     (`norm_fused.add_rms_norm`), one launch and one [T, H] round trip fewer than combining first;
-    `combined()` is the combine in torch (same math: fp32, k in fixed order, rounded once)."""
+    `combined()` is the combine in torch (`reference.combine_reference`)."""
 
     y_tk: torch.Tensor  # [T*K, H], row t*K + k: expert ids[t, k]'s output for token t (unweighted)
     weights: torch.Tensor  # [T, K] combine weights, or the router's raw top-k probabilities (expert_scale)
@@ -88,17 +88,12 @@ class ExpertRows:
         return (self.ids.shape[0], self.y_tk.shape[1])
 
     def combined(self) -> torch.Tensor:
-        from .reference import route_weights
+        from .reference import combine_reference, route_weights
 
-        T, K = self.ids.shape
-        w = self.weights.float()
+        w = self.weights
         if self.expert_scale is not None:
-            w = route_weights(w, self.ids, self.expert_scale.float())
-        y = self.y_tk.view(T, K, -1).float()
-        acc = torch.zeros_like(y[:, 0])
-        for k in range(K):
-            acc += w[:, k : k + 1] * y[:, k]
-        return acc.to(self.y_tk.dtype)
+            w = route_weights(w, self.ids, self.expert_scale)
+        return combine_reference(self.y_tk, w)
 
 
 def max_padded_rows(num_assign: int, num_experts: int, block_m: int) -> int:

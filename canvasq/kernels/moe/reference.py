@@ -39,8 +39,14 @@ def moe_reference(
         gu = xe @ gate_up[e].to(x.dtype).t()
         h = gelu_tanh(gu[:, :I].float()) * gu[:, I:].float()
         y_tk[aid] = h.to(x.dtype) @ down[e].to(x.dtype).t()
-    y = (y_tk.view(T, K, H).float() * topk_weights.float()[..., None]).sum(1)
-    return y.to(x.dtype)
+    return combine_reference(y_tk, topk_weights)
+
+
+def combine_reference(y_tk: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each token's K rows of y_tk [T*K, H] weighted by weights [T, K] and summed in fp32 -> [T, H] in
+    y_tk's dtype (the combine kernel's twin)."""
+    T, K = weights.shape
+    return (y_tk.view(T, K, -1).float() * weights.float()[..., None]).sum(1).to(y_tk.dtype)
 
 
 def route_weights(topk_p: torch.Tensor, topk_ids: torch.Tensor, expert_scale: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,7 @@ def run_batch(
     routing: dict[str, str] | None = None,
     interrupts: tuple[type[BaseException], ...] = (),
     cuda_graphs: str | None = None,
+    experts: str | None = None,
 ) -> list[DecodeResult]:
     """Decode every request of `batch`; one DecodeResult per request, in order.
 
@@ -73,9 +74,11 @@ def run_batch(
       raises `Interrupted` from it, holding the rows that had finished.
     cuda_graphs: "auto" / "off" for the step decoders (the service's `cuda_graphs` setting); None
       keeps their config default, and `overrides` win over it.
+    experts: "bf16" / "w4" for every decoder (the service's resolved `experts` setting); None keeps
+      the config default, and `overrides` win over it.
     """
     if decoder != "auto":
-        dec = make_decoder(decoder, bundle, overrides, cuda_graphs)
+        dec = make_decoder(decoder, bundle, overrides, cuda_graphs, experts)
         return dec.decode(batch, should_stop=should_stop, interrupts=interrupts)
 
     from canvasq.decoders.routing import route
@@ -91,7 +94,7 @@ def run_batch(
     results: list[DecodeResult | None] = [None] * len(batch.requests)
     for key, idx in groups.items():
         name, knobs = chosen[key]
-        dec = make_decoder(name, bundle, knobs, cuda_graphs)
+        dec = make_decoder(name, bundle, knobs, cuda_graphs, experts)
         sub = DecodeBatch(requests=[batch.requests[i] for i in idx], seed=batch.seed)
         try:
             out = dec.decode(sub, should_stop=should_stop, interrupts=interrupts)

@@ -36,11 +36,18 @@ def make_config(name: str, overrides: dict | None = None):
     return with_overrides(CONFIGS[name](), overrides)
 
 
-def make_decoder(name: str, bundle, overrides: dict | None = None, cuda_graphs: str | None = None):
+def make_decoder(
+    name: str,
+    bundle,
+    overrides: dict | None = None,
+    cuda_graphs: str | None = None,
+    experts: str | None = None,
+):
     """A ready strategy instance: `.decode(batch, should_stop) -> list[DecodeResult]`.
-    `cuda_graphs` (the service setting) applies to the decoders that have that option, unless
-    `overrides` set it themselves."""
+    `cuda_graphs` and `experts` (the service settings) apply to the decoders that have that option,
+    unless `overrides` set it themselves."""
     config = make_config(name, overrides)
-    if cuda_graphs is not None and hasattr(config, "cuda_graphs") and "cuda_graphs" not in (overrides or {}):
-        config = dataclasses.replace(config, cuda_graphs=cuda_graphs)
+    for key, value in (("cuda_graphs", cuda_graphs), ("experts", experts)):
+        if value is not None and hasattr(config, key) and key not in (overrides or {}):
+            config = dataclasses.replace(config, **{key: value})
     return decoder_class(name)(bundle, config)

@@ -208,7 +208,7 @@ class StepDecoder:
                     row=i,
                     req=req,
                     slot=len(seqs),
-                    gen=row_generator(batch.seed, req.custom_id),
+                    gen=self.generator(batch.seed, req.custom_id),
                     n_canvases=-(-req.max_tokens // self.C),
                 )
             )
@@ -260,7 +260,8 @@ class StepDecoder:
 
     # -- hooks ----------------------------------------------------------------------------------
     def new_store(self, seqs: list[Seq]):
-        cap = max(s.prompt_len + (s.n_canvases + self.config.max_canvases + 1) * self.C for s in seqs)
+        in_flight = getattr(self.config, "max_canvases", 1)
+        cap = max(s.prompt_len + (s.n_canvases + in_flight + 1) * self.C for s in seqs)
         if self.graphs is not None:  # graphs read one arena for the life of the process
             arena = self.graphs.arena(len(seqs), cap)
             if arena is not None:
@@ -296,6 +297,10 @@ class StepDecoder:
         raise NotImplementedError
 
     # -- shared helpers -------------------------------------------------------------------------
+    def generator(self, seed: int, custom_id: str) -> torch.Generator:
+        """The request's RNG (CPU: its draws are moved to the device)."""
+        return row_generator(seed, custom_id)
+
     def spawn(self, s: Seq) -> Canvas:
         """A new canvas of uniform-random tokens after the last one (the sampler's x_T ~ U(V))."""
         start = s.prompt_len + s.spawned * self.C

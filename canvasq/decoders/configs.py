@@ -17,8 +17,9 @@ GRAPHS = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
-class OfficialConfig:
-    """HF `generate()` unchanged. `None` keeps the checkpoint's generation config."""
+class HfConfig:
+    """`hf`: HF `generate()` unchanged (the reference arm). `None` keeps the checkpoint's generation
+    config."""
 
     experts: str = "bf16"  # "w4": Part 2's A/B arm (Triton W4A16 experts swapped in)
     max_denoising_steps: int | None = None
@@ -26,6 +27,43 @@ class OfficialConfig:
 
     def __post_init__(self):
         _check_choice("experts", self.experts, EXPERTS)
+
+
+@dataclass(frozen=True)
+class OfficialConfig:
+    """`official`: the native sampler's algorithm on canvasq's runtime. Every sampler knob left at
+    `None` is resolved exactly as `generate()` resolves it (the checkpoint's generation config, then
+    HF's defaults: 48 steps, entropy bound 0.1, temperature 0.8 -> 0.4, stop when the argmax is
+    stable for 1 step and the mean entropy is under 0.005)."""
+
+    experts: str = "bf16"
+    max_denoising_steps: int | None = None  # the step cap per canvas (also sets the temperature ramp)
+    entropy_bound: float | None = None
+    t_min: float | None = None
+    t_max: float | None = None
+    stability_threshold: int | None = None
+    confidence_threshold: float | None = None
+    # Self-conditioning from the top-k of the previous step's logits (None: the full vocabulary, as
+    # generate() does; at the real vocabulary that is a [rows, 262,144] projection per step)
+    sc_topk: int | None = 64
+    # "row": each request draws from its own generator (seed + custom_id: batch-invariant output);
+    # "plain": seeded with the batch seed alone, which at batch 1 draws exactly what
+    # `torch.manual_seed(seed)` then `generate()` draws (the parity test)
+    seed_mode: str = "row"
+    cuda_graphs: str = "auto"
+
+    def __post_init__(self):
+        _check_choice("experts", self.experts, EXPERTS)
+        _check_choice("cuda_graphs", self.cuda_graphs, GRAPHS)
+        _check_choice("seed_mode", self.seed_mode, ("row", "plain"))
+        if self.max_denoising_steps is not None and self.max_denoising_steps < 1:
+            raise ValueError(f"max_denoising_steps must be ≥ 1 or None, got {self.max_denoising_steps}")
+        if self.entropy_bound is not None and self.entropy_bound <= 0:
+            raise ValueError(f"entropy_bound must be > 0 or None, got {self.entropy_bound}")
+        if self.sc_topk is not None and self.sc_topk < 1:
+            raise ValueError(f"sc_topk must be ≥ 1 or None, got {self.sc_topk}")
+        if self.stability_threshold is not None and self.stability_threshold < 0:
+            raise ValueError(f"stability_threshold must be ≥ 0 or None, got {self.stability_threshold}")
 
 
 @dataclass(frozen=True)
@@ -113,7 +151,12 @@ class FunnelConfig(PipeConfig):
             raise ValueError(f"funnel max_canvases must be in 1..5, got {self.max_canvases}")
 
 
-CONFIGS: dict[str, type] = {"official": OfficialConfig, "pipe": PipeConfig, "funnel": FunnelConfig}
+CONFIGS: dict[str, type] = {
+    "official": OfficialConfig,
+    "hf": HfConfig,
+    "pipe": PipeConfig,
+    "funnel": FunnelConfig,
+}
 
 
 def with_overrides(cfg, overrides: dict[str, Any] | None):

@@ -1,302 +1,251 @@
-"""`official`: Hugging Face `generate()` unchanged — DiffusionGemma's native sampler.
+"""`official`: DiffusionGemma's native sampler — the algorithm of HF `generate()` — on canvasq's runtime
+(own forward, KV arena, W4 experts, CUDA graphs). `hf` keeps HF `generate()` itself as the reference.
 
-One canvas at a time, entropy-bounded acceptance, adaptive stopping, the canvas written to the cache
-by an encoder pass before the next one starts. This is the baseline every other arm names.
+Per request, one canvas at a time, exactly as `generate()` does it:
 
-Flow: DecodeBatch → groups of requests needing the same number of canvases → one `generate()` per
-group (left padding + attention mask) → per-row truncation to `max_tokens` → DecodeResult.
+    encode the prompt (later: the finished canvas) into the cache
+    canvas x ~ U(V), no self-conditioning, N = max_denoising_steps
+    for step n = N .. 1:
+        logits = decoder(x, SC)  / T(n),  T(n) = t_min + (t_max - t_min) * n / N
+        sample  x_D ~ softmax(logits);  argmax a = argmax(logits);  entropy H per position
+        accept  the lowest-entropy positions while  Σ H − max H ≤ entropy_bound  (every position is
+                re-decided every step: nothing is final until the canvas ends)
+        x       = x_D at the accepted positions, a fresh U(V) draw everywhere else
+        stop    when a has not changed for `stability_threshold` steps and mean H < confidence_threshold
+        SC     = logits (the next step's self-conditioning)
+    the canvas's tokens are the last argmax a; EOS (or PAD) in it ends the answer
 
-Traces come from observing generate, never from changing it: the decoder forward and the encoder are
-wrapped on the instance (timing, G), the sampler's `accept_canvas` is wrapped (τ = tokens accepted
-that step), the adaptive stopper is wrapped in a delegating proxy (which rows are still denoising) and
-`_finalize_canvas` is wrapped (which rows have finished). All wrappers are removed on exit.
+What differs from `generate()` is only batching: a request that stops denoising leaves the forward
+(HF keeps computing it and discards the result), requests advance through their canvases
+independently, and each draws from its own generator (`seed_mode="row"`: output does not depend on
+which requests share the batch). With `seed_mode="plain"` and `sc_topk=None`, a batch of one draws
+exactly what `torch.manual_seed(seed); model.generate(...)` draws, so the tokens are the same (the
+parity test). `sc_topk=k` self-conditions on the top-k of the previous logits instead of the full
+vocabulary (runtime's top-k projection).
 
-Batched ≠ unbatched for this arm, by construction: generate draws every canvas and every sample
-with `torch.randint` / `torch.multinomial` over the whole [B, C] batch from one global RNG, so a
-row's draws depend on which rows share its call (and requests needing different numbers of canvases
-go to separate calls). Runs repeat exactly for the same batch and seed. The step decoders give each
-request its own RNG and are batch-invariant.
-
-Note on τ here: the entropy-bound sampler re-decides acceptance over the whole canvas every step and
-emits the final argmax canvas, so Σ τ over a canvas is not the number of tokens it produced; report
-tokens ÷ forwards for the numerator and read the per-step τ as "how much the sampler kept".
+Sampler statistics run batched over the live requests, in groups whose [rows, V] fp32 temporaries stay
+under `_GROUP_BYTES`; only the generator draws (multinomial, renoise) are per request. One host sync per
+step reads which requests stopped and how many positions each accepted.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
-import time
-from collections import defaultdict
+from dataclasses import dataclass
 
-from canvasq.decoders.base import Cancelled, error_result, first_stop, poll, request_error
+import torch
+
+from canvasq.decoders.base import Canvas, Seq, StepDecoder, row_generator
 from canvasq.decoders.configs import OfficialConfig
-from canvasq.decoders.experts import model_with_experts
-from canvasq.decoders.types import (
-    CANCELLED,
-    DecodeBatch,
-    DecodeRequest,
-    DecodeResult,
-    ForwardTrace,
-    Interrupted,
-)
+
+_GROUP_BYTES = 2 << 30  # per [rows, V] fp32 temporary of the sampler statistics
 
 
-class OfficialDecoder:
+@dataclass(frozen=True)
+class SamplerSettings:
+    """The knobs of `generate()`'s sampler, resolved like `generate()` resolves them."""
+
+    steps: int
+    entropy_bound: float
+    t_min: float | None
+    t_max: float | None
+    stability_threshold: int | None
+    confidence_threshold: float | None
+
+    @classmethod
+    def resolve(cls, hf_model, config: OfficialConfig) -> SamplerSettings:
+        """Our overrides on top of the checkpoint's generation config and HF's defaults (HF's own
+        `_prepare_generation_config`, so a checkpoint's `generation_config.json` counts the same)."""
+        from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+        kw = {}
+        for name in ("max_denoising_steps", "t_min", "t_max", "stability_threshold", "confidence_threshold"):
+            if getattr(config, name) is not None:
+                kw[name] = getattr(config, name)
+        if config.entropy_bound is not None:
+            kw["sampler_config"] = EntropyBoundSamplerConfig(entropy_bound=float(config.entropy_bound))
+        gc, _ = hf_model._prepare_generation_config(None, **kw)
+        with_temps = gc.t_min is not None and gc.t_max is not None
+        with_stop = gc.stability_threshold is not None and gc.confidence_threshold is not None
+        return cls(
+            steps=int(gc.max_denoising_steps),
+            entropy_bound=float(gc.sampler_config.entropy_bound),
+            t_min=gc.t_min if with_temps else None,
+            t_max=gc.t_max if with_temps else None,
+            stability_threshold=gc.stability_threshold if with_stop else None,
+            confidence_threshold=gc.confidence_threshold if with_stop else None,
+        )
+
+
+@dataclass
+class _Denoising:
+    """A request's state within its current canvas."""
+
+    steps_left: int  # HF's cur_step: N on the first step of a canvas, 1 on the last
+    argmax: torch.Tensor | None = None  # [C]: the canvas's tokens once it stops
+    history: torch.Tensor | None = None  # [S, C]: the last S argmax canvases (stability test)
+
+
+class OfficialDecoder(StepDecoder):
     name = "official"
     config_cls = OfficialConfig
 
     def __init__(self, bundle, config: OfficialConfig | None = None):
-        self.bundle = bundle
-        self.config = config or OfficialConfig()
+        super().__init__(bundle, config)
+        self.sampler = SamplerSettings.resolve(self.model, self.config)
+        self.V = self.rt.vocab_size
+        self._dn: dict[int, _Denoising] = {}
 
-    def decode(
-        self, batch: DecodeBatch, should_stop=None, interrupts: tuple[type[BaseException], ...] = ()
-    ) -> list[DecodeResult]:
-        import torch
+    # -- hooks of the base loop -------------------------------------------------------------------
+    def generator(self, seed: int, custom_id: str) -> torch.Generator:
+        """On the model's device: the multinomial draws need a generator where the probabilities are."""
+        if self.config.seed_mode == "plain":
+            state = int(seed)
+        else:
+            state = row_generator(seed, custom_id).initial_seed()
+        g = torch.Generator(device=self.device)
+        g.manual_seed(state)
+        return g
 
-        bundle, C = self.bundle, self.bundle.canvas_length
-        results: dict[int, DecodeResult] = {}
-        groups: dict[int, list[int]] = defaultdict(list)
-        for i, req in enumerate(batch.requests):
-            err = request_error(bundle, req)
-            if err:
-                results[i] = error_result(req, err, self.name)
+    def step_budget(self, seqs: list[Seq]) -> int:
+        """Each canvas ends after at most N steps and one encoder pass."""
+        return max(s.n_canvases for s in seqs) * (self.sampler.steps + 1) + 16
+
+    def spawn(self, s: Seq):
+        """A new canvas x_T ~ U(V), drawn from the request's generator (HF: `initialize_canvas`)."""
+        start = s.prompt_len + s.spawned * self.C
+        toks = torch.randint(0, self.V, (self.C,), generator=s.gen, device=self.device)
+        cv = Canvas(
+            index=s.spawned,
+            start=start,
+            tokens=toks,
+            committed=torch.zeros(self.C, dtype=torch.bool, device=self.device),
+            state="full",
+        )
+        s.canvases = [cv]
+        s.spawned += 1
+        s.stats["spawned"] += 1
+        self._dn[s.row] = _Denoising(steps_left=self.sampler.steps)
+        return cv
+
+    # -- one step ---------------------------------------------------------------------------------
+    def step(self, seqs: list[Seq]) -> None:
+        from canvasq.model.runtime import Window
+
+        windows = [Window.canvas(s.slot, s.canvases[0].tokens, s.canvases[0].start, self_cond=s.canvases[0].sc)
+                   for s in seqs]
+        with self.timed() as t:
+            out = self.forward(windows)
+        logits = out.logits.view(len(seqs), self.C, self.V)
+
+        accepted, stopped = [], []
+        group = max(1, _GROUP_BYTES // (4 * self.C * self.V))
+        for g0 in range(0, len(seqs), group):
+            part = seqs[g0 : g0 + group]
+            a, st = self._sample(part, logits[g0 : g0 + group])
+            accepted.append(a)
+            stopped.append(st)
+        # the step's one host sync: how many positions each request accepted, which ones stopped
+        counts = torch.cat(accepted).tolist()
+        done = torch.cat(stopped).tolist()
+        self.record(
+            "decode",
+            t.ms,
+            {s.row: self.C for s in seqs},
+            {s.row: c for s, c in zip(seqs, counts)},
+            {s.row: "full" for s in seqs},
+        )
+        finished = [s for s, d in zip(seqs, done) if d]
+        if finished:
+            self._finish_canvases(finished)
+
+    def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampler on one group: logits [B, C, V] fp32 -> (accepted per request [B], stopped [B])."""
+        smp = self.sampler
+        dns = [self._dn[s.row] for s in seqs]
+        if smp.t_min is not None:
+            # HF's LinearTemperatureScheduleLogitsProcessor, same dtype path (int32 step / N in fp32)
+            n = torch.tensor([d.steps_left for d in dns], dtype=torch.int32, device=logits.device)
+            temp = smp.t_min + (smp.t_max - smp.t_min) * (n / smp.steps)
+            logits = logits / temp[:, None, None]
+        argmax = logits.argmax(dim=-1)  # [B, C]
+        entropy = torch.distributions.Categorical(logits=logits, validate_args=False).entropy()  # [B, C]
+
+        # accept the lowest-entropy positions while Σ H − max H ≤ bound (HF: EntropyBoundSampler)
+        sorted_h, order = torch.sort(entropy, dim=-1)
+        keep_sorted = torch.cumsum(sorted_h, dim=-1) - sorted_h <= smp.entropy_bound
+        keep = torch.scatter(torch.zeros_like(keep_sorted), -1, order, keep_sorted)
+
+        # the generator draws, per request in HF's order: multinomial over the canvas, then renoise
+        for b, s in enumerate(seqs):
+            cv = s.canvases[0]
+            probs = torch.softmax(logits[b], dim=-1, dtype=torch.float32)
+            sample = torch.multinomial(probs, num_samples=1, generator=s.gen).squeeze(-1)
+            noise = torch.randint(0, self.V, (self.C,), generator=s.gen, device=self.device)
+            cv.tokens = torch.where(keep[b], sample, noise)
+            cv.age += 1
+
+        # adaptive stopping (HF: StableAndConfidentStoppingCriteria), then the next step's SC
+        stopped = torch.zeros(len(seqs), dtype=torch.bool, device=logits.device)
+        if smp.stability_threshold is not None:
+            S = smp.stability_threshold
+            if S == 0:
+                stable = torch.ones_like(stopped)
             else:
-                groups[math.ceil(req.max_tokens / C)].append(i)
+                hist = torch.stack([d.history if d.history is not None
+                                    else torch.full((S, self.C), -1, dtype=argmax.dtype, device=argmax.device)
+                                    for d in dns])  # [B, S, C]
+                stable = (hist == argmax[:, None, :]).all(dim=-1).all(dim=-1)
+                hist = torch.cat([hist[:, 1:], argmax[:, None, :]], dim=1)
+                for b, d in enumerate(dns):
+                    d.history = hist[b]
+            stopped = stable & (entropy.mean(dim=-1) < smp.confidence_threshold)
+        last = torch.tensor([d.steps_left <= 1 for d in dns], device=logits.device)
+        stopped = stopped | last
 
-        model = model_with_experts(bundle.hf_model, self.config.experts)
-        self._pass_base = 0
-        cancelled = False
-        # Seeded like a script would be (`torch.manual_seed(seed)` then generate), without disturbing
-        # the caller's global RNG.
-        devices = [torch.device(bundle.device)] if str(bundle.device).startswith("cuda") else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(batch.seed)
-            for n_canvases in sorted(groups):
-                idx = groups[n_canvases]
-                reqs = [batch.requests[i] for i in idx]
-                if cancelled:
-                    for i, r in zip(idx, reqs):
-                        results[i] = error_result(r, CANCELLED, self.name, CANCELLED)
-                    continue
-                try:
-                    out = self._generate_group(model, reqs, n_canvases, should_stop)
-                except Cancelled:
-                    cancelled = True
-                    out = [error_result(r, CANCELLED, self.name, CANCELLED) for r in reqs]
-                except interrupts as exc:  # the caller's time limit: hand back the groups that finished
-                    raise Interrupted(exc, [res for res in results.values() if not res.error]) from exc
-                except Exception as exc:  # noqa: BLE001 — a failed group fails its rows, never the whole batch
-                    out = [error_result(r, f"{type(exc).__name__}: {exc}", self.name) for r in reqs]
-                for i, res in zip(idx, out):
-                    results[i] = res
-        return [results[i] for i in range(len(batch.requests))]
+        sc = self._self_conditioning(logits)
+        for b, (s, d) in enumerate(zip(seqs, dns)):
+            d.argmax = argmax[b]
+            d.steps_left -= 1
+            s.canvases[0].sc = sc[b] if not isinstance(sc, tuple) else (sc[0][b], sc[1][b])
+        return keep.sum(dim=-1), stopped
 
-    # ------------------------------------------------------------------------------------------
-    def _generate_group(self, model, reqs: list[DecodeRequest], n_canvases: int, should_stop):
-        import torch
+    def _self_conditioning(self, logits: torch.Tensor):
+        """The next step's SC from this step's (temperature-scaled) logits, in the embedding dtype."""
+        dtype = self.rt.dtype
+        if self.config.sc_topk is None or self.config.sc_topk >= self.V:
+            return logits.to(dtype)
+        vals, ids = torch.topk(logits, self.config.sc_topk, dim=-1)
+        return ids, vals.to(dtype)
 
-        bundle, C = self.bundle, self.bundle.canvas_length
-        L = max(len(r.prompt_ids) for r in reqs)
-        B = len(reqs)
-        ids = torch.full((B, L), bundle.pad_id, dtype=torch.long)
-        mask = torch.zeros((B, L), dtype=torch.long)
-        for b, r in enumerate(reqs):  # left padding: every canvas starts at the same position
-            ids[b, L - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids, dtype=torch.long)
-            mask[b, L - len(r.prompt_ids) :] = 1
-        ids, mask = ids.to(bundle.device), mask.to(bundle.device)
-
-        kwargs = {"max_new_tokens": n_canvases * C}
-        if self.config.max_denoising_steps is not None:
-            kwargs["max_denoising_steps"] = self.config.max_denoising_steps
-        if self.config.entropy_bound is not None:
-            from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
-                EntropyBoundSamplerConfig,
-            )
-
-            kwargs["sampler_config"] = EntropyBoundSamplerConfig(
-                entropy_bound=float(self.config.entropy_bound)
-            )
-
-        rec = _Recorder(B, C, prompt_rows=[len(r.prompt_ids) for r in reqs], should_stop=should_stop)
-        with rec.instrument(model):
-            out = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **kwargs)
-        seqs = out.sequences[:, L:].tolist()
-        base, self._pass_base = self._pass_base, self._pass_base + len(rec.passes)
-
-        results = []
-        for b, r in enumerate(reqs):
-            gen = seqs[b]
-            cut = first_stop(gen, frozenset({bundle.eos_id, bundle.pad_id}))
-            if cut is not None and cut < r.max_tokens:
-                tokens, reason = gen[:cut], "stop"
-            else:
-                tokens, reason = gen[: r.max_tokens], "length"
-            traces = rec.traces_for(b, base=base)
-            results.append(
-                DecodeResult(
-                    custom_id=r.custom_id,
-                    token_ids=tokens,
-                    text=bundle.decode_text(tokens),
-                    finish_reason=reason,
-                    prompt_tokens=len(r.prompt_ids),
-                    forwards=len(traces),
-                    traces=traces,
-                    decoder=self.name,
-                )
-            )
-        return results
-
-
-class _Recorder:
-    """Watches one `generate()` call; keeps the live-row bookkeeping generate keeps internally."""
-
-    def __init__(self, batch_size: int, canvas_length: int, prompt_rows: list[int], should_stop):
-        self.B, self.C = batch_size, canvas_length
-        self.prompt_rows = prompt_rows
-        self.should_stop = should_stop
-        self.finished_denoising = [False] * batch_size  # this canvas: the adaptive stopper fired
-        self.finished_sequences = [False] * batch_size  # EOS or length reached in an earlier canvas
-        self.encoded_prompt = False
-        # one entry per model pass: (kind, ms, own rows per row, own commits per row, canvases)
-        self.passes: list[dict] = []
-
-    # -- the wrappers ------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def instrument(self, model):
-        rec = self
-        orig_forward = model.forward
-        encoder = model.model.encoder
-        orig_encoder_forward = encoder.forward
-        orig_prepare_sampler = model._prepare_sampler
-        orig_prepare_stopper = model._prepare_diffusion_stopping_criteria
-        orig_finalize = model._finalize_canvas
-
-        def forward(*args, **kwargs):
-            poll(rec.should_stop)
-            live = [not (d or s) for d, s in zip(rec.finished_denoising, rec.finished_sequences)]
-            t0 = time.perf_counter()
-            out = orig_forward(*args, **kwargs)
-            _sync(out.logits)
-            ms = (time.perf_counter() - t0) * 1e3
-            rec.passes.append(
-                {
-                    "kind": "decode",
-                    "ms": ms,
-                    "rows": [rec.C if x else 0 for x in live],
-                    "commits": [0] * rec.B,
-                    "live": live,
-                }
-            )
-            return out
-
-        def encoder_forward(*args, **kwargs):
-            poll(rec.should_stop)
-            alive = [not s for s in rec.finished_sequences]
-            if rec.encoded_prompt:
-                rows = [rec.C if a else 0 for a in alive]
-            else:
-                rows = list(rec.prompt_rows)
-            rec.encoded_prompt = True
-            t0 = time.perf_counter()
-            out = orig_encoder_forward(*args, **kwargs)
-            _sync(out.last_hidden_state)
-            ms = (time.perf_counter() - t0) * 1e3
-            rec.passes.append(
-                {"kind": "encode", "ms": ms, "rows": rows, "commits": [0] * rec.B, "live": alive}
-            )
-            return out
-
-        def prepare_sampler(*args, **kwargs):
-            sampler = orig_prepare_sampler(*args, **kwargs)
-            orig_accept = sampler.accept_canvas
-
-            def accept_canvas(*a, **k):
-                accepted = orig_accept(*a, **k)
-                last = rec.passes[-1] if rec.passes else None
-                if last is not None and last["kind"] == "decode":
-                    counts = sampler.accepted_token_mask.sum(dim=-1).tolist()
-                    last["commits"] = [int(c) if lv else 0 for c, lv in zip(counts, last["live"])]
-                return accepted
-
-            sampler.accept_canvas = accept_canvas
-            return sampler
-
-        def prepare_stopper(*args, **kwargs):
-            inner = orig_prepare_stopper(*args, **kwargs)
-            return None if inner is None else _StopperProxy(inner, rec)
-
-        def finalize(*args, **kwargs):
-            input_ids, finished = orig_finalize(*args, **kwargs)
-            rec.finished_sequences = [bool(x) for x in finished.tolist()]
-            return input_ids, finished
-
-        model.forward = forward
-        encoder.forward = encoder_forward
-        model._prepare_sampler = prepare_sampler
-        model._prepare_diffusion_stopping_criteria = prepare_stopper
-        model._finalize_canvas = finalize
-        try:
-            yield self
-        finally:
-            for obj, name in (
-                (model, "forward"),
-                (encoder, "forward"),
-                (model, "_prepare_sampler"),
-                (model, "_prepare_diffusion_stopping_criteria"),
-                (model, "_finalize_canvas"),
-            ):
-                obj.__dict__.pop(name, None)
-
-    # -- results -----------------------------------------------------------------------------
-    def traces_for(self, b: int, base: int = 0) -> list[ForwardTrace]:
-        """The passes that served row `b` (HF counts a row's decoder passes only while it is still
-        denoising; encoder passes count while its sequence is unfinished)."""
-        out = []
-        for i, p in enumerate(self.passes):
-            if not p["live"][b]:
+    # -- a canvas ends ----------------------------------------------------------------------------
+    def _finish_canvases(self, seqs: list[Seq]) -> None:
+        """Append each finished canvas's argmax; end the answer at EOS / PAD or max_tokens, else write
+        the canvas to the cache (one encoder pass for all of them) and start the next one."""
+        tokens = torch.stack([self._dn[s.row].argmax for s in seqs]).tolist()
+        encodes = []
+        for s, toks in zip(seqs, tokens):
+            cv = s.canvases[0]
+            s.out.extend(toks)
+            cv.tokens = torch.tensor(toks, dtype=torch.long, device=self.device)
+            cv.committed[:] = True
+            s.retired.append(cv)
+            s.canvases = []
+            stop = any(t in self.stop_ids for t in toks)
+            if stop or s.spawned >= s.n_canvases or len(s.out) >= s.req.max_tokens:
+                s.done = True
+                s.finish_reason = "stop" if stop else "length"
+                self._dn.pop(s.row, None)
                 continue
-            out.append(
-                ForwardTrace(
-                    index=base + i,  # indices run on across the groups of one batch
-                    rows=sum(p["rows"]),
-                    commits=sum(p["commits"]),
-                    canvases=sum(1 for x in p["live"] if x),
-                    states=("full," * sum(1 for x in p["live"] if x)).rstrip(","),
-                    ms=p["ms"],
-                    kind=p["kind"],
-                    own_rows=p["rows"][b],
-                    own_commits=p["commits"][b],
-                )
+            encodes.append((s, (s.slot, cv.tokens, torch.arange(cv.start, cv.end, device=self.device))))
+        if encodes:
+            with self.timed() as t:
+                self.encode([item for _, item in encodes])
+            self.record(
+                "encode",
+                t.ms,
+                {s.row: self.C for s, _ in encodes},
+                {},
+                {s.row: "commit" for s, _ in encodes},
             )
-        return out
-
-
-class _StopperProxy:
-    """Delegates to HF's adaptive stopper and mirrors its per-row decisions (an object's `__call__`
-    is looked up on the type, so the proxy is a class, not a patched attribute)."""
-
-    def __init__(self, inner, rec: _Recorder):
-        self.inner, self.rec = inner, rec
-
-    def __call__(self, argmax_canvas, logits, **kwargs):
-        stop = self.inner(argmax_canvas, logits, **kwargs)
-        self.rec.finished_denoising = [
-            a or bool(s) for a, s in zip(self.rec.finished_denoising, stop.tolist())
-        ]
-        return stop
-
-    def reset(self):
-        self.rec.finished_denoising = [False] * self.rec.B
-        self.inner.reset()
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
-def _sync(t) -> None:
-    if t is not None and t.is_cuda:
-        import torch
-
-        torch.cuda.synchronize(t.device)
+            for s, _ in encodes:
+                self.spawn(s)

@@ -11,6 +11,7 @@ from canvasq.decoders.configs import CONFIGS, with_overrides
 
 _CLASSES = {
     "official": "canvasq.decoders.official:OfficialDecoder",
+    "hf": "canvasq.decoders.hf:HfDecoder",
     "pipe": "canvasq.decoders.pipe:PipeDecoder",
     "funnel": "canvasq.decoders.funnel:FunnelDecoder",
 }

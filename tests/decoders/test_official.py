@@ -1,0 +1,132 @@
+"""`official`: the native sampler on canvasq's runtime. Against HF generate() on the trained testbed
+(same tokens where the draws can be aligned), batch invariance, step cap, max_tokens, cancellation."""
+
+import pytest
+import torch
+from helpers import tiny_bundle
+
+from canvasq.decoders import CANCELLED, DecodeBatch, DecodeRequest, run_batch
+from canvasq.decoders.official import OfficialDecoder, SamplerSettings
+from canvasq.decoders.registry import make_config
+from canvasq.model.loading import load_bundle
+from canvasq.testbed import tasks
+
+ALIGNED = {"seed_mode": "plain", "sc_topk": None, "cuda_graphs": "off"}
+
+
+@pytest.fixture(scope="module")
+def testbed():
+    return load_bundle()
+
+
+def _problems(n_arith=4, n_code=3, seed=11):
+    return tasks.generate("arith", n_arith, seed) + tasks.generate("code", n_code, seed)
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [{}, {"t_min": 0.001, "t_max": 0.002}, {"max_denoising_steps": 3}],
+    ids=["checkpoint-config", "greedy", "capped"],
+)
+def test_same_tokens_as_hf_generate_at_batch_one(testbed, knobs):
+    """Batch 1, fp32, the request's generator seeded as `torch.manual_seed(seed)` and full-vocabulary
+    self-conditioning: the runtime decoder draws what generate() draws, so every token matches (and
+    so does the number of model passes)."""
+    hf_knobs = {k: v for k, v in knobs.items() if k == "max_denoising_steps"}
+    for i, p in enumerate(_problems()):
+        ids = testbed.encode_prompt(p.prompt, p.task)
+        batch = DecodeBatch([DecodeRequest(f"r{i}", ids, 96, p.task)], seed=100 + i)
+        if "t_min" in knobs:  # generate() takes the temperature ramp as generation kwargs
+            ref = _hf_generate(testbed, ids, 96, 100 + i, **knobs)
+        else:
+            ref = run_batch(testbed, batch, "hf", overrides=hf_knobs)[0].token_ids
+        got = run_batch(testbed, batch, "official", overrides={**ALIGNED, **knobs})[0]
+        assert got.error is None
+        assert got.token_ids == ref, f"problem {i}: {testbed.decode_text(got.token_ids)!r}"
+
+
+def _hf_generate(bundle, ids, max_tokens, seed, **kw):
+    C = bundle.canvas_length
+    torch.manual_seed(seed)
+    x = torch.tensor([ids])
+    out = bundle.hf_model.generate(x, max_new_tokens=-(-max_tokens // C) * C, **kw).sequences[0, len(ids) :]
+    row = out.tolist()
+    stop = next((j for j, t in enumerate(row) if t in (bundle.eos_id, bundle.pad_id)), len(row))
+    return row[: min(stop, max_tokens)]
+
+
+def test_sampler_settings_resolve_like_generate(testbed):
+    s = SamplerSettings.resolve(testbed.hf_model, make_config("official"))
+    assert (s.steps, s.entropy_bound, s.t_min, s.t_max) == (48, 0.1, 0.4, 0.8)
+    assert (s.stability_threshold, s.confidence_threshold) == (1, 0.005)
+    capped = SamplerSettings.resolve(testbed.hf_model, make_config("official", {"max_denoising_steps": 2}))
+    assert capped.steps == 2
+
+
+def test_batched_equals_unbatched_per_row(testbed):
+    """Row seeds (the default): a request's tokens do not depend on which requests share its batch,
+    whose canvases end at different steps (rows leave the forward as they stop)."""
+    reqs = [DecodeRequest(f"q{i}", testbed.encode_prompt(p.prompt, p.task), 64, p.task)
+            for i, p in enumerate(_problems(3, 2, seed=5))]
+    together = run_batch(testbed, DecodeBatch(reqs, seed=3), "official")
+    for req, res in zip(reqs, together):
+        alone = run_batch(testbed, DecodeBatch([req], seed=3), "official")[0]
+        assert res.error is None and res.token_ids == alone.token_ids
+
+
+def test_step_cap_max_tokens_and_traces():
+    b = tiny_bundle()
+    C = b.canvas_length
+    reqs = [DecodeRequest("a", [2, 5, 6, 7, 8, 9, 4], 13), DecodeRequest("b", [2, 9, 4], 8),
+            DecodeRequest("c", [2, 11, 12, 13, 4], 16)]
+    res = run_batch(b, DecodeBatch(reqs, seed=0), "official", overrides={"max_denoising_steps": 3})
+    for req, r in zip(reqs, res):
+        assert r.error is None and r.decoder == "official"
+        assert len(r.token_ids) <= req.max_tokens
+        if r.finish_reason == "length":
+            assert len(r.token_ids) == req.max_tokens
+        assert r.forwards == len(r.traces)
+        kinds = [t.kind for t in r.traces]
+        canvases = kinds.count("encode")  # the prefill, then one commit pass per later canvas
+        assert kinds[0] == "encode" and 1 <= canvases <= -(-req.max_tokens // C)
+        decodes = [t for t in r.traces if t.kind == "decode"]
+        assert len(decodes) <= canvases * 3  # never more than the cap per canvas
+        assert all(t.own_rows == C and 0 <= t.own_commits <= C for t in decodes)
+
+
+def test_bad_request_fails_alone_and_cancel():
+    b = tiny_bundle()
+    reqs = [DecodeRequest("a", [2, 5, 6], 16), DecodeRequest("empty", [], 8)]
+    res = run_batch(b, DecodeBatch(reqs), "official", overrides={"max_denoising_steps": 2})
+    assert res[0].error is None and res[1].error == "empty prompt"
+    calls = {"n": 0}
+
+    def stop():
+        calls["n"] += 1
+        return calls["n"] > 2
+
+    res = run_batch(b, DecodeBatch(reqs[:1]), "official", should_stop=stop)
+    assert res[0].error == CANCELLED and res[0].finish_reason == CANCELLED
+
+
+def test_global_rng_untouched_and_seeded_runs_repeat():
+    b = tiny_bundle()
+    batch = DecodeBatch([DecodeRequest("a", [2, 5, 6, 7], 16), DecodeRequest("b", [2, 9], 16)], seed=4)
+    torch.manual_seed(1)
+    expect = torch.rand(2)
+    torch.manual_seed(1)
+    r1 = run_batch(b, batch, "official")
+    assert torch.equal(torch.rand(2), expect)
+    r2 = run_batch(b, batch, "official")
+    assert [r.token_ids for r in r1] == [r.token_ids for r in r2]
+
+
+def test_graph_runner_path_and_top_k_sc_decode(testbed):
+    """The prepared (graph) forwards and top-k self-conditioning are the production path: they run
+    and give answers on the trained model (they differ from the eager full-SC path by rounding)."""
+    p = tasks.generate("code", 1, 2)[0]
+    req = DecodeRequest("g", testbed.encode_prompt(p.prompt, p.task), 64, p.task)
+    res = run_batch(testbed, DecodeBatch([req], seed=0), "official", overrides={"cuda_graphs": "on"})[0]
+    assert res.error is None and res.token_ids
+    dec = OfficialDecoder(testbed, make_config("official", {"cuda_graphs": "on"}))
+    assert dec.graphs is not None

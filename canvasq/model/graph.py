@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -262,6 +263,7 @@ class GraphRunner:
         self.pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
         self.logits: torch.Tensor | None = None
         self.stats = {"built": 0, "replayed": 0, "eager": 0, "evicted": 0, "failed": 0}
+        _RUNNERS.add(self)
 
     @property
     def max_rows(self) -> int:
@@ -374,6 +376,18 @@ class GraphRunner:
             return None
         self.stats["built"] += 1
         return graph
+
+
+_RUNNERS: weakref.WeakSet[GraphRunner] = weakref.WeakSet()  # every live runner of this process
+
+
+def graph_totals() -> dict[str, int]:
+    """`GraphRunner.stats` summed over this process's live runners (what `canvasq run` reports)."""
+    out = {"built": 0, "replayed": 0, "eager": 0, "evicted": 0, "failed": 0}
+    for runner in list(_RUNNERS):
+        for k, v in runner.stats.items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 def graph_runner(rt: Runtime, cuda_graph: bool | None = None) -> GraphRunner:

@@ -4,10 +4,17 @@ real model, or real-shape random weights (`random:26b-a4b`, `random:testbed`).
 Every path goes through `DiffusionGemmaForBlockDiffusion`, so the committed testbed and a real
 checkpoint load through the same code. The D2F LoRA adapter (`<dir>/d2f_adapter/`, peft format) is
 merged into a second copy on demand: the official sampler keeps the plain weights.
+
+With `experts="w4"` the experts are packed in place as the model loads (`pack_model_experts`): the
+checkpoint is read on the CPU, each layer's BF16 experts go to the device one at a time, are packed
+and freed, then the rest of the model follows. The packs are cached (`w4_cache_path`) so the next
+start reads them instead of packing; the GPU never holds the BF16 experts.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +23,10 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "testbed"
 ADAPTER_DIRNAME = "d2f_adapter"
+W4_DIRNAME = "canvasq_w4"
+EXPERTS = ("bf16", "w4")
+
+log = logging.getLogger(__name__)
 
 
 def default_model_spec() -> str:
@@ -28,6 +39,7 @@ class ModelBundle:
     tokenizer: Any
     spec: str
     device: str
+    experts: str = "bf16"  # "w4": the experts modules hold packs (their BF16 weights are gone)
     _d2f: Any = field(default=None, repr=False)
 
     @property
@@ -80,10 +92,25 @@ class ModelBundle:
         return self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def d2f_model(self):
-        """The model with the D2F adapter merged (the plain model when there is no adapter)."""
-        if self._d2f is None:
-            self._d2f = merge_adapter(self.hf_model, self.adapter_dir) if self.adapter_dir else self.hf_model
-        return self._d2f
+        """The model with the D2F adapter merged (the plain model when there is no adapter). With W4
+        experts the copy shares the packs (the adapter does not touch the experts)."""
+        if self._d2f is None and self.adapter_dir:
+            try:
+                self._d2f = merge_adapter(self.hf_model, self.adapter_dir)
+            except Exception as exc:
+                if self.experts != "w4":
+                    raise
+                raise RuntimeError(f"merging the D2F adapter {self.adapter_dir} into a model with W4 experts "
+                                   f"failed ({type(exc).__name__}: {exc}); run with CANVASQ_EXPERTS=bf16") from exc
+        return self._d2f if self._d2f is not None else self.hf_model
+
+    def engine(self) -> dict[str, Any]:
+        """What this process runs on: device, experts and the CUDA graph counters of its decode loops."""
+        from canvasq.model.graph import graph_totals
+
+        packed = sum(1 for m in self.hf_model.modules() if getattr(m, "w4_experts", None) is not None)
+        return {"device": str(self.device), "experts": self.experts, "w4_modules": packed,
+                "graphs": graph_totals()}
 
 
 def merge_adapter(hf_model, adapter_dir: Path):
@@ -117,28 +144,70 @@ def build_random(name: str, device: str, dtype):
     return model.eval()
 
 
-def load_bundle(spec: str | None = None, device: str = "cpu", dtype=None) -> ModelBundle:
-    """Load once per process. `dtype` defaults to fp32 on CPU and bf16 on CUDA."""
+def load_bundle(
+    spec: str | None = None, device: str = "cpu", dtype=None, experts: str = "bf16", cache_dir: str | None = None
+) -> ModelBundle:
+    """Load once per process. `dtype` defaults to fp32 on CPU and bf16 on CUDA. `experts="w4"` packs the
+    experts at load (module docstring), caching the packs at `w4_cache_path(spec, cache_dir)`."""
     import torch
 
+    if experts not in EXPERTS:
+        raise ValueError(f"CANVASQ_EXPERTS={experts!r}: expected auto, w4 or bf16")
     spec = spec or default_model_spec()
     if dtype is None:
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
     if spec.startswith("random:"):
         name = spec.split(":", 1)[1]
         model = build_random(name, device, dtype)
+        if experts == "w4":  # built on the device: packed layer by layer, each BF16 layer freed as it goes
+            _pack(model, device, cache=None)
         tokenizer = None
         if name == "testbed" and (DEFAULT_MODEL_DIR / "tokenizer.json").exists():
             tokenizer = _load_tokenizer(DEFAULT_MODEL_DIR)
-        return ModelBundle(model, tokenizer, spec, device)
+        return ModelBundle(model, tokenizer, spec, device, experts)
 
     path = Path(spec)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"no model at {spec!r} (expected a HF directory with config.json)")
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), dtype=dtype).to(device).eval()
-    return ModelBundle(model, _load_tokenizer(path), str(path), device)
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), dtype=dtype).eval()  # on the CPU
+    if experts == "w4":
+        _pack(model, device, cache=w4_cache_path(path, cache_dir))
+    return ModelBundle(model.to(device), _load_tokenizer(path), str(path), device, experts)
+
+
+def _pack(model, device: str, cache: Path | None) -> None:
+    import time
+
+    from canvasq.kernels.moe.store import pack_model_experts
+
+    hit = cache is not None and cache.exists()
+    t0 = time.perf_counter()
+    packs = pack_model_experts(model, cache=cache, device=device)
+    gib = sum(p.nbytes() for p in packs.values()) / 2**30
+    how = f"read from {cache}" if hit else "packed" + (f", cached at {cache}" if cache else "")
+    log.info("W4 experts: %d layers, %.2f GiB, %s in %.1fs", len(packs), gib, how, time.perf_counter() - t0)
+
+
+def w4_cache_path(model_dir: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """Where a checkpoint's packed experts are cached: `cache_dir` (CANVASQ_W4_CACHE_DIR) when set,
+    else `<model_dir>/canvasq_w4/` when that is writable, else `~/.cache/canvasq/w4/`. The file name
+    carries a fingerprint of the weight files (names, sizes, mtimes), so a changed checkpoint repacks."""
+    model_dir = Path(model_dir).resolve()
+    weights = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
+    h = hashlib.sha256()
+    for p in weights:
+        st = p.stat()
+        h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    name = f"experts-{h.hexdigest()[:12]}.safetensors"
+    if cache_dir is None:
+        beside = model_dir / W4_DIRNAME
+        if os.access(beside if beside.is_dir() else model_dir, os.W_OK):
+            return beside / name
+        cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "canvasq" / "w4"
+    where = hashlib.sha256(str(model_dir).encode()).hexdigest()[:8]
+    return Path(cache_dir) / f"{model_dir.name}-{where}" / name
 
 
 def _load_tokenizer(path: Path):

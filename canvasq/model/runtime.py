@@ -191,10 +191,10 @@ class LayerWeights:
     router_scale: torch.Tensor  # [H]
     router_proj: torch.Tensor  # [E, H]
     per_expert_scale: torch.Tensor  # [E]
-    gate_up: torch.Tensor  # [E, 2I, H]
-    down: torch.Tensor  # [E, H, I]
+    gate_up: torch.Tensor | None  # [E, 2I, H] (None: freed when the model's experts were packed at load)
+    down: torch.Tensor | None  # [E, H, I]
     layer_scalar: torch.Tensor  # [1]
-    experts_packed: object = None  # W4Experts when experts="w4"
+    experts_packed: object = None  # W4Experts when experts="w4" (or installed by `pack_model_experts`)
     wqkv: torch.Tensor | None = None  # [(h + kv [+ kv]) * d, H]: q, k (and v) in one GEMM
     mlp_gate_up: torch.Tensor | None = None  # [2 * Id, H]: the dense MLP's gate and up in one GEMM
 
@@ -272,6 +272,9 @@ class Runtime:
         dec = hf_model.model.decoder
         enc_layers = [_layer_weights(layer) for layer in enc.layers]
         dec_layers = [_layer_weights(layer) for layer in dec.layers]
+        if experts != "w4" and any(lw.gate_up is None for lw in enc_layers + dec_layers):
+            raise ValueError(f"experts={experts!r} needs the BF16 experts, but this model's were packed to W4 "
+                             "at load and freed (CANVASQ_EXPERTS=w4); load it with CANVASQ_EXPERTS=bf16")
         rot = dec.rotary_emb
         inv_freq, rope_scaling = {}, {}
         for lt, sliding in (("sliding_attention", True), ("full_attention", False)):
@@ -320,12 +323,15 @@ class Runtime:
 
     def _pack_w4(self) -> None:
         """Pack each distinct expert tensor once (encoder and decoder share them); on CUDA the packs are
-        kept in the Gluon kernels' tiled order (`prefer_tiled`: one copy, the faster kernels)."""
+        kept in the Gluon kernels' tiled order (`prefer_tiled`: one copy, the faster kernels). Packs that
+        `pack_model_experts` installed at load are used as they are (their BF16 weights are gone)."""
         from canvasq.kernels.moe import pack_w4
         from canvasq.kernels.moe.launch import prefer_tiled
 
         packed: dict[int, object] = {}
         for lw in self.enc_layers + self.dec_layers:
+            if lw.experts_packed is not None:
+                continue
             key = lw.gate_up.data_ptr()
             if key not in packed:
                 packed[key] = prefer_tiled(pack_w4(lw.gate_up, lw.down), self.dtype)
@@ -775,7 +781,8 @@ def _layer_weights(layer) -> LayerWeights:
         router_scale=layer.router.scale,
         router_proj=layer.router.proj.weight,
         per_expert_scale=layer.router.per_expert_scale,
-        gate_up=layer.experts.gate_up_proj,
-        down=layer.experts.down_proj,
+        gate_up=getattr(layer.experts, "gate_up_proj", None),  # gone once `pack_model_experts` ran
+        down=getattr(layer.experts, "down_proj", None),
         layer_scalar=layer.layer_scalar,
+        experts_packed=getattr(layer.experts, "w4_experts", None),
     )

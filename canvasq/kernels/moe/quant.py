@@ -75,6 +75,11 @@ class W4Experts:
     gate_up_sz: torch.Tensor | None = None
     down_sz: torch.Tensor | None = None
 
+    def __deepcopy__(self, memo) -> W4Experts:
+        # packs are never written after packing: a deep-copied module tree (the D2F merge copy, a W4
+        # twin of a model already packed) shares them instead of holding the experts twice
+        return self
+
     @property
     def num_experts(self) -> int:
         return self.gate_up_q.shape[0]

@@ -108,17 +108,22 @@ def _install(mod: torch.nn.Module, packed: W4Experts) -> None:
 
 
 def pack_model_experts(
-    model: torch.nn.Module, config: W4Config | None = None, cache: str | Path | None = None
+    model: torch.nn.Module,
+    config: W4Config | None = None,
+    cache: str | Path | None = None,
+    device: str | torch.device | None = None,
 ) -> dict[str, W4Experts]:
     """Pack every experts module of `model` in place (see module docstring); returns {group: W4Experts}.
 
-    Packing runs on the weights' device (GPU: seconds per layer; the BF16 copy of a layer is freed as
-    soon as it is packed). With `cache` pointing to an existing file, nothing is quantised.
+    Packing runs on `device` (default: the weights' device; GPU: seconds per layer; the BF16 copy of a
+    layer is freed as soon as it is packed). A model still on the CPU with `device="cuda"` has one
+    layer's BF16 experts on the GPU at a time, and the packs end there. With `cache` pointing to an
+    existing file, nothing is quantised.
     """
     mods = _expert_modules(model)
     if not mods:
         return {}
-    device = mods[0][1].gate_up_proj.device
+    device = torch.device(device) if device is not None else mods[0][1].gate_up_proj.device
     loaded = None
     if cache is not None and Path(cache).exists():
         try:
@@ -134,7 +139,7 @@ def pack_model_experts(
     packs, owners = {}, {}
     for members in groups.values():
         first_name, first = members[0]
-        packs[first_name] = pack_w4(first.gate_up_proj.data, first.down_proj.data, config)
+        packs[first_name] = pack_w4(first.gate_up_proj.data.to(device), first.down_proj.data.to(device), config)
         owners[first_name] = [n for n, _ in members]
         for _, mod in members:  # drops the BF16 parameters now (frees the layer on a GPU)
             _install(mod, packs[first_name])

@@ -1,17 +1,19 @@
-"""`--decoder auto`: pick a decoder and its knobs from the request's task (Part 3's serving split).
+"""`--decoder auto`: which decoder (and knobs) serves a request.
 
-- math-like (routine maths, max-speed easy regimes) → funnel: τ_conf 0.7, self-conditioning on,
-  arena promotion, k = 2 canvases;
-- code (hard code) → D2F pipe: τ_conf 0.85, EOS priority τ_eos 0.5, draft spawn.
-
-A routing table from settings (`CANVASQ_ROUTING`, task → decoder name) replaces the decoder for the
-tasks it lists; per-request overrides are applied on top by `run_batch`. Unknown or missing tasks
-take the pipe at its defaults (τ_conf 0.9): the conservative arm.
+Auto never trades accuracy silently: with no routing entry for a request's task, it goes to
+`official` (the native sampler on canvasq's runtime, the accurate arm). The step decoders (pipe,
+funnel) are faster per token but lose 20-50 points on the testbed at their seed settings
+(BENCHMARKS.md), so they serve a task only when a routing table names them for it: the settings
+table `CANVASQ_ROUTING` (task → decoder) today, a per-model calibration (`canvasq calibrate`) once one
+exists. Per-request overrides are applied on top by `run_batch`.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 MATH_TASKS = frozenset({"math", "arith", "gsm8k", "maths", "arithmetic"})
 CODE_TASKS = frozenset({"code", "humaneval", "mbpp", "python"})
@@ -21,13 +23,11 @@ CODE_TASKS = frozenset({"code", "humaneval", "mbpp", "python"})
 class Route:
     decoder: str
     overrides: dict = field(default_factory=dict)
+    source: str = "default"  # where the entry came from: "default" | "settings"
 
 
-MATH_ROUTE = Route(
-    "funnel", {"tau_conf": 0.7, "self_conditioning": True, "promote": "arena", "max_canvases": 2}
-)
-CODE_ROUTE = Route("pipe", {"tau_conf": 0.85, "tau_eos": 0.5, "draft_spawn": True})
-DEFAULT_ROUTE = Route("pipe", {})
+DEFAULT_ROUTE = Route("official", {}, "default")
+_SAID = {"default": False}
 
 
 def task_kind(task: str | None) -> str | None:
@@ -40,15 +40,20 @@ def task_kind(task: str | None) -> str | None:
 
 
 def route(task: str | None, table: dict[str, str] | None = None) -> Route:
-    """The decoder and config overrides for one request's task."""
-    kind = task_kind(task)
-    built_in = {"math": MATH_ROUTE, "code": CODE_ROUTE}.get(kind, DEFAULT_ROUTE)
+    """The decoder and config overrides for one request's task: the table's entry for the task (or
+    its kind: math / code), else `official`."""
     if table:
-        for key in (task, kind):
-            if key and key in table:
-                name = table[key]
-                if name == "auto":
-                    break
-                # keep the built-in knobs only when the table names the same decoder
-                return built_in if name == built_in.decoder else Route(name, {})
-    return built_in
+        for key in (task, task_kind(task)):
+            if key and key in table and table[key] != "auto":
+                return Route(table[key], {}, "settings")
+    if not _SAID["default"]:
+        _SAID["default"] = True
+        log.info("--decoder auto: no routing entry for task %r; using 'official' (the accurate sampler)", task)
+    return DEFAULT_ROUTE
+
+
+def routing_table(table: dict[str, str] | None = None) -> list[tuple[str, str, str]]:
+    """(task, decoder, source) rows for `canvasq config`: the settings entries, then the default."""
+    rows = [(task, dec, "CANVASQ_ROUTING") for task, dec in sorted((table or {}).items())]
+    rows.append(("(any other)", DEFAULT_ROUTE.decoder, "default: no calibration, the accurate sampler"))
+    return rows

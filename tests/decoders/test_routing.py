@@ -6,7 +6,7 @@ from helpers import tiny_bundle
 from canvasq.decoders import DecodeBatch, DecodeRequest, run_batch
 from canvasq.decoders.configs import FunnelConfig, OfficialConfig, PipeConfig, with_overrides
 from canvasq.decoders.registry import NAMES, UnknownDecoder, decoder_class, make_config
-from canvasq.decoders.routing import route
+from canvasq.decoders.routing import Route, route, routing_table
 
 
 def test_seed_defaults():
@@ -16,29 +16,25 @@ def test_seed_defaults():
     assert PipeConfig(draft_spawn=False).spawn_threshold == 0.5
     assert (f.decay_after, f.decay_floor, f.early_spawn_rows) == (16, 0.45, 48)
     assert f.promote == "arena" and f.self_conditioning and not f.retire_refresh
-    assert OfficialConfig().experts == "bf16"
+    assert OfficialConfig().experts == "bf16" and OfficialConfig().seed_mode == "row"
 
 
-def test_route_math_and_code():
-    m = route("math")
-    assert m.decoder == "funnel" and m.overrides["tau_conf"] == 0.7 and m.overrides["max_canvases"] == 2
-    assert m.overrides["self_conditioning"] and m.overrides["promote"] == "arena"
-    assert route("arith").decoder == "funnel"
-    c = route("code")
-    assert c.decoder == "pipe" and c.overrides == {"tau_conf": 0.85, "tau_eos": 0.5, "draft_spawn": True}
-    assert route(None).decoder == "pipe" and route(None).overrides == {}
-    # the settings table replaces the decoder; the built-in knobs stay only for the same decoder
-    assert route("math", {"math": "official"}).decoder == "official"
-    assert route("code", {"code": "pipe"}).overrides["tau_eos"] == 0.5
-    assert route("code", {"code": "funnel"}).overrides == {}
-    # every routed config is valid for its decoder
-    for task in ("math", "code", None):
+def test_auto_never_trades_accuracy_without_a_table():
+    """No routing entry: every task goes to the accurate sampler, whatever it is called."""
+    for task in ("math", "arith", "code", "gsm8k", None, "poetry"):
         r = route(task)
-        make_config(r.decoder, r.overrides)
+        assert r.decoder == "official" and r.overrides == {} and r.source == "default"
+    # the settings table names a decoder per task or per kind (math / code)
+    assert route("arith", {"math": "funnel"}).decoder == "funnel"
+    assert route("code", {"code": "pipe"}) == Route("pipe", {}, "settings")
+    assert route("code", {"math": "pipe"}).decoder == "official"
+    assert route("code", {"code": "auto"}).decoder == "official"
+    rows = routing_table({"code": "pipe"})
+    assert rows[0] == ("code", "pipe", "CANVASQ_ROUTING") and rows[-1][1] == "official"
 
 
 def test_registry_is_explicit():
-    assert NAMES == ("official", "pipe", "funnel")
+    assert NAMES == ("official", "hf", "pipe", "funnel")
     for n in NAMES:
         assert decoder_class(n).name == n
     with pytest.raises(UnknownDecoder):
@@ -58,11 +54,13 @@ def test_auto_splits_the_batch_by_task_and_keeps_order():
     ]
     res = run_batch(b, DecodeBatch(reqs, seed=0), decoder="auto")
     assert [r.custom_id for r in res] == ["m1", "c1", "m2"]
+    assert [r.decoder for r in res] == ["official"] * 3
+    res = run_batch(b, DecodeBatch(reqs, seed=0), decoder="auto", routing={"math": "funnel", "code": "pipe"})
+    assert [r.custom_id for r in res] == ["m1", "c1", "m2"]
     assert [r.decoder for r in res] == ["funnel", "pipe", "funnel"]
-    res = run_batch(b, DecodeBatch(reqs, seed=0), decoder="auto", routing={"code": "funnel"})
-    assert [r.decoder for r in res] == ["funnel"] * 3
     # per-request overrides apply on top of the routed knobs
-    res = run_batch(b, DecodeBatch(reqs[:1], seed=0), decoder="auto", overrides={"max_canvases": 1})
+    res = run_batch(b, DecodeBatch(reqs[:1], seed=0), decoder="auto", routing={"math": "funnel"},
+                    overrides={"max_canvases": 1})
     assert all("," not in t.states for t in res[0].traces)
 
 

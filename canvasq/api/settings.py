@@ -5,6 +5,9 @@
     CANVASQ_MODEL          model spec: HF directory or random:26b-a4b (default: the repo's models/testbed)
     CANVASQ_ROUTING        JSON object task -> decoder, overrides `--decoder auto` routing
     CANVASQ_CUDA_GRAPHS    auto (pipe / funnel replay CUDA graphs on a GPU) | off (eager forwards)
+    CANVASQ_DEVICE         auto (the current CUDA device when one is visible, else cpu) | cpu | cuda | cuda:N
+    CANVASQ_EXPERTS        auto (W4A16 experts on CUDA, BF16 on CPU) | w4 | bf16
+    CANVASQ_W4_CACHE_DIR   where packed W4 experts are cached when the model directory is not writable
     CANVASQ_CHUNK_SIZE, CANVASQ_SOFT_TIME_LIMIT, CANVASQ_HARD_TIME_LIMIT,
     CANVASQ_VISIBILITY_TIMEOUT, CANVASQ_MAX_ATTEMPTS, ...  (see the fields below)
 
@@ -26,6 +29,7 @@ from canvasq.model.loading import DEFAULT_MODEL_DIR, REPO_ROOT  # noqa: F401 (re
 DECODERS = ("auto", "official", "pipe", "funnel")
 TASKS = ("math", "code")
 RANDOM_MODELS = ("random:26b-a4b", "random:testbed")
+DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 class Settings(BaseSettings):
@@ -64,6 +68,17 @@ class Settings(BaseSettings):
     torch_threads: int | None = Field(None, ge=1)  # CPU workers: threads per process (None: torch's default)
     # pipe / funnel forwards replayed as CUDA graphs on a CUDA device ("auto"), or always eager ("off")
     cuda_graphs: Literal["auto", "off"] = "auto"
+    # MoE experts: W4A16 packs (packed once, cached on disk, BF16 experts freed) or the BF16 weights
+    experts: Literal["auto", "w4", "bf16"] = "auto"
+    # packed-experts cache for model directories that are not writable (default: ~/.cache/canvasq/w4)
+    w4_cache_dir: str | None = None
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str) -> str:
+        if not DEVICE_RE.fullmatch(v):
+            raise ValueError("expected auto, cpu, cuda or cuda:N")
+        return v
 
     @field_validator("routing")
     @classmethod
@@ -94,6 +109,14 @@ class Settings(BaseSettings):
             "model": self.model,
             "queue": self.queue_for(),
         }
+
+
+def resolve_experts(setting: str, device: str) -> str:
+    """CANVASQ_EXPERTS for a resolved device: auto is W4 on CUDA (the Triton/Gluon kernels) and BF16
+    on CPU (the interpreter has no fast W4 path)."""
+    if setting == "auto":
+        return "w4" if str(device).startswith("cuda") else "bf16"
+    return setting
 
 
 def model_name(spec: str) -> str:

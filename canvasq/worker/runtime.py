@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from canvasq.api.settings import Settings, get_settings, model_name
+from canvasq.api.settings import Settings, get_settings, model_name, resolve_experts
 from canvasq.api.store import ResultRecord, Store, retry_transient
 from canvasq.decoders.types import CANCELLED, DecodeBatch, DecodeRequest, DecodeResult, Interrupted
 from canvasq.worker import faults
@@ -32,22 +32,44 @@ log = logging.getLogger(__name__)
 DecodeFn = Callable[..., list[DecodeResult]]
 
 
-def resolve_device(setting: str) -> str:
-    if setting != "auto":
-        return setting
-    import torch
+def resolve_device(setting: str, visible: int | None = None, current: int | None = None) -> str:
+    """CANVASQ_DEVICE -> "cpu" or "cuda:N". `auto` and `cuda` take the current CUDA device (index 0 of
+    what CUDA_VISIBLE_DEVICES shows, unless something selected another); `cuda:N` must be visible.
+    `visible` / `current` default to what torch reports (given explicitly by the CPU tests)."""
+    if setting == "cpu":
+        return "cpu"
+    if visible is None or current is None:
+        import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        current = torch.cuda.current_device() if visible else 0
+    if setting == "auto" and not visible:
+        return "cpu"
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = "CUDA_VISIBLE_DEVICES unset" if cvd is None else f"CUDA_VISIBLE_DEVICES={cvd!r}"
+    if setting in ("auto", "cuda"):
+        if not visible:
+            raise ValueError(f"CANVASQ_DEVICE=cuda: no CUDA device is visible ({where}); use auto or cpu")
+        return f"cuda:{current}"
+    head, _, index = setting.partition(":")
+    if head != "cuda" or not index.isdigit():
+        raise ValueError(f"CANVASQ_DEVICE={setting!r}: expected auto, cpu, cuda or cuda:N")
+    if int(index) >= visible:
+        raise ValueError(f"CANVASQ_DEVICE={setting}: {visible} CUDA device(s) visible ({where}); "
+                         f"N counts the visible devices from 0")
+    return f"cuda:{int(index)}"
 
 
 def bind_cuda_device(device: str) -> None:
     """Make `device` ("cuda" or "cuda:N") the current CUDA device. The kernels launch, and the decode
     graphs capture, on the current device's stream, so a worker pinned with CANVASQ_DEVICE=cuda:N
-    (rather than CUDA_VISIBLE_DEVICES) must select N before it loads the model."""
+    (rather than CUDA_VISIBLE_DEVICES) must select N before it loads the model. `set_device` needs an
+    index: a bare "cuda" keeps the current device."""
     if device.startswith("cuda"):
         import torch
 
-        torch.cuda.set_device(torch.device(device))
+        _, _, index = device.partition(":")
+        torch.cuda.set_device(torch.device("cuda", int(index) if index else torch.cuda.current_device()))
 
 
 def default_decode_fn() -> DecodeFn:
@@ -123,12 +145,19 @@ class ChunkRuntime:
 
                 torch.set_num_threads(self.settings.torch_threads)
             bind_cuda_device(device)
+            experts = resolve_experts(self.settings.experts, device)
             t0 = time.perf_counter()
-            self._bundle = load_bundle(self.settings.model, device=device)
-            log.info("loaded %s on %s in %.1fs", self.settings.model, device, time.perf_counter() - t0)
-            if device.startswith("cuda"):
-                self.device = device if ":" in device else f"cuda:{os.environ.get('CUDA_VISIBLE_DEVICES', '0')}"
+            self._bundle = load_bundle(self.settings.model, device=device, experts=experts,
+                                       cache_dir=self.settings.w4_cache_dir)
+            log.info("loaded %s on %s in %.1fs (experts %s)", self.settings.model, device,
+                     time.perf_counter() - t0, experts)
+            self.device = device
         return self._bundle
+
+    @property
+    def experts(self) -> str:
+        """CANVASQ_EXPERTS resolved for the loaded model's device (what `load_bundle` packed)."""
+        return resolve_experts(self.settings.experts, str(getattr(self.bundle, "device", "cpu")))
 
     @property
     def decode_fn(self) -> DecodeFn:
@@ -230,7 +259,8 @@ class ChunkRuntime:
                 faults.before_decode(q.custom_id for q in reqs)  # inert unless CANVASQ_TEST_* is set
                 results = self.decode_fn(bundle, DecodeBatch(reqs, seed=self.settings.seed), decoder,
                                          should_stop=should_stop, routing=self.settings.routing or None,
-                                         interrupts=self.interrupts, cuda_graphs=self.settings.cuda_graphs)
+                                         interrupts=self.interrupts, cuda_graphs=self.settings.cuda_graphs,
+                                         experts=self.experts)
             except Interrupted as cut:  # keep the finished rows; the task abandons the rest of the chunk
                 share = (time.perf_counter() - t0) * 1000 / len(reqs)
                 done = [result_record(res, share, decoder) for res in cut.done]

@@ -192,3 +192,52 @@ def test_a_worker_pinned_to_cuda_n_selects_that_device(monkeypatch):
     assert chosen == []
     bind_cuda_device("cuda:1")
     assert chosen == [torch.device("cuda:1")]
+
+
+def test_device_setting_resolves_to_an_indexed_device():
+    """auto / cuda take the current device's index (torch.cuda.set_device needs one); cuda:N must be
+    visible; every refusal is one line naming CANVASQ_DEVICE."""
+    from canvasq.worker.runtime import resolve_device
+
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto", visible=0, current=0) == "cpu"
+    assert resolve_device("auto", visible=2, current=1) == "cuda:1"
+    assert resolve_device("cuda", visible=1, current=0) == "cuda:0"
+    assert resolve_device("cuda:1", visible=2, current=0) == "cuda:1"
+    for setting, visible in (("cuda", 0), ("cuda:2", 2), ("gpu", 1)):
+        with pytest.raises(ValueError, match=r"^CANVASQ_DEVICE=") as err:
+            resolve_device(setting, visible=visible, current=0)
+        assert "\n" not in str(err.value)
+
+
+def test_bare_cuda_binds_the_current_device(monkeypatch):
+    import torch
+
+    from canvasq.worker.runtime import bind_cuda_device
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(torch.device(d)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    bind_cuda_device("cuda")
+    bind_cuda_device("cuda:0")
+    assert chosen == [torch.device("cuda:3"), torch.device("cuda:0")]
+
+
+def test_experts_setting_reaches_the_decoders(wsettings, wstore, bundle):
+    """CANVASQ_EXPERTS resolved for the model's device: auto is bf16 on the CPU; an explicit value
+    passes through (run_batch hands it to every decoder's config)."""
+    from canvasq.decoders import run_batch
+
+    seen = []
+
+    def recording(bndl, batch, decoder, **kw):
+        seen.append(kw.get("experts"))
+        return run_batch(bndl, batch, decoder, **kw)
+
+    for setting, want in (("auto", "bf16"), ("w4", "w4")):
+        settings = wsettings.model_copy(update={"experts": setting})
+        run = wstore.create_run(jobs(1, max_tokens=8), model=settings.model, queue="q", decoder="pipe",
+                                chunk_size=1)
+        out = runtime(settings, wstore, bundle, decode_fn=recording).process_chunk(run.chunk_ids[0])
+        assert out["written"] == 1 and seen[-1] == want
+    assert seen == ["bf16", "w4"]

@@ -17,9 +17,16 @@ from pathlib import Path
 
 import click
 
-from canvasq.api.settings import DECODERS, get_settings, mask_url, model_name
+from canvasq.api.settings import DECODERS, get_settings, mask_url, model_name, resolve_experts
 
-RUN_STATUS_CHOICES = ("queued", "running", "completed", "cancelling", "cancelled", "expired")
+RUN_STATUS_CHOICES = ("queued", "running", "completed", "cancelling", "cancelled", "expired", "interrupted")
+MAX_NAME = 200  # the store's name / queue / key columns
+
+# Settings that never change what a run generates; every other one is part of an embedded run's
+# identity (a setting added later counts by default: it starts a new run rather than mixing outputs).
+_NOT_IDENTITY = {"database_url", "broker_url", "soft_time_limit", "hard_time_limit", "visibility_timeout",
+                 "max_attempts", "heartbeat_s", "run_deadline_s", "sqlite_busy_timeout_ms", "max_errors",
+                 "queue_prefix", "gpu_slots", "gpu_host", "torch_threads", "cuda_graphs", "chunk_size"}
 
 
 # ---------------------------------------------------------------------------------------- shared
@@ -28,7 +35,7 @@ RUN_STATUS_CHOICES = ("queued", "running", "completed", "cancelling", "cancelled
 def decoder_option(f):
     return click.option(
         "--decoder", type=click.Choice(DECODERS), default="auto", show_default=True,
-        help="Decoding algorithm; auto routes math → funnel, code → pipe (CANVASQ_ROUTING overrides).",
+        help="Decoding algorithm; auto = official (the accurate sampler) unless CANVASQ_ROUTING names a decoder for the task; hf = HF generate() (reference).",
     )(f)
 
 
@@ -43,16 +50,83 @@ def json_option(f):
     return click.option("--json", "as_json", is_flag=True, help="Print one JSON line instead of a table.")(f)
 
 
+class _Group(click.Group):
+    """Known failures (settings, database, broker, file system) end as one line and exit 1, never a
+    traceback; anything else is a bug and keeps its traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit):
+            raise
+        except Exception as exc:
+            line = _failure_line(exc)
+            if line is None:
+                raise
+            raise click.ClickException(line) from None
+
+
+def _failure_line(exc: Exception) -> str | None:
+    from canvasq.api.settings import settings_error_line
+
+    line = settings_error_line(exc)
+    if line:
+        return line
+    mod = type(exc).__module__.split(".")[0]
+    first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0]
+    if mod == "sqlalchemy":
+        return f"database error ({type(exc).__name__}): {mask_url(first)}"
+    if mod in ("kombu", "redis", "amqp"):
+        return f"broker error ({type(exc).__name__}): {mask_url(first)}"
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+    return None
+
+
 def _settings(model: str | None = None):
     s = get_settings()
+    if model and len(model) > 500:
+        raise click.BadParameter("the model spec is longer than 500 characters", param_hint="--model")
     return s.model_copy(update={"model": model}) if model else s
+
+
+def _check_name(_ctx, param, value):
+    if value is not None and len(value) > MAX_NAME:
+        raise click.BadParameter(f"{len(value)} characters; the limit is {MAX_NAME}")
+    return value
+
+
+def _check_model(settings) -> None:
+    from canvasq.api.schemas import model_problem
+
+    problem = model_problem(settings.model)
+    if problem:
+        raise click.ClickException(f"{problem} (CANVASQ_MODEL / --model)")
+
+
+def _check_broker(settings) -> None:
+    """Connect to the broker once, so a down or misspelt broker fails before anything is stored."""
+    from kombu import Connection
+
+    try:
+        with Connection(settings.broker_url, connect_timeout=5) as conn:
+            conn.ensure_connection(max_retries=1, interval_start=0, timeout=10)
+    except Exception as exc:  # noqa: BLE001 - any failure to connect is the same message
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise click.ClickException(f"cannot reach the broker CANVASQ_BROKER_URL={mask_url(settings.broker_url)}: "
+                                   f"{mask_url(first)}") from None
 
 
 def _open_store(settings, *, upgrade_sqlite: bool = True):
     """The store; a SQLite database is created / upgraded on first use, a server database must be
     upgraded explicitly (`canvasq db upgrade`, the compose file's one-shot migration)."""
-    from canvasq.api.store import SchemaOutOfDate, Store
+    from sqlalchemy.exc import SQLAlchemyError
 
+    from canvasq.api.store import SchemaOutOfDate, Store, database_problem
+
+    problem = database_problem(settings.database_url)
+    if problem:
+        raise click.ClickException(problem)
     store = Store.from_settings(settings)
     try:
         store.check_schema()
@@ -60,7 +134,59 @@ def _open_store(settings, *, upgrade_sqlite: bool = True):
         if store.dialect != "sqlite" or not upgrade_sqlite:
             raise click.ClickException(str(exc)) from None
         store.upgrade()
+    except SQLAlchemyError as exc:
+        first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or ["?"])[0]
+        raise click.ClickException(f"cannot use the database CANVASQ_DATABASE_URL={mask_url(store.url)}: "
+                                   f"{mask_url(first)}") from None
     return store
+
+
+class _Output:
+    """An output file written whole or not at all: a temporary file beside the target, renamed over
+    it by `commit`. Opened before any generation, so a missing directory, a device (`/dev/full`), a
+    read-only place or the input file itself fails at once and the old file stays as it was."""
+
+    def __init__(self, path: str, input_path: str | None = None):
+        import tempfile
+
+        target = Path(path)
+        if input_path is not None and os.path.realpath(target) == os.path.realpath(input_path):
+            raise click.ClickException(f"-o {path} is the input file; choose another output path")
+        if target.exists() and not target.is_file():
+            raise click.ClickException(f"-o {path} is not a regular file")
+        parent = target.absolute().parent
+        if not parent.is_dir():
+            raise click.ClickException(f"-o {path}: directory {parent} does not exist")
+        try:
+            fd, self.tmp = tempfile.mkstemp(dir=parent, prefix=f".{target.name[:100]}.", suffix=".tmp")
+        except OSError as exc:
+            raise click.ClickException(f"-o {path}: cannot write in {parent}: {exc.strerror}") from None
+        self.path, self.fh = target, os.fdopen(fd, "w", encoding="utf-8")
+
+    def commit(self) -> None:
+        try:
+            self.fh.flush()
+            os.fsync(self.fh.fileno())
+            self.fh.close()
+            mode = self.path.stat().st_mode & 0o777 if self.path.exists() else 0o666 & ~_umask()
+            os.chmod(self.tmp, mode)
+            os.replace(self.tmp, self.path)
+        except OSError as exc:
+            self.discard()
+            raise click.ClickException(f"-o {self.path}: {exc.strerror}; the old file is unchanged") from None
+
+    def discard(self) -> None:
+        self.fh.close()
+        try:
+            os.unlink(self.tmp)
+        except FileNotFoundError:
+            pass
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _get_run(store, run_id: str):
@@ -147,28 +273,113 @@ def write_results(store, run, out, errors_out=None, ordered: bool = False) -> tu
     return n_ok, n_err
 
 
-def _process_embedded(store, settings, run_id: str, chunk_ids: list[str], total: int):
+def _embedded_key(digest: str, settings, decoder: str, chunk_size: int) -> str:
+    """An embedded run's identity: the input's bytes and every setting that shapes its outputs.
+    Rerunning the same `canvasq run` finds the run by this key and continues it."""
+    ident = {k: v for k, v in settings.model_dump(mode="json").items() if k not in _NOT_IDENTITY}
+    params = json.dumps([digest, decoder, chunk_size, ident], sort_keys=True, default=str)
+    return "embedded:" + hashlib.sha256(params.encode()).hexdigest()[:32]
+
+
+def _owner_alive(owner, settings) -> bool:
+    """Is the process that generated an embedded run still at it? Same host: its pid runs canvasq
+    (a reused pid does not count); another host sharing the store: its heartbeat is recent."""
+    import socket
+
+    from canvasq.api.models import utcnow
+
+    if owner is None:
+        return False
+    if owner.host == socket.gethostname():
+        if owner.pid == os.getpid():
+            return False
+        try:
+            return b"canvasq" in Path(f"/proc/{owner.pid}/cmdline").read_bytes()  # empty for a zombie
+        except OSError:
+            pass
+        try:
+            os.kill(owner.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return (utcnow() - owner.heartbeat_at).total_seconds() < 3 * settings.heartbeat_s + 10
+
+
+def _reap_interrupted(store, settings) -> None:
+    """Mark embedded runs whose process died (SIGKILL, a crash, a reboot) `interrupted`."""
+    for run_id in store.active_embedded_runs():
+        if not _owner_alive(store.embedded_owner(run_id), settings):
+            store.mark_interrupted(run_id)
+
+
+def _refuse_if_owned(store, settings, run_id: str) -> None:
+    owner = store.embedded_owner(run_id)
+    if _owner_alive(owner, settings):
+        raise click.ClickException(f"run {run_id} is being generated by process {owner.pid} on {owner.host}; "
+                                   f"wait for it or `canvasq cancel {run_id}`")
+
+
+def _embedded_runtime(store, settings):
+    """A ChunkRuntime with the model loaded: a model that does not load fails here, before any run
+    is created or changed."""
+    import socket
+
     from canvasq.worker.runtime import ChunkRuntime
 
-    rt = ChunkRuntime(settings=settings, store=store, worker_id=f"embedded:{os.getpid()}", queue="embedded")
-    rt.register()
+    rt = ChunkRuntime(settings=settings, store=store, worker_id=f"embedded:{socket.gethostname()}:{os.getpid()}",
+                      queue="embedded")
     click.echo(f"loading {settings.model} ...", err=True)
-    rt.bundle  # noqa: B018 - load before the progress bar starts
-    with click.progressbar(length=total, label="generating", file=sys.stderr, show_eta=True,
-                           show_percent=True, show_pos=True) as bar:
+    try:
+        rt.bundle  # noqa: B018 - load before any run is touched
+    except Exception as exc:  # noqa: BLE001 - whatever broke, the model is the setting to fix
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise click.ClickException(f"cannot load the model {settings.model} (CANVASQ_MODEL / --model): "
+                                   f"{type(exc).__name__}: {first}") from None
+    return rt
+
+
+def _raise_interrupt(_signum, _frame):
+    raise KeyboardInterrupt
+
+
+def _process_embedded(rt, run_id: str) -> None:
+    """Generate every chunk of `run_id` that still holds queued rows. Ctrl-C or SIGTERM marks the run
+    `interrupted` and exits 130; rows stored before stay, and the same command continues."""
+    import signal
+
+    store = rt.store
+    rt.queue = f"embedded:{run_id}"  # the run's owner, for `_owner_alive`
+    rt.register()
+    rt.start_heartbeat()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
         queued = store.counts(run_id)["queued"]
-        for cid in chunk_ids:  # one count per chunk: after one chunk is before the next
-            rt.process_chunk(cid)
-            now = store.counts(run_id)["queued"]
-            bar.update(queued - now)
-            queued = now
-    store.finalize_run(run_id)
+        with click.progressbar(length=queued, label="generating", file=sys.stderr, show_eta=True,
+                               show_percent=True, show_pos=True) as bar:
+            for cid in store.pending_chunks(run_id):  # one count per chunk: after one chunk is before the next
+                rt.process_chunk(cid)
+                now = store.counts(run_id)["queued"]
+                bar.update(queued - now)
+                queued = now
+        store.finalize_run(run_id)
+        click.echo(f"engine: {json.dumps(rt.bundle.engine())}", err=True)  # device, experts, graphs
+    except KeyboardInterrupt:
+        store.mark_interrupted(run_id)
+        c = store.counts(run_id)
+        click.echo(f"\ninterrupted: run {run_id} has {c['queued']} of {c['total']} rows left; run the same "
+                   "command again to continue", err=True)
+        raise SystemExit(130) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        rt.stop()
 
 
 # ---------------------------------------------------------------------------------------- the group
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="canvasq")
 def cli():
     """canvasq: batch generation with DiffusionGemma on a fleet of workers fed through Redis.
@@ -188,14 +399,19 @@ def cli():
               help="Results JSONL (default: <FILE stem>.results.jsonl in the current directory).")
 @decoder_option
 @model_option
-@click.option("--name", default=None, help="A name for the run.")
-@click.option("--chunk-size", type=int, default=None, help="Requests per chunk (default: CANVASQ_DECODE_BATCH_SIZE).")
+@click.option("--name", default=None, callback=_check_name, help="A name for the run.")
+@click.option("--chunk-size", type=click.IntRange(min=1), default=None,
+              help="Requests per chunk (default: CANVASQ_DECODE_BATCH_SIZE).")
+@click.option("--fresh", is_flag=True, help="Start over even if an earlier run of the same file and settings exists.")
 @json_option
-def run(file, out_path, decoder, model, name, chunk_size, as_json):
+def run(file, out_path, decoder, model, name, chunk_size, fresh, as_json):
     """Generate FILE in this process (embedded mode: SQLite store, no broker, no worker).
 
-    Validates every line first (nothing runs on any error), decodes in chunks with a progress bar,
-    writes OpenAI batch output lines and prints requests, tokens, forwards per request and tok/s per decoder.
+    Checks everything first (every input line, the output path, the store, the model: nothing runs
+    on any error), decodes in chunks with a progress bar, writes OpenAI batch output lines (to a
+    temporary file renamed into place) and prints requests, tokens, forwards per request and tok/s
+    per decoder. The same command again (same file bytes, same settings) continues an interrupted
+    run and reuses every row it finished.
 
     Example:
 
@@ -206,46 +422,86 @@ def run(file, out_path, decoder, model, name, chunk_size, as_json):
 
     settings = _settings(model)
     limits, _ = _validate(file, settings)
-    store = _open_store(settings)
-    created = store.create_run(
-        iter_jobs(file, limits), model=settings.model, queue="embedded", decoder=decoder,
-        chunk_size=chunk_size or settings.decode_batch_size, name=name or Path(file).name,
-        input_path=str(Path(file).resolve()), input_sha256=file_sha256(file), mode="embedded",
-    )
-    click.echo(f"run {created.run_id}: {created.requests} requests, {len(created.chunk_ids)} chunks "
-               f"(store {mask_url(store.url)})", err=True)
-    t0 = time.perf_counter()
-    _process_embedded(store, settings, created.run_id, created.chunk_ids, created.requests)
-    wall = time.perf_counter() - t0
     out_path = out_path or f"{Path(file).stem}.results.jsonl"
-    run_row = _get_run(store, created.run_id)
-    with open(out_path, "w", encoding="utf-8") as fh:
-        n_ok, n_err = write_results(store, run_row, fh, ordered=True)
-    summary = store.run_summary(created.run_id)
+    output = _Output(out_path, input_path=file)
+    try:
+        _check_model(settings)
+        store = _open_store(settings)
+        chunk_size = chunk_size or settings.decode_batch_size
+        digest = file_sha256(file)
+        key = _embedded_key(digest, settings, decoder, chunk_size)
+        earlier = None if fresh else store.run_by_key(key)
+        # the model loads before a run is created, so a model that fails to load leaves none behind
+        rt = _embedded_runtime(store, settings) if earlier is None or store.pending_chunks(earlier) else None
+        created = store.create_run(
+            iter_jobs(file, limits), model=settings.model, queue="embedded", decoder=decoder,
+            chunk_size=chunk_size, name=name or Path(file).name[:MAX_NAME],
+            idempotency_key=key, replace_key=fresh,
+            input_path=str(Path(file).resolve()), input_sha256=digest, mode="embedded",
+        )
+        run_id, reused = created.run_id, 0
+        if created.created:
+            click.echo(f"run {run_id}: {created.requests} requests, {len(created.chunk_ids)} chunks "
+                       f"(store {mask_url(store.url)})", err=True)
+        else:
+            _refuse_if_owned(store, settings, run_id)
+            c, was = store.counts(run_id), store.run_status(run_id)
+            reused = c["total"] - c["queued"]
+            click.echo(f"resuming run {run_id} ({was}): {reused} of {c['total']} rows reused, {c['queued']} to "
+                       "generate (--fresh starts over)", err=True)
+            if was in ("cancelled", "expired"):
+                click.echo(f"run {run_id} was {was}: `canvasq retry {run_id} --only {was}` re-runs those rows",
+                           err=True)
+            store.resume_run(run_id)
+        t0 = time.perf_counter()
+        if rt is not None:
+            _process_embedded(rt, run_id)
+        else:
+            store.finalize_run(run_id)
+        wall = time.perf_counter() - t0
+        n_ok, n_err = write_results(store, _get_run(store, run_id), output.fh, ordered=True)
+        output.commit()
+    except BaseException:
+        output.discard()
+        raise
+    summary = store.run_summary(run_id)
     summary["process_wall_s"] = wall
+    summary["reused"] = reused
     if as_json:
         click.echo(json.dumps(summary, default=str))
     else:
         click.echo(_summary_table(summary))
-        click.echo(f"wrote {n_ok} results and {n_err} errors to {out_path} in {wall:.1f}s")
+        click.echo(f"wrote {n_ok} results and {n_err} errors to {out_path} in {wall:.1f}s"
+                   + (f"; {reused} rows reused from the earlier run" if reused else ""))
+    _report_unfinished(store, run_id)
+
+
+def _report_unfinished(store, run_id: str) -> None:
+    """Rows not in the output because they are not terminal: always said, never a silent gap."""
+    c = store.counts(run_id)
+    if c["queued"]:
+        click.echo(f"{c['queued']} of {c['total']} rows of {run_id} are not finished ({store.run_status(run_id)}) "
+                   "and are not in the output", err=True)
 
 
 @cli.command()
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
-@click.option("--name", default=None, help="A name for the run.")
+@click.option("--name", default=None, callback=_check_name, help="A name for the run.")
 @decoder_option
 @model_option
-@click.option("--queue", default=None, help="Queue to publish to (default: canvasq.<model name>).")
-@click.option("--key", "idempotency_key", default=None,
+@click.option("--queue", default=None, callback=_check_name, help="Queue to publish to (default: canvasq.<model name>).")
+@click.option("--key", "idempotency_key", default=None, callback=_check_name,
               help="Idempotency key: submitting the same key again returns the same run, publishes nothing. "
                    "Default: a hash of the file's bytes, the model, decoder, queue, chunk size and deadline.")
-@click.option("--chunk-size", type=int, default=None, help="Requests per chunk (default: CANVASQ_CHUNK_SIZE).")
-@click.option("--deadline", type=int, default=None, help="Seconds until unfinished rows expire.")
+@click.option("--chunk-size", type=click.IntRange(min=1), default=None,
+              help="Requests per chunk (default: CANVASQ_CHUNK_SIZE).")
+@click.option("--deadline", type=click.IntRange(min=1), default=None, help="Seconds until unfinished rows expire.")
 def submit(file, name, decoder, model, queue, idempotency_key, chunk_size, deadline):
     """Validate FILE, store the run, publish its chunks to the model's queue; print the run id.
 
-    Rows are committed before any message is published; `canvasq reconcile` publishes what a crash
-    in between left behind. Nothing is stored or published when any line is invalid.
+    Rows are committed before any message is published; submitting again (or `canvasq reconcile`)
+    publishes what a broker failure or a crash in between left behind. Nothing is stored or
+    published when any line is invalid or the store or broker cannot be reached.
 
     Example:
 
@@ -258,7 +514,10 @@ def submit(file, name, decoder, model, queue, idempotency_key, chunk_size, deadl
 
     settings = _settings(model)
     limits, _ = _validate(file, settings)
+    if Path(settings.model).is_dir() or settings.model.startswith("random:"):
+        _check_model(settings)  # a model that lives only on the workers is theirs to check
     store = _open_store(settings)
+    _check_broker(settings)
     queue = queue or settings.queue_for()
     chunk_size = chunk_size or settings.chunk_size
     deadline = deadline or settings.run_deadline_s
@@ -272,12 +531,25 @@ def submit(file, name, decoder, model, queue, idempotency_key, chunk_size, deadl
         idempotency_key=idempotency_key, input_path=str(Path(file).resolve()), input_sha256=digest,
         deadline_s=deadline,
     )
+    run_queue = queue if created.created else store.get_run(created.run_id).queue
+    todo = created.chunk_ids if created.created else [c for c, _ in store.unpublished_chunks(created.run_id)]
+    if todo:
+        try:
+            publish_chunks(todo, run_queue, settings)
+        except Exception as exc:  # noqa: BLE001 - the rows are stored; say how to finish the job
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise click.ClickException(
+                f"run {created.run_id} is stored but publishing its chunks to {run_queue} failed ({mask_url(first)}); "
+                "run the same `canvasq submit` again (or `canvasq reconcile`) once the broker is back") from None
+        store.mark_published(todo)
     if created.created:
-        publish_chunks(created.chunk_ids, queue, settings)
-        store.mark_published(created.chunk_ids)
         click.echo(f"submitted {created.requests} requests in {len(created.chunk_ids)} chunks to {queue}", err=True)
+    elif todo:
+        click.echo(f"key {idempotency_key!r} already submitted as {created.run_id}; published its {len(todo)} "
+                   "unpublished chunk(s)", err=True)
     else:
-        click.echo(f"key {idempotency_key!r} already submitted; nothing published", err=True)
+        click.echo(f"key {idempotency_key!r} already submitted as {created.run_id}; every chunk was published",
+                   err=True)
     click.echo(created.run_id)
 
 
@@ -358,8 +630,10 @@ def status(run_id, watch, interval, as_json):
 
         canvasq status run_1a2b3c4d --watch
     """
-    store = _open_store(_settings(), upgrade_sqlite=False)
+    settings = _settings()
+    store = _open_store(settings, upgrade_sqlite=False)
     run_row = _get_run(store, run_id)
+    _reap_interrupted(store, settings)
     while True:
         s = store.run_summary(run_row.id)
         c = s["counts"]
@@ -376,6 +650,8 @@ def status(run_id, watch, interval, as_json):
                 f"tokens {s['completion_tokens']}  tok/s {_tok_s(s['tok_s']) or '-'}  ETA {_fmt_s(s['eta_s'])}"
             )
         if not watch or s["status"] not in ("queued", "running", "cancelling"):
+            if s["status"] == "interrupted":
+                click.echo(f"{s['run_id']} was interrupted: the same `canvasq run` command continues it", err=True)
             break
         time.sleep(interval)
 
@@ -391,7 +667,9 @@ def runs(status_, limit, as_json):
 
         canvasq runs --status running --limit 5
     """
-    store = _open_store(_settings(), upgrade_sqlite=False)
+    settings = _settings()
+    store = _open_store(settings, upgrade_sqlite=False)
+    _reap_interrupted(store, settings)
     rows = store.list_runs(status_, limit)
     if as_json:
         click.echo(json.dumps(rows))
@@ -415,18 +693,31 @@ def results(run_id, out_path, errors_path, ordered):
 
         canvasq results run_1a2b3c4d -o out.jsonl --errors err.jsonl --ordered
     """
-    store = _open_store(_settings(), upgrade_sqlite=False)
+    settings = _settings()
+    store = _open_store(settings, upgrade_sqlite=False)
     run_row = _get_run(store, run_id)
-    out = click.open_file(out_path, "w", encoding="utf-8")
-    err = click.open_file(errors_path, "w", encoding="utf-8") if errors_path else None
+    _reap_interrupted(store, settings)
+    if errors_path is not None and out_path != "-" and os.path.realpath(errors_path) == os.path.realpath(out_path):
+        raise click.BadParameter("is the same file as --output", param_hint="--errors")
+    files = []  # written to temporary files, renamed into place only when complete
     try:
-        n_ok, n_err = write_results(store, run_row, out, err, ordered=ordered)
-    finally:
+        out = click.get_text_stream("stdout")
         if out_path != "-":
-            out.close()
-        if err is not None:
-            err.close()
+            files.append(_Output(out_path))
+            out = files[-1].fh
+        err = None
+        if errors_path:
+            files.append(_Output(errors_path))
+            err = files[-1].fh
+        n_ok, n_err = write_results(store, run_row, out, err, ordered=ordered)
+        for f in files:
+            f.commit()
+    except BaseException:
+        for f in files:
+            f.discard()
+        raise
     click.echo(f"{n_ok} results, {n_err} errors", err=True)
+    _report_unfinished(store, run_row.id)
 
 
 @cli.command()
@@ -439,9 +730,12 @@ def cancel(run_id):
 
         canvasq cancel run_1a2b3c4d
     """
-    store = _open_store(_settings(), upgrade_sqlite=False)
+    settings = _settings()
+    store = _open_store(settings, upgrade_sqlite=False)
     run_row = _get_run(store, run_id)
-    click.echo(f"{run_row.id}: {store.cancel_run(run_row.id)}")
+    # nobody holds an interrupted embedded run's chunks to see the flag: cancel their rows now
+    orphaned = run_row.mode == "embedded" and not _owner_alive(store.embedded_owner(run_row.id), settings)
+    click.echo(f"{run_row.id}: {store.cancel_run(run_row.id, close_running=orphaned)}")
 
 
 @cli.command()
@@ -462,19 +756,35 @@ def retry(run_id, only):
     settings = _settings()
     store = _open_store(settings, upgrade_sqlite=False)
     run_row = _get_run(store, run_id)
-    chunk_ids = store.retry_run(run_row.id, states, settings.chunk_size)
-    if not chunk_ids:
-        click.echo(f"{run_row.id}: no rows in {states}")
-        return
-    n = store.counts(run_row.id)["queued"]
-    if run_row.mode == "embedded":
-        _process_embedded(store, settings.model_copy(update={"model": run_row.model}), run_row.id, chunk_ids, n)
+    embedded = run_row.mode == "embedded"
+    if embedded:  # load the model before any row changes state
+        _refuse_if_owned(store, settings, run_row.id)
+        run_settings = settings.model_copy(update={"model": run_row.model})
+        _check_model(run_settings)
+        rt = _embedded_runtime(store, run_settings)
     else:
+        _check_broker(settings)
+    before = store.counts(run_row.id)
+    n = sum(before[s] for s in states)
+    chunk_ids = store.retry_run(run_row.id, states, settings.chunk_size)
+    if not embedded:
+        if not chunk_ids:
+            click.echo(f"{run_row.id}: no rows in {states}")
+            return
         from canvasq.worker.celery_app import publish_chunks
 
         publish_chunks(chunk_ids, run_row.queue, settings)
         store.mark_published(chunk_ids)
-    click.echo(f"{run_row.id}: re-queued {n} rows in {len(chunk_ids)} chunks")
+        click.echo(f"{run_row.id}: re-queued {n} rows in {len(chunk_ids)} chunks")
+        return
+    left = store.counts(run_row.id)["queued"]  # the retried rows and any an interruption left queued
+    if not left:
+        click.echo(f"{run_row.id}: no rows in {states}")
+        return
+    _process_embedded(rt, run_row.id)
+    extra = f" and {left - n} left unfinished by an interruption" if left > n else ""
+    click.echo(f"{run_row.id}: re-ran {n} rows in {states}{extra}")
+    _report_unfinished(store, run_row.id)
 
 
 @cli.command()
@@ -644,8 +954,69 @@ def config_cmd():
     s = get_settings()
     view = s.model_dump()
     view.update(s.describe())
+    from canvasq.worker.runtime import resolve_device
+
+    try:
+        device = resolve_device(s.device)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    view["device"] = f"{s.device} (resolved: {device})"
+    view["experts"] = f"{s.experts} (resolved: {resolve_experts(s.experts, device)})"
     for k, v in view.items():
         click.echo(f"{k} = {v}")
+    from canvasq.decoders.routing import routing_table
+
+    click.echo("routing (--decoder auto):")
+    for task, decoder, source in routing_table(s.routing):
+        click.echo(f"  {task} -> {decoder}  [{source}]")
+
+
+@cli.command()
+@click.argument("model", metavar="MODEL")
+@click.option("--device", default=None, metavar="auto|cpu|cuda|cuda:N",
+              help="Where to pack (default: CANVASQ_DEVICE). A GPU packs in seconds per layer.")
+@click.option("--cache-dir", default=None, type=click.Path(file_okay=False),
+              help="Write the cache here (default: CANVASQ_W4_CACHE_DIR, else MODEL/canvasq_w4 when "
+                   "writable, else ~/.cache/canvasq/w4).")
+@click.option("--force", is_flag=True, help="Repack even when a cache for this checkpoint exists.")
+def pack(model, device, cache_dir, force):
+    """Pack MODEL's experts to W4A16 ahead of time and write the cache that workers read at start.
+
+    With CANVASQ_EXPERTS=w4 (the default on CUDA) a worker packs a checkpoint at its first start
+    and caches the packs; this does it before any worker starts. MODEL is a local HF directory.
+
+    Example:
+
+        canvasq pack /models/diffusiongemma
+        CANVASQ_W4_CACHE_DIR=/scratch/w4 canvasq pack /models/diffusiongemma --device cuda:1
+    """
+    from canvasq.model.loading import pack_checkpoint, w4_cache_path
+    from canvasq.worker.runtime import bind_cuda_device, resolve_device
+
+    s = get_settings()
+    if model.startswith("random:"):
+        raise click.ClickException(f"{model}: random weights are packed at every start; nothing to cache")
+    if not (Path(model) / "config.json").is_file():
+        raise click.ClickException(f"no model at {model!r} (expected a HF directory with config.json)")
+    try:
+        dev = resolve_device(device or s.device)
+    except ValueError as exc:
+        msg = str(exc).replace("CANVASQ_DEVICE", "--device") if device else str(exc)
+        raise click.ClickException(msg) from None
+    import torch
+
+    cache_dir = cache_dir or s.w4_cache_dir
+    target = w4_cache_path(model, torch.bfloat16, cache_dir)
+    if target.exists() and not force:
+        click.echo(f"already packed: {target} ({target.stat().st_size / 2**30:.2f} GiB); --force repacks")
+        return
+    if force:
+        target.unlink(missing_ok=True)
+    bind_cuda_device(dev)
+    t0 = time.perf_counter()
+    path = pack_checkpoint(model, dev, torch.bfloat16, cache_dir)
+    click.echo(f"packed {model} on {dev} in {time.perf_counter() - t0:.1f}s: {path} "
+               f"({path.stat().st_size / 2**30:.2f} GiB)")
 
 
 # ---------------------------------------------------------------------------------------- other rooms

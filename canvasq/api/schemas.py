@@ -13,6 +13,7 @@ report is clean. File-level errors (empty file) carry line 0.
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -211,6 +212,55 @@ def model_context(spec: str) -> tuple[int | None, Callable[[str], int] | None]:
     return ctx, counter
 
 
+def model_problem(spec: str) -> str | None:
+    """Why the model `spec` cannot load, found without torch (config.json parses, every safetensors
+    header is readable and its tensors fit in the file), or None. Run before a run is created, so a
+    broken model leaves no orphan run behind."""
+    if spec in _RANDOM_CONTEXT:
+        return None
+    if spec.startswith("random:"):
+        return f"unknown random model {spec!r}; known: {', '.join(_RANDOM_CONTEXT)}"
+    d = Path(spec)
+    if not d.is_dir():
+        return f"model directory {spec} does not exist" if not d.exists() else f"model {spec} is not a directory"
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+        if not isinstance(cfg, dict):
+            raise ValueError("not a JSON object")
+    except OSError as exc:
+        return f"model {spec}: cannot read config.json ({exc.strerror or exc})"
+    except ValueError as exc:
+        return f"model {spec}: config.json is not valid JSON ({exc})"
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        return f"model {spec}: no *.safetensors weights"
+    for f in files:
+        problem = _safetensors_problem(f)
+        if problem:
+            return f"model {spec}: {f.name} {problem}"
+    return None
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """The file's header: 8-byte little-endian length, that many bytes of JSON, tensor data after it."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 2 or n > min(size - 8, 100 << 20):
+                return "is not a safetensors file (bad header length)"
+            header = json.loads(fh.read(n))
+        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    except (ValueError, KeyError, TypeError, IndexError):
+        return "has a corrupt header"
+    if ends and max(ends) > size - 8 - n:
+        return f"is truncated ({size} bytes; its header needs {8 + n + max(ends)})"
+    return None
+
+
 def _pydantic_errors(exc: ValidationError) -> list[str]:
     """One readable message per field; union branches (`str`, `list[...]`) are folded together."""
     out, seen = [], set()
@@ -232,6 +282,20 @@ def _pydantic_errors(exc: ValidationError) -> list[str]:
             out.append(f"method must be \"POST\", got {e.get('input')!r}")
         else:
             out.append(f"field '{loc}': {e['msg']} (got {type(e.get('input')).__name__})")
+    return out
+
+
+def _storable_text(name: str, value: str) -> list[str]:
+    """Text the store and the output file can hold: JSON can spell a NUL (PostgreSQL text refuses it)
+    and a lone UTF-16 surrogate (no UTF-8 encoding exists), so both are line errors here."""
+    out = []
+    if "\x00" in value:
+        out.append(f"{name} contains a NUL character (\\u0000 at character {value.index(chr(0)) + 1})")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        out.append(f"{name} contains a lone surrogate (\\u{ord(value[exc.start]):04x} at character {exc.start + 1}); "
+                   "not valid Unicode")
     return out
 
 
@@ -269,6 +333,8 @@ def parse_line(obj: Any, line_no: int, limits: Limits) -> tuple[Job | None, list
         max_tokens = line.max_tokens
         model = line.model
 
+    for fname, value in (("custom_id", cid), ("prompt", prompt)):
+        errors += _storable_text(fname, value)
     if not prompt.strip():
         errors.append("prompt is empty")
     if line.task is not None and line.task not in TASKS:
@@ -287,7 +353,7 @@ def parse_line(obj: Any, line_no: int, limits: Limits) -> tuple[Job | None, list
 
     # Tokens never outnumber UTF-8 bytes (+ a few specials), so only long prompts pay for counting.
     if (prompt.strip() and limits.count_tokens is not None and limits.context_tokens is not None
-            and len(prompt.encode("utf-8")) + 8 >= limits.context_tokens):
+            and len(prompt.encode("utf-8", "surrogatepass")) + 8 >= limits.context_tokens):
         n = limits.count_tokens(prompt)
         if n >= limits.context_tokens:
             errors.append(f"prompt is {n} tokens; the model context is {limits.context_tokens}")
@@ -315,6 +381,24 @@ def _read_lines(fh, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
         yield line_no, raw.rstrip(b"\r\n")
 
 
+def input_file_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be an input file (it is read twice, validated then stored), or None.
+    A FIFO or device would block the first open or be empty the second time."""
+    import stat
+
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return f"{path}: cannot read: {exc.strerror}"
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode)
+                else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a file")
+        return f"{path} is {kind}; the input must be a regular file (it is read twice)"
+    if not os.access(path, os.R_OK):
+        return f"{path}: permission denied"
+    return None
+
+
 def iter_validated(path: str | Path, limits: Limits, report: ValidationReport) -> Iterator[Job]:
     """Stream `path`, yielding valid Jobs and recording every error in `report`."""
     seen: dict[str, int] = {}  # custom_id -> first line: the only state that grows with the file
@@ -325,12 +409,16 @@ def iter_validated(path: str | Path, limits: Limits, report: ValidationReport) -
         else:
             report.errors_dropped += 1
 
+    problem = input_file_problem(path)
+    if problem:
+        err(0, problem)
+        return
     with open(path, "rb") as fh:
         head = fh.read(8192)
         if b"\x00" in head:  # a binary (or UTF-16) file: one error, not one per line of garbage
-            report.lines = 1
             offset = head.index(b"\x00")
-            err(1, f"binary data (NUL byte at byte offset {offset}); expected UTF-8 JSON lines")
+            report.lines = head.count(b"\n", 0, offset) + 1
+            err(report.lines, f"binary data (NUL byte at byte offset {offset}); expected UTF-8 JSON lines")
             return
         fh.seek(0)
         for line_no, raw in _read_lines(fh, limits.max_line_bytes):
@@ -355,6 +443,9 @@ def iter_validated(path: str | Path, limits: Limits, report: ValidationReport) -
                 obj = json.loads(text)
             except json.JSONDecodeError as exc:
                 err(line_no, f"malformed JSON: {exc.msg} (column {exc.colno})")
+                continue
+            except RecursionError:
+                err(line_no, "JSON nested too deeply")
                 continue
             job, msgs = parse_line(obj, line_no, limits)
             cid = obj.get("custom_id") if isinstance(obj, dict) else None

@@ -26,7 +26,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from canvasq.model.loading import DEFAULT_MODEL_DIR, REPO_ROOT  # noqa: F401 (re-exported; no torch import)
 
-DECODERS = ("auto", "official", "pipe", "funnel")
+DECODERS = ("auto", "official", "hf", "pipe", "funnel")
 TASKS = ("math", "code")
 RANDOM_MODELS = ("random:26b-a4b", "random:testbed")
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -55,7 +55,7 @@ class Settings(BaseSettings):
     # input validation limits
     max_tokens_limit: int = Field(4096, ge=1)
     default_max_tokens: int = Field(256, ge=1)
-    max_custom_id_len: int = Field(64, ge=1)
+    max_custom_id_len: int = Field(64, ge=1, le=200)  # the store's column holds 200
     max_line_bytes: int = Field(1 << 20, ge=1024)
     max_errors: int = Field(200, ge=1)  # errors kept for the report; the rest are counted
 
@@ -138,6 +138,27 @@ _URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^:/@\s]*:)(?P<
 def mask_url(url: str) -> str:
     """`postgresql://u:secret@h/db` -> `postgresql://u:***@h/db`; URLs without a password unchanged."""
     return _URL_PASSWORD.sub(lambda m: f"{m['head']}***{m['tail']}", url)
+
+
+def settings_error_line(exc: Exception) -> str | None:
+    """One line naming the CANVASQ_* variable(s) behind a settings failure, or None when `exc` is
+    not one (a pydantic ValidationError of Settings, or pydantic-settings' SettingsError)."""
+    from pydantic import ValidationError
+    from pydantic_settings import SettingsError
+
+    if isinstance(exc, SettingsError):
+        m = re.search(r'field "([^"]+)"', str(exc))
+        var = f"CANVASQ_{m[1].upper()}" if m else "a CANVASQ_* variable"
+        cause = f" ({exc.__cause__})" if exc.__cause__ else ""
+        return f"bad setting {var}: cannot parse its value{cause}"
+    if isinstance(exc, ValidationError) and exc.title == Settings.__name__:
+        parts = []
+        for e in exc.errors(include_url=False):
+            var = "CANVASQ_" + "_".join(str(p) for p in e["loc"][:1]).upper()
+            msg = e["msg"].removeprefix("Value error, ")
+            parts.append(f"{var}={e.get('input')!r}: {msg}" if e["type"] != "missing" else f"{var}: {msg}")
+        return "bad setting " + "; ".join(parts)
+    return None
 
 
 @lru_cache(maxsize=1)

@@ -65,7 +65,33 @@ def make_engine(url: str, busy_timeout_ms: int = 30_000) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    # a missing host or closed port fails in seconds, not after the OS's TCP timeout
+    return create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 10})
+
+
+def database_problem(url: str) -> str | None:
+    """Why `url` cannot be the store, found before connecting (one line naming the setting), or None."""
+    import os
+
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        u = make_url(url)
+    except ArgumentError:
+        return f"CANVASQ_DATABASE_URL={url!r} is not a database URL (sqlite:///PATH or postgresql+psycopg://...)"
+    if u.get_backend_name() not in ("sqlite", "postgresql"):
+        return (f"CANVASQ_DATABASE_URL: {u.get_backend_name()!r} databases are not supported; "
+                "use sqlite:///PATH or postgresql+psycopg://USER@HOST/DB")
+    if u.get_backend_name() == "sqlite" and u.database not in (None, "", ":memory:"):
+        path = Path(u.database).absolute()
+        if not path.parent.is_dir():
+            return f"CANVASQ_DATABASE_URL: directory {path.parent} does not exist (SQLite store {path})"
+        if path.exists() and not os.access(path, os.R_OK | os.W_OK):
+            return f"CANVASQ_DATABASE_URL: SQLite store {path} is not writable"
+        if not os.access(path.parent, os.W_OK | os.X_OK):  # WAL needs its -wal and -shm files beside it
+            return f"CANVASQ_DATABASE_URL: directory {path.parent} is not writable (SQLite store {path})"
+    return None
 
 
 def alembic_config(url: str):
@@ -247,9 +273,13 @@ class Store:
         mode: str = "queue",
         deadline_s: int | None = None,
         batch_rows: int = 1000,
+        replace_key: bool = False,
     ) -> RunCreated:
-        """Insert the run, its chunks and its requests in one transaction (streamed in batches)."""
+        """Insert the run, its chunks and its requests in one transaction (streamed in batches).
+        `replace_key`: a new run takes the key from the run that held it (`canvasq run --fresh`)."""
         with self.Session.begin() as s:
+            if idempotency_key and replace_key:
+                s.execute(update(Run).where(Run.idempotency_key == idempotency_key).values(idempotency_key=None))
             if idempotency_key:
                 existing = s.scalar(select(Run).where(Run.idempotency_key == idempotency_key))
                 if existing is not None:
@@ -312,14 +342,16 @@ class Store:
         with self.Session.begin() as s:
             s.execute(update(Chunk).where(Chunk.id.in_(list(chunk_ids))).values(published_at=utcnow()))
 
-    def unpublished_chunks(self) -> list[tuple[str, str]]:
-        """(chunk_id, queue) of queued chunks never published (outbox leftovers)."""
+    def unpublished_chunks(self, run_id: str | None = None) -> list[tuple[str, str]]:
+        """(chunk_id, queue) of queued chunks never published (outbox leftovers), of one run or all."""
         with self.Session() as s:
             q = (
                 select(Chunk.id, Run.queue)
                 .join(Run, Run.id == Chunk.run_id)
                 .where(Chunk.status == "queued", Chunk.published_at.is_(None))
             )
+            if run_id is not None:
+                q = q.where(Chunk.run_id == run_id)
             return [(r[0], r[1]) for r in s.execute(q.order_by(Chunk.id))]
 
     # -- worker side ------------------------------------------------------------------------------
@@ -457,15 +489,58 @@ class Store:
         with self.Session.begin() as s:
             s.execute(update(Worker).where(Worker.id == worker_id).values(heartbeat_at=utcnow()))
 
-    # -- control ----------------------------------------------------------------------------------
-    def cancel_run(self, run_id: str) -> str | None:
-        """Flag the run `cancelling`; rows of chunks no worker holds are cancelled now. Running
-        chunks see the flag between decoder steps."""
+    # -- embedded runs ----------------------------------------------------------------------------
+    def run_by_key(self, idempotency_key: str) -> str | None:
+        with self.Session() as s:
+            return s.scalar(select(Run.id).where(Run.idempotency_key == idempotency_key))
+
+    def pending_chunks(self, run_id: str) -> list[str]:
+        """Chunks that still hold `queued` rows, in order: what a resumed embedded run has left to do
+        (a chunk cut short by an interrupt is among them, whatever its own status says)."""
+        with self.Session() as s:
+            return list(s.scalars(
+                select(Chunk.id).where(Chunk.run_id == run_id,
+                                       Chunk.id.in_(select(Request.chunk_id).where(Request.run_id == run_id,
+                                                                                   Request.status == "queued")))
+                .order_by(Chunk.seq)))
+
+    def embedded_owner(self, run_id: str) -> Worker | None:
+        """The process that last generated an embedded run (registered with queue `embedded:<run>`)."""
+        with self.Session() as s:
+            return s.scalar(select(Worker).where(Worker.queue == f"embedded:{run_id}")
+                            .order_by(Worker.started_at.desc()).limit(1))
+
+    def active_embedded_runs(self) -> list[str]:
+        with self.Session() as s:
+            return list(s.scalars(select(Run.id).where(Run.mode == "embedded", Run.status.in_(RUN_ACTIVE))))
+
+    def mark_interrupted(self, run_id: str) -> None:
+        """An embedded run whose process stopped before the end: `interrupted` (rerunning the same
+        `canvasq run` resumes it). A cancel in progress stays `cancelling`."""
+        with self.Session.begin() as s:
+            s.execute(update(Run).where(Run.id == run_id, Run.status.in_(("queued", "running")))
+                      .values(status="interrupted", updated_at=utcnow()))
+
+    def resume_run(self, run_id: str) -> None:
         now = utcnow()
         with self.Session.begin() as s:
-            s.execute(update(Run).where(Run.id == run_id, Run.status.in_(RUN_ACTIVE))
+            s.execute(update(Run).where(Run.id == run_id, Run.status.in_(("queued", "running", "interrupted")))
+                      .values(status="running", finished_at=None, updated_at=now,
+                              started_at=func.coalesce(Run.started_at, now)))
+
+    # -- control ----------------------------------------------------------------------------------
+    def cancel_run(self, run_id: str, close_running: bool = False) -> str | None:
+        """Flag the run `cancelling`; rows of chunks no worker holds are cancelled now. Running
+        chunks see the flag between decoder steps. `close_running`: no process holds any chunk (an
+        interrupted embedded run), so the rows of `running` chunks are cancelled now too."""
+        now = utcnow()
+        with self.Session.begin() as s:
+            s.execute(update(Run).where(Run.id == run_id, Run.status.in_((*RUN_ACTIVE, "interrupted")))
                       .values(status="cancelling", updated_at=now))
-            for cid in s.scalars(select(Chunk.id).where(Chunk.run_id == run_id, Chunk.status == "queued")):
+            q = select(Chunk.id).where(Chunk.run_id == run_id)
+            if not close_running:
+                q = q.where(Chunk.status == "queued")
+            for cid in s.scalars(q):
                 self._close_rows(s, cid, run_id, "cancelled", "cancelled", "run cancelled")
         self.finalize_run(run_id)
         return self.run_status(run_id)

@@ -173,11 +173,11 @@ def load_bundle(
 
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), dtype=dtype).eval()  # on the CPU
     if experts == "w4":
-        _pack(model, device, cache=w4_cache_path(path, cache_dir))
+        _pack(model, device, cache=w4_cache_path(path, dtype, cache_dir))
     return ModelBundle(model.to(device), _load_tokenizer(path), str(path), device, experts)
 
 
-def _pack(model, device: str, cache: Path | None) -> None:
+def _pack(model, device: str, cache: Path | None) -> dict:
     import time
 
     from canvasq.kernels.moe.store import pack_model_experts
@@ -188,19 +188,38 @@ def _pack(model, device: str, cache: Path | None) -> None:
     gib = sum(p.nbytes() for p in packs.values()) / 2**30
     how = f"read from {cache}" if hit else "packed" + (f", cached at {cache}" if cache else "")
     log.info("W4 experts: %d layers, %.2f GiB, %s in %.1fs", len(packs), gib, how, time.perf_counter() - t0)
+    return packs
 
 
-def w4_cache_path(model_dir: str | Path, cache_dir: str | Path | None = None) -> Path:
+def pack_checkpoint(spec: str, device: str = "cpu", dtype=None, cache_dir: str | None = None) -> Path:
+    """Pack a local checkpoint's experts into its cache ahead of time (`canvasq pack`); returns the file.
+    `dtype` (default bf16, what a GPU worker loads) is part of the cache's name."""
+    import torch
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    path = Path(spec)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"no model at {spec!r} (expected a HF directory with config.json)")
+    dtype = dtype or torch.bfloat16
+    cache = w4_cache_path(path, dtype, cache_dir)
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), dtype=dtype).eval()
+    if not _pack(model, device, cache):
+        raise ValueError(f"{spec}: no experts modules to pack")
+    return cache
+
+
+def w4_cache_path(model_dir: str | Path, dtype, cache_dir: str | Path | None = None) -> Path:
     """Where a checkpoint's packed experts are cached: `cache_dir` (CANVASQ_W4_CACHE_DIR) when set,
     else `<model_dir>/canvasq_w4/` when that is writable, else `~/.cache/canvasq/w4/`. The file name
-    carries a fingerprint of the weight files (names, sizes, mtimes), so a changed checkpoint repacks."""
+    carries a fingerprint of the weight files (names, sizes, mtimes), so a changed checkpoint repacks,
+    and the dtype the packs were made in (their scales')."""
     model_dir = Path(model_dir).resolve()
     weights = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
     h = hashlib.sha256()
     for p in weights:
         st = p.stat()
         h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns};".encode())
-    name = f"experts-{h.hexdigest()[:12]}.safetensors"
+    name = f"experts-{h.hexdigest()[:12]}-{str(dtype).removeprefix('torch.')}.safetensors"
     if cache_dir is None:
         beside = model_dir / W4_DIRNAME
         if os.access(beside if beside.is_dir() else model_dir, os.W_OK):

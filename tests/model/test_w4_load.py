@@ -39,7 +39,7 @@ def _inputs(vocab: int, canvas_length: int):
 
 
 def test_packing_at_load_frees_bf16_and_writes_the_cache(packed, cache_dir):
-    path = w4_cache_path(TESTBED, cache_dir)
+    path = w4_cache_path(TESTBED, torch.float32, cache_dir)
     assert path.is_file() and path.parent.parent == cache_dir
     experts = [m for m in packed.hf_model.modules() if hasattr(m, "w4_experts")]
     assert len(experts) == 2 * packed.config.get_text_config().num_hidden_layers  # encoder + decoder

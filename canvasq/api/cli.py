@@ -26,7 +26,8 @@ MAX_NAME = 200  # the store's name / queue / key columns
 # identity (a setting added later counts by default: it starts a new run rather than mixing outputs).
 _NOT_IDENTITY = {"database_url", "broker_url", "soft_time_limit", "hard_time_limit", "visibility_timeout",
                  "max_attempts", "heartbeat_s", "run_deadline_s", "sqlite_busy_timeout_ms", "max_errors",
-                 "queue_prefix", "gpu_slots", "gpu_host", "torch_threads", "cuda_graphs", "chunk_size"}
+                 "queue_prefix", "gpu_slots", "gpu_host", "torch_threads", "cuda_graphs", "chunk_size",
+                 "w4_cache_dir"}
 
 
 # ---------------------------------------------------------------------------------------- shared
@@ -527,7 +528,7 @@ def submit(file, name, decoder, model, queue, idempotency_key, chunk_size, deadl
         idempotency_key = "auto:" + hashlib.sha256(params.encode()).hexdigest()[:32]
     created = store.create_run(
         iter_jobs(file, limits), model=settings.model, queue=queue, decoder=decoder,
-        chunk_size=chunk_size, name=name or Path(file).name,
+        chunk_size=chunk_size, name=name or Path(file).name[:MAX_NAME],
         idempotency_key=idempotency_key, input_path=str(Path(file).resolve()), input_sha256=digest,
         deadline_s=deadline,
     )

@@ -417,7 +417,12 @@ def iter_validated(path: str | Path, limits: Limits, report: ValidationReport) -
         head = fh.read(8192)
         if b"\x00" in head:  # a binary (or UTF-16) file: one error, not one per line of garbage
             offset = head.index(b"\x00")
-            report.lines = head.count(b"\n", 0, offset) + 1
+            start = head.rfind(b"\n", 0, offset) + 1
+            try:  # text lines before it: the NUL's own line; otherwise a binary file, line 1
+                head[:start].decode("utf-8")
+                report.lines = head.count(b"\n", 0, offset) + 1
+            except UnicodeDecodeError:
+                report.lines = 1
             err(report.lines, f"binary data (NUL byte at byte offset {offset}); expected UTF-8 JSON lines")
             return
         fh.seek(0)

@@ -7,6 +7,7 @@ nothing else heavy. Settings come from `CANVASQ_*` variables (see `canvasq.api.s
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -158,11 +159,16 @@ class _Output:
         parent = target.absolute().parent
         if not parent.is_dir():
             raise click.ClickException(f"-o {path}: directory {parent} does not exist")
+        prefix = f".{target.name[:100]}."
         try:
-            fd, self.tmp = tempfile.mkstemp(dir=parent, prefix=f".{target.name[:100]}.", suffix=".tmp")
+            fd, self.tmp = tempfile.mkstemp(dir=parent, prefix=f"{prefix}{os.getpid()}.", suffix=".tmp")
         except OSError as exc:
             raise click.ClickException(f"-o {path}: cannot write in {parent}: {exc.strerror}") from None
         self.path, self.fh = target, os.fdopen(fd, "w", encoding="utf-8")
+        for stale in parent.glob(f"{glob.escape(prefix)}*.tmp"):  # left by a killed process
+            pid = stale.name[len(prefix):].split(".", 1)[0]
+            if pid.isdigit() and int(pid) != os.getpid() and not _pid_exists(int(pid)):
+                stale.unlink(missing_ok=True)
 
     def commit(self) -> None:
         try:
@@ -182,6 +188,16 @@ class _Output:
             os.unlink(self.tmp)
         except FileNotFoundError:
             pass
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _umask() -> int:
@@ -702,7 +718,7 @@ def results(run_id, out_path, errors_path, ordered):
         raise click.BadParameter("is the same file as --output", param_hint="--errors")
     files = []  # written to temporary files, renamed into place only when complete
     try:
-        out = click.get_text_stream("stdout")
+        out = sys.stdout
         if out_path != "-":
             files.append(_Output(out_path))
             out = files[-1].fh

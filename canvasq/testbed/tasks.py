@@ -3,7 +3,8 @@
 - `arith` (GSM8K-shaped): a short word problem with several arithmetic steps; the answer shows the
   worked steps and ends with `#### <integer>`; the verifier compares that integer.
 - `code` (HumanEval-shaped): a Python signature plus docstring with an example; the model writes
-  the body; the verifier runs hidden asserts in the sandbox.
+  the body; the sandboxed child computes the function on the hidden inputs and the trusted parent
+  compares the values with the hidden expected ones (`verify`).
 
 Both draw from spaces of well over 10^9 distinct problems (names × items × numbers × templates ×
 docstring examples) and are deterministic per seed.
@@ -11,6 +12,8 @@ docstring examples) and are deterministic per seed.
 
 from __future__ import annotations
 
+import ast
+import json
 import random
 import re
 from dataclasses import dataclass, field
@@ -257,11 +260,85 @@ def generate(task: str, n: int, seed: int) -> list[Problem]:
 
 
 def verify(problem: Problem, completion: str, timeout_s: float = 5.0) -> bool:
-    """True when the completion answers the problem: the final integer for arith, all hidden
-    asserts passing in the sandbox for code."""
+    """True when the completion answers the problem: the final integer for arith; for code, the
+    function's value on every hidden input equal to the expected one.
+
+    The sandboxed child only computes values: it gets the prompt + completion and the inputs (never
+    the expected values), and writes `repr` of each result to its data channel. Here, in the trusted
+    parent, those are parsed as plain literals and compared. Exit code, printed text and the `__eq__`
+    of the child's objects decide nothing. Raises `sandbox.SandboxUnavailable` where code cannot be
+    run safely."""
     if problem.task == "arith":
         return arith_answer(completion) == problem.target
     from canvasq.testbed.sandbox import run_python
 
-    program = problem.prompt + completion + "\n\n" + "\n".join(problem.tests) + "\n"
-    return run_python(program, timeout_s=timeout_s).ok
+    cases = code_cases(problem)
+    r = run_python(_harness(problem.prompt + completion, problem.entry, [a for a, _ in cases]), timeout_s=timeout_s)
+    values = _parse_values(r.result, len(cases)) if not r.truncated else None
+    if values is None:
+        return False
+    try:
+        return all(v is not _MISSING and v == expected for v, (_, expected) in zip(values, cases))
+    except Exception:  # noqa: BLE001 - plain literals compare without raising; be safe anyway
+        return False
+
+
+def code_cases(problem: Problem) -> list[tuple[str, object]]:
+    """The hidden asserts `assert entry(<args>) == <expected>` as (argument tuple source, expected
+    value) pairs, parsed without running anything."""
+    cases = []
+    for test in problem.tests:
+        node = ast.parse(test, mode="exec").body[0]
+        cmp = node.test if isinstance(node, ast.Assert) else None
+        call = cmp.left if isinstance(cmp, ast.Compare) else None
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == problem.entry
+                and not call.keywords and len(cmp.ops) == 1 and isinstance(cmp.ops[0], ast.Eq)):
+            raise ValueError(f"{problem.uid}: unsupported hidden test {test!r}")
+        args = tuple(ast.literal_eval(a) for a in call.args)
+        cases.append((repr(args), ast.literal_eval(cmp.comparators[0])))
+    return cases
+
+
+# The child's whole program. It sees the candidate source, the entry name and the inputs only.
+_HARNESS = """\
+import ast as _ast, json as _json
+_ns = {{"__name__": "__main__"}}
+exec(compile({source!r}, "<candidate>", "exec"), _ns)
+_fn, _out = _ns[{entry!r}], []
+for _args in {inputs!r}:
+    try:
+        _out.append(["value", repr(_fn(*_ast.literal_eval(_args)))])
+    except BaseException as _exc:  # SystemExit too: that input has no value
+        _out.append(["raised", type(_exc).__name__])
+with open(3, "w", closefd=False) as _channel:
+    _channel.write(_json.dumps(_out))
+"""
+
+_MISSING = object()
+_MAX_REPR = 100_000
+
+
+def _harness(source: str, entry: str, inputs: list[str]) -> str:
+    return _HARNESS.format(source=source, entry=entry, inputs=inputs)
+
+
+def _parse_values(raw: bytes, n: int) -> list | None:
+    """The child's `[["value", repr], ...]` as plain Python literals (`_MISSING` where a call raised
+    or the repr is not a literal); None when the channel does not hold exactly n entries."""
+    try:
+        items = json.loads(raw.decode("utf-8"))
+    except Exception:  # noqa: BLE001 - bad UTF-8, bad JSON, nesting past the recursion limit
+        return None
+    if not isinstance(items, list) or len(items) != n:
+        return None
+    values = []
+    for item in items:
+        value = _MISSING
+        if (isinstance(item, list) and len(item) == 2 and item[0] == "value" and isinstance(item[1], str)
+                and len(item[1]) <= _MAX_REPR):
+            try:
+                value = ast.literal_eval(item[1])
+            except Exception:  # noqa: BLE001 - not a literal (an object's default repr, ...)
+                value = _MISSING
+        values.append(value)
+    return values

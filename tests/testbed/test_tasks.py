@@ -40,9 +40,11 @@ def test_arith_worked_steps_are_correct_arithmetic():
 
 
 def test_code_rejects_wrong_bodies():
-    for p in tasks.generate("code", 30, seed=6):
+    problems = tasks.generate("code", 30, seed=6)
+    for p in problems:
         assert not tasks.verify(p, "    return 0\n")
         assert not tasks.verify(p, "    return []\n")
+    for p in problems[:3]:  # each waits out its timeout
         assert not tasks.verify(p, "    while True:\n        pass\n", timeout_s=1.0)
 
 

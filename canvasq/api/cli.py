@@ -76,6 +76,10 @@ def _failure_line(exc: Exception) -> str | None:
         return line
     mod = type(exc).__module__.split(".")[0]
     first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0]
+    from canvasq.api.schemas import InputError
+
+    if isinstance(exc, InputError):  # the file changed between validation and storing
+        return f"{exc.report.path} changed while it was read: {exc.report.errors[0] if exc.report.errors else ''}"
     if mod == "sqlalchemy":
         return f"database error ({type(exc).__name__}): {mask_url(first)}"
     if mod in ("kombu", "redis", "amqp"):
@@ -141,6 +145,16 @@ def _open_store(settings, *, upgrade_sqlite: bool = True):
         raise click.ClickException(f"cannot use the database CANVASQ_DATABASE_URL={mask_url(store.url)}: "
                                    f"{mask_url(first)}") from None
     return store
+
+
+def _database_url() -> str:
+    from canvasq.api.store import database_problem
+
+    url = get_settings().database_url
+    problem = database_problem(url)
+    if problem:
+        raise click.ClickException(problem)
+    return url
 
 
 class _Output:
@@ -565,8 +579,8 @@ def submit(file, name, decoder, model, queue, idempotency_key, chunk_size, deadl
         click.echo(f"key {idempotency_key!r} already submitted as {created.run_id}; published its {len(todo)} "
                    "unpublished chunk(s)", err=True)
     else:
-        click.echo(f"key {idempotency_key!r} already submitted as {created.run_id}; every chunk was published",
-                   err=True)
+        click.echo(f"key {idempotency_key!r} already submitted as {created.run_id}; nothing published "
+                   "(every chunk was published before)", err=True)
     click.echo(created.run_id)
 
 
@@ -716,16 +730,21 @@ def results(run_id, out_path, errors_path, ordered):
     _reap_interrupted(store, settings)
     if errors_path is not None and out_path != "-" and os.path.realpath(errors_path) == os.path.realpath(out_path):
         raise click.BadParameter("is the same file as --output", param_hint="--errors")
-    files = []  # written to temporary files, renamed into place only when complete
+    files, direct = [], []  # files: temporary files renamed into place when complete; direct: devices, pipes
+
+    def open_target(path):
+        if path is None:
+            return None
+        if path == "-":
+            return sys.stdout
+        if Path(path).exists() and not Path(path).is_file():  # /dev/stdout, a FIFO: written as it goes
+            direct.append(open(path, "w", encoding="utf-8"))  # noqa: SIM115 - closed below
+            return direct[-1]
+        files.append(_Output(path))
+        return files[-1].fh
+
     try:
-        out = sys.stdout
-        if out_path != "-":
-            files.append(_Output(out_path))
-            out = files[-1].fh
-        err = None
-        if errors_path:
-            files.append(_Output(errors_path))
-            err = files[-1].fh
+        out, err = open_target(out_path), open_target(errors_path)
         n_ok, n_err = write_results(store, run_row, out, err, ordered=ordered)
         for f in files:
             f.commit()
@@ -733,6 +752,9 @@ def results(run_id, out_path, errors_path, ordered):
         for f in files:
             f.discard()
         raise
+    finally:
+        for fh in direct:
+            fh.close()
     click.echo(f"{n_ok} results, {n_err} errors", err=True)
     _report_unfinished(store, run_row.id)
 
@@ -925,7 +947,7 @@ def db_upgrade(revision):
     """
     from canvasq.api.store import upgrade
 
-    url = get_settings().database_url
+    url = _database_url()
     upgrade(url, revision)
     click.echo(f"{mask_url(url)}: upgraded to {revision}")
 
@@ -941,7 +963,7 @@ def db_downgrade(revision):
     """
     from canvasq.api.store import downgrade
 
-    url = get_settings().database_url
+    url = _database_url()
     downgrade(url, revision)
     click.echo(f"{mask_url(url)}: downgraded to {revision}")
 
@@ -956,7 +978,7 @@ def db_current():
     """
     from canvasq.api.store import Store, current_revision, head_revision
 
-    store = Store.from_settings(get_settings())
+    store = Store(_database_url())
     click.echo(f"{mask_url(store.url)}: {current_revision(store.engine) or 'empty'} (code: {head_revision()})")
 
 

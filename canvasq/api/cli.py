@@ -383,6 +383,7 @@ def _process_embedded(rt, run_id: str) -> None:
     store = rt.store
     rt.queue = f"embedded:{run_id}"  # the run's owner, for `_owner_alive`
     rt.register()
+    store.resume_run(run_id)  # `running` again even if a `canvasq runs` saw it between create and register
     rt.start_heartbeat()
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -397,7 +398,7 @@ def _process_embedded(rt, run_id: str) -> None:
         store.finalize_run(run_id)
         click.echo(f"engine: {json.dumps(rt.bundle.engine())}", err=True)  # device, experts, graphs
     except KeyboardInterrupt:
-        store.mark_interrupted(run_id)
+        store.mark_interrupted(run_id, release_chunks=True)
         c = store.counts(run_id)
         click.echo(f"\ninterrupted: run {run_id} has {c['queued']} of {c['total']} rows left; run the same "
                    "command again to continue", err=True)

@@ -473,7 +473,7 @@ class Store:
                 return None
             s.execute(update(Run).where(Run.id == run_id, Run.status == "cancelling")
                       .values(status="cancelled", finished_at=now, updated_at=now))
-            s.execute(update(Run).where(Run.id == run_id, Run.status.in_(("queued", "running")))
+            s.execute(update(Run).where(Run.id == run_id, Run.status.in_(("queued", "running", "interrupted")))
                       .values(status="completed", finished_at=now, updated_at=now))
             return s.scalar(select(Run.status).where(Run.id == run_id))
 
@@ -514,12 +514,20 @@ class Store:
         with self.Session() as s:
             return list(s.scalars(select(Run.id).where(Run.mode == "embedded", Run.status.in_(RUN_ACTIVE))))
 
-    def mark_interrupted(self, run_id: str) -> None:
+    def mark_interrupted(self, run_id: str, release_chunks: bool = False) -> None:
         """An embedded run whose process stopped before the end: `interrupted` (rerunning the same
-        `canvasq run` resumes it). A cancel in progress stays `cancelling`."""
+        `canvasq run` resumes it). A cancel in progress stays `cancelling`. `release_chunks` (a clean
+        stop, Ctrl-C): its running chunks go back to queued and that delivery is not counted against
+        `max_attempts`, which is there for chunks that kill their process."""
+        now = utcnow()
         with self.Session.begin() as s:
             s.execute(update(Run).where(Run.id == run_id, Run.status.in_(("queued", "running")))
-                      .values(status="interrupted", updated_at=utcnow()))
+                      .values(status="interrupted", updated_at=now))
+            if release_chunks:
+                s.execute(update(Chunk).where(Chunk.run_id == run_id, Chunk.status == "running")
+                          .values(status="queued", attempts=func.max(Chunk.attempts - 1, 0)
+                                  if self.dialect == "sqlite" else func.greatest(Chunk.attempts - 1, 0),
+                                  lease_expires_at=None, updated_at=now))
 
     def resume_run(self, run_id: str) -> None:
         now = utcnow()

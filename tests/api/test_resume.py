@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from sqlalchemy import select, update
 
 from canvasq.api.cli import cli
-from canvasq.api.models import Output, Request
+from canvasq.api.models import Chunk, Output, Request
 from canvasq.api.schemas import Job
 from canvasq.api.settings import REPO_ROOT, get_settings
 from canvasq.api.store import ResultRecord, Store
@@ -98,6 +98,9 @@ def test_sigint_then_sigkill_then_rerun_every_id_once_and_work_reused(tmp_path):
     st = Store(url)
     (run,) = st.list_runs()
     assert run["status"] == "interrupted" and 2 <= run["done"] < N
+    with st.Session() as s:  # a clean stop releases its chunk and does not count the delivery
+        chunks = s.execute(select(Chunk.status, Chunk.attempts).where(Chunk.run_id == run["run_id"])).all()
+    assert "running" not in {c.status for c in chunks} and max(c.attempts for c in chunks) <= 1
     assert out.read_text() == OLD
 
     # 2. the same command, SIGKILLed mid-run: it resumed (reused the first rows), made progress, died

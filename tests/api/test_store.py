@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import event, func, select, text
 
-from canvasq.api.models import Output, Request, utcnow
+from canvasq.api.models import Chunk, Output, Request, utcnow
 from canvasq.api.schemas import Job
 from canvasq.api.store import ResultRecord, Store
 
@@ -220,3 +220,32 @@ def test_concurrent_sqlite_writers_do_not_lock(tmp_path):
     assert [p.exitcode for p in procs] == [0, 0, 0, 0]
     assert sum(q.get() for _ in procs) == 200  # each id offered twice, written once
     assert st.counts(run.run_id)["done"] == 200
+
+
+def test_embedded_interrupt_resume_and_orphan_cancel(store):
+    """Issue 19 part 4 on both dialects: a clean stop releases the running chunk without counting the
+    delivery; pending_chunks lists chunks still holding queued rows; a cancel of a run no process
+    holds closes the running chunk's rows too, so nothing stays queued."""
+    rows = [Job(f"r{i}", "p", "math", 8, None, i + 1) for i in range(5)]
+    created = store.create_run(rows, model="m", queue="embedded", decoder="funnel", chunk_size=2, mode="embedded",
+                               idempotency_key="embedded:k")
+    rid = created.run_id
+    assert store.run_by_key("embedded:k") == rid and store.pending_chunks(rid) == created.chunk_ids
+    store.claim_chunk(created.chunk_ids[0], "w", 60, 3)
+    store.write_results(rid, [ResultRecord("r0", text="x")])
+    store.mark_interrupted(rid, release_chunks=True)
+    assert store.run_status(rid) == "interrupted"
+    with store.Session() as s:
+        first = s.get(Chunk, created.chunk_ids[0])
+        assert (first.status, first.attempts) == ("queued", 0)
+    assert store.pending_chunks(rid) == created.chunk_ids  # r1 still queued in chunk 0
+    store.resume_run(rid)
+    assert store.run_status(rid) == "running"
+    store.claim_chunk(created.chunk_ids[1], "w", 60, 3)  # a chunk a dead process held
+    store.mark_interrupted(rid)
+    assert store.cancel_run(rid, close_running=True) == "cancelled"
+    c = store.counts(rid)
+    assert (c["done"], c["cancelled"], c["queued"]) == (1, 4, 0)
+    again = store.create_run(rows, model="m", queue="embedded", chunk_size=2, idempotency_key="embedded:k",
+                             replace_key=True)
+    assert again.created and store.run_by_key("embedded:k") == again.run_id and store.get_run(rid).idempotency_key is None

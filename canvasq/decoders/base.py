@@ -5,8 +5,12 @@ of the batch, its commit rules, retires and spawns.
 Flow: DecodeBatch → `Seq` per request (arena slot, RNG, live canvases) → `step()` builds
 ForwardInputs (one `Window` per live sequence) → `Runtime.decode` → commits → DecodeResult.
 
+Continuous batching: `stream(feed, on_result, slots)` keeps up to `slots` requests in flight, takes new
+ones from `feed` as rows finish (their prompts encoded in one pass, then they join the next step) and
+hands each finished row to `on_result` at once; `decode(batch)` is a stream over one batch.
+
 Accounting: every model pass (the prefill encode, each decoder forward, each encoder commit pass) is
-a `_Pass`; a row's `forwards` counts the passes that carried at least one of its rows. G (rows) and
+recorded per request it carried; a row's `forwards` counts the passes that carried its rows. G (rows) and
 τ (commits) are recorded per pass and per row.
 """
 
@@ -16,6 +20,7 @@ import time
 import weakref
 import zlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -146,19 +151,11 @@ class Seq:
     finish_reason: str = "length"
     error: str | None = None
     stats: Counter = field(default_factory=Counter)
+    steps: int = 0  # decoder steps this request has been live for (liveness budget)
 
     @property
     def prompt_len(self) -> int:
         return len(self.req.prompt_ids)
-
-
-@dataclass
-class _Pass:
-    kind: str  # "decode" | "encode"
-    ms: float
-    rows: dict[int, int]  # batch row -> rows of that request in the pass
-    commits: dict[int, int]
-    states: dict[int, str]
 
 
 class StepDecoder:
@@ -176,7 +173,8 @@ class StepDecoder:
         self.eos_id = bundle.eos_id
         self.stop_ids = frozenset({bundle.eos_id, bundle.pad_id})
         self.device = self.rt.device
-        self.passes: list[_Pass] = []
+        self._traces: dict[int, list[ForwardTrace]] = {}
+        self._pass_index = 0
         self.graphs = self.graph_runner()
 
     def pick_model(self):
@@ -195,63 +193,136 @@ class StepDecoder:
     def decode(
         self, batch: DecodeBatch, should_stop=None, interrupts: tuple[type[BaseException], ...] = ()
     ) -> list[DecodeResult]:
-        self.passes = []
+        """Every request of `batch` at once (as many slots as requests); results in request order."""
         results: dict[int, DecodeResult] = {}
-        seqs: list[Seq] = []
-        for i, req in enumerate(batch.requests):
-            err = request_error(self.bundle, req)
-            if err:
-                results[i] = error_result(req, err, self.name)
-                continue
-            seqs.append(
-                Seq(
-                    row=i,
-                    req=req,
-                    slot=len(seqs),
-                    gen=self.generator(batch.seed, req.custom_id),
-                    n_canvases=-(-req.max_tokens // self.C),
-                )
-            )
-        self.last_seqs = seqs
-        if seqs:
-            self.arena = self.new_store(seqs)
-            try:
-                poll(should_stop)
-                try:
-                    self.prefill(seqs)
-                except interrupts:
-                    raise
-                except Exception as exc:  # noqa: BLE001 — the prefill serves every row
-                    for s in seqs:
-                        s.error, s.done = f"{type(exc).__name__}: {exc}", True
-                live = [s for s in seqs if not s.done]
-                max_steps = self.step_budget(seqs)
-                steps = 0
-                while live:
-                    poll(should_stop)
-                    try:
-                        self.step(live)
-                    except (Cancelled, *interrupts):
-                        raise
-                    except Exception as exc:  # noqa: BLE001 — one forward serves every live row: they fail together
-                        msg = f"{type(exc).__name__}: {exc}"
-                        for s in live:
-                            s.error, s.done = msg, True
-                    steps += 1
-                    if steps > max_steps:
-                        for s in live:
-                            if not s.done:
-                                s.error, s.done = f"no progress after {steps} steps", True
-                    live = [s for s in live if not s.done]
-            except Cancelled:
-                for s in seqs:
-                    if not s.done:
-                        s.error, s.finish_reason, s.done = CANCELLED, CANCELLED, True
-            except interrupts as exc:  # the caller's time limit: hand back the rows that finished
-                raise Interrupted(exc, [self._result(s) for s in seqs if s.done and s.error is None]) from exc
-            for s in seqs:
-                results[s.row] = self._result(s)
+        todo = list(enumerate(batch.requests))
+
+        def feed(n: int):
+            taken, todo[:] = todo[:n], todo[n:]
+            return taken
+
+        try:
+            self.stream(feed, results.__setitem__, slots=max(1, len(todo)), seed=batch.seed,
+                        capacity=self.capacity_for(batch.requests), should_stop=should_stop,
+                        interrupts=interrupts)
+        except Interrupted as cut:  # the caller's time limit: hand back the rows that finished
+            raise Interrupted(cut.cause, [r for r in results.values() if r.error is None]) from cut.cause
+        for i, req in todo:  # never fed: the run was cancelled first
+            results[i] = error_result(req, CANCELLED, self.name, CANCELLED)
         return [results[i] for i in range(len(batch.requests))]
+
+    def stream(
+        self,
+        feed: Callable[[int], list[tuple[object, DecodeRequest]]],
+        on_result: Callable[[object, DecodeResult], None],
+        slots: int,
+        seed: int = 0,
+        capacity: int | None = None,
+        should_stop=None,
+        interrupts: tuple[type[BaseException], ...] = (),
+        occupancy: list | None = None,
+    ) -> None:
+        """Continuous batching: keep up to `slots` requests in flight, refilled as rows finish.
+
+        `feed(n)` returns up to n new (key, request) pairs; an empty list means nothing more will come.
+        `on_result(key, result)` receives each row the moment it ends (done, failed or cancelled).
+        `capacity`: arena entries per slot, fixed for the stream (callers pass `capacity_for` of
+        every request they may feed); a fed request that needs more fails alone. `occupancy`, if given, receives (live rows, slots) per
+        decoder step. Cancellation stops feeding and ends the rows in flight as CANCELLED; one of
+        `interrupts` raises `Interrupted` (rows already handed to `on_result` are not repeated)."""
+        self._traces: dict[int, list[ForwardTrace]] = {}
+        self._pass_index = 0
+        cap = capacity or 0
+        free = list(range(slots - 1, -1, -1))
+        live: list[Seq] = []
+        keys: dict[int, object] = {}
+        self.last_seqs = seqs_seen = []
+        self.arena = self.new_store(slots, cap) if cap else None
+        exhausted, next_row = False, 0
+
+        def deliver(s: Seq) -> None:
+            on_result(keys.pop(s.row), self._result(s))
+            self._traces.pop(s.row, None)
+            free.append(s.slot)
+
+        try:
+            while True:
+                fresh: list[Seq] = []
+                if free and not exhausted:
+                    new = feed(len(free))
+                    exhausted = not new
+                    for key, req in new:
+                        err = request_error(self.bundle, req)
+                        if err is None and self.need(req) > cap:
+                            err = f"needs {self.need(req)} cache entries per slot; this stream holds {cap}"
+                        if err:
+                            on_result(key, error_result(req, err, self.name))
+                            continue
+                        s = Seq(row=next_row, req=req, slot=free.pop(), gen=self.generator(seed, req.custom_id),
+                                n_canvases=-(-req.max_tokens // self.C))
+                        next_row += 1
+                        keys[s.row] = key
+                        self._traces[s.row] = []
+                        self.arena.reset(s.slot)
+                        fresh.append(s)
+                        seqs_seen.append(s)
+                    live += fresh
+                if not live:
+                    if exhausted:
+                        break
+                    continue
+                poll(should_stop)  # between forwards; a cancel ends the fed rows too
+                if fresh:
+                    try:
+                        self.prefill(fresh)
+                    except interrupts:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 — the prefill serves every new row
+                        for s in fresh:
+                            s.error, s.done = f"{type(exc).__name__}: {exc}", True
+                    live = self._deliver_done(live, deliver)
+                    if not live:
+                        continue
+                if occupancy is not None:
+                    occupancy.append((len(live), slots))
+                try:
+                    self.step(live)
+                except (Cancelled, *interrupts):
+                    raise
+                except Exception as exc:  # noqa: BLE001 — one forward serves every live row: they fail together
+                    msg = f"{type(exc).__name__}: {exc}"
+                    for s in live:
+                        s.error, s.done = msg, True
+                for s in live:
+                    s.steps += 1
+                    if not s.done and s.steps > self.step_budget([s]):
+                        s.error, s.done = f"no progress after {s.steps} steps", True
+                live = self._deliver_done(live, deliver)
+        except Cancelled:
+            for s in live:
+                if not s.done:
+                    s.error, s.finish_reason, s.done = CANCELLED, CANCELLED, True
+            self._deliver_done(live, deliver)
+        except interrupts as exc:
+            for s in live:
+                if s.done:
+                    deliver(s)
+            raise Interrupted(exc, []) from exc
+
+    @staticmethod
+    def _deliver_done(live: list[Seq], deliver) -> list[Seq]:
+        for s in live:
+            if s.done:
+                deliver(s)
+        return [s for s in live if not s.done]
+
+    def need(self, req: DecodeRequest) -> int:
+        """Arena entries one request can occupy: prompt, its canvases and the ones in flight."""
+        in_flight = getattr(self.config, "max_canvases", 1)
+        return len(req.prompt_ids) + (-(-req.max_tokens // self.C) + in_flight + 1) * self.C
+
+    def capacity_for(self, requests) -> int:
+        return max((self.need(r) for r in requests), default=0)
 
     def step_budget(self, seqs: list[Seq]) -> int:
         """Liveness guard: forced accept commits ≥ 1 token per step on the front canvas, so a row
@@ -259,14 +330,12 @@ class StepDecoder:
         return 2 * max(s.n_canvases for s in seqs) * self.C + 16
 
     # -- hooks ----------------------------------------------------------------------------------
-    def new_store(self, seqs: list[Seq]):
-        in_flight = getattr(self.config, "max_canvases", 1)
-        cap = max(s.prompt_len + (s.n_canvases + in_flight + 1) * self.C for s in seqs)
+    def new_store(self, slots: int, capacity: int):
         if self.graphs is not None:  # graphs read one arena for the life of the process
-            arena = self.graphs.arena(len(seqs), cap)
+            arena = self.graphs.arena(slots, capacity)
             if arena is not None:
                 return arena
-        return self.rt.new_arena(slots=len(seqs), capacity=cap)
+        return self.rt.new_arena(slots=slots, capacity=capacity)
 
     def encode(self, items) -> None:
         """One encoder pass over (slot, ids, positions) items (through a CUDA graph when it can)."""
@@ -320,30 +389,31 @@ class StepDecoder:
         return cv
 
     def record(self, kind, ms, rows, commits, states) -> None:
-        self.passes.append(_Pass(kind, ms, dict(rows), dict(commits), dict(states)))
+        """One model pass: a trace for each request it carried (G and τ batch-wide and its own)."""
+        total_rows, total_commits = sum(rows.values()), sum(commits.values())
+        canvases = sum(len(v.split(",")) for v in states.values())
+        for row, own in rows.items():
+            self._traces[row].append(
+                ForwardTrace(
+                    index=self._pass_index,
+                    rows=total_rows,
+                    commits=total_commits,
+                    canvases=canvases,
+                    states=states.get(row, ""),
+                    ms=ms,
+                    kind=kind,
+                    own_rows=own,
+                    own_commits=commits.get(row, 0),
+                )
+            )
+        self._pass_index += 1
 
     def timed(self):
         return _Timer(self.device)
 
     # -- results --------------------------------------------------------------------------------
     def _result(self, s: Seq) -> DecodeResult:
-        traces = []
-        for i, p in enumerate(self.passes):
-            if s.row not in p.rows:
-                continue
-            traces.append(
-                ForwardTrace(
-                    index=i,
-                    rows=sum(p.rows.values()),
-                    commits=sum(p.commits.values()),
-                    canvases=sum(len(v.split(",")) for v in p.states.values()),
-                    states=p.states.get(s.row, ""),
-                    ms=p.ms,
-                    kind=p.kind,
-                    own_rows=p.rows[s.row],
-                    own_commits=p.commits.get(s.row, 0),
-                )
-            )
+        traces = self._traces.get(s.row, [])
         tokens = s.out[: s.req.max_tokens] if s.error is None else []
         cut = first_stop(tokens, self.stop_ids) if s.error is None else None
         if cut is not None:

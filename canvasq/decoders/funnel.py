@@ -72,13 +72,10 @@ class FunnelDecoder(PipeDecoder):
         self._promote_rows: list[int] = []
 
     # -- storage --------------------------------------------------------------------------------
-    def new_store(self, seqs: list[Seq]):
+    def new_store(self, slots: int, capacity: int):
         if self.config.promote == "arena":
-            return super().new_store(seqs)
-        cap = max(s.prompt_len for s in seqs)
-        return growing_kv_class()(
-            self.rt.layer_shapes, len(seqs), cap, device=self.device, dtype=self.rt.dtype
-        )
+            return super().new_store(slots, capacity)
+        return growing_kv_class()(self.rt.layer_shapes, slots, capacity, device=self.device, dtype=self.rt.dtype)
 
     def spawn(self, s: Seq) -> Canvas:
         cv = super().spawn(s)

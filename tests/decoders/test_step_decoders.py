@@ -215,18 +215,20 @@ def test_time_limit_inside_a_step_hands_back_finished_rows(bundle, name):
 
 
 def test_time_limit_in_a_later_sub_batch_keeps_the_earlier_ones(bundle):
-    """`auto` splits by task (math → funnel, code → pipe); the limit fires at the last poll, inside
-    the pipe sub-batch: the finished funnel row comes back with the interrupt."""
+    """`auto` splits by task (the table: math → funnel, code → pipe); the limit fires at the last
+    poll, inside the pipe sub-batch: the finished funnel row comes back with the interrupt."""
     batch = DecodeBatch(
         [DecodeRequest("m", [2, 9, 4], 8, "math"), DecodeRequest("c", [2, 5, 6, 4], 8, "code")]
     )
     should_stop, calls = stop_that_raises(SoftTimeLimitExceeded)
 
-    full = run_batch(bundle, batch, decoder="auto", should_stop=should_stop)
+    table = {"math": "funnel", "code": "pipe"}
+    full = run_batch(bundle, batch, decoder="auto", should_stop=should_stop, routing=table)
     assert [r.decoder for r in full] == ["funnel", "pipe"]
     calls.update(limit_at=calls["n"], n=0)
     with pytest.raises(Interrupted) as info:
-        run_batch(bundle, batch, decoder="auto", should_stop=should_stop, interrupts=(SoftTimeLimitExceeded,))
+        run_batch(bundle, batch, decoder="auto", should_stop=should_stop, interrupts=(SoftTimeLimitExceeded,),
+                  routing=table)
     assert [(r.custom_id, r.token_ids) for r in info.value.done] == [("m", full[0].token_ids)]
 
 

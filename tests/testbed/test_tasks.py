@@ -1,3 +1,4 @@
+import ast
 import re
 
 import pytest
@@ -58,3 +59,67 @@ def test_problem_space_is_large():
 def test_unknown_task_is_rejected():
     with pytest.raises(ValueError, match="unknown task"):
         tasks.generate("poetry", 1, 0)
+
+
+# Fake passes: only the values the candidate computes decide, compared here in the parent.
+FAKES = {
+    "os._exit(0) before the checks": "    pass\nimport os\nos._exit(0)\n",
+    "sys.exit(0) before the checks": "    pass\nimport sys\nsys.exit(0)\n",
+    "sys.exit(0) inside the function": "    import sys\n    sys.exit(0)\n",
+    "atexit forces exit code 0": "    return 0\nimport atexit, os\natexit.register(lambda: os._exit(0))\n",
+    "object whose __eq__ is always true": (
+        "    class Anything:\n        def __eq__(self, other):\n            return True\n"
+        "        __hash__ = object.__hash__\n    return Anything()\n"
+    ),
+    "int subclass that equals everything": (
+        "    class I(int):\n        def __eq__(self, other):\n            return True\n    return I(0)\n"
+    ),
+    "list subclass that equals everything": (
+        "    class L(list):\n        def __eq__(self, other):\n            return True\n    return L()\n"
+    ),
+    "reads the hidden asserts from its own source": (
+        "    import re, sys, gc\n"
+        "    arg = list(locals().values())[0]\n"
+        "    seen = open('/sandbox/main.py').read() + str(getattr(sys.modules['__main__'], '_src', ''))\n"
+        "    seen += ''.join(o for o in gc.get_objects() if isinstance(o, str) and 'assert' in o)\n"
+        "    for args, want in re.findall(r'assert \\w+\\((\\[.*?\\])\\) == (.+)', seen):\n"
+        "        if eval(args) == arg:\n"
+        "            return eval(want)\n"
+        "    return None\n"
+    ),
+    "prints a success and writes forged data": (
+        "    import os\n    print('All tests passed')\n    os.write(3, b'[[\"value\", \"0\"]]')\n    os._exit(0)\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("fake", list(FAKES))
+def test_fake_passes_fail(fake):
+    for p in tasks.generate("code", 6, seed=21):
+        assert not tasks.verify(p, FAKES[fake]), (fake, p.uid)
+
+
+def test_expected_values_never_enter_the_child():
+    for p in tasks.generate("code", 20, seed=22):
+        program = tasks._harness(p.prompt + p.answer, p.entry, [a for a, _ in tasks.code_cases(p)])
+        assert "assert" not in program and "==" not in program.split("exec(compile(")[0]
+        assert all(t not in program for t in p.tests)
+
+
+def test_printing_and_partly_wrong_bodies():
+    p = tasks.generate("code", 1, seed=23)[0]
+    noisy = p.answer.replace("\n", "\n    print('debug', file=__import__('sys').stderr)\n", 1)
+    assert tasks.verify(p, noisy)  # printed text decides nothing either way
+    first = ast.literal_eval(tasks.code_cases(p)[0][0])[0]
+    raises_once = f"    if list(locals().values())[0] == {first!r}:\n        raise ValueError\n"
+    assert tasks.verify(p, "    pass\n" + p.answer)
+    assert not tasks.verify(p, raises_once + p.answer)
+
+
+def test_code_task_refuses_without_a_sandbox(monkeypatch):
+    from canvasq.testbed import sandbox
+
+    monkeypatch.setattr(sandbox, "unavailable_reason", lambda: "no isolation here")
+    p = tasks.generate("code", 1, seed=24)[0]
+    with pytest.raises(sandbox.SandboxUnavailable, match="no isolation here"):
+        tasks.verify(p, p.answer)

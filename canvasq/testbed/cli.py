@@ -25,6 +25,12 @@ def eval_cmd(task, n, seed, decoder, model_spec, batch_size, entropy_bound, as_j
 
         canvasq eval --task arith --n 200 --seed 1 --decoder official --json
     """
+    if task == "code":  # checked before any generation: model-written code never runs unconfined
+        from canvasq.testbed.sandbox import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason:
+            raise click.ClickException(reason)
     import torch
 
     from canvasq.model.loading import load_bundle

@@ -187,6 +187,8 @@ def run_python(
     result_bytes: int = 1024 * 1024,
 ) -> SandboxResult:
     """Run `code` as `__main__` in the sandbox. Raises `SandboxUnavailable` if isolation fails."""
+    if min(timeout_s, mem_bytes, file_bytes, disk_bytes, output_bytes, result_bytes) <= 0:
+        raise ValueError("run_python: every limit must be positive (tmpfs reads size=0 as unlimited)")
     reason = unavailable_reason()
     if reason:
         raise SandboxUnavailable(reason)

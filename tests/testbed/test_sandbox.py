@@ -284,3 +284,13 @@ def test_refuses_instead_of_running_unconfined(monkeypatch):
         monkeypatch.undo()
         sandbox.unavailable_reason.cache_clear()
     assert not os.path.exists("/tmp/canvasq-sbx-ran")
+
+
+def test_eval_refuses_code_with_one_line(monkeypatch):
+    from click.testing import CliRunner
+
+    from canvasq.api.cli import cli
+
+    monkeypatch.setattr(sandbox, "unavailable_reason", lambda: "the code sandbox needs root")
+    res = CliRunner().invoke(cli, ["eval", "--task", "code", "--n", "1"])
+    assert res.exit_code != 0 and res.output.strip() == "Error: the code sandbox needs root"

@@ -62,6 +62,8 @@ class Settings(BaseSettings):
     queue_prefix: str = "canvasq"
     device: str = "auto"  # worker device: auto (cuda when visible, else cpu) | cpu | cuda | cuda:N
     decode_batch_size: int = Field(8, ge=1)  # prompts decoded together; results persisted per batch
+    # requests in flight per decode stream (continuous batching; None: 32 on a GPU, decode_batch_size on CPU)
+    decode_slots: int | None = Field(None, ge=1)
     seed: int = 0
     gpu_slots: int | None = Field(None, ge=1)  # `worker --gpu auto`: GPUs on this host to share out
     gpu_host: str | None = None  # the physical host's name for slot keys (containers differ in hostname)

@@ -227,6 +227,12 @@ class ChunkRuntime:
         for r in claim.requests:
             groups.setdefault(r["decoder"] or claim.run_decoder or "auto", []).append(r)
         for decoder, rows in groups.items():
+            if self._decode_fn is None and decoder != "hf":  # the production path: continuous batching
+                for name, knobs, part in self._routed(decoder, rows):
+                    if should_stop():
+                        break
+                    summary["written"] += self._stream_and_store(run_id, name, knobs, part, should_stop, summary)
+                continue
             for i in range(0, len(rows), s.decode_batch_size):
                 if should_stop():
                     break
@@ -239,6 +245,93 @@ class ChunkRuntime:
         retry_transient(lambda: self.store.finish_chunk(chunk_id))
         retry_transient(lambda: self.store.finalize_run(run_id))
         return summary
+
+    @property
+    def decode_slots(self) -> int:
+        """Requests in flight per decode stream: the setting, else 32 on a GPU, decode_batch_size on CPU."""
+        if self.settings.decode_slots:
+            return self.settings.decode_slots
+        on_gpu = str(getattr(self.bundle, "device", "cpu")).startswith("cuda")
+        return 32 if on_gpu else self.settings.decode_batch_size
+
+    def _routed(self, decoder: str, rows: list[dict]) -> list[tuple[str, dict, list[dict]]]:
+        """(decoder, knobs, rows) per route: `auto` resolved per row's task (decoders.routing)."""
+        if decoder != "auto":
+            return [(decoder, {}, rows)]
+        from canvasq.decoders.routing import route
+
+        parts: dict[tuple, tuple[str, dict, list[dict]]] = {}
+        for r in rows:
+            rt = route(r["task"], self.settings.routing or None)
+            key = (rt.decoder, tuple(sorted(rt.overrides.items())))
+            parts.setdefault(key, (rt.decoder, dict(rt.overrides), []))[2].append(r)
+        return list(parts.values())
+
+    def _tokenize(self, rows: list[dict], decoder: str) -> tuple[list[DecodeRequest], list[ResultRecord]]:
+        """DecodeRequests, and an errored record for each row the tokenizer fails on (that row only)."""
+        bundle, reqs, records = self.bundle, [], []
+        for r in rows:
+            try:
+                ids = bundle.encode_prompt(r["prompt"], r["task"])
+                reqs.append(DecodeRequest(r["custom_id"], list(ids), r["max_tokens"], r["task"]))
+            except self.interrupts:
+                raise
+            except Exception as exc:
+                records.append(ResultRecord(r["custom_id"], status="errored", error_code="tokenizer_error",
+                                            error_message=f"{type(exc).__name__}: {exc}", decoder=decoder))
+        return reqs, records
+
+    def _stream_and_store(self, run_id: str, decoder: str, knobs: dict, rows: list[dict], should_stop,
+                          summary: dict) -> int:
+        """Continuous batching over `rows`: `decode_slots` requests in flight, a free slot refilled at
+        once, each finished row written to the store the moment it ends (idempotent per custom_id)."""
+        from canvasq.decoders.registry import make_decoder
+
+        bundle = self.bundle  # a load failure raises here: the chunk is retried, rows stay queued
+        reqs, records = self._tokenize(rows, decoder)
+        written = retry_transient(lambda: self.store.write_results(run_id, records, self.worker_id)) if records else 0
+        if not reqs:
+            return written
+        dec = make_decoder(decoder, bundle, knobs, self.settings.cuda_graphs, self.experts)
+        todo = list(reqs)
+        fed_at: dict[str, float] = {}
+        occupancy: list[tuple[int, int]] = []
+
+        def feed(n: int):
+            taken, todo[:] = todo[:n], todo[n:]
+            if taken:
+                faults.before_decode(q.custom_id for q in taken)  # inert unless CANVASQ_TEST_* is set
+            now = time.perf_counter()
+            for q in taken:
+                fed_at[q.custom_id] = now
+            return [(q.custom_id, q) for q in taken]
+
+        def on_result(key, res: DecodeResult) -> None:
+            nonlocal written
+            ms = (time.perf_counter() - fed_at.get(key, time.perf_counter())) * 1000
+            rec = result_record(res, ms, decoder)
+            written += retry_transient(lambda: self.store.write_results(run_id, [rec], self.worker_id))
+
+        try:
+            dec.stream(feed, on_result, slots=self.decode_slots, seed=self.settings.seed,
+                       capacity=dec.capacity_for(reqs), should_stop=should_stop, interrupts=self.interrupts,
+                       occupancy=occupancy)
+        except Interrupted as cut:  # finished rows are already stored; the task abandons the rest
+            raise cut.cause from None
+        except self.interrupts:
+            raise
+        except Exception as exc:  # deterministic failure → the rows not yet stored error, never a retry storm
+            log.exception("decode stream failed for run %s", run_id)
+            left = [q for q in reqs if q.custom_id in fed_at or q in todo]
+            failed = [result_record(DecodeResult(q.custom_id, [], "", "error", len(q.prompt_ids), 0,
+                                                 error=f"{type(exc).__name__}: {exc}"), 0.0, decoder) for q in left]
+            written += retry_transient(lambda: self.store.write_results(run_id, failed, self.worker_id))
+        if occupancy:
+            live = sum(n for n, _ in occupancy)
+            summary.setdefault("occupancy", []).extend(occupancy)
+            log.info("decode stream %s: %d rows, %d steps, slots %.0f%% full", decoder, len(reqs),
+                     len(occupancy), 100 * live / sum(n for _, n in occupancy))
+        return written
 
     def _decode_and_store(self, run_id: str, decoder: str, rows: list[dict], should_stop) -> int:
         bundle = self.bundle  # a load failure raises here: the chunk is retried, rows stay queued

@@ -150,8 +150,8 @@ def test_seeded_output_is_reproducible(wsettings, wstore, bundle, decoder):
 
 def test_cuda_graphs_setting_reaches_the_step_decoders(wsettings, wstore, bundle, monkeypatch):
     """CANVASQ_CUDA_GRAPHS is validated and handed to run_batch by the chunk runtime; it sets the
-    step decoders' `cuda_graphs` (the official decoder has none and ignores it), and a per-call
-    override still wins."""
+    decoders' `cuda_graphs` (official on the runtime too; the hf reference arm has none and ignores
+    it), and a per-call override still wins."""
     from pydantic import ValidationError
 
     from canvasq.api.settings import Settings
@@ -165,7 +165,8 @@ def test_cuda_graphs_setting_reaches_the_step_decoders(wsettings, wstore, bundle
         Settings()
     assert make_decoder("pipe", bundle, cuda_graphs="off").config.cuda_graphs == "off"
     assert make_decoder("funnel", bundle, {"cuda_graphs": "on"}, cuda_graphs="off").config.cuda_graphs == "on"
-    assert not hasattr(make_decoder("official", bundle, cuda_graphs="off").config, "cuda_graphs")
+    assert make_decoder("official", bundle, cuda_graphs="off").config.cuda_graphs == "off"
+    assert not hasattr(make_decoder("hf", bundle, cuda_graphs="off").config, "cuda_graphs")
 
     seen = []
 
@@ -241,3 +242,29 @@ def test_experts_setting_reaches_the_decoders(wsettings, wstore, bundle):
         out = runtime(settings, wstore, bundle, decode_fn=recording).process_chunk(run.chunk_ids[0])
         assert out["written"] == 1 and seen[-1] == want
     assert seen == ["bf16", "w4"]
+
+
+def test_continuous_batching_keeps_slots_full_and_matches_rows_decoded_alone(wsettings, wstore, bundle):
+    """A chunk of mixed max_tokens through 3 decode slots: a finished row's slot is refilled before
+    the next step (full until the chunk runs out of rows), every row is stored once, and each row's
+    answer is what it gets decoded alone (the official decoder draws from per-request generators)."""
+    from canvasq.decoders import DecodeBatch, DecodeRequest, run_batch
+
+    settings = wsettings.model_copy(update={"decode_slots": 3})
+    lengths = [8, 40, 16, 64, 8, 24, 48, 8, 32]
+    js = [Job(f"r{i}", PROMPTS[i % 2][1], PROMPTS[i % 2][0], n, None, i + 1) for i, n in enumerate(lengths)]
+    run = wstore.create_run(js, model=settings.model, queue="q", decoder="official", chunk_size=len(js))
+    out = runtime(settings, wstore, bundle).process_chunk(run.chunk_ids[0])
+    assert out["written"] == len(js) and wstore.run_status(run.run_id) == "completed"
+    occ = out["occupancy"]
+    assert all(slots == 3 for _, slots in occ)
+    # full while rows were waiting: the first step that runs below 3 is after the last row was fed,
+    # so at most two rows (the ones still finishing) are ever missing from a step
+    first_short = next(i for i, (n, _) in enumerate(occ) if n < 3)
+    assert all(n == 3 for n, _ in occ[:first_short]) and first_short >= len(occ) // 2
+    with wstore.Session() as s:
+        got = dict(s.execute(select(Output.custom_id, Output.text).where(Output.run_id == run.run_id)).all())
+    for j in js[:4]:
+        req = DecodeRequest(j.custom_id, bundle.encode_prompt(j.prompt, j.task), j.max_tokens, j.task)
+        alone = run_batch(bundle, DecodeBatch([req], seed=settings.seed), "official")[0]
+        assert got[j.custom_id] == alone.text

@@ -1,5 +1,11 @@
+import os
+import resource
+import socket
 import time
 
+import pytest
+
+from canvasq.testbed import sandbox
 from canvasq.testbed.sandbox import run_python
 
 
@@ -55,16 +61,6 @@ def test_file_size_is_capped():
 # ---------------------------------------------------------------------------------------------
 # Containment with the in-process audit hook switched off: the OS is the wall (these run as root,
 # like CI). Each escape from the hostile test of issue 19 has its own case.
-
-import os  # noqa: E402
-import resource  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-
-import pytest  # noqa: E402
-
-from canvasq.testbed import sandbox  # noqa: E402
 
 UNHOOK = "import sys\nsys.modules['__main__']._DENY = ('\\0',)  # the audit hook now allows everything\n"
 

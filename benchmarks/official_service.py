@@ -1,0 +1,202 @@
+"""The official sampler through the worker's own decode loop at the real shape (label: replayed).
+
+    python3 benchmarks/official_service.py --device cuda --batches 16,32 --n 64 --out results.json
+
+1. Record: the official decoder on the trained testbed (this device) decodes `--n` arith + code
+   problems; per request its denoising steps per canvas and its answer length are kept (accuracy too).
+2. Replay: `random:26b-a4b` (W4 experts, CUDA graphs: the service defaults on a GPU) loaded like a
+   worker loads it; a run of the same requests (prompt text repeated `--scale` times, max_tokens =
+   recorded canvases × 256) is created in a SQLite store and drained by `ChunkRuntime.process_chunk`
+   with `decode_slots = batch`: continuous batching, per-row writes, the sampler's real work on real
+   [rows, 262,144] logits; only the stop decisions come from the recording (`official.REPLAY`).
+   tok/s = recorded tokens × scale ÷ wall seconds of the chunk.
+3. Bare forwards: the same number of 256-row windows per step through the graph runner alone, so the
+   service loop's rows/s can be compared with the forward's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def record(device: str, n: int, seed: int, max_tokens: int) -> tuple[list[dict], dict]:
+    from canvasq.decoders import DecodeBatch, DecodeRequest, run_batch
+    from canvasq.model.loading import load_bundle
+    from canvasq.testbed import tasks
+
+    bundle = load_bundle(device=device)
+    rows, correct = [], {"arith": [], "code": []}
+    for task in ("arith", "code"):
+        probs = tasks.generate(task, n // 2, seed)
+        reqs = [DecodeRequest(f"{task}-{i}", bundle.encode_prompt(p.prompt, p.task), max_tokens, p.task)
+                for i, p in enumerate(probs)]
+        res = run_batch(bundle, DecodeBatch(reqs, seed=seed), "official")
+        for p, q, r in zip(probs, reqs, res):
+            steps, cur = [], None
+            for t in r.traces:
+                if t.kind == "decode":
+                    cur = (cur or 0) + 1
+                elif cur is not None:
+                    steps.append(cur)
+                    cur = None
+            if cur is not None:
+                steps.append(cur)
+            rows.append({"custom_id": q.custom_id, "prompt": p.prompt, "task": p.task,
+                         "steps": steps, "tokens": len(r.token_ids)})
+            correct[task].append(bool(tasks.verify(p, r.text)))
+    acc = {k: sum(v) / max(1, len(v)) for k, v in correct.items()}
+    return rows, acc
+
+
+def replay(rows: list[dict], batch: int, scale: int, device: str, target: str) -> dict:
+    from canvasq.api.schemas import Job
+    from canvasq.api.settings import Settings
+    from canvasq.api.store import Store
+    from canvasq.decoders import official
+    from canvasq.model.loading import load_bundle
+    from canvasq.worker.runtime import ChunkRuntime
+
+    global _TARGET
+    if _TARGET is None:
+        t0 = time.perf_counter()
+        _TARGET = load_bundle(target, device=device, experts="w4")
+        _TARGET.tokenizer = load_bundle(device="cpu").tokenizer  # prompts as the testbed tokenises them
+        print(f"loaded {target} (W4) in {time.perf_counter() - t0:.1f}s", flush=True)
+    bundle = _TARGET
+    C = bundle.canvas_length
+    official.REPLAY.clear()
+    jobs = []
+    for i, r in enumerate(rows):
+        official.REPLAY[r["custom_id"]] = r["steps"]
+        jobs.append(Job(r["custom_id"], " ".join([r["prompt"]] * scale), r["task"], len(r["steps"]) * C, None, i + 1))
+    db = Path(tempfile.mkdtemp()) / "bench.sqlite"
+    settings = Settings(database_url=f"sqlite:///{db}", model=target, device=device, decode_slots=batch,
+                        experts="w4", cuda_graphs="auto")
+    store = Store(settings.database_url)
+    store.upgrade()
+    rt = ChunkRuntime(settings=settings, store=store, bundle=bundle, worker_id="bench:1", queue="q")
+    # warm-up: one run of the first `batch` rows builds the graphs (untimed)
+    warm = store.create_run(jobs[:batch], model=settings.model, queue="q", decoder="official", chunk_size=len(jobs))
+    rt.process_chunk(warm.chunk_ids[0])
+    run = store.create_run([Job(f"t{j.custom_id}", *[getattr(j, k) for k in ("prompt", "task", "max_tokens",
+                                                                           "decoder", "line_no")]) for j in jobs],
+                           model=settings.model, queue="q", decoder="official", chunk_size=len(jobs))
+    for r in rows:
+        official.REPLAY[f"t{r['custom_id']}"] = r["steps"]
+    graphs = _graph_stats(bundle)
+    _sync()
+    t0 = time.perf_counter()
+    out = rt.process_chunk(run.chunk_ids[0])
+    _sync()
+    wall = time.perf_counter() - t0
+    occ = out.get("occupancy", [])
+    steps = len(occ)
+    live_rows = sum(n for n, _ in occ) * C
+    tokens = sum(r["tokens"] for r in rows) * scale
+    after = _graph_stats(bundle)
+    return {
+        "batch": batch, "requests": len(rows), "wall_s": wall, "tokens_replayed": tokens,
+        "tok_s_replayed": tokens / wall, "decoder_steps": steps, "rows_per_s": live_rows / wall,
+        "occupancy_mean": (sum(n for n, _ in occ) / sum(s for _, s in occ)) if occ else None,
+        "occupancy_full_until": next((i for i, (n, s) in enumerate(occ) if n < s), steps) / max(1, steps),
+        "written": out["written"], "graphs_before": graphs, "graphs_after": after,
+        "ms_per_step": 1000 * wall / max(1, steps),
+    }
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _graph_stats(bundle) -> dict:
+    from canvasq.decoders.base import _RUNTIMES
+
+    per = _RUNTIMES.get(bundle.hf_model, {})
+    return {k: dict(rt.graph_runner.stats) for k, rt in per.items() if rt.graph_runner is not None}
+
+
+def bare(batch: int, prompt: int, device: str, reps: int = 20) -> dict:
+    """`batch` windows of 256 rows with top-k SC through the graph runner: the forward alone."""
+    from canvasq.decoders.base import runtime_for
+    from canvasq.model.graph import graph_runner
+    from canvasq.model.runtime import Window
+
+    bundle = _TARGET
+    rt = runtime_for(bundle.hf_model, "w4")
+    runner = graph_runner(rt)
+    C, V = bundle.canvas_length, rt.vocab_size
+    arena = runner.arena(max(batch, runner.store.slots if runner.store else 0), prompt + 4 * C)
+    for b in range(batch):
+        ids = torch.randint(0, V, (prompt,), device=device)
+        runner.encode_many(arena, [(b, ids, torch.arange(prompt, device=device))])
+    k = min(64, V)
+    sc = (torch.randint(0, V, (C, k), device=device), torch.randn(C, k, device=device).to(rt.dtype))
+    wins = [Window.canvas(b, torch.randint(0, V, (C,), device=device), prompt, self_cond=sc) for b in range(batch)]
+    for _ in range(3):
+        runner.decode(arena, wins)
+    _sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        runner.decode(arena, wins)
+        _sync()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    med = times[len(times) // 2]
+    return {"batch": batch, "ms_per_forward": med * 1000, "rows_per_s": batch * C / med}
+
+
+_TARGET = None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batches", default="16,32")
+    ap.add_argument("--n", type=int, default=64, help="requests (half arith, half code)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--scale", type=int, default=8, help="rows and tokens × scale (canvas 32 → 256)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--target", default="random:26b-a4b", help="the replay's model (random:testbed: a CPU dry run)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    rows, acc = record(args.device, args.n, args.seed, args.max_tokens)
+    print(f"recorded {len(rows)} testbed schedules; accuracy {acc}", flush=True)
+    report = {"commit": commit, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "schedule": "replayed", "scale": args.scale, "seed": args.seed, "testbed_accuracy": acc,
+              "service": [], "bare": []}
+    for b in [int(x) for x in args.batches.split(",")]:
+        try:
+            res = replay(rows, b, args.scale, args.device, args.target)
+            print(json.dumps(res), flush=True)
+            report["service"].append(res)
+            prompt = int(sum(len(_TARGET.encode_prompt(" ".join([r["prompt"]] * args.scale), r["task"]))
+                             for r in rows) / len(rows))
+            bres = bare(b, prompt, args.device)
+            print(json.dumps(bres), flush=True)
+            report["bare"].append(bres)
+        except torch.OutOfMemoryError as exc:
+            print(f"batch {b}: out of memory: {exc}", flush=True)
+            report["service"].append({"batch": b, "error": "out of memory"})
+            torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -69,17 +69,16 @@ class _Group(click.Group):
 
 
 def _failure_line(exc: Exception) -> str | None:
+    from canvasq.api.schemas import InputError
     from canvasq.api.settings import settings_error_line
 
     line = settings_error_line(exc)
     if line:
         return line
-    mod = type(exc).__module__.split(".")[0]
-    first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0]
-    from canvasq.api.schemas import InputError
-
     if isinstance(exc, InputError):  # the file changed between validation and storing
         return f"{exc.report.path} changed while it was read: {exc.report.errors[0] if exc.report.errors else ''}"
+    mod = type(exc).__module__.split(".")[0]
+    first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0]
     if mod == "sqlalchemy":
         return f"database error ({type(exc).__name__}): {mask_url(first)}"
     if mod in ("kombu", "redis", "amqp"):
@@ -463,6 +462,8 @@ def run(file, out_path, decoder, model, name, chunk_size, fresh, as_json):
         digest = file_sha256(file)
         key = _embedded_key(digest, settings, decoder, chunk_size)
         earlier = None if fresh else store.run_by_key(key)
+        if earlier is not None:
+            _refuse_if_owned(store, settings, earlier)
         # the model loads before a run is created, so a model that fails to load leaves none behind
         rt = _embedded_runtime(store, settings) if earlier is None or store.pending_chunks(earlier) else None
         created = store.create_run(
@@ -476,7 +477,6 @@ def run(file, out_path, decoder, model, name, chunk_size, fresh, as_json):
             click.echo(f"run {run_id}: {created.requests} requests, {len(created.chunk_ids)} chunks "
                        f"(store {mask_url(store.url)})", err=True)
         else:
-            _refuse_if_owned(store, settings, run_id)
             c, was = store.counts(run_id), store.run_status(run_id)
             reused = c["total"] - c["queued"]
             click.echo(f"resuming run {run_id} ({was}): {reused} of {c['total']} rows reused, {c['queued']} to "

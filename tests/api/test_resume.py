@@ -59,10 +59,10 @@ def _start(env: dict, args: list[str], log: Path) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
 
 
-def _wait_done(proc: subprocess.Popen, url: str, at_least: int, timeout_s: float = 60) -> None:
+def _wait_done(proc: subprocess.Popen, url: str, at_least: int, log: Path, timeout_s: float = 60) -> None:
     end = time.monotonic() + timeout_s
     while len(_done_ids(url)) < at_least:
-        assert proc.poll() is None, f"run ended early: rc {proc.returncode}"
+        assert proc.poll() is None, f"run ended early: rc {proc.returncode}\n{log.read_text()[-3000:]}"
         assert time.monotonic() < end, "no progress"
         time.sleep(0.05)
 
@@ -89,7 +89,7 @@ def test_sigint_then_sigkill_then_rerun_every_id_once_and_work_reused(tmp_path):
 
     # 1. Ctrl-C after a few rows: exit 130, run `interrupted`, output untouched
     p = _start(env, args, tmp_path / "run1.log")
-    _wait_done(p, url, 2)
+    _wait_done(p, url, 2, tmp_path / "run1.log")
     p.send_signal(signal.SIGINT)
     assert p.wait(timeout=30) == 130, (tmp_path / "run1.log").read_text()
     err1 = (tmp_path / "run1.log").read_text()
@@ -106,7 +106,7 @@ def test_sigint_then_sigkill_then_rerun_every_id_once_and_work_reused(tmp_path):
     # 2. the same command, SIGKILLed mid-run: it resumed (reused the first rows), made progress, died
     p = _start(env, args, tmp_path / "run2.log")
     done_before_2 = len(_done_ids(url))
-    _wait_done(p, url, done_before_2 + 2)
+    _wait_done(p, url, done_before_2 + 2, tmp_path / "run2.log")
     p.kill()
     p.wait(timeout=30)
     assert f"{done_before_2} of {N} rows reused" in (tmp_path / "run2.log").read_text()

@@ -616,6 +616,7 @@ def worker(model, queue, concurrency, loglevel, pool, gpu):
         settings.check_time_limits()
     except ValueError as exc:
         raise click.ClickException(f"refusing to start: {exc}") from None
+    _check_model(settings)  # the child loads it: a missing or corrupt model fails here, not per chunk
     queue = queue or settings.queue_for()
     os.environ["CANVASQ_WORKER_QUEUE"] = queue
     slot = None

@@ -268,3 +268,9 @@ def test_read_only_sqlite_dir(env):
     err = refused(["run", str(path), "-o", str(env["out"])])
     assert "is not writable" in _one_error_line(err)
     shutil.rmtree(ro, ignore_errors=True)
+
+
+def test_worker_refuses_a_missing_model(env):
+    env["mp"].setenv("CANVASQ_MODEL", "/nonexistent/model")
+    err = refused(["worker", "--pool", "solo"])
+    assert "model directory /nonexistent/model does not exist" in _one_error_line(err)

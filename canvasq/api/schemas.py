@@ -225,12 +225,12 @@ def model_problem(spec: str) -> str | None:
         return f"model directory {spec} does not exist" if not d.exists() else f"model {spec} is not a directory"
     try:
         cfg = json.loads((d / "config.json").read_text())
-        if not isinstance(cfg, dict):
-            raise ValueError("not a JSON object")
     except OSError as exc:
         return f"model {spec}: cannot read config.json ({exc.strerror or exc})"
     except ValueError as exc:
         return f"model {spec}: config.json is not valid JSON ({exc})"
+    if not isinstance(cfg, dict):
+        return f"model {spec}: config.json is not valid JSON (not an object)"
     files = sorted(d.glob("*.safetensors"))
     if not files:
         return f"model {spec}: no *.safetensors weights"

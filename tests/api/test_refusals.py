@@ -77,8 +77,8 @@ def _one_error_line(err: str) -> str:
     ('{"custom_id": "d", "prompt": ' + "[" * 10_000 + "]" * 10_000 + "}", "JSON nested too deeply"),
     ('{"custom_id": "x\\ud800", "prompt": "hi"}', "custom_id contains a lone surrogate (\\ud800"),
     ('{"custom_id": "s", "prompt": "hi \\udfff there"}', "prompt contains a lone surrogate (\\udfff"),
-    ('{"custom_id": "s", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": '
-     '[{"role": "user", "content": "a\\ud800"}]}}', "prompt contains a lone surrogate"),
+    (('{"custom_id": "s", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": '
+      '[{"role": "user", "content": "a\\ud800"}]}}'), "prompt contains a lone surrogate"),
     ('{"custom_id": "n", "prompt": "a\\u0000b"}', "prompt contains a NUL character (\\u0000 at character 2)"),
 ])
 def test_bad_line_named_with_its_number_nothing_stored(env, bad_line, expected):
@@ -158,11 +158,11 @@ def _corrupt_model(tmp: Path, how: str) -> Path:
         (d / "config.json").unlink()
         (d / "config.json").write_text("{not json")
     elif how == "truncated":
-        shard = sorted(DEFAULT_MODEL_DIR.glob("*.safetensors"))[0]
+        shard = min(DEFAULT_MODEL_DIR.glob("*.safetensors"))
         (d / shard.name).unlink()
         (d / shard.name).write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     elif how == "garbage":
-        shard = sorted(DEFAULT_MODEL_DIR.glob("*.safetensors"))[0]
+        shard = min(DEFAULT_MODEL_DIR.glob("*.safetensors"))
         (d / shard.name).unlink()
         (d / shard.name).write_bytes(b"\xff" * 4096)
     return d

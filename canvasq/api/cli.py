@@ -164,7 +164,7 @@ class _Output:
     def __init__(self, path: str, input_path: str | None = None):
         import tempfile
 
-        target = Path(path)
+        target = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)  # write through links
         if input_path is not None and os.path.realpath(target) == os.path.realpath(input_path):
             raise click.ClickException(f"-o {path} is the input file; choose another output path")
         if target.exists() and not target.is_file():
@@ -307,6 +307,8 @@ def _embedded_key(digest: str, settings, decoder: str, chunk_size: int) -> str:
     """An embedded run's identity: the input's bytes and every setting that shapes its outputs.
     Rerunning the same `canvasq run` finds the run by this key and continues it."""
     ident = {k: v for k, v in settings.model_dump(mode="json").items() if k not in _NOT_IDENTITY}
+    if Path(settings.model).is_dir():  # models/testbed and /abs/.../models/testbed are one model
+        ident["model"] = str(Path(settings.model).resolve())
     params = json.dumps([digest, decoder, chunk_size, ident], sort_keys=True, default=str)
     return "embedded:" + hashlib.sha256(params.encode()).hexdigest()[:32]
 

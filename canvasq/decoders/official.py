@@ -172,9 +172,15 @@ class OfficialDecoder(StepDecoder):
             # HF's LinearTemperatureScheduleLogitsProcessor, same dtype path (int32 step / N in fp32)
             n = torch.tensor([d.steps_left for d in dns], dtype=torch.int32, device=logits.device)
             temp = smp.t_min + (smp.t_max - smp.t_min) * (n / smp.steps)
-            logits = logits / temp[:, None, None]
-        argmax = logits.argmax(dim=-1)  # [B, C]
-        entropy = torch.distributions.Categorical(logits=logits, validate_args=False).entropy()  # [B, C]
+            logits = logits.div_(temp[:, None, None]) if logits.is_cuda else logits / temp[:, None, None]
+        if logits.is_cuda:  # one fused read of the [rows, V] logits (bf16-noise equal to HF's ops)
+            from canvasq.kernels import softmax_argmax
+
+            _, arg, ent = softmax_argmax(logits.reshape(-1, self.V))
+            argmax, entropy = arg.view(logits.shape[:2]), ent.view(logits.shape[:2])
+        else:  # HF's exact ops: the CPU parity test compares tokens
+            argmax = logits.argmax(dim=-1)  # [B, C]
+            entropy = torch.distributions.Categorical(logits=logits, validate_args=False).entropy()
 
         # accept the lowest-entropy positions while Σ H − max H ≤ bound (HF: EntropyBoundSampler)
         sorted_h, order = torch.sort(entropy, dim=-1)

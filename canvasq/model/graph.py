@@ -249,8 +249,8 @@ class GraphRunner:
     def __init__(
         self,
         rt: Runtime,
-        max_graphs: int = 64,
-        logits_bytes: int = 4 << 30,
+        max_graphs: int = 256,
+        logits_bytes: int = 16 << 30,
         cuda_graph: bool | None = None,
         warmup: int = 1,
         max_arena_bytes: int = 16 << 30,

@@ -34,6 +34,9 @@ from canvasq.decoders.types import (
     Interrupted,
 )
 
+# windows per graphed forward: a live count is padded up to the next bucket (one graph per bucket)
+WINDOW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
 # model -> {experts: Runtime}; weak keys, so a freed model never hands its runtime to a new one
 _RUNTIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -243,6 +246,7 @@ class StepDecoder:
         def deliver(s: Seq) -> None:
             on_result(keys.pop(s.row), self._result(s))
             self._traces.pop(s.row, None)
+            self.arena.reset(s.slot)  # a free slot may pad forwards: keep it empty
             free.append(s.slot)
 
         try:
@@ -339,16 +343,44 @@ class StepDecoder:
 
     def encode(self, items) -> None:
         """One encoder pass over (slot, ids, positions) items (through a CUDA graph when it can)."""
-        if self.graphs is not None:
-            self.graphs.encode_many(self.arena, items)
-        else:
+        if self.graphs is None:
             self.rt.encode_many(self.arena, items)
+            return
+        spare = self._spare_slots({slot for slot, _, _ in items}, len(items))
+        if spare:  # padded to a bucket of windows on free slots, which are emptied again after
+            _, ids, pos = items[-1]
+            items = list(items) + [(slot, torch.zeros_like(ids), pos - pos[0]) for slot in spare]
+        self.graphs.encode_many(self.arena, items)
+        for slot in spare:
+            self.arena.reset(slot)
 
     def forward(self, windows, **kw):
-        """One decoder forward over `windows` (through a CUDA graph when the runner can take it)."""
-        if self.graphs is not None:
+        """One decoder forward over `windows` (through a CUDA graph when the runner can take it).
+
+        Under continuous batching the number of live windows changes every few steps; a graph is
+        captured per window count, so the windows are padded to a count bucket (`WINDOW_BUCKETS`)
+        with windows on free slots that receive zero self-conditioning and whose logits are dropped."""
+        if self.graphs is None:
+            return self.rt.decode(self.arena, windows, **kw)
+        spare = self._spare_slots({w.slot for w in windows}, len(windows))
+        if not spare:
             return self.graphs.decode(self.arena, windows, **kw)
-        return self.rt.decode(self.arena, windows, **kw)
+        from canvasq.model.runtime import DecodeOutput, Window
+
+        last = windows[-1]
+        off = torch.zeros(last.rows, dtype=torch.bool, device=self.device)
+        pad = [Window.canvas(slot, torch.zeros_like(last.token_ids), self.arena.length[slot], self_cond=last.self_cond,
+                             self_cond_rows=off if last.self_cond is not None else None) for slot in spare]
+        out = self.graphs.decode(self.arena, list(windows) + pad, **kw)
+        n = len(windows)
+        return DecodeOutput(out.logits[: out.offsets[n]], out.offsets[: n + 1], out.captured[:n] if out.captured else [])
+
+    def _spare_slots(self, used: set[int], count: int) -> list[int]:
+        """Free slots of the runner's arena that pad `count` windows up to their bucket."""
+        if self.graphs is None or self.arena is not self.graphs.store:
+            return []
+        want = next((b for b in WINDOW_BUCKETS if b >= count), count)
+        return [s for s in range(self.arena.slots) if s not in used][: want - count]
 
     def prefill(self, seqs: list[Seq]) -> None:
         """Encode every prompt in one pass, then spawn each row's first canvas."""

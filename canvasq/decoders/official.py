@@ -135,10 +135,7 @@ class OfficialDecoder(StepDecoder):
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self, seqs: list[Seq]) -> None:
-        from canvasq.model.runtime import Window
-
-        windows = [Window.canvas(s.slot, s.canvases[0].tokens, s.canvases[0].start, self_cond=s.canvases[0].sc)
-                   for s in seqs]
+        windows = [self._window(s.slot, s.canvases[0]) for s in seqs]
         with self.timed() as t:
             out = self.forward(windows)
         logits = out.logits.view(len(seqs), self.C, self.V)
@@ -163,6 +160,20 @@ class OfficialDecoder(StepDecoder):
         finished = [s for s, d in zip(seqs, done) if d]
         if finished:
             self._finish_canvases(finished)
+
+    def _window(self, slot: int, cv):
+        """The canvas's decoder window. A canvas's first step has no self-conditioning; with top-k SC it
+        still carries a zero top-k signal (`self_cond_rows` all off, exactly HF's "no logits"), so
+        every window of a forward has the same kind and graphed forwards share one capture."""
+        from canvasq.model.runtime import Window
+
+        sc, rows = cv.sc, None
+        if sc is None and self.config.sc_topk is not None and self.config.sc_topk < self.V:
+            k = self.config.sc_topk
+            sc = (torch.zeros(self.C, k, dtype=torch.long, device=self.device),
+                  torch.zeros(self.C, k, dtype=self.rt.dtype, device=self.device))
+            rows = torch.zeros(self.C, dtype=torch.bool, device=self.device)
+        return Window.canvas(slot, cv.tokens, cv.start, self_cond=sc, self_cond_rows=rows)
 
     def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The sampler on one group: logits [B, C, V] fp32 -> (accepted per request [B], stopped [B])."""

@@ -250,7 +250,7 @@ class GraphRunner:
         self,
         rt: Runtime,
         max_graphs: int = 256,
-        logits_bytes: int = 4 << 30,
+        logits_bytes: int = 16 << 30,
         cuda_graph: bool | None = None,
         warmup: int = 1,
         max_arena_bytes: int = 16 << 30,

@@ -130,3 +130,34 @@ def test_graph_runner_path_and_top_k_sc_decode(testbed):
     assert res.error is None and res.token_ids
     dec = OfficialDecoder(testbed, make_config("official", {"cuda_graphs": "on"}))
     assert dec.graphs is not None
+
+
+def test_graphed_forwards_pad_windows_to_a_bucket_on_free_slots(testbed):
+    """Under continuous batching the live count changes; graphed forwards are padded to a window-count
+    bucket on free slots (zero SC, logits dropped): the real windows' logits are unchanged, the
+    padding slots stay empty, and counts 5..8 share one graph."""
+    import canvasq.decoders.base as base_mod
+
+    dec = OfficialDecoder(testbed, make_config("official", {"cuda_graphs": "on"}))
+    dec.arena = dec.new_store(8, 256)
+    p = tasks.generate("arith", 5, 4)
+    for slot, prob in enumerate(p):
+        ids = torch.tensor(testbed.encode_prompt(prob.prompt, prob.task))
+        dec.encode([(slot, ids, torch.arange(ids.numel()))])
+    lengths = list(dec.arena.length)
+    assert lengths[5:] == [0, 0, 0]  # the encode's own padding was emptied again
+    g = torch.Generator().manual_seed(0)
+    from canvasq.decoders.base import Canvas
+
+    wins = []
+    for slot in range(5):
+        cv = Canvas(0, lengths[slot], torch.randint(0, dec.V, (dec.C,), generator=g), torch.zeros(dec.C, dtype=torch.bool),
+                    "full")
+        wins.append(dec._window(slot, cv))
+    padded = dec.forward(wins)
+    assert padded.logits.shape[0] == 5 * dec.C and len(padded.offsets) == 6
+    eager = dec.rt.decode(dec.arena, wins)
+    torch.testing.assert_close(padded.logits, eager.logits, rtol=1e-4, atol=1e-4)
+    assert list(dec.arena.length[5:]) == [0, 0, 0]
+    keys = [k for k in dec.graphs.graphs if not k[0]]
+    assert len(keys) == 1 and keys[0][1] == 8 == next(b for b in base_mod.WINDOW_BUCKETS if b >= 5)

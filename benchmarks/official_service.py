@@ -107,7 +107,17 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str) -
     live_rows = sum(n for n, _ in occ) * C
     tokens = sum(r["tokens"] for r in rows) * scale
     after = _graph_stats(bundle)
+    from sqlalchemy import select
+
+    from canvasq.api.models import ForwardTraceRow
+
+    with store.Session() as ses:  # each pass once (its trace rows repeat per request it carried)
+        passes = ses.execute(select(ForwardTraceRow.forward_index, ForwardTraceRow.kind, ForwardTraceRow.ms)
+                             .where(ForwardTraceRow.run_id == run.run_id).distinct()).all()
+    decode_s = sum(ms for _, k, ms in passes if k == "decode") / 1000
+    encode_s = sum(ms for _, k, ms in passes if k == "encode") / 1000
     return {
+        "decode_forwards_s": decode_s, "encode_passes_s": encode_s, "rest_s": wall - decode_s - encode_s,
         "batch": batch, "requests": len(rows), "wall_s": wall, "tokens_replayed": tokens,
         "tok_s_replayed": tokens / wall, "decoder_steps": steps, "rows_per_s": live_rows / wall,
         "occupancy_mean": (sum(n for n, _ in occ) / sum(s for _, s in occ)) if occ else None,

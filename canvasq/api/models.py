@@ -2,6 +2,7 @@
 
 runs ─< requests (UNIQUE run_id, custom_id) ─< outputs (same key, upserted) ─< forward_traces
 runs ─< chunks (attempts, lease) ─< requests.chunk_id ;  workers (host, device, model, heartbeat)
+calibrations (model path + weights fingerprint) ─< calibration_points (one decoder setting per family)
 
 Statuses
   run:     queued → running → completed | cancelling → cancelled | expired
@@ -15,6 +16,7 @@ from datetime import UTC, datetime
 
 from sqlalchemy import (
     JSON,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -166,3 +168,43 @@ class Worker(Base):
     queue: Mapped[str | None] = mapped_column(String(200))
     started_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     heartbeat_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class CalibrationRun(Base):
+    """One `canvasq calibrate` sweep of one model, identified by its path and a fingerprint of its
+    weights (config.json hash + weight file names and sizes); the newest one for a model routes."""
+
+    __tablename__ = "calibrations"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model_path: Mapped[str] = mapped_column(Text)
+    fingerprint: Mapped[str] = mapped_column(String(64), index=True)
+    device: Mapped[str] = mapped_column(String(64))
+    hardware: Mapped[str | None] = mapped_column(String(200))
+    commit: Mapped[str | None] = mapped_column(String(64))
+    batch_size: Mapped[int] = mapped_column(Integer)
+    n: Mapped[int] = mapped_column(Integer)  # problems per task per seed
+    seeds: Mapped[list] = mapped_column(JSON)
+    max_tokens: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class CalibrationPoint(Base):
+    """One decoder setting measured on one task family's dev set: accuracy, tok/s at the sweep's
+    batch, forwards per request, τ (tokens per forward) and G/τ (rows per token)."""
+
+    __tablename__ = "calibration_points"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    calibration_id: Mapped[int] = mapped_column(ForeignKey("calibrations.id", ondelete="CASCADE"), index=True)
+    family: Mapped[str] = mapped_column(String(32))  # routing key: "math" | "code" | a task name
+    task: Mapped[str] = mapped_column(String(32))  # the dev set it was measured on
+    decoder: Mapped[str] = mapped_column(String(32))
+    knobs: Mapped[dict] = mapped_column(JSON)
+    label: Mapped[str] = mapped_column(String(200))
+    n: Mapped[int] = mapped_column(Integer)
+    accuracy: Mapped[float] = mapped_column(Float)
+    tok_s: Mapped[float] = mapped_column(Float)
+    fwd_per_req: Mapped[float] = mapped_column(Float)
+    tau: Mapped[float] = mapped_column(Float)
+    g_over_tau: Mapped[float] = mapped_column(Float)
+    frontier: Mapped[bool] = mapped_column(Boolean, default=False)
+    reference: Mapped[bool] = mapped_column(Boolean, default=False)  # official at the checkpoint config

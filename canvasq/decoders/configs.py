@@ -15,6 +15,17 @@ RENOISE = ("argmax", "mix")
 PROMOTE = ("arena", "simple")
 GRAPHS = ("auto", "on", "off")
 
+# Row counts below (early_spawn_rows, commit_window) are the seeds' values for DiffusionGemma's
+# 256-token canvases; a decoder scales them to its model's canvas length with `canvas_rows`, so the
+# same setting means the same share of a canvas on the testbed (32) as on the real checkpoint (256).
+# τ_add / τ_act are decode fractions and need no scaling.
+SEED_CANVAS = 256
+
+
+def canvas_rows(rows: int, canvas_length: int) -> int:
+    """`rows` given for a 256-token canvas, on a canvas of `canvas_length` (at least 1)."""
+    return max(1, round(rows * canvas_length / SEED_CANVAS))
+
 
 @dataclass(frozen=True)
 class HfConfig:
@@ -87,10 +98,14 @@ class PipeConfig:
     # against committing several individually confident but jointly inconsistent tokens at once.
     entropy_budget: float | None = None
     # Left-first commits: only the first `commit_window` still-open positions of a canvas may commit
-    # in a step (None: any position). Worked arithmetic is left-to-right dependent: a result digit
+    # in a step (None: any position); rows of a 256-token canvas, scaled (`canvas_rows`). Worked arithmetic is left-to-right dependent: a result digit
     # committed before its operands settle cannot be revised (commits are final).
     commit_window: int | None = None
     eos_streak: bool = False  # EOS priority needs two consecutive argmax-EOS decisions
+    # Draft-only pipelining: canvases behind the front stay drafts (renoised, self-conditioned, never
+    # committing) until they become the front, so nothing is committed against a half-settled
+    # predecessor; off, they graduate to semi at τ_add and full at τ_act as in the seed.
+    draft_only: bool = False
     self_conditioning: bool = True
     sc_topk: int | None = None  # top-k self-conditioning projection; None = full vocabulary
     adapter: bool = True  # decode with the D2F LoRA merged (`bundle.d2f_model()`)
@@ -141,7 +156,7 @@ class FunnelConfig(PipeConfig):
     decay_rate: float = 0.02  # per forward beyond decay_after
     decay_floor: float = 0.45
     early_spawn: bool = False  # spawn at once when the joint window is ≤ early_spawn_rows
-    early_spawn_rows: int = 48
+    early_spawn_rows: int = 48  # rows of a 256-token canvas, scaled (`canvas_rows`)
     agree: bool = False  # commit only when the argmax also equals the previous step's draft
 
     def __post_init__(self):
@@ -149,6 +164,8 @@ class FunnelConfig(PipeConfig):
         _check_choice("promote", self.promote, PROMOTE)
         if not 1 <= self.max_canvases <= 5:
             raise ValueError(f"funnel max_canvases must be in 1..5, got {self.max_canvases}")
+        if self.early_spawn_rows < 0:
+            raise ValueError(f"early_spawn_rows must be ≥ 0, got {self.early_spawn_rows}")
 
 
 CONFIGS: dict[str, type] = {

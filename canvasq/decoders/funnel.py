@@ -17,8 +17,8 @@ What changes against the pipe:
   forward (`retire_refresh=True` re-encodes it instead, for pipe parity);
 - **τ_decay**: after `decay_after` forwards a canvas's τ_conf drops by `decay_rate` per forward,
   down to `decay_floor`;
-- **early spawn**: when the sequence's next window would hold ≤ `early_spawn_rows` rows, the next
-  canvas starts at once (fixed per-forward costs ride on fresh work);
+- **early spawn**: when the sequence's next window would hold ≤ `early_spawn_rows` rows (given for a
+  256-token canvas, scaled to the model's), the next canvas starts at once (fixed per-forward costs ride on fresh work);
 - **commit-agree**: a confident argmax commits only if it equals the previous step's draft (the
   input token under argmax renoising);
 - **top-k self-conditioning** (`sc_topk`, default 64);
@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from canvasq.decoders.base import Canvas, Seq
-from canvasq.decoders.configs import FunnelConfig
+from canvasq.decoders.configs import FunnelConfig, canvas_rows
 from canvasq.decoders.pipe import PipeDecoder
 
 
@@ -149,7 +149,7 @@ class FunnelDecoder(PipeDecoder):
         if not cfg.early_spawn:
             return False
         rows = sum(int(self.window_rows(cv).numel()) for cv in s.canvases)
-        return rows <= cfg.early_spawn_rows
+        return rows <= canvas_rows(cfg.early_spawn_rows, self.C)
 
     def decode_call(self, windows):
         """Prefix attention is the runtime's (mask-free SDPA where the mask is all-visible), chosen

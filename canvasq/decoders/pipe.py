@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from canvasq.decoders.base import Canvas, Seq, StepDecoder, first_stop
-from canvasq.decoders.configs import PipeConfig
+from canvasq.decoders.configs import PipeConfig, canvas_rows
 
 
 class PipeDecoder(StepDecoder):
@@ -169,7 +169,8 @@ class PipeDecoder(StepDecoder):
         newly = torch.zeros_like(open_)
         eligible = open_  # left-first (commit_window): only the first W open positions, in order
         if cfg.commit_window is not None:
-            eligible = open_ & (torch.cumsum(open_.long(), 0) <= cfg.commit_window)
+            window = canvas_rows(cfg.commit_window, cv.length)
+            eligible = open_ & (torch.cumsum(open_.long(), 0) <= window)
         if cv.state != "draft":
             newly = eligible & (conf >= self.bar(cv))
             if self.agree():
@@ -357,11 +358,14 @@ class PipeDecoder(StepDecoder):
         return encodes
 
     def _graduate(self, s: Seq) -> None:
-        """τ_add / τ_act graduation by the previous canvas's decode fraction (states never drop)."""
+        """τ_add / τ_act graduation by the previous canvas's decode fraction (states never drop);
+        draft-only pipelining keeps every canvas behind the front a draft."""
         cfg = self.config
         for i, cv in enumerate(s.canvases):
             if i == 0:
                 cv.state = "full"
+                continue
+            if cfg.draft_only:
                 continue
             prev = s.canvases[i - 1].decoded
             if prev >= cfg.tau_act:

@@ -8,7 +8,8 @@ from sqlalchemy import inspect
 from canvasq.api.store import Store, current_revision, downgrade, head_revision, upgrade
 from canvasq.api.testing import fresh_pg_database
 
-TABLES = {"runs", "requests", "outputs", "forward_traces", "chunks", "workers"}
+TABLES = {"runs", "requests", "outputs", "forward_traces", "chunks", "workers", "calibrations",
+          "calibration_points"}
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -49,6 +50,8 @@ def test_upgrade_downgrade_upgrade(url, populated):
     assert _tables(url) == TABLES
     if populated:
         run_id = _populate(url)
+    downgrade(url, "0002")
+    assert _tables(url) == TABLES - {"calibrations", "calibration_points"}
     downgrade(url, "0001")  # one step down on data (batch mode on SQLite), then all the way
     if populated:
         st = Store(url)

@@ -154,7 +154,7 @@ def test_tau_decay_and_early_spawn_are_live(bundle):
         bundle,
         _batch(8, n=1, max_tokens=40),
         decoder="funnel",
-        overrides={**base, "early_spawn": True, "early_spawn_rows": 8},
+        overrides={**base, "early_spawn": True, "early_spawn_rows": 256},  # a whole canvas, scaled
     )[0]
     assert early.stats.get("early_spawns", 0) >= 1
 

@@ -1009,9 +1009,27 @@ def config_cmd():
         click.echo(f"{k} = {v}")
     from canvasq.decoders.routing import routing_table
 
-    click.echo("routing (--decoder auto):")
-    for task, decoder, source in routing_table(s.routing):
+    calibration, why = _calibration_for(s)
+    click.echo(f"routing (--decoder auto, budget {s.routing_budget:g} points{why}):")
+    for task, decoder, source in routing_table(s.routing, calibration, s.routing_budget):
         click.echo(f"  {task} -> {decoder}  [{source}]")
+
+
+def _calibration_for(settings):
+    """The newest stored calibration of the configured model, and a note when none could be read."""
+    from canvasq.api.store import Store, database_problem
+    from canvasq.decoders.calibration import load_for_model
+
+    if database_problem(settings.database_url):
+        return None, "; calibrations: database unusable"
+    store = Store.from_settings(settings)
+    try:
+        return load_for_model(store, settings.model), ""
+    except Exception as exc:  # noqa: BLE001 config prints what it can
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return None, f"; calibrations not readable: {mask_url(first)[:120]}"
+    finally:
+        store.dispose()
 
 
 @cli.command()
@@ -1069,7 +1087,7 @@ def _register_optional() -> None:
     """Commands written in other rooms; their modules import only click at top level."""
     import importlib
 
-    for module, attrs in (("canvasq.testbed.cli", ("eval_cmd", "testbed")), ("canvasq.decoders.cli", ("bench",))):
+    for module, attrs in (("canvasq.testbed.cli", ("eval_cmd", "testbed")), ("canvasq.decoders.cli", ("bench", "calibrate"))):
         try:
             mod = importlib.import_module(module)
         except ImportError:

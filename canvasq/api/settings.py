@@ -4,6 +4,8 @@
     CANVASQ_BROKER_URL     Celery broker (default redis://localhost:6379/0)
     CANVASQ_MODEL          model spec: HF directory or random:26b-a4b (default: the repo's models/testbed)
     CANVASQ_ROUTING        JSON object task -> decoder, overrides `--decoder auto` routing
+    CANVASQ_ROUTING_BUDGET accuracy points `--decoder auto` may give up against the official sampler
+                           when it routes from a calibration (default 2.0)
     CANVASQ_CUDA_GRAPHS    auto (pipe / funnel replay CUDA graphs on a GPU) | off (eager forwards)
     CANVASQ_DEVICE         auto (the current CUDA device when one is visible, else cpu) | cpu | cuda | cuda:N
     CANVASQ_EXPERTS        auto (W4A16 experts on CUDA, BF16 on CPU) | w4 | bf16
@@ -40,6 +42,8 @@ class Settings(BaseSettings):
     model: str = str(DEFAULT_MODEL_DIR)
     # task -> decoder; replaces the built-in routing of `--decoder auto` for the listed tasks.
     routing: dict[str, str] = Field(default_factory=dict)
+    # accuracy points auto may give up against official's calibrated accuracy (`canvasq calibrate`)
+    routing_budget: float = Field(2.0, ge=0, le=100)
 
     chunk_size: int = Field(16, ge=1, le=10_000)
     # Ordering enforced at worker start: visibility_timeout > hard_time_limit > soft_time_limit

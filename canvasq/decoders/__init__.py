@@ -20,8 +20,10 @@ Where each Part 3 mechanism lives (config field in parentheses):
     funnel.py     shrinking window (shrink), promote one step late, arena / simple promotion
                   (promote), free front retire (retire_refresh), prefix attention, τ_decay,
                   early spawn, commit-agree (agree), top-k self-conditioning (sc_topk=64)
-    routing.py    --decoder auto;  registry.py names;  configs.py typed configs with the defaults
-    bench.py/cli.py  `canvasq bench` (same-process ABBA A/B)
+    routing.py    --decoder auto (settings table, then the model's calibration, then official)
+    calibration.py  `canvasq calibrate`: dev-set sweep, frontier, SQL per model identity
+    registry.py names;  configs.py typed configs with the defaults
+    bench.py/cli.py  `canvasq bench` (same-process ABBA A/B) and `canvasq calibrate`
 """
 
 from __future__ import annotations
@@ -61,11 +63,14 @@ def run_batch(
     interrupts: tuple[type[BaseException], ...] = (),
     cuda_graphs: str | None = None,
     experts: str | None = None,
+    calibration=None,
+    budget: float | None = None,
 ) -> list[DecodeResult]:
     """Decode every request of `batch`; one DecodeResult per request, in order.
 
     decoder: "official" | "pipe" | "funnel" | "auto" (per-request routing by task; `routing` is the
-      settings table task → decoder that replaces the built-in choice).
+      settings table task → decoder, `calibration` the model's `calibration.Calibration` and `budget`
+      the accuracy points auto may give up against official: `routing.route`).
     overrides: config fields of the chosen decoder (unknown names raise ValueError before any work).
     should_stop: polled between forwards; when it turns true the unfinished rows come back with
       `error == finish_reason == "cancelled"`.
@@ -86,7 +91,7 @@ def run_batch(
     groups: dict[tuple, list[int]] = {}
     chosen: dict[tuple, tuple[str, dict]] = {}
     for i, req in enumerate(batch.requests):
-        r = route(req.task, routing)
+        r = route(req.task, routing, calibration, budget)
         knobs = {**r.overrides, **(overrides or {})}
         key = (r.decoder, tuple(sorted(knobs.items())))
         groups.setdefault(key, []).append(i)

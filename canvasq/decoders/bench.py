@@ -57,7 +57,9 @@ class ArmStats:
     per_task: dict = field(default_factory=dict)
 
     def add(self, task: str, results, problems, seconds: float, verify, passes: int) -> None:
-        t = self.per_task.setdefault(task, {"n": 0, "correct": 0, "tokens": 0, "seconds": 0.0, "fwd_req": 0})
+        t = self.per_task.setdefault(
+            task, {"n": 0, "correct": 0, "tokens": 0, "seconds": 0.0, "fwd_req": 0, "rows": 0}
+        )
         for r, p in zip(results, problems):
             ok = r.error is None and verify(p, r.text)
             self.n += 1
@@ -69,7 +71,9 @@ class ArmStats:
             t["tokens"] += len(r.token_ids)
             self.fwd_req += r.forwards
             t["fwd_req"] += r.forwards
-            self.rows += sum(x.own_rows or 0 for x in r.traces)
+            rows = sum(x.own_rows or 0 for x in r.traces)
+            self.rows += rows
+            t["rows"] += rows
         self.passes += passes
         self.seconds += seconds
         t["seconds"] += seconds
@@ -104,7 +108,10 @@ def run_bench(
     batch_size: int = 8,
     max_tokens: int = 128,
     progress=None,
+    calibration=None,
+    budget: float | None = None,
 ) -> dict:
+    """`calibration` / `budget`: what an `auto` arm routes by (`routing.route`)."""
     import torch
 
     from canvasq.decoders import run_batch
@@ -116,11 +123,12 @@ def run_bench(
     block = 0
     # warm-up outside the clock: first-call allocations and lazy merges (d2f_model, W4 packing)
     warm = tasks.generate(task_names[0], 1, 10_000)[0]
+    routed = {"calibration": calibration, "budget": budget}
     for a in arms:
         req = DecodeRequest(
             "warm", bundle.encode_prompt(warm.prompt, task_names[0]), bundle.canvas_length, task_names[0]
         )
-        run_batch(bundle, DecodeBatch([req], seed=0), decoder=a.decoder, overrides=a.overrides or None)
+        run_batch(bundle, DecodeBatch([req], seed=0), decoder=a.decoder, overrides=a.overrides or None, **routed)
     for task in task_names:
         for seed in seeds:
             problems = tasks.generate(task, n, seed)
@@ -134,7 +142,7 @@ def run_bench(
                 results, passes, t0 = [], 0, time.perf_counter()
                 for i in range(0, len(reqs), batch_size):
                     batch = DecodeBatch(reqs[i : i + batch_size], seed=seed)
-                    part = run_batch(bundle, batch, decoder=a.decoder, overrides=a.overrides or None)
+                    part = run_batch(bundle, batch, decoder=a.decoder, overrides=a.overrides or None, **routed)
                     passes += len({x.index for r in part for x in r.traces})  # distinct passes of this call
                     results += part
                 dt = time.perf_counter() - t0

@@ -79,3 +79,117 @@ def bench(
     click.echo(md.read_text())
     click.echo(f"report: {md}  plot: {png}")
     click.echo(B.summary_json(report))
+
+
+@click.command("calibrate")
+@click.option("--model", "model_spec", default=None,
+              help="HF directory or random:testbed (default: $CANVASQ_MODEL / models/testbed).")
+@click.option("--task", "task_names", multiple=True, type=click.Choice(["arith", "code"]),
+              help="Dev set per task family; repeatable (default: both).")
+@click.option("--n", default=40, show_default=True, help="Problems per task per seed.")
+@click.option("--seeds", default="101", show_default=True,
+              help="Comma-separated dev seeds (keep them apart from the eval seeds).")
+@click.option("--batch-size", default=16, show_default=True, help="Prompts per run_batch call (tok/s is at this batch).")
+@click.option("--max-tokens", default=160, show_default=True)
+@click.option("--decoder", "decoders", multiple=True, type=click.Choice(["official", "pipe", "funnel"]),
+              help="Sweep only these decoders' default settings (repeatable; official's reference always runs).")
+@click.option("--arm", "arms", multiple=True,
+              help="Extra setting decoder[:key=value,...] (the bench syntax); repeatable.")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--threads", default=1, show_default=True, help="torch intra-op threads (CPU).")
+@click.option("--show", is_flag=True, help="Print the stored frontier of the model and exit (no sweep).")
+@click.option("--all", "show_all", is_flag=True, help="With --show: every point, not only the frontier.")
+@click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False),
+              help="Write a PNG: accuracy vs committed tok/s, one line per decoder.")
+@click.option("--budget", default=None, type=float,
+              help="Accuracy points auto may give up (default: CANVASQ_ROUTING_BUDGET, 2).")
+def calibrate(model_spec, task_names, n, seeds, batch_size, max_tokens, decoders, arms, device, threads, show,
+              show_all, plot_path, budget):
+    """Sweep each decoder's main knobs on a dev set per task family, store the frontier for this model.
+
+    Measures accuracy, committed tok/s at --batch-size, forwards per request, τ (tokens per forward) and
+    G/τ (rows per token) for every setting on the testbed tasks (dev seeds, not the eval seeds), and
+    stores them in the database (CANVASQ_DATABASE_URL) keyed by the model's path and a fingerprint of
+    its weights. `--decoder auto` then routes each task family to the fastest setting within
+    CANVASQ_ROUTING_BUDGET points of the official sampler's accuracy; `canvasq config` shows the
+    routing table.
+
+    Example:
+
+        canvasq calibrate                          # default sweep, n=40 per task, seed 101
+        canvasq calibrate --n 100 --seeds 101,102 --arm funnel:tau_conf=0.95,draft_only=true
+        canvasq calibrate --show --plot frontier.png
+    """
+    from pathlib import Path
+
+    from canvasq.api.cli import _open_store
+    from canvasq.api.settings import get_settings, settings_error_line
+    from canvasq.decoders import calibration as cal_mod
+
+    try:
+        settings = get_settings()
+    except Exception as exc:  # noqa: BLE001 one line for a bad CANVASQ_* value
+        raise click.ClickException(settings_error_line(exc)) from None
+    spec = model_spec or settings.model
+    budget = settings.routing_budget if budget is None else budget
+    try:
+        seed_list = [int(s) for s in seeds.split(",") if s.strip()]
+    except ValueError:
+        raise click.ClickException(f"--seeds {seeds!r}: expected comma-separated integers") from None
+    if not seed_list or n < 1 or batch_size < 1:
+        raise click.ClickException("--n, --batch-size and --seeds must be positive / non-empty")
+    if not spec.startswith("random:"):
+        from canvasq.api.schemas import model_problem
+
+        problem = model_problem(spec)
+        if problem:
+            raise click.ClickException(problem)
+    store = _open_store(settings)
+    try:
+        if show:
+            cal = cal_mod.load_for_model(store, spec)
+            if cal is None:
+                raise click.ClickException(f"no calibration stored for {spec} in this database: run `canvasq calibrate`")
+            click.echo(cal_mod.table(cal, budget, frontier_only=not show_all))
+            if plot_path:
+                cal_mod.plot(cal, Path(plot_path))
+                click.echo(f"plot: {plot_path}")
+            return
+        tasks = list(task_names or ("arith", "code"))
+        if "code" in tasks:
+            from canvasq.testbed.sandbox import unavailable_reason
+
+            reason = unavailable_reason()
+            if reason:
+                raise click.ClickException(f"--task code needs the verifier's sandbox: {reason}")
+        from canvasq.decoders.bench import parse_arm
+        from canvasq.decoders.registry import make_config
+
+        arm_list = cal_mod.default_arms(list(decoders) or None)
+        for a in arms:
+            arm = parse_arm(a)
+            try:
+                if arm.decoder not in ("official", "pipe", "funnel"):
+                    raise ValueError(f"decoder must be official, pipe or funnel, got {arm.decoder!r}")
+                make_config(arm.decoder, arm.overrides)
+            except ValueError as exc:
+                raise click.ClickException(f"--arm {a}: {exc}") from None
+            arm_list.append(arm)
+
+        import torch
+
+        from canvasq.model.loading import load_bundle
+
+        torch.set_num_threads(threads)
+        bundle = load_bundle(spec, device=device)
+        cal, _ = cal_mod.run_sweep(bundle, arm_list, tasks, n=n, seeds=seed_list, batch_size=batch_size,
+                                   max_tokens=max_tokens, progress=lambda m: click.echo(m, err=True))
+        cal_id = cal_mod.save(store, cal)
+        cal = cal_mod.load(store, cal.model_path, cal.fingerprint)
+        click.echo(cal_mod.table(cal, budget, frontier_only=False))
+        click.echo(f"stored calibration #{cal_id} for {cal.model_path}")
+        if plot_path:
+            cal_mod.plot(cal, Path(plot_path))
+            click.echo(f"plot: {plot_path}")
+    finally:
+        store.dispose()

@@ -1,33 +1,43 @@
 """`--decoder auto`: which decoder (and knobs) serves a request.
 
-Auto never trades accuracy silently: with no routing entry for a request's task, it goes to
-`official` (the native sampler on canvasq's runtime, the accurate arm). The step decoders (pipe,
-funnel) are faster per token but lose 20-50 points on the testbed at their seed settings
-(BENCHMARKS.md), so they serve a task only when a routing table names them for it: the settings
-table `CANVASQ_ROUTING` (task → decoder) today, a per-model calibration (`canvasq calibrate`) once one
-exists. Per-request overrides are applied on top by `run_batch`.
+Auto never trades accuracy silently. In order:
+
+1. the settings table `CANVASQ_ROUTING` (task or kind → decoder): an explicit choice, taken as is;
+2. the model's calibration (`canvasq calibrate`, stored per model identity, `calibration.Calibration`):
+   per task family, the fastest measured setting (decoder + knobs) whose dev-set accuracy is within
+   `budget` points (`CANVASQ_ROUTING_BUDGET`, default 2) of `official` at the checkpoint's settings;
+3. otherwise `official` (the native sampler, the accurate arm), said once in the log.
+
+The step decoders (pipe, funnel) at their seed settings lose 20-50 points on the testbed
+(BENCHMARKS.md), so without a calibration that measured them on the loaded model they never serve.
+Per-request overrides are applied on top by `run_batch`.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from canvasq.decoders.calibration import Calibration
 
 log = logging.getLogger(__name__)
 
 MATH_TASKS = frozenset({"math", "arith", "gsm8k", "maths", "arithmetic"})
 CODE_TASKS = frozenset({"code", "humaneval", "mbpp", "python"})
+DEFAULT_BUDGET = 2.0  # accuracy points below the official algorithm auto may give up (a setting)
 
 
 @dataclass(frozen=True)
 class Route:
     decoder: str
     overrides: dict = field(default_factory=dict)
-    source: str = "default"  # where the entry came from: "default" | "settings"
+    source: str = "default"  # where the entry came from: "default" | "settings" | "calibration"
 
 
 DEFAULT_ROUTE = Route("official", {}, "default")
-_SAID = {"default": False}
+_SAID: dict[str, bool] = {}
 
 
 def task_kind(task: str | None) -> str | None:
@@ -39,21 +49,61 @@ def task_kind(task: str | None) -> str | None:
     return None
 
 
-def route(task: str | None, table: dict[str, str] | None = None) -> Route:
+def _once(key: str, msg: str, *args) -> None:
+    if not _SAID.get(key):
+        _SAID[key] = True
+        log.info(msg, *args)
+
+
+def route(
+    task: str | None,
+    table: dict[str, str] | None = None,
+    calibration: Calibration | None = None,
+    budget: float | None = None,
+) -> Route:
     """The decoder and config overrides for one request's task: the table's entry for the task (or
-    its kind: math / code), else `official`."""
+    its kind: math / code), else the calibration's pick for its family, else `official`."""
+    keys = [k for k in (task, task_kind(task)) if k]
     if table:
-        for key in (task, task_kind(task)):
-            if key and key in table and table[key] != "auto":
+        for key in keys:
+            if key in table and table[key] != "auto":
                 return Route(table[key], {}, "settings")
-    if not _SAID["default"]:
-        _SAID["default"] = True
-        log.info("--decoder auto: no routing entry for task %r; using 'official' (the accurate sampler)", task)
+    if calibration is not None:
+        for key in reversed(keys):  # calibrations are keyed by family (math / code) first
+            pick = calibration.choose(key, DEFAULT_BUDGET if budget is None else budget)
+            if pick is not None:
+                return Route(pick.decoder, dict(pick.knobs), "calibration")
+        _once(f"uncal:{task}", "--decoder auto: the calibration has no family for task %r; using 'official'",
+              task)
+        return DEFAULT_ROUTE
+    _once("nocal", "--decoder auto: no calibration for the loaded model (canvasq calibrate); "
+          "task %r and every other uncalibrated task go to 'official' (the accurate sampler)", task)
     return DEFAULT_ROUTE
 
 
-def routing_table(table: dict[str, str] | None = None) -> list[tuple[str, str, str]]:
-    """(task, decoder, source) rows for `canvasq config`: the settings entries, then the default."""
+def routing_table(
+    table: dict[str, str] | None = None,
+    calibration: Calibration | None = None,
+    budget: float | None = None,
+) -> list[tuple[str, str, str]]:
+    """(task, decoder, source) rows for `canvasq config`: the settings entries, the calibration's
+    picks per family, then the default."""
+    from canvasq.decoders.calibration import knobs_label
+
+    budget = DEFAULT_BUDGET if budget is None else budget
     rows = [(task, dec, "CANVASQ_ROUTING") for task, dec in sorted((table or {}).items())]
-    rows.append(("(any other)", DEFAULT_ROUTE.decoder, "default: no calibration, the accurate sampler"))
+    if calibration is not None:
+        for fam in calibration.families():
+            pick, ref = calibration.choose(fam, budget), calibration.reference(fam)
+            if pick is None or ref is None:
+                continue
+            if (table or {}).get(fam):
+                continue  # the settings entry above wins
+            rows.append((fam, knobs_label(pick.decoder, pick.knobs),
+                         f"{calibration.describe()}: {pick.accuracy * 100:.1f} % vs official "
+                         f"{ref.accuracy * 100:.1f} % (budget {budget:g}), {pick.tok_s:.0f} vs "
+                         f"{ref.tok_s:.0f} tok/s"))
+        rows.append(("(any other)", DEFAULT_ROUTE.decoder, "default: not in the calibration"))
+    else:
+        rows.append(("(any other)", DEFAULT_ROUTE.decoder, "default: no calibration, the accurate sampler"))
     return rows

@@ -304,6 +304,23 @@ class ChunkRuntime:
         on_gpu = str(getattr(self.bundle, "device", "cpu")).startswith("cuda")
         return 32 if on_gpu else self.settings.decode_batch_size
 
+    @property
+    def calibration(self):
+        """The newest calibration of this worker's model (`canvasq calibrate`), read once per process;
+        None when there is none (auto then routes to official) or it cannot be read."""
+        if "_calibration" not in self.__dict__:
+            from canvasq.decoders.calibration import load_for_model
+
+            try:
+                self._calibration = load_for_model(self.store, self.settings.model)
+            except Exception as exc:  # noqa: BLE001 no calibration is a safe answer: official
+                log.warning("calibration for %s not readable (%s); --decoder auto uses official",
+                            self.settings.model, exc)
+                self._calibration = None
+            if self._calibration is not None:
+                log.info("--decoder auto routes by %s", self._calibration.describe())
+        return self._calibration
+
     def _routed(self, decoder: str, rows: list[dict]) -> list[tuple[str, dict, list[dict]]]:
         """(decoder, knobs, rows) per route: `auto` resolved per row's task (decoders.routing)."""
         if decoder != "auto":
@@ -312,7 +329,7 @@ class ChunkRuntime:
 
         parts: dict[tuple, tuple[str, dict, list[dict]]] = {}
         for r in rows:
-            rt = route(r["task"], self.settings.routing or None)
+            rt = route(r["task"], self.settings.routing or None, self.calibration, self.settings.routing_budget)
             key = (rt.decoder, tuple(sorted(rt.overrides.items())))
             parts.setdefault(key, (rt.decoder, dict(rt.overrides), []))[2].append(r)
         return list(parts.values())

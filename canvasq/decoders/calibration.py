@@ -1,0 +1,347 @@
+"""Per-model calibration of the decoders (`canvasq calibrate`) and what `--decoder auto` reads from it.
+
+Flow: model spec → identity (resolved path, weights fingerprint) → sweep: each setting of `SWEEP` on
+each task family's dev set (testbed tasks on dev seeds, never the eval seeds) through `bench.run_bench`
+(one process, ABBA order, batch `batch_size`) → one `Point` per (task, setting): accuracy, committed
+tok/s at that batch, forwards per request, τ (tokens per forward), G/τ (rows per token) → frontier
+per family and decoder → SQL (`calibrations`, `calibration_points`) → `Calibration`, loaded once per
+worker process → `routing.route`.
+
+The reference of a family is `official` at the checkpoint's own sampler settings (no knobs): routing
+may pick any setting whose calibrated accuracy is within the budget of it, and takes the fastest.
+Nothing here imports torch at module level (the worker and `canvasq config` read calibrations).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Dev seeds: distinct from the eval seeds used in BENCHMARKS.md (1-3, 21-23) and the done-when evals.
+DEV_SEEDS = (101,)
+DEV_N = 40
+
+# The default sweep: each decoder's main knobs and a few guards (official: the step cap per canvas
+# and the entropy bound; pipe / funnel: τ_conf, draft-only pipelining, the entropy budget, agree).
+SWEEP: dict[str, tuple[dict, ...]] = {
+    "official": (
+        {},
+        {"max_denoising_steps": 1},
+        {"max_denoising_steps": 2},
+        {"max_denoising_steps": 3},
+        {"max_denoising_steps": 4},
+        {"entropy_bound": 1.0},
+        {"entropy_bound": 4.0},
+    ),
+    "pipe": (
+        {},
+        {"draft_only": True},
+        {"draft_only": True, "tau_conf": 0.97},
+        {"draft_only": True, "entropy_budget": 0.1},
+    ),
+    "funnel": (
+        {},
+        {"draft_only": True, "tau_conf": 0.9},
+        {"draft_only": True, "tau_conf": 0.97},
+        {"draft_only": True, "tau_conf": 0.9, "entropy_budget": 0.1, "agree": True},
+    ),
+}
+
+W4_DIRNAME = "canvasq_w4"  # the W4 pack cache beside a checkpoint is not part of its identity
+
+
+def model_identity(spec: str) -> tuple[str, str]:
+    """(path, fingerprint) of a model spec. The fingerprint hashes config.json and every safetensors
+    file's relative name and size (the D2F adapter's too), so retrained weights get a new identity
+    while a copy or a W4 pack cache beside the checkpoint does not."""
+    if spec.startswith("random:"):
+        return spec, "random"
+    d = Path(spec).expanduser().resolve()
+    h = hashlib.sha256()
+    h.update((d / "config.json").read_bytes())
+    for p in sorted(d.rglob("*.safetensors")):
+        rel = p.relative_to(d)
+        if rel.parts[0] == W4_DIRNAME:
+            continue
+        h.update(f"{rel.as_posix()}:{p.stat().st_size};".encode())
+    return str(d), h.hexdigest()[:32]
+
+
+def family_of(task: str) -> str:
+    from canvasq.decoders.routing import task_kind
+
+    return task_kind(task) or task
+
+
+def knobs_label(decoder: str, knobs: dict) -> str:
+    """`funnel:draft_only=true,tau_conf=0.9` (the `--arm` syntax of bench and calibrate)."""
+    import json
+
+    if not knobs:
+        return decoder
+    return decoder + ":" + ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(knobs.items()))
+
+
+@dataclass(frozen=True)
+class Point:
+    family: str
+    task: str
+    decoder: str
+    knobs: dict
+    n: int
+    accuracy: float  # 0..1
+    tok_s: float  # committed tokens per wall second at the calibration's batch size
+    fwd_per_req: float
+    tau: float  # tokens per forward
+    g_over_tau: float  # rows of compute per committed token
+    frontier: bool = False
+    reference: bool = False
+
+    @property
+    def label(self) -> str:
+        return knobs_label(self.decoder, self.knobs)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    model_path: str
+    fingerprint: str
+    device: str
+    batch_size: int
+    n: int
+    seeds: tuple[int, ...]
+    max_tokens: int
+    points: tuple[Point, ...]
+    hardware: str = ""
+    commit: str = ""
+    created_at: str = ""
+    id: int | None = None
+    _by_family: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def families(self) -> list[str]:
+        return sorted({p.family for p in self.points})
+
+    def family_points(self, family: str) -> list[Point]:
+        if family not in self._by_family:
+            self._by_family[family] = [p for p in self.points if p.family == family]
+        return self._by_family[family]
+
+    def reference(self, family: str) -> Point | None:
+        """`official` at the checkpoint's sampler settings on this family."""
+        return next((p for p in self.family_points(family) if p.reference), None)
+
+    def choose(self, family: str, budget: float) -> Point | None:
+        """The fastest setting within `budget` accuracy points of the reference (the reference itself
+        when nothing else qualifies); None when the family has no reference."""
+        ref = self.reference(family)
+        if ref is None:
+            return None
+        floor = ref.accuracy * 100 - budget - 1e-9
+        ok = [p for p in self.family_points(family) if p.decoder != "hf" and p.accuracy * 100 >= floor]
+        return max(ok, key=lambda p: (p.tok_s, p.reference))
+
+    def describe(self) -> str:
+        return (f"calibration #{self.id} ({self.created_at}, {self.device}, batch {self.batch_size}, "
+                f"n {self.n} x seeds {list(self.seeds)})")
+
+
+def frontier_flags(points: list[Point]) -> list[Point]:
+    """Mark each point that no other point of the same family and decoder beats on both accuracy and
+    tok/s (ties on both keep both)."""
+    import dataclasses
+
+    out = []
+    for p in points:
+        peers = [q for q in points if q.family == p.family and q.decoder == p.decoder and q is not p]
+        dominated = any(
+            q.accuracy >= p.accuracy and q.tok_s >= p.tok_s and (q.accuracy > p.accuracy or q.tok_s > p.tok_s)
+            for q in peers
+        )
+        out.append(dataclasses.replace(p, frontier=not dominated))
+    return out
+
+
+# -- the sweep (torch) -------------------------------------------------------------------------------
+def default_arms(decoders: list[str] | None = None) -> list:
+    from canvasq.decoders.bench import Arm
+
+    return [Arm(knobs_label(d, k), d, dict(k)) for d in SWEEP if not decoders or d in decoders for k in SWEEP[d]]
+
+
+def run_sweep(
+    bundle,
+    arms: list,
+    tasks: list[str],
+    n: int,
+    seeds: list[int],
+    batch_size: int,
+    max_tokens: int,
+    progress=None,
+) -> tuple[Calibration, dict]:
+    """Measure every arm on every task's dev set; the Calibration (unsaved) and the bench report."""
+    from canvasq.decoders.bench import run_bench
+
+    if not any(a.decoder == "official" and not a.overrides for a in arms):
+        from canvasq.decoders.bench import Arm
+
+        arms = [Arm("official", "official", {}), *arms]  # the reference is always measured
+    report = run_bench(bundle, arms, tasks, n=n, seeds=seeds, batch_size=batch_size, max_tokens=max_tokens,
+                       progress=progress)
+    by_label = {a.label: a for a in arms}
+    points = []
+    for row in report["arms"]:
+        arm = by_label[row["arm"]]
+        for task, t in row["per_task"].items():
+            points.append(Point(
+                family=family_of(task),
+                task=task,
+                decoder=arm.decoder,
+                knobs=dict(arm.overrides),
+                n=t["n"],
+                accuracy=t["acc"],
+                tok_s=t["tok_s"],
+                fwd_per_req=t["fwd_req"] / max(t["n"], 1),
+                tau=t["tokens"] / max(t["fwd_req"], 1),
+                g_over_tau=t.get("rows", 0) / max(t["tokens"], 1),
+                reference=arm.decoder == "official" and not arm.overrides,
+            ))
+    path, fp = model_identity(bundle.spec)
+    cal = Calibration(
+        model_path=path,
+        fingerprint=fp,
+        device=str(bundle.device),
+        batch_size=batch_size,
+        n=n,
+        seeds=tuple(seeds),
+        max_tokens=max_tokens,
+        points=tuple(frontier_flags(points)),
+        hardware=report.get("hardware", ""),
+        commit=report.get("commit", ""),
+    )
+    return cal, report
+
+
+# -- SQL -------------------------------------------------------------------------------------------
+def save(store, cal: Calibration) -> int:
+    """Store a calibration and its points; returns its id."""
+    from canvasq.api.models import CalibrationPoint, CalibrationRun
+
+    with store.Session() as s, s.begin():
+        run = CalibrationRun(
+            model_path=cal.model_path,
+            fingerprint=cal.fingerprint,
+            device=cal.device,
+            hardware=cal.hardware[:200] or None,
+            commit=cal.commit[:64] or None,
+            batch_size=cal.batch_size,
+            n=cal.n,
+            seeds=list(cal.seeds),
+            max_tokens=cal.max_tokens,
+        )
+        s.add(run)
+        s.flush()
+        for p in cal.points:
+            s.add(CalibrationPoint(
+                calibration_id=run.id, family=p.family, task=p.task, decoder=p.decoder, knobs=dict(p.knobs),
+                label=p.label[:200], n=p.n, accuracy=p.accuracy, tok_s=p.tok_s, fwd_per_req=p.fwd_per_req,
+                tau=p.tau, g_over_tau=p.g_over_tau, frontier=p.frontier, reference=p.reference,
+            ))
+        return run.id
+
+
+def load(store, model_path: str, fingerprint: str) -> Calibration | None:
+    """The newest calibration of the model with this identity, or None."""
+    from sqlalchemy import select
+
+    from canvasq.api.models import CalibrationPoint, CalibrationRun
+
+    with store.Session() as s:
+        run = s.scalars(
+            select(CalibrationRun)
+            .where(CalibrationRun.fingerprint == fingerprint, CalibrationRun.model_path == model_path)
+            .order_by(CalibrationRun.created_at.desc(), CalibrationRun.id.desc())
+            .limit(1)
+        ).first()
+        if run is None:
+            return None
+        rows = s.scalars(
+            select(CalibrationPoint).where(CalibrationPoint.calibration_id == run.id).order_by(CalibrationPoint.id)
+        ).all()
+        points = tuple(
+            Point(family=r.family, task=r.task, decoder=r.decoder, knobs=dict(r.knobs or {}), n=r.n,
+                  accuracy=r.accuracy, tok_s=r.tok_s, fwd_per_req=r.fwd_per_req, tau=r.tau,
+                  g_over_tau=r.g_over_tau, frontier=bool(r.frontier), reference=bool(r.reference))
+            for r in rows
+        )
+        return Calibration(
+            model_path=run.model_path, fingerprint=run.fingerprint, device=run.device,
+            batch_size=run.batch_size, n=run.n, seeds=tuple(run.seeds or ()), max_tokens=run.max_tokens,
+            points=points, hardware=run.hardware or "", commit=run.commit or "",
+            created_at=run.created_at.strftime("%Y-%m-%d %H:%M UTC"), id=run.id,
+        )
+
+
+def load_for_model(store, spec: str) -> Calibration | None:
+    """The newest calibration of the model `spec` names (its current weights), or None."""
+    path, fp = model_identity(spec)
+    return load(store, path, fp)
+
+
+# -- reports ---------------------------------------------------------------------------------------
+def table(cal: Calibration, budget: float, frontier_only: bool = False) -> str:
+    """The frontier as a markdown table per family, with the route auto would take marked."""
+    lines = [
+        f"{cal.describe()}: {cal.model_path} (fingerprint {cal.fingerprint[:12]}), {cal.hardware}, "
+        f"commit {cal.commit or '?'}, max_tokens {cal.max_tokens}",
+        "",
+        "| family | setting | n | acc | Δ vs official | tok/s | × official | fwd/req | τ | G/τ | frontier | auto |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for fam in cal.families():
+        ref = cal.reference(fam)
+        pick = cal.choose(fam, budget)
+        pts = sorted(cal.family_points(fam), key=lambda p: (p.decoder != "official", p.decoder, -p.tok_s))
+        for p in pts:
+            if frontier_only and not p.frontier and p is not pick and not p.reference:
+                continue
+            d_acc = f"{(p.accuracy - ref.accuracy) * 100:+.1f}" if ref else "?"
+            speed = f"{p.tok_s / ref.tok_s:.2f}" if ref and ref.tok_s else "?"
+            lines.append(
+                f"| {fam} | {p.label}{' (reference)' if p.reference else ''} | {p.n} | {p.accuracy * 100:.1f} % | "
+                f"{d_acc} | {p.tok_s:.0f} | {speed} | {p.fwd_per_req:.2f} | {p.tau:.2f} | {p.g_over_tau:.2f} | "
+                f"{'*' if p.frontier else ''} | {'<-' if p == pick else ''} |"
+            )
+    lines += ["", f"auto: the fastest setting within {budget:g} points of the reference (CANVASQ_ROUTING_BUDGET)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(cal: Calibration, path: Path) -> None:
+    """Accuracy against committed tok/s, one line per decoder (its frontier), one panel per family."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fams = cal.families()
+    fig, axes = plt.subplots(1, len(fams), figsize=(5.5 * len(fams), 4.2), squeeze=False)
+    for ax, fam in zip(axes[0], fams):
+        pts = cal.family_points(fam)
+        for dec in sorted({p.decoder for p in pts}):
+            mine = sorted((p for p in pts if p.decoder == dec), key=lambda p: p.tok_s)
+            front = [p for p in mine if p.frontier]
+            (line,) = ax.plot([p.tok_s for p in front], [p.accuracy * 100 for p in front], "-o", label=dec)
+            rest = [p for p in mine if not p.frontier]
+            ax.scatter([p.tok_s for p in rest], [p.accuracy * 100 for p in rest], color=line.get_color(),
+                       alpha=0.4, marker="x")
+        ref = cal.reference(fam)
+        if ref:
+            ax.axhline(ref.accuracy * 100, color="grey", lw=0.8, ls="--")
+        ax.set_title(fam)
+        ax.set_xlabel(f"committed tok/s (batch {cal.batch_size}, {cal.device})")
+        ax.set_ylabel("accuracy %")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{Path(cal.model_path).name} · n={cal.n} · seeds {list(cal.seeds)} · {cal.created_at}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

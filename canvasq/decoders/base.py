@@ -178,7 +178,6 @@ class StepDecoder:
         self.device = self.rt.device
         self._traces: dict[int, list[ForwardTrace]] = {}
         self._pass_index = 0
-        self._deferred: list[tuple[Seq, tuple]] = []
         self.graphs = self.graph_runner()
 
     def pick_model(self):
@@ -236,7 +235,6 @@ class StepDecoder:
         `interrupts` raises `Interrupted` (rows already handed to `on_result` are not repeated)."""
         self._traces: dict[int, list[ForwardTrace]] = {}
         self._pass_index = 0
-        self._deferred: list[tuple[Seq, tuple]] = []
         cap = capacity or 0
         free = list(range(slots - 1, -1, -1))
         live: list[Seq] = []
@@ -278,14 +276,13 @@ class StepDecoder:
                         break
                     continue
                 poll(should_stop)  # between forwards; a cancel ends the fed rows too
-                deferred = self.take_deferred()
-                if fresh or deferred:
+                if fresh:
                     try:
-                        self.prefill(fresh, deferred)
+                        self.prefill(fresh)
                     except interrupts:
                         raise
-                    except Exception as exc:  # noqa: BLE001 — the pass serves every row in it
-                        for s in fresh + [d for d, _ in deferred]:
+                    except Exception as exc:  # noqa: BLE001 — the prefill serves every new row
+                        for s in fresh:
                             s.error, s.done = f"{type(exc).__name__}: {exc}", True
                     live = self._deliver_done(live, deliver)
                     if not live:
@@ -385,36 +382,17 @@ class StepDecoder:
         want = next((b for b in WINDOW_BUCKETS if b >= count), count)
         return [s for s in range(self.arena.slots) if s not in used][: want - count]
 
-    def prefill(self, seqs: list[Seq], deferred: list[tuple[Seq, tuple]] = ()) -> None:
-        """One encoder pass over every new prompt and every deferred commit (a finished canvas that
-        a decoder handed over with `defer`), then each new row's first canvas and `resume` for the
-        rows whose canvas was committed."""
+    def prefill(self, seqs: list[Seq]) -> None:
+        """Encode every prompt in one pass, then spawn each row's first canvas."""
         items = []
         for s in seqs:
             ids = torch.tensor(s.req.prompt_ids, dtype=torch.long, device=self.device)
             items.append((s.slot, ids, torch.arange(s.prompt_len, device=self.device)))
-        items += [item for _, item in deferred]
         with self.timed() as t:
             self.encode(items)
-        rows = {s.row: s.prompt_len for s in seqs} | {s.row: int(item[1].numel()) for s, item in deferred}
-        states = {s.row: "prefill" for s in seqs} | {s.row: "commit" for s, _ in deferred}
-        self.record("encode", t.ms, rows, {}, states)
+        self.record("encode", t.ms, {s.row: s.prompt_len for s in seqs}, {}, {s.row: "prefill" for s in seqs})
         for s in seqs:
             self.spawn(s)
-        for s, _ in deferred:
-            self.resume(s)
-
-    def defer(self, s: Seq, item: tuple) -> None:
-        """Queue an encoder commit pass for `s` (slot, ids, positions): it rides with the next
-        prefill, before the next step, instead of costing a forward of its own now."""
-        self._deferred.append((s, item))
-
-    def take_deferred(self) -> list[tuple[Seq, tuple]]:
-        out, self._deferred = self._deferred, []
-        return out
-
-    def resume(self, s: Seq) -> None:
-        """After a deferred commit pass: what the row does next (official: its next canvas)."""
 
     def step(self, seqs: list[Seq]) -> None:
         raise NotImplementedError

@@ -248,9 +248,9 @@ class OfficialDecoder(StepDecoder):
     # -- a canvas ends ----------------------------------------------------------------------------
     def _finish_canvases(self, seqs: list[Seq]) -> None:
         """Append each finished canvas's argmax; end the answer at EOS / PAD or max_tokens, else write
-        the canvas to the cache and start the next one (deferred: one encoder pass with the next
-        prefill, before the next step)."""
+        the canvas to the cache (one encoder pass for all of them) and start the next one."""
         tokens = torch.stack([self._dn[s.row].argmax for s in seqs]).tolist()
+        encodes = []
         for s, toks in zip(seqs, tokens):
             cv = s.canvases[0]
             s.out.extend(toks)
@@ -269,8 +269,16 @@ class OfficialDecoder(StepDecoder):
                 s.finish_reason = "stop" if stop else "length"
                 self._dn.pop(s.row, None)
                 continue
-            # written to the cache by an encoder pass that rides with the next prefill (base.defer)
-            self.defer(s, (s.slot, cv.tokens, torch.arange(cv.start, cv.end, device=self.device)))
-
-    def resume(self, s: Seq) -> None:
-        self.spawn(s)
+            encodes.append((s, (s.slot, cv.tokens, torch.arange(cv.start, cv.end, device=self.device))))
+        if encodes:
+            with self.timed() as t:
+                self.encode([item for _, item in encodes])
+            self.record(
+                "encode",
+                t.ms,
+                {s.row: self.C for s, _ in encodes},
+                {},
+                {s.row: "commit" for s, _ in encodes},
+            )
+            for s, _ in encodes:
+                self.spawn(s)

@@ -784,18 +784,29 @@ def cancel(run_id):
 @cli.command()
 @click.argument("run_id", metavar="RUN")
 @click.option("--only", default="errored,expired", show_default=True,
-              help="Comma-separated request states to re-run (errored, expired, cancelled).")
+              help="Comma-separated request states to re-run (errored, expired, cancelled), and/or stuck: "
+                   "queued rows no live worker will finish (their worker stopped heartbeating).")
 def retry(run_id, only):
     """Re-run RUN's rows in the given states; finished rows stay, results merge.
+
+    `stuck` re-publishes, in new chunks, the queued rows whose chunk is held by a worker without a
+    recent heartbeat or under an expired lease (what `reconcile` would re-publish), or that a
+    chunk left behind; rows a live worker holds or that wait in the queue are left alone.
 
     Example:
 
         canvasq retry run_1a2b3c4d --only errored
+        canvasq retry run_1a2b3c4d --only stuck
     """
+    from datetime import timedelta
+
+    from canvasq.api.models import utcnow
+
     states = [s.strip() for s in only.split(",") if s.strip()]
-    bad = [s for s in states if s not in ("errored", "expired", "cancelled")]
+    bad = [s for s in states if s not in ("errored", "expired", "cancelled", "stuck")]
     if bad or not states:
-        raise click.BadParameter(f"unknown state(s) {bad}; use errored, expired, cancelled", param_hint="--only")
+        raise click.BadParameter(f"unknown state(s) {bad}; use errored, expired, cancelled, stuck",
+                                 param_hint="--only")
     settings = _settings()
     store = _open_store(settings, upgrade_sqlite=False)
     run_row = _get_run(store, run_id)
@@ -808,11 +819,15 @@ def retry(run_id, only):
     else:
         _check_broker(settings)
     before = store.counts(run_row.id)
-    n = sum(before[s] for s in states)
-    chunk_ids = store.retry_run(run_row.id, states, settings.chunk_size)
+    offline_before = utcnow() - timedelta(seconds=settings.offline_after_s)
+    stuck = len(store.stuck_rows(run_row.id, offline_before)) if "stuck" in states else 0
+    n = sum(before[s] for s in states if s != "stuck") + stuck
+    chunk_ids = store.retry_run(run_row.id, states, settings.chunk_size, offline_before=offline_before)
     if not embedded:
         if not chunk_ids:
-            click.echo(f"{run_row.id}: no rows in {states}")
+            waiting = f"; {before['queued']} queued rows are held by live workers or wait in the queue" \
+                if "stuck" in states and before["queued"] else ""
+            click.echo(f"{run_row.id}: no rows in {states}{waiting}")
             return
         from canvasq.worker.celery_app import publish_chunks
 
@@ -896,6 +911,9 @@ def reconcile(loop_s):
     """Repair the queue from the store: publish chunks a crash left unpublished, re-publish chunks
     whose lease expired, expire runs past their deadline, finalise runs with no row left queued.
 
+    Workers already run this every CANVASQ_RECONCILE_S seconds (15; one worker per interval across
+    the fleet); run it by hand, or as a sidecar where workers run with CANVASQ_RECONCILE_S=0.
+
     Example:
 
         canvasq reconcile --loop 60
@@ -914,20 +932,25 @@ def reconcile(loop_s):
 @cli.command()
 @json_option
 def workers(as_json):
-    """Registered workers with their last heartbeat and throughput (from output rows).
+    """Registered workers: online or offline, the chunk each holds, last heartbeat, throughput (from
+    output rows). A worker is offline when its last heartbeat is older than 3 × CANVASQ_HEARTBEAT_S
+    + 10 s (55 s by default): it died, or lost the store. Online workers come first.
 
     Example:
 
         canvasq workers
     """
-    store = _open_store(_settings(), upgrade_sqlite=False)
-    rows = store.worker_stats()
+    settings = _settings()
+    store = _open_store(settings, upgrade_sqlite=False)
+    rows = store.worker_stats(settings.offline_after_s)
+    rows.sort(key=lambda r: (not r["online"], r["last_seen_s"] if not r["online"] else 0, r["worker"]))
     if as_json:
         click.echo(json.dumps(rows))
         return
-    click.echo(_table(["worker", "device", "model", "heartbeat", "requests", "tokens", "tok/s"],
-                      [[r["worker"], r["device"], model_name(r["model"]), r["heartbeat_at"], r["requests"],
-                        r["tokens"], _tok_s(r["tok_s"])] for r in rows]))
+    click.echo(_table(["worker", "state", "chunk", "device", "model", "last seen", "requests", "tokens", "tok/s"],
+                      [[r["worker"], "online" if r["online"] else "offline", r["chunk"] or "-", r["device"],
+                        model_name(r["model"]), f"{_fmt_s(r['last_seen_s'])} ago", r["requests"], r["tokens"],
+                        _tok_s(r["tok_s"])] for r in rows]))
 
 
 @cli.group()

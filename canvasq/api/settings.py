@@ -53,6 +53,13 @@ class Settings(BaseSettings):
     visibility_timeout: int = Field(3600, ge=1)
     max_attempts: int = Field(3, ge=1)  # past this many deliveries a chunk's unfinished rows are worker_lost
     heartbeat_s: float = Field(15.0, gt=0)
+    # A claimed chunk's lease in SQL, renewed by the worker's heartbeat while it works on the chunk:
+    # a dead worker's chunk is re-published by reconcile once its lease lapses (the visibility
+    # timeout stays the broker's own, slower, backstop). Must cover at least two missed beats.
+    lease_s: int = Field(60, ge=1)
+    # Every worker runs a reconcile pass this often (one worker per interval across the fleet, by a
+    # lock in Redis); 0 turns it off (then run `canvasq reconcile --loop 15` somewhere).
+    reconcile_s: float = Field(15.0, ge=0)
     run_deadline_s: int | None = Field(None, ge=1)  # default deadline for new runs (None: none)
     sqlite_busy_timeout_ms: int = Field(30_000, ge=0)
 
@@ -95,7 +102,8 @@ class Settings(BaseSettings):
         return v
 
     def check_time_limits(self) -> None:
-        """Raise ValueError unless visibility_timeout > hard_time_limit > soft_time_limit."""
+        """Raise ValueError unless visibility_timeout > hard_time_limit > soft_time_limit and the chunk
+        lease outlives a missed heartbeat."""
         if not (self.visibility_timeout > self.hard_time_limit > self.soft_time_limit):
             raise ValueError(
                 "time limits out of order: need visibility_timeout > hard_time_limit > soft_time_limit, got "
@@ -103,6 +111,16 @@ class Settings(BaseSettings):
                 f"soft_time_limit={self.soft_time_limit} (a shorter visibility timeout makes Redis "
                 "deliver a running chunk twice, celery#5935)"
             )
+        if self.lease_s < 2 * self.heartbeat_s + 5:
+            raise ValueError(
+                f"lease_s={self.lease_s} is too short for heartbeat_s={self.heartbeat_s}: need lease_s >= "
+                "2 × heartbeat_s + 5 (a lease must outlive a missed heartbeat, or live chunks are re-published)"
+            )
+
+    @property
+    def offline_after_s(self) -> float:
+        """A worker whose last heartbeat is older than this is offline (three missed beats)."""
+        return 3 * self.heartbeat_s + 10
 
     def queue_for(self, model: str | None = None) -> str:
         return queue_name(model or self.model, self.queue_prefix)
@@ -138,12 +156,30 @@ def queue_name(model: str, prefix: str = "canvasq") -> str:
     return f"{prefix}.{slug}"
 
 
-_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^:/@\s]*:)(?P<pw>[^@\s]*)(?P<tail>@)")
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+")
+_SECRET_PARAM = re.compile(r"(?i)([?&;][^=&;#\s]*(?:password|passwd|pwd|secret|token)[^=&;#\s]*=)([^&;#\s]*)")
 
 
-def mask_url(url: str) -> str:
-    """`postgresql://u:secret@h/db` -> `postgresql://u:***@h/db`; URLs without a password unchanged."""
-    return _URL_PASSWORD.sub(lambda m: f"{m['head']}***{m['tail']}", url)
+def _mask_one(url: str) -> str:
+    scheme, _, rest = url.partition("://")
+    query = rest.find("?")
+    # The userinfo ends at the last `@` before the query: a password may hold an unencoded `@`
+    # (or `/`, `:`); when no `@` comes before a `?`, the password itself may hold the `?`.
+    at = rest.rfind("@", 0, query if query >= 0 else len(rest))
+    if at < 0 and query >= 0:
+        at = rest.rfind("@")
+    if at >= 0:
+        user, colon, password = rest[:at].partition(":")
+        if colon and password:
+            rest = f"{user}:***{rest[at:]}"
+    return f"{scheme}://{_SECRET_PARAM.sub(lambda m: m[1] + '***', rest)}"
+
+
+def mask_url(text: str) -> str:
+    """Every URL in `text` with its password masked, in every form: `postgresql://u:secret@h/db` ->
+    `postgresql://u:***@h/db`, an unencoded `@` inside the password, and query parameters such as
+    `?password=` / `&sslpassword=` / `?token=`. Text without a secret comes back unchanged."""
+    return _URL.sub(lambda m: _mask_one(m[0]), text)
 
 
 def settings_error_line(exc: Exception) -> str | None:

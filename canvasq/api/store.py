@@ -18,7 +18,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, and_, case, create_engine, delete, event, func, insert, select, update
+from sqlalchemy import Engine, and_, case, create_engine, delete, event, func, insert, or_, select, update
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -48,6 +48,7 @@ def make_engine(url: str, busy_timeout_ms: int = 30_000) -> Engine:
     transaction starts with BEGIN IMMEDIATE so concurrent writer processes queue on the lock instead
     of failing a read→write upgrade with "database is locked"."""
     if url.startswith("sqlite"):
+        _create_private(url)
         engine = create_engine(url, connect_args={"timeout": busy_timeout_ms / 1000})
 
         @event.listens_for(engine, "connect")
@@ -67,6 +68,26 @@ def make_engine(url: str, busy_timeout_ms: int = 30_000) -> Engine:
         return engine
     # a missing host or closed port fails in seconds, not after the OS's TCP timeout
     return create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 10})
+
+
+def _create_private(url: str) -> None:
+    """Create a new SQLite store file readable by its owner only (0600): it holds every prompt and
+    output. SQLite gives the -wal and -shm files the main file's mode. An existing file is left as
+    it is; a file that cannot be created is reported by the first connection."""
+    import os
+
+    from sqlalchemy.engine import make_url
+
+    try:
+        u = make_url(url)
+    except Exception:  # noqa: BLE001 a malformed URL fails at create_engine with its own message
+        return
+    if u.database in (None, "", ":memory:") or u.database.startswith("file:") or u.query.get("uri"):
+        return
+    try:
+        os.close(os.open(u.database, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except OSError:
+        pass
 
 
 def database_problem(url: str) -> str | None:
@@ -485,9 +506,19 @@ class Store:
                                     started_at=now, heartbeat_at=now)],
                    ("id",), ("host", "pid", "device", "model", "queue", "heartbeat_at"))
 
-    def heartbeat(self, worker_id: str) -> None:
+    def heartbeat(self, worker_id: str, chunk_id: str | None = None, lease_s: float | None = None) -> bool:
+        """The worker is alive; while it works on `chunk_id` that chunk's lease moves to now + lease_s.
+        Only a chunk still `running` under this worker is renewed (one re-published and claimed by
+        another worker is that worker's). Returns whether a lease was renewed."""
+        now = utcnow()
         with self.Session.begin() as s:
-            s.execute(update(Worker).where(Worker.id == worker_id).values(heartbeat_at=utcnow()))
+            s.execute(update(Worker).where(Worker.id == worker_id).values(heartbeat_at=now))
+            if chunk_id is None or lease_s is None:
+                return False
+            res = s.execute(update(Chunk)
+                            .where(Chunk.id == chunk_id, Chunk.worker_id == worker_id, Chunk.status == "running")
+                            .values(lease_expires_at=now + timedelta(seconds=lease_s)))
+            return res.rowcount == 1
 
     # -- embedded runs ----------------------------------------------------------------------------
     def run_by_key(self, idempotency_key: str) -> str | None:
@@ -553,13 +584,37 @@ class Store:
         self.finalize_run(run_id)
         return self.run_status(run_id)
 
-    def retry_run(self, run_id: str, only: Sequence[str], chunk_size: int) -> list[str]:
-        """Re-queue rows whose status is in `only` into new chunks; returns the new chunk ids."""
+    def stuck_rows(self, run_id: str, offline_before: datetime, s: Session | None = None) -> list[str]:
+        """Queued rows of a run that no live worker will finish: their chunk is `running` under a lease
+        that expired or a worker whose last heartbeat is before `offline_before`, or it ended
+        (done / failed) with the rows left queued, or it was never published. Rows of chunks that a
+        live worker holds or that wait in the broker's queue are not stuck."""
+        held_by_dead = and_(Chunk.status == "running",
+                            or_(Chunk.lease_expires_at.is_(None), Chunk.lease_expires_at < utcnow(),
+                                Worker.id.is_(None), Worker.heartbeat_at < offline_before))
+        q = (select(Request.custom_id)
+             .outerjoin(Chunk, Chunk.id == Request.chunk_id)
+             .outerjoin(Worker, Worker.id == Chunk.worker_id)
+             .where(Request.run_id == run_id, Request.status == "queued",
+                    or_(Chunk.id.is_(None), held_by_dead, Chunk.status.in_(("done", "failed")),
+                        and_(Chunk.status == "queued", Chunk.published_at.is_(None))))
+             .order_by(Request.line_no))
+        if s is not None:
+            return list(s.scalars(q))
+        with self.Session() as s2:
+            return list(s2.scalars(q))
+
+    def retry_run(self, run_id: str, only: Sequence[str], chunk_size: int,
+                  offline_before: datetime | None = None) -> list[str]:
+        """Re-queue rows whose status is in `only` into new chunks; returns the new chunk ids.
+        `stuck` in `only` (with `offline_before`) adds the queued rows `stuck_rows` finds."""
         now = utcnow()
         with self.Session.begin() as s:
             ids = list(s.scalars(select(Request.custom_id)
                                  .where(Request.run_id == run_id, Request.status.in_(list(only)))
                                  .order_by(Request.line_no)))
+            if "stuck" in only and offline_before is not None:
+                ids += self.stuck_rows(run_id, offline_before, s)
             if not ids:
                 return []
             base = (s.scalar(select(func.max(Chunk.seq)).where(Chunk.run_id == run_id)) or 0) + 1
@@ -577,8 +632,9 @@ class Store:
             # A retry gets a fresh deadline of the original length; the old, passed one would make the
             # next reconcile pass expire the retried rows again at once.
             deadline = now + (run.deadline_at - run.created_at) if run and run.deadline_at else None
-            s.execute(update(Run).where(Run.id == run_id)
-                      .values(status="queued", finished_at=None, updated_at=now, deadline_at=deadline))
+            s.execute(update(Run).where(Run.id == run_id)  # a run still being worked on stays `running`
+                      .values(status=case((Run.status == "running", "running"), else_="queued"), finished_at=None,
+                              updated_at=now, deadline_at=deadline))
             return chunk_ids
 
     def expire_overdue(self, now: datetime | None = None) -> list[str]:
@@ -601,9 +657,10 @@ class Store:
             q = (
                 select(Chunk.id, Run.queue)
                 .join(Run, Run.id == Chunk.run_id)
-                .where(Chunk.status == "running", Chunk.lease_expires_at < now, Run.status.in_(RUN_ACTIVE))
+                .where(Chunk.status == "running", Chunk.lease_expires_at < now, Run.status.in_(RUN_ACTIVE),
+                       select(Request.id).where(Request.chunk_id == Chunk.id, Request.status == "queued").exists())
             )
-            return [(r[0], r[1]) for r in s.execute(q)]
+            return [(r[0], r[1]) for r in s.execute(q.order_by(Chunk.id))]
 
     def active_runs(self) -> list[str]:
         with self.Session() as s:
@@ -711,8 +768,10 @@ class Store:
                                   .where(ForwardTraceRow.run_id == run_id, ForwardTraceRow.custom_id == custom_id)
                                   .order_by(ForwardTraceRow.forward_index)))
 
-    def worker_stats(self) -> list[dict[str, Any]]:
-        """Throughput per worker: rows, tokens and generation time from outputs."""
+    def worker_stats(self, offline_after_s: float | None = None) -> list[dict[str, Any]]:
+        """Throughput per worker: rows, tokens and generation time from outputs; with
+        `offline_after_s`, `online` is whether its last heartbeat is more recent than that, and
+        `chunk` the chunk it holds a live lease on."""
         with self.Session() as s:
             rows = s.execute(
                 select(Worker.id, Worker.host, Worker.device, Worker.model, Worker.heartbeat_at,
@@ -722,6 +781,19 @@ class Store:
                 .group_by(Worker.id, Worker.host, Worker.device, Worker.model, Worker.heartbeat_at)
                 .order_by(Worker.id)
             ).all()
-        return [{"worker": w, "host": h, "device": d, "model": m, "heartbeat_at": hb.isoformat(timespec="seconds"),
-                 "requests": n, "tokens": int(t), "tok_s": (t / (ms / 1000)) if ms else None}
-                for w, h, d, m, hb, n, t, ms in rows]
+        now = utcnow()
+        with self.Session() as s:
+            held = dict(s.execute(select(Chunk.worker_id, func.min(Chunk.id))
+                                  .where(Chunk.status == "running", Chunk.lease_expires_at >= now)
+                                  .group_by(Chunk.worker_id)).all())
+        out = []
+        for w, h, d, m, hb, n, t, ms in rows:
+            age = (now - hb).total_seconds()
+            rec = {"worker": w, "host": h, "device": d, "model": m, "heartbeat_at": hb.isoformat(timespec="seconds"),
+                   "last_seen_s": round(age, 1), "requests": n, "tokens": int(t),
+                   "tok_s": (t / (ms / 1000)) if ms else None}
+            if offline_after_s is not None:
+                rec["online"] = age <= offline_after_s
+                rec["chunk"] = held.get(w) if rec["online"] else None
+            out.append(rec)
+        return out

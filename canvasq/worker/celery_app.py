@@ -50,9 +50,10 @@ def celery_config(settings: Settings) -> dict:
     )
 
 
-def make_app(settings: Settings | None = None) -> Celery:
+def make_app(settings: Settings | None = None, set_as_current: bool = True) -> Celery:
     settings = settings or get_settings()
-    app = Celery("canvasq", broker=settings.broker_url, include=["canvasq.worker.tasks"])
+    app = Celery("canvasq", broker=settings.broker_url, include=["canvasq.worker.tasks"],
+                 set_as_current=set_as_current)
     app.conf.update(celery_config(settings))
     return app
 
@@ -62,7 +63,8 @@ _publishers: dict[str, Celery] = {}
 
 def _publisher(settings: Settings) -> Celery:
     if settings.broker_url not in _publishers:
-        _publishers[settings.broker_url] = make_app(settings)
+        # not the current app: a worker child publishes from its reconcile thread beside its own app
+        _publishers[settings.broker_url] = make_app(settings, set_as_current=False)
     return _publishers[settings.broker_url]
 
 

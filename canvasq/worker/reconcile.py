@@ -1,26 +1,37 @@
-"""One reconcile pass over the store (`canvasq reconcile`, once or in a loop): expire runs past
-their deadline, publish chunks a crash left unpublished (the outbox), re-publish chunks whose lease
-expired, finalise runs with no row left queued.
+"""One reconcile pass over the store: expire runs past their deadline, publish chunks a crash left
+unpublished (the outbox), re-publish chunks whose lease expired, finalise runs with no row left
+queued. Every worker runs a pass every `reconcile_s` (`reconcile_loop`, one worker per interval
+across the fleet, by a lock in Redis); `canvasq reconcile` runs one by hand, or in a loop.
+
+A worker renews the lease of the chunk it works on with every heartbeat (`lease_s`, default 60 s,
+against a 15 s heartbeat), so a lease lapses only when its worker died or lost the store: a dead
+worker's chunk is re-published within lease_s + reconcile_s, not after Redis's visibility timeout
+(which stays the broker's own backstop: the dead delivery comes back then, finds the rows done or
+being done, and writes nothing twice, since only rows still `queued` are written).
 
 A stale chunk is re-published once: it goes back to `queued` with its lease cleared, so the next
 pass does not publish it again while its message waits behind a long queue (each extra message
-would be one more delivery counted against max_attempts, and dead-letter healthy rows). Redis
-restores the message of a SIGKILLed worker by itself after the visibility timeout, so the
-reconciler waits one more visibility timeout before it steps in (it is for messages Redis lost,
-or deliveries that ended without finishing their rows).
+would be one more delivery counted against max_attempts, and dead-letter healthy rows). A live
+worker whose lease lapsed anyway (the store unreachable for longer than a lease) keeps working:
+its writes of rows still queued are as good as anyone's, and its renewals stop applying once the
+chunk is queued again or claimed by another worker.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 
 from sqlalchemy import update
 
 from canvasq.api.models import Chunk, utcnow
-from canvasq.api.settings import Settings
+from canvasq.api.settings import Settings, mask_url
 from canvasq.api.store import Store
+
+log = logging.getLogger(__name__)
 
 Publish = Callable[[Sequence[str], str, Settings], int]
 
@@ -38,10 +49,13 @@ class ReconcileReport:
             f"expired {len(self.expired)} runs, finalised {len(self.finalised)} runs"
         )
 
+    def __bool__(self) -> bool:
+        return bool(self.published or self.republished or self.expired or self.finalised)
+
 
 def requeue_stale(store: Store, chunk_ids: Sequence[str], older_than) -> list[str]:
     """Running chunks whose lease expired before `older_than` → queued, lease cleared (conditional,
-    so a chunk a worker claimed meanwhile is left alone). Returns the ids that were requeued."""
+    so a chunk a worker claimed or renewed meanwhile is left alone). Returns the ids requeued."""
     done = []
     now = utcnow()
     with store.Session.begin() as s:
@@ -70,7 +84,7 @@ def reconcile_once(store: Store, settings: Settings, publish: Publish | None = N
         publish(ids, q, settings)
         store.mark_published(ids)
         published += len(ids)
-    cutoff = utcnow() - timedelta(seconds=settings.visibility_timeout)
+    cutoff = utcnow()
     stale: dict[str, list[str]] = {}
     for cid, q in store.stale_chunks(cutoff):
         if q != "embedded":
@@ -79,8 +93,47 @@ def reconcile_once(store: Store, settings: Settings, publish: Publish | None = N
     for q, ids in stale.items():
         ids = requeue_stale(store, ids, cutoff)
         if ids:  # published_at stays NULL until the publish succeeds: a failed one is retried as outbox
+            log.warning("re-publishing %d chunk(s) whose worker stopped renewing the lease: %s", len(ids), ids)
             publish(ids, q, settings)
             store.mark_published(ids)
             republished += len(ids)
     finalised = [r for r in store.active_runs() if store.finalize_run(r)]
     return ReconcileReport(published, republished, expired, finalised)
+
+
+def lock_key(settings: Settings) -> str:
+    """One reconcile lock per store (fleets with different databases may share a Redis)."""
+    return "canvasq:reconcile:" + hashlib.sha256(settings.database_url.encode()).hexdigest()[:16]
+
+
+def _take_lock(client, key: str, owner: str, ttl_s: float) -> bool:
+    """SET NX with a TTL a little under the interval: at most one pass per interval across the
+    fleet, and a holder that dies frees it by itself. No Redis client (another broker): always."""
+    if client is None:
+        return True
+    return bool(client.set(key, owner, nx=True, px=max(100, int(ttl_s * 900))))
+
+
+def reconcile_loop(store: Store, settings: Settings, stop: threading.Event, owner: str,
+                   publish: Publish | None = None) -> None:
+    """Every settings.reconcile_s until `stop`: take the fleet's lock, run one pass. Failures are
+    logged and the loop goes on (the store or the broker may be briefly down)."""
+    client = None
+    if settings.broker_url.startswith(("redis://", "rediss://", "unix://")):
+        import redis
+
+        client = redis.Redis.from_url(settings.broker_url, socket_timeout=10, socket_connect_timeout=10)
+    key = lock_key(settings)
+    try:
+        while not stop.wait(settings.reconcile_s):
+            try:
+                if not _take_lock(client, key, owner, settings.reconcile_s):
+                    continue
+                rep = reconcile_once(store, settings, publish)
+                if rep:
+                    log.info("reconcile: %s", rep.line())
+            except Exception as exc:  # noqa: BLE001 the next interval tries again
+                log.warning("reconcile pass failed: %s", mask_url(str(exc)))
+    finally:
+        if client is not None:
+            client.close()

@@ -13,6 +13,7 @@ touched in the parent). torch is imported only when the model is loaded.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -180,8 +181,11 @@ class ChunkRuntime:
         # time limit here; this module never imports Celery). Passed to the decoders, which raise
         # `Interrupted` from one instead of turning it into row errors.
         self.interrupts: tuple[type[BaseException], ...] = ()
+        self.on_row: Callable[[], None] | None = None  # called as each streamed row finishes (progress)
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
+        self._rc_thread: threading.Thread | None = None
+        self.holding_chunk: str | None = None  # the chunk whose lease each heartbeat renews (`holding`)
 
     # -- process lifetime --------------------------------------------------------------------------
     @property
@@ -223,15 +227,41 @@ class ChunkRuntime:
         )
 
     def start_heartbeat(self) -> None:
+        """Every heartbeat_s: the worker row's heartbeat, and the lease of the chunk in hand renewed
+        to now + lease_s. The lease lapses only when this thread stops beating: the process died
+        (or cannot reach the store), and `reconcile` re-publishes the chunk."""
         def beat():
             while not self._hb_stop.wait(self.settings.heartbeat_s):
+                chunk = self.holding_chunk
                 try:
-                    self.store.heartbeat(self.worker_id)
+                    self.store.heartbeat(self.worker_id, chunk, self.settings.lease_s)
                 except Exception as exc:  # noqa: BLE001 a missed beat is not worth killing the worker
                     log.warning("heartbeat failed: %s", exc)
 
         self._hb_thread = threading.Thread(target=beat, name="canvasq-heartbeat", daemon=True)
         self._hb_thread.start()
+
+    @contextlib.contextmanager
+    def holding(self, chunk_id: str):
+        """Work on `chunk_id` with its lease renewed by the heartbeat; renewal ends with the block,
+        whatever ended it (a chunk left `running` by a failed delivery then lapses and is re-published)."""
+        self.holding_chunk = chunk_id
+        try:
+            yield
+        finally:
+            self.holding_chunk = None
+
+    def start_reconciler(self) -> None:
+        """The fleet's reconcile pass, every reconcile_s, in its own thread so a long pass never
+        delays a heartbeat; one worker per interval wins a lock in Redis and runs it."""
+        if not self.settings.reconcile_s:
+            return
+        from canvasq.worker.reconcile import reconcile_loop
+
+        self._rc_thread = threading.Thread(target=reconcile_loop, args=(self.store, self.settings, self._hb_stop,
+                                                                        self.worker_id),
+                                           name="canvasq-reconcile", daemon=True)
+        self._rc_thread.start()
 
     def stop(self) -> None:
         self._hb_stop.set()
@@ -256,7 +286,7 @@ class ChunkRuntime:
     def process_chunk(self, chunk_id: str) -> dict[str, Any]:
         s = self.settings
         claim = retry_transient(
-            lambda: self.store.claim_chunk(chunk_id, self.worker_id, s.visibility_timeout, s.max_attempts)
+            lambda: self.store.claim_chunk(chunk_id, self.worker_id, s.lease_s, s.max_attempts)
         )
         summary = {"chunk": chunk_id, "state": claim.state, "attempt": claim.attempts, "written": 0}
         if claim.state == "missing":
@@ -379,6 +409,8 @@ class ChunkRuntime:
         def on_result(key, res: DecodeResult) -> None:
             ms = (time.perf_counter() - fed_at.get(key, time.perf_counter())) * 1000
             writer.put(result_record(res, ms, decoder))
+            if self.on_row is not None:
+                self.on_row()
 
         try:
             dec.stream(feed, on_result, slots=self.decode_slots, seed=self.settings.seed,
@@ -464,11 +496,13 @@ def get_runtime() -> ChunkRuntime:
 
 
 def start_process() -> None:
-    """In the worker child: register, start the heartbeat, load the model before the first chunk."""
+    """In the worker child: register, start the heartbeat (and the periodic reconcile), load the model
+    before the first chunk."""
     rt = get_runtime()
     rt.store.engine.dispose(close=False)  # never share pooled connections across fork
     rt.register()
     rt.start_heartbeat()
+    rt.start_reconciler()
     try:
         rt.bundle  # noqa: B018 - load now, not inside the first chunk's time limit
         log.info("canvasq child ready: %s", rt.worker_id)

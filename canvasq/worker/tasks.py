@@ -47,7 +47,8 @@ def process_chunk(self, chunk_id: str) -> dict:
     rt = get_runtime()
     rt.interrupts = (SoftTimeLimitExceeded,)
     try:
-        return rt.process_chunk(chunk_id)
+        with rt.holding(chunk_id):  # the heartbeat renews this chunk's lease while it runs
+            return rt.process_chunk(chunk_id)
     except SoftTimeLimitExceeded:
         rt.abandon_chunk(chunk_id, "timeout", f"soft time limit ({rt.settings.soft_time_limit}s) exceeded")
         return {"chunk": chunk_id, "state": "timeout"}

@@ -92,8 +92,8 @@ def test_cancel_retry_reconcile_on_the_queue(service_env):
     invoke("reconcile")
     assert queue_length(q) == 3  # nothing published twice
 
-    # a chunk whose worker vanished and whose message Redis lost: lease expired a visibility timeout
-    # ago (the reconciler leaves Redis that long to restore the message itself) → re-published
+    # a chunk whose worker vanished (no heartbeat renews its lease any more) and whose message Redis
+    # lost: once the lease has expired → re-published
     store.claim_chunk(run.chunk_ids[0], "gone", lease_s=1, max_attempts=3)
     with store.Session.begin() as s:
         from sqlalchemy import update

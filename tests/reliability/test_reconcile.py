@@ -1,19 +1,32 @@
-"""The reconciler's lease path: a chunk whose worker vanished and whose message Redis no longer
-holds is re-published by `canvasq reconcile` once its lease (plus one visibility timeout, Redis's
-own chance to restore it) has expired, and only once however many passes run before a worker
-claims it (every extra message would be one more delivery against max_attempts)."""
+"""The reconciler's lease path: a chunk whose worker vanished is re-published by `canvasq reconcile`
+as soon as its lease has expired (no extra visibility timeout: a live worker renews its lease with
+every heartbeat), and only once however many passes run before a worker claims it (every extra
+message would be one more delivery against max_attempts). Workers run the pass themselves, one at
+a time across the fleet (a lock in Redis)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
+from datetime import timedelta
 
+from sqlalchemy import select, update
+
+from canvasq.api.models import Chunk, utcnow
+from canvasq.api.settings import Settings
 from canvasq.api.store import Store
 from canvasq.testing import probes
 from canvasq.testing.scenario import write_input
 from canvasq.testing.services import RedisServer
 from canvasq.testing.workers import worker_env
+from canvasq.worker.reconcile import reconcile_loop
+
+
+def _expire(store: Store, chunk_id: str) -> None:
+    with store.Session.begin() as s:
+        s.execute(update(Chunk).where(Chunk.id == chunk_id).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
 
 
 def test_reconcile_republishes_an_expired_lease_once(tmp_path):
@@ -31,6 +44,7 @@ def test_reconcile_republishes_an_expired_lease_once(tmp_path):
                 text=True,
                 timeout=120,
                 cwd=tmp_path,
+                check=False,
             )
             assert res.returncode == 0, res.stdout + res.stderr
             return res.stdout
@@ -47,26 +61,88 @@ def test_reconcile_republishes_an_expired_lease_once(tmp_path):
             assert redis.queue_length("q.rec") == 2
             c0, c1 = sorted(probes.chunk_attempts(store, run))
             # a worker took chunk 0 and died, and the message is gone from Redis
-            claim = store.claim_chunk(c0, "ghost:1", 1, 3)
+            claim = store.claim_chunk(c0, "ghost:1", 60, 3)
             assert claim.state == "work"
             client = redis.client()
             assert client.rpop("q.rec") is not None  # kombu consumes from the right: the oldest message
             client.close()
             assert redis.queue_length("q.rec") == 1
-            assert "0 with expired leases" in cli("reconcile")  # lease not yet past the grace period
-            time.sleep(1 + 3 + 1)  # lease 1 s, one visibility timeout, a margin
+            assert "0 with expired leases" in cli("reconcile")  # lease still running
+            assert store.heartbeat("ghost:1", c0, 60)  # the owner's heartbeat would keep it so
+            _expire(store, c0)  # ... until its beats stop: the lease lapses
             first = cli("reconcile")
             second = cli("reconcile")
             assert "1 with expired leases" in first and "published 0 chunks" in second, (first, second)
             assert redis.queue_length("q.rec") == 2  # chunk 1's original + chunk 0 once
+            assert not store.heartbeat("ghost:1", c0, 60)  # a late beat of the old owner renews nothing
             with store.Session() as s:
-                from sqlalchemy import select
-
-                from canvasq.api.models import Chunk
-
                 st = dict(s.execute(select(Chunk.id, Chunk.status).where(Chunk.run_id == run)).all())
             assert st == {c0: "queued", c1: "queued"}
             again = store.claim_chunk(c0, "w:2", 60, 3)
             assert again.state == "work" and again.attempts == 2 and len(again.requests) == 2
+            assert store.heartbeat("w:2", c0, 60) and not store.heartbeat("ghost:1", c0, 60)
+
+            # a chunk whose rows are all finished is not re-published, even with a lapsed lease
+            store.claim_chunk(c1, "ghost:2", 60, 3)
+            from canvasq.api.store import ResultRecord
+
+            store.write_results(run, [ResultRecord(c, text="x") for c in probes.chunk_rows(store, c1)], "ghost:2")
+            _expire(store, c1)
+            assert "0 with expired leases" in cli("reconcile")
         finally:
             store.dispose()
+
+
+def test_workers_reconcile_loop_runs_one_pass_per_interval_across_the_fleet(tmp_path, monkeypatch):
+    """Three workers' reconcile loops on one store and Redis: the lock lets one of them run each
+    interval, an expired lease is re-published once, and a worker with another database is not
+    held back by this fleet's lock."""
+    with RedisServer(tmp_path) as redis:
+        db = f"sqlite:///{tmp_path / 'l.sqlite'}"
+        store = Store(db)
+        store.upgrade()
+        from canvasq.api.schemas import Job
+
+        run = store.create_run([Job(f"j{i}", "p", "math", 8, None, i + 1) for i in range(4)], model="m",
+                               queue="q.loop", chunk_size=2)
+        store.mark_published(run.chunk_ids)
+        store.claim_chunk(run.chunk_ids[0], "dead:1", 60, 3)
+        _expire(store, run.chunk_ids[0])
+        settings = Settings(database_url=db, broker_url=redis.url, reconcile_s=1.0)
+        passes: list[tuple[str, float]] = []
+        published: list[str] = []
+
+        def publish(ids, queue, _settings):
+            published.extend(ids)
+            return len(ids)
+
+        import canvasq.worker.reconcile as rec
+
+        real = rec.reconcile_once
+
+        def counted(st, s, pub=None):
+            passes.append((threading.current_thread().name, time.monotonic()))
+            return real(st, s, pub)
+
+        monkeypatch.setattr(rec, "reconcile_once", counted)
+        stop = threading.Event()
+        other = Settings(database_url=f"sqlite:///{tmp_path / 'other.sqlite'}", broker_url=redis.url,
+                         reconcile_s=1.0)
+        other_store = Store(other.database_url)
+        other_store.upgrade()
+        threads = [threading.Thread(target=reconcile_loop, args=(store, settings, stop, f"w{i}", publish),
+                                    name=f"w{i}") for i in range(3)]
+        threads.append(threading.Thread(target=reconcile_loop, args=(other_store, other, stop, "x", publish),
+                                        name="other"))
+        for th in threads:
+            th.start()
+        time.sleep(5.5)
+        stop.set()
+        for th in threads:
+            th.join(10)
+        other_store.dispose()
+        ours = [at for name, at in passes if name != "other"]
+        assert 3 <= len(ours) <= 6, passes  # about one per second, not three
+        assert sum(name == "other" for name, _ in passes) >= 3, passes
+        assert published == [run.chunk_ids[0]]
+        store.dispose()

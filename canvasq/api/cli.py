@@ -372,6 +372,16 @@ def _embedded_runtime(store, settings):
     return rt
 
 
+def _embedded_slots(settings) -> int:
+    """Decode slots of the embedded worker (CANVASQ_DECODE_SLOTS, else 32 on a GPU, else
+    CANVASQ_DECODE_BATCH_SIZE), known before the model loads."""
+    if settings.decode_slots:
+        return settings.decode_slots
+    from canvasq.worker.runtime import resolve_device
+
+    return 32 if resolve_device(settings.device).startswith("cuda") else settings.decode_batch_size
+
+
 def _raise_interrupt(_signum, _frame):
     raise KeyboardInterrupt
 
@@ -391,11 +401,12 @@ def _process_embedded(rt, run_id: str) -> None:
         queued = store.counts(run_id)["queued"]
         with click.progressbar(length=queued, label="generating", file=sys.stderr, show_eta=True,
                                show_percent=True, show_pos=True) as bar:
-            for cid in store.pending_chunks(run_id):  # one count per chunk: after one chunk is before the next
+            rt.on_row = lambda: bar.update(1)  # each row as it finishes, not each chunk
+            for cid in store.pending_chunks(run_id):
                 rt.process_chunk(cid)
-                now = store.counts(run_id)["queued"]
-                bar.update(queued - now)
-                queued = now
+                settled = queued - store.counts(run_id)["queued"]  # also rows closed without decoding
+                bar.update(max(0, settled - bar.pos))
+            rt.on_row = None
         store.finalize_run(run_id)
         click.echo(f"engine: {json.dumps(rt.bundle.engine())}", err=True)  # device, experts, graphs
     except KeyboardInterrupt:
@@ -434,7 +445,8 @@ def cli():
 @model_option
 @click.option("--name", default=None, callback=_check_name, help="A name for the run.")
 @click.option("--chunk-size", type=click.IntRange(min=1), default=None,
-              help="Requests per chunk (default: CANVASQ_DECODE_BATCH_SIZE).")
+              help="Requests per chunk (default: 8 x the decode slots, so continuous batching keeps "
+                   "the slots full across the file).")
 @click.option("--fresh", is_flag=True, help="Start over even if an earlier run of the same file and settings exists.")
 @json_option
 def run(file, out_path, decoder, model, name, chunk_size, fresh, as_json):
@@ -460,7 +472,7 @@ def run(file, out_path, decoder, model, name, chunk_size, fresh, as_json):
     try:
         _check_model(settings)
         store = _open_store(settings)
-        chunk_size = chunk_size or settings.decode_batch_size
+        chunk_size = chunk_size or 8 * _embedded_slots(settings)
         digest = file_sha256(file)
         key = _embedded_key(digest, settings, decoder, chunk_size)
         earlier = None if fresh else store.run_by_key(key)

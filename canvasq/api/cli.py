@@ -372,14 +372,10 @@ def _embedded_runtime(store, settings):
     return rt
 
 
-def _embedded_slots(settings) -> int:
-    """Decode slots of the embedded worker (CANVASQ_DECODE_SLOTS, else 32 on a GPU, else
-    CANVASQ_DECODE_BATCH_SIZE), known before the model loads."""
-    if settings.decode_slots:
-        return settings.decode_slots
-    from canvasq.worker.runtime import resolve_device
-
-    return 32 if resolve_device(settings.device).startswith("cuda") else settings.decode_batch_size
+# `canvasq run`'s chunk: chunks spread a run over fleet workers; the embedded runner is one worker, and
+# its decode stream drains at each chunk's end, so its chunks are large (rows are still stored one by
+# one as they finish: a rerun after a kill continues from the rows stored)
+EMBEDDED_CHUNK = 4096
 
 
 def _raise_interrupt(_signum, _frame):
@@ -445,8 +441,8 @@ def cli():
 @model_option
 @click.option("--name", default=None, callback=_check_name, help="A name for the run.")
 @click.option("--chunk-size", type=click.IntRange(min=1), default=None,
-              help="Requests per chunk (default: 8 x the decode slots, so continuous batching keeps "
-                   "the slots full across the file).")
+              help=f"Requests per chunk (default: {EMBEDDED_CHUNK}: one worker drains the file, and a chunk's "
+                   "continuous batching keeps the decode slots full until its last rows).")
 @click.option("--fresh", is_flag=True, help="Start over even if an earlier run of the same file and settings exists.")
 @json_option
 def run(file, out_path, decoder, model, name, chunk_size, fresh, as_json):
@@ -472,7 +468,7 @@ def run(file, out_path, decoder, model, name, chunk_size, fresh, as_json):
     try:
         _check_model(settings)
         store = _open_store(settings)
-        chunk_size = chunk_size or 8 * _embedded_slots(settings)
+        chunk_size = chunk_size or EMBEDDED_CHUNK
         digest = file_sha256(file)
         key = _embedded_key(digest, settings, decoder, chunk_size)
         earlier = None if fresh else store.run_by_key(key)

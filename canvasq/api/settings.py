@@ -160,14 +160,14 @@ _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+")
 _SECRET_PARAM = re.compile(r"(?i)([?&;][^=&;#\s]*(?:password|passwd|pwd|secret|token)[^=&;#\s]*=)([^&;#\s]*)")
 
 
+_HOST_AFTER = re.compile(r"[A-Za-z0-9._~\-\[\]:%,]*(?:[/?#;]|$)")
+
+
 def _mask_one(url: str) -> str:
     scheme, _, rest = url.partition("://")
-    query = rest.find("?")
-    # The userinfo ends at the last `@` before the query: a password may hold an unencoded `@`
-    # (or `/`, `:`); when no `@` comes before a `?`, the password itself may hold the `?`.
-    at = rest.rfind("@", 0, query if query >= 0 else len(rest))
-    if at < 0 and query >= 0:
-        at = rest.rfind("@")
+    # The userinfo ends at the last `@` that a host follows: a password may hold an unencoded `@`,
+    # `/`, `:`, `?` or `#`. When in doubt this masks too much (a host), never too little.
+    at = next((i for i in range(len(rest) - 1, -1, -1) if rest[i] == "@" and _HOST_AFTER.match(rest, i + 1)), -1)
     if at >= 0:
         user, colon, password = rest[:at].partition(":")
         if colon and password:

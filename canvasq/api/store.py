@@ -617,6 +617,8 @@ class Store:
                 ids += self.stuck_rows(run_id, offline_before, s)
             if not ids:
                 return []
+            old_chunks = set(s.scalars(select(Request.chunk_id).where(Request.run_id == run_id,
+                                                                      Request.custom_id.in_(ids))))
             base = (s.scalar(select(func.max(Chunk.seq)).where(Chunk.run_id == run_id)) or 0) + 1
             chunk_ids = []
             for i in range(0, len(ids), chunk_size):
@@ -628,6 +630,14 @@ class Store:
                           .where(Request.run_id == run_id, Request.custom_id.in_(ids[i:i + chunk_size]))
                           .values(status="queued", chunk_id=cid, updated_at=now))
                 chunk_ids.append(cid)
+            # a stuck chunk whose rows all moved is over: neither reconcile nor its dead owner's
+            # late renewal has anything left in it
+            s.execute(update(Chunk)
+                      .where(Chunk.id.in_([c for c in old_chunks if c]), Chunk.status.in_(("queued", "running")),
+                             ~select(Request.id).where(Request.chunk_id == Chunk.id, Request.status == "queued")
+                             .exists())
+                      .values(status="done", lease_expires_at=None, published_at=func.coalesce(Chunk.published_at, now),
+                              updated_at=now))
             run = s.get(Run, run_id)
             # A retry gets a fresh deadline of the original length; the old, passed one would make the
             # next reconcile pass expire the retried rows again at once.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -48,10 +49,42 @@ def test_bad_routing_rejected(monkeypatch):
         ("redis://:hunter2@redis:6379/0", "redis://:***@redis:6379/0"),
         ("redis://localhost:6379/0", "redis://localhost:6379/0"),
         ("sqlite:///canvasq.sqlite", "sqlite:///canvasq.sqlite"),
+        # an unencoded `@` (and `/`, `?`) inside the password: the userinfo ends at the last `@`
+        ("redis://:p@ss@redis:6379/0", "redis://:***@redis:6379/0"),
+        ("postgresql://u:a/b@c@h:5432/db?sslmode=require", "postgresql://u:***@h:5432/db?sslmode=require"),
+        ("postgresql://u:pa?ss@h/db", "postgresql://u:***@h/db"),
+        # secrets in query parameters
+        ("redis://redis:6379/0?password=hunter2", "redis://redis:6379/0?password=***"),
+        ("postgresql://u@h/db?sslmode=verify-full&sslpassword=kk&application_name=a@b",
+         "postgresql://u@h/db?sslmode=verify-full&sslpassword=***&application_name=a@b"),
+        ("rediss://:pw@h:6380/0?ssl_cert_reqs=required&token=t0k", "rediss://:***@h:6380/0?ssl_cert_reqs=required&token=***"),
+        # URLs inside an error line, each masked; a username alone is not a secret
+        ("Error 111 connecting to redis://:s3@cr3t@h:1/0; db postgresql://u:pw@h/d.",
+         "Error 111 connecting to redis://:***@h:1/0; db postgresql://u:***@h/d."),
+        ("postgresql://canvasq@postgres:5432/canvasq", "postgresql://canvasq@postgres:5432/canvasq"),
     ],
 )
 def test_mask_url(url, masked):
     assert mask_url(url) == masked
+
+
+@pytest.mark.parametrize("secret", ["Pq7@Zx9", "Aa1/Bb2@Cc3", "Xx1?Yy2@Zz3", "Ss1@:/?Tt2#Uu3", "Hh4nter2"])
+def test_mask_url_never_leaves_the_password(secret):
+    urls = [f"redis://:{secret}@h:6379/0", f"postgresql+psycopg://u:{secret}@h/db?sslmode=require"]
+    if "#" not in secret:  # in a query, `#` starts the fragment: not part of the value
+        urls.append(f"redis://h:6379/0?password={secret}&db=1")
+    for url in urls:
+        out = mask_url(url)
+        assert "***" in out and not any(part in out for part in re.findall(r"[A-Za-z0-9]+", secret)), (url, out)
+
+
+def test_lease_must_outlive_a_missed_heartbeat():
+    s = Settings()
+    assert (s.lease_s, s.heartbeat_s, s.reconcile_s, s.offline_after_s) == (60, 15.0, 15.0, 55.0)
+    s.check_time_limits()
+    with pytest.raises(ValueError, match="lease_s=30 is too short for heartbeat_s=15"):
+        Settings(lease_s=30).check_time_limits()
+    Settings(lease_s=9, heartbeat_s=2).check_time_limits()
 
 
 @pytest.mark.parametrize("vis, hard, soft", [(100, 100, 50), (100, 200, 50), (300, 200, 200)])

@@ -202,7 +202,9 @@ def test_t13_deadline_expires_unfinished_rows_t15_retry_reruns_only_those(scenar
     """T13: a run past its deadline → `canvasq reconcile` makes unfinished rows expired, finished
     rows stay. T15: `canvasq retry` re-runs only the expired rows (a reconcile pass meanwhile does
     not expire them again) and the results merge: every row done, the old ones untouched."""
-    with scenario(db="postgresql", extra={"CANVASQ_TEST_DELAY_S": "2"}) as sc:
+    # the CLI's pass is the one under test: the worker's own periodic pass (CANVASQ_RECONCILE_S)
+    # would expire the run first now and then
+    with scenario(db="postgresql", extra={"CANVASQ_TEST_DELAY_S": "2", "CANVASQ_RECONCILE_S": "0"}) as sc:
         ids = sc.write_input(12)
         w = sc.worker()
         w.wait_ready()

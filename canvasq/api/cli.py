@@ -260,6 +260,16 @@ def _per_req(forwards: int, requests: int) -> str | None:
     return f"{forwards / requests:.1f}" if requests else None
 
 
+def _slot_use(occupancy: list[tuple[int, int]]) -> dict | None:
+    """Decode slot use over a run's steps: mean share busy, and for how much of the run all were."""
+    if not occupancy:
+        return None
+    steps = len(occupancy)
+    first_short = next((i for i, (n, k) in enumerate(occupancy) if n < k), steps)
+    return {"slots": max(k for _, k in occupancy), "steps": steps,
+            "mean": sum(n for n, _ in occupancy) / sum(k for _, k in occupancy), "full_until": first_short / steps}
+
+
 def _summary_table(summary: dict) -> str:
     """fwd/req: model passes that served a request, averaged over requests (a pass shared by a batch
     counts for each request it served, as in `canvasq bench`); tok/fwd: tokens per such pass."""
@@ -382,11 +392,13 @@ def _raise_interrupt(_signum, _frame):
     raise KeyboardInterrupt
 
 
-def _process_embedded(rt, run_id: str) -> None:
-    """Generate every chunk of `run_id` that still holds queued rows. Ctrl-C or SIGTERM marks the run
-    `interrupted` and exits 130; rows stored before stay, and the same command continues."""
+def _process_embedded(rt, run_id: str) -> list[tuple[int, int]]:
+    """Generate every chunk of `run_id` that still holds queued rows; returns the decode slots' use per
+    step (live rows, slots). Ctrl-C or SIGTERM marks the run `interrupted` and exits 130; rows stored
+    before stay, and the same command continues."""
     import signal
 
+    occupancy: list[tuple[int, int]] = []
     store = rt.store
     rt.queue = f"embedded:{run_id}"  # the run's owner, for `_owner_alive`
     rt.register()
@@ -399,12 +411,13 @@ def _process_embedded(rt, run_id: str) -> None:
                                show_percent=True, show_pos=True) as bar:
             rt.on_row = lambda: bar.update(1)  # each row as it finishes, not each chunk
             for cid in store.pending_chunks(run_id):
-                rt.process_chunk(cid)
+                occupancy += rt.process_chunk(cid).get("occupancy", [])
                 settled = queued - store.counts(run_id)["queued"]  # also rows closed without decoding
                 bar.update(max(0, settled - bar.pos))
             rt.on_row = None
         store.finalize_run(run_id)
         click.echo(f"engine: {json.dumps(rt.bundle.engine())}", err=True)  # device, experts, graphs
+        return occupancy
     except KeyboardInterrupt:
         store.mark_interrupted(run_id, release_chunks=True)
         c = store.counts(run_id)
@@ -496,8 +509,9 @@ def run(file, out_path, decoder, model, name, chunk_size, fresh, as_json):
                            err=True)
             store.resume_run(run_id)
         t0 = time.perf_counter()
+        occupancy = []
         if rt is not None:
-            _process_embedded(rt, run_id)
+            occupancy = _process_embedded(rt, run_id)
         else:
             store.finalize_run(run_id)
         wall = time.perf_counter() - t0
@@ -509,10 +523,15 @@ def run(file, out_path, decoder, model, name, chunk_size, fresh, as_json):
     summary = store.run_summary(run_id)
     summary["process_wall_s"] = wall
     summary["reused"] = reused
+    summary["slots"] = _slot_use(occupancy)
     if as_json:
         click.echo(json.dumps(summary, default=str))
     else:
         click.echo(_summary_table(summary))
+        if summary["slots"]:
+            u = summary["slots"]
+            click.echo(f"decode slots: {u['slots']}, {u['mean'] * 100:.0f} % full over {u['steps']} steps "
+                       f"(every slot busy for the first {u['full_until'] * 100:.0f} % of them)")
         click.echo(f"wrote {n_ok} results and {n_err} errors to {out_path} in {wall:.1f}s"
                    + (f"; {reused} rows reused from the earlier run" if reused else ""))
     _report_unfinished(store, run_id)

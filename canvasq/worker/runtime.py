@@ -407,7 +407,9 @@ class ChunkRuntime:
         writer = RowWriter(lambda recs: retry_transient(lambda: self.store.write_results(run_id, recs, self.worker_id)))
 
         def on_result(key, res: DecodeResult) -> None:
-            ms = (time.perf_counter() - fed_at.get(key, time.perf_counter())) * 1000
+            # its share of each pass that carried it (rows in flight share the wall; a sum over rows
+            # of their time in flight would count it once per slot)
+            ms = sum(t.ms * (t.own_rows or 0) / t.rows for t in res.traces if t.rows)
             writer.put(result_record(res, ms, decoder))
             if self.on_row is not None:
                 self.on_row()

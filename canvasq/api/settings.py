@@ -10,6 +10,9 @@
     CANVASQ_DEVICE         auto (the current CUDA device when one is visible, else cpu) | cpu | cuda | cuda:N
     CANVASQ_EXPERTS        auto (W4A16 experts on CUDA, BF16 on CPU) | w4 | bf16
     CANVASQ_W4_CACHE_DIR   where packed W4 experts are cached when the model directory is not writable
+    CANVASQ_LEASE_S        a claimed chunk's lease, renewed by the worker's heartbeat (default 60)
+    CANVASQ_HEARTBEAT_S    worker heartbeat; offline after 3 missed beats + 10 s (default 15)
+    CANVASQ_RECONCILE_S    every worker's periodic reconcile pass, one per interval fleet-wide (default 15; 0 off)
     CANVASQ_CHUNK_SIZE, CANVASQ_SOFT_TIME_LIMIT, CANVASQ_HARD_TIME_LIMIT,
     CANVASQ_VISIBILITY_TIMEOUT, CANVASQ_MAX_ATTEMPTS, ...  (see the fields below)
 

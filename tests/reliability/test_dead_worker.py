@@ -107,3 +107,23 @@ def test_sigkill_of_worker_main_process_reruns_its_chunk_elsewhere_within_two_mi
         assert all(n <= 2 for n in Counter(c for _, c in decoded).values())
         assert "re-publishing 1 chunk(s)" in b.log(1_000_000)  # B's own reconcile pass did it
         print(f"dead worker's rows running again after {took:.0f} s")
+
+
+def test_a_live_worker_slower_than_its_lease_keeps_its_chunk(scenario):
+    """Renewal is what keeps a slow chunk from being re-published (and its rows from being counted
+    toward max_attempts = 2 and dead-lettered): each chunk here takes about three leases, the
+    workers reconcile every second, and still every chunk is delivered once. Settings a user could
+    set: CANVASQ_LEASE_S=9, CANVASQ_HEARTBEAT_S=2, CANVASQ_RECONCILE_S=1."""
+    with scenario(db="sqlite", chunk_size=3, decode_batch_size=1, max_attempts=2) as sc:
+        ids = sc.write_input(6)
+        extra = {"CANVASQ_LEASE_S": "9", "CANVASQ_HEARTBEAT_S": "2", "CANVASQ_RECONCILE_S": "1",
+                 "CANVASQ_TEST_DELAY_S": "8"}
+        a, b = sc.worker(extra=extra), sc.worker(extra=extra)
+        a.wait_ready()
+        b.wait_ready()
+        run = sc.submit("--chunk-size", "3")
+        sc.wait_terminal(run, deadline_s=300)
+        rep = sc.check(run, ids, run_status="completed", statuses={"done": 6})
+        assert set(rep.attempts.values()) == {1}, rep.attempts
+        logs = a.log(1_000_000) + b.log(1_000_000)
+        assert "re-publishing" not in logs

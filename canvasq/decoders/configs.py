@@ -104,8 +104,9 @@ class PipeConfig:
     eos_streak: bool = False  # EOS priority needs two consecutive argmax-EOS decisions
     # Draft-only pipelining: canvases behind the front stay drafts (renoised, self-conditioned, never
     # committing) until they become the front, so nothing is committed against a half-settled
-    # predecessor; off, they graduate to semi at τ_add and full at τ_act as in the seed.
-    draft_only: bool = False
+    # predecessor; off, they graduate to semi at τ_add and full at τ_act as in the seed (whose
+    # 256-token canvases an answer rarely crosses; the testbed's 32-token ones it crosses 3-4 times).
+    draft_only: bool = True
     self_conditioning: bool = True
     sc_topk: int | None = None  # top-k self-conditioning projection; None = full vocabulary
     adapter: bool = True  # decode with the D2F LoRA merged (`bundle.d2f_model()`)

@@ -62,7 +62,8 @@ def _promoted_mismatches(dec) -> tuple[int, int]:
 
 def test_promote_one_step_late_caches_the_final_token():
     b = tiny_bundle(peak=3.0)
-    ov = {"tau_conf": 0.8, "max_canvases": 2, "self_conditioning": False}
+    # semi canvases commit (and promote) rows behind the front: the seed's schedule
+    ov = {"tau_conf": 0.8, "max_canvases": 2, "self_conditioning": False, "draft_only": False}
     dec = make_decoder("funnel", b, ov)
     dec.decode(_batch(0))
     bad, total = _promoted_mismatches(dec)
@@ -109,7 +110,7 @@ def _hf_reference_logits(model, arena, slot, window, sliding_window):
 def test_band_masks_match_reference_attention():
     b = tiny_bundle(peak=3.0)
     W = b.config.get_text_config().sliding_window
-    dec = make_decoder("funnel", b, {"tau_conf": 0.8, "max_canvases": 5, "self_conditioning": False})
+    dec = make_decoder("funnel", b, {"tau_conf": 0.8, "max_canvases": 5, "self_conditioning": False, "draft_only": False})
     rt = dec.rt
     seen = []
     real_decode = rt.decode

@@ -14,6 +14,7 @@ def test_seed_defaults():
     assert (p.tau_add, p.tau_act, p.jacobi_window, p.jacobi_max_commits) == (0.5, 0.95, 8, 1)
     assert p.spawn_threshold == pytest.approx(0.35) and p.renoise == "argmax" and p.forced_accept
     assert PipeConfig(draft_spawn=False).spawn_threshold == 0.5
+    assert p.draft_only and f.draft_only  # draft-only pipelining measured better (BENCHMARKS.md)
     assert (f.decay_after, f.decay_floor, f.early_spawn_rows) == (16, 0.45, 48)
     assert f.promote == "arena" and f.self_conditioning and not f.retire_refresh
     assert OfficialConfig().experts == "bf16" and OfficialConfig().seed_mode == "row"

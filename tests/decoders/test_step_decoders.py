@@ -41,11 +41,16 @@ def test_seeded_runs_repeat(bundle, name):
 @pytest.mark.parametrize("name", ["pipe", "funnel"])
 def test_batched_equals_unbatched(bundle, name):
     """Each row has its own RNG (seed, custom_id), so batching changes only float summation
-    order; on this model the tokens come out identical."""
-    batch = _batch(2)
-    together = run_batch(bundle, batch, decoder=name)
-    alone = [run_batch(bundle, DecodeBatch([r], seed=batch.seed), decoder=name)[0] for r in batch.requests]
-    assert _ids(together) == _ids(alone)
+    order; in fp64 the tokens come out identical. (In fp32 the toy model's draft canvases, which
+    ride many steps under draft-only pipelining, hold argmax near-ties that summation order flips.)"""
+    b64 = tiny_bundle(peak=3.0)
+    b64.hf_model.double()
+    b64.d2f_model().double()
+    for seed in (2, 3):
+        batch = _batch(seed)
+        together = run_batch(b64, batch, decoder=name)
+        alone = [run_batch(b64, DecodeBatch([r], seed=batch.seed), decoder=name)[0] for r in batch.requests]
+        assert _ids(together) == _ids(alone)
 
 
 @pytest.mark.parametrize("name", ["pipe", "funnel"])
@@ -128,7 +133,7 @@ def test_pipe_retire_costs_an_encoder_pass(bundle):
 
 
 def test_draft_spawn_and_states(bundle):
-    ov = {"tau_conf": 0.8, "max_canvases": 3}
+    ov = {"tau_conf": 0.8, "max_canvases": 3, "draft_only": False}  # the seed's graduation
     r = run_batch(bundle, _batch(7, n=1, max_tokens=40), decoder="pipe", overrides=ov)[0]
     states = [t.states for t in r.traces if t.kind == "decode"]
     assert all(s.split(",")[0] == "full" for s in states)  # the front is always full
@@ -140,7 +145,7 @@ def test_draft_spawn_and_states(bundle):
 
 
 def test_tau_decay_and_early_spawn_are_live(bundle):
-    base = {"tau_conf": 0.95, "max_canvases": 3}
+    base = {"tau_conf": 0.95, "max_canvases": 3, "draft_only": False}  # semi canvases decay too
     plain = run_batch(bundle, _batch(8, n=1, max_tokens=40), decoder="funnel", overrides=base)[0]
     decay = run_batch(
         bundle,
@@ -369,7 +374,9 @@ def test_graph_runner_decodes_like_eager(bundle, name, monkeypatch):
 
     monkeypatch.setattr(StepDecoder, "forward", recording)
     monkeypatch.setattr(StepDecoder, "encode", recording_encode)
-    ov = {"max_canvases": 2}
+    # the seed's semi canvases: under draft-only pipelining the toy model's long-lived drafts hold
+    # argmax near-ties whose renoise flips split the compared schedules early
+    ov = {"max_canvases": 2, "draft_only": False}
     logits.append([])
     eager = run_batch(bundle, _batch(3), decoder=name, overrides={**ov, "cuda_graphs": "off"})
     dec = make_decoder(name, bundle, {**ov, "cuda_graphs": "on"})

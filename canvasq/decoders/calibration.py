@@ -23,7 +23,8 @@ DEV_SEEDS = (101,)
 DEV_N = 40
 
 # The default sweep: each decoder's main knobs and a few guards (official: the step cap per canvas
-# and the entropy bound; pipe / funnel: τ_conf, draft-only pipelining, the entropy budget, agree).
+# and stop rule; pipe / funnel: τ_conf, the seed's semi canvases against the default draft-only
+# pipelining, canvases in flight, the entropy budget, agree).
 SWEEP: dict[str, tuple[dict, ...]] = {
     "official": (
         {},
@@ -31,20 +32,22 @@ SWEEP: dict[str, tuple[dict, ...]] = {
         {"max_denoising_steps": 2},
         {"max_denoising_steps": 3},
         {"max_denoising_steps": 4},
+        {"confidence_threshold": 0.05},
         {"entropy_bound": 1.0},
-        {"entropy_bound": 4.0},
     ),
     "pipe": (
+        {"draft_only": False},
         {},
-        {"draft_only": True},
-        {"draft_only": True, "tau_conf": 0.97},
-        {"draft_only": True, "entropy_budget": 0.1},
+        {"tau_conf": 0.97},
+        {"entropy_budget": 0.1},
+        {"tau_conf": 0.97, "max_canvases": 1},
     ),
     "funnel": (
+        {"draft_only": False},
         {},
-        {"draft_only": True, "tau_conf": 0.9},
-        {"draft_only": True, "tau_conf": 0.97},
-        {"draft_only": True, "tau_conf": 0.9, "entropy_budget": 0.1, "agree": True},
+        {"tau_conf": 0.9},
+        {"tau_conf": 0.97},
+        {"tau_conf": 0.9, "entropy_budget": 0.1, "agree": True},
     ),
 }
 
@@ -140,6 +143,23 @@ class Calibration:
         floor = ref.accuracy * 100 - budget - 1e-9
         ok = [p for p in self.family_points(family) if p.decoder != "hf" and p.accuracy * 100 >= floor]
         return max(ok, key=lambda p: (p.tok_s, p.reference))
+
+    def official_line(self, family: str, fwd: float) -> float | None:
+        """Accuracy (0..1) of the capped official sampler at `fwd` forwards per request: linear
+        between its measured step caps and the uncapped reference, the best so far past them; None
+        below the smallest cap's forwards."""
+        line = sorted(
+            (p.fwd_per_req, p.accuracy) for p in self.family_points(family)
+            if p.decoder == "official" and set(p.knobs) <= {"max_denoising_steps"}
+        )
+        if not line or fwd < line[0][0]:
+            return None
+        best = line[0][1]
+        for (f0, a0), (f1, a1) in zip(line, line[1:]):
+            if f0 <= fwd <= f1 and f1 > f0:
+                return max(best, a0 + (a1 - a0) * (fwd - f0) / (f1 - f0))
+            best = max(best, a1)
+        return best
 
     def describe(self) -> str:
         return (f"calibration #{self.id} ({self.created_at}, {self.device}, batch {self.batch_size}, "
@@ -295,8 +315,9 @@ def table(cal: Calibration, budget: float, frontier_only: bool = False) -> str:
         f"{cal.describe()}: {cal.model_path} (fingerprint {cal.fingerprint[:12]}), {cal.hardware}, "
         f"commit {cal.commit or '?'}, max_tokens {cal.max_tokens}",
         "",
-        "| family | setting | n | acc | Δ vs official | tok/s | × official | fwd/req | τ | G/τ | frontier | auto |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| family | setting | n | acc | Δ vs official | tok/s | × official | fwd/req | τ | G/τ | vs capped line "
+        "| frontier | auto |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for fam in cal.families():
         ref = cal.reference(fam)
@@ -307,12 +328,19 @@ def table(cal: Calibration, budget: float, frontier_only: bool = False) -> str:
                 continue
             d_acc = f"{(p.accuracy - ref.accuracy) * 100:+.1f}" if ref else "?"
             speed = f"{p.tok_s / ref.tok_s:.2f}" if ref and ref.tok_s else "?"
+            at = cal.official_line(fam, p.fwd_per_req) if p.decoder in ("pipe", "funnel") else None
+            vs_line = f"{(p.accuracy - at) * 100:+.1f}" if at is not None else ""
             lines.append(
                 f"| {fam} | {p.label}{' (reference)' if p.reference else ''} | {p.n} | {p.accuracy * 100:.1f} % | "
                 f"{d_acc} | {p.tok_s:.0f} | {speed} | {p.fwd_per_req:.2f} | {p.tau:.2f} | {p.g_over_tau:.2f} | "
-                f"{'*' if p.frontier else ''} | {'<-' if p == pick else ''} |"
+                f"{vs_line} | {'*' if p.frontier else ''} | {'<-' if p == pick else ''} |"
             )
-    lines += ["", f"auto: the fastest setting within {budget:g} points of the reference (CANVASQ_ROUTING_BUDGET)."]
+    lines += [
+        "",
+        f"auto: the fastest setting within {budget:g} points of the reference (CANVASQ_ROUTING_BUDGET). "
+        "vs capped line: a step decoder's accuracy minus the capped official sampler's at equal "
+        "forwards per request (linear between its step caps; >= 0 is on or above the line).",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -164,3 +164,16 @@ def test_calibrate_refuses_bad_options_in_one_line(service_env, args, msg):
 
     res = CliRunner().invoke(cli, ["calibrate", "--task", "arith", *args], env={"CANVASQ_MODEL": model_for_tests()})
     assert res.exit_code == 1 and msg in res.output and res.output.count("\n") == 1, res.output
+
+
+def test_capped_official_line_at_equal_forwards():
+    pts = [
+        C.Point("math", "arith", "official", {}, 40, 0.8, 600, 15.0, 6, 5, reference=True),
+        C.Point("math", "arith", "official", {"max_denoising_steps": 2}, 40, 0.4, 900, 10.0, 9, 3),
+        C.Point("math", "arith", "official", {"confidence_threshold": 0.05}, 40, 0.9, 900, 11.0, 9, 3),  # not a cap
+    ]
+    cal = _calibration(points=pts)
+    assert cal.official_line("math", 12.5) == pytest.approx(0.6)
+    assert cal.official_line("math", 20.0) == pytest.approx(0.8)  # past the reference: its accuracy
+    assert cal.official_line("math", 9.0) is None  # fewer forwards than the smallest cap: no line
+    assert cal.official_line("code", 12.0) is None

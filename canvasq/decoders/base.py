@@ -246,7 +246,8 @@ class StepDecoder:
         def deliver(s: Seq) -> None:
             on_result(keys.pop(s.row), self._result(s))
             self._traces.pop(s.row, None)
-            self.arena.reset(s.slot)  # a free slot may pad forwards: keep it empty
+            if self.graphs is not None:  # a free slot may pad graphed forwards: keep it empty
+                self.arena.reset(s.slot)
             free.append(s.slot)
 
         try:

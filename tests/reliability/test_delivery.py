@@ -114,13 +114,15 @@ def test_t7_poison_chunk_is_dead_lettered_after_max_attempts(scenario):
 
 
 def test_t8_t9_soft_and_hard_time_limits_keep_partial_rows_without_a_loop(scenario):
-    """T8: a batch overruns the soft limit → rows done so far kept, the rest errored/timeout, the
-    chunk is acked once. T9: a batch stuck where the soft limit cannot reach it (SIGUSR1 blocked,
+    """T8: a row overruns the soft limit → rows done so far kept, the rest errored/timeout, the
+    chunk is acked once. T9: a row stuck where the soft limit cannot reach it (SIGUSR1 blocked,
     like native code) → the hard limit kills the child, Celery replaces it, the same happens to the
-    chunk's rows, and no delivery repeats."""
+    chunk's rows, and no delivery repeats. Continuous batching with 2 slots: the slow (hang) row is
+    fed once one of the chunk's first two rows finishes, so the other one, still in flight, ends with
+    it: three rows of each of those chunks end errored/timeout."""
     with scenario(db="postgresql", soft_time_limit=15, hard_time_limit=20, visibility_timeout=25) as sc:
         ids = sc.write_input(12)
-        slow, hang = ids[2], ids[6]  # second batch of chunk 0 / of chunk 1
+        slow, hang = ids[2], ids[6]  # third row of chunk 0 / of chunk 1
         w = sc.worker(
             extra={"CANVASQ_TEST_DELAY_S": "40", "CANVASQ_TEST_SLOW": slow, "CANVASQ_TEST_HANG": hang}
         )
@@ -129,10 +131,11 @@ def test_t8_t9_soft_and_hard_time_limits_keep_partial_rows_without_a_loop(scenar
         first_child = w.child_pids()[0]
         run = sc.submit("--chunk-size", "4")
         sc.wait_terminal(run, deadline_s=400)
-        rep = sc.check(run, ids, run_status="completed", statuses={"done": 8, "errored": 4})
-        assert rep.error_codes == {"timeout": 4}, rep.describe()
+        rep = sc.check(run, ids, run_status="completed", statuses={"done": 6, "errored": 6})
+        assert rep.error_codes == {"timeout": 6}, rep.describe()
         rows = {**probes.chunk_rows(sc.store, f"{run}-00000"), **probes.chunk_rows(sc.store, f"{run}-00001")}
-        assert {c for c, st in rows.items() if st == "errored"} == {ids[2], ids[3], ids[6], ids[7]}
+        errored = {c for c, st in rows.items() if st == "errored"}
+        assert {ids[2], ids[3], ids[6], ids[7]} < errored and len(errored) == 6
         # no loop: the two time-limited chunks were delivered once each. (A message the main process
         # reserved while the hard limit killed the child can be delivered twice; that is harmless,
         # the duplicate finds no queued row.)

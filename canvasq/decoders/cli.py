@@ -54,6 +54,7 @@ def bench(
 
         canvasq bench --task arith --n 50 --seeds 1,2,3 --arm official --arm funnel:tau_conf=0.7
         canvasq bench --arm official --arm official:experts=w4 --device cuda
+        canvasq bench --n 200 --seeds 31,32,33 --batch-size 16 --arm official --arm auto   # after calibrate
     """
     from pathlib import Path
 
@@ -63,8 +64,9 @@ def bench(
     from canvasq.model.loading import load_bundle
 
     torch.set_num_threads(threads)
-    bundle = load_bundle(model_spec, device=device)
     arm_list = [B.parse_arm(a) for a in (arms or ("official", "pipe", "funnel"))]
+    calibration, budget = _auto_calibration(model_spec, arm_list)
+    bundle = load_bundle(model_spec, device=device)
     report = B.run_bench(
         bundle,
         arm_list,
@@ -74,11 +76,33 @@ def bench(
         batch_size=batch_size,
         max_tokens=max_tokens,
         progress=lambda msg: click.echo(msg, err=True),
+        calibration=calibration,
+        budget=budget,
     )
     md, png = B.save(report, Path(out_dir), baseline)
     click.echo(md.read_text())
     click.echo(f"report: {md}  plot: {png}")
     click.echo(B.summary_json(report))
+
+
+def _auto_calibration(model_spec, arms):
+    """What an `auto` arm routes by: the model's stored calibration (None: official) and the budget."""
+    if not any(a.decoder == "auto" for a in arms):
+        return None, None
+    from canvasq.api.cli import _open_store
+    from canvasq.api.settings import get_settings
+    from canvasq.decoders.calibration import load_for_model
+    from canvasq.decoders.routing import routing_table
+
+    settings = get_settings()
+    store = _open_store(settings)
+    try:
+        cal = load_for_model(store, model_spec or settings.model)
+    finally:
+        store.dispose()
+    for task, decoder, source in routing_table(settings.routing, cal, settings.routing_budget):
+        click.echo(f"auto: {task} -> {decoder}  [{source}]", err=True)
+    return cal, settings.routing_budget
 
 
 @click.command("calibrate")

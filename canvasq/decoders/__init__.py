@@ -1,7 +1,7 @@
 """Generation algorithms for DiffusionGemma: `official` (HF generate), `pipe` (D2F), `funnel`.
 
 Flow: Job (api, CPU) → DecodeBatch (worker: several tokenised prompts) → `run_batch` → a strategy's
-loop → ForwardInputs (model: the window rows of one forward) → DecodeResult per request, with one
+loop → windows (model: `Window`s, the rows of one forward) → DecodeResult per request, with one
 ForwardTrace per model pass (G rows, τ commits, ms).
 
 `run_batch` is the only entry point the service uses. `decoder="auto"` routes each request by its

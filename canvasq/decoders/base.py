@@ -3,7 +3,7 @@ traces. A strategy (pipe, funnel) implements `step()`: one decoder forward for e
 of the batch, its commit rules, retires and spawns.
 
 Flow: DecodeBatch → `Seq` per request (arena slot, RNG, live canvases) → `step()` builds
-ForwardInputs (one `Window` per live sequence) → `Runtime.decode` → commits → DecodeResult.
+the forward's windows (one `Window` per live sequence) → `Runtime.decode` → commits → DecodeResult.
 
 Continuous batching: `stream(feed, on_result, slots)` keeps up to `slots` requests in flight, takes new
 ones from `feed` as rows finish (their prompts encoded in one pass, then they join the next step) and
@@ -229,97 +229,63 @@ class StepDecoder:
 
         `feed(n)` returns up to n new (key, request) pairs; an empty list means nothing more will come.
         `on_result(key, result)` receives each row the moment it ends (done, failed or cancelled).
-        `capacity`: arena entries per slot, fixed for the stream (callers pass `capacity_for` of
-        every request they may feed); a fed request that needs more fails alone. `occupancy`, if given, receives (live rows, slots) per
-        decoder step. Cancellation stops feeding and ends the rows in flight as CANCELLED; one of
-        `interrupts` raises `Interrupted` (rows already handed to `on_result` are not repeated)."""
-        self._traces: dict[int, list[ForwardTrace]] = {}
+        `capacity`: arena entries per slot, fixed for the stream (callers pass `capacity_for` of every
+        request they may feed); a fed request that needs more fails alone. `occupancy`, if given,
+        receives (live rows, slots) per decoder step. Cancellation stops feeding and ends the rows in
+        flight as CANCELLED; one of `interrupts` raises `Interrupted` (rows already handed to
+        `on_result` are not repeated)."""
+        self._traces = {}
         self._pass_index = 0
-        cap = capacity or 0
-        free = list(range(slots - 1, -1, -1))
-        live: list[Seq] = []
-        keys: dict[int, object] = {}
-        self.last_seqs = seqs_seen = []
-        self.arena = self.new_store(slots, cap) if cap else None
-        exhausted, next_row = False, 0
-
-        def deliver(s: Seq) -> None:
-            on_result(keys.pop(s.row), self._result(s))
-            self._traces.pop(s.row, None)
-            if self.graphs is not None:  # a free slot may pad graphed forwards: keep it empty
-                self.arena.reset(s.slot)
-            free.append(s.slot)
-
+        self.arena = self.new_arena(slots, capacity) if capacity else None
+        pool = _SlotPool(self, slots, seed, capacity or 0, on_result)
+        self.last_seqs = pool.seen
+        exhausted = False
         try:
             while True:
-                fresh: list[Seq] = []
-                if free and not exhausted:
-                    new = feed(len(free))
+                fresh = []
+                if pool.free and not exhausted:
+                    new = feed(len(pool.free))
                     exhausted = not new
-                    for key, req in new:
-                        err = request_error(self.bundle, req)
-                        if err is None and self.need(req) > cap:
-                            err = f"needs {self.need(req)} cache entries per slot; this stream holds {cap}"
-                        if err:
-                            on_result(key, error_result(req, err, self.name))
-                            continue
-                        s = Seq(row=next_row, req=req, slot=free.pop(), gen=self.generator(seed, req.custom_id),
-                                n_canvases=-(-req.max_tokens // self.C))
-                        next_row += 1
-                        keys[s.row] = key
-                        self._traces[s.row] = []
-                        self.arena.reset(s.slot)
-                        fresh.append(s)
-                        seqs_seen.append(s)
-                    live += fresh
-                if not live:
+                    fresh = pool.admit(new)
+                if not pool.live:
                     if exhausted:
                         break
                     continue
                 poll(should_stop)  # between forwards; a cancel ends the fed rows too
                 if fresh:
-                    try:
-                        self.prefill(fresh)
-                    except interrupts:
-                        raise
-                    except Exception as exc:  # noqa: BLE001 — the prefill serves every new row
-                        for s in fresh:
-                            s.error, s.done = f"{type(exc).__name__}: {exc}", True
-                    live = self._deliver_done(live, deliver)
-                    if not live:
+                    self._guarded(self.prefill, fresh, fresh, interrupts)
+                    pool.deliver_done()
+                    if not pool.live:
                         continue
                 if occupancy is not None:
-                    occupancy.append((len(live), slots))
-                try:
-                    self.step(live)
-                except (Cancelled, *interrupts):
-                    raise
-                except Exception as exc:  # noqa: BLE001 — one forward serves every live row: they fail together
-                    msg = f"{type(exc).__name__}: {exc}"
-                    for s in live:
-                        s.error, s.done = msg, True
-                for s in live:
+                    occupancy.append((len(pool.live), slots))
+                self._guarded(self.step, pool.live, pool.live, interrupts + (Cancelled,))
+                for s in pool.live:
                     s.steps += 1
                     if not s.done and s.steps > self.step_budget([s]):
                         s.error, s.done = f"no progress after {s.steps} steps", True
-                live = self._deliver_done(live, deliver)
+                pool.deliver_done()
         except Cancelled:
-            for s in live:
+            for s in pool.live:
                 if not s.done:
                     s.error, s.finish_reason, s.done = CANCELLED, CANCELLED, True
-            self._deliver_done(live, deliver)
+            pool.deliver_done()
         except interrupts as exc:
-            for s in live:
-                if s.done:
-                    deliver(s)
+            pool.deliver_done()
             raise Interrupted(exc, []) from exc
 
     @staticmethod
-    def _deliver_done(live: list[Seq], deliver) -> list[Seq]:
-        for s in live:
-            if s.done:
-                deliver(s)
-        return [s for s in live if not s.done]
+    def _guarded(fn, seqs: list[Seq], arg, passthrough: tuple[type[BaseException], ...]) -> None:
+        """One pass that serves every row of `seqs`: if it fails they fail together, with its error
+        (the caller's interrupts and cancellation pass through)."""
+        try:
+            fn(arg)
+        except passthrough:
+            raise
+        except Exception as exc:  # noqa: BLE001 — one forward serves every row in it
+            msg = f"{type(exc).__name__}: {exc}"
+            for s in seqs:
+                s.error, s.done = msg, True
 
     def need(self, req: DecodeRequest) -> int:
         """Arena entries one request can occupy: prompt, its canvases and the ones in flight."""
@@ -335,7 +301,7 @@ class StepDecoder:
         return 2 * max(s.n_canvases for s in seqs) * self.C + 16
 
     # -- hooks ----------------------------------------------------------------------------------
-    def new_store(self, slots: int, capacity: int):
+    def new_arena(self, slots: int, capacity: int):
         if self.graphs is not None:  # graphs read one arena for the life of the process
             arena = self.graphs.arena(slots, capacity)
             if arena is not None:
@@ -466,6 +432,52 @@ class StepDecoder:
             decoder=self.name,
             stats=dict(s.stats),
         )
+
+
+class _SlotPool:
+    """The slots of one stream: which request holds which arena slot, admission and delivery."""
+
+    def __init__(self, dec: StepDecoder, slots: int, seed: int, capacity: int, on_result):
+        self.dec, self.seed, self.capacity, self.on_result = dec, seed, capacity, on_result
+        self.free = list(range(slots - 1, -1, -1))
+        self.live: list[Seq] = []
+        self.seen: list[Seq] = []  # every admitted request, for inspection (tests, schedules)
+        self.keys: dict[int, object] = {}
+        self.next_row = 0
+
+    def admit(self, new: list[tuple[object, DecodeRequest]]) -> list[Seq]:
+        """Fed requests take free slots; one that cannot be decoded is answered at once, alone."""
+        dec, fresh = self.dec, []
+        for key, req in new:
+            err = request_error(dec.bundle, req)
+            if err is None and dec.need(req) > self.capacity:
+                err = f"needs {dec.need(req)} cache entries per slot; this stream holds {self.capacity}"
+            if err:
+                self.on_result(key, error_result(req, err, dec.name))
+                continue
+            s = Seq(row=self.next_row, req=req, slot=self.free.pop(), gen=dec.generator(self.seed, req.custom_id),
+                    n_canvases=-(-req.max_tokens // dec.C))
+            self.next_row += 1
+            self.keys[s.row] = key
+            dec._traces[s.row] = []
+            dec.arena.reset(s.slot)
+            fresh.append(s)
+        self.live += fresh
+        self.seen += fresh
+        return fresh
+
+    def deliver_done(self) -> None:
+        """Hand every finished row to `on_result` and free its slot."""
+        dec = self.dec
+        for s in self.live:
+            if not s.done:
+                continue
+            self.on_result(self.keys.pop(s.row), dec._result(s))
+            dec._traces.pop(s.row, None)
+            if dec.graphs is not None:  # a free slot may pad graphed forwards: keep it empty
+                dec.arena.reset(s.slot)
+            self.free.append(s.slot)
+        self.live = [s for s in self.live if not s.done]
 
 
 class _Timer:

@@ -72,9 +72,9 @@ class FunnelDecoder(PipeDecoder):
         self._promote_rows: list[int] = []
 
     # -- storage --------------------------------------------------------------------------------
-    def new_store(self, slots: int, capacity: int):
+    def new_arena(self, slots: int, capacity: int):
         if self.config.promote == "arena":
-            return super().new_store(slots, capacity)
+            return super().new_arena(slots, capacity)
         return growing_kv_class()(self.rt.layer_shapes, slots, capacity, device=self.device, dtype=self.rt.dtype)
 
     def spawn(self, s: Seq) -> Canvas:

@@ -1,6 +1,6 @@
 """CUDA-graph replay of decoder forwards, with windows padded to row buckets.
 
-Flow: the decoder's ForwardInputs (a list of `Window`s) → `pad_window` to the bucket → the static
+Flow: the decoder's windows (a list of `Window`s) → `pad_window` to the bucket → the static
 buffers of a `DecodeGraph` → one graph launch. See `DecodeGraph` for what is fixed at build and what
 may change between runs.
 """

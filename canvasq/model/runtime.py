@@ -1,7 +1,7 @@
 """The DiffusionGemma forward we own: weights taken from an HF model, a KV arena, window forwards.
 
-Flow: Job (api, CPU) → DecodeBatch (worker) → ForwardInputs (model, GPU). In this module the
-ForwardInputs of one pass are a list of `Window`s, one per sequence in the batch, each with its own
+Flow: Job (api, CPU) → DecodeBatch (worker) → windows (model, GPU: `Window`s, one per sequence, one forward). In this module the
+windows of one pass are a list of `Window`s, one per sequence in the batch, each with its own
 arena slot; all windows run in **one** forward (rows of every window are concatenated into one
 [N, H] matrix for every dense part; attention is batched per window over its own slot).
 

@@ -139,7 +139,7 @@ def test_graphed_forwards_pad_windows_to_a_bucket_on_free_slots(testbed):
     import canvasq.decoders.base as base_mod
 
     dec = OfficialDecoder(testbed, make_config("official", {"cuda_graphs": "on"}))
-    dec.arena = dec.new_store(8, 256)
+    dec.arena = dec.new_arena(8, 256)
     p = tasks.generate("arith", 5, 4)
     for slot, prob in enumerate(p):
         ids = torch.tensor(testbed.encode_prompt(prob.prompt, prob.task))

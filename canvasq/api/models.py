@@ -3,6 +3,7 @@
 runs ─< requests (UNIQUE run_id, custom_id) ─< outputs (same key, upserted) ─< forward_traces
 runs ─< chunks (attempts, lease) ─< requests.chunk_id ;  workers (host, device, model, heartbeat)
 calibrations (model path + weights fingerprint) ─< calibration_points (one decoder setting per family)
+api_keys (project, SHA-256 of the token) ; api_files, api_batches (owned by a project) ── runs (`canvasq serve`)
 
 Statuses
   run:     queued → running → completed | cancelling → cancelled | expired
@@ -208,3 +209,59 @@ class CalibrationPoint(Base):
     g_over_tau: Mapped[float] = mapped_column(Float)
     frontier: Mapped[bool] = mapped_column(Boolean, default=False)
     reference: Mapped[bool] = mapped_column(Boolean, default=False)  # official at the checkpoint config
+
+
+class ApiKey(Base):
+    """A bearer key of `canvasq serve`: only its SHA-256 is stored (keys are 256-bit random tokens, so
+    a fast hash is enough; the token itself is shown once, by `canvasq keys create`)."""
+
+    __tablename__ = "api_keys"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)  # "key_<hex>", safe to print
+    project: Mapped[str] = mapped_column(String(200), index=True)
+    name: Mapped[str | None] = mapped_column(String(200))
+    prefix: Mapped[str] = mapped_column(String(16))  # the token's first characters, to recognise it
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime)
+
+
+class ApiFile(Base):
+    """A file of the Files API: an uploaded batch input, or a batch's output / error file. The bytes
+    live in the server's files directory under `path`; `seq` orders listings and cursors."""
+
+    __tablename__ = "api_files"
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True)  # "file-<hex>"
+    project: Mapped[str] = mapped_column(String(200), index=True)
+    filename: Mapped[str] = mapped_column(String(255))
+    purpose: Mapped[str] = mapped_column(String(32))  # batch | batch_output
+    bytes: Mapped[int] = mapped_column(Integer)
+    lines: Mapped[int] = mapped_column(Integer, default=0)
+    sha256: Mapped[str] = mapped_column(String(64))
+    path: Mapped[str] = mapped_column(String(255))  # relative to the files directory
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class ApiBatch(Base):
+    """A batch of the Batches API: one run (None when the input failed validation). Status and counts
+    are read from the run and its rows; this row holds what the run does not: the project, the
+    OpenAI fields, the per-status times the run has no column for, and the output files once made."""
+
+    __tablename__ = "api_batches"
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True)  # "batch_<hex>"
+    project: Mapped[str] = mapped_column(String(200), index=True)
+    run_id: Mapped[str | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"), index=True)
+    input_file_id: Mapped[str] = mapped_column(String(40))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    meta: Mapped[dict | None] = mapped_column(JSON)  # the batch's `metadata`
+    errors: Mapped[list | None] = mapped_column(JSON)  # validation errors: [{code, line, message, param}]
+    output_file_id: Mapped[str | None] = mapped_column(String(40))
+    error_file_id: Mapped[str | None] = mapped_column(String(40))
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime)
+    failed_at: Mapped[datetime | None] = mapped_column(DateTime)
+    cancelling_at: Mapped[datetime | None] = mapped_column(DateTime)
+    finalizing_at: Mapped[datetime | None] = mapped_column(DateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime)  # output files made: completed/cancelled/expired

@@ -9,7 +9,8 @@ from canvasq.api.store import Store, current_revision, downgrade, head_revision,
 from canvasq.api.testing import fresh_pg_database
 
 TABLES = {"runs", "requests", "outputs", "forward_traces", "chunks", "workers", "calibrations",
-          "calibration_points"}
+          "calibration_points", "api_keys", "api_files", "api_batches"}
+API_TABLES = {"api_keys", "api_files", "api_batches"}
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -50,8 +51,10 @@ def test_upgrade_downgrade_upgrade(url, populated):
     assert _tables(url) == TABLES
     if populated:
         run_id = _populate(url)
+    downgrade(url, "0003")
+    assert _tables(url) == TABLES - API_TABLES
     downgrade(url, "0002")
-    assert _tables(url) == TABLES - {"calibrations", "calibration_points"}
+    assert _tables(url) == TABLES - API_TABLES - {"calibrations", "calibration_points"}
     downgrade(url, "0001")  # one step down on data (batch mode on SQLite), then all the way
     if populated:
         st = Store(url)

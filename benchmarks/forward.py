@@ -48,14 +48,9 @@ BF16_TOL = 2e-2
 def build_model(quick: bool, device: str, dtype: torch.dtype):
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    if quick:
-        from canvasq.testbed.config import build_config
+    from canvasq.model.shapes import REAL_26B_A4B, TESTBED, build_config
 
-        config = build_config()
-    else:
-        from canvasq.model.shapes import real_config
-
-        config = real_config()
+    config = build_config(TESTBED if quick else REAL_26B_A4B)
     torch.manual_seed(0)
     t0 = time.perf_counter()
     with torch.device(device):

@@ -59,13 +59,13 @@ def real_width_checkpoint(tmp_path_factory):
     """26B-A4B widths, 6 layers (5 sliding + 1 full), random bf16 weights, saved like a real checkpoint."""
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    from canvasq.model.shapes import RealShape, real_config
+    from canvasq.model.shapes import REAL_26B_A4B, build_config
 
     out = tmp_path_factory.mktemp("real6")
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = DiffusionGemmaForBlockDiffusion._from_config(
-            real_config(RealShape(num_hidden_layers=6)), dtype=torch.bfloat16
+            build_config(REAL_26B_A4B.replace(num_hidden_layers=6)), dtype=torch.bfloat16
         )
     model.generation_config.eos_token_id = 1
     model.save_pretrained(out)

@@ -10,7 +10,7 @@ from canvasq.kernels.norm_fused import add_rms_norm_reference, rms_norm_rope_ref
 from canvasq.kernels.rmsnorm import rms_norm_reference
 from canvasq.model.loading import load_bundle
 from canvasq.model.runtime import Runtime, Window
-from canvasq.model.shapes import RealShape, real_config
+from canvasq.model.shapes import REAL_26B_A4B, build_config
 
 
 def rel(a, b):
@@ -76,7 +76,7 @@ del m
 torch.manual_seed(0)
 with torch.device("cuda"):
     m = DiffusionGemmaForBlockDiffusion._from_config(
-        real_config(RealShape(num_hidden_layers=6)), dtype=torch.bfloat16
+        build_config(REAL_26B_A4B.replace(num_hidden_layers=6)), dtype=torch.bfloat16
     ).eval()
 res["real6"] = run(m, "real6", 2, 128, 64, 1)
 json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), "diag.json"), "w"), indent=1)

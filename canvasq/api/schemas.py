@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -24,8 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from canvasq.api.settings import DECODERS, RANDOM_MODELS, TASKS, Settings, model_name
-from canvasq.model.shapes import RealShape  # a dataclass: no torch, no transformers
-from canvasq.testbed.config import TestbedShape
+from canvasq.model.shapes import REAL_26B_A4B, TESTBED  # dataclasses: no torch, no transformers
 
 OPENAI_URLS = ("/v1/chat/completions",)
 
@@ -54,11 +54,76 @@ class Message(BaseModel):
 
 
 class ChatBody(BaseModel):
-    model_config = ConfigDict(extra="allow")  # temperature, top_p, ... are accepted and ignored
+    """The chat body. Every OpenAI parameter is honoured or refused (`body_param_errors`); none is
+    accepted and silently dropped."""
+
+    model_config = ConfigDict(extra="allow")  # extras are judged by `body_param_errors`
     model: StrictStr | None = None
     messages: list[Message] = Field(min_length=1)
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    metadata: dict[str, StrictStr] | None = None
+
+
+# Body parameters that change nothing canvasq generates (accepted), and the values of sampling
+# parameters that ask for exactly what the decoders already do (anything else is refused).
+_BODY_NO_EFFECT = frozenset({"user", "store", "service_tier", "stream_options"})
+_BODY_NEUTRAL = {"n": 1, "top_p": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False,
+                 "stream": False, "parallel_tool_calls": None}
+_BODY_WHY = {
+    "n": "canvasq returns one choice per request; write {v} lines with their own custom_ids instead",
+    "temperature": "the decoders sample on their own schedule (official: the checkpoint's temperature ramp); "
+                   "remove it",
+    "top_p": "the decoders do not truncate the distribution; only top_p 1 is honoured",
+    "seed": "each row draws from its own generator, seeded by CANVASQ_SEED and its custom_id (the same line "
+            "gives the same output); a per-request seed is not supported",
+}
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+
+
+def body_param_errors(body: ChatBody) -> list[str]:
+    """One message per body parameter canvasq cannot honour end to end (refused, never dropped)."""
+    out = []
+    for name, value in (body.model_extra or {}).items():
+        if name in _BODY_NO_EFFECT:
+            continue
+        neutral = _BODY_NEUTRAL.get(name, ...)
+        if value == neutral and isinstance(value, bool) == isinstance(neutral, bool):  # True is not n=1
+            continue
+        why = _BODY_WHY.get(name, "not supported by canvasq (it would be ignored); remove it")
+        out.append(f"body.{name}={json.dumps(value)[:40]}: {why.format(v=value)}")
+    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    if len(stop) > MAX_STOP:
+        out.append(f"body.stop has {len(stop)} sequences; the limit is {MAX_STOP}")
+    if any(not s for s in stop):
+        out.append("body.stop has an empty string")
+    if body.max_tokens is not None and body.max_completion_tokens is not None \
+            and body.max_tokens != body.max_completion_tokens:
+        out.append(f"body.max_tokens ({body.max_tokens}) and body.max_completion_tokens "
+                   f"({body.max_completion_tokens}) differ; give one")
+    return out
+
+
+# ---------------------------------------------------------------------------------------- task inference
+
+# Code: a Python signature, a docstring or a doctest prompt. Math: a question about a quantity with
+# numbers in it (the testbed's word problems, GSM8K's). Anything else has no inferable task and goes
+# to the accurate decoder.
+_CODE_RE = re.compile(r"^\s*(async\s+)?def\s+\w+\s*\(|^\s*class\s+\w+|\"\"\"|'''|^\s*>>>|^```", re.M)
+_MATH_ASK_RE = re.compile(r"\bhow (many|much)\b|\bwhat is\b|\bcalculate\b|\bcompute\b|\bsolve\b|"
+                          r"\bhow (old|long|far)\b|\bin total\b|\baltogether\b|[-+*/=] *\d", re.I)
+
+
+def infer_task(prompt: str) -> str | None:
+    """`code`, `math` or None (not inferable) from a prompt's text: the rule `--decoder auto` routes by
+    when a line gives no task."""
+    if _CODE_RE.search(prompt):
+        return "code"
+    numbers = len(re.findall(r"\d+(?:\.\d+)?", prompt))
+    if numbers >= 1 and _MATH_ASK_RE.search(prompt):
+        return "math"
+    return None
 
 
 class OpenAILine(BaseModel):
@@ -84,11 +149,13 @@ class SimpleLine(BaseModel):
     max_tokens: StrictInt | None = None
     decoder: StrictStr | None = None
     model: StrictStr | None = None
+    stop: StrictStr | list[StrictStr] | None = None
 
 
 @dataclass(frozen=True)
 class Job:
-    """One validated request (api, CPU side). `prompt` is the text the worker tokenises."""
+    """One validated request (api, CPU side). `prompt` is the text the worker tokenises; `task` is the
+    line's own (or its body.metadata's), else inferred from the prompt (`infer_task`), else None."""
 
     custom_id: str
     prompt: str
@@ -96,6 +163,7 @@ class Job:
     max_tokens: int
     decoder: str | None  # None: the run's decoder
     line_no: int
+    stop: tuple[str, ...] = ()  # stop sequences: the text is cut before the first (finish_reason "stop")
 
 
 # ---------------------------------------------------------------------------------------- validation
@@ -173,8 +241,8 @@ class Limits:
 
 # the shapes `build_random` builds (one source of truth: 26B-A4B is 262,144, not the 131,072 once here)
 _RANDOM_CONTEXT = {
-    "random:26b-a4b": RealShape.max_position_embeddings,
-    "random:testbed": TestbedShape.max_position_embeddings,
+    "random:26b-a4b": REAL_26B_A4B.max_position_embeddings,
+    "random:testbed": TESTBED.max_position_embeddings,
 }
 
 
@@ -328,17 +396,28 @@ def parse_line(obj: Any, line_no: int, limits: Limits) -> tuple[Job | None, list
         prompt = "\n\n".join(m.text() for m in msgs)  # the conversation, in order
         max_tokens = line.body.max_tokens if line.body.max_tokens is not None else line.body.max_completion_tokens
         model = line.body.model
+        errors += body_param_errors(line.body)
+        task = line.task or (line.body.metadata or {}).get("task")
+        stop = line.body.stop
     else:
         prompt = line.prompt
         max_tokens = line.max_tokens
         model = line.model
+        task, stop = line.task, line.stop
+        if isinstance(stop, list) and len(stop) > MAX_STOP:
+            errors.append(f"stop has {len(stop)} sequences; the limit is {MAX_STOP}")
+    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if any(not x for x in stop) and isinstance(line, SimpleLine):
+        errors.append("stop has an empty string")
+    for i, x in enumerate(stop):
+        errors += _storable_text(f"stop[{i}]", x)
 
     for fname, value in (("custom_id", cid), ("prompt", prompt)):
         errors += _storable_text(fname, value)
     if not prompt.strip():
         errors.append("prompt is empty")
-    if line.task is not None and line.task not in TASKS:
-        errors.append(f"unknown task {line.task!r}; known: {', '.join(TASKS)}")
+    if task is not None and task not in TASKS:
+        errors.append(f"unknown task {task!r}; known: {', '.join(TASKS)}")
     if line.decoder is not None and line.decoder not in DECODERS:
         errors.append(f"unknown decoder {line.decoder!r}; known: {', '.join(DECODERS)}")
     if model is not None and limits.model_aliases and model not in limits.model_aliases:
@@ -349,7 +428,10 @@ def parse_line(obj: Any, line_no: int, limits: Limits) -> tuple[Job | None, list
     elif max_tokens <= 0:
         errors.append(f"max_tokens must be positive, got {max_tokens}")
     elif max_tokens > limits.max_tokens_limit:
-        errors.append(f"max_tokens {max_tokens} is beyond the limit {limits.max_tokens_limit}")
+        errors.append(f"max_tokens {max_tokens} is beyond the limit {limits.max_tokens_limit}"
+                      + (f" (the model's context: {limits.context_tokens} tokens for prompt and answer)"
+                         if limits.context_tokens == limits.max_tokens_limit else
+                         " (CANVASQ_MAX_TOKENS_LIMIT)"))
 
     # Tokens never outnumber UTF-8 bytes (+ a few specials), so only long prompts pay for counting.
     if (prompt.strip() and limits.count_tokens is not None and limits.context_tokens is not None
@@ -359,7 +441,9 @@ def parse_line(obj: Any, line_no: int, limits: Limits) -> tuple[Job | None, list
             errors.append(f"prompt is {n} tokens; the model context is {limits.context_tokens}")
     if errors:
         return None, errors
-    return Job(cid, prompt, line.task, max_tokens, line.decoder, line_no), []
+    if task is None:
+        task = infer_task(prompt)
+    return Job(cid, prompt, task, max_tokens, line.decoder, line_no, stop), []
 
 
 def _read_lines(fh, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:

@@ -68,8 +68,9 @@ class ModelBundle:
         return path if path.is_dir() else None
 
     def encode_prompt(self, text: str, task: str | None = None) -> list[int]:
-        """Prompt ids as the model was trained to see them: the chat template when the tokenizer
-        has one (real checkpoint), else the testbed layout `<bos> prompt <sep>`."""
+        """Prompt ids as the model was trained to see them: the chat template when the tokenizer has
+        one (real checkpoint), else the plain block layout `<bos> prompt <sep>` with the tokenizer's
+        own ids (the testbed: the answer follows in canvases and ends with `<eos>`)."""
         tok = self.tokenizer
         if tok is None:
             raise RuntimeError(f"model {self.spec!r} has no tokenizer")
@@ -78,9 +79,10 @@ class ModelBundle:
                 [{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True
             )
             return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        from canvasq.testbed.prompting import encode_prompt
-
-        return encode_prompt(tok, text)
+        sep = tok.convert_tokens_to_ids("<sep>")
+        if tok.bos_token_id is None or sep is None or sep == tok.unk_token_id:
+            raise RuntimeError(f"model {self.spec!r}: its tokenizer has neither a chat template nor <bos>/<sep>")
+        return [tok.bos_token_id, *tok.encode(text, add_special_tokens=False), sep]
 
     def decode_text(self, ids) -> str:
         out = []
@@ -129,16 +131,11 @@ def build_random(name: str, device: str, dtype):
     import torch
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    if name == "26b-a4b":
-        from canvasq.model.shapes import real_config
+    from canvasq.model.shapes import SHAPES, build_config
 
-        config = real_config()
-    elif name == "testbed":
-        from canvasq.testbed.config import build_config
-
-        config = build_config()
-    else:
-        raise ValueError(f"unknown random shape {name!r}; known: 26b-a4b, testbed")
+    if name not in SHAPES:
+        raise ValueError(f"unknown random shape {name!r}; known: {', '.join(SHAPES)}")
+    config = build_config(SHAPES[name])
     with torch.device(device):
         model = DiffusionGemmaForBlockDiffusion._from_config(config, dtype=dtype)
     return model.eval()

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from canvasq.testbed.config import BOS_ID, EOS_ID, PAD_ID, SEP_ID, TestbedShape, build_config
+from canvasq.model.shapes import TESTBED, build_config
+from canvasq.testbed.config import BOS_ID, EOS_ID, PAD_ID, SEP_ID
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "models" / "testbed"
 
@@ -316,7 +317,7 @@ def main(argv=None):
         logf.write(msg + "\n")
         logf.flush()
 
-    shape = TestbedShape()
+    shape = TESTBED
     t0 = time.time()
     seq, plen, ncan = build_pool(args.n_per_task, args.seed, str(TOKENIZER_DIR), shape.canvas_length, args.workers)
     log(f"data: {seq.shape[0]} problems, max row {seq.shape[1]} tokens, built in {time.time() - t0:.0f}s")

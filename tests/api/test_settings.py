@@ -111,8 +111,7 @@ def test_random_model_context_is_the_built_models():
     """The submit-side context limit of a `random:` model is the max_position_embeddings of the model
     `load_bundle` builds for it (it was 131,072 for 26b-a4b while the built config said 262,144)."""
     from canvasq.api.schemas import model_context
-    from canvasq.model.shapes import real_config
-    from canvasq.testbed.config import build_config
+    from canvasq.model.shapes import REAL_26B_A4B, build_config
 
-    assert model_context("random:26b-a4b")[0] == real_config().get_text_config().max_position_embeddings
+    assert model_context("random:26b-a4b")[0] == build_config(REAL_26B_A4B).get_text_config().max_position_embeddings
     assert model_context("random:testbed")[0] == build_config().get_text_config().max_position_embeddings

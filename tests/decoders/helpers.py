@@ -7,18 +7,18 @@ from pathlib import Path
 import torch
 
 from canvasq.model.loading import ModelBundle
-from canvasq.testbed.config import TestbedShape, build_config, toy_shape
+from canvasq.model.shapes import ModelShape, build_config, toy_shape
 
 TESTBED_DIR = Path(__file__).resolve().parents[2] / "models" / "testbed"
 
 
-def tiny_shape(**kw) -> TestbedShape:
+def tiny_shape(**kw) -> ModelShape:
     """Every structural feature at toy size; sliding window 16 < prompt + two canvases of 8."""
     return toy_shape(**{"vocab_size": 96, **kw})
 
 
 @torch.no_grad()
-def tiny_model(shape: TestbedShape | None = None, seed: int = 0, peak: float = 1.0):
+def tiny_model(shape: ModelShape | None = None, seed: int = 0, peak: float = 1.0):
     """A random model whose weights are all non-trivial; `peak` scales the tied embedding so the
     output distribution is sharper (confidence spread over (0, 1), like a half-trained denoiser)."""
     from transformers import DiffusionGemmaForBlockDiffusion

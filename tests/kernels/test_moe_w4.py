@@ -315,7 +315,7 @@ def test_pack_model_experts_testbed(tmp_path):
     every experts module routed through w4_moe, a cache file reproduces the packing exactly."""
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    from canvasq.testbed.config import build_config
+    from canvasq.model.shapes import build_config
 
     def fresh():
         torch.manual_seed(0)

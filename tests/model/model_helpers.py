@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from canvasq.testbed.config import TestbedShape, build_config, toy_shape
+from canvasq.model.shapes import ModelShape, build_config, toy_shape
 
 
-def small_shape(**kw) -> TestbedShape:
+def small_shape(**kw) -> ModelShape:
     return toy_shape(**{"vocab_size": 160, **kw})
 
 
 @torch.no_grad()
-def random_model(shape: TestbedShape, seed: int = 0, dtype=torch.float32):
+def random_model(shape: ModelShape, seed: int = 0, dtype=torch.float32):
     """An HF model with every weight non-trivial: norm weights, router scales and per-expert scales
     drawn around 1, and encoder / decoder `layer_scalar` buffers (not tied by HF) drawn apart."""
     from transformers import DiffusionGemmaForBlockDiffusion

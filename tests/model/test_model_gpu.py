@@ -34,12 +34,12 @@ def real_model():
     tests nothing."""
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    from canvasq.model.shapes import RealShape, real_config
+    from canvasq.model.shapes import REAL_26B_A4B, build_config
 
     torch.manual_seed(0)
     with torch.device("cuda"):
         m = DiffusionGemmaForBlockDiffusion._from_config(
-            real_config(RealShape(num_hidden_layers=2, sliding_pattern=2)), dtype=torch.bfloat16
+            build_config(REAL_26B_A4B.replace(num_hidden_layers=2, full_every=2)), dtype=torch.bfloat16
         ).eval()
     yield m
     del m

@@ -76,12 +76,12 @@ def test_w4_experts_match_dequantised_reference():
 
 
 def test_real_shape_config():
-    from canvasq.model.shapes import RealShape, real_config
+    from canvasq.model.shapes import REAL_26B_A4B, build_config
 
-    cfg = real_config()
+    cfg = build_config(REAL_26B_A4B)
     tc = cfg.text_config
     assert tc.layer_types.count("full_attention") == 5 and tc.layer_types[-1] == "full_attention"
-    counts = RealShape().param_counts()
+    counts = REAL_26B_A4B.param_counts()
     assert 25.0e9 < counts["total"] < 25.5e9 and 22.7e9 < counts["experts"] < 22.9e9
     with torch.device("meta"):
         from transformers import DiffusionGemmaForBlockDiffusion

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from canvasq.model.loading import DEFAULT_MODEL_DIR
+from canvasq.model.shapes import TESTBED
 from canvasq.testbed import config as tb
 from canvasq.testbed import tasks
 
@@ -25,8 +26,8 @@ def test_loads_offline_with_from_pretrained():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     name, canvas, vocab = out.stdout.split()[-3:]
-    assert name == "DiffusionGemmaForBlockDiffusion" and int(canvas) == tb.TestbedShape().canvas_length
-    assert int(vocab) <= tb.TestbedShape().vocab_size
+    assert name == "DiffusionGemmaForBlockDiffusion" and int(canvas) == TESTBED.canvas_length
+    assert int(vocab) <= TESTBED.vocab_size
 
 
 def test_structure_matches_the_real_model_features():
@@ -66,6 +67,6 @@ def test_answers_span_several_canvases():
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
-    canvas = tb.TestbedShape().canvas_length
+    canvas = TESTBED.canvas_length
     lengths = [len(tok.encode(p.answer, add_special_tokens=False)) + 1 for p in tasks.generate("arith", 200, 4)]
     assert mean(lengths) / canvas >= 2

@@ -2,7 +2,7 @@
 
 import torch
 
-from canvasq.testbed.config import build_config, toy_shape
+from canvasq.model.shapes import build_config, toy_shape
 from canvasq.testbed.train import denoise_loss
 
 

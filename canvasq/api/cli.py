@@ -288,8 +288,10 @@ def _summary_table(summary: dict) -> str:
     return head + "\n" + _table(["decoder", "requests", "tokens", "fwd/req", "tok/fwd", "gen s", "tok/s"], rows)
 
 
-def write_results(store, run, out, errors_out=None, ordered: bool = False) -> tuple[int, int]:
-    """Write OpenAI batch output lines; errored/expired/cancelled rows go to `errors_out` when given."""
+def write_results(store, run, out, errors_out=None, ordered: bool = False,
+                  error_codes: dict[str, str] | None = None) -> tuple[int, int]:
+    """Write OpenAI batch output lines; errored/expired/cancelled rows go to `errors_out` when given.
+    `error_codes` renames stored error codes (the Batch API writes `expired` as `batch_expired`)."""
     from canvasq.api.schemas import output_line
 
     n_ok = n_err = 0
@@ -305,6 +307,7 @@ def write_results(store, run, out, errors_out=None, ordered: bool = False) -> tu
             target, n_ok = out, n_ok + 1
         else:
             code = (o.error_code if o is not None and o.error_code else row["status"])
+            code = (error_codes or {}).get(code, code)
             msg = (o.error_message if o is not None and o.error_message else f"request {row['status']}")
             line = output_line(custom_id=row["custom_id"], model=name, error_code=code, error_message=msg,
                                request_id=rid)
@@ -1137,7 +1140,8 @@ def _register_optional() -> None:
     """Commands written in other rooms; their modules import only click at top level."""
     import importlib
 
-    for module, attrs in (("canvasq.testbed.cli", ("eval_cmd", "testbed")), ("canvasq.decoders.cli", ("bench", "calibrate"))):
+    for module, attrs in (("canvasq.testbed.cli", ("eval_cmd", "testbed")), ("canvasq.decoders.cli", ("bench", "calibrate")),
+                          ("canvasq.serve.cli", ("serve", "keys"))):
         try:
             mod = importlib.import_module(module)
         except ImportError:

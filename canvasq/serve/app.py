@@ -1,0 +1,197 @@
+"""The FastAPI application: OpenAI's Files and Batches routes (its OpenAPI schema at /openapi.json,
+docs at /docs). Every route but /health needs `Authorization: Bearer <key>`; a key sees only its
+project's files and batches, and anything else is 404, as if it did not exist.
+
+Handlers are plain functions (FastAPI runs them in its thread pool, beside the synchronous store),
+except the upload, which reads the request stream itself so that it can refuse early.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Annotated, Literal
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from canvasq.api.settings import Settings, get_settings
+from canvasq.serve.batches import DECODER_METADATA_KEY, Batches
+from canvasq.serve.config import ServeSettings, serve_settings
+from canvasq.serve.files import (
+    ApiError,
+    FileStore,
+    UploadSink,
+    boundary_of,
+    check_declared_length,
+    file_object,
+)
+from canvasq.serve.keys import Principal, authenticate
+
+log = logging.getLogger(__name__)
+
+
+class BatchCreate(BaseModel):
+    """POST /v1/batches. `decoder` is canvasq's extension (also accepted as metadata
+    `canvasq_decoder`): auto, official, hf, pipe or funnel for every line without its own."""
+
+    model_config = ConfigDict(extra="ignore")
+    input_file_id: str
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = None
+    output_expires_after: dict | None = None  # accepted; outputs live until deleted
+    decoder: str | None = Field(None, description=f"canvasq: decoder for the batch (or metadata {DECODER_METADATA_KEY})")
+
+
+def _principal(request: Request) -> Principal:
+    """The key's project, or 401 (no key, not a bearer key, unknown or revoked)."""
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if not header:
+        raise ApiError(401, "You didn't provide an API key: send `Authorization: Bearer <key>` "
+                            "(create one with `canvasq keys create`).", code="missing_api_key")
+    p = authenticate(request.app.state.store, token.strip()) if scheme.lower() == "bearer" else None
+    if p is None:
+        raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+    return p
+
+
+Who = Annotated[Principal, Depends(_principal)]
+
+
+def _page(data: list[dict], has_more: bool) -> dict:
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+
+
+def create_app(store, *, settings: Settings | None = None, serve: ServeSettings | None = None,
+               publish=None, queue: str | None = None, on_shutdown=()) -> FastAPI:
+    """The app over `store`. `publish(chunk_ids, queue)` sends a new run's chunks (default: Celery,
+    to the model's queue); `canvasq serve --with-worker` passes one that leaves them to its worker."""
+    settings = settings or get_settings()
+    serve = serve or serve_settings()
+    if publish is None:
+        from canvasq.worker.celery_app import publish_chunks
+
+        def publish(chunk_ids, q):
+            publish_chunks(chunk_ids, q, settings)
+
+    files = FileStore(store, serve.files_dir)
+    batches = Batches(store, files, settings, serve, publish, queue or settings.queue_for())
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        for fn in on_shutdown:
+            fn()
+
+    app = FastAPI(title="canvasq", version="1", summary="OpenAI-compatible Files and Batches API for canvasq runs",
+                  lifespan=lifespan)
+    app.state.store, app.state.files, app.state.batches = store, files, batches
+
+    @app.exception_handler(ApiError)
+    def _api_error(_req, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    def _invalid(_req, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+        err = ApiError(400, f"{'.'.join(loc) or 'request'}: {first.get('msg', 'invalid request')}",
+                       param=".".join(loc) or None)
+        return JSONResponse(err.body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    def _http(_req, exc: StarletteHTTPException):
+        err = ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.get("/health", include_in_schema=False)
+    def health():
+        return {"status": "ok"}
+
+    # -- files -------------------------------------------------------------------------------------
+    upload_body = {"required": True, "content": {"multipart/form-data": {"schema": {
+        "type": "object", "required": ["file", "purpose"],
+        "properties": {"file": {"type": "string", "format": "binary"}, "purpose": {"type": "string", "enum": ["batch"]}},
+    }}}}
+
+    @app.post("/v1/files", summary="Upload a file (multipart: file, purpose=batch)",
+              openapi_extra={"requestBody": upload_body})
+    async def upload_file(request: Request, who: Who):
+        import anyio
+
+        check_declared_length(request.headers.get("content-length"), serve.max_upload_bytes)
+        sink = UploadSink(boundary_of(request.headers.get("content-type", "")), files.tmp_path(),
+                          serve.max_upload_bytes, serve.max_upload_lines, settings.max_line_bytes)
+        try:
+            async for chunk in request.stream():
+                sink.write(chunk)
+            sink.finish()
+            purpose = sink.fields.get("purpose")
+            if purpose != "batch":
+                raise ApiError(400, f"purpose {purpose!r} is not supported; canvasq stores purpose 'batch' files",
+                               param="purpose")
+            if sink.bytes == 0:
+                raise ApiError(400, "the file is empty", param="file")
+            row = await anyio.to_thread.run_sync(lambda: files.add(
+                who.project, sink.tmp_path, filename=sink.filename, purpose="batch", nbytes=sink.bytes,
+                lines=sink.lines, sha256=sink.sha.hexdigest()))
+        except BaseException:
+            sink.abort()
+            raise
+        return file_object(row)
+
+    @app.get("/v1/files", summary="List files")
+    def list_files(who: Who, after: str | None = None,
+                   limit: Annotated[int, Query(ge=1, le=10_000)] = serve.default_page_limit,
+                   order: Literal["asc", "desc"] = "desc", purpose: str | None = None):
+        rows, more = files.list(who.project, after=after, limit=limit, order=order, purpose=purpose)
+        return _page([file_object(f) for f in rows], more)
+
+    def _file(who: Principal, file_id: str):
+        f = files.get(who.project, file_id)
+        if f is None:
+            raise ApiError(404, f"No such File object: {file_id}", param="file_id")
+        return f
+
+    @app.get("/v1/files/{file_id}", summary="Retrieve a file")
+    def retrieve_file(file_id: str, who: Who):
+        return file_object(_file(who, file_id))
+
+    @app.get("/v1/files/{file_id}/content", summary="The file's bytes")
+    def file_content(file_id: str, who: Who):
+        f = _file(who, file_id)
+        return FileResponse(files.path_of(f), media_type="application/jsonl", filename=f.filename)
+
+    @app.delete("/v1/files/{file_id}", summary="Delete a file")
+    def delete_file(file_id: str, who: Who):
+        if not files.delete(who.project, file_id):
+            raise ApiError(404, f"No such File object: {file_id}", param="file_id")
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    # -- batches -----------------------------------------------------------------------------------
+    @app.post("/v1/batches", summary="Create a batch from an uploaded file")
+    def create_batch(body: BatchCreate, who: Who):
+        return batches.create(who.project, input_file_id=body.input_file_id, endpoint=body.endpoint,
+                              completion_window=body.completion_window, metadata=body.metadata,
+                              decoder=body.decoder)
+
+    @app.get("/v1/batches", summary="List batches, newest first")
+    def list_batches(who: Who, after: str | None = None,
+                     limit: Annotated[int, Query(ge=1, le=100)] = serve.default_page_limit):
+        data, more = batches.list(who.project, after=after, limit=limit)
+        return _page(data, more)
+
+    @app.get("/v1/batches/{batch_id}", summary="Retrieve a batch")
+    def retrieve_batch(batch_id: str, who: Who):
+        return batches.get(who.project, batch_id)
+
+    @app.post("/v1/batches/{batch_id}/cancel", summary="Cancel a batch (finished rows are kept)")
+    def cancel_batch(batch_id: str, who: Who):
+        return batches.cancel(who.project, batch_id)
+
+    return app

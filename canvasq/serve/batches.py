@@ -1,0 +1,268 @@
+"""Batches: an `api_batches` row over one run. What a stock OpenAI client sees is built here.
+
+Status (OpenAI's names) from the batch row and its run:
+  validating   the row exists, its input is being checked (no run yet)
+  failed       the input had errors (`errors.data`: one {code, line, message} per line error)
+  in_progress  the run is queued or running
+  cancelling   the run is cancelling
+  finalizing   the run ended; the output and error files are being written
+  completed | cancelled | expired   the run ended that way and its files exist
+
+The files are written once, by whichever server process reads the ended batch first (a conditional
+UPDATE picks one). Expired rows are `batch_expired` and cancelled ones `batch_cancelled` in the error
+file, so every custom_id of the input is in exactly one of the two files.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from collections.abc import Callable
+from datetime import UTC, timedelta
+
+from sqlalchemy import select, update
+
+from canvasq.api.models import ApiBatch, Run, utcnow
+from canvasq.api.schemas import OPENAI_URLS, Limits, ValidationReport, iter_jobs, validate_file
+from canvasq.api.settings import DECODERS, Settings, model_name
+from canvasq.serve.config import ServeSettings
+from canvasq.serve.files import ApiError, FileStore, new_file_id
+
+log = logging.getLogger(__name__)
+
+ERROR_CODES = {"expired": "batch_expired", "cancelled": "batch_cancelled"}
+RUN_ENDED = ("completed", "cancelled", "expired")
+_WINDOW = re.compile(r"(\d{1,7})([smhd])")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+DECODER_METADATA_KEY = "canvasq_decoder"
+
+
+def window_seconds(window: str, max_s: int) -> int:
+    m = _WINDOW.fullmatch(window or "")
+    if not m or int(m[1]) == 0:
+        raise ApiError(400, f"completion_window {window!r}: expected a duration such as 24h (also s, m, d)",
+                       param="completion_window")
+    secs = int(m[1]) * _UNIT_S[m[2]]
+    if secs > max_s:
+        raise ApiError(400, f"completion_window {window!r} is longer than the limit of {max_s} s",
+                       param="completion_window")
+    return secs
+
+
+def check_metadata(meta: dict | None) -> dict | None:
+    if meta is None:
+        return None
+    if len(meta) > 16:
+        raise ApiError(400, "metadata has more than 16 keys", param="metadata")
+    for k, v in meta.items():
+        if not isinstance(k, str) or not isinstance(v, str) or len(k) > 64 or len(v) > 512:
+            raise ApiError(400, "metadata keys are strings of at most 64 characters, values strings of at most 512",
+                           param="metadata")
+    return meta
+
+
+def _error_code(message: str, line: int) -> str:
+    if "duplicate custom_id" in message:
+        return "duplicate_custom_id"
+    if message.startswith("malformed JSON") or "expected a JSON object" in message:
+        return "invalid_json_line"
+    if "file is empty" in message:
+        return "empty_file"
+    return "invalid_request" if line else "invalid_file"
+
+
+def report_errors(report: ValidationReport) -> list[dict]:
+    out = [{"code": _error_code(e.message, e.line), "line": e.line or None, "message": e.message, "param": None}
+           for e in report.errors]
+    if report.errors_dropped:
+        out.append({"code": "too_many_errors", "line": None, "param": None,
+                    "message": f"... and {report.errors_dropped} more errors"})
+    return out
+
+
+def _ts(dt) -> int | None:
+    return int(dt.replace(tzinfo=UTC).timestamp()) if dt is not None else None
+
+
+class Batches:
+    """Create, read, list, cancel and finalise batches of one store."""
+
+    def __init__(self, store, files: FileStore, settings: Settings, serve: ServeSettings,
+                 publish: Callable[[list[str], str], None], queue: str):
+        self.store, self.files, self.settings, self.serve = store, files, settings, serve
+        self.publish, self.queue = publish, queue
+        self.limits = Limits.for_model(settings)
+
+    # -- create ------------------------------------------------------------------------------------
+    def create(self, project: str, *, input_file_id: str, endpoint: str, completion_window: str,
+               metadata: dict | None, decoder: str | None) -> dict:
+        if endpoint not in OPENAI_URLS:
+            raise ApiError(400, f"endpoint {endpoint!r} is not supported; supported: {', '.join(OPENAI_URLS)}",
+                           param="endpoint")
+        window_s = window_seconds(completion_window, self.serve.max_completion_window_s)
+        metadata = check_metadata(metadata)
+        decoder = decoder or (metadata or {}).get(DECODER_METADATA_KEY) or "auto"
+        if decoder not in DECODERS:
+            raise ApiError(400, f"unknown decoder {decoder!r}; known: {', '.join(DECODERS)}", param="decoder")
+        f = self.files.get(project, input_file_id)
+        if f is None:
+            raise ApiError(404, f"No such File object: {input_file_id}", param="input_file_id")
+        if f.purpose != "batch":
+            raise ApiError(400, f"file {input_file_id} has purpose {f.purpose!r}; a batch needs purpose 'batch'",
+                           param="input_file_id")
+        now = utcnow()
+        batch_id = "batch_" + uuid.uuid4().hex[:24]
+        with self.store.Session.begin() as s:  # `validating` while the file is checked
+            s.add(ApiBatch(id=batch_id, project=project, input_file_id=f.id, endpoint=endpoint,
+                           completion_window=completion_window, meta=metadata, created_at=now,
+                           expires_at=now + timedelta(seconds=window_s)))
+        path = self.files.path_of(f)
+        report = validate_file(path, self.limits)  # the same checks, line for line, as `canvasq submit`
+        if not report.ok:
+            with self.store.Session.begin() as s:
+                s.execute(update(ApiBatch).where(ApiBatch.id == batch_id)
+                          .values(errors=report_errors(report), failed_at=utcnow()))
+            return self.get(project, batch_id)
+        created = self.store.create_run(
+            iter_jobs(path, self.limits), model=self.settings.model, queue=self.queue, decoder=decoder,
+            chunk_size=self.settings.chunk_size, name=f"{batch_id} ({f.filename})"[:200],
+            idempotency_key=f"api:{batch_id}", input_path=f"file:{f.id}", input_sha256=f.sha256,
+            deadline_s=window_s,
+        )
+        with self.store.Session.begin() as s:
+            s.execute(update(ApiBatch).where(ApiBatch.id == batch_id).values(run_id=created.run_id))
+        try:  # rows are committed first: a chunk the broker missed is published by reconcile
+            self.publish(created.chunk_ids, self.queue)
+            self.store.mark_published(created.chunk_ids)
+        except Exception as exc:  # noqa: BLE001 - the batch exists; the workers' reconcile publishes it
+            log.warning("batch %s: publishing its chunks failed (%s); reconcile will publish them", batch_id, exc)
+        return self.get(project, batch_id)
+
+    # -- read --------------------------------------------------------------------------------------
+    def _row(self, project: str, batch_id: str) -> tuple[ApiBatch, Run | None]:
+        with self.store.Session() as s:
+            row = s.execute(select(ApiBatch, Run).outerjoin(Run, Run.id == ApiBatch.run_id)
+                            .where(ApiBatch.id == batch_id, ApiBatch.project == project)).first()
+        if row is None:
+            raise ApiError(404, f"No such Batch object: {batch_id}", param="batch_id")
+        return row[0], row[1]
+
+    def get(self, project: str, batch_id: str) -> dict:
+        b, run = self._row(project, batch_id)
+        if run is not None and run.status in RUN_ENDED and b.finished_at is None:
+            self.finalize(b, run)
+            b, run = self._row(project, batch_id)
+        return self.to_object(b, run)
+
+    def list(self, project: str, *, after: str | None, limit: int) -> tuple[list[dict], bool]:
+        with self.store.Session() as s:
+            q = select(ApiBatch.id).where(ApiBatch.project == project)
+            if after:
+                seq = s.scalar(select(ApiBatch.seq).where(ApiBatch.id == after, ApiBatch.project == project))
+                if seq is None:
+                    raise ApiError(400, f"no batch {after!r} to page after", param="after")
+                q = q.where(ApiBatch.seq < seq)
+            ids = list(s.scalars(q.order_by(ApiBatch.seq.desc()).limit(limit + 1)))
+        return [self.get(project, i) for i in ids[:limit]], len(ids) > limit
+
+    def cancel(self, project: str, batch_id: str) -> dict:
+        _, run = self._row(project, batch_id)
+        if run is None or run.status in RUN_ENDED:
+            obj = self.get(project, batch_id)
+            if obj["status"] in ("cancelling", "cancelled"):
+                return obj
+            raise ApiError(409, f"Cannot cancel a batch with status {obj['status']!r}", param="batch_id")
+        with self.store.Session.begin() as s:
+            s.execute(update(ApiBatch).where(ApiBatch.id == batch_id, ApiBatch.cancelling_at.is_(None))
+                      .values(cancelling_at=utcnow()))
+        self.store.cancel_run(run.id)  # queued chunks now, running ones between decoder steps
+        return self.get(project, batch_id)
+
+    # -- finalise ----------------------------------------------------------------------------------
+    def finalize(self, b: ApiBatch, run: Run) -> None:
+        """Write the ended run's output and error files (once, across server processes)."""
+        from canvasq.api.cli import write_results  # the lines `canvasq results` writes
+
+        with self.store.Session.begin() as s:
+            s.execute(update(ApiBatch).where(ApiBatch.id == b.id, ApiBatch.finalizing_at.is_(None))
+                      .values(finalizing_at=utcnow()))
+        tmp_out, tmp_err = self.files.tmp_path(), self.files.tmp_path()
+        try:
+            with open(tmp_out, "w", encoding="utf-8") as out, open(tmp_err, "w", encoding="utf-8") as err:
+                n_ok, n_err = write_results(self.store, run, out, err, ordered=True, error_codes=ERROR_CODES)
+            out_id = new_file_id() if n_ok else None
+            err_id = new_file_id() if n_err else None
+            with self.store.Session.begin() as s:
+                res = s.execute(update(ApiBatch).where(ApiBatch.id == b.id, ApiBatch.finished_at.is_(None))
+                                .values(output_file_id=out_id, error_file_id=err_id, finished_at=utcnow()))
+                if res.rowcount != 1:  # another process finalised it first
+                    return
+                for fid, tmp, n, kind in ((out_id, tmp_out, n_ok, "output"), (err_id, tmp_err, n_err, "error")):
+                    if fid:
+                        self.files.add(b.project, tmp, filename=f"{b.id}_{kind}.jsonl", purpose="batch_output",
+                                       nbytes=tmp.stat().st_size, lines=n, sha256=_sha256(tmp), file_id=fid,
+                                       session=s)
+        finally:
+            tmp_out.unlink(missing_ok=True)
+            tmp_err.unlink(missing_ok=True)
+
+    # -- the object --------------------------------------------------------------------------------
+    def to_object(self, b: ApiBatch, run: Run | None) -> dict:
+        counts = self.store.counts(run.id) if run is not None else None
+        summary = self.store.run_summary(run.id) if run is not None else None
+        if b.failed_at is not None:
+            status = "failed"
+        elif run is None:
+            status = "validating"
+        elif b.finished_at is not None:
+            status = run.status if run.status in RUN_ENDED else "completed"
+        elif run.status in RUN_ENDED:
+            status = "finalizing"
+        elif run.status == "cancelling":
+            status = "cancelling"
+        else:
+            status = "in_progress"
+        end = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}.get(status)
+        obj = {
+            "id": b.id, "object": "batch", "endpoint": b.endpoint, "model": model_name(run.model) if run else None,
+            "errors": {"object": "list", "data": b.errors} if b.errors else None,
+            "input_file_id": b.input_file_id, "completion_window": b.completion_window, "status": status,
+            "output_file_id": b.output_file_id, "error_file_id": b.error_file_id,
+            "created_at": _ts(b.created_at),
+            "in_progress_at": _ts(run.created_at) if run is not None else None,
+            "expires_at": _ts(b.expires_at), "finalizing_at": _ts(b.finalizing_at),
+            "completed_at": None, "failed_at": _ts(b.failed_at), "expired_at": None,
+            "cancelling_at": _ts(b.cancelling_at), "cancelled_at": None,
+            "request_counts": {"total": 0, "completed": 0, "failed": 0},
+            "metadata": b.meta,
+            "usage": None,
+        }
+        if end:
+            obj[end] = _ts(b.finished_at)
+        if counts is not None:
+            obj["request_counts"] = {"total": counts["total"], "completed": counts["done"],
+                                     "failed": counts["errored"] + counts["expired"] + counts["cancelled"]}
+        if summary is not None:
+            obj["usage"] = {"input_tokens": summary["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                            "output_tokens": summary["completion_tokens"],
+                            "output_tokens_details": {"reasoning_tokens": 0},
+                            "total_tokens": summary["prompt_tokens"] + summary["completion_tokens"]}
+            # canvasq's extension (a field stock clients keep as an extra): the run behind the batch and
+            # its progress in tokens, in the spirit of Fireworks' jobProgress
+            obj["canvasq"] = {
+                "run_id": run.id, "run_status": run.status, "decoder": run.decoder, "counts": counts,
+                "progress": {"completion_tokens": summary["completion_tokens"],
+                             "prompt_tokens": summary["prompt_tokens"], "forwards": summary["forwards"],
+                             "wall_s": summary["wall_s"], "tok_s": summary["tok_s"], "eta_s": summary["eta_s"],
+                             "decoders": summary["decoders"]},
+            }
+        return obj
+
+
+def _sha256(path) -> str:
+    from canvasq.api.store import file_sha256
+
+    return file_sha256(path)
+
+

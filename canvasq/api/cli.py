@@ -288,6 +288,29 @@ def _summary_table(summary: dict) -> str:
     return head + "\n" + _table(["decoder", "requests", "tokens", "fwd/req", "tok/fwd", "gen s", "tok/s"], rows)
 
 
+def _status_line(s: dict) -> str:
+    """One progress line from `Store.run_summary`. The bar: `#` generated (done or errored), `x` not
+    generated (cancelled or expired), `>` in flight (rows a worker holds), `-` waiting; the count is
+    the generated rows, so a cancelled run never shows a full bar."""
+    c, width = s["counts"], 30
+    total = c["total"] or 1
+    gen, closed = c["done"] + c["errored"], c["cancelled"] + c["expired"]
+    cells = [int(width * gen / total), int(width * (gen + closed) / total),
+             int(width * (gen + closed + s.get("in_flight", 0)) / total)]
+    bar = "#" * cells[0] + "x" * (cells[1] - cells[0]) + ">" * (cells[2] - cells[1]) + "-" * (width - cells[2])
+    return (f"{s['run_id']} [{bar}] {gen}/{c['total']} generated  {s['status']}  done {c['done']} errored "
+            f"{c['errored']} expired {c['expired']} cancelled {c['cancelled']} queued {c['queued']} "
+            f"(in flight {s.get('in_flight', 0)})  tokens {s['completion_tokens']}  "
+            f"tok/s {_tok_s(s['tok_s']) or '-'}  ETA {_fmt_s(s['eta_s'])}")
+
+
+def cut_at_stop(text: str, stop: list[str] | None, finish_reason: str | None) -> tuple[str, str | None]:
+    """OpenAI `stop`: the text ends before the earliest stop sequence, which is not included, and the
+    finish reason is then "stop". The decoders generate whole canvases, so the cut is made here."""
+    cuts = [i for i in (text.find(x) for x in stop or () if x) if i >= 0]
+    return (text[:min(cuts)], "stop") if cuts else (text, finish_reason)
+
+
 def write_results(store, run, out, errors_out=None, ordered: bool = False,
                   error_codes: dict[str, str] | None = None) -> tuple[int, int]:
     """Write OpenAI batch output lines; errored/expired/cancelled rows go to `errors_out` when given.
@@ -300,7 +323,8 @@ def write_results(store, run, out, errors_out=None, ordered: bool = False,
         o = row["output"]
         rid = uuid.uuid5(uuid.NAMESPACE_URL, f"canvasq:{run.id}:{row['custom_id']}").hex
         if row["status"] == "done" and o is not None and o.error_code is None:
-            line = output_line(custom_id=row["custom_id"], model=name, text=o.text, finish_reason=o.finish_reason,
+            text, finish = cut_at_stop(o.text or "", row.get("stop"), o.finish_reason)
+            line = output_line(custom_id=row["custom_id"], model=name, text=text, finish_reason=finish,
                                prompt_tokens=o.prompt_tokens, completion_tokens=o.completion_tokens,
                                request_id=rid, created=o.updated_at.timestamp(),
                                extra_usage={"forwards": o.forwards, "decoder": o.decoder})
@@ -391,6 +415,39 @@ def _embedded_runtime(store, settings):
 EMBEDDED_CHUNK = 4096
 
 
+PROGRESS_EVERY_S = 10.0  # `canvasq run` off a terminal: a progress line this often
+
+
+class _ProgressLines:
+    """click.progressbar's interface for a log (stderr not a terminal): one line every
+    PROGRESS_EVERY_S seconds while rows finish, and one at the end, instead of a bar drawn in place."""
+
+    def __init__(self, length: int, label: str = "", file=None, **_bar_options):
+        self.length, self.label, self.file, self.pos = length, label, file or sys.stderr, 0
+        self.t0 = self.last = time.monotonic()
+
+    def __enter__(self):
+        click.echo(f"{self.label}: {self.length} rows", file=self.file)
+        return self
+
+    def __exit__(self, *exc):
+        self._line()
+
+    def update(self, n: int) -> None:
+        self.pos += n
+        if time.monotonic() - self.last >= PROGRESS_EVERY_S:
+            self._line()
+
+    def _line(self) -> None:
+        self.last = time.monotonic()
+        elapsed = self.last - self.t0
+        rate = self.pos / elapsed if elapsed > 0 else 0.0
+        eta = (self.length - self.pos) / rate if rate and self.pos < self.length else None
+        pct = 100 * self.pos / self.length if self.length else 100.0
+        click.echo(f"{self.label}: {self.pos}/{self.length} rows ({pct:.0f} %), {_fmt_s(elapsed)} elapsed, "
+                   f"{rate:.2f} rows/s, ETA {_fmt_s(eta)}", file=self.file)
+
+
 def _raise_interrupt(_signum, _frame):
     raise KeyboardInterrupt
 
@@ -410,8 +467,9 @@ def _process_embedded(rt, run_id: str) -> list[tuple[int, int]]:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         queued = store.counts(run_id)["queued"]
-        with click.progressbar(length=queued, label="generating", file=sys.stderr, show_eta=True,
-                               show_percent=True, show_pos=True) as bar:
+        bar_cls = click.progressbar if sys.stderr.isatty() else _ProgressLines
+        with bar_cls(length=queued, label="generating", file=sys.stderr, show_eta=True,
+                     show_percent=True, show_pos=True) as bar:
             rt.on_row = lambda: bar.update(1)  # each row as it finishes, not each chunk
             for cid in store.pending_chunks(run_id):
                 occupancy += rt.process_chunk(cid).get("occupancy", [])
@@ -540,12 +598,17 @@ def run(file, out_path, decoder, model, name, chunk_size, fresh, as_json):
     _report_unfinished(store, run_id)
 
 
+MISSING_SHOWN = 20  # custom_ids of unfinished rows named in a report
+
+
 def _report_unfinished(store, run_id: str) -> None:
-    """Rows not in the output because they are not terminal: always said, never a silent gap."""
+    """Rows not in the output because they are not terminal: always said, and named, never a silent gap."""
     c = store.counts(run_id)
     if c["queued"]:
+        missing = store.missing_rows(run_id, MISSING_SHOWN)
+        more = f" and {c['queued'] - len(missing)} more" if c["queued"] > len(missing) else ""
         click.echo(f"{c['queued']} of {c['total']} rows of {run_id} are not finished ({store.run_status(run_id)}) "
-                   "and are not in the output", err=True)
+                   f"and are not in the output: {', '.join(missing)}{more}", err=True)
 
 
 @cli.command()
@@ -560,7 +623,9 @@ def _report_unfinished(store, run_id: str) -> None:
 @click.option("--chunk-size", type=click.IntRange(min=1), default=None,
               help="Requests per chunk (default: CANVASQ_CHUNK_SIZE).")
 @click.option("--deadline", type=click.IntRange(min=1), default=None, help="Seconds until unfinished rows expire.")
-def submit(file, name, decoder, model, queue, idempotency_key, chunk_size, deadline):
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON line (run id, whether it was created, requests, chunks published).")
+def submit(file, name, decoder, model, queue, idempotency_key, chunk_size, deadline, as_json):
     """Validate FILE, store the run, publish its chunks to the model's queue; print the run id.
 
     Rows are committed before any message is published; submitting again (or `canvasq reconcile`)
@@ -606,14 +671,21 @@ def submit(file, name, decoder, model, queue, idempotency_key, chunk_size, deadl
                 f"run {created.run_id} is stored but publishing its chunks to {run_queue} failed ({mask_url(first)}); "
                 "run the same `canvasq submit` again (or `canvasq reconcile`) once the broker is back") from None
         store.mark_published(todo)
+    existing_name = None if created.created else store.get_run(created.run_id).name
+    if as_json:
+        click.echo(json.dumps({"run_id": created.run_id, "created": created.created, "requests": created.requests,
+                               "chunks": len(created.chunk_ids), "published": len(todo), "queue": run_queue,
+                               "name": name or Path(file).name[:MAX_NAME] if created.created else existing_name,
+                               "idempotency_key": idempotency_key}))
+        return
     if created.created:
         click.echo(f"submitted {created.requests} requests in {len(created.chunk_ids)} chunks to {queue}", err=True)
-    elif todo:
-        click.echo(f"key {idempotency_key!r} already submitted as {created.run_id}; published its {len(todo)} "
-                   "unpublished chunk(s)", err=True)
     else:
-        click.echo(f"key {idempotency_key!r} already submitted as {created.run_id}; nothing published "
-                   "(every chunk was published before)", err=True)
+        renamed = f" (named {existing_name!r}; --name {name!r} was not applied)" if name and name != existing_name else ""
+        published = (f"published its {len(todo)} unpublished chunk(s)" if todo
+                     else "nothing published (every chunk was published before)")
+        click.echo(f"key {idempotency_key!r} already submitted as {created.run_id}: returned the existing run"
+                   f"{renamed}; {published}. A different --key submits the file again as a new run", err=True)
     click.echo(created.run_id)
 
 
@@ -701,19 +773,10 @@ def status(run_id, watch, interval, as_json):
     _reap_interrupted(store, settings)
     while True:
         s = store.run_summary(run_row.id)
-        c = s["counts"]
         if as_json:
             click.echo(json.dumps(s, default=str))
         else:
-            finished = c["total"] - c["queued"]
-            width = 30
-            fill = int(width * finished / c["total"]) if c["total"] else width
-            bar = "#" * fill + "-" * (width - fill)
-            click.echo(
-                f"{s['run_id']} [{bar}] {finished}/{c['total']} {s['status']}  done {c['done']} errored "
-                f"{c['errored']} expired {c['expired']} cancelled {c['cancelled']} queued {c['queued']}  "
-                f"tokens {s['completion_tokens']}  tok/s {_tok_s(s['tok_s']) or '-'}  ETA {_fmt_s(s['eta_s'])}"
-            )
+            click.echo(_status_line(s))
         if not watch or s["status"] not in ("queued", "running", "cancelling"):
             if s["status"] == "interrupted":
                 click.echo(f"{s['run_id']} was interrupted: the same `canvasq run` command continues it", err=True)
@@ -739,9 +802,10 @@ def runs(status_, limit, as_json):
     if as_json:
         click.echo(json.dumps(rows))
         return
-    click.echo(_table(["run", "name", "status", "total", "done", "errored", "queued", "decoder", "created"],
-                      [[r["run_id"], r["name"], r["status"], r["total"], r["done"], r["errored"], r["queued"],
-                        r["decoder"], r["created_at"]] for r in rows]))
+    click.echo(_table(["run", "name", "status", "total", "done", "errored", "expired", "cancelled", "queued",
+                       "decoder", "created"],
+                      [[r["run_id"], r["name"], r["status"], r["total"], r["done"], r["errored"], r["expired"],
+                        r["cancelled"], r["queued"], r["decoder"], r["created_at"]] for r in rows]))
 
 
 @cli.command()
@@ -751,8 +815,13 @@ def runs(status_, limit, as_json):
 @click.option("--errors", "errors_path", type=click.Path(dir_okay=False), default=None,
               help="Write errored / expired / cancelled rows here instead of into OUTPUT.")
 @click.option("--ordered", is_flag=True, help="In input-file order (default: completion order).")
-def results(run_id, out_path, errors_path, ordered):
+@click.option("--json", "as_json", is_flag=True,
+              help="Report counts and unfinished rows as one JSON line (on stderr when OUTPUT is stdout).")
+def results(run_id, out_path, errors_path, ordered, as_json):
     """Export RUN's finished rows as OpenAI batch output lines.
+
+    On a run that is not finished, only its finished rows are exported, and it says so: how many rows
+    are missing and the first of their custom_ids.
 
     Example:
 
@@ -789,13 +858,25 @@ def results(run_id, out_path, errors_path, ordered):
     finally:
         for fh in direct:
             fh.close()
+    if as_json:
+        c = store.counts(run_row.id)
+        click.echo(json.dumps({"run_id": run_row.id, "status": store.run_status(run_row.id), "results": n_ok,
+                               "errors": n_err, "unfinished": c["queued"], "total": c["total"],
+                               "missing": store.missing_rows(run_row.id, MISSING_SHOWN)}), err=out_path == "-")
+        return
     click.echo(f"{n_ok} results, {n_err} errors", err=True)
     _report_unfinished(store, run_row.id)
 
 
+def _say(as_json: bool, text: str, **record) -> None:
+    """A command's result: the sentence, or with --json the record as one JSON line."""
+    click.echo(json.dumps(record, default=str) if as_json else text)
+
+
 @cli.command()
 @click.argument("run_id", metavar="RUN")
-def cancel(run_id):
+@json_option
+def cancel(run_id, as_json):
     """Cancel RUN: chunks not started are cancelled now, running ones stop between decoder steps.
     Finished rows are kept.
 
@@ -808,7 +889,8 @@ def cancel(run_id):
     run_row = _get_run(store, run_id)
     # nobody holds an interrupted embedded run's chunks to see the flag: cancel their rows now
     orphaned = run_row.mode == "embedded" and not _owner_alive(store.embedded_owner(run_row.id), settings)
-    click.echo(f"{run_row.id}: {store.cancel_run(run_row.id, close_running=orphaned)}")
+    status = store.cancel_run(run_row.id, close_running=orphaned)
+    _say(as_json, f"{run_row.id}: {status}", run_id=run_row.id, status=status, counts=store.counts(run_row.id))
 
 
 @cli.command()
@@ -816,7 +898,8 @@ def cancel(run_id):
 @click.option("--only", default="errored,expired", show_default=True,
               help="Comma-separated request states to re-run (errored, expired, cancelled), and/or stuck: "
                    "queued rows no live worker will finish (their worker stopped heartbeating).")
-def retry(run_id, only):
+@json_option
+def retry(run_id, only, as_json):
     """Re-run RUN's rows in the given states; finished rows stay, results merge.
 
     `stuck` re-publishes, in new chunks, the queued rows whose chunk is held by a worker without a
@@ -852,26 +935,31 @@ def retry(run_id, only):
     offline_before = utcnow() - timedelta(seconds=settings.offline_after_s)
     stuck = len(store.stuck_rows(run_row.id, offline_before)) if "stuck" in states else 0
     n = sum(before[s] for s in states if s != "stuck") + stuck
-    chunk_ids = store.retry_run(run_row.id, states, settings.chunk_size, offline_before=offline_before)
+    # the run's own chunk size (a run from before it was stored: the largest chunk it has)
+    chunk_size = run_row.chunk_size or store.largest_chunk(run_row.id) or settings.chunk_size
+    chunk_ids = store.retry_run(run_row.id, states, chunk_size, offline_before=offline_before)
     if not embedded:
         if not chunk_ids:
             waiting = f"; {before['queued']} queued rows are held by live workers or wait in the queue" \
                 if "stuck" in states and before["queued"] else ""
-            click.echo(f"{run_row.id}: no rows in {states}{waiting}")
+            _say(as_json, f"{run_row.id}: no rows in {states}{waiting}", run_id=run_row.id, states=states,
+                 rows=0, chunks=0, queued=before["queued"])
             return
         from canvasq.worker.celery_app import publish_chunks
 
         publish_chunks(chunk_ids, run_row.queue, settings)
         store.mark_published(chunk_ids)
-        click.echo(f"{run_row.id}: re-queued {n} rows in {len(chunk_ids)} chunks")
+        _say(as_json, f"{run_row.id}: re-queued {n} rows in {len(chunk_ids)} chunks of up to {chunk_size}",
+             run_id=run_row.id, states=states, rows=n, chunks=len(chunk_ids), chunk_size=chunk_size)
         return
     left = store.counts(run_row.id)["queued"]  # the retried rows and any an interruption left queued
     if not left:
-        click.echo(f"{run_row.id}: no rows in {states}")
+        _say(as_json, f"{run_row.id}: no rows in {states}", run_id=run_row.id, states=states, rows=0, chunks=0)
         return
     _process_embedded(rt, run_row.id)
     extra = f" and {left - n} left unfinished by an interruption" if left > n else ""
-    click.echo(f"{run_row.id}: re-ran {n} rows in {states}{extra}")
+    _say(as_json, f"{run_row.id}: re-ran {n} rows in {states}{extra}", run_id=run_row.id, states=states, rows=n,
+         left_by_interruption=max(0, left - n), counts=store.counts(run_row.id), status=store.run_status(run_row.id))
     _report_unfinished(store, run_row.id)
 
 
@@ -892,7 +980,7 @@ def trace(run_id, custom_id, plot_path, as_json):
     run_row = _get_run(store, run_id)
     rows = store.traces(run_row.id, custom_id)
     if not rows:
-        raise click.ClickException(f"no trace for {custom_id!r} in {run_row.id}")
+        raise click.ClickException(f"no trace for {custom_id!r} in {run_row.id}: {_why_no_trace(store, run_row.id, custom_id)}")
     recs = [{"forward": t.forward_index, "kind": t.kind, "rows": t.rows, "commits": t.commits,
              "own_rows": t.own_rows, "own_commits": t.own_commits, "canvases": t.canvases,
              "states": t.states, "ms": round(t.ms, 3)} for t in rows]
@@ -904,8 +992,27 @@ def trace(run_id, custom_id, plot_path, as_json):
         click.echo(f"{len(recs)} forwards, {sum(r['commits'] for r in recs)} commits, "
                    f"{sum(r['rows'] for r in recs)} window rows, {sum(r['ms'] for r in recs):.1f} ms")
     if plot_path:
-        plot_trace(recs, plot_path, title=f"{run_row.id} / {custom_id}")
+        state = store.row_state(run_row.id, custom_id)
+        decoder = state[1].decoder if state and state[1] is not None else None
+        plot_trace(recs, plot_path, title=f"{run_row.id} / {custom_id}  (decoder {decoder or '?'}, "
+                                          f"{len(recs)} forwards, {sum(r['ms'] for r in recs):.0f} ms)")
         click.echo(f"wrote {plot_path}", err=True)
+
+
+def _why_no_trace(store, run_id: str, custom_id: str) -> str:
+    """Why a row has no forwards stored: it does not exist, is not finished, or ended without a forward."""
+    state = store.row_state(run_id, custom_id)
+    if state is None:
+        return "the run has no row with that custom_id"
+    status, out = state
+    if status == "queued":
+        return "the row is not finished (queued); its trace is stored when it finishes"
+    if out is not None and out.error_code:
+        return (f"the row ended {status} ({out.error_code}: {(out.error_message or '')[:120]}) before any forward "
+                "was stored")
+    if out is not None and not out.forwards:
+        return f"the row is {status} but ran no forward"
+    return f"the row is {status} but its decoder ({out.decoder if out else '?'}) stored no per-forward trace"
 
 
 def plot_trace(recs: list[dict], path: str, title: str = "") -> None:
@@ -913,9 +1020,10 @@ def plot_trace(recs: list[dict], path: str, title: str = "") -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     x = [r["forward"] for r in recs]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
     colors = ["tab:blue" if r["kind"] == "decode" else "tab:gray" for r in recs]
     ax1.bar(x, [r["rows"] for r in recs], color=colors, label="window rows G (gray: encoder pass)")
     if any(r["own_rows"] is not None for r in recs):
@@ -927,8 +1035,14 @@ def plot_trace(recs: list[dict], path: str, title: str = "") -> None:
         ax2.step(x, [r["own_commits"] or 0 for r in recs], where="mid", color="tab:orange",
                  label="this request's commits")
     ax2.set_ylabel("commits")
-    ax2.set_xlabel("forward index")
     ax2.legend(loc="upper right")
+    ax3.bar(x, [r["ms"] for r in recs], color=colors)
+    ax3.set_ylabel("ms per forward")
+    ax3.set_xlabel("forward index")
+    for ax in (ax1, ax2, ax3):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in (ax1, ax2):
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(title or "per-forward trace")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -1011,16 +1125,24 @@ def db_upgrade(revision):
 
 @db.command("downgrade")
 @click.argument("revision")
-def db_downgrade(revision):
-    """Downgrade the schema to REVISION ("base" drops every table).
+@click.option("--yes", is_flag=True, help="Do it without asking (a downgrade can drop tables and their rows).")
+def db_downgrade(revision, yes):
+    """Downgrade the schema to REVISION ("base" drops every table). Asks first unless --yes; without a
+    terminal to ask on, refuses unless --yes.
 
     Example:
 
-        canvasq db downgrade base
+        canvasq db downgrade base --yes
     """
     from canvasq.api.store import downgrade
 
     url = _database_url()
+    if not yes:
+        what = "drops every table and every run, row and output in it" if revision == "base" else \
+            "drops what later revisions added, and the data in it"
+        if not sys.stdin.isatty():
+            raise click.ClickException(f"downgrading {mask_url(url)} to {revision} {what}; pass --yes to do it")
+        click.confirm(f"Downgrading {mask_url(url)} to {revision} {what}. Continue?", abort=True, err=True)
     downgrade(url, revision)
     click.echo(f"{mask_url(url)}: downgraded to {revision}")
 

@@ -61,6 +61,7 @@ class Run(Base):
     model: Mapped[str] = mapped_column(String(500))
     queue: Mapped[str] = mapped_column(String(200))
     decoder: Mapped[str] = mapped_column(String(32), default="auto")
+    chunk_size: Mapped[int | None] = mapped_column(Integer)  # rows per chunk at creation (retry reuses it)
     status: Mapped[str] = mapped_column(String(16), default="queued", index=True)
     mode: Mapped[str] = mapped_column(String(16), default="queue")  # queue | embedded
     input_path: Mapped[str | None] = mapped_column(Text)
@@ -97,6 +98,7 @@ class Request(Base):
     task: Mapped[str | None] = mapped_column(String(16))
     max_tokens: Mapped[int] = mapped_column(Integer)
     decoder: Mapped[str | None] = mapped_column(String(32))
+    stop: Mapped[list | None] = mapped_column(JSON)  # stop sequences, applied to the text on export
     chunk_id: Mapped[str | None] = mapped_column(ForeignKey("chunks.id", ondelete="SET NULL"), index=True)
     status: Mapped[str] = mapped_column(String(16), default="queued")
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)

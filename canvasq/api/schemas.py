@@ -110,9 +110,9 @@ def body_param_errors(body: ChatBody) -> list[str]:
 # Code: a Python signature, a docstring or a doctest prompt. Math: a question about a quantity with
 # numbers in it (the testbed's word problems, GSM8K's). Anything else has no inferable task and goes
 # to the accurate decoder.
-_CODE_RE = re.compile(r"^\s*(async\s+)?def\s+\w+\s*\(|^\s*class\s+\w+|\"\"\"|'''|^\s*>>>|^```", re.M)
+_CODE_RE = re.compile(r"^\s*(async\s+)?def\s+\w+\s*\(|^\s*class\s+\w+|\"\"\"|'''|^\s*>>>|^```", re.MULTILINE)
 _MATH_ASK_RE = re.compile(r"\bhow (many|much)\b|\bwhat is\b|\bcalculate\b|\bcompute\b|\bsolve\b|"
-                          r"\bhow (old|long|far)\b|\bin total\b|\baltogether\b|[-+*/=] *\d", re.I)
+                          r"\bhow (old|long|far)\b|\bin total\b|\baltogether\b|[-+*/=] *\d", re.IGNORECASE)
 
 
 def infer_task(prompt: str) -> str | None:

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +204,45 @@ def new_run_id() -> str:
     return "run_" + uuid.uuid4().hex[:16]
 
 
+# ---------------------------------------------------------------------------------------- progress
+
+IDLE_GAP_S = 120.0  # a longer pause between finished rows (and 20x their median gap) is idle time
+RATE_WINDOW_S = 120.0  # the current rate: rows finished in this much of the latest active time
+
+
+def active_wall(started: datetime | None, finishes: Sequence[datetime], now: datetime | None = None) -> float:
+    """Seconds a run was being generated: its start to its first finished row, the gaps between finished
+    rows except idle ones (longer than IDLE_GAP_S and 20x the median gap: the run had ended and was later
+    retried or resumed), and, while it runs (`now`), the time since its last finished row or its start.
+    tok/s over this does not fall (or restart) after a retry: the tokens and the time are both the run's."""
+    ts = sorted(finishes)
+    if started is None:
+        return 0.0
+    gaps = [(b - a).total_seconds() for a, b in pairwise(ts)]
+    median = sorted(gaps)[len(gaps) // 2] if gaps else 0.0
+    idle = max(IDLE_GAP_S, 20 * median)
+    wall = sum(g for g in gaps if g <= idle)
+    if ts and started < ts[0]:
+        wall += (ts[0] - started).total_seconds()
+    if now is not None:
+        since = max(ts[-1], started) if ts else started
+        wall += max(0.0, (now - since).total_seconds())
+    return wall
+
+
+def recent_rate(finishes: Sequence[datetime], now: datetime | None = None) -> float | None:
+    """Rows per second at the end of the run so far: finished rows over the last RATE_WINDOW_S seconds
+    (of the time since the first row finished, when that is shorter); None before two rows finish."""
+    if len(finishes) < 2:
+        return None
+    ts = sorted(finishes)
+    end = max(now or ts[-1], ts[-1])
+    start = max(end - timedelta(seconds=RATE_WINDOW_S), ts[0])
+    n = sum(1 for t in ts if t > start)
+    span = (end - start).total_seconds()
+    return n / span if span > 0 and n else None
+
+
 # ---------------------------------------------------------------------------------------- records
 
 
@@ -317,6 +357,7 @@ class Store:
                     model=model,
                     queue=queue,
                     decoder=decoder,
+                    chunk_size=chunk_size,
                     status="queued",
                     mode=mode,
                     input_path=input_path,
@@ -347,7 +388,7 @@ class Store:
                 buf.append(
                     dict(run_id=run_id, custom_id=job.custom_id, line_no=job.line_no, prompt=job.prompt,
                          task=job.task, max_tokens=job.max_tokens, decoder=job.decoder,
-                         chunk_id=chunk_ids[seq], status="queued", updated_at=now)
+                         stop=list(job.stop) or None, chunk_id=chunk_ids[seq], status="queued", updated_at=now)
                 )
                 n += 1
                 if len(buf) >= batch_rows:
@@ -694,6 +735,26 @@ class Store:
         out["total"] = sum(n for _, n in rows)
         return out
 
+    def largest_chunk(self, run_id: str) -> int | None:
+        """The most rows any chunk of the run holds (a run's chunk size where it was not stored)."""
+        with self.Session() as s:
+            sizes = select(func.count().label("n")).where(Request.run_id == run_id).group_by(Request.chunk_id)
+            return s.scalar(select(func.max(sizes.subquery().c.n)))
+
+    def missing_rows(self, run_id: str, limit: int = 20) -> list[str]:
+        """custom_ids of the run's rows not finished yet (queued), in input order."""
+        with self.Session() as s:
+            return list(s.scalars(select(Request.custom_id).where(Request.run_id == run_id, Request.status == "queued")
+                                  .order_by(Request.line_no).limit(limit)))
+
+    def row_state(self, run_id: str, custom_id: str) -> tuple[str, Output | None] | None:
+        """(request status, its output) of one row, or None when the run has no such row."""
+        with self.Session() as s:
+            st = s.scalar(select(Request.status).where(Request.run_id == run_id, Request.custom_id == custom_id))
+            if st is None:
+                return None
+            return st, s.scalar(select(Output).where(Output.run_id == run_id, Output.custom_id == custom_id))
+
     def run_summary(self, run_id: str) -> dict[str, Any]:
         """Counts, tokens, forwards and throughput for one run (all from rows)."""
         run = self.get_run(run_id)
@@ -711,19 +772,26 @@ class Store:
                 .where(Output.run_id == run.id, Output.error_code.is_(None))
                 .group_by(Output.decoder).order_by(Output.decoder)
             ).all()
+            finishes = list(s.scalars(select(Output.updated_at).where(Output.run_id == run.id,
+                                                                      Output.error_code.is_(None))))
+            in_flight = s.scalar(select(func.count()).select_from(Request)
+                                 .join(Chunk, Chunk.id == Request.chunk_id)
+                                 .where(Request.run_id == run.id, Request.status == "queued",
+                                        Chunk.status == "running")) or 0
         tokens = sum(d.tokens for d in per_dec)
         ptoks = sum(d.prompt_tokens for d in per_dec)
         forwards = sum(d.forwards for d in per_dec)
         gen_ms = sum(d.gen_ms for d in per_dec)
-        last = max((d.last for d in per_dec), default=None)
-        end = run.finished_at or (last if run.status not in RUN_ACTIVE else utcnow())
-        wall = (end - run.started_at).total_seconds() if run.started_at and end else 0.0
-        done = counts["total"] - counts["queued"]
-        eta = (wall / done) * counts["queued"] if done and counts["queued"] and wall > 0 else None
+        active = run.status in RUN_ACTIVE
+        now = utcnow() if active and (in_flight or run.status == "running") else None  # not while it waits
+        wall = active_wall(run.started_at, finishes, now)
+        rate = recent_rate(finishes, now)
+        eta = counts["queued"] / rate if rate and counts["queued"] and active else None
         return {
             "run_id": run.id, "name": run.name, "status": run.status, "model": run.model, "queue": run.queue,
             "decoder": run.decoder, "created_at": run.created_at.isoformat(timespec="seconds"),
-            "counts": counts, "completion_tokens": int(tokens), "prompt_tokens": int(ptoks),
+            "counts": counts, "in_flight": int(in_flight), "rows_per_s": rate,
+            "completion_tokens": int(tokens), "prompt_tokens": int(ptoks),
             "forwards": int(forwards), "gen_s": float(gen_ms) / 1000, "wall_s": wall,
             "tok_s": (tokens / wall) if wall > 0 else None, "eta_s": eta,
             "decoders": [
@@ -747,16 +815,19 @@ class Store:
                 select(Request.run_id, func.count(),
                        func.sum(case((Request.status == "done", 1), else_=0)),
                        func.sum(case((Request.status == "errored", 1), else_=0)),
+                       func.sum(case((Request.status == "expired", 1), else_=0)),
+                       func.sum(case((Request.status == "cancelled", 1), else_=0)),
                        func.sum(case((Request.status == "queued", 1), else_=0)))
                 .where(Request.run_id.in_(ids)).group_by(Request.run_id)
             ).all()
         by_run = {g[0]: g[1:] for g in grouped}
         out = []
         for r in runs:
-            total, done, errored, queued = by_run.get(r.id, (0, 0, 0, 0))
+            total, done, errored, expired, cancelled, queued = by_run.get(r.id, (0,) * 6)
             out.append({"run_id": r.id, "name": r.name, "status": r.status, "model": r.model,
                         "decoder": r.decoder, "created_at": r.created_at.isoformat(timespec="seconds"),
                         "total": int(total or 0), "done": int(done or 0), "errored": int(errored or 0),
+                        "expired": int(expired or 0), "cancelled": int(cancelled or 0),
                         "queued": int(queued or 0)})
         return out
 
@@ -764,13 +835,13 @@ class Store:
         """Terminal rows with their outputs (requests without an output yield an error line)."""
         with self.Session() as s:
             q = (
-                select(Request.custom_id, Request.status, Request.line_no, Output)
+                select(Request.custom_id, Request.status, Request.line_no, Request.stop, Output)
                 .outerjoin(Output, and_(Output.run_id == Request.run_id, Output.custom_id == Request.custom_id))
                 .where(Request.run_id == run_id, Request.status.in_(REQUEST_TERMINAL))
             )
             q = q.order_by(Request.line_no) if ordered else q.order_by(Output.updated_at, Request.line_no)
-            for cid, status, line_no, out in s.execute(q.execution_options(yield_per=batch)):
-                yield {"custom_id": cid, "status": status, "line_no": line_no, "output": out}
+            for cid, status, line_no, stop, out in s.execute(q.execution_options(yield_per=batch)):
+                yield {"custom_id": cid, "status": status, "line_no": line_no, "stop": stop, "output": out}
 
     def traces(self, run_id: str, custom_id: str) -> list[ForwardTraceRow]:
         with self.Session() as s:

@@ -55,7 +55,7 @@ def test_embedded_run_then_queries(small_file, service_env, monkeypatch, tmp_pat
     st = json.loads(invoke("status", run_id, "--json").stdout)
     assert st["counts"]["done"] == 4 and st["completion_tokens"] == sum(
         x["response"]["body"]["usage"]["completion_tokens"] for x in lines)
-    assert "4/4 completed" in invoke("status", run_id, "--watch", "--interval", "0.1").stdout  # ends at once
+    assert "4/4 generated  completed" in invoke("status", run_id, "--watch", "--interval", "0.1").stdout  # ends at once
     assert [json.loads(x)["custom_id"] for x in invoke("results", run_id, "--ordered").stdout.splitlines()] == ids
 
     png = tmp_path / "t.png"
@@ -107,13 +107,20 @@ def test_cancel_retry_reconcile_on_the_queue(service_env):
 
     store.write_results(run.run_id, [ResultRecord("c0", text="x", completion_tokens=1),
                                      ResultRecord("c1", status="errored", error_code="decode_error")], "w")
-    res = invoke("cancel", run.run_id)
-    assert res.stdout.strip().endswith("cancelled")  # chunks no worker held are cancelled at once
+    res = json.loads(invoke("cancel", run.run_id, "--json").stdout)
+    assert res["status"] == "cancelled"  # chunks no worker held are cancelled at once
     c = store.counts(run.run_id)
-    assert (c["done"], c["errored"], c["cancelled"]) == (1, 1, 4)
+    assert (c["done"], c["errored"], c["cancelled"]) == (1, 1, 4) == tuple(res["counts"][k] for k in
+                                                                           ("done", "errored", "cancelled"))
+    listed = json.loads(invoke("runs", "--json").stdout)[0]
+    assert (listed["cancelled"], listed["expired"]) == (4, 0)
+    assert "cancelled" in invoke("runs").stdout.splitlines()[0]
+    bar = invoke("status", run.run_id).stdout  # a cancelled run never shows a full bar
+    assert "2/6 generated" in bar and "[##########xxxxxxxxxxxxxxxxxxxx]" in bar, bar
     before = queue_length(q)
-    invoke("retry", run.run_id, "--only", "errored,cancelled")
-    assert queue_length(q) == before + 1  # 5 rows fit one chunk (CANVASQ_CHUNK_SIZE 16)
+    res = json.loads(invoke("retry", run.run_id, "--only", "errored,cancelled", "--json").stdout)
+    # the run's own chunk size (2), not CANVASQ_CHUNK_SIZE (16): 5 rows in 3 chunks
+    assert (res["rows"], res["chunks"], res["chunk_size"]) == (5, 3, 2) and queue_length(q) == before + 3
     assert store.counts(run.run_id)["queued"] == 5 and store.run_status(run.run_id) == "queued"
     bad = CliRunner().invoke(cli, ["retry", run.run_id, "--only", "done"])
     assert bad.exit_code != 0

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from canvasq.api.settings import Settings, get_settings, model_name, resolve_experts
+from canvasq.api.settings import Settings, get_settings, mask_url, model_name, resolve_experts
 from canvasq.api.store import ResultRecord, Store, retry_transient
 from canvasq.decoders.types import CANCELLED, DecodeBatch, DecodeRequest, DecodeResult, Interrupted
 from canvasq.worker import faults
@@ -236,7 +236,7 @@ class ChunkRuntime:
                 try:
                     self.store.heartbeat(self.worker_id, chunk, self.settings.lease_s)
                 except Exception as exc:  # noqa: BLE001 a missed beat is not worth killing the worker
-                    log.warning("heartbeat failed: %s", exc)
+                    log.warning("heartbeat failed: %s", mask_url(str(exc)))
 
         self._hb_thread = threading.Thread(target=beat, name="canvasq-heartbeat", daemon=True)
         self._hb_thread.start()

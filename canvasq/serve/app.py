@@ -14,7 +14,8 @@ from typing import Annotated, Literal
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -30,6 +31,7 @@ from canvasq.serve.files import (
     file_object,
 )
 from canvasq.serve.keys import Principal, authenticate
+from canvasq.serve.metrics import HttpMetrics, server_registry
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,8 @@ def create_app(store, *, settings: Settings | None = None, serve: ServeSettings 
     app = FastAPI(title="canvasq", version="1", summary="OpenAI-compatible Files and Batches API for canvasq runs",
                   lifespan=lifespan)
     app.state.store, app.state.files, app.state.batches = store, files, batches
+    registry, http_counter = server_registry(store, settings, batches.queue)
+    app.add_middleware(HttpMetrics, counter=http_counter)
 
     @app.exception_handler(ApiError)
     def _api_error(_req, exc: ApiError):
@@ -112,6 +116,11 @@ def create_app(store, *, settings: Settings | None = None, serve: ServeSettings 
     @app.get("/health", include_in_schema=False)
     def health():
         return {"status": "ok"}
+
+    @app.get("/metrics", include_in_schema=False)
+    def metrics():
+        """Prometheus text format; no key needed (no ids, prompts or outputs in it)."""
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     # -- files -------------------------------------------------------------------------------------
     upload_body = {"required": True, "content": {"multipart/form-data": {"schema": {

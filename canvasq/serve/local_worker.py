@@ -51,7 +51,11 @@ def main(queue: str, poll_s: float = 0.5, expire_every_s: float = 5.0) -> None:
                       queue=queue)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    t0 = time.perf_counter()
     rt.bundle  # noqa: B018 - load before the first chunk
+    from canvasq.serve.metrics import start_worker_metrics
+
+    start_worker_metrics(rt, time.perf_counter() - t0)
     rt.register()
     rt.start_heartbeat()
     log.info("%s: %s on %s", READY_MARK, rt.worker_id, queue)

@@ -95,9 +95,17 @@ def _check_at_start(**_kw):
 
 @signals.worker_process_init.connect
 def _child_start(**_kw):
-    from canvasq.worker.runtime import start_process
+    import os
+    import time
 
+    from canvasq.worker.runtime import get_runtime, start_process
+
+    t0 = time.perf_counter()
     start_process()
+    if os.environ.get("CANVASQ_METRICS_PORT"):  # Prometheus metrics of this worker (canvasq.serve.metrics)
+        from canvasq.serve.metrics import start_worker_metrics
+
+        start_worker_metrics(get_runtime(), time.perf_counter() - t0)
 
 
 @signals.worker_process_shutdown.connect

@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 
 from canvasq.api.testing import REDIS_URL, drop_queue, fresh_pg_database, unique_queue
-from canvasq.testing.server import ServerProcess, cli, rss_bytes
+from canvasq.testing.server import ServerProcess, cli, free_port, rss_bytes
 from canvasq.testing.workers import WorkerProcess, worker_env
 
 ENDPOINT = "/v1/chat/completions"
@@ -72,7 +72,37 @@ def new_key(env: dict, project: str) -> str:
     return cli(env, "keys", "create", "--project", project).stdout.strip()
 
 
-def full_flow(client: OpenAI, server, n: int) -> None:
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus text-format sample over the series whose labels include `labels`."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    total, found = 0.0, False
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        series, _, tail = head.partition("{")
+        if series == name and all(f'{k}="{v}"' in tail for k, v in labels.items()):
+            total, found = total + float(value), True
+    assert found, f"{name} {labels} not in {url}:\n{text[:3000]}"
+    return total
+
+
+def check_metrics(server, worker_port: int, during: float) -> None:
+    """`/metrics` of the worker moved while the batch ran; the server's shows the fleet from the store."""
+    worker = f"http://127.0.0.1:{worker_port}/metrics"
+    after = metric(worker, "canvasq_worker_committed_tokens_total")
+    assert after > during > 0
+    assert metric(worker, "canvasq_worker_requests_total", status="done") >= N_LINES
+    assert metric(worker, "canvasq_worker_slot_steps_busy_total") > 0
+    assert metric(worker, "canvasq_worker_forwards_total") > after  # several passes per committed token
+    assert metric(server.url + "/metrics", "canvasq_committed_tokens_total") >= after
+    assert metric(server.url + "/metrics", "canvasq_http_requests_total", route="/v1/batches/{batch_id}",
+                  status="200") > 0
+    assert metric(server.url + "/metrics", "canvasq_workers_online") >= 1
+
+
+def full_flow(client: OpenAI, server, n: int, worker_port: int | None = None) -> None:
     """Upload, create, poll to completed, join; then a second batch cancelled mid-way."""
     ids = [f"main-{i}" for i in range(n)]
     f = upload(client, batch_lines("main", n))
@@ -83,6 +113,11 @@ def full_flow(client: OpenAI, server, n: int) -> None:
                               metadata={"purpose": "test"})
     assert b.status in ("in_progress", "validating") and b.request_counts.total == n
     assert b.metadata == {"purpose": "test"} and b.in_progress_at and b.expires_at
+    end = time.monotonic() + 180
+    while client.batches.retrieve(b.id).request_counts.completed < 1:
+        assert time.monotonic() < end, server.log()
+        time.sleep(0.3)
+    during = metric(f"http://127.0.0.1:{worker_port}/metrics", "canvasq_worker_committed_tokens_total")
     b = poll(client, b.id, server=server)
     assert b.status == "completed", b
     assert b.request_counts.completed == n and b.request_counts.failed == 0
@@ -93,6 +128,7 @@ def full_flow(client: OpenAI, server, n: int) -> None:
     progress = b.model_extra["canvasq"]["progress"]  # the token-progress extension, kept by the stock client
     assert progress["completion_tokens"] == b.usage.output_tokens and progress["forwards"] > 0
     assert client.files.retrieve(b.output_file_id).purpose == "batch_output"
+    check_metrics(server, worker_port, during)
 
     # cancelled mid-way: the rows finished before the cancel are kept, the rest are batch_cancelled
     m = 96
@@ -120,29 +156,33 @@ def test_fleet_postgresql_redis(tmp_path):
     prefix = unique_queue("cqapi")
     queue = f"{prefix}.{'testbed'}"
     with fresh_pg_database() as url:
+        port = free_port()
         env = worker_env(db_url=url, broker_url=REDIS_URL, decode_batch_size=16, chunk_size=16,
                          extra={"CANVASQ_QUEUE_PREFIX": prefix, "CANVASQ_FILES_DIR": str(tmp_path / "files")})
+        worker_env_ = {**env, "CANVASQ_METRICS_PORT": str(port)}
         cli(env, "db", "upgrade")
         key = new_key(env, "alpha")
         try:
-            with WorkerProcess(env, queue, tmp_path / "worker.log") as w, \
+            with WorkerProcess(worker_env_, queue, tmp_path / "worker.log") as w, \
                     ServerProcess(env, tmp_path / "serve.log") as srv:
                 srv.wait_ready()
                 w.wait_ready()
-                full_flow(OpenAI(base_url=srv.base_url, api_key=key, max_retries=0), srv, N_LINES)
+                full_flow(OpenAI(base_url=srv.base_url, api_key=key, max_retries=0), srv, N_LINES, port)
         finally:
             drop_queue(queue)
 
 
 def test_with_worker_sqlite(tmp_path):
     """`canvasq serve --with-worker` on SQLite (no broker used): the same flow, and an expired batch."""
+    port = free_port()
     env = worker_env(db_url=f"sqlite:///{tmp_path / 'canvasq.sqlite'}", broker_url="redis://127.0.0.1:1/0",
-                     decode_batch_size=16, chunk_size=16, extra={"CANVASQ_FILES_DIR": str(tmp_path / "files")})
+                     decode_batch_size=16, chunk_size=16,
+                     extra={"CANVASQ_FILES_DIR": str(tmp_path / "files"), "CANVASQ_METRICS_PORT": str(port)})
     key = new_key(env, "alpha")
     with ServerProcess(env, tmp_path / "serve.log", with_worker=True) as srv:
         srv.wait_ready(deadline_s=180)
         client = OpenAI(base_url=srv.base_url, api_key=key, max_retries=0)
-        full_flow(client, srv, N_LINES)
+        full_flow(client, srv, N_LINES, port)
         # a window shorter than the work: rows not done in time are batch_expired
         n = 64
         b = client.batches.create(input_file_id=upload(client, batch_lines("ex", n)).id, endpoint=ENDPOINT,

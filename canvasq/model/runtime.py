@@ -66,17 +66,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from canvasq.kernels.attention import SHORT_WINDOW, attend
 from canvasq.kernels.gelu_mul import gelu_mul
 from canvasq.kernels.moe.reference import route_weights
 from canvasq.kernels.norm_fused import Scatter, add_rms_norm, pre_ffn_norms, qkv_norm_rope
-from canvasq.kernels.norm_fused import rope_reference as rotate  # noqa: F401 (the runtime's RoPE twin)
 from canvasq.kernels.rmsnorm import rms_norm as rms_norm_any
-from canvasq.kernels.rmsnorm import rms_norm_reference as rms_norm  # noqa: F401 (HF's RMSNorm, the twin)
 from canvasq.kernels.router import router_topk
 from canvasq.kernels.softcap import softcap_logits
 from canvasq.model.arena import Captured, KVArena
+from canvasq.model.attention_geometry import AttentionGeometry
 from canvasq.model.experts import gelu_tanh, grouped_mm_available, moe_grouped, moe_reference
+from canvasq.model.windows import DecodeOutput, SelfCond, Window, encoder_windows  # noqa: F401 (re-exported)
 
 # Legend: N rows in the forward (all windows), R rows of one window, B windows, H hidden, V vocab,
 # h heads / kv heads of a layer, d head dim, L arena entries visible (prefix + window), E experts,
@@ -85,84 +84,6 @@ from canvasq.model.experts import gelu_tanh, grouped_mm_available, moe_grouped, 
 # "bf16": the model-dtype experts, grouped GEMMs on CUDA and the per-expert loop elsewhere;
 # "reference" / "grouped": force one of those; "w4": canvasq.kernels' packed W4A16 MoE.
 EXPERT_IMPLS = ("bf16", "reference", "grouped", "w4")
-
-SelfCond = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
-
-
-@dataclass
-class Window:
-    """The rows one sequence puts into a forward. All per-row tensors are [R] int64 (bool for
-    `capture` / `self_cond_rows`)."""
-
-    slot: int
-    token_ids: torch.Tensor
-    positions: torch.Tensor
-    canvas_start: torch.Tensor
-    canvas_end: torch.Tensor
-    capture: torch.Tensor | None = None  # rows whose K/V come back in DecodeOutput.captured
-    self_cond: SelfCond = None  # None | logits [R, V] | (ids [R, k], logits [R, k])
-    self_cond_rows: torch.Tensor | None = None  # rows that get SC (others: zero signal)
-
-    def __post_init__(self):
-        if not isinstance(self.token_ids, torch.Tensor):
-            self.token_ids = torch.as_tensor(self.token_ids, dtype=torch.long)
-        r = self.token_ids.numel()
-        if r == 0:
-            raise ValueError("a window needs at least one row")
-        for name in ("positions", "canvas_start", "canvas_end"):
-            t = getattr(self, name)
-            if not isinstance(t, torch.Tensor):
-                t = torch.as_tensor(t, dtype=torch.long, device=self.token_ids.device)
-            if t.dim() == 0:
-                t = t.expand(r)
-            setattr(self, name, t.to(torch.long))
-        for name in ("capture", "self_cond_rows"):
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, torch.as_tensor(t, dtype=torch.bool, device=self.token_ids.device))
-
-    @property
-    def rows(self) -> int:
-        return int(self.token_ids.numel())
-
-    @classmethod
-    def canvas(cls, slot: int, token_ids: torch.Tensor, start: int, **kw) -> Window:
-        """One canvas at positions [start, start + R), bidirectional (HF's decoder call)."""
-        r = token_ids.numel()
-        pos = torch.arange(start, start + r, device=token_ids.device)
-        return cls(slot, token_ids, pos, torch.full_like(pos, start), torch.full_like(pos, start + r), **kw)
-
-    @classmethod
-    def blocks(cls, slot: int, canvases: list[tuple[torch.Tensor, int]], **kw) -> Window:
-        """Several full canvases (ids, start) of one sequence, block-causal: canvas i sees the
-        context, the canvases before it and itself (D2F pipe)."""
-        ids, pos, lo, hi = [], [], [], []
-        for t, start in canvases:
-            r = t.numel()
-            p = torch.arange(start, start + r, device=t.device)
-            ids.append(t), pos.append(p)
-            lo.append(torch.full_like(p, start)), hi.append(torch.full_like(p, start + r))
-        return cls(slot, torch.cat(ids), torch.cat(pos), torch.cat(lo), torch.cat(hi), **kw)
-
-
-def encoder_windows(items: list[tuple[int, torch.Tensor, torch.Tensor]]) -> list[Window]:
-    """(slot, ids, positions) per sequence -> the causal windows of an encoder pass."""
-    windows = []
-    for slot, ids, pos in items:
-        pos = torch.as_tensor(pos, dtype=torch.long, device=ids.device)
-        windows.append(Window(slot, ids, pos, pos, pos + 1))
-    return windows
-
-
-@dataclass
-class DecodeOutput:
-    logits: torch.Tensor  # [N, V] fp32, softcapped; window i is rows offsets[i]:offsets[i+1]
-    offsets: list[int]
-    captured: list[Captured | None] = field(default_factory=list)
-
-    def window_logits(self, i: int) -> torch.Tensor:
-        return self.logits[self.offsets[i] : self.offsets[i + 1]]
-
 
 @dataclass
 class LayerWeights:
@@ -402,7 +323,7 @@ class Runtime:
         starts = [arena.reserve(w.slot, w.rows) for w in windows]
         row_slot = torch.cat([torch.full((r,), s, dtype=torch.long) for s, r in zip(slots, sizes)]).to(dev)
         row_col = torch.cat([torch.arange(s, s + r) for s, r in zip(starts, sizes)]).to(dev)
-        ctx = _AttnContext.build(windows, starts, self.sliding_window, dev, lmax, arena.capacity)
+        ctx = AttentionGeometry.build(windows, starts, self.sliding_window, dev, lmax, arena.capacity)
         ctx.kernel = self.kernels
 
         sc = []  # (rows [R] on device, keep [R, 1] or None, self_cond on device) per SC window
@@ -595,7 +516,7 @@ class _Prepared:
     pos: torch.Tensor  # [N]
     row_slot: torch.Tensor  # [N] arena slot of each row
     row_col: torch.Tensor  # [N] scratch entry of each row
-    ctx: _AttnContext
+    ctx: AttentionGeometry
     sc: list
     capture: torch.Tensor | None  # [n_cap] row indices, window order
     cap_owner: list[tuple[int, int]]  # (window, count) per window with captures
@@ -606,137 +527,6 @@ class _Prepared:
     static: bool = False  # replayed as a CUDA graph: no host sync, masks always applied
     prefix_attention: bool | None = None  # per-forward override of Runtime.prefix_attention
     logits_out: torch.Tensor | None = None  # fp32 buffer the logits are written into (DecodeGraph)
-
-
-class _AttnContext:
-    """Per-forward attention geometry: windows padded to [B, Rmax] queries over the first Lmax arena
-    entries of their slots. Host ints and index tensors are fixed at `build`; the per-row bounds
-    (`hi`, `lo`), visible-entry counts (`ends`) and padding flags are device tensors, and the masks
-    are computed from them and the stored positions inside the forward (`build_masks`), so a CUDA
-    graph replays correctly after those tensors are overwritten."""
-
-    def __init__(self, slots, first, contiguous, b_idx, r_idx, rmax, lmax, dense, hi, lo, ends, pad):
-        self.slots, self.first, self.contiguous = slots, first, contiguous
-        self.b_idx, self.r_idx, self.rmax, self.lmax, self.dense = b_idx, r_idx, rmax, lmax, dense
-        self.hi, self.lo, self.ends, self.pad = hi, lo, ends, pad
-        self.masks: dict[bool, torch.Tensor] = {}
-        self.maskfree: dict[bool, bool] = {False: False, True: False}
-        self.kernel = False  # short windows through `kernels.attention` (the runtime's `kernels`), else SDPA
-        self._folded: dict[tuple[bool, int], torch.Tensor] = {}
-
-    @classmethod
-    def build(
-        cls,
-        windows: list[Window],
-        starts: list[int],
-        sliding_window: int,
-        dev,
-        lmax: int | None,
-        capacity: int,
-    ):
-        nb = len(windows)
-        sizes = [w.rows for w in windows]
-        rmax = max(sizes)
-        ends = [s + r for s, r in zip(starts, sizes)]  # visible entries per slot: committed + window
-        need = max(ends)
-        if lmax is None:
-            lmax = need
-        elif lmax < need or lmax > capacity:
-            raise ValueError(f"context bucket {lmax} outside [{need}, {capacity}]")
-        slots = torch.tensor([w.slot for w in windows], dtype=torch.long, device=dev)
-        b_idx = torch.cat([torch.full((r,), b, dtype=torch.long) for b, r in enumerate(sizes)]).to(dev)
-        r_idx = torch.cat([torch.arange(r) for r in sizes]).to(dev)
-        first = windows[0].slot
-        contiguous = all(w.slot == first + b for b, w in enumerate(windows))
-        hi = torch.zeros(nb, rmax, dtype=torch.long, device=dev)
-        lo = torch.zeros(nb, rmax, dtype=torch.long, device=dev)
-        hi[b_idx, r_idx] = torch.cat([w.canvas_end.to(dev) for w in windows])
-        lo[b_idx, r_idx] = torch.cat([w.canvas_start.to(dev) for w in windows]) - (sliding_window - 1)
-        pad = torch.ones(nb, rmax, dtype=torch.bool, device=dev)
-        pad[b_idx, r_idx] = False
-        dense = all(r == rmax for r in sizes)
-        return cls(
-            slots,
-            first,
-            contiguous,
-            b_idx,
-            r_idx,
-            rmax,
-            lmax,
-            dense,
-            hi,
-            lo,
-            torch.tensor(ends, device=dev),
-            pad,
-        )
-
-    def build_masks(self, arena: KVArena, detect_maskfree: bool = False) -> None:
-        nb, lmax = self.hi.shape[0], self.lmax
-        if self.contiguous:
-            key_pos = arena.pos[self.first : self.first + nb, :lmax]
-        else:
-            key_pos = arena.pos[self.slots, :lmax]
-        dev = key_pos.device
-        kp = key_pos[:, None, :]  # [B, 1, L]
-        valid = torch.arange(lmax, device=dev)[None, :] < self.ends[:, None]  # [B, L]
-        full = valid[:, None, :] & (kp < self.hi[:, :, None])  # [B, Rmax, L]
-        slide = full & (kp >= self.lo[:, :, None])
-        first_col = torch.arange(lmax, device=dev) == 0  # no host scalar: capturable in a CUDA graph
-        pad = self.pad[:, :, None] & first_col  # padded query rows attend to entry 0: softmax stays finite
-        self.masks = {False: (full | pad)[:, None], True: (slide | pad)[:, None]}  # [B, 1, Rmax, L]
-        self._folded = {}
-        self.maskfree = {False: False, True: False}
-        if detect_maskfree:
-            # Prefix attention (seed Part 3): when every real row sees every entry [0, L) of its slot
-            # (one canvas, context before it, band not clipping, equal lengths), drop the mask so
-            # SDPA can take its flash / mem-efficient path. One host sync per eager forward.
-            flags = torch.stack([(self.masks[sl][:, 0] | self.pad[:, :, None]).all() for sl in (False, True)])
-            self.maskfree = dict(zip((False, True), flags.tolist()))
-
-    def _mask(self, sliding: bool, groups: int, dtype: torch.dtype) -> torch.Tensor:
-        """[B, 1, g*Rmax, L] additive mask (0 / -inf in the query dtype, built once per forward and
-        layer type): the row mask repeated for the g query heads that share a KV head."""
-        key = (sliding, groups)
-        if key not in self._folded:
-            m = self.masks[sliding]
-            nb, _, r, l = m.shape
-            m = m[:, :, None].expand(nb, 1, groups, r, l).reshape(nb, 1, groups * r, l)
-            self._folded[key] = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(
-                ~m, float("-inf")
-            )
-        return self._folded[key]
-
-    def query_target(self, heads: int, d: int, dtype: torch.dtype) -> Scatter:
-        """Where the q-norm + RoPE puts the window rows' queries: [B, h, Rmax, d], row r of window b
-        at [b, :, r] (padding rows zero). Viewed as [B, kv, g*Rmax, d] that is the folded GQA layout
-        `attend` hands to SDPA."""
-        nb = self.hi.shape[0]
-        make = torch.empty if self.dense else torch.zeros
-        dst = make(nb, heads, self.rmax, d, dtype=dtype, device=self.hi.device)
-        return Scatter(dst, self.b_idx, self.r_idx)
-
-    def attend(self, layer: int, arena: KVArena, q: torch.Tensor, sliding: bool) -> torch.Tensor:
-        """q: [B, h, Rmax, d] (`query_target`) -> [N, h*d]. GQA is folded into the query rows (the g
-        query heads of a KV head become g*Rmax rows against that head's keys), so K/V are read in
-        place, never repeated."""
-        nb, heads, _, d = q.shape
-        kvh = arena.k[layer].shape[1]
-        g = heads // kvh
-        mask = None if self.maskfree[sliding] else self._mask(sliding, g, q.dtype)
-        # short windows: one launch, arena read in place, o_proj's layout out; longer ones: SDPA
-        kernel = self.kernel and self.rmax <= SHORT_WINDOW
-        o = attend(
-            q.view(nb, kvh, g * self.rmax, d),
-            arena.k[layer],
-            arena.v[layer],
-            self.slots,
-            self.lmax,
-            mask,
-            groups=g,
-            impl="triton" if kernel else "torch",
-            first=int(self.first) if self.contiguous else None,
-        )
-        return o if self.dense else o.view(nb, self.rmax, heads * d)[self.b_idx, self.r_idx]
 
 
 def _fuse_projections(layers: list[LayerWeights]) -> None:

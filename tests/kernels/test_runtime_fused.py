@@ -38,7 +38,7 @@ def test_runtime_with_fused_kernels_matches_hf(dtype, tol, attention, monkeypatc
         attention_module, "attend_launch", lambda *a, **k: calls.append(1) or real_launch(*a, **k)
     )
     if attention == "sdpa":
-        monkeypatch.setattr("canvasq.model.runtime.SHORT_WINDOW", 0)
+        monkeypatch.setattr("canvasq.model.attention_geometry.SHORT_WINDOW", 0)
     m = load_bundle(device="cpu", dtype=dtype).hf_model  # the trained testbed
     g = torch.Generator().manual_seed(4)
     b, p, c = 3, 40, m.config.canvas_length  # a case where unrounded epilogues move logits by 8 %

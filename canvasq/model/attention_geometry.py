@@ -1,0 +1,142 @@
+"""Per-forward attention geometry of the runtime: which arena entries each window row sees, the
+masks built from stored positions inside the forward (capturable in a CUDA graph), and the attention
+call itself (`kernels.attention` for short windows, SDPA otherwise)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from canvasq.kernels.attention import SHORT_WINDOW, attend
+from canvasq.kernels.norm_fused import Scatter
+from canvasq.model.arena import KVArena
+from canvasq.model.windows import Window
+
+
+@dataclass
+class AttentionGeometry:
+    """Per-forward attention geometry: windows padded to [B, Rmax] queries over the first Lmax arena
+    entries of their slots. Host ints and index tensors are fixed at `build`; the per-row bounds
+    (`hi`, `lo`), visible-entry counts (`ends`) and padding flags are device tensors, and the masks
+    are computed from them and the stored positions inside the forward (`build_masks`), so a CUDA
+    graph replays correctly after those tensors are overwritten."""
+
+    slots: torch.Tensor  # [B] arena slot of each window
+    first: int  # slot of the first window
+    contiguous: bool  # the windows' slots are first, first + 1, ...: the arena is sliced, not gathered
+    b_idx: torch.Tensor  # [N] window of each row
+    r_idx: torch.Tensor  # [N] row within its window
+    rmax: int  # rows of the largest window (queries are padded to it)
+    lmax: int  # arena entries attended (context bucket)
+    dense: bool  # every window has rmax rows (no padding rows)
+    hi: torch.Tensor  # [B, Rmax] keys with position < hi are visible (canvas end)
+    lo: torch.Tensor  # [B, Rmax] sliding layers: keys with position >= lo (canvas start - (W - 1))
+    ends: torch.Tensor  # [B] visible entries per slot: committed + the window's own
+    pad: torch.Tensor  # [B, Rmax] padding query rows
+    masks: dict[bool, torch.Tensor] = field(default_factory=dict)  # sliding? -> [B, 1, Rmax, L] bool
+    maskfree: dict[bool, bool] = field(default_factory=lambda: {False: False, True: False})
+    kernel: bool = False  # short windows through `kernels.attention` (the runtime's `kernels`), else SDPA
+    _folded: dict[tuple[bool, int], torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls,
+        windows: list[Window],
+        starts: list[int],
+        sliding_window: int,
+        dev,
+        lmax: int | None,
+        capacity: int,
+    ):
+        nb = len(windows)
+        sizes = [w.rows for w in windows]
+        rmax = max(sizes)
+        ends = [s + r for s, r in zip(starts, sizes)]  # visible entries per slot: committed + window
+        need = max(ends)
+        if lmax is None:
+            lmax = need
+        elif lmax < need or lmax > capacity:
+            raise ValueError(f"context bucket {lmax} outside [{need}, {capacity}]")
+        slots = torch.tensor([w.slot for w in windows], dtype=torch.long, device=dev)
+        b_idx = torch.cat([torch.full((r,), b, dtype=torch.long) for b, r in enumerate(sizes)]).to(dev)
+        r_idx = torch.cat([torch.arange(r) for r in sizes]).to(dev)
+        first = windows[0].slot
+        contiguous = all(w.slot == first + b for b, w in enumerate(windows))
+        hi = torch.zeros(nb, rmax, dtype=torch.long, device=dev)
+        lo = torch.zeros(nb, rmax, dtype=torch.long, device=dev)
+        hi[b_idx, r_idx] = torch.cat([w.canvas_end.to(dev) for w in windows])
+        lo[b_idx, r_idx] = torch.cat([w.canvas_start.to(dev) for w in windows]) - (sliding_window - 1)
+        pad = torch.ones(nb, rmax, dtype=torch.bool, device=dev)
+        pad[b_idx, r_idx] = False
+        dense = all(r == rmax for r in sizes)
+        return cls(slots=slots, first=first, contiguous=contiguous, b_idx=b_idx, r_idx=r_idx, rmax=rmax, lmax=lmax,
+                   dense=dense, hi=hi, lo=lo, ends=torch.tensor(ends, device=dev), pad=pad)
+
+    def build_masks(self, arena: KVArena, detect_maskfree: bool = False) -> None:
+        nb, lmax = self.hi.shape[0], self.lmax
+        if self.contiguous:
+            key_pos = arena.pos[self.first : self.first + nb, :lmax]
+        else:
+            key_pos = arena.pos[self.slots, :lmax]
+        dev = key_pos.device
+        kp = key_pos[:, None, :]  # [B, 1, L]
+        valid = torch.arange(lmax, device=dev)[None, :] < self.ends[:, None]  # [B, L]
+        full = valid[:, None, :] & (kp < self.hi[:, :, None])  # [B, Rmax, L]
+        slide = full & (kp >= self.lo[:, :, None])
+        first_col = torch.arange(lmax, device=dev) == 0  # no host scalar: capturable in a CUDA graph
+        pad = self.pad[:, :, None] & first_col  # padded query rows attend to entry 0: softmax stays finite
+        self.masks = {False: (full | pad)[:, None], True: (slide | pad)[:, None]}  # [B, 1, Rmax, L]
+        self._folded = {}
+        self.maskfree = {False: False, True: False}
+        if detect_maskfree:
+            # Prefix attention (seed Part 3): when every real row sees every entry [0, L) of its slot
+            # (one canvas, context before it, band not clipping, equal lengths), drop the mask so
+            # SDPA can take its flash / mem-efficient path. One host sync per eager forward.
+            flags = torch.stack([(self.masks[sl][:, 0] | self.pad[:, :, None]).all() for sl in (False, True)])
+            self.maskfree = dict(zip((False, True), flags.tolist()))
+
+    def _mask(self, sliding: bool, groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """[B, 1, g*Rmax, L] additive mask (0 / -inf in the query dtype, built once per forward and
+        layer type): the row mask repeated for the g query heads that share a KV head."""
+        key = (sliding, groups)
+        if key not in self._folded:
+            m = self.masks[sliding]
+            nb, _, r, l = m.shape
+            m = m[:, :, None].expand(nb, 1, groups, r, l).reshape(nb, 1, groups * r, l)
+            self._folded[key] = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(
+                ~m, float("-inf")
+            )
+        return self._folded[key]
+
+    def query_target(self, heads: int, d: int, dtype: torch.dtype) -> Scatter:
+        """Where the q-norm + RoPE puts the window rows' queries: [B, h, Rmax, d], row r of window b
+        at [b, :, r] (padding rows zero). Viewed as [B, kv, g*Rmax, d] that is the folded GQA layout
+        `attend` hands to SDPA."""
+        nb = self.hi.shape[0]
+        make = torch.empty if self.dense else torch.zeros
+        dst = make(nb, heads, self.rmax, d, dtype=dtype, device=self.hi.device)
+        return Scatter(dst, self.b_idx, self.r_idx)
+
+    def attend(self, layer: int, arena: KVArena, q: torch.Tensor, sliding: bool) -> torch.Tensor:
+        """q: [B, h, Rmax, d] (`query_target`) -> [N, h*d]. GQA is folded into the query rows (the g
+        query heads of a KV head become g*Rmax rows against that head's keys), so K/V are read in
+        place, never repeated."""
+        nb, heads, _, d = q.shape
+        kvh = arena.k[layer].shape[1]
+        g = heads // kvh
+        mask = None if self.maskfree[sliding] else self._mask(sliding, g, q.dtype)
+        # short windows: one launch, arena read in place, o_proj's layout out; longer ones: SDPA
+        kernel = self.kernel and self.rmax <= SHORT_WINDOW
+        o = attend(
+            q.view(nb, kvh, g * self.rmax, d),
+            arena.k[layer],
+            arena.v[layer],
+            self.slots,
+            self.lmax,
+            mask,
+            groups=g,
+            impl="triton" if kernel else "torch",
+            first=int(self.first) if self.contiguous else None,
+        )
+        return o if self.dense else o.view(nb, self.rmax, heads * d)[self.b_idx, self.r_idx]

@@ -1,0 +1,88 @@
+"""The rows one forward carries: `Window` (one sequence's rows in one forward), the causal windows of
+an encoder pass, and `DecodeOutput` (what comes back). Decoders build these; `Runtime.decode` and
+`graph.DecodeGraph` run them. See `runtime`'s module docstring for the visibility rules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from canvasq.model.arena import Captured
+
+SelfCond = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
+
+
+@dataclass
+class Window:
+    """The rows one sequence puts into a forward. All per-row tensors are [R] int64 (bool for
+    `capture` / `self_cond_rows`)."""
+
+    slot: int
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    canvas_start: torch.Tensor
+    canvas_end: torch.Tensor
+    capture: torch.Tensor | None = None  # rows whose K/V come back in DecodeOutput.captured
+    self_cond: SelfCond = None  # None | logits [R, V] | (ids [R, k], logits [R, k])
+    self_cond_rows: torch.Tensor | None = None  # rows that get SC (others: zero signal)
+
+    def __post_init__(self):
+        if not isinstance(self.token_ids, torch.Tensor):
+            self.token_ids = torch.as_tensor(self.token_ids, dtype=torch.long)
+        r = self.token_ids.numel()
+        if r == 0:
+            raise ValueError("a window needs at least one row")
+        for name in ("positions", "canvas_start", "canvas_end"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                t = torch.as_tensor(t, dtype=torch.long, device=self.token_ids.device)
+            if t.dim() == 0:
+                t = t.expand(r)
+            setattr(self, name, t.to(torch.long))
+        for name in ("capture", "self_cond_rows"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, torch.as_tensor(t, dtype=torch.bool, device=self.token_ids.device))
+
+    @property
+    def rows(self) -> int:
+        return int(self.token_ids.numel())
+
+    @classmethod
+    def canvas(cls, slot: int, token_ids: torch.Tensor, start: int, **kw) -> Window:
+        """One canvas at positions [start, start + R), bidirectional (HF's decoder call)."""
+        r = token_ids.numel()
+        pos = torch.arange(start, start + r, device=token_ids.device)
+        return cls(slot, token_ids, pos, torch.full_like(pos, start), torch.full_like(pos, start + r), **kw)
+
+    @classmethod
+    def blocks(cls, slot: int, canvases: list[tuple[torch.Tensor, int]], **kw) -> Window:
+        """Several full canvases (ids, start) of one sequence, block-causal: canvas i sees the
+        context, the canvases before it and itself (D2F pipe)."""
+        ids, pos, lo, hi = [], [], [], []
+        for t, start in canvases:
+            r = t.numel()
+            p = torch.arange(start, start + r, device=t.device)
+            ids.append(t), pos.append(p)
+            lo.append(torch.full_like(p, start)), hi.append(torch.full_like(p, start + r))
+        return cls(slot, torch.cat(ids), torch.cat(pos), torch.cat(lo), torch.cat(hi), **kw)
+
+
+def encoder_windows(items: list[tuple[int, torch.Tensor, torch.Tensor]]) -> list[Window]:
+    """(slot, ids, positions) per sequence -> the causal windows of an encoder pass."""
+    windows = []
+    for slot, ids, pos in items:
+        pos = torch.as_tensor(pos, dtype=torch.long, device=ids.device)
+        windows.append(Window(slot, ids, pos, pos, pos + 1))
+    return windows
+
+
+@dataclass
+class DecodeOutput:
+    logits: torch.Tensor  # [N, V] fp32, softcapped; window i is rows offsets[i]:offsets[i+1]
+    offsets: list[int]
+    captured: list[Captured | None] = field(default_factory=list)
+
+    def window_logits(self, i: int) -> torch.Tensor:
+        return self.logits[self.offsets[i] : self.offsets[i + 1]]

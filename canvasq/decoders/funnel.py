@@ -135,13 +135,13 @@ class FunnelDecoder(PipeDecoder):
         return None
 
     # -- schedule extras -------------------------------------------------------------------------
-    def bar(self, cv: Canvas) -> float:
+    def commit_threshold(self, cv: Canvas) -> float:
         cfg = self.config
         if not cfg.tau_decay or cv.age <= cfg.decay_after:
             return cfg.tau_conf
         return max(cfg.decay_floor, cfg.tau_conf - cfg.decay_rate * (cv.age - cfg.decay_after))
 
-    def agree(self) -> bool:
+    def requires_agreement(self) -> bool:
         return self.config.agree
 
     def early_spawn(self, s: Seq) -> bool:

@@ -50,10 +50,10 @@ class PipeDecoder(StepDecoder):
     def decode_call(self, windows):
         return self.forward(windows)
 
-    def bar(self, cv: Canvas) -> float:
+    def commit_threshold(self, cv: Canvas) -> float:
         return self.config.tau_conf
 
-    def agree(self) -> bool:
+    def requires_agreement(self) -> bool:
         return False
 
     def can_retire(self, cv: Canvas) -> bool:
@@ -72,71 +72,78 @@ class PipeDecoder(StepDecoder):
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self, seqs: list[Seq]) -> None:
-        from canvasq.model.runtime import Window
-
         windows, layout, riding = [], [], []
         for s in seqs:
-            parts = []  # (canvas, idx) in window order
-            ids, pos, lo, hi, cap = [], [], [], [], []
-            for cv in s.canvases:
-                idx = self.window_rows(cv)
-                if idx.numel() == 0:
-                    continue
-                parts.append((cv, idx))
-                ids.append(cv.tokens[idx])
-                p = cv.start + idx
-                pos.append(p)
-                lo.append(torch.full_like(p, cv.start))
-                hi.append(torch.full_like(p, cv.end))
-                c = self.capture_rows(cv, idx)
-                cap.append(
-                    c if c is not None else torch.zeros(idx.numel(), dtype=torch.bool, device=self.device)
-                )
-            if not parts:  # every live canvas is waiting to retire: nothing to forward for it
+            built = self._window(s)
+            if built is None:  # every live canvas is waiting to retire: nothing to forward for it
                 continue
-            sc, sc_rows = self._self_cond(parts)
-            w = Window(
-                s.slot,
-                torch.cat(ids),
-                torch.cat(pos),
-                torch.cat(lo),
-                torch.cat(hi),
-                capture=torch.cat(cap) if any(bool(c.any()) for c in cap) else None,
-                self_cond=sc,
-                self_cond_rows=sc_rows,
-            )
-            windows.append(w)
-            layout.append(parts)
+            windows.append(built[0])
+            layout.append(built[1])
             riding.append(s)
-
         states = {s.row: ",".join(cv.state for cv in s.canvases) for s in riding}
         if windows:
             with self.timed() as t:
                 out = self.decode_call(windows)
-
-        commits: dict[int, int] = {}
-        for b, (s, parts) in enumerate(zip(riding, layout)):
-            logits = out.window_logits(b)
-            captured = out.captured[b] if out.captured else None
-            off, cap_off = 0, 0
-            n_new = 0
-            for cv, idx in parts:
-                r = idx.numel()
-                cap_mask = windows[b].capture[off : off + r] if windows[b].capture is not None else None
-                n_cap = int(cap_mask.sum()) if cap_mask is not None else 0
-                cv_captured = None
-                if captured is not None and n_cap:
-                    cv_captured = (captured, cap_off, cap_mask)
-                newly = self._update_canvas(s, cv, idx, logits[off : off + r])
-                self.after_forward(s, cv, idx, cv_captured, newly, off)
-                n_new += int(newly.sum())
-                off += r
-                cap_off += n_cap
-            self.after_window(s)
-            commits[s.row] = n_new
-        if windows:
+            commits = {s.row: self._apply(s, parts, windows[b], out, b)
+                       for b, (s, parts) in enumerate(zip(riding, layout))}
             self.record("decode", t.ms, {s.row: w.rows for s, w in zip(riding, windows)}, commits, states)
+        self._retire_all(seqs)
 
+    def _window(self, s: Seq):
+        """(the sequence's window: every live canvas's riding rows, block-causal; [(canvas, rows)] in
+        window order), or None when no canvas has a row to forward."""
+        from canvasq.model.runtime import Window
+
+        parts, ids, pos, lo, hi, cap = [], [], [], [], [], []
+        for cv in s.canvases:
+            idx = self.window_rows(cv)
+            if idx.numel() == 0:
+                continue
+            parts.append((cv, idx))
+            ids.append(cv.tokens[idx])
+            p = cv.start + idx
+            pos.append(p)
+            lo.append(torch.full_like(p, cv.start))
+            hi.append(torch.full_like(p, cv.end))
+            c = self.capture_rows(cv, idx)
+            cap.append(c if c is not None else torch.zeros(idx.numel(), dtype=torch.bool, device=self.device))
+        if not parts:
+            return None
+        sc, sc_rows = self._self_cond(parts)
+        w = Window(
+            s.slot,
+            torch.cat(ids),
+            torch.cat(pos),
+            torch.cat(lo),
+            torch.cat(hi),
+            capture=torch.cat(cap) if any(bool(c.any()) for c in cap) else None,
+            self_cond=sc,
+            self_cond_rows=sc_rows,
+        )
+        return w, parts
+
+    def _apply(self, s: Seq, parts, window, out, b: int) -> int:
+        """Commit, renoise and self-condition each canvas of window `b` from its logits; returns the
+        tokens it committed."""
+        logits = out.window_logits(b)
+        captured = out.captured[b] if out.captured else None
+        off, cap_off, n_new = 0, 0, 0
+        for cv, idx in parts:
+            r = idx.numel()
+            cap_mask = window.capture[off : off + r] if window.capture is not None else None
+            n_cap = int(cap_mask.sum()) if cap_mask is not None else 0
+            cv_captured = (captured, cap_off, cap_mask) if captured is not None and n_cap else None
+            newly = self._update_canvas(s, cv, idx, logits[off : off + r])
+            self.after_forward(s, cv, idx, cv_captured, newly, off)
+            n_new += int(newly.sum())
+            off += r
+            cap_off += n_cap
+        self.after_window(s)
+        return n_new
+
+    def _retire_all(self, seqs: list[Seq]) -> None:
+        """Retire finished front canvases and spawn the next: one causal encoder pass over every
+        canvas that is written to the cache this step."""
         encodes = []
         for s in seqs:
             items = self._retire_and_spawn(s)
@@ -172,8 +179,8 @@ class PipeDecoder(StepDecoder):
             window = canvas_rows(cfg.commit_window, cv.length)
             eligible = open_ & (torch.cumsum(open_.long(), 0) <= window)
         if cv.state != "draft":
-            newly = eligible & (conf >= self.bar(cv))
-            if self.agree():
+            newly = eligible & (conf >= self.commit_threshold(cv))
+            if self.requires_agreement():
                 agreed = newly & (arg == cv.tokens[idx])
                 s.stats["agree_blocked"] += int((newly & ~agreed).sum())
                 newly = agreed
@@ -208,7 +215,14 @@ class PipeDecoder(StepDecoder):
         n_new = int(newly.sum())
         s.stats["commits"] += n_new
 
-        # Jacobi livelock: ≤ 1 commit for 8 consecutive committing steps → one random restart
+        self._renoise(s, cv, idx, open_ & ~newly, arg, restart=self._jacobi_restart(s, cv, n_new))
+        if cfg.self_conditioning:
+            self._store_sc(cv, idx, logits)
+        return newly
+
+    def _jacobi_restart(self, s: Seq, cv: Canvas, n_new: int) -> bool:
+        """Jacobi livelock: ≤ 1 commit for 8 consecutive committing steps → one random restart."""
+        cfg = self.config
         restart = False
         if cv.state != "draft":
             if n_new <= cfg.jacobi_max_commits:
@@ -218,9 +232,12 @@ class PipeDecoder(StepDecoder):
             if cv.streak >= cfg.jacobi_window:
                 restart, cv.streak = True, 0
                 s.stats["jacobi_restarts"] += 1
+        return restart
 
-        # renoise what is still open: argmax (the record protocol), mix, or a one-shot restart
-        still = open_ & ~newly
+    def _renoise(self, s: Seq, cv: Canvas, idx: torch.Tensor, still: torch.Tensor, arg: torch.Tensor,
+                 restart: bool) -> None:
+        """What is still open: argmax (the record protocol), mix, or a one-shot random restart."""
+        cfg = self.config
         if bool(still.any()):
             rows = idx[still]
             V = self.rt.vocab_size
@@ -233,10 +250,6 @@ class PipeDecoder(StepDecoder):
                     rand = torch.randint(0, V, (rows.numel(),), generator=s.gen).to(self.device)
                     new = torch.where(flip, rand, new)
                 cv.tokens[rows] = new
-
-        if cfg.self_conditioning:
-            self._store_sc(cv, idx, logits)
-        return newly
 
     @staticmethod
     def _entropy_cap(s: Seq, newly: torch.Tensor, probs: torch.Tensor, budget: float) -> torch.Tensor:

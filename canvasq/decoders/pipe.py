@@ -8,6 +8,10 @@ through the window, never a later canvas. Each canvas has a state:
     semi   a later canvas whose predecessor reached τ_add: commits confident tokens
     draft  spawned early (draft spawn, at τ_add − 0.15): renoised and self-conditioned, never commits
 
+With draft-only pipelining (`draft_only`, the default) no canvas behind the front graduates: later
+canvases stay drafts until they become the front, so nothing is committed against a half-settled
+predecessor (the seed's semi commits cost 10-20 points on the testbed's 32-token canvases).
+
 One step = one decoder forward over every live sequence's window (all rows of all live canvases),
 then per canvas: commit (τ_conf; τ_eos EOS priority, optional EOS streak; forced accept on the
 front), argmax renoise of the rest (or mix mode; Jacobi random restart after 8 steps of ≤ 1

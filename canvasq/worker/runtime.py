@@ -106,56 +106,6 @@ def result_record(res: DecodeResult, gen_ms: float, decoder: str) -> ResultRecor
     )
 
 
-class RowWriter:
-    """Writes finished rows on a thread of its own, so the decode loop never waits on the store.
-
-    `put(record)` queues a row at once; the thread writes whatever has queued since its last write in
-    one call (a row is stored within one write's latency of finishing). `close()` flushes, stops the
-    thread and returns the rows written; a write that failed (after the store's own retries) is raised
-    there, or at the next `put`. A row queued but not yet written when the process dies stays `queued`
-    in the store and is decoded again on redelivery (writes are idempotent per custom_id)."""
-
-    def __init__(self, write: Callable[[list[ResultRecord]], int]):
-        import queue
-
-        self._write, self._q = write, queue.Queue()
-        self.written, self.error = 0, None
-        self._thread = threading.Thread(target=self._loop, name="canvasq-row-writer", daemon=True)
-        self._thread.start()
-
-    def put(self, record: ResultRecord) -> None:
-        if self.error is not None:
-            raise self.error
-        self._q.put(record)
-
-    def _loop(self) -> None:
-        import queue
-
-        done = False
-        while not done:
-            batch = [self._q.get()]
-            while True:
-                try:
-                    batch.append(self._q.get_nowait())
-                except queue.Empty:
-                    break
-            done = batch[-1] is None
-            rows = [r for r in batch if r is not None]
-            if rows and self.error is None:
-                try:
-                    self.written += self._write(rows)
-                except Exception as exc:  # noqa: BLE001 — handed to the decode loop at put / close
-                    self.error = exc
-
-    def close(self) -> int:
-        if self._thread.is_alive():
-            self._q.put(None)
-            self._thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.written
-
-
 class ChunkRuntime:
     """Everything one worker process needs: settings, store, the model (lazy), a decode function."""
 
@@ -381,8 +331,8 @@ class ChunkRuntime:
     def _stream_and_store(self, run_id: str, decoder: str, knobs: dict, rows: list[dict], should_stop,
                           summary: dict) -> int:
         """Continuous batching over `rows`: `decode_slots` requests in flight, a free slot refilled at
-        once, each finished row handed to a `RowWriter` the moment it ends (stored within one write's
-        latency, off the decode loop; idempotent per custom_id)."""
+        once, each finished row written to the store the moment it ends (idempotent per custom_id: a
+        crash loses no finished row)."""
         from canvasq.decoders.registry import make_decoder
 
         bundle = self.bundle  # a load failure raises here: the chunk is retried, rows stay queued
@@ -404,13 +354,13 @@ class ChunkRuntime:
                 fed_at[q.custom_id] = now
             return [(q.custom_id, q) for q in taken]
 
-        writer = RowWriter(lambda recs: retry_transient(lambda: self.store.write_results(run_id, recs, self.worker_id)))
-
         def on_result(key, res: DecodeResult) -> None:
+            nonlocal written
             # its share of each pass that carried it (rows in flight share the wall; a sum over rows
             # of their time in flight would count it once per slot)
             ms = sum(t.ms * (t.own_rows or 0) / t.rows for t in res.traces if t.rows)
-            writer.put(result_record(res, ms, decoder))
+            rec = result_record(res, ms, decoder)
+            written += retry_transient(lambda: self.store.write_results(run_id, [rec], self.worker_id))
             if self.on_row is not None:
                 self.on_row()
 
@@ -418,21 +368,16 @@ class ChunkRuntime:
             dec.stream(feed, on_result, slots=self.decode_slots, seed=self.settings.seed,
                        capacity=dec.capacity_for(reqs), should_stop=should_stop, interrupts=self.interrupts,
                        occupancy=occupancy)
-        except Interrupted as cut:  # finished rows are stored (flushed below); the task abandons the rest
-            writer.close()
+        except Interrupted as cut:  # finished rows are already stored; the task abandons the rest
             raise cut.cause from None
         except self.interrupts:
-            writer.close()
             raise
         except Exception as exc:  # deterministic failure → the rows not yet stored error, never a retry storm
             log.exception("decode stream failed for run %s", run_id)
-            written += writer.close()
             left = [q for q in reqs if q.custom_id in fed_at or q in todo]
             failed = [result_record(DecodeResult(q.custom_id, [], "", "error", len(q.prompt_ids), 0,
                                                  error=f"{type(exc).__name__}: {exc}"), 0.0, decoder) for q in left]
             written += retry_transient(lambda: self.store.write_results(run_id, failed, self.worker_id))
-        else:
-            written += writer.close()
         if occupancy:
             live = sum(n for n, _ in occupancy)
             summary.setdefault("occupancy", []).extend(occupancy)

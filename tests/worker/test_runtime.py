@@ -268,34 +268,3 @@ def test_continuous_batching_keeps_slots_full_and_matches_rows_decoded_alone(wse
         req = DecodeRequest(j.custom_id, bundle.encode_prompt(j.prompt, j.task), j.max_tokens, j.task)
         alone = run_batch(bundle, DecodeBatch([req], seed=settings.seed), "official")[0]
         assert got[j.custom_id] == alone.text
-
-
-def test_row_writer_batches_off_thread_and_raises_a_failed_write(wsettings, wstore):
-    """Rows are written by the writer thread (in the order queued, several per write when they queue
-    up); a write that fails surfaces at the next put or at close, never silently."""
-    import threading
-
-    from canvasq.api.store import ResultRecord
-    from canvasq.worker.runtime import RowWriter
-
-    seen, gate = [], threading.Event()
-
-    def write(recs):
-        gate.wait(5)
-        seen.append([r.custom_id for r in recs])
-        return len(recs)
-
-    w = RowWriter(write)
-    for i in range(5):
-        w.put(ResultRecord(f"r{i}", status="done"))
-    gate.set()
-    assert w.close() == 5
-    assert [c for batch in seen for c in batch] == [f"r{i}" for i in range(5)] and len(seen) < 5
-
-    def broken(recs):
-        raise RuntimeError("store down")
-
-    w = RowWriter(broken)
-    w.put(ResultRecord("x", status="done"))
-    with pytest.raises(RuntimeError, match="store down"):
-        w.close()

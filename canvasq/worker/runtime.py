@@ -387,17 +387,7 @@ class ChunkRuntime:
 
     def _decode_and_store(self, run_id: str, decoder: str, rows: list[dict], should_stop) -> int:
         bundle = self.bundle  # a load failure raises here: the chunk is retried, rows stay queued
-        records: list[ResultRecord] = []
-        reqs: list[DecodeRequest] = []
-        for r in rows:
-            try:  # a tokenizer failure errors this row only
-                ids = bundle.encode_prompt(r["prompt"], r["task"])
-                reqs.append(DecodeRequest(r["custom_id"], list(ids), r["max_tokens"], r["task"]))
-            except self.interrupts:
-                raise
-            except Exception as exc:
-                records.append(ResultRecord(r["custom_id"], status="errored", error_code="tokenizer_error",
-                                            error_message=f"{type(exc).__name__}: {exc}", decoder=decoder))
+        reqs, records = self._tokenize(rows, decoder)
         if reqs:
             t0 = time.perf_counter()
             try:

@@ -131,8 +131,8 @@ def keys_create(project, name):
     """
     from canvasq.serve.keys import create_key
 
-    if len(project) > 200 or (name and len(name) > 200):
-        raise click.BadParameter("the limit is 200 characters")
+    if not project.strip() or len(project) > 200 or (name and len(name) > 200):
+        raise click.BadParameter("a project is 1 to 200 characters, a name at most 200")
     store = _store()
     key_id, token = create_key(store, project, name)
     click.echo(f"created {key_id} for project {project!r}; the key is printed once, on stdout", err=True)

@@ -29,6 +29,7 @@ import contextlib
 import math
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 from canvasq.decoders.base import Cancelled, error_result, first_stop, poll, request_error
 from canvasq.decoders.configs import HfConfig
@@ -150,6 +151,17 @@ class HfDecoder:
         return results
 
 
+@dataclass
+class _HfPass:
+    """One model pass of a generate() call, per batch row: rows it carried, tokens accepted, live."""
+
+    kind: str  # "decode" | "encode"
+    ms: float
+    rows: list[int]
+    commits: list[int]
+    live: list[bool]
+
+
 class _Recorder:
     """Watches one `generate()` call; keeps the live-row bookkeeping generate keeps internally."""
 
@@ -160,95 +172,91 @@ class _Recorder:
         self.finished_denoising = [False] * batch_size  # this canvas: the adaptive stopper fired
         self.finished_sequences = [False] * batch_size  # EOS or length reached in an earlier canvas
         self.encoded_prompt = False
-        # one entry per model pass: (kind, ms, own rows per row, own commits per row, canvases)
-        self.passes: list[dict] = []
+        self.passes: list[_HfPass] = []  # one per model pass
 
     # -- the wrappers ------------------------------------------------------------------------
     @contextlib.contextmanager
     def instrument(self, model):
-        rec = self
-        orig_forward = model.forward
+        """Wrap generate()'s hooks on this instance (never on the class); all removed on exit."""
         encoder = model.model.encoder
-        orig_encoder_forward = encoder.forward
-        orig_prepare_sampler = model._prepare_sampler
-        orig_prepare_stopper = model._prepare_diffusion_stopping_criteria
-        orig_finalize = model._finalize_canvas
+        patches = [
+            (model, "forward", self._traced_decoder(model.forward)),
+            (encoder, "forward", self._traced_encoder(encoder.forward)),
+            (model, "_prepare_sampler", self._counting_sampler(model._prepare_sampler)),
+            (model, "_prepare_diffusion_stopping_criteria",
+             self._mirrored_stopper(model._prepare_diffusion_stopping_criteria)),
+            (model, "_finalize_canvas", self._watched_finalize(model._finalize_canvas)),
+        ]
+        for obj, name, fn in patches:
+            setattr(obj, name, fn)
+        try:
+            yield self
+        finally:
+            for obj, name, _ in patches:
+                obj.__dict__.pop(name, None)
 
+    def _traced_decoder(self, orig):
         def forward(*args, **kwargs):
-            poll(rec.should_stop)
-            live = [not (d or s) for d, s in zip(rec.finished_denoising, rec.finished_sequences)]
+            poll(self.should_stop)
+            live = [not (d or s) for d, s in zip(self.finished_denoising, self.finished_sequences)]
             t0 = time.perf_counter()
-            out = orig_forward(*args, **kwargs)
+            out = orig(*args, **kwargs)
             _sync(out.logits)
             ms = (time.perf_counter() - t0) * 1e3
-            rec.passes.append(
-                {
-                    "kind": "decode",
-                    "ms": ms,
-                    "rows": [rec.C if x else 0 for x in live],
-                    "commits": [0] * rec.B,
-                    "live": live,
-                }
-            )
+            self.passes.append(_HfPass("decode", ms, [self.C if x else 0 for x in live], [0] * self.B, live))
             return out
 
+        return forward
+
+    def _traced_encoder(self, orig):
         def encoder_forward(*args, **kwargs):
-            poll(rec.should_stop)
-            alive = [not s for s in rec.finished_sequences]
-            if rec.encoded_prompt:
-                rows = [rec.C if a else 0 for a in alive]
-            else:
-                rows = list(rec.prompt_rows)
-            rec.encoded_prompt = True
+            poll(self.should_stop)
+            alive = [not s for s in self.finished_sequences]
+            rows = [self.C if a else 0 for a in alive] if self.encoded_prompt else list(self.prompt_rows)
+            self.encoded_prompt = True
             t0 = time.perf_counter()
-            out = orig_encoder_forward(*args, **kwargs)
+            out = orig(*args, **kwargs)
             _sync(out.last_hidden_state)
             ms = (time.perf_counter() - t0) * 1e3
-            rec.passes.append(
-                {"kind": "encode", "ms": ms, "rows": rows, "commits": [0] * rec.B, "live": alive}
-            )
+            self.passes.append(_HfPass("encode", ms, rows, [0] * self.B, alive))
             return out
 
+        return encoder_forward
+
+    def _counting_sampler(self, orig):
+        """The sampler, its `accept_canvas` counting the accepted positions of the last decode pass."""
+
         def prepare_sampler(*args, **kwargs):
-            sampler = orig_prepare_sampler(*args, **kwargs)
+            sampler = orig(*args, **kwargs)
             orig_accept = sampler.accept_canvas
 
             def accept_canvas(*a, **k):
                 accepted = orig_accept(*a, **k)
-                last = rec.passes[-1] if rec.passes else None
-                if last is not None and last["kind"] == "decode":
+                last = self.passes[-1] if self.passes else None
+                if last is not None and last.kind == "decode":
                     counts = sampler.accepted_token_mask.sum(dim=-1).tolist()
-                    last["commits"] = [int(c) if lv else 0 for c, lv in zip(counts, last["live"])]
+                    last.commits = [int(c) if lv else 0 for c, lv in zip(counts, last.live)]
                 return accepted
 
             sampler.accept_canvas = accept_canvas
             return sampler
 
-        def prepare_stopper(*args, **kwargs):
-            inner = orig_prepare_stopper(*args, **kwargs)
-            return None if inner is None else _StopperProxy(inner, rec)
+        return prepare_sampler
 
+    def _mirrored_stopper(self, orig):
+        def prepare_stopper(*args, **kwargs):
+            inner = orig(*args, **kwargs)
+            return None if inner is None else _StopperProxy(inner, self)
+
+        return prepare_stopper
+
+    def _watched_finalize(self, orig):
         def finalize(*args, **kwargs):
-            input_ids, finished = orig_finalize(*args, **kwargs)
-            rec.finished_sequences = [bool(x) for x in finished.tolist()]
+            input_ids, finished = orig(*args, **kwargs)
+            self.finished_sequences = [bool(x) for x in finished.tolist()]
             return input_ids, finished
 
-        model.forward = forward
-        encoder.forward = encoder_forward
-        model._prepare_sampler = prepare_sampler
-        model._prepare_diffusion_stopping_criteria = prepare_stopper
-        model._finalize_canvas = finalize
-        try:
-            yield self
-        finally:
-            for obj, name in (
-                (model, "forward"),
-                (encoder, "forward"),
-                (model, "_prepare_sampler"),
-                (model, "_prepare_diffusion_stopping_criteria"),
-                (model, "_finalize_canvas"),
-            ):
-                obj.__dict__.pop(name, None)
+        return finalize
 
     # -- results -----------------------------------------------------------------------------
     def traces_for(self, b: int, base: int = 0) -> list[ForwardTrace]:
@@ -256,19 +264,19 @@ class _Recorder:
         denoising; encoder passes count while its sequence is unfinished)."""
         out = []
         for i, p in enumerate(self.passes):
-            if not p["live"][b]:
+            if not p.live[b]:
                 continue
             out.append(
                 ForwardTrace(
                     index=base + i,  # indices run on across the groups of one batch
-                    rows=sum(p["rows"]),
-                    commits=sum(p["commits"]),
-                    canvases=sum(1 for x in p["live"] if x),
-                    states=("full," * sum(1 for x in p["live"] if x)).rstrip(","),
-                    ms=p["ms"],
-                    kind=p["kind"],
-                    own_rows=p["rows"][b],
-                    own_commits=p["commits"][b],
+                    rows=sum(p.rows),
+                    commits=sum(p.commits),
+                    canvases=sum(1 for x in p.live if x),
+                    states=("full," * sum(1 for x in p.live if x)).rstrip(","),
+                    ms=p.ms,
+                    kind=p.kind,
+                    own_rows=p.rows[b],
+                    own_commits=p.commits[b],
                 )
             )
         return out

@@ -278,7 +278,7 @@ def train_phase(model, params, batches, *, minutes, batch, lr, n_canvases, canva
     return {"steps": step, "seconds": round(time.time() - t0, 1), "final_loss": round(float(ema), 4)}
 
 
-def main(argv=None):
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--minutes", type=float, default=7.0)
@@ -300,7 +300,11 @@ def main(argv=None):
         "--d2f-draft-rounds", type=int, default=2,
         help="D2F adapter: up to this many gradient-free argmax-draft passes before the trained one (0: uniform noise only)",
     )
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
 
     import torch
     from transformers import DiffusionGemmaForBlockDiffusion
@@ -348,32 +352,38 @@ def main(argv=None):
         save_model(model, out)
 
     if args.d2f_minutes > 0:
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(
-            r=16, lora_alpha=32, lora_dropout=0.0,
-            # Decoder modules only: encoder and decoder share weight tensors, so merging the LoRA
-            # into the decoder's weights updates the encoder too (adding it to both would double it).
-            target_modules=r".*decoder\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)",
-        )
-        if args.d2f_init:  # continue an adapter (same rank and targets)
-            from peft import PeftModel
-
-            peft_model = PeftModel.from_pretrained(model, args.d2f_init, is_trainable=True)
-        else:
-            peft_model = get_peft_model(model, lora)
-        peft_model.train()
-        report["d2f"] = train_phase(
-            peft_model.base_model.model, [p for p in peft_model.parameters() if p.requires_grad], batches,
-            minutes=args.d2f_minutes, batch=max(64, args.batch // 2), lr=args.lr / 2,
-            n_canvases=args.d2f_canvases, canvas=shape.canvas_length, sc_prob=0.5, gen=gen, log=log, tag="d2f",
-            token_weight=token_weight, draft_rounds=args.d2f_draft_rounds,
-            commit_tau=_pair(args.d2f_commit_tau),
-        )
-        peft_model.save_pretrained(str(out / "d2f_adapter"))
+        report["d2f"] = _train_adapter(model, batches, args, shape, gen, log, token_weight, out)
     report["total_seconds"] = round(time.time() - t0, 1)
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
     log(json.dumps(report))
+
+
+def _train_adapter(model, batches, args, shape, gen, log, token_weight, out: Path) -> dict:
+    """The D2F LoRA on the decoder's modules, trained on multi-canvas batches; saved to out/d2f_adapter."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=16, lora_alpha=32, lora_dropout=0.0,
+        # Decoder modules only: encoder and decoder share weight tensors, so merging the LoRA
+        # into the decoder's weights updates the encoder too (adding it to both would double it).
+        target_modules=r".*decoder\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)",
+    )
+    if args.d2f_init:  # continue an adapter (same rank and targets)
+        from peft import PeftModel
+
+        peft_model = PeftModel.from_pretrained(model, args.d2f_init, is_trainable=True)
+    else:
+        peft_model = get_peft_model(model, lora)
+    peft_model.train()
+    report = train_phase(
+        peft_model.base_model.model, [p for p in peft_model.parameters() if p.requires_grad], batches,
+        minutes=args.d2f_minutes, batch=max(64, args.batch // 2), lr=args.lr / 2,
+        n_canvases=args.d2f_canvases, canvas=shape.canvas_length, sc_prob=0.5, gen=gen, log=log, tag="d2f",
+        token_weight=token_weight, draft_rounds=args.d2f_draft_rounds,
+        commit_tau=_pair(args.d2f_commit_tau),
+    )
+    peft_model.save_pretrained(str(out / "d2f_adapter"))
+    return report
 
 
 def _pair(text: str | None) -> tuple[float, float] | None:

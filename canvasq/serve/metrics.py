@@ -18,7 +18,9 @@ process's own counts:
   canvasq_worker_forwards_total, canvasq_worker_generation_seconds_total,
   canvasq_worker_chunks_total{state}, canvasq_worker_decode_steps_total,
   canvasq_worker_slot_steps_busy_total / canvasq_worker_slot_steps_total (slot occupancy =
-  their rates' ratio), canvasq_worker_decode_slots, canvasq_worker_model_load_seconds.
+  their rates' ratio), canvasq_worker_window_rows_total (rows per forward, against the decode
+  steps), canvasq_worker_decode_slots, canvasq_worker_model_load_seconds, canvasq_worker_info{device,model}.
+  Per-GPU throughput is rate(canvasq_worker_committed_tokens_total) by instance.
 """
 
 from __future__ import annotations
@@ -142,7 +144,13 @@ class WorkerMetrics:
                             registry=reg)
         self.slot_steps = Counter("canvasq_worker_slot_steps", "Sum over steps of the decode slots", registry=reg)
         self.slots = Gauge("canvasq_worker_decode_slots", "Decode slots of the last step", registry=reg)
-        self.load_s = Gauge("canvasq_worker_model_load_seconds", "Time to load the model at start", registry=reg)
+        self.load_s = Gauge("canvasq_worker_model_load_seconds", "Time to load (and pack) the model at start",
+                            registry=reg)
+        self.window_rows = Counter("canvasq_worker_window_rows", "Window rows of the passes that served a row, "
+                                   "each row's own share (rows per forward = its rate / decode steps' rate)",
+                                   registry=reg)
+        self.info = Gauge("canvasq_worker_info", "This worker (value 1): its device and model", ["device", "model"],
+                          registry=reg)
 
     def instrument(self, rt) -> None:
         """Count what `rt` writes and processes (wraps its store's write_results and its
@@ -157,6 +165,7 @@ class WorkerMetrics:
                     self.tokens.inc(r.completion_tokens if r.status == "done" else 0)
                     self.forwards.inc(r.forwards)
                     self.gen_s.inc(r.gen_ms / 1000)
+                    self.window_rows.inc(sum(t.get("own_rows") or 0 for t in r.traces))
             return written
 
         def process_chunk(chunk_id):
@@ -183,8 +192,11 @@ def start_worker_metrics(rt, load_s: float | None = None) -> WorkerMetrics | Non
     port = os.environ.get("CANVASQ_METRICS_PORT")
     if not port:
         return None
+    from canvasq.api.settings import model_name
+
     m = WorkerMetrics()
     m.instrument(rt)
+    m.info.labels(str(getattr(rt, "device", "?")), model_name(rt.settings.model)).set(1)
     if load_s is not None:
         m.load_s.set(load_s)
     try:

@@ -95,6 +95,8 @@ def check_metrics(server, worker_port: int, during: float) -> None:
     assert after > during > 0
     assert metric(worker, "canvasq_worker_requests_total", status="done") >= N_LINES
     assert metric(worker, "canvasq_worker_slot_steps_busy_total") > 0
+    assert metric(worker, "canvasq_worker_window_rows_total") > 0
+    assert metric(worker, "canvasq_worker_info", device="cpu") == 1
     assert metric(worker, "canvasq_worker_forwards_total") > after  # several passes per committed token
     assert metric(server.url + "/metrics", "canvasq_committed_tokens_total") >= after
     assert metric(server.url + "/metrics", "canvasq_http_requests_total", route="/v1/batches/{batch_id}",

@@ -118,11 +118,14 @@ class ModelBundle:
 def merge_adapter(hf_model, adapter_dir: Path):
     """A copy of `hf_model` with the peft LoRA in `adapter_dir` merged into its weights."""
     import copy
+    import warnings
 
     from peft import PeftModel
 
     base = copy.deepcopy(hf_model)
-    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    with warnings.catch_warnings():  # peft calls transformers' deprecated is_gradient_checkpointing
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     return merged.eval()
 
 

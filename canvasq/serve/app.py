@@ -12,7 +12,7 @@ import contextlib
 import logging
 from typing import Annotated, Literal
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from canvasq.api.settings import Settings, get_settings
+from canvasq.serve.auth import Who
 from canvasq.serve.batches import DECODER_METADATA_KEY, Batches
 from canvasq.serve.config import ServeSettings, serve_settings
 from canvasq.serve.files import (
@@ -30,7 +31,7 @@ from canvasq.serve.files import (
     check_declared_length,
     file_object,
 )
-from canvasq.serve.keys import Principal, authenticate
+from canvasq.serve.keys import Principal
 from canvasq.serve.metrics import HttpMetrics, server_registry
 
 log = logging.getLogger(__name__)
@@ -47,22 +48,6 @@ class BatchCreate(BaseModel):
     metadata: dict[str, str] | None = None
     output_expires_after: dict | None = None  # accepted; outputs live until deleted
     decoder: str | None = Field(None, description=f"canvasq: decoder for the batch (or metadata {DECODER_METADATA_KEY})")
-
-
-def _principal(request: Request) -> Principal:
-    """The key's project, or 401 (no key, not a bearer key, unknown or revoked)."""
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if not header:
-        raise ApiError(401, "You didn't provide an API key: send `Authorization: Bearer <key>` "
-                            "(create one with `canvasq keys create`).", code="missing_api_key")
-    p = authenticate(request.app.state.store, token.strip()) if scheme.lower() == "bearer" else None
-    if p is None:
-        raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
-    return p
-
-
-Who = Annotated[Principal, Depends(_principal)]
 
 
 def _page(data: list[dict], has_more: bool) -> dict:
@@ -121,6 +106,10 @@ def create_app(store, *, settings: Settings | None = None, serve: ServeSettings 
     def metrics():
         """Prometheus text format; no key needed (no ids, prompts or outputs in it)."""
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    from canvasq.serve.dashboard import register as register_dashboard
+
+    register_dashboard(app, store, batches)
 
     # -- files -------------------------------------------------------------------------------------
     upload_body = {"required": True, "content": {"multipart/form-data": {"schema": {

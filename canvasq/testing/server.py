@@ -9,16 +9,22 @@ log file, and its memory (RSS of the server and, with --with-worker, separately 
 from __future__ import annotations
 
 import contextlib
+import io
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 from canvasq.testing.waiting import wait_for
+
+if TYPE_CHECKING:
+    from openai import OpenAI
 
 
 def free_port() -> int:
@@ -112,3 +118,34 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# ---------------------------------------------------------------------------------------- client side
+
+ENDPOINT = "/v1/chat/completions"
+TERMINAL = ("completed", "failed", "cancelled", "expired")
+
+
+def batch_lines(prefix: str, n: int, max_tokens: int = 8) -> bytes:
+    rows = [{"custom_id": f"{prefix}-{i}", "method": "POST", "url": ENDPOINT,
+             "body": {"model": "testbed", "max_tokens": max_tokens,
+                      "messages": [{"role": "user", "content": f"Tom has {i} apples and buys {i % 7 + 2} more. "
+                                                               "How many apples does he have?"}]}}
+            for i in range(n)]
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def upload(client: OpenAI, data: bytes, name: str = "batch.jsonl"):
+    return client.files.create(file=(name, io.BytesIO(data)), purpose="batch")
+
+
+def poll(client: OpenAI, batch_id: str, until=TERMINAL, deadline_s: float = 300, server=None):
+    end = time.monotonic() + deadline_s
+    while True:
+        b = client.batches.retrieve(batch_id)
+        if b.status in until:
+            return b
+        if time.monotonic() > end:
+            raise AssertionError(f"batch {batch_id} still {b.status} ({b.request_counts}) after {deadline_s}s\n"
+                                 f"{server.log() if server else ''}")
+        time.sleep(0.5)

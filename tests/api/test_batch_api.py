@@ -16,37 +16,19 @@ import pytest
 from openai import OpenAI
 
 from canvasq.api.testing import REDIS_URL, drop_queue, fresh_pg_database, unique_queue
-from canvasq.testing.server import ServerProcess, cli, free_port, rss_bytes
+from canvasq.testing.server import (
+    ENDPOINT,
+    ServerProcess,
+    batch_lines,
+    cli,
+    free_port,
+    poll,
+    rss_bytes,
+    upload,
+)
 from canvasq.testing.workers import WorkerProcess, worker_env
 
-ENDPOINT = "/v1/chat/completions"
 N_LINES = 200  # the main batch
-TERMINAL = ("completed", "failed", "cancelled", "expired")
-
-
-def batch_lines(prefix: str, n: int, max_tokens: int = 8) -> bytes:
-    rows = [{"custom_id": f"{prefix}-{i}", "method": "POST", "url": ENDPOINT,
-             "body": {"model": "testbed", "max_tokens": max_tokens,
-                      "messages": [{"role": "user", "content": f"Tom has {i} apples and buys {i % 7 + 2} more. "
-                                                               "How many apples does he have?"}]}}
-            for i in range(n)]
-    return "".join(json.dumps(r) + "\n" for r in rows).encode()
-
-
-def upload(client: OpenAI, data: bytes, name: str = "batch.jsonl"):
-    return client.files.create(file=(name, io.BytesIO(data)), purpose="batch")
-
-
-def poll(client: OpenAI, batch_id: str, until=TERMINAL, deadline_s: float = 300, server=None):
-    end = time.monotonic() + deadline_s
-    while True:
-        b = client.batches.retrieve(batch_id)
-        if b.status in until:
-            return b
-        if time.monotonic() > end:
-            raise AssertionError(f"batch {batch_id} still {b.status} ({b.request_counts}) after {deadline_s}s\n"
-                                 f"{server.log() if server else ''}")
-        time.sleep(0.5)
 
 
 def jsonl(text: str) -> list[dict]:

@@ -126,8 +126,8 @@ def create_app(store, *, settings: Settings | None = None, serve: ServeSettings 
         sink = UploadSink(boundary_of(request.headers.get("content-type", "")), files.tmp_path(),
                           serve.max_upload_bytes, serve.max_upload_lines, settings.max_line_bytes)
         try:
-            async for chunk in request.stream():
-                sink.write(chunk)
+            async for chunk in request.stream():  # parsed and written off the event loop
+                await anyio.to_thread.run_sync(sink.write, chunk)
             sink.finish()
             purpose = sink.fields.get("purpose")
             if purpose != "batch":

@@ -324,6 +324,9 @@ def test_upload_limits_while_streaming(api):
             yield block
             n += len(block)
 
+    # without a key: 401 before the body is read
+    got, _ = _raw_upload(srv.port, f"Content-Length: {two_gb}\r\n", body)
+    assert got.startswith(b"HTTP/1.1 401"), got[:200]
     # a declared 2 GB body: refused before any of it is read
     got, sent = _raw_upload(srv.port, f"{auth}Content-Length: {two_gb}\r\n", body)
     assert got.startswith(b"HTTP/1.1 413"), got[:200]

@@ -166,7 +166,7 @@ def test_200_requests_two_workers(db_url, tmp_path):
         assert st["counts"] == {"queued": 0, "done": N, "errored": 0, "expired": 0, "cancelled": 0, "total": N}
         assert st["completion_tokens"] == sum(x["response"]["body"]["usage"]["completion_tokens"] for x in lines)
         text_status = canvasq(env, "status", run_id).stdout
-        assert f"{N}/{N} completed" in text_status
+        assert f"{N}/{N} generated  completed" in text_status
 
         # a trace exists and plots
         cid = ids[0]

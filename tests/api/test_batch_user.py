@@ -193,3 +193,22 @@ def test_db_downgrade_asks(service_env):
     res = invoke("db", "downgrade", "base", ok=False)
     assert res.exit_code == 1 and "pass --yes" in res.stderr
     assert "downgraded to base" in invoke("db", "downgrade", "base", "--yes").stdout
+
+
+def test_pipe_run_prints_no_future_warning(tmp_path):
+    """A pipe / funnel run merges the D2F adapter; peft's call into a deprecated transformers method
+    used to print a FutureWarning on every such run."""
+    import os
+    import subprocess
+    import sys
+
+    path = write(tmp_path / "p.jsonl", [{"custom_id": "a", "prompt": "Ann has 5 pens. She buys 3 more. How many "
+                                         "pens does Ann have now?", "task": "math", "max_tokens": 32}])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CANVASQ_")}
+    env.update(CANVASQ_MODEL=model_for_tests(), CANVASQ_DATABASE_URL=f"sqlite:///{tmp_path / 'w.sqlite'}",
+               PYTHONWARNINGS="default")
+    proc = subprocess.run([sys.executable, "-m", "canvasq.api.cli", "run", path, "-o", str(tmp_path / "o.jsonl"),
+                           "--decoder", "pipe"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "wrote 1 results and 0 errors" in proc.stdout
+    assert "FutureWarning" not in proc.stderr, proc.stderr[-2000:]

@@ -5,6 +5,17 @@ from __future__ import annotations
 import click
 
 
+def _require_sandbox(tasks: list[str]) -> None:
+    """Code tasks are verified by running model-written code: refuse with one line, before any
+    generation, where the sandbox cannot be had."""
+    if "code" in tasks:
+        from canvasq.testbed.sandbox import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason:
+            raise click.ClickException(f"--task code needs the verifier's sandbox: {reason}")
+
+
 @click.command("bench")
 @click.option(
     "--model",
@@ -58,6 +69,8 @@ def bench(
     """
     from pathlib import Path
 
+    tasks = list(task_names or ("arith", "code"))
+    _require_sandbox(tasks)
     import torch
 
     from canvasq.decoders import bench as B
@@ -70,7 +83,7 @@ def bench(
     report = B.run_bench(
         bundle,
         arm_list,
-        list(task_names or ("arith", "code")),
+        tasks,
         n=n,
         seeds=[int(s) for s in seeds.split(",") if s.strip()],
         batch_size=batch_size,
@@ -180,12 +193,7 @@ def calibrate(model_spec, task_names, n, seeds, batch_size, max_tokens, decoders
                 click.echo(f"plot: {plot_path}")
             return
         tasks = list(task_names or ("arith", "code"))
-        if "code" in tasks:
-            from canvasq.testbed.sandbox import unavailable_reason
-
-            reason = unavailable_reason()
-            if reason:
-                raise click.ClickException(f"--task code needs the verifier's sandbox: {reason}")
+        _require_sandbox(tasks)
         from canvasq.decoders.bench import parse_arm
         from canvasq.decoders.registry import make_config
 

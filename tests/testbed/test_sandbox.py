@@ -290,3 +290,16 @@ def test_eval_refuses_code_with_one_line(monkeypatch):
     monkeypatch.setattr(sandbox, "unavailable_reason", lambda: "the code sandbox needs root")
     res = CliRunner().invoke(cli, ["eval", "--task", "code", "--n", "1"])
     assert res.exit_code != 0 and res.output.strip() == "Error: the code sandbox needs root"
+
+
+@pytest.mark.parametrize("command", ["bench", "calibrate"])
+def test_bench_and_calibrate_refuse_code_with_one_line(monkeypatch, command):
+    """Before any model load or generation: one line, non-zero exit, no traceback."""
+    from click.testing import CliRunner
+
+    from canvasq.api.cli import cli
+
+    monkeypatch.setattr(sandbox, "unavailable_reason", lambda: "the code sandbox needs root")
+    res = CliRunner().invoke(cli, [command, "--task", "code", "--n", "1"])
+    assert res.exit_code != 0
+    assert res.output.strip() == "Error: --task code needs the verifier's sandbox: the code sandbox needs root"

@@ -86,19 +86,11 @@ def run_batch(
         dec = make_decoder(decoder, bundle, overrides, cuda_graphs, experts)
         return dec.decode(batch, should_stop=should_stop, interrupts=interrupts)
 
-    from canvasq.decoders.routing import route
+    from canvasq.decoders.routing import group_by_route
 
-    groups: dict[tuple, list[int]] = {}
-    chosen: dict[tuple, tuple[str, dict]] = {}
-    for i, req in enumerate(batch.requests):
-        r = route(req.task, routing, calibration, budget)
-        knobs = {**r.overrides, **(overrides or {})}
-        key = (r.decoder, tuple(sorted(knobs.items())))
-        groups.setdefault(key, []).append(i)
-        chosen[key] = (r.decoder, knobs)
+    groups = group_by_route([r.task for r in batch.requests], routing, calibration, budget, overrides)
     results: list[DecodeResult | None] = [None] * len(batch.requests)
-    for key, idx in groups.items():
-        name, knobs = chosen[key]
+    for name, knobs, idx in groups:
         dec = make_decoder(name, bundle, knobs, cuda_graphs, experts)
         sub = DecodeBatch(requests=[batch.requests[i] for i in idx], seed=batch.seed)
         try:

@@ -81,6 +81,24 @@ def route(
     return DEFAULT_ROUTE
 
 
+def group_by_route(
+    tasks: list[str | None],
+    table: dict[str, str] | None = None,
+    calibration: Calibration | None = None,
+    budget: float | None = None,
+    overrides: dict | None = None,
+) -> list[tuple[str, dict, list[int]]]:
+    """(decoder, knobs, indices into `tasks`) per distinct route, in first-seen order; `overrides`
+    apply on top of each route's knobs. `run_batch` and the worker split an `auto` batch with it."""
+    groups: dict[tuple, tuple[str, dict, list[int]]] = {}
+    for i, task in enumerate(tasks):
+        r = route(task, table, calibration, budget)
+        knobs = {**r.overrides, **(overrides or {})}
+        key = (r.decoder, tuple(sorted(knobs.items())))
+        groups.setdefault(key, (r.decoder, knobs, []))[2].append(i)
+    return list(groups.values())
+
+
 def routing_table(
     table: dict[str, str] | None = None,
     calibration: Calibration | None = None,

@@ -305,14 +305,11 @@ class ChunkRuntime:
         """(decoder, knobs, rows) per route: `auto` resolved per row's task (decoders.routing)."""
         if decoder != "auto":
             return [(decoder, {}, rows)]
-        from canvasq.decoders.routing import route
+        from canvasq.decoders.routing import group_by_route
 
-        parts: dict[tuple, tuple[str, dict, list[dict]]] = {}
-        for r in rows:
-            rt = route(r["task"], self.settings.routing or None, self.calibration, self.settings.routing_budget)
-            key = (rt.decoder, tuple(sorted(rt.overrides.items())))
-            parts.setdefault(key, (rt.decoder, dict(rt.overrides), []))[2].append(r)
-        return list(parts.values())
+        groups = group_by_route([r["task"] for r in rows], self.settings.routing or None, self.calibration,
+                                self.settings.routing_budget)
+        return [(name, knobs, [rows[i] for i in idx]) for name, knobs, idx in groups]
 
     def _tokenize(self, rows: list[dict], decoder: str) -> tuple[list[DecodeRequest], list[ResultRecord]]:
         """DecodeRequests, and an errored record for each row the tokenizer fails on (that row only)."""
@@ -342,16 +339,12 @@ class ChunkRuntime:
             return written
         dec = make_decoder(decoder, bundle, knobs, self.settings.cuda_graphs, self.experts)
         todo = list(reqs)
-        fed_at: dict[str, float] = {}
         occupancy: list[tuple[int, int]] = []
 
         def feed(n: int):
             taken, todo[:] = todo[:n], todo[n:]
             if taken:
                 faults.before_decode(q.custom_id for q in taken)  # inert unless CANVASQ_TEST_* is set
-            now = time.perf_counter()
-            for q in taken:
-                fed_at[q.custom_id] = now
             return [(q.custom_id, q) for q in taken]
 
         def on_result(key, res: DecodeResult) -> None:
@@ -374,9 +367,9 @@ class ChunkRuntime:
             raise
         except Exception as exc:  # deterministic failure → the rows not yet stored error, never a retry storm
             log.exception("decode stream failed for run %s", run_id)
-            left = [q for q in reqs if q.custom_id in fed_at or q in todo]
+            # every row not yet stored (write_results skips the ones that are)
             failed = [result_record(DecodeResult(q.custom_id, [], "", "error", len(q.prompt_ids), 0,
-                                                 error=f"{type(exc).__name__}: {exc}"), 0.0, decoder) for q in left]
+                                                 error=f"{type(exc).__name__}: {exc}"), 0.0, decoder) for q in reqs]
             written += retry_transient(lambda: self.store.write_results(run_id, failed, self.worker_id))
         if occupancy:
             live = sum(n for n, _ in occupancy)

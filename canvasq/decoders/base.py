@@ -366,14 +366,14 @@ class StepDecoder:
 
     # -- shared helpers -------------------------------------------------------------------------
     def generator(self, seed: int, custom_id: str) -> torch.Generator:
-        """The request's RNG (CPU: its draws are moved to the device)."""
+        """The request's RNG (a CPU one: its draws are moved to the device)."""
         return row_generator(seed, custom_id)
 
     def spawn(self, s: Seq) -> Canvas:
         """A new canvas of uniform-random tokens after the last one (the sampler's x_T ~ U(V))."""
         start = s.prompt_len + s.spawned * self.C
         V = self.rt.vocab_size
-        toks = torch.randint(0, V, (self.C,), generator=s.gen).to(self.device)
+        toks = torch.randint(0, V, (self.C,), generator=s.gen, device=s.gen.device).to(self.device)
         state = "full" if not s.canvases else "draft"
         cv = Canvas(
             index=s.spawned,

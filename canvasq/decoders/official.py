@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from canvasq.decoders.base import Canvas, Seq, StepDecoder, row_generator
+from canvasq.decoders.base import Seq, StepDecoder, row_generator
 from canvasq.decoders.configs import OfficialConfig
 
 _GROUP_BYTES = 2 << 30  # per [rows, V] fp32 temporary of the sampler statistics
@@ -100,6 +100,13 @@ class OfficialDecoder(StepDecoder):
         self.sampler = SamplerSettings.resolve(self.model, self.config)
         self.V = self.rt.vocab_size
         self._dn: dict[int, _Denoising] = {}
+        k = self.config.sc_topk
+        # a canvas's first step under top-k SC: a zero top-k signal with every row off (read-only)
+        self._zero_sc = None if k is None or k >= self.V else (
+            (torch.zeros(self.C, k, dtype=torch.long, device=self.device),
+             torch.zeros(self.C, k, dtype=self.rt.dtype, device=self.device)),
+            torch.zeros(self.C, dtype=torch.bool, device=self.device),
+        )
 
     # -- hooks of the base loop -------------------------------------------------------------------
     def generator(self, seed: int, custom_id: str) -> torch.Generator:
@@ -117,19 +124,9 @@ class OfficialDecoder(StepDecoder):
         return max(s.n_canvases for s in seqs) * (self.sampler.steps + 1) + 16
 
     def spawn(self, s: Seq):
-        """A new canvas x_T ~ U(V), drawn from the request's generator (HF: `initialize_canvas`)."""
-        start = s.prompt_len + s.spawned * self.C
-        toks = torch.randint(0, self.V, (self.C,), generator=s.gen, device=self.device)
-        cv = Canvas(
-            index=s.spawned,
-            start=start,
-            tokens=toks,
-            committed=torch.zeros(self.C, dtype=torch.bool, device=self.device),
-            state="full",
-        )
-        s.canvases = [cv]
-        s.spawned += 1
-        s.stats["spawned"] += 1
+        """A new canvas x_T ~ U(V) from the request's generator (HF: `initialize_canvas`), its
+        denoising state reset."""
+        cv = super().spawn(s)
         self._dn[s.row] = _Denoising(steps_left=self.sampler.steps)
         return cv
 
@@ -167,13 +164,10 @@ class OfficialDecoder(StepDecoder):
         every window of a forward has the same kind and graphed forwards share one capture."""
         from canvasq.model.runtime import Window
 
-        sc, rows = cv.sc, None
-        if sc is None and self.config.sc_topk is not None and self.config.sc_topk < self.V:
-            k = self.config.sc_topk
-            sc = (torch.zeros(self.C, k, dtype=torch.long, device=self.device),
-                  torch.zeros(self.C, k, dtype=self.rt.dtype, device=self.device))
-            rows = torch.zeros(self.C, dtype=torch.bool, device=self.device)
-        return Window.canvas(slot, cv.tokens, cv.start, self_cond=sc, self_cond_rows=rows)
+        if cv.sc is None and self._zero_sc is not None:
+            sc, rows = self._zero_sc
+            return Window.canvas(slot, cv.tokens, cv.start, self_cond=sc, self_cond_rows=rows)
+        return Window.canvas(slot, cv.tokens, cv.start, self_cond=cv.sc)
 
     def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The sampler on one group: logits [B, C, V] fp32 -> (accepted per request [B], stopped [B])."""
@@ -183,7 +177,7 @@ class OfficialDecoder(StepDecoder):
             # HF's LinearTemperatureScheduleLogitsProcessor, same dtype path (int32 step / N in fp32)
             n = torch.tensor([d.steps_left for d in dns], dtype=torch.int32, device=logits.device)
             temp = smp.t_min + (smp.t_max - smp.t_min) * (n / smp.steps)
-            logits = logits.div_(temp[:, None, None]) if logits.is_cuda else logits / temp[:, None, None]
+            logits = logits.div_(temp[:, None, None])  # the forward's own copy: in place
         if logits.is_cuda:  # one fused read of the [rows, V] logits (bf16-noise equal to HF's ops)
             from canvasq.kernels import softmax_argmax
 

@@ -196,8 +196,8 @@ def test_db_downgrade_asks(service_env):
 
 
 def test_pipe_run_prints_no_future_warning(tmp_path):
-    """A pipe / funnel run merges the D2F adapter; peft's call into a deprecated transformers method
-    used to print a FutureWarning on every such run."""
+    """A pipe / funnel run merges the D2F adapter, and peft calls a deprecated transformers method
+    there: the merge filters that one warning, so a run's stderr carries no FutureWarning."""
     import os
     import subprocess
     import sys

@@ -60,9 +60,9 @@ def record(device: str, n: int, seed: int, max_tokens: int) -> tuple[list[dict],
 
 
 def replay(rows: list[dict], batch: int, scale: int, device: str, target: str) -> dict:
-    from canvasq.api.schemas import Job
-    from canvasq.api.settings import Settings
-    from canvasq.api.store import Store
+    from canvasq.core.schemas import Job
+    from canvasq.core.settings import Settings
+    from canvasq.core.store import Store
     from canvasq.decoders import official
     from canvasq.model.loading import load_bundle
     from canvasq.worker.runtime import ChunkRuntime
@@ -109,7 +109,7 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str) -
     after = _graph_stats(bundle)
     from sqlalchemy import select
 
-    from canvasq.api.models import ForwardTraceRow
+    from canvasq.core.tables import ForwardTraceRow
 
     with store.Session() as ses:  # each pass once (its trace rows repeat per request it carried)
         passes = ses.execute(select(ForwardTraceRow.forward_index, ForwardTraceRow.kind, ForwardTraceRow.ms)

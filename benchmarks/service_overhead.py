@@ -23,9 +23,12 @@ import argparse
 import io
 import json
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/harness: the test Redis queue helpers
 
 
 def write_input(path: Path, n: int, max_tokens: int, seed: int) -> None:
@@ -40,7 +43,7 @@ def write_input(path: Path, n: int, max_tokens: int, seed: int) -> None:
 
 
 def arm_plain(bundle, settings, path: Path, decoder: str) -> dict:
-    from canvasq.api.schemas import Limits, iter_jobs
+    from canvasq.core.schemas import Limits, iter_jobs
     from canvasq.decoders import DecodeBatch, DecodeRequest, run_batch
 
     t0 = time.perf_counter()
@@ -58,12 +61,12 @@ def arm_plain(bundle, settings, path: Path, decoder: str) -> dict:
 def arm_service(bundle, settings, path: Path, decoder: str, db_url: str, redis_url: str) -> dict:
     from kombu import Connection
 
-    from canvasq.api.cli import write_results
-    from canvasq.api.schemas import Limits, iter_jobs, validate_file
-    from canvasq.api.store import Store
-    from canvasq.api.testing import unique_queue
+    from canvasq.core.results import write_results
+    from canvasq.core.schemas import Limits, iter_jobs, validate_file
+    from canvasq.core.store import Store
     from canvasq.worker.celery_app import publish_chunks
     from canvasq.worker.runtime import ChunkRuntime
+    from tests.harness.backends import unique_queue
 
     settings = settings.model_copy(update={"database_url": db_url, "broker_url": redis_url})
     store = Store(db_url)
@@ -126,7 +129,7 @@ def main() -> None:
 
     import torch
 
-    from canvasq.api.settings import get_settings
+    from canvasq.core.settings import get_settings
     from canvasq.model.loading import load_bundle
 
     settings = get_settings().model_copy(update={"decode_batch_size": args.batch, "seed": args.seed,

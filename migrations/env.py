@@ -1,13 +1,13 @@
-"""Alembic environment: the URL comes from the caller (canvasq.api.store.alembic_config) or
+"""Alembic environment: the URL comes from the caller (canvasq.core.store.alembic_config) or
 CANVASQ_DATABASE_URL; SQLite runs in batch mode (ALTER through table copy)."""
 
 from __future__ import annotations
 
 from alembic import context
 
-from canvasq.api.models import Base
-from canvasq.api.settings import get_settings
-from canvasq.api.store import make_engine
+from canvasq.core.settings import get_settings
+from canvasq.core.store import make_engine
+from canvasq.core.tables import Base
 
 config = context.config
 target_metadata = Base.metadata

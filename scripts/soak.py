@@ -27,8 +27,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from canvasq.testing.checks import RUN_TERMINAL, collect
-from canvasq.testing.scenario import Scenario
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the fault harness lives in tests/harness
+
+from tests.harness.checks import RUN_TERMINAL, collect
+from tests.harness.scenario import Scenario
 
 
 def rss_kb(pid: int) -> int | None:

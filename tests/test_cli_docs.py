@@ -10,7 +10,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from canvasq.api.cli import cli
+from canvasq.cli import cli
 
 
 def _commands(group: click.Group, prefix: tuple[str, ...] = ()):
@@ -21,7 +21,7 @@ def _commands(group: click.Group, prefix: tuple[str, ...] = ()):
 
 
 ALL = list(_commands(cli))
-OURS = [(path, cmd) for path, cmd in ALL if cmd.callback is None or cmd.callback.__module__ == "canvasq.api.cli"]
+OURS = [(path, cmd) for path, cmd in ALL if cmd.callback is None or cmd.callback.__module__.startswith("canvasq.cli.")]
 
 
 def test_expected_commands_exist():
@@ -50,7 +50,7 @@ def test_help_does_not_import_heavy_modules():
     code = (
         "import sys\n"
         "from click.testing import CliRunner\n"
-        "from canvasq.api.cli import cli\n"
+        "from canvasq.cli import cli\n"
         "r = CliRunner().invoke(cli, ['--help'])\n"
         "assert r.exit_code == 0, r.output\n"
         "for name in ['run', 'submit', 'worker', 'status', 'trace']:\n"

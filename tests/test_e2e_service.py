@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from canvasq.api.models import Output, Request, Worker
-from canvasq.api.schemas import OPENAI_URLS
-from canvasq.api.store import Store
-from canvasq.api.testing import REDIS_URL, fresh_pg_database, model_for_tests, queue_length, unique_queue
+from canvasq.core.schemas import OPENAI_URLS
+from canvasq.core.store import Store
+from canvasq.core.tables import Output, Request, Worker
+from tests.harness.backends import REDIS_URL, fresh_pg_database, model_for_tests, queue_length, unique_queue
 
 N = 200
 CHUNK = 25
@@ -48,7 +48,7 @@ def write_input(path: Path, n: int = N) -> list[str]:
 
 
 def canvasq(env, *args, check=True) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "canvasq.api.cli", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "canvasq.cli", *args], env=env, capture_output=True,
                           text=True, check=check, timeout=300)
 
 
@@ -59,7 +59,7 @@ def workers(env, queue: str, n: int, log_dir: Path):
         for i in range(n):
             log = open(log_dir / f"worker{i}.log", "w")
             procs.append((subprocess.Popen(
-                [sys.executable, "-m", "canvasq.api.cli", "worker", "--queue", queue, "--loglevel", "INFO"],
+                [sys.executable, "-m", "canvasq.cli", "worker", "--queue", queue, "--loglevel", "INFO"],
                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log))
         yield [p for p, _ in procs]
     finally:

@@ -32,7 +32,7 @@ def _main_command(workdir: Path, model: Path, prompts: Path, timeout_s: int) -> 
     """Run `canvasq run PROMPTS -o results.jsonl` in `workdir`; return the engine line's dict."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CANVASQ_")}
     env.update(CANVASQ_MODEL=str(model), CANVASQ_DATABASE_URL=f"sqlite:///{workdir / 'canvasq.sqlite'}")
-    cmd = [sys.executable, "-m", "canvasq.api.cli", "run", str(prompts), "-o", "results.jsonl"]
+    cmd = [sys.executable, "-m", "canvasq.cli", "run", str(prompts), "-o", "results.jsonl"]
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     n = sum(1 for line in prompts.read_text().splitlines() if line.strip())

@@ -4,9 +4,10 @@ Flow: POST /v1/files (multipart, streamed to the files directory under size and 
 POST /v1/batches (the file validated by `schemas.iter_validated`, a run created and its chunks
 published exactly as `canvasq submit` does) → workers → GET /v1/batches/{id} (status and counts read
 from the run's rows; once the run is over, its output and error files are written once by
-`cli.write_results`, as `canvasq results` writes them) → GET /v1/files/{id}/content.
+`core.results.write_results`, as `canvasq results` writes them) → GET /v1/files/{id}/content.
 
 Modules: config (ServeSettings), keys (bearer keys, hashed at rest), files (streamed upload, the
 files directory), batches (Batch objects, create / cancel / finalise), app (the FastAPI routes),
-local_worker (the `--with-worker` child: one ChunkRuntime draining its queue from SQL), cli.
+local_worker (the `--with-worker` child: one ChunkRuntime draining its queue from SQL); the
+`serve` and `keys` commands live in `canvasq.cli.serve`.
 """

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from canvasq.api.settings import Settings, get_settings
+from canvasq.core.settings import Settings, get_settings
 from canvasq.serve.auth import Who
 from canvasq.serve.batches import DECODER_METADATA_KEY, Batches
 from canvasq.serve.config import ServeSettings, serve_settings

@@ -23,9 +23,9 @@ from datetime import UTC, timedelta
 
 from sqlalchemy import select, update
 
-from canvasq.api.models import ApiBatch, Run, utcnow
-from canvasq.api.schemas import OPENAI_URLS, Limits, ValidationReport, iter_jobs, validate_file
-from canvasq.api.settings import DECODERS, Settings, model_name
+from canvasq.core.schemas import OPENAI_URLS, Limits, ValidationReport, iter_jobs, validate_file
+from canvasq.core.settings import DECODERS, Settings, model_name
+from canvasq.core.tables import ApiBatch, Run, utcnow
 from canvasq.serve.config import ServeSettings
 from canvasq.serve.files import ApiError, FileStore, new_file_id
 
@@ -182,7 +182,7 @@ class Batches:
     # -- finalise ----------------------------------------------------------------------------------
     def finalize(self, b: ApiBatch, run: Run) -> None:
         """Write the ended run's output and error files (once, across server processes)."""
-        from canvasq.api.cli import write_results  # the lines `canvasq results` writes
+        from canvasq.core.results import write_results  # the lines `canvasq results` writes
 
         with self.store.Session.begin() as s:
             s.execute(update(ApiBatch).where(ApiBatch.id == b.id, ApiBatch.finalizing_at.is_(None))
@@ -261,7 +261,7 @@ class Batches:
 
 
 def _sha256(path) -> str:
-    from canvasq.api.store import file_sha256
+    from canvasq.core.store import file_sha256
 
     return file_sha256(path)
 

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from sqlalchemy import func, select
 
-from canvasq.api.models import Output
+from canvasq.core.tables import Output
 from canvasq.serve.auth import Who
 from canvasq.serve.files import ApiError
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from python_multipart.multipart import MultipartParser, parse_options_header
 from sqlalchemy import delete, select
 
-from canvasq.api.models import ApiFile, utcnow
+from canvasq.core.tables import ApiFile, utcnow
 
 MULTIPART_OVERHEAD = 64 * 1024  # boundaries, part headers and the small fields beside the file
 MAX_FIELD_BYTES = 4096  # `purpose` and any other non-file field

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import select, update
 
-from canvasq.api.models import ApiKey, utcnow
+from canvasq.core.tables import ApiKey, utcnow
 
 TOKEN_PREFIX = "cq-"
 

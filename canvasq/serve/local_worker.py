@@ -18,7 +18,7 @@ import time
 
 from sqlalchemy import select
 
-from canvasq.api.models import RUN_ACTIVE, Chunk, Request, Run
+from canvasq.core.tables import RUN_ACTIVE, Chunk, Request, Run
 
 log = logging.getLogger("canvasq.serve.local_worker")
 
@@ -40,8 +40,8 @@ def next_chunk(store, queue: str) -> str | None:
 
 
 def main(queue: str, poll_s: float = 0.5, expire_every_s: float = 5.0) -> None:
-    from canvasq.api.settings import get_settings
-    from canvasq.api.store import Store
+    from canvasq.core.settings import get_settings
+    from canvasq.core.store import Store
     from canvasq.worker.runtime import ChunkRuntime
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -53,7 +53,7 @@ def main(queue: str, poll_s: float = 0.5, expire_every_s: float = 5.0) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     t0 = time.perf_counter()
     rt.bundle  # noqa: B018 - load before the first chunk
-    from canvasq.serve.metrics import start_worker_metrics
+    from canvasq.worker.metrics import start_worker_metrics
 
     start_worker_metrics(rt, time.perf_counter() - t0)
     rt.register()

@@ -11,7 +11,7 @@ import logging
 
 from celery import Celery, signals
 
-from canvasq.api.settings import Settings, get_settings
+from canvasq.core.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +102,8 @@ def _child_start(**_kw):
 
     t0 = time.perf_counter()
     start_process()
-    if os.environ.get("CANVASQ_METRICS_PORT"):  # Prometheus metrics of this worker (canvasq.serve.metrics)
-        from canvasq.serve.metrics import start_worker_metrics
+    if os.environ.get("CANVASQ_METRICS_PORT"):  # Prometheus metrics of this worker (canvasq.worker.metrics)
+        from canvasq.worker.metrics import start_worker_metrics
 
         start_worker_metrics(get_runtime(), time.perf_counter() - t0)
 

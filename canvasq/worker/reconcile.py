@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 from sqlalchemy import update
 
-from canvasq.api.models import Chunk, utcnow
-from canvasq.api.settings import Settings, mask_url
-from canvasq.api.store import Store
+from canvasq.core.settings import Settings, mask_url
+from canvasq.core.store import Store
+from canvasq.core.tables import Chunk, utcnow
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from canvasq.api.settings import Settings, get_settings, mask_url, model_name, resolve_experts
-from canvasq.api.store import ResultRecord, Store, retry_transient
+from canvasq.core.settings import Settings, get_settings, mask_url, model_name, resolve_experts
+from canvasq.core.store import ResultRecord, Store, retry_transient
 from canvasq.decoders.types import CANCELLED, DecodeBatch, DecodeRequest, DecodeResult, Interrupted
 from canvasq.worker import faults
 
@@ -289,7 +289,7 @@ class ChunkRuntime:
         """The newest calibration of this worker's model (`canvasq calibrate`), read once per process;
         None when there is none (auto then routes to official) or it cannot be read."""
         if "_calibration" not in self.__dict__:
-            from canvasq.decoders.calibration import load_for_model
+            from canvasq.core.calibrations import load_for_model
 
             try:
                 self._calibration = load_for_model(self.store, self.settings.model)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from canvasq.api.settings import reload_settings
-from canvasq.api.store import Store
-from canvasq.api.testing import REDIS_URL, drop_queue, fresh_pg_database, unique_queue
+from canvasq.core.settings import reload_settings
+from canvasq.core.store import Store
+from tests.harness.backends import REDIS_URL, drop_queue, fresh_pg_database, unique_queue
 
 
 @pytest.fixture(scope="session")

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from canvasq.api.cli import cli
-from canvasq.api.schemas import Limits, validate_file
-from canvasq.api.settings import REPO_ROOT, Settings, reload_settings
-from canvasq.api.store import Store
-from canvasq.api.testing import queue_length
+from canvasq.cli import cli
+from canvasq.core.schemas import Limits, validate_file
+from canvasq.core.settings import REPO_ROOT, Settings, reload_settings
+from canvasq.core.store import Store
+from tests.harness.backends import queue_length
 
 BAD = Path(__file__).resolve().parents[1] / "data" / "bad_inputs"
 EXPECTED = json.loads((BAD / "expected.json").read_text())

@@ -15,8 +15,8 @@ import openai
 import pytest
 from openai import OpenAI
 
-from canvasq.api.testing import REDIS_URL, drop_queue, fresh_pg_database, unique_queue
-from canvasq.testing.server import (
+from tests.harness.backends import REDIS_URL, drop_queue, fresh_pg_database, unique_queue
+from tests.harness.server import (
     ENDPOINT,
     ServerProcess,
     batch_lines,
@@ -26,7 +26,7 @@ from canvasq.testing.server import (
     rss_bytes,
     upload,
 )
-from canvasq.testing.workers import WorkerProcess, worker_env
+from tests.harness.workers import WorkerProcess, worker_env
 
 N_LINES = 200  # the main batch
 

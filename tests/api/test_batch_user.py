@@ -12,14 +12,15 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import select
 
-import canvasq.api.cli as cli_mod
-from canvasq.api.cli import cli, cut_at_stop
-from canvasq.api.models import Request
-from canvasq.api.schemas import Limits, infer_task, parse_line
-from canvasq.api.settings import REPO_ROOT, reload_settings
-from canvasq.api.store import ResultRecord, Store, active_wall, recent_rate
-from canvasq.api.testing import model_for_tests, queue_length
+import canvasq.cli.embedded as cli_mod
+from canvasq.cli import cli
+from canvasq.core.results import cut_at_stop
+from canvasq.core.schemas import Limits, infer_task, parse_line
+from canvasq.core.settings import REPO_ROOT, reload_settings
+from canvasq.core.store import ResultRecord, Store, active_wall, recent_rate
+from canvasq.core.tables import Request
 from canvasq.testbed.tasks import generate
+from tests.harness.backends import model_for_tests, queue_length
 
 
 def invoke(*args, ok: bool = True):
@@ -151,7 +152,7 @@ def test_status_counts_in_flight_and_results_name_what_is_missing(service_env):
     """A queue run with one chunk held by a worker: status shows its rows in flight; results says the
     run is unfinished and names the missing rows; trace says why a row has none; resubmitting with
     another --name says it returned the existing run."""
-    from canvasq.api.schemas import Job
+    from canvasq.core.schemas import Job
 
     store = Store(service_env["url"])
     store.upgrade()
@@ -207,7 +208,7 @@ def test_pipe_run_prints_no_future_warning(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CANVASQ_")}
     env.update(CANVASQ_MODEL=model_for_tests(), CANVASQ_DATABASE_URL=f"sqlite:///{tmp_path / 'w.sqlite'}",
                PYTHONWARNINGS="default")
-    proc = subprocess.run([sys.executable, "-m", "canvasq.api.cli", "run", path, "-o", str(tmp_path / "o.jsonl"),
+    proc = subprocess.run([sys.executable, "-m", "canvasq.cli", "run", path, "-o", str(tmp_path / "o.jsonl"),
                            "--decoder", "pipe"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "wrote 1 results and 0 errors" in proc.stdout

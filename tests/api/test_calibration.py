@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from canvasq.api.testing import model_for_tests
+from canvasq.core import calibrations as stored
 from canvasq.decoders import calibration as C
 from canvasq.decoders.routing import DEFAULT_ROUTE, Route, route, routing_table
+from tests.harness.backends import model_for_tests
 
 
 def _point(family, decoder, knobs, acc, tok_s, reference=False, task=None):
@@ -39,9 +40,9 @@ def _calibration(path="/models/a", fp="f" * 32, points=POINTS, batch=16):
 
 
 def test_calibration_stored_and_read_back_per_model_identity(store):
-    first = C.save(store, _calibration())
-    C.save(store, _calibration(path="/models/b"))  # another model: never read for /models/a
-    got = C.load(store, "/models/a", "f" * 32)
+    first = stored.save(store, _calibration())
+    stored.save(store, _calibration(path="/models/b"))  # another model: never read for /models/a
+    got = stored.load(store, "/models/a", "f" * 32)
     assert got is not None and got.id == first and got.batch_size == 16 and got.seeds == (101,)
     assert sorted((p.family, p.label, p.accuracy, p.tok_s) for p in got.points) == sorted(
         (p.family, p.label, p.accuracy, p.tok_s) for p in POINTS)
@@ -49,10 +50,10 @@ def test_calibration_stored_and_read_back_per_model_identity(store):
     # funnel at 60 % is its decoder's only point: on its own frontier; official's 77 % point is too
     flags = {p.label: p.frontier for p in got.points if p.family == "math"}
     assert flags["funnel:draft_only=true,tau_conf=0.9"] and flags["official:max_denoising_steps=2"]
-    assert C.load(store, "/models/a", "0" * 32) is None  # same path, other weights: not calibrated
-    newer = C.save(store, _calibration(points=POINTS[:2]))
-    assert C.load(store, "/models/a", "f" * 32).id == newer  # the newest calibration wins
-    assert len(C.load(store, "/models/a", "f" * 32).points) == 2
+    assert stored.load(store, "/models/a", "0" * 32) is None  # same path, other weights: not calibrated
+    newer = stored.save(store, _calibration(points=POINTS[:2]))
+    assert stored.load(store, "/models/a", "f" * 32).id == newer  # the newest calibration wins
+    assert len(stored.load(store, "/models/a", "f" * 32).points) == 2
 
 
 def test_model_identity_follows_the_weights(tmp_path):
@@ -72,8 +73,8 @@ def test_model_identity_follows_the_weights(tmp_path):
 
 
 def test_routing_picks_the_fastest_within_budget_from_a_stored_calibration(store):
-    C.save(store, _calibration())
-    cal = C.load(store, "/models/a", "f" * 32)
+    stored.save(store, _calibration())
+    cal = stored.load(store, "/models/a", "f" * 32)
     assert route("arith", calibration=cal) == Route("official", {"max_denoising_steps": 4}, "calibration")
     assert route("math", calibration=cal, budget=2.0).overrides == {"max_denoising_steps": 4}
     assert route("code", calibration=cal) == Route("pipe", {"draft_only": True}, "calibration")
@@ -92,15 +93,15 @@ def test_routing_picks_the_fastest_within_budget_from_a_stored_calibration(store
 
 
 def test_without_a_calibration_auto_is_official(store):
-    assert C.load_for_model(store, model_for_tests()) is None
+    assert stored.load_for_model(store, model_for_tests()) is None
     for task in ("arith", "math", "code", None):
         assert route(task, calibration=None) == DEFAULT_ROUTE
     assert routing_table(None, None)[-1] == ("(any other)", "official", "default: no calibration, the accurate sampler")
 
 
 def test_worker_routes_auto_by_its_models_calibration(tmp_path):
-    from canvasq.api.settings import Settings
-    from canvasq.api.store import Store
+    from canvasq.core.settings import Settings
+    from canvasq.core.store import Store
     from canvasq.worker.runtime import ChunkRuntime
 
     url = f"sqlite:///{tmp_path / 'w.sqlite'}"
@@ -112,7 +113,7 @@ def test_worker_routes_auto_by_its_models_calibration(tmp_path):
         plain = ChunkRuntime(settings=settings, store=st, bundle=object(), worker_id="t:1", queue="q")
         assert [(d, k) for d, k, _ in plain._routed("auto", rows)] == [("official", {})]
         path, fp = C.model_identity(model_for_tests())
-        C.save(st, _calibration(path=path, fp=fp))
+        stored.save(st, _calibration(path=path, fp=fp))
         assert plain.calibration is None  # read once per process: a new calibration needs a new worker
         rt = ChunkRuntime(settings=settings, store=st, bundle=object(), worker_id="t:2", queue="q")
         got = {r[0]["custom_id"]: (d, k) for d, k, r in rt._routed("auto", rows)}
@@ -125,7 +126,7 @@ def test_worker_routes_auto_by_its_models_calibration(tmp_path):
 def test_calibrate_sweeps_stores_shows_and_routes(service_env):
     """A real (tiny) sweep on the trained testbed: stored for the model, shown, plotted, and what
     `canvasq config` and auto then route by."""
-    from canvasq.api.cli import cli
+    from canvasq.cli import cli
 
     model = model_for_tests()
     env = {"CANVASQ_MODEL": model}
@@ -160,7 +161,7 @@ def test_calibrate_sweeps_stores_shows_and_routes(service_env):
     (["--arm", "hf"], "decoder must be"),
 ])
 def test_calibrate_refuses_bad_options_in_one_line(service_env, args, msg):
-    from canvasq.api.cli import cli
+    from canvasq.cli import cli
 
     res = CliRunner().invoke(cli, ["calibrate", "--task", "arith", *args], env={"CANVASQ_MODEL": model_for_tests()})
     assert res.exit_code == 1 and msg in res.output and res.output.count("\n") == 1, res.output

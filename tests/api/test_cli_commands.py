@@ -10,12 +10,12 @@ from datetime import timedelta
 import pytest
 from click.testing import CliRunner
 
-from canvasq.api.cli import cli
-from canvasq.api.models import utcnow
-from canvasq.api.schemas import Job
-from canvasq.api.settings import REPO_ROOT, get_settings
-from canvasq.api.store import ResultRecord, Store
-from canvasq.api.testing import model_for_tests, queue_length
+from canvasq.cli import cli
+from canvasq.core.schemas import Job
+from canvasq.core.settings import REPO_ROOT, get_settings
+from canvasq.core.store import ResultRecord, Store
+from canvasq.core.tables import utcnow
+from tests.harness.backends import model_for_tests, queue_length
 
 
 def invoke(*args):
@@ -70,7 +70,7 @@ def test_embedded_run_then_queries(small_file, service_env, monkeypatch, tmp_pat
     with store.Session.begin() as s:
         from sqlalchemy import update
 
-        from canvasq.api.models import Request
+        from canvasq.core.tables import Request
 
         s.execute(update(Request).where(Request.run_id == run_id, Request.custom_id == ids[1])
                   .values(status="errored"))
@@ -98,7 +98,7 @@ def test_cancel_retry_reconcile_on_the_queue(service_env):
     with store.Session.begin() as s:
         from sqlalchemy import update
 
-        from canvasq.api.models import Chunk
+        from canvasq.core.tables import Chunk
 
         s.execute(update(Chunk).where(Chunk.id == run.chunk_ids[0])
                   .values(lease_expires_at=utcnow() - timedelta(seconds=get_settings().visibility_timeout + 5)))

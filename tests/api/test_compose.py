@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from canvasq.api.settings import REPO_ROOT
+from canvasq.core.settings import REPO_ROOT
 
 
 def load():
@@ -114,7 +114,7 @@ def test_redis_command_requires_the_password_and_hides_it(tmp_path):
     """The compose file's Redis command itself, run here (a stand-in for the image's entrypoint adds
     a free port and a scratch dir): it refuses to start without a password, then answers NOAUTH
     without it and PONG with it, and the password is on no command line."""
-    from canvasq.testing.services import free_port
+    from tests.harness.services import free_port
 
     port = free_port()
     shim = tmp_path / "bin"
@@ -132,7 +132,7 @@ def test_redis_command_requires_the_password_and_hides_it(tmp_path):
     try:
         import redis
 
-        from canvasq.testing.waiting import wait_for
+        from tests.harness.waiting import wait_for
 
         anon = redis.Redis(port=port)
         wait_for(lambda: _answers(anon), "redis up", 20)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from canvasq.testing.server import ENDPOINT, ServerProcess, batch_lines, cli, poll, upload
-from canvasq.testing.workers import worker_env
+from tests.harness.server import ENDPOINT, ServerProcess, batch_lines, cli, poll, upload
+from tests.harness.workers import worker_env
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 

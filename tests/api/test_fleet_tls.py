@@ -11,10 +11,10 @@ import subprocess
 import pytest
 from click.testing import CliRunner
 
-from canvasq.api.cli import cli
-from canvasq.api.settings import REPO_ROOT, Settings, reload_settings
-from canvasq.testing.services import free_port
-from canvasq.testing.waiting import wait_for
+from canvasq.cli import cli
+from canvasq.core.settings import REPO_ROOT, Settings, reload_settings
+from tests.harness.services import free_port
+from tests.harness.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(not (shutil.which("redis-server") and shutil.which("openssl")),
                                 reason="needs redis-server and openssl")

@@ -15,11 +15,11 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import update
 
-from canvasq.api.cli import cli
-from canvasq.api.models import Chunk, Worker, utcnow
-from canvasq.api.schemas import Job
-from canvasq.api.store import ResultRecord, Store
-from canvasq.api.testing import queue_length
+from canvasq.cli import cli
+from canvasq.core.schemas import Job
+from canvasq.core.store import ResultRecord, Store
+from canvasq.core.tables import Chunk, Worker, utcnow
+from tests.harness.backends import queue_length
 
 
 def jobs(n: int) -> list[Job]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import inspect
 
-from canvasq.api.store import Store, current_revision, downgrade, head_revision, upgrade
-from canvasq.api.testing import fresh_pg_database
+from canvasq.core.store import Store, current_revision, downgrade, head_revision, upgrade
+from tests.harness.backends import fresh_pg_database
 
 TABLES = {"runs", "requests", "outputs", "forward_traces", "chunks", "workers", "calibrations",
           "calibration_points", "api_keys", "api_files", "api_batches"}
@@ -31,8 +31,8 @@ def _tables(url: str) -> set[str]:
 
 
 def _populate(url: str) -> str:
-    from canvasq.api.schemas import Job
-    from canvasq.api.store import ResultRecord
+    from canvasq.core.schemas import Job
+    from canvasq.core.store import ResultRecord
 
     st = Store(url)
     run = st.create_run([Job(f"c{i}", "p", None, 8, None, i + 1) for i in range(5)], model="m", queue="q",
@@ -79,7 +79,7 @@ def test_models_match_migrations(url):
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext
 
-    from canvasq.api.models import Base
+    from canvasq.core.tables import Base
 
     upgrade(url)
     st = Store(url)

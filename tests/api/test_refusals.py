@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from canvasq.api.cli import cli
-from canvasq.api.settings import DEFAULT_MODEL_DIR, get_settings
-from canvasq.api.store import Store
-from canvasq.api.testing import REDIS_URL, fresh_pg_database, queue_length
-from canvasq.testing.services import free_port
+from canvasq.cli import cli
+from canvasq.core.settings import DEFAULT_MODEL_DIR, get_settings
+from canvasq.core.store import Store
+from tests.harness.backends import REDIS_URL, fresh_pg_database, queue_length
+from tests.harness.services import free_port
 
 OLD = "old results\n"
 
@@ -141,7 +141,7 @@ def test_long_names_on_postgresql(env):
             assert [r["name"] for r in st.list_runs()] == ["f" * 200]
             st.dispose()
         finally:
-            from canvasq.api.testing import drop_queue
+            from tests.harness.backends import drop_queue
 
             drop_queue(queue)
 

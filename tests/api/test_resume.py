@@ -20,13 +20,13 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import select, update
 
-from canvasq.api.cli import cli
-from canvasq.api.models import Chunk, Output, Request
-from canvasq.api.schemas import Job
-from canvasq.api.settings import REPO_ROOT, get_settings
-from canvasq.api.store import ResultRecord, Store
-from canvasq.api.testing import REDIS_URL, drop_queue, model_for_tests, queue_length, unique_queue
-from canvasq.testing.services import TcpProxy
+from canvasq.cli import cli
+from canvasq.core.schemas import Job
+from canvasq.core.settings import REPO_ROOT, get_settings
+from canvasq.core.store import ResultRecord, Store
+from canvasq.core.tables import Chunk, Output, Request
+from tests.harness.backends import REDIS_URL, drop_queue, model_for_tests, queue_length, unique_queue
+from tests.harness.services import TcpProxy
 
 N = 16
 OLD = "old results\n"
@@ -55,7 +55,7 @@ def _done_ids(url: str) -> dict[str, object]:
 
 
 def _start(env: dict, args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "canvasq.api.cli", *args], env=env, cwd=REPO_ROOT,
+    return subprocess.Popen([sys.executable, "-m", "canvasq.cli", *args], env=env, cwd=REPO_ROOT,
                             stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
 
 
@@ -266,14 +266,14 @@ def test_fresh_starts_over_and_output_replaced_atomically(env):
 def test_submit_after_publish_failure_publishes_the_unpublished_chunks(env, monkeypatch):
     """The broker answers the up-front check, then fails while the chunks are published: the run is
     stored, the message says what to do, and the same `submit` again publishes every chunk."""
-    import canvasq.api.cli as cli_mod
+    import canvasq.cli.queue as cli_mod  # where `submit` looks its check up
 
     queue = unique_queue()
     proxy = TcpProxy(("127.0.0.1", int(REDIS_URL.split(":")[2].split("/")[0])))
     monkeypatch.setenv("CANVASQ_BROKER_URL", f"redis://127.0.0.1:{proxy.port}/0")
     src = REPO_ROOT / "examples" / "prompts.jsonl"
-    real_check = cli_mod._check_broker
-    monkeypatch.setattr(cli_mod, "_check_broker", lambda settings: None)  # the outage starts after the check
+    real_check = cli_mod.check_broker
+    monkeypatch.setattr(cli_mod, "check_broker", lambda settings: None)  # the outage starts after the check
     try:
         get_settings.cache_clear()
         res = CliRunner().invoke(cli, ["submit", str(src), "--queue", queue, "--chunk-size", "5"])
@@ -284,7 +284,7 @@ def test_submit_after_publish_failure_publishes_the_unpublished_chunks(env, monk
         (run,) = st.list_runs()
         assert len(st.unpublished_chunks(run["run_id"])) == 5 and queue_length(queue) == 0
 
-        monkeypatch.setattr(cli_mod, "_check_broker", real_check)
+        monkeypatch.setattr(cli_mod, "check_broker", real_check)
         proxy.accept()
         res = invoke("submit", str(src), "--queue", queue, "--chunk-size", "5")
         assert res.stdout.strip() == run["run_id"]

@@ -10,7 +10,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from canvasq.api.settings import DEFAULT_MODEL_DIR, Settings, mask_url, queue_name
+from canvasq.core.settings import DEFAULT_MODEL_DIR, Settings, mask_url, queue_name
 
 
 def test_defaults(monkeypatch):
@@ -102,7 +102,7 @@ def test_queue_per_model():
 
 def test_config_command_masks_password():
     env = {**os.environ, "CANVASQ_DATABASE_URL": "postgresql+psycopg://u:topsecret@h/db"}
-    out = subprocess.run([sys.executable, "-m", "canvasq.api.cli", "config"], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "canvasq.cli", "config"], env=env, capture_output=True,
                          text=True, check=True).stdout
     assert "topsecret" not in out and "u:***@h/db" in out
 
@@ -110,7 +110,7 @@ def test_config_command_masks_password():
 def test_random_model_context_is_the_built_models():
     """The submit-side context limit of a `random:` model is the max_position_embeddings of the model
     `load_bundle` builds for it (it was 131,072 for 26b-a4b while the built config said 262,144)."""
-    from canvasq.api.schemas import model_context
+    from canvasq.core.schemas import model_context
     from canvasq.model.shapes import REAL_26B_A4B, build_config
 
     assert model_context("random:26b-a4b")[0] == build_config(REAL_26B_A4B).get_text_config().max_position_embeddings

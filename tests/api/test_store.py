@@ -9,9 +9,9 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import event, func, select, text
 
-from canvasq.api.models import Chunk, Output, Request, utcnow
-from canvasq.api.schemas import Job
-from canvasq.api.store import ResultRecord, Store
+from canvasq.core.schemas import Job
+from canvasq.core.store import ResultRecord, Store
+from canvasq.core.tables import Chunk, Output, Request, utcnow
 
 
 def jobs(n: int, prefix: str = "q") -> list[Job]:

@@ -7,8 +7,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from canvasq.api.cli import cli
-from canvasq.api.settings import REPO_ROOT, reload_settings
+from canvasq.cli import cli
+from canvasq.core.settings import REPO_ROOT, reload_settings
 from canvasq.model.loading import w4_cache_path
 
 TESTBED = REPO_ROOT / "models" / "testbed"

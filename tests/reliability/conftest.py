@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from canvasq.testing.scenario import Scenario
-from canvasq.testing.services import pg_bindir
+from tests.harness.scenario import Scenario
+from tests.harness.services import pg_bindir
 
 
 @pytest.fixture

@@ -22,10 +22,10 @@ import socket
 import time
 from collections import Counter
 
-from canvasq.api.settings import Settings
-from canvasq.testing import probes
-from canvasq.testing.waiting import wait_for
-from canvasq.testing.workers import alive
+from canvasq.core.settings import Settings
+from tests.harness import probes
+from tests.harness.waiting import wait_for
+from tests.harness.workers import alive
 
 DEFAULTS = Settings.model_fields
 DEFAULT_LIMITS = {k: DEFAULTS[k].default

@@ -10,10 +10,10 @@ from datetime import timedelta
 
 from sqlalchemy import func, select, update
 
-from canvasq.api.models import Chunk, Run, utcnow
-from canvasq.api.settings import Settings
-from canvasq.testing import probes
-from canvasq.testing.waiting import wait_for
+from canvasq.core.settings import Settings
+from canvasq.core.tables import Chunk, Run, utcnow
+from tests.harness import probes
+from tests.harness.waiting import wait_for
 
 
 def test_t14_idempotent_submit_t6_refusing_worker_t5_duplicate_delivery(scenario):

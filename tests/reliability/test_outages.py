@@ -9,12 +9,12 @@ import time
 
 from sqlalchemy import select
 
-from canvasq.api.models import Run
-from canvasq.api.schemas import Job
-from canvasq.api.store import ResultRecord, Store
-from canvasq.testing import probes
-from canvasq.testing.checks import assert_exactly_once
-from canvasq.testing.scenario import write_input
+from canvasq.core.schemas import Job
+from canvasq.core.store import ResultRecord, Store
+from canvasq.core.tables import Run
+from tests.harness import probes
+from tests.harness.checks import assert_exactly_once
+from tests.harness.scenario import write_input
 
 REDIS_DOWN_S = 30
 
@@ -150,9 +150,9 @@ def test_t11_store_retries_through_a_proxy_that_refuses_then_accepts(tmp_path):
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import OperationalError
 
-    from canvasq.api.store import retry_transient
-    from canvasq.api.testing import fresh_pg_database
-    from canvasq.testing.services import TcpProxy
+    from canvasq.core.store import retry_transient
+    from tests.harness.backends import fresh_pg_database
+    from tests.harness.services import TcpProxy
 
     with fresh_pg_database("canvasq_proxy") as url:
         u = make_url(url)

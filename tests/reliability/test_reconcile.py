@@ -14,14 +14,14 @@ from datetime import timedelta
 
 from sqlalchemy import select, update
 
-from canvasq.api.models import Chunk, utcnow
-from canvasq.api.settings import Settings
-from canvasq.api.store import Store
-from canvasq.testing import probes
-from canvasq.testing.scenario import write_input
-from canvasq.testing.services import RedisServer
-from canvasq.testing.workers import worker_env
+from canvasq.core.settings import Settings
+from canvasq.core.store import Store
+from canvasq.core.tables import Chunk, utcnow
 from canvasq.worker.reconcile import reconcile_loop
+from tests.harness import probes
+from tests.harness.scenario import write_input
+from tests.harness.services import RedisServer
+from tests.harness.workers import worker_env
 
 
 def _expire(store: Store, chunk_id: str) -> None:
@@ -38,7 +38,7 @@ def test_reconcile_republishes_an_expired_lease_once(tmp_path):
 
         def cli(*args):
             res = subprocess.run(
-                [sys.executable, "-m", "canvasq.api.cli", *args],
+                [sys.executable, "-m", "canvasq.cli", *args],
                 env=env,
                 capture_output=True,
                 text=True,
@@ -84,7 +84,7 @@ def test_reconcile_republishes_an_expired_lease_once(tmp_path):
 
             # a chunk whose rows are all finished is not re-published, even with a lapsed lease
             store.claim_chunk(c1, "ghost:2", 60, 3)
-            from canvasq.api.store import ResultRecord
+            from canvasq.core.store import ResultRecord
 
             store.write_results(run, [ResultRecord(c, text="x") for c in probes.chunk_rows(store, c1)], "ghost:2")
             _expire(store, c1)
@@ -101,7 +101,7 @@ def test_workers_reconcile_loop_runs_one_pass_per_interval_across_the_fleet(tmp_
         db = f"sqlite:///{tmp_path / 'l.sqlite'}"
         store = Store(db)
         store.upgrade()
-        from canvasq.api.schemas import Job
+        from canvasq.core.schemas import Job
 
         run = store.create_run([Job(f"j{i}", "p", "math", 8, None, i + 1) for i in range(4)], model="m",
                                queue="q.loop", chunk_size=2)

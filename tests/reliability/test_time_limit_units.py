@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 from celery.exceptions import SoftTimeLimitExceeded
 
-from canvasq.api.schemas import Job
-from canvasq.api.settings import Settings
-from canvasq.api.store import Store
+from canvasq.core.schemas import Job
+from canvasq.core.settings import Settings
+from canvasq.core.store import Store
 from canvasq.decoders.types import DecodeResult, Interrupted
-from canvasq.testing.checks import assert_exactly_once
 from canvasq.worker.runtime import ChunkRuntime
+from tests.harness.checks import assert_exactly_once
 
 
 class _Bundle:  # the runtime only tokenises through the bundle; decoding is the decode_fn below

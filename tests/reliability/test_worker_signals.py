@@ -9,8 +9,8 @@ import socket
 import threading
 from collections import Counter
 
-from canvasq.testing import probes
-from canvasq.testing.waiting import wait_for
+from tests.harness import probes
+from tests.harness.waiting import wait_for
 
 DELAY = "2"  # seconds each decode batch sleeps first (CANVASQ_TEST_DELAY_S): a wide mid-chunk window
 

@@ -4,7 +4,7 @@ import json
 
 from click.testing import CliRunner
 
-from canvasq.api.cli import cli
+from canvasq.cli import cli
 
 
 def _eval(*args):

@@ -285,7 +285,7 @@ def test_refuses_instead_of_running_unconfined(monkeypatch):
 def test_eval_refuses_code_with_one_line(monkeypatch):
     from click.testing import CliRunner
 
-    from canvasq.api.cli import cli
+    from canvasq.cli import cli
 
     monkeypatch.setattr(sandbox, "unavailable_reason", lambda: "the code sandbox needs root")
     res = CliRunner().invoke(cli, ["eval", "--task", "code", "--n", "1"])
@@ -297,7 +297,7 @@ def test_bench_and_calibrate_refuse_code_with_one_line(monkeypatch, command):
     """Before any model load or generation: one line, non-zero exit, no traceback."""
     from click.testing import CliRunner
 
-    from canvasq.api.cli import cli
+    from canvasq.cli import cli
 
     monkeypatch.setattr(sandbox, "unavailable_reason", lambda: "the code sandbox needs root")
     res = CliRunner().invoke(cli, [command, "--task", "code", "--n", "1"])

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from canvasq.api.settings import Settings
-from canvasq.api.store import Store
-from canvasq.api.testing import model_for_tests
+from canvasq.core.settings import Settings
+from canvasq.core.store import Store
+from tests.harness.backends import model_for_tests
 
 
 @pytest.fixture(scope="session")

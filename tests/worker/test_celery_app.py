@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from canvasq.api.settings import Settings
-from canvasq.api.testing import REDIS_URL, unique_queue
+from canvasq.core.settings import Settings
 from canvasq.worker.celery_app import celery_config, make_app
+from tests.harness.backends import REDIS_URL, unique_queue
 
 
 def test_reliability_settings():
@@ -49,11 +49,11 @@ def test_worker_refuses_visibility_timeout_below_hard_limit(tmp_path, entry):
     env = {**os.environ, "CANVASQ_DATABASE_URL": f"sqlite:///{tmp_path / 'x.sqlite'}",
            "CANVASQ_BROKER_URL": REDIS_URL, "CANVASQ_VISIBILITY_TIMEOUT": "60",
            "CANVASQ_HARD_TIME_LIMIT": "120", "CANVASQ_SOFT_TIME_LIMIT": "100"}
-    subprocess.run([sys.executable, "-m", "canvasq.api.cli", "db", "upgrade"], env=env, check=True,
+    subprocess.run([sys.executable, "-m", "canvasq.cli", "db", "upgrade"], env=env, check=True,
                    capture_output=True)
     queue = unique_queue()
     if entry == "canvasq":
-        cmd = [sys.executable, "-m", "canvasq.api.cli", "worker", "--queue", queue]
+        cmd = [sys.executable, "-m", "canvasq.cli", "worker", "--queue", queue]
     else:
         cmd = [sys.executable, "-m", "celery", "-A", "canvasq.worker.celery_app:app", "worker", "-Q", queue,
                "-c", "1", "--without-gossip", "--without-mingle"]

@@ -6,8 +6,8 @@ import uuid
 
 import pytest
 
-from canvasq.api.testing import REDIS_URL
 from canvasq.worker.gpu_slots import NoFreeSlot, claim_slot
+from tests.harness.backends import REDIS_URL
 
 
 def test_slots_are_distinct_and_bounded():

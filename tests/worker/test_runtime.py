@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import func, select
 
-from canvasq.api.models import ForwardTraceRow, Output
-from canvasq.api.schemas import Job
+from canvasq.core.schemas import Job
+from canvasq.core.tables import ForwardTraceRow, Output
 from canvasq.worker.runtime import ChunkRuntime
 
 PROMPTS = [
@@ -51,7 +51,7 @@ def test_redelivery_after_partial_progress_skips_done_rows(wsettings, wstore, bu
     # a first delivery that stored two rows, then its worker died
     claim = wstore.claim_chunk(run.chunk_ids[0], "dead:1", 60, 3)
     assert claim.state == "work"
-    from canvasq.api.store import ResultRecord
+    from canvasq.core.store import ResultRecord
 
     wstore.write_results(run.run_id, [ResultRecord("r0", text="kept", completion_tokens=1),
                                       ResultRecord("r1", text="kept", completion_tokens=1)], "dead:1")
@@ -154,7 +154,7 @@ def test_cuda_graphs_setting_reaches_the_step_decoders(wsettings, wstore, bundle
     it), and a per-call override still wins."""
     from pydantic import ValidationError
 
-    from canvasq.api.settings import Settings
+    from canvasq.core.settings import Settings
     from canvasq.decoders import run_batch
     from canvasq.decoders.registry import make_decoder
 

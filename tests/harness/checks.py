@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import select
 
-from canvasq.api.models import REQUEST_TERMINAL, Output, Request, Run
-from canvasq.api.store import Store
-from canvasq.testing.probes import chunk_attempts
+from canvasq.core.store import Store
+from canvasq.core.tables import REQUEST_TERMINAL, Output, Request, Run
+from tests.harness.probes import chunk_attempts
 
 RUN_TERMINAL = ("completed", "cancelled", "expired")
 

@@ -21,7 +21,7 @@ import subprocess
 import threading
 from pathlib import Path
 
-from canvasq.testing.waiting import wait_for
+from tests.harness.waiting import wait_for
 
 
 def free_port() -> int:

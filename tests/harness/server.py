@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Self
 
-from canvasq.testing.waiting import wait_for
+from tests.harness.waiting import wait_for
 
 if TYPE_CHECKING:
     from openai import OpenAI
@@ -43,7 +43,7 @@ def rss_bytes(pid: int) -> int:
 
 def cli(env: dict[str, str], *args: str, check: bool = True) -> subprocess.CompletedProcess:
     """`canvasq ARGS` in a subprocess (stdout, stderr captured as text)."""
-    res = subprocess.run([sys.executable, "-m", "canvasq.api.cli", *args], env=env, capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-m", "canvasq.cli", *args], env=env, capture_output=True, text=True,
                          timeout=120, check=False)
     if check and res.returncode != 0:
         raise AssertionError(f"canvasq {' '.join(args)} exited {res.returncode}\n{res.stdout}\n{res.stderr}")
@@ -67,7 +67,7 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         self._log = open(self.log_path, "a")  # noqa: SIM115 - closed in stop
-        args = [sys.executable, "-m", "canvasq.api.cli", "serve", "--port", str(self.port), "--log-level", "warning"]
+        args = [sys.executable, "-m", "canvasq.cli", "serve", "--port", str(self.port), "--log-level", "warning"]
         if self.with_worker:
             args.append("--with-worker")
         self.proc = subprocess.Popen(args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,

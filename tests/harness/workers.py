@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from canvasq.testing.waiting import wait_for
+from tests.harness.waiting import wait_for
 
 READY_MARK = "canvasq child ready"  # logged by the worker child once the model is loaded
 
@@ -36,7 +36,7 @@ def worker_env(
     extra: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """Environment for a test-sized worker on CPU (one thread: the CI machine has two cores)."""
-    from canvasq.api.testing import model_for_tests
+    from tests.harness.backends import model_for_tests
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("CANVASQ_")}
     env.update(
@@ -104,7 +104,7 @@ class WorkerProcess:
             [
                 sys.executable,
                 "-m",
-                "canvasq.api.cli",
+                "canvasq.cli",
                 "worker",
                 "--queue",
                 self.queue,

@@ -23,7 +23,9 @@ from sqlalchemy import Engine, and_, case, create_engine, delete, event, func, i
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from canvasq.api.models import (
+from canvasq.core.schemas import Job
+from canvasq.core.settings import REPO_ROOT
+from canvasq.core.tables import (
     REQUEST_STATUSES,
     REQUEST_TERMINAL,
     RUN_ACTIVE,
@@ -35,8 +37,6 @@ from canvasq.api.models import (
     Worker,
     utcnow,
 )
-from canvasq.api.schemas import Job
-from canvasq.api.settings import REPO_ROOT
 
 MIGRATIONS_DIR = REPO_ROOT / "migrations"
 

@@ -19,12 +19,12 @@ import sys
 import uuid
 from pathlib import Path
 
-from canvasq.api.store import Store
-from canvasq.testing import probes
-from canvasq.testing.checks import RUN_TERMINAL, Report, assert_exactly_once
-from canvasq.testing.services import PostgresServer, RedisServer
-from canvasq.testing.waiting import wait_for
-from canvasq.testing.workers import WorkerProcess, worker_env
+from canvasq.core.store import Store
+from tests.harness import probes
+from tests.harness.checks import RUN_TERMINAL, Report, assert_exactly_once
+from tests.harness.services import PostgresServer, RedisServer
+from tests.harness.waiting import wait_for
+from tests.harness.workers import WorkerProcess, worker_env
 
 MAX_TOKENS = 32  # one canvas of the testbed model: quick on CPU
 
@@ -78,7 +78,7 @@ class Scenario:
         if self.db_kind == "sqlite":
             self.db_url = f"sqlite:///{self.tmp / 'canvasq.sqlite'}"
         elif self.db_kind == "postgresql":  # a fresh database on the shared server
-            from canvasq.api.testing import fresh_pg_database
+            from tests.harness.backends import fresh_pg_database
 
             self.db_url = self._stack.enter_context(fresh_pg_database("canvasq_rel"))
             if self.pg_password:  # the shared server trusts local connections: any password works
@@ -111,7 +111,7 @@ class Scenario:
         self, *args: str, check: bool = True, env: dict | None = None, timeout: float = 300
     ) -> subprocess.CompletedProcess:
         res = subprocess.run(
-            [sys.executable, "-m", "canvasq.api.cli", *args],
+            [sys.executable, "-m", "canvasq.cli", *args],
             env=env or self.env(),
             capture_output=True,
             text=True,
@@ -198,7 +198,7 @@ class Scenario:
 
     def progress(self, run_id: str) -> str:
         assert self.store is not None
-        from canvasq.testing.checks import collect
+        from tests.harness.checks import collect
 
         return collect(self.store, run_id, []).describe()
 

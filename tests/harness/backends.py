@@ -19,7 +19,7 @@ REDIS_URL = os.environ.get("CANVASQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 def model_for_tests() -> str:
     """The model tests run: $CANVASQ_TEST_MODEL, else the committed testbed once it has weights,
     else the testbed shape with random weights (same tokenizer)."""
-    from canvasq.api.settings import DEFAULT_MODEL_DIR
+    from canvasq.core.settings import DEFAULT_MODEL_DIR
 
     if os.environ.get("CANVASQ_TEST_MODEL"):
         return os.environ["CANVASQ_TEST_MODEL"]

@@ -102,13 +102,13 @@ def _auto_calibration(model_spec, arms):
     """What an `auto` arm routes by: the model's stored calibration (None: official) and the budget."""
     if not any(a.decoder == "auto" for a in arms):
         return None, None
-    from canvasq.api.cli import _open_store
-    from canvasq.api.settings import get_settings
-    from canvasq.decoders.calibration import load_for_model
+    from canvasq.cli.common import open_store
+    from canvasq.core.calibrations import load_for_model
+    from canvasq.core.settings import get_settings
     from canvasq.decoders.routing import routing_table
 
     settings = get_settings()
-    store = _open_store(settings)
+    store = open_store(settings)
     try:
         cal = load_for_model(store, model_spec or settings.model)
     finally:
@@ -159,8 +159,9 @@ def calibrate(model_spec, task_names, n, seeds, batch_size, max_tokens, decoders
     """
     from pathlib import Path
 
-    from canvasq.api.cli import _open_store
-    from canvasq.api.settings import get_settings, settings_error_line
+    from canvasq.cli.common import open_store
+    from canvasq.core import calibrations as stored
+    from canvasq.core.settings import get_settings, settings_error_line
     from canvasq.decoders import calibration as cal_mod
 
     try:
@@ -176,15 +177,15 @@ def calibrate(model_spec, task_names, n, seeds, batch_size, max_tokens, decoders
     if not seed_list or n < 1 or batch_size < 1:
         raise click.ClickException("--n, --batch-size and --seeds must be positive / non-empty")
     if not spec.startswith("random:"):
-        from canvasq.api.schemas import model_problem
+        from canvasq.core.schemas import model_problem
 
         problem = model_problem(spec)
         if problem:
             raise click.ClickException(problem)
-    store = _open_store(settings)
+    store = open_store(settings)
     try:
         if show:
-            cal = cal_mod.load_for_model(store, spec)
+            cal = stored.load_for_model(store, spec)
             if cal is None:
                 raise click.ClickException(f"no calibration stored for {spec} in this database: run `canvasq calibrate`")
             click.echo(cal_mod.table(cal, budget, frontier_only=not show_all))
@@ -216,8 +217,8 @@ def calibrate(model_spec, task_names, n, seeds, batch_size, max_tokens, decoders
         bundle = load_bundle(spec, device=device)
         cal, _ = cal_mod.run_sweep(bundle, arm_list, tasks, n=n, seeds=seed_list, batch_size=batch_size,
                                    max_tokens=max_tokens, progress=lambda m: click.echo(m, err=True))
-        cal_id = cal_mod.save(store, cal)
-        cal = cal_mod.load(store, cal.model_path, cal.fingerprint)
+        cal_id = stored.save(store, cal)
+        cal = stored.load(store, cal.model_path, cal.fingerprint)
         click.echo(cal_mod.table(cal, budget, frontier_only=False))
         click.echo(f"stored calibration #{cal_id} for {cal.model_path}")
         if plot_path:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from sqlalchemy import func, select
 
-from canvasq.api.models import Chunk, Output, Request
-from canvasq.api.store import Store
+from canvasq.core.store import Store
+from canvasq.core.tables import Chunk, Output, Request
 
 
 def mid_chunk(store: Store, run_id: str) -> str | None:

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
-from canvasq.api.settings import DECODERS, RANDOM_MODELS, TASKS, Settings, model_name
+from canvasq.core.settings import DECODERS, RANDOM_MODELS, TASKS, Settings, model_name
 from canvasq.model.shapes import REAL_26B_A4B, TESTBED  # dataclasses: no torch, no transformers
 
 OPENAI_URLS = ("/v1/chat/completions",)

@@ -1,4 +1,4 @@
-"""`canvasq serve` and `canvasq keys` (registered on the `canvasq` group by canvasq.api.cli). Only
+"""`canvasq serve` and `canvasq keys` (registered on the `canvasq` group by canvasq.cli). Only
 click is imported at top level: FastAPI, uvicorn and the store load inside the commands."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import click
 
 
 def _store():
-    from canvasq.api.cli import _open_store, _settings
+    from canvasq.cli.common import cli_settings, open_store
 
-    return _open_store(_settings())
+    return open_store(cli_settings())
 
 
 @click.command()
@@ -43,14 +43,14 @@ def serve(host, port, with_worker, model, log_level):
     """
     import uvicorn
 
-    from canvasq.api.cli import _check_broker, _check_model, _settings
+    from canvasq.cli.common import check_broker, check_model, cli_settings
     from canvasq.serve.app import create_app
     from canvasq.serve.local_worker import local_queue
 
     if model:
         os.environ["CANVASQ_MODEL"] = model
-    settings = _settings(model)
-    _check_model(settings)
+    settings = cli_settings(model)
+    check_model(settings)
     store = _store()
     child = None
     if with_worker:
@@ -61,7 +61,7 @@ def serve(host, port, with_worker, model, log_level):
                          on_shutdown=(child.stop,))
         child.start()
     else:
-        _check_broker(settings)
+        check_broker(settings)
         app = create_app(store, settings=settings)
     click.echo(f"canvasq serve on http://{host}:{port}/v1 (model {settings.model}"
                f"{', with a local worker' if with_worker else ', queue ' + settings.queue_for()})", err=True)
@@ -148,11 +148,11 @@ def keys_list(show_all):
 
         canvasq keys list --all
     """
-    from canvasq.api.cli import _table
+    from canvasq.cli.common import table
     from canvasq.serve.keys import list_keys
 
     rows = list_keys(_store(), include_revoked=show_all)
-    click.echo(_table(["id", "project", "name", "prefix", "created", "revoked"],
+    click.echo(table(["id", "project", "name", "prefix", "created", "revoked"],
                       [[k.id, k.project, k.name, k.prefix + "...", k.created_at.isoformat(timespec="seconds"),
                         k.revoked_at.isoformat(timespec="seconds") if k.revoked_at else None] for k in rows]))
 

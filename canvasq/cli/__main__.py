@@ -1,0 +1,5 @@
+"""`python -m canvasq.cli` is the `canvasq` command."""
+
+from canvasq.cli import cli
+
+cli()

@@ -24,14 +24,15 @@ def _require_sandbox(tasks: list[str]) -> None:
     help="HF directory or random:testbed (default: $CANVASQ_MODEL / models/testbed).",
 )
 @click.option(
-    "--arm", "arms", multiple=True, help="decoder[:key=value,...]; repeat (default: official, pipe, funnel)."
+    "--arm", "arms", multiple=True,
+    help="decoder[:key=value,...] (official, pipe, funnel, phcd, auto); repeat (default: official, pipe, funnel).",
 )
 @click.option(
     "--task",
     "task_names",
     multiple=True,
-    type=click.Choice(["arith", "code"]),
-    help="Repeatable (default: both).",
+    type=click.Choice(["arith", "code", "long"]),
+    help="Repeatable (default: arith and code; long: arith's 6+ canvas variant, give it --max-tokens 384).",
 )
 @click.option("--n", default=20, show_default=True, help="Problems per task per seed.")
 @click.option("--seeds", default="1", show_default=True, help="Comma-separated seeds.")

@@ -11,7 +11,9 @@ hands each finished row to `on_result` at once; `decode(batch)` is a stream over
 
 Accounting: every model pass (the prefill encode, each decoder forward, each encoder commit pass) is
 recorded per request it carried; a row's `forwards` counts the passes that carried its rows. G (rows) and
-τ (commits) are recorded per pass and per row.
+τ (commits) are recorded per pass and per row. Latency marks: `stats["first_token_pass"]` /
+`stats["first_window_pass"]` are how many of the row's passes had run when its final, streamable
+prefix (`emitted`) first held one token / one canvas (a row that ends shorter: its last pass).
 """
 
 from __future__ import annotations
@@ -254,12 +256,14 @@ class StepDecoder:
                 poll(should_stop)  # between forwards; a cancel ends the fed rows too
                 if fresh:
                     self._guarded(self.prefill, fresh, fresh, interrupts)
+                    self.note_emitted(fresh)
                     pool.deliver_done()
                     if not pool.live:
                         continue
                 if occupancy is not None:
                     occupancy.append((len(pool.live), slots))
                 self._guarded(self.step, pool.live, pool.live, interrupts + (Cancelled,))
+                self.note_emitted(pool.live)
                 for s in pool.live:
                     s.steps += 1
                     if not s.done and s.steps > self.step_budget([s]):
@@ -410,9 +414,28 @@ class StepDecoder:
     def timed(self):
         return _Timer(self.device)
 
+    # -- latency marks ----------------------------------------------------------------------------
+    def emitted(self, s: Seq) -> int:
+        """Answer tokens that are final and form a prefix (what could be streamed now)."""
+        return len(s.out)
+
+    def note_emitted(self, seqs: list[Seq]) -> None:
+        """Set each row's first-token / first-window pass marks the first time they are reached
+        (decoders call it before a commit pass that follows the tokens' decision)."""
+        for s in seqs:
+            if "first_window_pass" in s.stats:
+                continue
+            n, k = self.emitted(s), len(self._traces.get(s.row, ()))
+            if n >= 1:
+                s.stats.setdefault("first_token_pass", k)
+            if n >= self.C:
+                s.stats["first_window_pass"] = k
+
     # -- results --------------------------------------------------------------------------------
     def _result(self, s: Seq) -> DecodeResult:
         traces = self._traces.get(s.row, [])
+        for mark in ("first_token_pass", "first_window_pass"):  # ended shorter: its last pass
+            s.stats.setdefault(mark, len(traces))
         tokens = s.out[: s.req.max_tokens] if s.error is None else []
         cut = first_stop(tokens, self.stop_ids) if s.error is None else None
         if cut is not None:

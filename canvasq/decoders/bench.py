@@ -12,6 +12,11 @@ Columns:
     tok/fwd      generated tokens ÷ Σ fwd/req  (the numerator per request)
     rows/fwd     Σ rows a request put into its passes ÷ its passes  (G per request-forward)
     G/τ          Σ rows ÷ generated tokens  (rows of compute per produced token)
+    GFLOP/tok    G/τ × matmul FLOPs of one row at the 26B-A4B shape (`flops_per_row`; G/τ is the same
+                 at the real shape: a replay scales rows and tokens alike); `flop_per_tok` in the JSON
+                 is the same on the bench's own model
+    TTFT / TTFW  mean milliseconds of a request's passes until its final prefix held one token / one
+                 canvas (`stats["first_token_pass"]` / `["first_window_pass"]`; within its batch)
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ class ArmStats:
     passes: int = 0
     rows: int = 0
     errors: int = 0
+    ttft_ms: float = 0.0  # Σ over requests
+    ttfw_ms: float = 0.0
+    flops_row: float = 0.0  # matmul FLOPs of one row on the bench's model
     per_task: dict = field(default_factory=dict)
 
     def add(self, task: str, results, problems, seconds: float, verify, passes: int) -> None:
@@ -74,6 +82,10 @@ class ArmStats:
             rows = sum(x.own_rows or 0 for x in r.traces)
             self.rows += rows
             t["rows"] += rows
+            for key, mark in (("ttft_ms", "first_token_pass"), ("ttfw_ms", "first_window_pass")):
+                ms = sum(x.ms for x in r.traces[: r.stats.get(mark, len(r.traces))])
+                setattr(self, key, getattr(self, key) + ms)
+                t[key] = t.get(key, 0.0) + ms
         self.passes += passes
         self.seconds += seconds
         t["seconds"] += seconds
@@ -89,6 +101,10 @@ class ArmStats:
             "tok_per_fwd": self.tokens / max(self.fwd_req, 1),
             "rows_per_fwd": self.rows / max(self.fwd_req, 1),
             "g_over_tau": self.rows / max(self.tokens, 1),
+            "flop_per_tok": self.flops_row * self.rows / max(self.tokens, 1),
+            "gflop_per_tok_26b": flops_per_row(REAL_SHAPE) * self.rows / max(self.tokens, 1) / 1e9,
+            "ttft_ms": self.ttft_ms / max(self.n, 1),
+            "ttfw_ms": self.ttfw_ms / max(self.n, 1),
             "tokens": self.tokens,
             "seconds": self.seconds,
             "errors": self.errors,
@@ -118,7 +134,7 @@ def run_bench(
     from canvasq.decoders.types import DecodeBatch, DecodeRequest
     from canvasq.testbed import tasks
 
-    stats = {a.label: ArmStats(a.label) for a in arms}
+    stats = {a.label: ArmStats(a.label, flops_row=model_flops_per_row(bundle.hf_model)) for a in arms}
     order_log = []
     block = 0
     # warm-up outside the clock: first-call allocations and lazy merges (d2f_model, W4 packing)
@@ -164,6 +180,45 @@ def run_bench(
     }
 
 
+def model_flops_per_row(hf_model) -> float:
+    """`flops_per_row` of a loaded model, from its weights: every matrix once (tied encoder / decoder
+    and embedding / LM head share tensors), the experts at their top-k share; no vision tower."""
+    t = hf_model.config.get_text_config()
+    share, total, seen = t.top_k_experts / t.num_experts, 0.0, set()
+    for name, p in hf_model.named_parameters():
+        if p.dim() < 2 or "vision" in name or p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * (share if ".experts." in name else 1.0)
+    return 2.0 * total
+
+
+def flops_per_row(shape) -> float:
+    """Matmul FLOPs of one row (2 × the weights it multiplies): attention projections, dense MLP,
+    router, self-conditioning, its top-k share of the experts and the LM head. Attention scores, which
+    grow with the context, are left out, so this is a floor that rows of every decoder share."""
+    c = shape.param_counts()
+    dense = c["attention"] + c["dense_mlp"] + c["router"] + c["self_conditioning"] + c["embedding"]
+    return 2.0 * (dense + c["experts"] * shape.top_k_experts / shape.num_experts)
+
+
+class _RealShape:
+    """`REAL_SHAPE`: the 26B-A4B shape, imported on first use (the CLI's --help stays light)."""
+
+    def __getattr__(self, name):
+        from canvasq.model.shapes import REAL_26B_A4B
+
+        return getattr(REAL_26B_A4B, name)
+
+    def param_counts(self):
+        from canvasq.model.shapes import REAL_26B_A4B
+
+        return REAL_26B_A4B.param_counts()
+
+
+REAL_SHAPE = _RealShape()
+
+
 def _provenance(device) -> dict:
     """When, where and on what code a bench ran (every figure names its hardware and commit)."""
     import datetime
@@ -203,15 +258,19 @@ def markdown(report: dict, baseline: str | None = None) -> str:
             f"blocks; baseline `{base['arm']}`; commit schedules real (not replayed)."
         ),
         "",
-        "| arm | n | acc | tok/s | × base | fwd/req | × fewer | tok/fwd | rows/fwd | G/τ |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        (
+            "| arm | n | acc | tok/s | × base | fwd/req | × fewer | tok/fwd | rows/fwd | G/τ | GFLOP/tok (26B) "
+            "| TTFT ms | TTFW ms |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['arm']} | {r['n']} | {r['acc']:.3f} | {r['tok_s']:.1f} | "
             f"{r['tok_s'] / max(base['tok_s'], 1e-9):.2f} | {r['fwd_per_req']:.1f} | "
             f"{base['fwd_per_req'] / max(r['fwd_per_req'], 1e-9):.2f} | {r['tok_per_fwd']:.2f} | "
-            f"{r['rows_per_fwd']:.1f} | {r['g_over_tau']:.2f} |"
+            f"{r['rows_per_fwd']:.1f} | {r['g_over_tau']:.2f} | {r.get('gflop_per_tok_26b', 0):.1f} | "
+            f"{r.get('ttft_ms', 0):.0f} | {r.get('ttfw_ms', 0):.0f} |"
         )
     lines += [
         "",

@@ -169,11 +169,52 @@ class FunnelConfig(PipeConfig):
             raise ValueError(f"early_spawn_rows must be ≥ 0, got {self.early_spawn_rows}")
 
 
+@dataclass(frozen=True)
+class PhcdConfig:
+    """PHCD: a global canvas of `windows` local windows, coarse passes over it, fine steps on the
+    local window, safe-prefix commits, future repair (decoders/phcd.py)."""
+
+    windows: int = 4  # N: the global canvas holds N windows of the model's canvas length
+    coarse_every: int = 4  # the future rides the first forward and every this many after it
+    # (min, max) tokens per commit by task family, given for 256-token canvases (the proposal's
+    # maths 4-16, code 8-32, text 32-128) and scaled to the model's canvas (`canvas_rows`)
+    math_commit: tuple[int, int] = (4, 16)
+    code_commit: tuple[int, int] = (8, 32)
+    text_commit: tuple[int, int] = (32, 128)
+    safe_entropy: float = 0.1  # nats: a position is safe when its argmax repeats under this entropy
+    max_fine_steps: int = 8  # fine steps without a commit before the minimum is committed anyway
+    promote: str = "late"  # committed K/V: "late" (promoted from the next forward) or "encode"
+    entropy_bound: float | None = None  # the fine sampler's acceptance bound (None: the checkpoint's)
+    sc_topk: int = 64
+    # the D2F LoRA (`bundle.d2f_model()`): the future's block-causal layout is the one it was trained
+    # on; with base weights the drafted plan misleads the window (testbed arith 81 → 38 %, n = 16)
+    adapter: bool = True
+    experts: str = "bf16"
+    cuda_graphs: str = "auto"
+
+    def __post_init__(self):
+        _check_choice("experts", self.experts, EXPERTS)
+        _check_choice("cuda_graphs", self.cuda_graphs, GRAPHS)
+        _check_choice("promote", self.promote, ("late", "encode"))
+        for name in ("math_commit", "code_commit", "text_commit"):
+            v = tuple(getattr(self, name))
+            if len(v) != 2 or not 1 <= v[0] <= v[1]:
+                raise ValueError(f"{name} must be (min, max) with 1 ≤ min ≤ max, got {v}")
+            object.__setattr__(self, name, v)  # JSON overrides arrive as lists
+        if not 1 <= self.windows <= 64:
+            raise ValueError(f"windows must be in 1..64, got {self.windows}")
+        if self.coarse_every < 1 or self.max_fine_steps < 1 or self.sc_topk < 1:
+            raise ValueError("coarse_every, max_fine_steps and sc_topk must be ≥ 1")
+        if self.safe_entropy <= 0:
+            raise ValueError(f"safe_entropy must be > 0, got {self.safe_entropy}")
+
+
 CONFIGS: dict[str, type] = {
     "official": OfficialConfig,
     "hf": HfConfig,
     "pipe": PipeConfig,
     "funnel": FunnelConfig,
+    "phcd": PhcdConfig,
 }
 
 

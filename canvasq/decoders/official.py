@@ -246,8 +246,10 @@ class OfficialDecoder(StepDecoder):
         tokens = torch.stack([self._dn[s.row].argmax for s in seqs]).tolist()
         encodes = []
         for s, toks in zip(seqs, tokens):
-            cv = s.canvases[0]
             s.out.extend(toks)
+        self.note_emitted(seqs)  # the canvas is final at its last decoder step, before its encoder pass
+        for s, toks in zip(seqs, tokens):
+            cv = s.canvases[0]
             cv.tokens = torch.tensor(toks, dtype=torch.long, device=self.device)
             cv.committed[:] = True
             s.retired.append(cv)

@@ -54,6 +54,13 @@ class PipeDecoder(StepDecoder):
     def decode_call(self, windows):
         return self.forward(windows)
 
+    def emitted(self, s: Seq) -> int:
+        """Retired canvases plus the front canvas's committed prefix (D2F commits are final)."""
+        if not s.canvases:
+            return len(s.out)
+        open_pos = torch.nonzero(~s.canvases[0].committed).flatten()
+        return len(s.out) + (int(open_pos[0]) if open_pos.numel() else s.canvases[0].length)
+
     def commit_threshold(self, cv: Canvas) -> float:
         return self.config.tau_conf
 
@@ -91,6 +98,7 @@ class PipeDecoder(StepDecoder):
             commits = {s.row: self._apply(s, parts, windows[b], out, b)
                        for b, (s, parts) in enumerate(zip(riding, layout))}
             self.record("decode", t.ms, {s.row: w.rows for s, w in zip(riding, windows)}, commits, states)
+            self.note_emitted(riding)  # before the retire pass: the front's committed prefix is final
         self._retire_all(seqs)
 
     def _window(self, s: Seq):

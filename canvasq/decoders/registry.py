@@ -14,6 +14,7 @@ _CLASSES = {
     "hf": "canvasq.decoders.hf:HfDecoder",
     "pipe": "canvasq.decoders.pipe:PipeDecoder",
     "funnel": "canvasq.decoders.funnel:FunnelDecoder",
+    "phcd": "canvasq.decoders.phcd:PhcdDecoder",
 }
 NAMES = tuple(_CLASSES)
 

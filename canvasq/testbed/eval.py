@@ -39,7 +39,7 @@ def evaluate(bundle, task: str, n: int, seed: int, decoder: str = "official", ba
     from canvasq.decoders.types import DecodeBatch, DecodeRequest
 
     problems = tasks.generate(task, n, seed)
-    max_tokens = max_tokens or 5 * bundle.canvas_length
+    max_tokens = max_tokens or tasks.ANSWER_CANVASES[tasks.TASK_ALIASES.get(task, task)] * bundle.canvas_length
     correct = tokens = forwards = 0
     t0 = time.perf_counter()
     for start in range(0, n, batch_size):

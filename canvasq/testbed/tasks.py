@@ -5,6 +5,10 @@
 - `code` (HumanEval-shaped): a Python signature plus docstring with an example; the model writes
   the body; the sandboxed child computes the function on the hidden inputs and the trusted parent
   compares the values with the hidden expected ones (`verify`).
+- `long` (arith's long variant): one `arith` story carried on for 8-10 operations, so the worked
+  answer spans at least 6 canvases of 32 tokens (the testbed's; `ANSWER_CANVASES` sizes max_tokens).
+  Same verifier as arith. The testbed was trained on 2-3 operations only: how far decoders carry a
+  long worked form is the point of the variant, not a score the model was fit to.
 
 Both draw from spaces of well over 10^9 distinct problems (names × items × numbers × templates ×
 docstring examples) and are deterministic per seed.
@@ -18,9 +22,12 @@ import random
 import re
 from dataclasses import dataclass, field
 
-TASKS = ("arith", "code")
+TASKS = ("arith", "code")  # the two trained families
+VARIANTS = ("long",)  # evaluated like a family, never trained on
 # Service task names → testbed families.
-TASK_ALIASES = {"math": "arith", "arith": "arith", "code": "code"}
+TASK_ALIASES = {"math": "arith", "arith": "arith", "code": "code", "long": "long"}
+# Canvases of the model's length an eval gives an answer (max_tokens = this × canvas length).
+ANSWER_CANVASES = {"arith": 5, "code": 5, "long": 12}
 
 
 @dataclass(frozen=True)
@@ -82,17 +89,17 @@ def _sub_work(a: int, b: int) -> str:
     return f"{a} - {b}: {top} - {b % 10} = {ones}, {tens_expr} = {tens}, so {a - b}"
 
 
-def make_arith(rng: random.Random, uid: str) -> Problem:
-    """2–3 operations on numbers below 100: single-digit products, two-digit sums and differences
-    whose worked steps go column by column (a tiny model can learn digit facts; whole-number
-    carries in one token it cannot)."""
+def make_arith(rng: random.Random, uid: str, ops: tuple[int, int] = (2, 3), task: str = "arith") -> Problem:
+    """2–3 operations (`ops`) on numbers below 100: single-digit products, two-digit sums and
+    differences whose worked steps go column by column (a tiny model can learn digit facts;
+    whole-number carries in one token it cannot)."""
     name, (item, box) = rng.choice(NAMES), rng.choice(ITEMS)
     he = _pronoun(rng)
     total = rng.randint(10, 60)
     story = [f"{name} has {total} {item}."]
     work = [f"{name} starts with {total} {item}."]
     used_buy = False
-    for _ in range(rng.randint(2, 3)):
+    for _ in range(rng.randint(*ops)):
         room = 99 - total
         kinds = [k for k, ok in (("buy", not used_buy and room >= 4), ("find", room >= 2), ("give", total > 3),
                                  ("lose", total > 3)) if ok]
@@ -119,7 +126,17 @@ def make_arith(rng: random.Random, uid: str) -> Problem:
             total -= d
     story.append(f"How many {item} does {name} have now?")
     answer = " ".join(work) + f"\n#### {total}"
-    return Problem(uid=uid, task="arith", prompt=" ".join(story), answer=answer, target=total)
+    return Problem(uid=uid, task=task, prompt=" ".join(story), answer=answer, target=total)
+
+
+def make_long(rng: random.Random, uid: str) -> Problem:
+    """arith carried on for 8-10 operations: a worked answer of 6+ testbed canvases. Stories of
+    mostly one-digit steps write short answers; they are drawn again (the testbed tokenizer writes
+    at most 1.92 characters per token here, so 370 characters hold ≥ 192 tokens)."""
+    while True:
+        p = make_arith(rng, uid, ops=(8, 10), task="long")
+        if len(p.answer) >= 370:
+            return p
 
 
 _FINAL = re.compile(r"####\s*(-?\d+)")
@@ -247,14 +264,14 @@ def make_code(rng: random.Random, uid: str) -> Problem:
 
 # ------------------------------------------------------------------------------------- public
 
-_MAKERS = {"arith": make_arith, "code": make_code}
+_MAKERS = {"arith": make_arith, "code": make_code, "long": make_long}
 
 
 def generate(task: str, n: int, seed: int) -> list[Problem]:
     """`n` problems of one family, deterministic per (task, seed)."""
     task = TASK_ALIASES.get(task, task)
     if task not in _MAKERS:
-        raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+        raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS + VARIANTS)}")
     rng = random.Random(f"{task}:{seed}")
     return [_MAKERS[task](rng, f"{task}-{seed}-{i}") for i in range(n)]
 
@@ -268,7 +285,7 @@ def verify(problem: Problem, completion: str, timeout_s: float = 5.0) -> bool:
     parent, those are parsed as plain literals and compared. Exit code, printed text and the `__eq__`
     of the child's objects decide nothing. Raises `sandbox.SandboxUnavailable` where code cannot be
     run safely."""
-    if problem.task == "arith":
+    if problem.task in ("arith", "long"):
         return arith_answer(completion) == problem.target
     from canvasq.testbed.sandbox import run_python
 

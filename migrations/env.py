@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from alembic import context
 
+from canvasq.core.db import make_engine
 from canvasq.core.settings import get_settings
-from canvasq.core.store import make_engine
 from canvasq.core.tables import Base
 
 config = context.config

@@ -31,7 +31,7 @@ def db_upgrade(revision):
 
         canvasq db upgrade
     """
-    from canvasq.core.store import upgrade
+    from canvasq.core.db import upgrade
 
     url = checked_database_url()
     upgrade(url, revision)
@@ -49,7 +49,7 @@ def db_downgrade(revision, yes):
 
         canvasq db downgrade base --yes
     """
-    from canvasq.core.store import downgrade
+    from canvasq.core.db import downgrade
 
     url = checked_database_url()
     if not yes:
@@ -70,7 +70,8 @@ def db_current():
 
         canvasq db current
     """
-    from canvasq.core.store import Store, current_revision, head_revision
+    from canvasq.core.db import current_revision, head_revision
+    from canvasq.core.store import Store
 
     store = Store(checked_database_url())
     click.echo(f"{mask_url(store.url)}: {current_revision(store.engine) or 'empty'} (code: {head_revision()})")
@@ -108,7 +109,8 @@ def config_cmd():
 def _calibration_for(settings):
     """The newest stored calibration of the configured model, and a note when none could be read."""
     from canvasq.core.calibrations import load_for_model
-    from canvasq.core.store import Store, database_problem
+    from canvasq.core.db import database_problem
+    from canvasq.core.store import Store
 
     if database_problem(settings.database_url):
         return None, "; calibrations: database unusable"

@@ -76,6 +76,7 @@ def bench(
 
     from canvasq.decoders import bench as B
     from canvasq.model.loading import load_bundle
+    from canvasq.testbed import tasks as testbed_tasks
 
     torch.set_num_threads(threads)
     arm_list = [B.parse_arm(a) for a in (arms or ("official", "pipe", "funnel"))]
@@ -92,6 +93,7 @@ def bench(
         progress=lambda msg: click.echo(msg, err=True),
         calibration=calibration,
         budget=budget,
+        suite=testbed_tasks,
     )
     md, png = B.save(report, Path(out_dir), baseline)
     click.echo(md.read_text())
@@ -158,8 +160,6 @@ def calibrate(model_spec, task_names, n, seeds, batch_size, max_tokens, decoders
         canvasq calibrate --n 100 --seeds 101,102 --arm funnel:tau_conf=0.95,draft_only=true
         canvasq calibrate --show --plot frontier.png
     """
-    from pathlib import Path
-
     from canvasq.cli.common import open_store
     from canvasq.core import calibrations as stored
     from canvasq.core.settings import get_settings, settings_error_line
@@ -189,41 +189,54 @@ def calibrate(model_spec, task_names, n, seeds, batch_size, max_tokens, decoders
             cal = stored.load_for_model(store, spec)
             if cal is None:
                 raise click.ClickException(f"no calibration stored for {spec} in this database: run `canvasq calibrate`")
-            click.echo(cal_mod.table(cal, budget, frontier_only=not show_all))
-            if plot_path:
-                cal_mod.plot(cal, Path(plot_path))
-                click.echo(f"plot: {plot_path}")
+            _print_calibration(cal, budget, not show_all, plot_path)
             return
         tasks = list(task_names or ("arith", "code"))
         _require_sandbox(tasks)
-        from canvasq.decoders.bench import parse_arm
-        from canvasq.decoders.registry import make_config
-
-        arm_list = cal_mod.default_arms(list(decoders) or None)
-        for a in arms:
-            arm = parse_arm(a)
-            try:
-                if arm.decoder not in ("official", "pipe", "funnel"):
-                    raise ValueError(f"decoder must be official, pipe or funnel, got {arm.decoder!r}")
-                make_config(arm.decoder, arm.overrides)
-            except ValueError as exc:
-                raise click.ClickException(f"--arm {a}: {exc}") from None
-            arm_list.append(arm)
-
+        arm_list = _sweep_arms(decoders, arms)
         import torch
 
         from canvasq.model.loading import load_bundle
+        from canvasq.testbed import tasks as testbed_tasks
 
         torch.set_num_threads(threads)
         bundle = load_bundle(spec, device=device)
         cal, _ = cal_mod.run_sweep(bundle, arm_list, tasks, n=n, seeds=seed_list, batch_size=batch_size,
-                                   max_tokens=max_tokens, progress=lambda m: click.echo(m, err=True))
+                                   max_tokens=max_tokens, progress=lambda m: click.echo(m, err=True),
+                                   suite=testbed_tasks)
         cal_id = stored.save(store, cal)
         cal = stored.load(store, cal.model_path, cal.fingerprint)
-        click.echo(cal_mod.table(cal, budget, frontier_only=False))
+        _print_calibration(cal, budget, False, plot_path)
         click.echo(f"stored calibration #{cal_id} for {cal.model_path}")
-        if plot_path:
-            cal_mod.plot(cal, Path(plot_path))
-            click.echo(f"plot: {plot_path}")
     finally:
         store.dispose()
+
+
+def _sweep_arms(decoders: tuple[str, ...], arms: tuple[str, ...]) -> list:
+    """The default sweep of `decoders` (all when none) plus each --arm, checked before any model loads."""
+    from canvasq.decoders import calibration as cal_mod
+    from canvasq.decoders.bench import parse_arm
+    from canvasq.decoders.registry import make_config
+
+    arm_list = cal_mod.default_arms(list(decoders) or None)
+    for a in arms:
+        arm = parse_arm(a)
+        try:
+            if arm.decoder not in ("official", "pipe", "funnel"):
+                raise ValueError(f"decoder must be official, pipe or funnel, got {arm.decoder!r}")
+            make_config(arm.decoder, arm.overrides)
+        except ValueError as exc:
+            raise click.ClickException(f"--arm {a}: {exc}") from None
+        arm_list.append(arm)
+    return arm_list
+
+
+def _print_calibration(cal, budget: float, frontier_only: bool, plot_path: str | None) -> None:
+    from pathlib import Path
+
+    from canvasq.decoders import calibration as cal_mod
+
+    click.echo(cal_mod.table(cal, budget, frontier_only=frontier_only))
+    if plot_path:
+        cal_mod.plot(cal, Path(plot_path))
+        click.echo(f"plot: {plot_path}")

@@ -11,8 +11,9 @@ from pathlib import Path
 import click
 
 from canvasq.core.settings import DECODERS, get_settings, mask_url, model_name
+from canvasq.core.statuses import RunStatus
 
-RUN_STATUS_CHOICES = ("queued", "running", "completed", "cancelling", "cancelled", "expired", "interrupted")
+RUN_STATUS_CHOICES = tuple(s.value for s in RunStatus)
 MAX_NAME = 200  # the store's name / queue / key columns
 
 
@@ -94,7 +95,8 @@ def open_store(settings, *, upgrade_sqlite: bool = True):
     upgraded explicitly (`canvasq db upgrade`, the compose file's one-shot migration)."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from canvasq.core.store import SchemaOutOfDate, Store, database_problem
+    from canvasq.core.db import SchemaOutOfDate, database_problem
+    from canvasq.core.store import Store
 
     problem = database_problem(settings.database_url)
     if problem:
@@ -114,7 +116,7 @@ def open_store(settings, *, upgrade_sqlite: bool = True):
 
 
 def checked_database_url() -> str:
-    from canvasq.core.store import database_problem
+    from canvasq.core.db import database_problem
 
     url = get_settings().database_url
     problem = database_problem(url)

@@ -222,8 +222,8 @@ def run(file, out_path, decoder, model, name, chunk_size, fresh, as_json):
 
         canvasq run examples/prompts.jsonl -o results.jsonl --decoder auto
     """
+    from canvasq.core.db import file_sha256
     from canvasq.core.schemas import iter_jobs
-    from canvasq.core.store import file_sha256
 
     settings = cli_settings(model)
     limits, _ = validate_input(file, settings)

@@ -55,8 +55,8 @@ def submit(file, name, decoder, model, queue, idempotency_key, chunk_size, deadl
         RUN=$(canvasq submit prompts.jsonl --name nightly --decoder auto)
         canvasq status $RUN --watch
     """
+    from canvasq.core.db import file_sha256
     from canvasq.core.schemas import iter_jobs
-    from canvasq.core.store import file_sha256
     from canvasq.worker.celery_app import publish_chunks
 
     settings = cli_settings(model)

@@ -4,10 +4,60 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
+from typing import Any
 
-from canvasq.core.schemas import output_line
 from canvasq.core.settings import model_name
+
+
+def output_line(
+    *,
+    custom_id: str,
+    model: str,
+    text: str | None = None,
+    finish_reason: str | None = None,
+    prompt_tokens: int = 0,
+    completion_tokens: int = 0,
+    error_code: str | None = None,
+    error_message: str | None = None,
+    request_id: str | None = None,
+    created: float | None = None,
+    extra_usage: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One OpenAI batch output line. Errors: `response` null, `error` {code, message}."""
+    rid = request_id or uuid.uuid4().hex
+    line: dict[str, Any] = {"id": f"batch_req_{rid}", "custom_id": custom_id}
+    if error_code is not None:
+        line["response"] = None
+        line["error"] = {"code": error_code, "message": error_message or error_code}
+        return line
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        **(extra_usage or {}),
+    }
+    line["response"] = {
+        "status_code": 200,
+        "request_id": rid,
+        "body": {
+            "id": f"chatcmpl-{rid}",
+            "object": "chat.completion",
+            "created": int(created if created is not None else time.time()),
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text or ""},
+                    "finish_reason": finish_reason,
+                }
+            ],
+            "usage": usage,
+        },
+    }
+    line["error"] = None
+    return line
 
 
 def cut_at_stop(text: str, stop: list[str] | None, finish_reason: str | None) -> tuple[str, str | None]:

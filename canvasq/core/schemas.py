@@ -1,8 +1,8 @@
 """Input lines, jobs and output lines.
 
-Flow: JSONL line → `SimpleLine` | `OpenAILine` (pydantic, line-numbered errors) → `Job` (api, CPU)
+Flow: JSONL line → `SimpleLine` | `OpenAILine` (pydantic, line-numbered errors) → `Job` (core, CPU)
 → DecodeBatch (worker) → ForwardInputs (model, GPU). Output rows come back as OpenAI batch output
-lines (`output_line`).
+lines (`core.results.output_line`).
 
 `validate_file` streams the file once in binary, a line at a time with a length cap, so a
 100,000-line file costs the set of custom_ids plus one line, never the file. Every error is
@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -568,55 +566,3 @@ def iter_jobs(path: str | Path, limits: Limits) -> Iterator[Job]:
     yield from iter_validated(path, limits, report)
     if report.errors or report.errors_dropped:
         raise InputError(report)
-
-
-# ---------------------------------------------------------------------------------------- output lines
-
-
-def output_line(
-    *,
-    custom_id: str,
-    model: str,
-    text: str | None = None,
-    finish_reason: str | None = None,
-    prompt_tokens: int = 0,
-    completion_tokens: int = 0,
-    error_code: str | None = None,
-    error_message: str | None = None,
-    request_id: str | None = None,
-    created: float | None = None,
-    extra_usage: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """One OpenAI batch output line. Errors: `response` null, `error` {code, message}."""
-    rid = request_id or uuid.uuid4().hex
-    line: dict[str, Any] = {"id": f"batch_req_{rid}", "custom_id": custom_id}
-    if error_code is not None:
-        line["response"] = None
-        line["error"] = {"code": error_code, "message": error_message or error_code}
-        return line
-    usage = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        **(extra_usage or {}),
-    }
-    line["response"] = {
-        "status_code": 200,
-        "request_id": rid,
-        "body": {
-            "id": f"chatcmpl-{rid}",
-            "object": "chat.completion",
-            "created": int(created if created is not None else time.time()),
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text or ""},
-                    "finish_reason": finish_reason,
-                }
-            ],
-            "usage": usage,
-        },
-    }
-    line["error"] = None
-    return line

@@ -6,7 +6,7 @@ calibrations (model path + weights fingerprint) ─< calibration_points (one dec
 api_keys (project, SHA-256 of the token) ; api_files, api_batches (owned by a project) ── runs (`canvasq serve`)
 
 Statuses
-  run:     queued → running → completed | cancelling → cancelled | expired
+  run:     queued → running → completed | cancelling → cancelled | expired | interrupted (embedded)
   request: queued → done | errored | expired | cancelled          (terminal: all but queued)
   chunk:   queued → running → done | failed
 """
@@ -40,9 +40,7 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-RUN_ACTIVE = ("queued", "running", "cancelling")
-REQUEST_TERMINAL = ("done", "errored", "expired", "cancelled")
-REQUEST_STATUSES = ("queued", *REQUEST_TERMINAL)
+
 
 
 def utcnow() -> datetime:

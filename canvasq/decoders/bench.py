@@ -2,7 +2,8 @@
 
 Measurement rules (docs/DESIGN.md): one process, seed reset per arm, counterbalanced order (ABBA:
 arms run forward on even (task, seed) blocks and reversed on odd ones), n and seeds reported.
-Accuracy comes from the testbed verifiers (`canvasq.testbed.tasks.generate / verify`).
+Accuracy comes from the task suite's verifiers (`suite.generate / verify`: the CLI passes
+`canvasq.testbed.tasks`; the decoders never import the testbed).
 
 Columns:
     acc          verified / n
@@ -126,19 +127,21 @@ def run_bench(
     progress=None,
     calibration=None,
     budget: float | None = None,
+    *,
+    suite,
 ) -> dict:
-    """`calibration` / `budget`: what an `auto` arm routes by (`routing.route`)."""
+    """`calibration` / `budget`: what an `auto` arm routes by (`routing.route`). `suite`: the task
+    families, `generate(task, n, seed) -> problems` (`.uid`, `.prompt`) and `verify(problem, text)`."""
     import torch
 
     from canvasq.decoders import run_batch
     from canvasq.decoders.types import DecodeBatch, DecodeRequest
-    from canvasq.testbed import tasks
 
     stats = {a.label: ArmStats(a.label, flops_row=model_flops_per_row(bundle.hf_model)) for a in arms}
     order_log = []
     block = 0
     # warm-up outside the clock: first-call allocations and lazy merges (d2f_model, W4 packing)
-    warm = tasks.generate(task_names[0], 1, 10_000)[0]
+    warm = suite.generate(task_names[0], 1, 10_000)[0]
     routed = {"calibration": calibration, "budget": budget}
     for a in arms:
         req = DecodeRequest(
@@ -147,7 +150,7 @@ def run_bench(
         run_batch(bundle, DecodeBatch([req], seed=0), decoder=a.decoder, overrides=a.overrides or None, **routed)
     for task in task_names:
         for seed in seeds:
-            problems = tasks.generate(task, n, seed)
+            problems = suite.generate(task, n, seed)
             reqs = [
                 DecodeRequest(p.uid, bundle.encode_prompt(p.prompt, task), max_tokens, task) for p in problems
             ]
@@ -162,7 +165,7 @@ def run_bench(
                     passes += len({x.index for r in part for x in r.traces})  # distinct passes of this call
                     results += part
                 dt = time.perf_counter() - t0
-                stats[a.label].add(task, results, problems, dt, tasks.verify, passes)
+                stats[a.label].add(task, results, problems, dt, suite.verify, passes)
                 if progress:
                     progress(f"{task} seed={seed} {a.label}: {dt:.1f}s")
             block += 1

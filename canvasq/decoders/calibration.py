@@ -198,8 +198,11 @@ def run_sweep(
     batch_size: int,
     max_tokens: int,
     progress=None,
+    *,
+    suite,
 ) -> tuple[Calibration, dict]:
-    """Measure every arm on every task's dev set; the Calibration (unsaved) and the bench report."""
+    """Measure every arm on every task's dev set (`suite`: the task families, as `bench.run_bench`
+    takes them); the Calibration (unsaved) and the bench report."""
     from canvasq.decoders.bench import run_bench
 
     if not any(a.decoder == "official" and not a.overrides for a in arms):
@@ -207,7 +210,7 @@ def run_sweep(
 
         arms = [Arm("official", "official", {}), *arms]  # the reference is always measured
     report = run_bench(bundle, arms, tasks, n=n, seeds=seeds, batch_size=batch_size, max_tokens=max_tokens,
-                       progress=progress)
+                       progress=progress, suite=suite)
     by_label = {a.label: a for a in arms}
     points = []
     for row in report["arms"]:

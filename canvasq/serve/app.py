@@ -80,6 +80,19 @@ def create_app(store, *, settings: Settings | None = None, serve: ServeSettings 
     app.state.store, app.state.files, app.state.batches = store, files, batches
     registry, http_counter = server_registry(store, settings, batches.queue)
     app.add_middleware(HttpMetrics, counter=http_counter)
+    _error_handlers(app)
+    _service_routes(app, registry)
+
+    from canvasq.serve.dashboard import register as register_dashboard
+
+    register_dashboard(app, store, batches)
+    _file_routes(app, files, settings, serve)
+    _batch_routes(app, batches, serve)
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every error answers in OpenAI's error shape."""
 
     @app.exception_handler(ApiError)
     def _api_error(_req, exc: ApiError):
@@ -98,6 +111,8 @@ def create_app(store, *, settings: Settings | None = None, serve: ServeSettings 
         err = ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
         return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
+
+def _service_routes(app: FastAPI, registry) -> None:
     @app.get("/health", include_in_schema=False)
     def health():
         return {"status": "ok"}
@@ -107,11 +122,8 @@ def create_app(store, *, settings: Settings | None = None, serve: ServeSettings 
         """Prometheus text format; no key needed (no ids, prompts or outputs in it)."""
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    from canvasq.serve.dashboard import register as register_dashboard
 
-    register_dashboard(app, store, batches)
-
-    # -- files -------------------------------------------------------------------------------------
+def _file_routes(app: FastAPI, files: FileStore, settings: Settings, serve: ServeSettings) -> None:
     upload_body = {"required": True, "content": {"multipart/form-data": {"schema": {
         "type": "object", "required": ["file", "purpose"],
         "properties": {"file": {"type": "string", "format": "binary"}, "purpose": {"type": "string", "enum": ["batch"]}},
@@ -171,7 +183,8 @@ def create_app(store, *, settings: Settings | None = None, serve: ServeSettings 
             raise ApiError(404, f"No such File object: {file_id}", param="file_id")
         return {"id": file_id, "object": "file", "deleted": True}
 
-    # -- batches -----------------------------------------------------------------------------------
+
+def _batch_routes(app: FastAPI, batches: Batches, serve: ServeSettings) -> None:
     @app.post("/v1/batches", summary="Create a batch from an uploaded file")
     def create_batch(body: BatchCreate, who: Who):
         return batches.create(who.project, input_file_id=body.input_file_id, endpoint=body.endpoint,
@@ -191,5 +204,3 @@ def create_app(store, *, settings: Settings | None = None, serve: ServeSettings 
     @app.post("/v1/batches/{batch_id}/cancel", summary="Cancel a batch (finished rows are kept)")
     def cancel_batch(batch_id: str, who: Who):
         return batches.cancel(who.project, batch_id)
-
-    return app

@@ -261,7 +261,7 @@ class Batches:
 
 
 def _sha256(path) -> str:
-    from canvasq.core.store import file_sha256
+    from canvasq.core.db import file_sha256
 
     return file_sha256(path)
 

@@ -18,7 +18,8 @@ import time
 
 from sqlalchemy import select
 
-from canvasq.core.tables import RUN_ACTIVE, Chunk, Request, Run
+from canvasq.core.statuses import RUN_ACTIVE
+from canvasq.core.tables import Chunk, Request, Run
 
 log = logging.getLogger("canvasq.serve.local_worker")
 

@@ -37,7 +37,8 @@ class StoreCollector:
     def collect(self):
         from sqlalchemy import func, select
 
-        from canvasq.core.tables import REQUEST_TERMINAL, RUN_ACTIVE, Output, Request, Run, Worker, utcnow
+        from canvasq.core.statuses import REQUEST_TERMINAL, RUN_ACTIVE
+        from canvasq.core.tables import Output, Request, Run, Worker, utcnow
 
         with self.store.Session() as s:
             runs = dict(s.execute(select(Run.status, func.count()).group_by(Run.status)).all())

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 from sqlalchemy import update
 
+from canvasq.core.queue import QueueStore
 from canvasq.core.settings import Settings, mask_url
-from canvasq.core.store import Store
+from canvasq.core.statuses import ChunkStatus
 from canvasq.core.tables import Chunk, utcnow
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class ReconcileReport:
         return bool(self.published or self.republished or self.expired or self.finalised)
 
 
-def requeue_stale(store: Store, chunk_ids: Sequence[str], older_than) -> list[str]:
+def requeue_stale(store: QueueStore, chunk_ids: Sequence[str], older_than) -> list[str]:
     """Running chunks whose lease expired before `older_than` → queued, lease cleared (conditional,
     so a chunk a worker claimed or renewed meanwhile is left alone). Returns the ids requeued."""
     done = []
@@ -62,15 +63,15 @@ def requeue_stale(store: Store, chunk_ids: Sequence[str], older_than) -> list[st
         for cid in chunk_ids:
             res = s.execute(
                 update(Chunk)
-                .where(Chunk.id == cid, Chunk.status == "running", Chunk.lease_expires_at < older_than)
-                .values(status="queued", lease_expires_at=None, published_at=None, updated_at=now)
+                .where(Chunk.id == cid, Chunk.status == ChunkStatus.running, Chunk.lease_expires_at < older_than)
+                .values(status=ChunkStatus.queued, lease_expires_at=None, published_at=None, updated_at=now)
             )
             if res.rowcount == 1:
                 done.append(cid)
     return done
 
 
-def reconcile_once(store: Store, settings: Settings, publish: Publish | None = None) -> ReconcileReport:
+def reconcile_once(store: QueueStore, settings: Settings, publish: Publish | None = None) -> ReconcileReport:
     if publish is None:
         from canvasq.worker.celery_app import publish_chunks as publish
     expired = store.expire_overdue()
@@ -114,7 +115,7 @@ def _take_lock(client, key: str, owner: str, ttl_s: float) -> bool:
     return bool(client.set(key, owner, nx=True, px=max(100, int(ttl_s * 900))))
 
 
-def reconcile_loop(store: Store, settings: Settings, stop: threading.Event, owner: str,
+def reconcile_loop(store: QueueStore, settings: Settings, stop: threading.Event, owner: str,
                    publish: Publish | None = None) -> None:
     """Every settings.reconcile_s until `stop`: take the fleet's lock, run one pass. Failures are
     logged and the loop goes on (the store or the broker may be briefly down)."""

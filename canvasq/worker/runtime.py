@@ -23,8 +23,10 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from canvasq.core.db import retry_transient
+from canvasq.core.queue import ClaimedRequest, ClaimState, QueueStore, ResultRecord
 from canvasq.core.settings import Settings, get_settings, mask_url, model_name, resolve_experts
-from canvasq.core.store import ResultRecord, Store, retry_transient
+from canvasq.core.statuses import RequestStatus, RunStatus
 from canvasq.decoders.types import CANCELLED, DecodeBatch, DecodeRequest, DecodeResult, Interrupted
 from canvasq.worker import faults
 
@@ -81,11 +83,11 @@ def default_decode_fn() -> DecodeFn:
 
 def result_record(res: DecodeResult, gen_ms: float, decoder: str) -> ResultRecord:
     if res.error == CANCELLED:
-        status, code = "cancelled", "cancelled"
+        status, code = RequestStatus.cancelled, "cancelled"
     elif res.error:
-        status, code = "errored", "decode_error"
+        status, code = RequestStatus.errored, "decode_error"
     else:
-        status, code = "done", None
+        status, code = RequestStatus.done, None
     traces = [
         {k: v for k, v in asdict(t).items() if k != "index"} | {"forward_index": t.index} for t in res.traces
     ]
@@ -112,7 +114,7 @@ class ChunkRuntime:
     def __init__(
         self,
         settings: Settings | None = None,
-        store: Store | None = None,
+        store: QueueStore | None = None,
         bundle: Any = None,
         decode_fn: DecodeFn | None = None,
         worker_id: str | None = None,
@@ -120,7 +122,7 @@ class ChunkRuntime:
         stop_poll_s: float = 1.0,
     ):
         self.settings = settings or get_settings()
-        self.store = store or Store.from_settings(self.settings)
+        self.store = store or QueueStore.from_settings(self.settings)
         self._bundle = bundle
         self._decode_fn = decode_fn
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
@@ -226,7 +228,8 @@ class ChunkRuntime:
             if not state["stop"] and now - state["t"] >= self.stop_poll_s:
                 state["t"] = now
                 try:
-                    state["stop"] = self.store.run_status(run_id) in ("cancelling", "cancelled", "expired")
+                    state["stop"] = self.store.run_status(run_id) in (RunStatus.cancelling, RunStatus.cancelled,
+                                                                       RunStatus.expired)
                 except Exception as exc:  # noqa: BLE001 a flaky read never stops generation
                     log.debug("cancel-flag read failed: %s", exc)
             return state["stop"]
@@ -239,13 +242,13 @@ class ChunkRuntime:
             lambda: self.store.claim_chunk(chunk_id, self.worker_id, s.lease_s, s.max_attempts)
         )
         summary = {"chunk": chunk_id, "state": claim.state, "attempt": claim.attempts, "written": 0}
-        if claim.state == "missing":
+        if claim.state == ClaimState.missing:
             log.warning("chunk %s not in the store; dropping the message", chunk_id)
             return summary
         run_id = claim.run_id
         assert run_id is not None
-        if claim.state != "work":
-            if claim.state != "exhausted":
+        if claim.state != ClaimState.work:
+            if claim.state != ClaimState.exhausted:
                 retry_transient(lambda: self.store.finish_chunk(chunk_id))
             retry_transient(lambda: self.store.finalize_run(run_id))
             return summary
@@ -253,9 +256,9 @@ class ChunkRuntime:
             log.warning("chunk %s is for model %s; this worker serves %s", chunk_id, claim.model, s.model)
 
         should_stop = self._stopper(run_id)
-        groups: dict[str, list[dict]] = {}
+        groups: dict[str, list[ClaimedRequest]] = {}
         for r in claim.requests:
-            groups.setdefault(r["decoder"] or claim.run_decoder or "auto", []).append(r)
+            groups.setdefault(r.decoder or claim.run_decoder or "auto", []).append(r)
         for decoder, rows in groups.items():
             if self._decode_fn is None and decoder != "hf":  # the production path: continuous batching
                 for name, knobs, part in self._routed(decoder, rows):
@@ -270,7 +273,7 @@ class ChunkRuntime:
                                                              should_stop)
         if should_stop():
             status = self.store.run_status(run_id)
-            code = "expired" if status == "expired" else "cancelled"
+            code = RequestStatus.expired if status == RunStatus.expired else RequestStatus.cancelled
             retry_transient(lambda: self.store.close_chunk_rows(chunk_id, run_id, code, code, f"run {status}"))
         retry_transient(lambda: self.store.finish_chunk(chunk_id))
         retry_transient(lambda: self.store.finalize_run(run_id))
@@ -301,31 +304,31 @@ class ChunkRuntime:
                 log.info("--decoder auto routes by %s", self._calibration.describe())
         return self._calibration
 
-    def _routed(self, decoder: str, rows: list[dict]) -> list[tuple[str, dict, list[dict]]]:
+    def _routed(self, decoder: str, rows: list[ClaimedRequest]) -> list[tuple[str, dict, list[ClaimedRequest]]]:
         """(decoder, knobs, rows) per route: `auto` resolved per row's task (decoders.routing)."""
         if decoder != "auto":
             return [(decoder, {}, rows)]
         from canvasq.decoders.routing import group_by_route
 
-        groups = group_by_route([r["task"] for r in rows], self.settings.routing or None, self.calibration,
+        groups = group_by_route([r.task for r in rows], self.settings.routing or None, self.calibration,
                                 self.settings.routing_budget)
         return [(name, knobs, [rows[i] for i in idx]) for name, knobs, idx in groups]
 
-    def _tokenize(self, rows: list[dict], decoder: str) -> tuple[list[DecodeRequest], list[ResultRecord]]:
+    def _tokenize(self, rows: list[ClaimedRequest], decoder: str) -> tuple[list[DecodeRequest], list[ResultRecord]]:
         """DecodeRequests, and an errored record for each row the tokenizer fails on (that row only)."""
         bundle, reqs, records = self.bundle, [], []
         for r in rows:
             try:
-                ids = bundle.encode_prompt(r["prompt"], r["task"])
-                reqs.append(DecodeRequest(r["custom_id"], list(ids), r["max_tokens"], r["task"]))
+                ids = bundle.encode_prompt(r.prompt, r.task)
+                reqs.append(DecodeRequest(r.custom_id, list(ids), r.max_tokens, r.task))
             except self.interrupts:
                 raise
             except Exception as exc:
-                records.append(ResultRecord(r["custom_id"], status="errored", error_code="tokenizer_error",
+                records.append(ResultRecord(r.custom_id, status=RequestStatus.errored, error_code="tokenizer_error",
                                             error_message=f"{type(exc).__name__}: {exc}", decoder=decoder))
         return reqs, records
 
-    def _stream_and_store(self, run_id: str, decoder: str, knobs: dict, rows: list[dict], should_stop,
+    def _stream_and_store(self, run_id: str, decoder: str, knobs: dict, rows: list[ClaimedRequest], should_stop,
                           summary: dict) -> int:
         """Continuous batching over `rows`: `decode_slots` requests in flight, a free slot refilled at
         once, each finished row written to the store the moment it ends (idempotent per custom_id: a
@@ -378,7 +381,7 @@ class ChunkRuntime:
                      len(occupancy), 100 * live / sum(n for _, n in occupancy))
         return written
 
-    def _decode_and_store(self, run_id: str, decoder: str, rows: list[dict], should_stop) -> int:
+    def _decode_and_store(self, run_id: str, decoder: str, rows: list[ClaimedRequest], should_stop) -> int:
         bundle = self.bundle  # a load failure raises here: the chunk is retried, rows stay queued
         reqs, records = self._tokenize(rows, decoder)
         if reqs:
@@ -407,7 +410,7 @@ class ChunkRuntime:
     def abandon_chunk(self, chunk_id: str, code: str, message: str) -> None:
         """Soft time limit: rows done so far stay, the rest become errored(`code`); no redelivery."""
         run_id = chunk_id.rsplit("-", 1)[0]
-        retry_transient(lambda: self.store.close_chunk_rows(chunk_id, run_id, "errored", code, message))
+        retry_transient(lambda: self.store.close_chunk_rows(chunk_id, run_id, RequestStatus.errored, code, message))
         retry_transient(lambda: self.store.record_chunk_error(chunk_id, message))
         retry_transient(lambda: self.store.finish_chunk(chunk_id))
         retry_transient(lambda: self.store.finalize_run(run_id))

@@ -14,10 +14,12 @@ from sqlalchemy import select
 
 import canvasq.cli.embedded as cli_mod
 from canvasq.cli import cli
+from canvasq.core.queue import ResultRecord
+from canvasq.core.reports import active_wall, recent_rate
 from canvasq.core.results import cut_at_stop
 from canvasq.core.schemas import Limits, infer_task, parse_line
 from canvasq.core.settings import REPO_ROOT, reload_settings
-from canvasq.core.store import ResultRecord, Store, active_wall, recent_rate
+from canvasq.core.store import Store
 from canvasq.core.tables import Request
 from canvasq.testbed.tasks import generate
 from tests.harness.backends import model_for_tests, queue_length

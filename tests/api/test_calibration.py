@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from canvasq.core import calibrations as stored
+from canvasq.core.queue import ClaimedRequest
 from canvasq.decoders import calibration as C
 from canvasq.decoders.routing import DEFAULT_ROUTE, Route, route, routing_table
 from tests.harness.backends import model_for_tests
@@ -109,14 +110,14 @@ def test_worker_routes_auto_by_its_models_calibration(tmp_path):
     st.upgrade()
     try:
         settings = Settings(database_url=url, model=model_for_tests(), device="cpu", routing_budget=2.0)
-        rows = [{"task": "arith", "custom_id": "a"}, {"task": "code", "custom_id": "c"}]
+        rows = [ClaimedRequest("a", "", "arith", 8, None), ClaimedRequest("c", "", "code", 8, None)]
         plain = ChunkRuntime(settings=settings, store=st, bundle=object(), worker_id="t:1", queue="q")
         assert [(d, k) for d, k, _ in plain._routed("auto", rows)] == [("official", {})]
         path, fp = C.model_identity(model_for_tests())
         stored.save(st, _calibration(path=path, fp=fp))
         assert plain.calibration is None  # read once per process: a new calibration needs a new worker
         rt = ChunkRuntime(settings=settings, store=st, bundle=object(), worker_id="t:2", queue="q")
-        got = {r[0]["custom_id"]: (d, k) for d, k, r in rt._routed("auto", rows)}
+        got = {r[0].custom_id: (d, k) for d, k, r in rt._routed("auto", rows)}
         assert got == {"a": ("official", {"max_denoising_steps": 4}), "c": ("pipe", {"draft_only": True})}
         assert [(d, k) for d, k, _ in rt._routed("official", rows)] == [("official", {})]
     finally:

@@ -11,9 +11,10 @@ import pytest
 from click.testing import CliRunner
 
 from canvasq.cli import cli
+from canvasq.core.queue import ResultRecord
 from canvasq.core.schemas import Job
 from canvasq.core.settings import REPO_ROOT, get_settings
-from canvasq.core.store import ResultRecord, Store
+from canvasq.core.store import Store
 from canvasq.core.tables import utcnow
 from tests.harness.backends import model_for_tests, queue_length
 

@@ -16,8 +16,9 @@ from click.testing import CliRunner
 from sqlalchemy import update
 
 from canvasq.cli import cli
+from canvasq.core.queue import ResultRecord
 from canvasq.core.schemas import Job
-from canvasq.core.store import ResultRecord, Store
+from canvasq.core.store import Store
 from canvasq.core.tables import Chunk, Worker, utcnow
 from tests.harness.backends import queue_length
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import inspect
 
-from canvasq.core.store import Store, current_revision, downgrade, head_revision, upgrade
+from canvasq.core.db import current_revision, downgrade, head_revision, upgrade
+from canvasq.core.store import Store
 from tests.harness.backends import fresh_pg_database
 
 TABLES = {"runs", "requests", "outputs", "forward_traces", "chunks", "workers", "calibrations",
@@ -31,8 +32,8 @@ def _tables(url: str) -> set[str]:
 
 
 def _populate(url: str) -> str:
+    from canvasq.core.queue import ResultRecord
     from canvasq.core.schemas import Job
-    from canvasq.core.store import ResultRecord
 
     st = Store(url)
     run = st.create_run([Job(f"c{i}", "p", None, 8, None, i + 1) for i in range(5)], model="m", queue="q",

@@ -21,9 +21,10 @@ from click.testing import CliRunner
 from sqlalchemy import select, update
 
 from canvasq.cli import cli
+from canvasq.core.queue import ResultRecord
 from canvasq.core.schemas import Job
 from canvasq.core.settings import REPO_ROOT, get_settings
-from canvasq.core.store import ResultRecord, Store
+from canvasq.core.store import Store
 from canvasq.core.tables import Chunk, Output, Request
 from tests.harness.backends import REDIS_URL, drop_queue, model_for_tests, queue_length, unique_queue
 from tests.harness.services import TcpProxy

@@ -9,8 +9,9 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import event, func, select, text
 
+from canvasq.core.queue import ResultRecord
 from canvasq.core.schemas import Job
-from canvasq.core.store import ResultRecord, Store
+from canvasq.core.store import Store
 from canvasq.core.tables import Chunk, Output, Request, utcnow
 
 
@@ -92,7 +93,7 @@ def test_claim_skips_done_rows_and_caps_attempts(store):
     assert first.state == "work" and len(first.requests) == 4 and first.attempts == 1
     store.write_results(run.run_id, [done("q0")], "w1")
     second = store.claim_chunk(cid, "w2", 60, max_attempts=2)  # redelivery after a crash
-    assert second.state == "work" and [r["custom_id"] for r in second.requests] == ["q1", "q2", "q3"]
+    assert second.state == "work" and [r.custom_id for r in second.requests] == ["q1", "q2", "q3"]
     third = store.claim_chunk(cid, "w3", 60, max_attempts=2)  # past the cap
     assert third.state == "exhausted"
     c = store.counts(run.run_id)
@@ -149,7 +150,7 @@ def test_expire_and_retry(store):
     new_chunks = store.retry_run(run.run_id, ["errored"], chunk_size=10)
     assert len(new_chunks) == 1 and store.counts(run.run_id)["queued"] == 1
     claim = store.claim_chunk(new_chunks[0], "w2", 60, 3)
-    assert [r["custom_id"] for r in claim.requests] == ["q1"]
+    assert [r.custom_id for r in claim.requests] == ["q1"]
     assert store.write_results(run.run_id, [done("q1")], "w2") == 1  # overwrites the errored output
     with store.Session() as s:
         assert s.scalar(select(Output.error_code).where(Output.run_id == run.run_id, Output.custom_id == "q1")) is None

@@ -8,6 +8,7 @@ import pytest
 from helpers import tiny_bundle
 
 from canvasq.decoders.bench import markdown, parse_arm, run_bench, save, summary_json
+from canvasq.testbed import tasks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +32,7 @@ def test_run_bench_abba_and_reports(tmp_path):
 
     bundle = load_bundle("random:testbed")
     arms = [parse_arm("official:max_denoising_steps=2"), parse_arm("funnel:tau_conf=0.05")]
-    rep = run_bench(bundle, arms, ["arith"], n=2, seeds=[1, 2], batch_size=2, max_tokens=32)
+    rep = run_bench(bundle, arms, ["arith"], n=2, seeds=[1, 2], batch_size=2, max_tokens=32, suite=tasks)
     assert [b["order"] for b in rep["order"]] == [[a.label for a in arms], [a.label for a in reversed(arms)]]
     assert [r["n"] for r in rep["arms"]] == [4, 4]
     for r in rep["arms"]:

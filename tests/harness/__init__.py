@@ -1,4 +1,5 @@
-"""Fault harness for the reliability scenarios (T1–T21 in RELIABILITY.md) and scripts/soak.py.
+"""Test-only harnesses: the fault harness for the reliability scenarios (T1–T21 in RELIABILITY.md) and
+scripts/soak.py, and `backends` (the real PostgreSQL / Redis helpers every service test uses).
 
 Real services only:
 - `services`: private `redis-server` / PostgreSQL instances on free ports (destructive scenarios stop

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import select
 
+from canvasq.core.statuses import REQUEST_TERMINAL
 from canvasq.core.store import Store
-from canvasq.core.tables import REQUEST_TERMINAL, Output, Request, Run
+from canvasq.core.tables import Output, Request, Run
 from tests.harness.probes import chunk_attempts
 
 RUN_TERMINAL = ("completed", "cancelled", "expired")

@@ -9,8 +9,9 @@ import time
 
 from sqlalchemy import select
 
+from canvasq.core.queue import ResultRecord
 from canvasq.core.schemas import Job
-from canvasq.core.store import ResultRecord, Store
+from canvasq.core.store import Store
 from canvasq.core.tables import Run
 from tests.harness import probes
 from tests.harness.checks import assert_exactly_once
@@ -83,7 +84,7 @@ def _writer(url: str, run_id: str, chunk_ids: list[str], worker: str, rounds: in
                     claim = st.claim_chunk(cid, worker, 60, 1000)
                     recs = [
                         ResultRecord(
-                            x["custom_id"],
+                            x.custom_id,
                             text=f"{worker}:{r}",
                             completion_tokens=3,
                             traces=[
@@ -150,7 +151,7 @@ def test_t11_store_retries_through_a_proxy_that_refuses_then_accepts(tmp_path):
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import OperationalError
 
-    from canvasq.core.store import retry_transient
+    from canvasq.core.db import retry_transient
     from tests.harness.backends import fresh_pg_database
     from tests.harness.services import TcpProxy
 
@@ -174,7 +175,7 @@ def test_t11_store_retries_through_a_proxy_that_refuses_then_accepts(tmp_path):
                 except OperationalError:
                     pass
                 threading.Timer(2.0, proxy.accept).start()
-                recs = [ResultRecord(r["custom_id"], text="ok", completion_tokens=1) for r in claim.requests]
+                recs = [ResultRecord(r.custom_id, text="ok", completion_tokens=1) for r in claim.requests]
                 written = retry_transient(lambda: st.write_results(created.run_id, recs, "w"), base_s=0.5)
                 assert written == 4
                 st.finalize_run(created.run_id)

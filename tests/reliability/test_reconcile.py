@@ -84,7 +84,7 @@ def test_reconcile_republishes_an_expired_lease_once(tmp_path):
 
             # a chunk whose rows are all finished is not re-published, even with a lapsed lease
             store.claim_chunk(c1, "ghost:2", 60, 3)
-            from canvasq.core.store import ResultRecord
+            from canvasq.core.queue import ResultRecord
 
             store.write_results(run, [ResultRecord(c, text="x") for c in probes.chunk_rows(store, c1)], "ghost:2")
             _expire(store, c1)

@@ -51,7 +51,7 @@ def test_redelivery_after_partial_progress_skips_done_rows(wsettings, wstore, bu
     # a first delivery that stored two rows, then its worker died
     claim = wstore.claim_chunk(run.chunk_ids[0], "dead:1", 60, 3)
     assert claim.state == "work"
-    from canvasq.core.store import ResultRecord
+    from canvasq.core.queue import ResultRecord
 
     wstore.write_results(run.run_id, [ResultRecord("r0", text="kept", completion_tokens=1),
                                       ResultRecord("r1", text="kept", completion_tokens=1)], "dead:1")

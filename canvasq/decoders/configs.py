@@ -181,6 +181,7 @@ class PhcdConfig:
     math_commit: tuple[int, int] = (4, 16)
     code_commit: tuple[int, int] = (8, 32)
     text_commit: tuple[int, int] = (32, 128)
+    commit_scale: int = 1  # every size × this: the proposal gives ranges, the frontier asks how large
     safe_entropy: float = 0.1  # nats: a position is safe when its argmax repeats under this entropy
     max_fine_steps: int = 8  # fine steps without a commit before the minimum is committed anyway
     promote: str = "late"  # committed K/V: "late" (promoted from the next forward) or "encode"
@@ -203,8 +204,8 @@ class PhcdConfig:
             object.__setattr__(self, name, v)  # JSON overrides arrive as lists
         if not 1 <= self.windows <= 64:
             raise ValueError(f"windows must be in 1..64, got {self.windows}")
-        if self.coarse_every < 1 or self.max_fine_steps < 1 or self.sc_topk < 1:
-            raise ValueError("coarse_every, max_fine_steps and sc_topk must be ≥ 1")
+        if min(self.coarse_every, self.max_fine_steps, self.sc_topk, self.commit_scale) < 1:
+            raise ValueError("coarse_every, max_fine_steps, sc_topk and commit_scale must be ≥ 1")
         if self.safe_entropy <= 0:
             raise ValueError(f"safe_entropy must be > 0, got {self.safe_entropy}")
 

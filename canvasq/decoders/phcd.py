@@ -116,7 +116,7 @@ class PhcdDecoder(StepDecoder):
 
     def commit_sizes(self, task: str | None) -> tuple[int, int]:
         """(min, max) tokens per commit for the task's family, on this model's canvas."""
-        lo, hi = getattr(self.config, f"{task_family(task)}_commit")
+        lo, hi = (x * self.config.commit_scale for x in getattr(self.config, f"{task_family(task)}_commit"))
         return canvas_rows(lo, self.C), max(canvas_rows(lo, self.C), canvas_rows(hi, self.C))
 
     def spawn(self, s: Seq):

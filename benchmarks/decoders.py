@@ -7,6 +7,9 @@
                                                             # CUDA-graph replays (built untimed)
     python3 benchmarks/decoders.py live --device cuda       # the production decode loop at the real
                                                             # shape, random weights, graphs on / off
+    python3 benchmarks/decoders.py replay-live --device cuda --arms "official;phcd"
+                                                            # the production loop at the real shape
+                                                            # on the testbed's decisions (replayed)
 
 `batched`: for each decoder and batch size, the same n problems (same seed) decoded in chunks of
 that batch size; wall tok/s, forwards per request, tokens per forward, distinct passes. Real commit
@@ -25,6 +28,13 @@ ids, each arm timed cold (its first batch: CUDA-graph captures included) and the
 weights commit almost nothing on confidence, so the schedule is forced-accept bound (one token per
 canvas per step): a worst case for tokens per forward, and a like-for-like per-step cost comparison
 between arms (the graph and eager arms run the same loop; whether their tokens agree is reported).
+
+`replay-live`: the decoder's own loop (`run_batch`: its windows, sampler work on [rows, 262,144]
+logits, commits, promotions, encoder passes) at the real shape, with the decisions random weights cannot
+make taken from a testbed recording: `official` stops each canvas after its recorded denoising steps
+(`official.REPLAY`), `phcd` commits its recorded count × scale on each forward (`phcd.REPLAY`; coarse
+passes fall on the same forwards). Prompts are the testbed prompts' ids repeated × scale. Each arm runs
+once untimed (allocations, graph captures), then timed; tok/s = recorded tokens × scale ÷ wall seconds.
 
 Prints a Markdown table; the last line is one JSON object; with $OUT set, raw results go to
 $OUT/decoders_<mode>.json.
@@ -205,6 +215,111 @@ def live(args) -> dict:
         "seed": args.seed,
         "rows": rows,
         "schedule": "live loop, random weights (forced-accept bound)",
+    }
+
+
+# --- replay-live -------------------------------------------------------------------------------------
+def _replay_plan(name: str, result, scale: int, C: int) -> tuple[list[int], int]:
+    """(the decoder's REPLAY entry, max_tokens at the real shape) from one testbed result."""
+    if name == "official":  # denoising steps per canvas (its decode passes between encoder passes)
+        steps, cur = [], 0
+        for t in result.traces[1:]:  # the prefill first
+            if t.kind == "decode":
+                cur += 1
+            elif cur:
+                steps.append(cur)
+                cur = 0
+        steps += [cur] if cur else []
+        return steps, len(steps) * C
+    sizes = [(t.own_commits or 0) * scale for t in result.traces if t.kind == "decode"]
+    return sizes, max(1, sum(sizes))
+
+
+def replay_live(args) -> dict:
+    from canvasq.decoders import official, phcd
+    from canvasq.model.loading import load_bundle
+
+    tables = {"official": official.REPLAY, "phcd": phcd.REPLAY}
+    testbed = load_bundle(args.model, device=args.record_device)
+    target = load_bundle(args.shape, device=args.device)
+    scale = target.canvas_length // testbed.canvas_length
+    _, reqs = _requests(testbed, args.task, args.n, args.seed, args.max_tokens)
+    rows = []
+
+    def sync():
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    for bs in [int(x) for x in args.batches.split(",")]:
+        for spec in args.arms.split(";"):
+            name, over = _parse_arm(spec)
+            if name not in tables:
+                raise SystemExit(f"replay-live: {name!r} has no REPLAY hook (official, phcd)")
+            part = reqs[:bs] if bs > 1 else reqs[: max(1, args.n // 4)]
+            recorded = []
+            for i in range(0, len(part), bs):
+                recorded += run_batch(
+                    testbed,
+                    DecodeBatch(part[i : i + bs], seed=args.seed),
+                    decoder=name,
+                    overrides=over or None,
+                )
+            tables[name].clear()
+            jobs = []
+            for q, r in zip(part, recorded):
+                plan, max_tokens = _replay_plan(name, r, scale, target.canvas_length)
+                for key in (q.custom_id, f"w{q.custom_id}"):
+                    tables[name][key] = plan
+                jobs.append(DecodeRequest(q.custom_id, q.prompt_ids * scale, max_tokens, q.task))
+            warm = [DecodeRequest(f"w{j.custom_id}", j.prompt_ids, j.max_tokens, j.task) for j in jobs]
+            knobs = (
+                {"adapter": False, "experts": args.experts, **over}
+                if name == "phcd"
+                else {"experts": args.experts, **over}
+            )
+            times = []
+            for batch in (warm, jobs):  # the first pass untimed: allocations and graph captures
+                sync()
+                t0 = time.perf_counter()
+                res = []
+                for i in range(0, len(batch), bs):
+                    res += run_batch(
+                        target, DecodeBatch(batch[i : i + bs], seed=args.seed), decoder=name, overrides=knobs
+                    )
+                sync()
+                times.append(time.perf_counter() - t0)
+            tokens = sum(len(r.token_ids) for r in recorded) * scale
+            rows.append(
+                {
+                    "arm": spec,
+                    "batch": bs,
+                    "requests": len(jobs),
+                    "seconds": times[1],
+                    "cold_seconds": times[0],
+                    "tokens_scaled": tokens,
+                    "tok_s_replayed": tokens / times[1],
+                    "fwd_per_req": sum(r.forwards for r in res) / len(res),
+                    "errors": [r.error for r in res if r.error][:3],
+                }
+            )
+            print(
+                f"batch {bs:>3} {spec:<30} {tokens / times[1]:9.1f} tok/s (replayed)  "
+                f"{rows[-1]['fwd_per_req']:.1f} fwd/req  {times[1]:.1f}s",
+                file=sys.stderr,
+            )
+            tables[name].clear()
+    return {
+        "mode": "replay-live",
+        "recorded_on": testbed.spec,
+        "shape": args.shape,
+        "device": args.device,
+        "experts": args.experts,
+        "task": args.task,
+        "n": args.n,
+        "seed": args.seed,
+        "scale": scale,
+        "rows": rows,
+        "schedule": "replayed",
     }
 
 
@@ -425,6 +540,14 @@ def replay_mode(args) -> dict:
 
 
 def table(report: dict) -> str:
+    if report["mode"] == "replay-live":
+        head = "| arm | batch | requests | fwd/req | seconds | tok/s (replayed) |\n|---|---|---|---|---|---|"
+        body = [
+            f"| {r['arm']} | {r['batch']} | {r['requests']} | {r['fwd_per_req']:.1f} | {r['seconds']:.2f} | "
+            f"{r['tok_s_replayed']:.1f} |"
+            for r in report["rows"]
+        ]
+        return "\n".join([head, *body])
     if report["mode"] == "live":
         head = "| arm | batch | run | passes | ms/pass | tok/s | graphs built / replayed / eager |\n|---|---|---|---|---|---|---|"
         body = [
@@ -460,7 +583,7 @@ def table(report: dict) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("mode", choices=["batched", "replay", "live"])
+    ap.add_argument("mode", choices=["batched", "replay", "live", "replay-live"])
     ap.add_argument("--model", default=None, help="testbed checkpoint (default models/testbed)")
     ap.add_argument("--arms", default="official;pipe;funnel", help="';'-separated decoder[:k=v,...]")
     ap.add_argument("--batches", default="1,4,16")
@@ -478,7 +601,9 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-len", type=int, default=128, help="live: random prompt length")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    report = {"batched": batched, "replay": replay_mode, "live": live}[args.mode](args)
+    report = {"batched": batched, "replay": replay_mode, "live": live, "replay-live": replay_live}[args.mode](
+        args
+    )
     report.update(
         {
             "host": platform.node(),

@@ -43,10 +43,10 @@ import torch
 from canvasq.decoders.base import Seq, StepDecoder, row_generator
 from canvasq.decoders.configs import OfficialConfig, PhcdConfig, canvas_rows
 
-# Benchmarks only (`benchmarks/decoders.py live --arms phcd`, labelled "replayed"): custom_id -> the
-# commit sizes recorded on the testbed, one per forward (0 = no commit). Random weights at the real
-# shape never become confident, so a listed request commits exactly its recorded sizes (scaled by the
-# caller) and its coarse passes fall on the same forwards. Empty in production.
+# Benchmarks only (`benchmarks/decoders.py replay-live`, labelled "replayed"): custom_id -> the commit
+# sizes recorded on the testbed, one per forward (0 = no commit), scaled by the caller. Random weights
+# at the real shape never become confident, so a listed request commits exactly its recorded sizes,
+# never ends on a sampled EOS, and its coarse passes fall on the same forwards. Empty in production.
 REPLAY: dict[str, list[int]] = {}
 
 
@@ -309,7 +309,7 @@ class PhcdDecoder(StepDecoder):
         plan.pending_pos = torch.arange(plan.start, plan.start + n, device=self.device)
         plan.start += n
         plan.fine_since_commit = 0
-        if any(t in self.stop_ids for t in out):
+        if any(t in self.stop_ids for t in out) and s.req.custom_id not in REPLAY:
             s.done, s.finish_reason = True, "stop"
             return
         if len(s.out) >= s.req.max_tokens:

@@ -35,7 +35,6 @@ def json_option(f):
     return click.option("--json", "as_json", is_flag=True, help="Print one JSON line instead of a table.")(f)
 
 
-
 def failure_line(exc: Exception) -> str | None:
     from canvasq.core.schemas import InputError
     from canvasq.core.settings import settings_error_line

@@ -44,7 +44,6 @@ NOT_IDENTITY = {"database_url", "broker_url", "soft_time_limit", "hard_time_limi
                  "w4_cache_dir"}
 
 
-
 def _embedded_key(digest: str, settings, decoder: str, chunk_size: int) -> str:
     """An embedded run's identity: the input's bytes and every setting that shapes its outputs.
     Rerunning the same `canvasq run` finds the run by this key and continues it."""
@@ -193,8 +192,6 @@ def process_embedded(rt, run_id: str) -> list[tuple[int, int]]:
     finally:
         signal.signal(signal.SIGTERM, previous)
         rt.stop()
-
-
 
 
 @click.command()

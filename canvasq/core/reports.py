@@ -61,8 +61,6 @@ def recent_rate(finishes: Sequence[datetime], now: datetime | None = None) -> fl
     return n / span if span > 0 and n else None
 
 
-
-
 # ---------------------------------------------------------------------------------------- reports
 
 

@@ -59,7 +59,7 @@ def record(device: str, n: int, seed: int, max_tokens: int) -> tuple[list[dict],
     return rows, acc
 
 
-def replay(rows: list[dict], batch: int, scale: int, device: str, target: str) -> dict:
+def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, fp8: str = "off") -> dict:
     from canvasq.core.schemas import Job
     from canvasq.core.settings import Settings
     from canvasq.core.store import Store
@@ -82,7 +82,7 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str) -
         jobs.append(Job(r["custom_id"], " ".join([r["prompt"]] * scale), r["task"], len(r["steps"]) * C, None, i + 1))
     db = Path(tempfile.mkdtemp()) / "bench.sqlite"
     settings = Settings(database_url=f"sqlite:///{db}", model=target, device=device, decode_slots=batch,
-                        experts="w4", cuda_graphs="auto")
+                        experts="w4", cuda_graphs="auto", fp8=fp8)
     store = Store(settings.database_url)
     store.upgrade()
     rt = ChunkRuntime(settings=settings, store=store, bundle=bundle, worker_id="bench:1", queue="q")
@@ -118,7 +118,7 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str) -
     encode_s = sum(ms for _, k, ms in passes if k == "encode") / 1000
     return {
         "decode_forwards_s": decode_s, "encode_passes_s": encode_s, "rest_s": wall - decode_s - encode_s,
-        "batch": batch, "requests": len(rows), "wall_s": wall, "tokens_replayed": tokens,
+        "batch": batch, "fp8": fp8, "requests": len(rows), "wall_s": wall, "tokens_replayed": tokens,
         "tok_s_replayed": tokens / wall, "decoder_steps": steps, "rows_per_s": live_rows / wall,
         "occupancy_mean": (sum(n for n, _ in occ) / sum(s for _, s in occ)) if occ else None,
         "occupancy_full_until": next((i for i, (n, s) in enumerate(occ) if n < s), steps) / max(1, steps),
@@ -139,14 +139,16 @@ def _graph_stats(bundle) -> dict:
     return {k: dict(rt.graph_runner.stats) for k, rt in per.items() if rt.graph_runner is not None}
 
 
-def bare(batch: int, prompt: int, device: str, reps: int = 20) -> dict:
+def bare(batch: int, prompt: int, device: str, reps: int = 20, fp8: str = "off") -> dict:
     """`batch` windows of 256 rows with top-k SC through the graph runner: the forward alone."""
     from canvasq.decoders.base import runtime_for
     from canvasq.model.graph import graph_runner
     from canvasq.model.runtime import Window
 
     bundle = _TARGET
-    rt = runtime_for(bundle.hf_model, "w4")
+    from canvasq.core.settings import Settings
+
+    rt = runtime_for(bundle.hf_model, "w4", fp8, Settings().fp8_min_rows)
     runner = graph_runner(rt)
     C, V = bundle.canvas_length, rt.vocab_size
     arena = runner.arena(max(batch, runner.store.slots if runner.store else 0), prompt + 4 * C)
@@ -169,7 +171,7 @@ def bare(batch: int, prompt: int, device: str, reps: int = 20) -> dict:
         times.append(time.perf_counter() - t0)
     times.sort()
     med = times[len(times) // 2]
-    return {"batch": batch, "ms_per_forward": med * 1000, "rows_per_s": batch * C / med}
+    return {"batch": batch, "fp8": fp8, "ms_per_forward": med * 1000, "rows_per_s": batch * C / med}
 
 
 _TARGET = None
@@ -187,6 +189,7 @@ def main() -> None:
     ap.add_argument("--target", default="random:26b-a4b", help="the replay's model (random:testbed: a CPU dry run)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--warm", choices=("full", "partial"), default="full")
+    ap.add_argument("--fp8", default="off,auto", help="CANVASQ_FP8 arms, ';'-separated when a value is a list")
     args = ap.parse_args()
     global WARM
     WARM = args.warm
@@ -196,20 +199,22 @@ def main() -> None:
     report = {"commit": commit, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "schedule": "replayed", "scale": args.scale, "seed": args.seed, "testbed_accuracy": acc,
               "service": [], "bare": []}
+    arms = args.fp8.split(";") if ";" in args.fp8 else args.fp8.split(",")
     for b in [int(x) for x in args.batches.split(",")]:
-        try:
-            res = replay(rows, b, args.scale, args.device, args.target)
-            print(json.dumps(res), flush=True)
-            report["service"].append(res)
-            prompt = int(sum(len(_TARGET.encode_prompt(" ".join([r["prompt"]] * args.scale), r["task"]))
-                             for r in rows) / len(rows))
-            bres = bare(b, prompt, args.device)
-            print(json.dumps(bres), flush=True)
-            report["bare"].append(bres)
-        except torch.OutOfMemoryError as exc:
-            print(f"batch {b}: out of memory: {exc}", flush=True)
-            report["service"].append({"batch": b, "error": "out of memory"})
-            torch.cuda.empty_cache()
+        for fp8 in arms:  # A/B in one process, same requests, same loaded model
+            try:
+                res = replay(rows, b, args.scale, args.device, args.target, fp8)
+                print(json.dumps(res), flush=True)
+                report["service"].append(res)
+                prompt = int(sum(len(_TARGET.encode_prompt(" ".join([r["prompt"]] * args.scale), r["task"]))
+                                 for r in rows) / len(rows))
+                bres = bare(b, prompt, args.device, fp8=fp8)
+                print(json.dumps(bres), flush=True)
+                report["bare"].append(bres)
+            except torch.OutOfMemoryError as exc:
+                print(f"batch {b} fp8={fp8}: out of memory: {exc}", flush=True)
+                report["service"].append({"batch": b, "fp8": fp8, "error": "out of memory"})
+                torch.cuda.empty_cache()
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     print(json.dumps(report))

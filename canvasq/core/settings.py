@@ -10,6 +10,9 @@
     CANVASQ_DEVICE         auto (the current CUDA device when one is visible, else cpu) | cpu | cuda | cuda:N
     CANVASQ_EXPERTS        auto (W4A16 experts on CUDA, BF16 on CPU) | w4 | bf16
     CANVASQ_W4_CACHE_DIR   where packed W4 experts are cached when the model directory is not writable
+    CANVASQ_FP8            auto (FP8 GEMMs for large forwards on Hopper, off elsewhere) | off |
+                           a list of experts, dense, head
+    CANVASQ_FP8_MIN_ROWS   rows from which a forward takes the FP8 path (smaller ones are bandwidth-bound)
     CANVASQ_LEASE_S        a claimed chunk's lease, renewed by the worker's heartbeat (default 60)
     CANVASQ_HEARTBEAT_S    worker heartbeat; offline after 3 missed beats + 10 s (default 15)
     CANVASQ_RECONCILE_S    every worker's periodic reconcile pass, one per interval fleet-wide (default 15; 0 off)
@@ -29,6 +32,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from canvasq.decoders.configs import FP8_MIN_ROWS, FP8_PARTS
 from canvasq.model.loading import DEFAULT_MODEL_DIR, REPO_ROOT  # noqa: F401 (re-exported; no torch import)
 
 DECODERS = ("auto", "official", "hf", "pipe", "funnel")
@@ -88,6 +92,17 @@ class Settings(BaseSettings):
     experts: Literal["auto", "w4", "bf16"] = "auto"
     # packed-experts cache for model directories that are not writable (default: ~/.cache/canvasq/w4)
     w4_cache_dir: str | None = None
+    # FP8 tensor-core GEMMs for forwards of >= fp8_min_rows rows, where the forward is compute-bound
+    fp8: str = "auto"
+    fp8_min_rows: int = Field(FP8_MIN_ROWS, ge=0)
+
+    @field_validator("fp8")
+    @classmethod
+    def _known_fp8(cls, v: str) -> str:
+        parts = [p.strip() for p in v.lower().split(",") if p.strip()]
+        if v.strip().lower() in ("auto", "off") or (parts and all(p in FP8_PARTS for p in parts)):
+            return v.strip().lower()
+        raise ValueError(f"expected auto, off or a comma list of {', '.join(FP8_PARTS)}")
 
     @field_validator("device")
     @classmethod

@@ -65,6 +65,8 @@ def run_batch(
     experts: str | None = None,
     calibration=None,
     budget: float | None = None,
+    fp8: str | None = None,
+    fp8_min_rows: int | None = None,
 ) -> list[DecodeResult]:
     """Decode every request of `batch`; one DecodeResult per request, in order.
 
@@ -81,9 +83,11 @@ def run_batch(
       keeps their config default, and `overrides` win over it.
     experts: "bf16" / "w4" for every decoder (the service's resolved `experts` setting); None keeps
       the config default, and `overrides` win over it.
+    fp8, fp8_min_rows: the FP8 path for large forwards (CANVASQ_FP8, CANVASQ_FP8_MIN_ROWS), the same way.
     """
+    service = {"experts": experts, "fp8": fp8, "fp8_min_rows": fp8_min_rows}
     if decoder != "auto":
-        dec = make_decoder(decoder, bundle, overrides, cuda_graphs, experts)
+        dec = make_decoder(decoder, bundle, overrides, cuda_graphs, **service)
         return dec.decode(batch, should_stop=should_stop, interrupts=interrupts)
 
     from canvasq.decoders.routing import group_by_route
@@ -91,7 +95,7 @@ def run_batch(
     groups = group_by_route([r.task for r in batch.requests], routing, calibration, budget, overrides)
     results: list[DecodeResult | None] = [None] * len(batch.requests)
     for name, knobs, idx in groups:
-        dec = make_decoder(name, bundle, knobs, cuda_graphs, experts)
+        dec = make_decoder(name, bundle, knobs, cuda_graphs, **service)
         sub = DecodeBatch(requests=[batch.requests[i] for i in idx], seed=batch.seed)
         try:
             out = dec.decode(sub, should_stop=should_stop, interrupts=interrupts)

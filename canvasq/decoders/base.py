@@ -93,14 +93,22 @@ def first_stop(tokens: list[int], stop_ids: frozenset[int]) -> int | None:
     return None
 
 
-def runtime_for(hf_model, experts: str):
-    """One `Runtime` per (model, experts) per process: it shares the HF tensors, W4 packs once."""
+def runtime_for(hf_model, experts: str, fp8: str = "off", fp8_min_rows: int = 0):
+    """One `Runtime` per (model, experts, FP8 setting) per process: it shares the HF tensors, W4 packs
+    once; `fp8` ("auto", "off" or a list of `model.fp8.PARTS`) adds FP8 copies for large forwards."""
+    from canvasq.model.fp8 import install_fp8, parse_parts
     from canvasq.model.runtime import Runtime
 
     per_model = _RUNTIMES.setdefault(hf_model, {})
-    if experts not in per_model:
-        per_model[experts] = Runtime.from_hf(hf_model, experts=experts)
-    return per_model[experts]
+    device = next(hf_model.parameters()).device
+    parts = parse_parts(fp8, device)
+    key = (experts, parts, fp8_min_rows if parts else 0)
+    if key not in per_model:
+        rt = Runtime.from_hf(hf_model, experts=experts)
+        if parts:
+            install_fp8(rt, parts, fp8_min_rows)
+        per_model[key] = rt
+    return per_model[key]
 
 
 def row_generator(seed: int, custom_id: str) -> torch.Generator:
@@ -173,7 +181,12 @@ class StepDecoder:
         self.bundle = bundle
         self.config = config if config is not None else self.config_cls()
         self.model = self.pick_model()
-        self.rt = runtime_for(self.model, self.config.experts)
+        self.rt = runtime_for(
+            self.model,
+            self.config.experts,
+            getattr(self.config, "fp8", "off"),
+            getattr(self.config, "fp8_min_rows", 0),
+        )
         self.C = bundle.canvas_length
         self.eos_id = bundle.eos_id
         self.stop_ids = frozenset({bundle.eos_id, bundle.pad_id})

@@ -20,6 +20,10 @@ GRAPHS = ("auto", "on", "off")
 # same setting means the same share of a canvas on the testbed (32) as on the real checkpoint (256).
 # τ_add / τ_act are decode fractions and need no scaling.
 SEED_CANVAS = 256
+# Forwards from this many rows use the FP8 path where it is on (CANVASQ_FP8_MIN_ROWS): below it a
+# forward is bandwidth-bound and the W4 experts read fewer bytes
+FP8_MIN_ROWS = 1024
+FP8_PARTS = ("experts", "dense", "head")  # model/fp8.py's PARTS (named here without importing torch)
 
 
 def canvas_rows(rows: int, canvas_length: int) -> int:
@@ -48,6 +52,8 @@ class OfficialConfig:
     stable for 1 step and the mean entropy is under 0.005)."""
 
     experts: str = "bf16"
+    fp8: str = "auto"  # FP8 GEMMs in forwards of >= fp8_min_rows rows (model/fp8.py): auto | off | parts
+    fp8_min_rows: int = FP8_MIN_ROWS
     max_denoising_steps: int | None = None  # the step cap per canvas (also sets the temperature ramp)
     entropy_bound: float | None = None
     t_min: float | None = None
@@ -65,6 +71,7 @@ class OfficialConfig:
 
     def __post_init__(self):
         _check_choice("experts", self.experts, EXPERTS)
+        _check_fp8(self.fp8, self.fp8_min_rows)
         _check_choice("cuda_graphs", self.cuda_graphs, GRAPHS)
         _check_choice("seed_mode", self.seed_mode, ("row", "plain"))
         if self.max_denoising_steps is not None and self.max_denoising_steps < 1:
@@ -111,12 +118,15 @@ class PipeConfig:
     sc_topk: int | None = None  # top-k self-conditioning projection; None = full vocabulary
     adapter: bool = True  # decode with the D2F LoRA merged (`bundle.d2f_model()`)
     experts: str = "bf16"
+    fp8: str = "auto"  # FP8 GEMMs in forwards of >= fp8_min_rows rows (model/fp8.py): auto | off | parts
+    fp8_min_rows: int = FP8_MIN_ROWS
     # Decoder forwards replayed as CUDA graphs over a persistent arena (`model.graph.GraphRunner`):
     # "auto" on a CUDA device, "off" eager, "on" the same prepared forwards on any device (CPU tests)
     cuda_graphs: str = "auto"
 
     def __post_init__(self):
         _check_choice("experts", self.experts, EXPERTS)
+        _check_fp8(self.fp8, self.fp8_min_rows)
         _check_choice("renoise", self.renoise, RENOISE)
         _check_choice("cuda_graphs", self.cuda_graphs, GRAPHS)
         if not 1 <= self.max_canvases <= 8:
@@ -233,3 +243,11 @@ def with_overrides(cfg, overrides: dict[str, Any] | None):
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _check_fp8(value: str, min_rows: int) -> None:
+    from canvasq.model.fp8 import parse_parts
+
+    parse_parts(value, "cpu")  # raises with the setting's name on a bad list
+    if not isinstance(min_rows, int) or min_rows < 0:
+        raise ValueError(f"fp8_min_rows={min_rows!r}: expected a whole number >= 0")

@@ -44,12 +44,15 @@ def make_decoder(
     overrides: dict | None = None,
     cuda_graphs: str | None = None,
     experts: str | None = None,
+    fp8: str | None = None,
+    fp8_min_rows: int | None = None,
 ):
     """A ready strategy instance: `.decode(batch, should_stop) -> list[DecodeResult]`.
-    `cuda_graphs` and `experts` (the service settings) apply to the decoders that have that option,
-    unless `overrides` set it themselves."""
+    `cuda_graphs`, `experts`, `fp8` and `fp8_min_rows` (the service settings) apply to the decoders
+    that have that option, unless `overrides` set it themselves."""
     config = make_config(name, overrides)
-    for key, value in (("cuda_graphs", cuda_graphs), ("experts", experts)):
+    service = (("cuda_graphs", cuda_graphs), ("experts", experts), ("fp8", fp8), ("fp8_min_rows", fp8_min_rows))
+    for key, value in service:
         if value is not None and hasattr(config, key) and key not in (overrides or {}):
             config = dataclasses.replace(config, **{key: value})
     return decoder_class(name)(bundle, config)

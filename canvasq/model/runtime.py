@@ -75,6 +75,7 @@ from canvasq.kernels.softcap import softcap_logits
 from canvasq.model.arena import Captured, KVArena
 from canvasq.model.attention_geometry import AttentionGeometry
 from canvasq.model.experts import gelu_tanh, grouped_mm_available, moe_grouped, moe_reference
+from canvasq.model.fp8 import fp8_linear, fp8_moe
 from canvasq.model.windows import DecodeOutput, SelfCond, Window, encoder_windows  # noqa: F401 (re-exported)
 
 # Legend: N rows in the forward (all windows), R rows of one window, B windows, H hidden, V vocab,
@@ -118,6 +119,7 @@ class LayerWeights:
     experts_packed: object = None  # W4Experts when experts="w4" (or installed by `pack_model_experts`)
     wqkv: torch.Tensor | None = None  # [(h + kv [+ kv]) * d, H]: q, k (and v) in one GEMM
     mlp_gate_up: torch.Tensor | None = None  # [2 * Id, H]: the dense MLP's gate and up in one GEMM
+    fp8: dict = field(default_factory=dict)  # {"wqkv" | "wo" | "mlp_gate_up" | "mlp_down" | "experts": FP8 copy}
 
 
 class Runtime:
@@ -174,6 +176,11 @@ class Runtime:
         self.prefix_attention = True  # mask-free SDPA when the mask is all-visible (eager forwards)
         self.scope: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
         self.graph_runner = None  # `model.graph.graph_runner(self)`: the decode loop's CUDA graphs
+        # FP8 copies (`fp8.install_fp8`) for forwards of at least `fp8_min_rows` rows, where the forward
+        # is compute-bound; smaller forwards keep the model-dtype / W4 path
+        self.fp8_parts: tuple[str, ...] = ()
+        self.fp8_min_rows = 0
+        self.lm_head_fp8 = None
 
     # --- construction ------------------------------------------------------------------------------
     @classmethod
@@ -379,7 +386,11 @@ class Runtime:
         with self.scope("lm_head"):
             h = self._norm(h, self.final_norm, self.eps)
             # [N, V] fp32, like HF
-            logits = self._softcap(F.linear(h, self.lm_head), self.softcap, out=prep.logits_out)
+            if self.lm_head_fp8 is not None and h.shape[0] >= self.fp8_min_rows:
+                head = fp8_linear(h, self.lm_head_fp8)  # bf16 out; the softcap writes the fp32 logits
+            else:
+                head = F.linear(h, self.lm_head)
+            logits = self._softcap(head, self.softcap, out=prep.logits_out)
         return logits, cap_k, cap_v
 
     def _split_captured(self, prep: _Prepared, cap_k, cap_v) -> list[Captured | None]:
@@ -436,7 +447,7 @@ class Runtime:
         with self.scope("attention"):
             x = self._norm(h, lw.ln_in, eps)
             nq, nk, d = lw.heads * lw.head_dim, lw.kv_heads * lw.head_dim, lw.head_dim
-            qkv = F.linear(x, lw.wqkv)  # [N, nq + nk (+ nk)]; q, k, v are column views of it
+            qkv = self._dense(x, lw, "wqkv")  # [N, nq + nk (+ nk)]; q, k, v are column views of it
             k_raw = qkv[:, nq : nq + nk].view(n, lw.kv_heads, d)
             v = qkv[:, nq + nk :].view(n, lw.kv_heads, d) if lw.wv is not None else k_raw
             # k-norm + RoPE and the v-norm write straight into the rows' arena entries (no index_put),
@@ -463,24 +474,39 @@ class Runtime:
             if kv_only:
                 return h
             a = prep.ctx.attend(i, prep.arena, q_out.dst, lw.sliding)  # [N, h*d]
-            a = F.linear(a, lw.wo)
+            a = self._dense(a, lw, "wo")
             h = self._add_norm(a, lw.ln_post_attn, h, None, None, eps)  # h + norm(a)
 
         with self.scope("dense_mlp"):  # (with the router's and the experts' input norms: one launch)
             x, r, x_e = self._pre_ffn(
                 h, lw.ln_pre_ff, lw.router_scale, self.hidden_size**-0.5, lw.ln_pre_ff2, eps
             )
-            m = F.linear(self._gelu_mul(F.linear(x, lw.mlp_gate_up)), lw.mlp_down)
+            m = self._dense(self._gelu_mul(self._dense(x, lw, "mlp_gate_up")), lw, "mlp_down")
         with self.scope("experts"):  # router + routed experts
             topk_p, topk_ids = self._router(F.linear(r, lw.router_proj), self.top_k)  # fp32 softmax, top-k
             # each implementation applies the router epilogue (`route_weights`) itself: W4 in its combine
-            e = self._moe(x_e, topk_ids, topk_p, lw)
+            moe = self._moe if self._fp8(n, lw, "experts") is None else self._moe_fp8
+            e = moe(x_e, topk_ids, topk_p, lw)
         # (h + norm(norm(m) + norm(e))) * scalar: the branches' post-norms and the residual update in one
         return self._add_norm(
             m, lw.ln_post_ff, h, e, lw.layer_scalar, eps, pre=(lw.ln_post_ff1, lw.ln_post_ff2)
         )
 
-    # the three take the router's raw top-k probabilities
+    def _fp8(self, rows: int, lw: LayerWeights, name: str):
+        """The FP8 copy of `name` when this forward is large enough to use it, else None."""
+        return lw.fp8.get(name) if rows >= self.fp8_min_rows else None
+
+    def _dense(self, x, lw: LayerWeights, name: str):
+        q = self._fp8(x.shape[0], lw, name)
+        return F.linear(x, getattr(lw, name)) if q is None else fp8_linear(x, q)
+
+    # the four take the router's raw top-k probabilities
+    def _moe_fp8(self, x, topk_ids, topk_p, lw: LayerWeights):
+        # with the fused norms, the combine happens in the end-of-layer norm (`ExpertRows`), as for W4
+        return fp8_moe(
+            x, topk_ids, topk_p, lw.fp8["experts"], expert_scale=lw.per_expert_scale, defer_combine=self.kernels
+        )
+
     def _moe_reference(self, x, topk_ids, topk_p, lw: LayerWeights):
         return moe_reference(
             x, topk_ids, route_weights(topk_p, topk_ids, lw.per_expert_scale), lw.gate_up, lw.down

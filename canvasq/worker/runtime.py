@@ -340,7 +340,8 @@ class ChunkRuntime:
         written = retry_transient(lambda: self.store.write_results(run_id, records, self.worker_id)) if records else 0
         if not reqs:
             return written
-        dec = make_decoder(decoder, bundle, knobs, self.settings.cuda_graphs, self.experts)
+        dec = make_decoder(decoder, bundle, knobs, self.settings.cuda_graphs, self.experts,
+                           fp8=self.settings.fp8, fp8_min_rows=self.settings.fp8_min_rows)
         todo = list(reqs)
         occupancy: list[tuple[int, int]] = []
 
@@ -391,7 +392,8 @@ class ChunkRuntime:
                 results = self.decode_fn(bundle, DecodeBatch(reqs, seed=self.settings.seed), decoder,
                                          should_stop=should_stop, routing=self.settings.routing or None,
                                          interrupts=self.interrupts, cuda_graphs=self.settings.cuda_graphs,
-                                         experts=self.experts)
+                                         experts=self.experts, fp8=self.settings.fp8,
+                                         fp8_min_rows=self.settings.fp8_min_rows)
             except Interrupted as cut:  # keep the finished rows; the task abandons the rest of the chunk
                 share = (time.perf_counter() - t0) * 1000 / len(reqs)
                 done = [result_record(res, share, decoder) for res in cut.done]

@@ -1,0 +1,77 @@
+"""Per-row FP8 (e4m3) quantisation in one launch: each program loads a row, takes its absolute
+maximum, and writes the e4m3 row and its fp32 scale (x ≈ q * scale). `gelu_mul_quant` does the same
+on the experts' gated activation gelu_tanh(gate) * up straight from the gate/up GEMM output, so the
+model-dtype activation is never written.
+
+Numerics match `canvasq.model.fp8.quantize_rows` (the torch twin): amax in fp32, scale = amax / 448,
+x / scale clamped to ±448 and rounded to nearest by the conversion. The fused activation rounds to
+the model dtype before the product, as the unfused path does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._math import tanh
+
+E4M3_MAX = 448.0
+_K_BETA = math.sqrt(2.0) * (2.0 / math.sqrt(math.pi)) * 0.5
+_K_KAPPA = 0.044715
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < K
+    x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0
+    q = tl.clamp(x / scale, -448.0, 448.0)
+    tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=m)
+    tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _gelu_mul_quant_kernel(gu_ptr, q_ptr, s_ptr, I, stride_g, k_beta, k_kappa, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < I
+    DT: tl.constexpr = gu_ptr.dtype.element_ty
+    g = tl.load(gu_ptr + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * stride_g + I + cols, mask=m, other=0.0).to(tl.float32)
+    act = (0.5 * g * (1.0 + tanh(k_beta * (g + k_kappa * (g * g * g)), False))).to(DT).to(tl.float32)
+    y = (act * u).to(DT).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / 448.0
+    q = tl.clamp(y / scale, -448.0, 448.0)
+    tl.store(q_ptr + row * I + cols, q.to(q_ptr.dtype.element_ty), mask=m)
+    tl.store(s_ptr + row, scale)
+
+
+def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (unit column stride) -> (q [M, K] e4m3, scale [M] fp32)."""
+    m, k = x.shape
+    assert x.stride(-1) == 1, x.stride()
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m:
+        block = triton.next_power_of_2(k)
+        _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), BLOCK=block, num_warps=4 if block <= 2048 else 8)
+    return q, s
+
+
+def gelu_mul_quant_triton(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gu [M, 2I] (gate | up) -> quantised gelu_tanh(gate) * up: (q [M, I] e4m3, scale [M] fp32)."""
+    m, two_i = gu.shape
+    assert two_i % 2 == 0 and gu.stride(-1) == 1, gu.shape
+    inter = two_i // 2
+    q = torch.empty(m, inter, dtype=torch.float8_e4m3fn, device=gu.device)
+    s = torch.empty(m, dtype=torch.float32, device=gu.device)
+    if m:
+        block = triton.next_power_of_2(inter)
+        _gelu_mul_quant_kernel[(m,)](gu, q, s, inter, gu.stride(0), _K_BETA, _K_KAPPA, BLOCK=block,
+                                     num_warps=4 if block <= 2048 else 8)
+    return q, s

@@ -1,0 +1,254 @@
+"""FP8 (e4m3) GEMMs for large forwards: where a forward has thousands of rows, it is compute-bound,
+and Hopper's FP8 tensor cores double the bf16 peak. W4A16 saves bytes, not FLOPs, so it stays the
+path for small forwards (and for GPUs without FP8 grouped GEMMs, e.g. sm_121).
+
+Scales: weights per output channel (one fp32 scale per row of W [N, K], per expert for the experts),
+activations per row, computed on the fly from the row's absolute maximum. Both are dequantisation
+multipliers (w ≈ q * scale), the convention of `torch._scaled_mm` / `torch._scaled_grouped_mm`.
+
+The experts' FP8 copy is made from whatever the runtime holds: the BF16 experts, or, where those were
+freed at load (W4 packing), the W4 pack dequantised (`from_w4`), so a worker needs no extra load-time
+step and the disk cache stays the W4 one.
+
+On CUDA with sm >= 9.0 the GEMMs are torch's FP8 kernels (row-wise scaling, fast accumulation); on any
+other device `fp8_linear` / `fp8_moe` dequantise and run the model-dtype matmul, the same numbers up
+to accumulation order (the CPU tests compare the two paths through this twin).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from canvasq.model.experts import gelu_tanh
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+_TINY = 1e-12  # an all-zero row still gets a finite scale
+
+# parts of a forward that can run in FP8 (CANVASQ_FP8 lists them)
+PARTS = ("experts", "dense", "head")  # = decoders.configs.FP8_PARTS (a test holds them equal)
+
+
+def fp8_supported(device: torch.device | str) -> bool:
+    """torch's FP8 GEMMs with row-wise scales (and the grouped one) run on sm 9.x (Hopper)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return _hopper(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=16)
+def _hopper(index: int) -> bool:
+    major, _ = torch.cuda.get_device_capability(index)
+    return major == 9 and hasattr(torch, "_scaled_grouped_mm") and hasattr(torch, "_scaled_mm")
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (q [..., K] e4m3, scale [...] fp32) with x ≈ q * scale, per row (saturating)."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(_TINY)
+    scale = amax / E4M3_MAX
+    q = (x.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, scale.squeeze(-1)
+
+
+@dataclass
+class FP8Linear:
+    """W [N, K] as e4m3 with one scale per output channel."""
+
+    q: torch.Tensor  # [N, K] e4m3
+    scale: torch.Tensor  # [N] fp32
+
+    @classmethod
+    def from_weight(cls, w: torch.Tensor) -> FP8Linear:
+        q, s = quantize_rows(w.detach())
+        return cls(q.contiguous(), s.contiguous())
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.q.float() * self.scale[:, None]).to(dtype)
+
+    def nbytes(self) -> int:
+        return self.q.numel() + 4 * self.scale.numel()
+
+
+@dataclass
+class FP8Experts:
+    """Routed experts as e4m3 in HF's layout: gate_up [E, 2I, H], down [E, H, I]; a scale per expert
+    and output channel."""
+
+    gate_up: torch.Tensor
+    gate_up_scale: torch.Tensor  # [E, 2I]
+    down: torch.Tensor
+    down_scale: torch.Tensor  # [E, H]
+
+    @classmethod
+    def from_weights(cls, gate_up: torch.Tensor, down: torch.Tensor) -> FP8Experts:
+        g, gs = _quantize_by_expert(gate_up)
+        d, ds = _quantize_by_expert(down)
+        return cls(g, gs, d, ds)
+
+    @classmethod
+    def from_w4(cls, packed) -> FP8Experts:
+        """From a W4 pack (the BF16 experts freed at load): dequantised one expert block at a time."""
+        from canvasq.kernels.moe.quant import unpack_w4
+
+        gate_up, down = unpack_w4(packed)
+        return cls.from_weights(gate_up, down)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.gate_up, self.gate_up_scale, self.down, self.down_scale))
+
+
+def _quantize_by_expert(w: torch.Tensor, chunk: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> e4m3 [E, N, K] and scales [E, N], a few experts at a time (bounded fp32 scratch)."""
+    q = torch.empty(w.shape, dtype=E4M3, device=w.device)
+    s = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+    for e in range(0, w.shape[0], chunk):
+        q[e : e + chunk], s[e : e + chunk] = quantize_rows(w[e : e + chunk].detach())
+    return q, s
+
+
+def _quantize(x: torch.Tensor, kernel: bool):
+    if kernel:
+        from canvasq.kernels.fp8_quant import quantize_rows_triton
+
+        return quantize_rows_triton(x.contiguous())
+    return quantize_rows(x)
+
+
+def fp8_linear(x: torch.Tensor, w: FP8Linear, kernel: bool | None = None) -> torch.Tensor:
+    """x [M, K] @ W.T -> [M, N] in x's dtype, x quantised per row. `kernel`: torch's FP8 GEMM and the
+    Triton row quantiser (default: where `fp8_supported`) or the dequantising twin."""
+    kernel = fp8_supported(x.device) if kernel is None else kernel
+    xq, xs = _quantize(x, kernel)
+    if kernel:
+        return torch._scaled_mm(
+            xq, w.q.t(), scale_a=xs[:, None], scale_b=w.scale[None, :], out_dtype=x.dtype, use_fast_accum=True
+        )
+    return ((xq.float() * xs[:, None]) @ (w.q.float() * w.scale[:, None]).t()).to(x.dtype)
+
+
+def fp8_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_p: torch.Tensor,
+    ex: FP8Experts,
+    expert_scale: torch.Tensor | None = None,
+    defer_combine: bool = False,
+    kernel: bool | None = None,
+):
+    """`experts.moe_grouped` on e4m3 weights and per-row e4m3 activations: x [N, H] -> [N, H].
+
+    `topk_p` are the combine weights, or with `expert_scale` the router's raw top-k probabilities
+    (renormalised and scaled by `route_weights`). Each token is quantised once and its rows gathered
+    per assignment (the scale travels with the row); the gated activation is quantised straight from
+    the gate/up output (one Triton launch on the kernel path). With `defer_combine` the per-assignment
+    rows come back in token order as the W4 path's `ExpertRows`, which the end-of-layer norm combines;
+    otherwise the K outputs of a row are summed in fp32 in fixed k order, as the other
+    implementations do."""
+    from canvasq.kernels.moe.launch import ExpertRows
+    from canvasq.kernels.moe.reference import route_weights
+
+    kernel = fp8_supported(x.device) if kernel is None else kernel
+    n, k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    sorted_e, order = torch.sort(flat, stable=True)
+    num_experts = ex.gate_up.shape[0]
+    bounds = torch.arange(1, num_experts + 1, device=flat.device)
+    offs = torch.searchsorted(sorted_e, bounds, right=False).to(torch.int32)
+    xq, xs = _quantize(x, kernel)
+    src = order // k
+    xq, xs = xq.view(torch.uint8)[src].view(E4M3), xs[src]  # gathered as bytes: fp8 indexing is not on every build
+    gu = _grouped(xq, xs, ex.gate_up, ex.gate_up_scale, offs, x.dtype, kernel)
+    if kernel:
+        from canvasq.kernels.fp8_quant import gelu_mul_quant_triton
+
+        aq, as_ = gelu_mul_quant_triton(gu)
+    else:
+        g, u = gu.chunk(2, dim=-1)
+        aq, as_ = quantize_rows(gelu_tanh(g) * u)
+    out = _grouped(aq, as_, ex.down, ex.down_scale, offs, x.dtype, kernel)  # [N*K, H], expert order
+    y = torch.empty_like(out)
+    y[order] = out  # token order: row t*K + j is token t's j-th expert
+    if defer_combine:
+        return ExpertRows(y, topk_p, topk_ids, expert_scale)
+    w = topk_p if expert_scale is None else route_weights(topk_p, topk_ids, expert_scale)
+    y = y.view(n, k, -1).float() * w[..., None].float()
+    return y.sum(1).to(x.dtype)
+
+
+def _grouped(aq, a_scale, wq, w_scale, offs, dtype, kernel: bool):
+    """Rows sorted by expert ([M, K] e4m3, [M] scales) times their expert's W.T ([E, N, K] e4m3)."""
+    if kernel:
+        return torch._scaled_grouped_mm(
+            aq, wq.transpose(-2, -1), a_scale, w_scale, offs=offs, out_dtype=dtype, use_fast_accum=True
+        )
+    a = aq.float() * a_scale[:, None]
+    out = torch.empty(aq.shape[0], wq.shape[1], dtype=torch.float32, device=aq.device)
+    start = 0
+    for e, end in enumerate(offs.tolist()):  # the CPU twin: host sync is fine here
+        if end > start:
+            out[start:end] = a[start:end] @ (wq[e].float() * w_scale[e][:, None]).t()
+        start = end
+    return out.to(dtype)
+
+
+
+DENSE = ("wqkv", "wo", "mlp_gate_up", "mlp_down")
+
+
+def parse_parts(value: str | None, device: torch.device | str) -> tuple[str, ...]:
+    """CANVASQ_FP8: "auto" (every part where `fp8_supported`, none elsewhere), "off", or a comma list
+    of PARTS. Raises ValueError naming the setting on anything else."""
+    value = (value or "auto").strip().lower()
+    if value == "auto":
+        return PARTS if fp8_supported(device) else ()
+    if value in ("off", "none", ""):
+        return ()
+    parts = tuple(p.strip() for p in value.split(",") if p.strip())
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        raise ValueError(f"CANVASQ_FP8={value!r}: unknown part(s) {', '.join(bad)}; expected auto, off or a list of "
+                         f"{', '.join(PARTS)}")
+    return parts
+
+
+def install_fp8(rt, parts: tuple[str, ...], min_rows: int) -> int:
+    """Give runtime `rt` FP8 copies of `parts` for forwards of >= `min_rows` rows; returns the bytes
+    added. Tensors shared by encoder and decoder layers (HF ties them) are quantised once; the experts
+    come from the BF16 weights or, where those were freed, from the W4 pack."""
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        raise ValueError(f"unknown FP8 part(s) {bad}; known: {', '.join(PARTS)}")
+    done: dict[int, object] = {}
+    added = 0
+
+    def once(key: int, make):
+        nonlocal added
+        if key not in done:
+            done[key] = make()
+            added += done[key].nbytes()
+        return done[key]
+
+    for lw in rt.enc_layers + rt.dec_layers:
+        lw.fp8 = {}
+        if "dense" in parts:
+            for name in DENSE:
+                w = getattr(lw, name)
+                lw.fp8[name] = once(w.data_ptr(), lambda w=w: FP8Linear.from_weight(w))
+        if "experts" in parts:
+            if lw.gate_up is not None:
+                lw.fp8["experts"] = once(
+                    lw.gate_up.data_ptr(), lambda lw=lw: FP8Experts.from_weights(lw.gate_up, lw.down)
+                )
+            elif lw.experts_packed is not None:
+                lw.fp8["experts"] = once(id(lw.experts_packed), lambda lw=lw: FP8Experts.from_w4(lw.experts_packed))
+    rt.lm_head_fp8 = FP8Linear.from_weight(rt.lm_head) if "head" in parts else None
+    if rt.lm_head_fp8 is not None:
+        added += rt.lm_head_fp8.nbytes()
+    rt.fp8_parts, rt.fp8_min_rows = tuple(parts), int(min_rows)
+    if rt.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return added

@@ -241,7 +241,8 @@ def replay_live(args) -> dict:
 
     tables = {"official": official.REPLAY, "phcd": phcd.REPLAY}
     testbed = load_bundle(args.model, device=args.record_device)
-    target = load_bundle(args.shape, device=args.device)
+    # experts packed at load (W4: the packs every runtime of the model shares, no BF16 copy kept)
+    target = load_bundle(args.shape, device=args.device, experts=args.experts)
     scale = target.canvas_length // testbed.canvas_length
     _, reqs = _requests(testbed, args.task, args.n, args.seed, args.max_tokens)
     rows = []
@@ -308,6 +309,8 @@ def replay_live(args) -> dict:
                 file=sys.stderr,
             )
             tables[name].clear()
+            if args.device.startswith("cuda"):  # the next arm's graphs and logits start from a clean pool
+                torch.cuda.empty_cache()
     return {
         "mode": "replay-live",
         "recorded_on": testbed.spec,

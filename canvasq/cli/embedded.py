@@ -1,6 +1,6 @@
 """`canvasq run`: a run generated in this process (embedded mode: SQLite store, no broker, no worker).
 
-The CLI drives `worker.runtime.ChunkRuntime` in-process (docs/CONTRACTS.md, canvasq.api): the run's
+The CLI drives `worker.runtime.ChunkRuntime` in-process (docs/CONTRACTS.md, "The service"): the run's
 owner is the worker row registered with queue `embedded:<run id>`; a rerun of the same command finds
 the run by its identity key and continues it.
 """

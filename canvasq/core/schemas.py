@@ -152,7 +152,7 @@ class SimpleLine(BaseModel):
 
 @dataclass(frozen=True)
 class Job:
-    """One validated request (api, CPU side). `prompt` is the text the worker tokenises; `task` is the
+    """One validated request (core, CPU side). `prompt` is the text the worker tokenises; `task` is the
     line's own (or its body.metadata's), else inferred from the prompt (`infer_task`), else None."""
 
     custom_id: str

@@ -1,6 +1,6 @@
 """The batch objects that cross from the worker into a decoder, and what comes back.
 
-Flow: Job (api, CPU: a validated input line) → DecodeBatch (worker: several prompts of one chunk,
+Flow: Job (core, CPU: a validated input line) → DecodeBatch (worker: several prompts of one chunk,
 tokenised) → windows (model, GPU: `Window`s, the rows of one forward). This module holds the
 middle layer and the results; it imports nothing heavy so the service can use it without torch.
 """

@@ -8,6 +8,6 @@
 - `graph`: `DecodeGraph` (CUDA-graph replay over row / context buckets), `pad_window`, and
   `GraphRunner` (the decoders' cache of graphs over one persistent arena per runtime).
 
-Flow: Job (api, CPU) → DecodeBatch (worker) → the windows of one forward (`model.runtime.Window`).
+Flow: Job (core, CPU) → DecodeBatch (worker) → the windows of one forward (`model.runtime.Window`).
 Nothing is imported here so that `canvasq.model.loading` stays cheap to import.
 """

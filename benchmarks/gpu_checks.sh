@@ -22,9 +22,9 @@ t0=$(date +%s)
 
 if [[ $what == *" tests "* ]]; then
   # GPU-marked tests plus the CPU ones that also run in bf16 there; the slow subprocess benchmarks
-  # and the sm_90 compile sweep are left out (they alone overran a 470 s slot on 2026-11-30). One
-  # pytest per file, all at once: the time goes into Triton compiles on a cold cache (CPU-bound;
-  # 43 tests took 322 s in one process on 2026-11-30), and the machine has 16 cores.
+  # and the sm_90 compile sweep are left out (they alone can overrun a 470 s slot). One pytest per
+  # file, all at once: the time goes into Triton compiles on a cold cache (CPU-bound: 43 tests take
+  # over 300 s in one process), and the machine has 16 cores.
   : > "$OUT/pytest_gpu.txt"
   pids=()
   for f in tests/model/test_model_gpu.py tests/kernels/test_*.py; do

@@ -6,9 +6,9 @@ kernel is defined, so `--quick` runs the real kernels on CPU at tiny shapes.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,41 +27,36 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def time_ms(fn, iters: int = 50, warmup: int = 10, rotate: int = 1) -> float:
-    """Median ms of `fn(i % rotate)` over `iters` calls after `warmup`.
+def time_ms(fn, rotate: int = 1, graph: bool = False) -> float:
+    """Median ms per call of `fn(i % rotate)`, i counting the calls (rotate inputs so no call finds the
+    previous one's data in cache).
 
-    On the GPU: a CUDA event pair around each call, all calls queued back to back and one synchronise
-    at the end, so the host runs ahead and each pair times the GPU's work, not the launch. (Until
-    2026-11-30 the loop synchronised after every call: each sample then also held the host's launch
-    latency, about 60 us per W4 MoE kernel, which made the tuner pick tiles that were slower on the GPU.)
+    GPU: `triton.testing.do_bench` (an event pair per call, L2 flushed between calls), or with
+    graph=True `do_bench_cudagraph` (the calls replayed from one CUDA graph: for kernels shorter than
+    their own launch). CPU (interpreter smoke runs): torch's `benchmark.Timer` over a few calls.
     """
-    for i in range(warmup):
-        fn(i % rotate)
-    sync()
+    calls = itertools.count()
+
+    def call():
+        return fn(next(calls) % rotate)
+
     if ON_GPU:
-        events = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)
-        ]
-        for i, (a, b) in enumerate(events):
-            a.record()
-            fn(i % rotate)
-            b.record()
-        events[-1][1].synchronize()
-        return statistics.median(a.elapsed_time(b) for a, b in events)
-    samples = []
-    for i in range(iters):
-        t = time.perf_counter()
-        fn(i % rotate)
-        samples.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(samples)
+        import triton.testing
+
+        bench = triton.testing.do_bench_cudagraph if graph else triton.testing.do_bench
+        return bench(call, return_mode="median")
+    from torch.utils import benchmark
+
+    call()  # first call compiles / interprets once
+    return benchmark.Timer("call()", globals={"call": call}).timeit(2).median * 1e3
 
 
-def measured_bandwidth_gbs(nbytes: int = 2 << 30, iters: int = 20) -> float:
-    """Device copy bandwidth, counting read + write (PERF.md's convention: ~4.2 TB/s on an H200)."""
+def measured_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Device copy bandwidth, counting read + write (~4.2 TB/s on an H200)."""
     n = nbytes // 4
     src = torch.empty(n, dtype=torch.float32, device=DEVICE).uniform_()
     dst = torch.empty_like(src)
-    ms = time_ms(lambda _: dst.copy_(src), iters=iters, warmup=3)
+    ms = time_ms(lambda _: dst.copy_(src))
     return 2 * n * 4 / (ms * 1e-3) / 1e9
 
 

@@ -18,12 +18,11 @@ from canvasq.kernels.rmsnorm import rms_norm_launch, rms_norm_reference
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--iters", type=int, default=100)
     a = ap.parse_args()
     if a.quick:
-        shapes, dtype, iters = [(8, 256), (4 * 2, 64)], torch.float16, 2
+        shapes, dtype = [(8, 256), (4 * 2, 64)], torch.float16
     else:
-        dtype, iters = torch.bfloat16, a.iters
+        dtype = torch.bfloat16
         shapes = [(r, 2816) for r in (8, 32, 256, 1024, 4096)] + [(256 * 16, 256), (256 * 2, 512)]
     bw = C.measured_bandwidth_gbs(nbytes=(2 << 30) if C.ON_GPU else (8 << 20))
     rows = []
@@ -33,8 +32,8 @@ def main() -> None:
         y = rms_norm_launch(xs[0], w, 1e-6)
         ref = rms_norm_reference(xs[0], w)
         err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        ms = C.time_ms(lambda i, xs=xs, w=w: rms_norm_launch(xs[i], w, 1e-6), iters, 3, 3)
-        ms_ref = C.time_ms(lambda i, xs=xs, w=w: rms_norm_reference(xs[i], w), iters, 3, 3)
+        ms = C.time_ms(lambda i, xs=xs, w=w: rms_norm_launch(xs[i], w, 1e-6), rotate=3)
+        ms_ref = C.time_ms(lambda i, xs=xs, w=w: rms_norm_reference(xs[i], w), rotate=3)
         nbytes = 2 * R * D * xs[0].element_size() + D * w.element_size()
         rows.append(
             {

@@ -18,13 +18,12 @@ from canvasq.kernels.softmax_argmax import softmax_argmax_launch, softmax_argmax
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--iters", type=int, default=50)
     a = ap.parse_args()
     if a.quick:
-        shapes, dtypes, iters = [(4, 5000)], [torch.float32], 2
+        shapes, dtypes = [(4, 5000)], [torch.float32]
     else:
         shapes = [(r, 262144) for r in (8, 32, 128, 256, 1024)]
-        dtypes, iters = [torch.float32, torch.bfloat16], a.iters
+        dtypes = [torch.float32, torch.bfloat16]
     bw = C.measured_bandwidth_gbs(nbytes=(2 << 30) if C.ON_GPU else (8 << 20))
     rows = []
     for dtype in dtypes:
@@ -37,8 +36,8 @@ def main() -> None:
                 and ((conf - c2).abs() / c2).max().item() < 1e-3
                 and (ent - e2).abs().max().item() < 1e-3 * max(1.0, e2.abs().max().item())
             )
-            ms = C.time_ms(lambda i, ls=ls: softmax_argmax_launch(ls[i]), iters, 3, 2)
-            ms_ref = C.time_ms(lambda i, ls=ls: softmax_argmax_reference(ls[i]), iters, 3, 2)
+            ms = C.time_ms(lambda i, ls=ls: softmax_argmax_launch(ls[i]), rotate=2)
+            ms_ref = C.time_ms(lambda i, ls=ls: softmax_argmax_reference(ls[i]), rotate=2)
             nbytes = R * V * ls[0].element_size()
             rows.append(
                 {

@@ -1,19 +1,20 @@
-"""GPU probe (2026-11-30, session 7): the Gluon W4 MoE kernels (`canvasq/kernels/moe/gluon_w4.py`)
-against the production Triton ones, GPU-side, at the real shape (E=128, H=2816, I=704, top-8, bf16,
-random-normal weights and routing, torch seed 0). Timing: `benchmarks/kernels/_common.time_ms`
-(an event pair around each of 50 calls queued back to back, one synchronise, median); every arm's
-output checked against the first (Triton, tuned config) arm's within 2e-2, else "WRONG".
+"""GPU probe: the Gluon W4 MoE kernels (`canvasq/kernels/moe/gluon_w4.py`) against the Triton ones,
+GPU-side, at the real shape (E=128, H=2816, I=704, top-8, bf16, random-normal weights and routing,
+torch seed 0). Timing: `benchmarks/kernels/_common.time_ms` (median); every arm's output checked
+against the first (Triton, tuned config) arm's within 2e-2, else "WRONG".
 
     python benchmarks/probes/moe_gluon_gpu_timing.py 8,16,256     # H200; $OUT/gluon_timing.json
+    python benchmarks/probes/moe_gluon_gpu_timing.py --quick      # GPU only: 8 rows, two tiles each
 
 For each row count and each routing block BLOCK_M in BLOCK_MS: the checked-in Triton tiles at that BLOCK_M
 (on the K-contiguous pack; the reference arm) and the Gluon tiles below (on the tiled pack,
 `W4Experts.to_tiled`); the BLOCK_M with the fastest gate_up + down and its fastest Gluon tiles are
 written into the tuned configs (`gluon_block_m`), saved to $OUT under the configs' file name (copy it to
-canvasq/kernels/moe/configs/ to keep it). Since session 8 a CUDA worker's packs are tiled, so the Gluon
-tiles are what runs; the Triton column says what the K-contiguous path (CANVASQ_MOE_LAYOUT=kcontig) gets.
+canvasq/kernels/moe/configs/ to keep it). A CUDA worker's packs are tiled, so the Gluon tiles are what
+runs; the Triton column says what the K-contiguous path (CANVASQ_MOE_LAYOUT=kcontig) gets.
 """
 
+import argparse
 import json
 import os
 import sys
@@ -26,15 +27,8 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 from canvasq.kernels.moe import align_routing, pack_w4
-from canvasq.kernels.moe.launch import (
-    config_file_name,
-    get_config,
-    launch_down,
-    launch_down_gluon,
-    launch_gate_up,
-    launch_gate_up_gluon,
-    save_configs,
-)
+from canvasq.kernels.moe.config import config_file_name, get_config, save_configs
+from canvasq.kernels.moe.launch import launch_matmul
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "kernels"))
 from _common import time_ms
@@ -85,7 +79,7 @@ DOWN_TILES = (
 
 
 # (warps, row tiles, stages, register cap): the best tiles under a register cap (more programs per
-# SM; ptxas spills what does not fit), session 9
+# SM; ptxas spills what does not fit)
 GATE_UP_CAPPED = ((4, 1, 3, 96), (4, 1, 4, 96), (4, 1, 3, 80), (2, 1, 3, 96), (2, 1, 3, 80))
 DOWN_CAPPED = ((4, 2, 3, 72), (4, 2, 3, 64), (2, 2, 3, 96), (4, 1, 0, 64), (2, 2, 0, 96))
 
@@ -117,7 +111,14 @@ def best(row: dict) -> tuple[str, float]:
 
 
 def main():
-    rows = [int(v) for v in (sys.argv[1] if len(sys.argv) > 1 else "256").split(",")]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("rows", nargs="?", default="256")
+    ap.add_argument("--quick", action="store_true", help="8 rows, BLOCK_M 16, two tiles per matmul")
+    a = ap.parse_args()
+    rows = [8] if a.quick else [int(v) for v in a.rows.split(",")]
+    block_ms = (16,) if a.quick else BLOCK_MS
+    gate_up_tiles = GATE_UP_TILES[:2] if a.quick else GATE_UP_TILES + GATE_UP_CAPPED
+    down_tiles = DOWN_TILES[:2] if a.quick else DOWN_TILES + DOWN_CAPPED
     E, H, I, K = 128, 2816, 704, 8
     dt, dev = torch.bfloat16, "cuda"
     torch.manual_seed(0)
@@ -133,24 +134,24 @@ def main():
         tuned = get_config(T, K, p, dt)
         y = torch.zeros(T * K, H, device=dev, dtype=dt)
         choice = {}  # block_m -> (gate_up + down us, gate_up arm, down arm)
-        for bm in [b for b in BLOCK_MS if b < 64 or T >= 512]:
+        for bm in [b for b in block_ms if b < 64 or T >= 512]:
             tri = replace(tuned, block_m=bm)  # the Triton arm: the reference (its tiles tuned at block_m)
             m = align_routing(ids, E, bm)
             n_real = int(m.num_padded.item())
             h = torch.zeros(m.sorted_ids.numel(), I, device=dev, dtype=dt)
-            arms = {"triton": partial(launch_gate_up, x, p, m, tri, h)}
-            for w, t, s, *r in GATE_UP_TILES + GATE_UP_CAPPED:
+            arms = {"triton": partial(launch_matmul, "gate_up", x, p, m, tri, h)}
+            for w, t, s, *r in gate_up_tiles:
                 cfg = replace(tri, **_pick("gate_up", w, t, s, *r))
                 arms[f"gluon w{w} t{t} s{s}" + (f" r{r[0]}" if r else "")] = partial(
-                    launch_gate_up_gluon, x, pt, m, cfg, h
+                    launch_matmul, "gate_up", x, pt, m, cfg, h
                 )
             gu = res[f"T{T} m{bm} gate_up"] = compare(arms, h, n_real)
-            launch_gate_up(x, p, m, tri, h)  # down's input
-            arms = {"triton": partial(launch_down, h, p, m, tri, y)}
-            for w, t, s, *r in DOWN_TILES + DOWN_CAPPED:
+            launch_matmul("gate_up", x, p, m, tri, h)  # down's input
+            arms = {"triton": partial(launch_matmul, "down", h, p, m, tri, y)}
+            for w, t, s, *r in down_tiles:
                 cfg = replace(tri, **_pick("down", w, t, s, *r))
                 arms[f"gluon w{w} t{t} s{s}" + (f" r{r[0]}" if r else "")] = partial(
-                    launch_down_gluon, h, pt, m, cfg, y
+                    launch_matmul, "down", h, pt, m, cfg, y
                 )
             dn = res[f"T{T} m{bm} down"] = compare(arms, y, T * K)
             (gu_name, gu_us), (dn_name, dn_us) = best(gu), best(dn)
@@ -163,6 +164,8 @@ def main():
             cfg = replace(cfg, **_pick(which, **_arm(name)))
         configs[T] = cfg
         print(f"T{T}: Gluon BLOCK_M {bm}, {choice[bm][0]:.1f} us per layer", flush=True)
+    wrong = [(k, n) for k, r in res.items() for n, v in r.items() if str(v).startswith("WRONG")]
+    assert not wrong, wrong
     out = os.environ.get("OUT", "/tmp")
     with open(os.path.join(out, "gluon_timing.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -1,22 +1,25 @@
-"""GPU probe (2026-11-30, session 9): the layer's fused launches against the ones they replace, at the
-real shape (hidden 2816, 16 query / 8 KV heads x 256 on a sliding layer, top-8 of 128 experts, bf16,
-random inputs, torch seed 0), rows 256 and 8. Timing: each arm captured 20 times in one CUDA
-graph, the graph replayed 10 times between CUDA events, median / 20 (queued from Python one by one,
-these launches leave the GPU idle: host-bound); PDL off (CANVASQ_PDL=off is set here), so a kernel's
-time is its own, not its wait on the one before. Outputs checked equal first.
+"""GPU probe: the layer's fused launches against the ones they replace, at the real shape (hidden
+2816, 16 query / 8 KV heads x 256 on a sliding layer, top-8 of 128 experts, bf16, random inputs, torch
+seed 0), rows 256 and 8. Timing: `_common.time_ms(graph=True)`, the calls replayed from one CUDA graph
+(queued from Python one by one, these launches leave the GPU idle: host-bound); PDL off
+(CANVASQ_PDL=off is set here), so a kernel's time is its own, not its wait on the one before.
+Outputs checked equal first.
 
 - end of layer: `add_rms_norm` fed the experts' uncombined rows (`ExpertRows`, one launch) against
-  `combine_rows` then `add_rms_norm` (two), at 4 / 8 / 16 warps for the fused one;
+  `combine_rows` then `add_rms_norm` (two);
 - attention: `qkv_norm_rope` (one launch) against three `rms_norm_rope` launches.
 
     python benchmarks/probes/norm_fusion_gpu_timing.py 256,8     # H200
+    python benchmarks/probes/norm_fusion_gpu_timing.py --quick   # CPU: interpreter, fp16, tiny widths
 """
 
+import argparse
 import os
 import sys
 
 os.environ["CANVASQ_PDL"] = "off"
-
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "kernels"))
+import _common as C  # first: on a machine without a GPU it makes the kernels interpreted
 import torch
 
 from canvasq.kernels.moe.launch import ExpertRows, combine_rows
@@ -28,34 +31,22 @@ from canvasq.kernels.norm_fused import (
 )
 
 
-def time_ms(fn, n: int = 20, reps: int = 10) -> float:
-    """ms per call of `fn(0)`, n calls captured in one CUDA graph, median over reps replays."""
-    fn(0)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn(0)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / n)
-    return sorted(times)[reps // 2]
+def time_ms(fn) -> float:
+    return C.time_ms(fn, graph=True)
 
 
-def end_of_layer(T, D=2816, K=8, E=128, dt=torch.bfloat16):
-    m, res = (torch.randn(T, D, device="cuda", dtype=dt) for _ in range(2))
-    y_tk = torch.randn(T * K, D, device="cuda", dtype=dt)
-    ids = torch.topk(torch.randn(T, E, device="cuda"), K, -1).indices
+DT = torch.bfloat16 if C.ON_GPU else torch.float16  # the interpreter's bf16 loads are wrong
+
+
+def end_of_layer(T, D=2816, K=8, E=128, dt=DT):
+    m, res = (torch.randn(T, D, device=C.DEVICE, dtype=dt) for _ in range(2))
+    y_tk = torch.randn(T * K, D, device=C.DEVICE, dtype=dt)
+    ids = torch.topk(torch.randn(T, E, device=C.DEVICE), K, -1).indices
     rows = ExpertRows(
-        y_tk, torch.rand(T, K, device="cuda") + 0.1, ids, torch.rand(E, device="cuda", dtype=dt) + 0.5
+        y_tk, torch.rand(T, K, device=C.DEVICE) + 0.1, ids, torch.rand(E, device=C.DEVICE, dtype=dt) + 0.5
     )
-    w, w1, w2 = (torch.rand(D, device="cuda", dtype=dt) + 0.5 for _ in range(3))
-    scale = torch.tensor([0.7], device="cuda", dtype=dt)
+    w, w1, w2 = (torch.rand(D, device=C.DEVICE, dtype=dt) + 0.5 for _ in range(3))
+    scale = torch.tensor([0.7], device=C.DEVICE, dtype=dt)
     sep = lambda _: add_rms_norm_launch(m, w, res, combine_rows(rows), scale, pre=(w1, w2))
     fused = lambda _: add_rms_norm_launch(m, w, res, rows, scale, pre=(w1, w2))
     assert torch.equal(sep(0), fused(0))
@@ -68,17 +59,17 @@ def end_of_layer(T, D=2816, K=8, E=128, dt=torch.bfloat16):
     return out
 
 
-def qkv(T, hq=16, hk=8, d=256, dt=torch.bfloat16):
-    x = torch.randn(T, (hq + 2 * hk) * d, device="cuda", dtype=dt)
+def qkv(T, hq=16, hk=8, d=256, dt=DT):
+    x = torch.randn(T, (hq + 2 * hk) * d, device=C.DEVICE, dtype=dt)
     q, k, v = (t.view(T, -1, d) for t in x.split([hq * d, hk * d, hk * d], dim=1))
-    wq, wk = (torch.rand(d, device="cuda", dtype=dt) + 0.5 for _ in range(2))
-    pos = torch.arange(T, device="cuda").float()[:, None] * (
-        1e-4 ** torch.linspace(0, 1, d // 2, device="cuda")
+    wq, wk = (torch.rand(d, device=C.DEVICE, dtype=dt) + 0.5 for _ in range(2))
+    pos = torch.arange(T, device=C.DEVICE).float()[:, None] * (
+        1e-4 ** torch.linspace(0, 1, d // 2, device=C.DEVICE)
     )
     cos, sin = (f(torch.cat([pos, pos], -1)).to(dt) for f in (torch.cos, torch.sin))
-    a, b = torch.zeros(T, dtype=torch.long, device="cuda"), torch.arange(T, device="cuda")
-    tq = Scatter(torch.zeros(1, hq, T, d, device="cuda", dtype=dt), a, b)
-    tk, tv = (Scatter(torch.zeros(1, hk, T + 128, d, device="cuda", dtype=dt), a, b) for _ in range(2))
+    a, b = torch.zeros(T, dtype=torch.long, device=C.DEVICE), torch.arange(T, device=C.DEVICE)
+    tq = Scatter(torch.zeros(1, hq, T, d, device=C.DEVICE, dtype=dt), a, b)
+    tk, tv = (Scatter(torch.zeros(1, hk, T + 128, d, device=C.DEVICE, dtype=dt), a, b) for _ in range(2))
 
     def three(_):
         rms_norm_rope_launch(k, wk, cos, sin, 1e-6, tk)
@@ -94,9 +85,18 @@ def qkv(T, hq=16, hk=8, d=256, dt=torch.bfloat16):
 
 
 def main():
-    for T in [int(v) for v in (sys.argv[1] if len(sys.argv) > 1 else "256").split(",")]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("rows", nargs="?", default="256")
+    ap.add_argument("--quick", action="store_true", help="8 rows at tiny widths (on CPU: interpreted)")
+    a = ap.parse_args()
+    small = {"end": {"D": 256, "K": 4, "E": 16}, "qkv": {"hq": 2, "hk": 1, "d": 64}} if a.quick else None
+    for T in [8] if a.quick else [int(v) for v in a.rows.split(",")]:
         torch.manual_seed(0)
-        for name, res in (("end of layer", end_of_layer(T)), ("q/k/v norms", qkv(T))):
+        cases = (
+            ("end of layer", end_of_layer(T, **(small["end"] if small else {}))),
+            ("q/k/v norms", qkv(T, **(small["qkv"] if small else {}))),
+        )
+        for name, res in cases:
             print(f"T{T} {name}: " + ", ".join(f"{k} {v:.1f} us" for k, v in res.items()), flush=True)
 
 

@@ -14,12 +14,12 @@ writes the o_proj input directly.
 Scale 1 (DiffusionGemma normalises q and k instead). Online softmax in fp32 (exp2), P rounded to the
 value dtype before the second product, as flash attention does; a row with every key masked (padding
 rows) gives zeros, where SDPA gives NaN (the runtime drops those rows). The torch twin is SDPA on the
-gathered arena slices, the runtime's earlier path.
+gathered arena slices.
 
 Why: SDPA's fixed costs per call dominate short windows. On the H200 at the real shape the runtime
 uses this kernel for windows of up to `SHORT_WINDOW` rows (8-row windows: 5.6-5.7 instead of 6.0-6.3 ms
-per forward); for a full 256-row canvas it was no faster than cuDNN's flash kernel plus the copy, so
-SDPA keeps that (BENCHMARKS.md, session 9).
+per forward); for a full 256-row canvas it is no faster than cuDNN's flash kernel plus the copy, so
+SDPA keeps that.
 """
 
 from __future__ import annotations
@@ -164,9 +164,9 @@ def _attend_kernel(
 
 def _tiles(d: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages): 32 x 32 tiles with 8 warps, spill-free for head dims 256 and
-    512 on sm_90 (141 / 197 registers). The tile probe (`benchmarks/probes/attention_gpu_timing.py`)
-    favoured 64 x 64 / 16 x 32 tiles kernel by kernel, but in the whole forward those made the 256-row
-    window 1 ms slower (BENCHMARKS.md, session 9), so they are not used."""
+    512 on sm_90 (141 / 197 registers). Kernel by kernel the tile probe
+    (`benchmarks/probes/attention_gpu_timing.py`) favours 64 x 64 / 16 x 32 tiles, but in the whole
+    forward those make the 256-row window 1 ms slower."""
     return 32, 32, 8, 2
 
 
@@ -258,3 +258,30 @@ def attend(
     if impl in ("triton", "torch"):
         return attend_reference(q, k_arena, v_arena, slots, lmax, mask, groups, first)
     raise ValueError(f"unknown impl {impl!r}")
+
+
+def compile_specs():
+    """The kernel at the runtime's tiles for both head dims: sliding 256, full 512
+    (benchmarks/kernels/compile_check.py)."""
+    from .compile_spec import CompileSpec
+
+    k = _attend_kernel
+    for d in (256, 512):
+        bm, bn, warps, stages = _tiles(d)
+        consts = {
+            "D": d,
+            "BLOCK_M": bm,
+            "BLOCK_N": bn,
+            "HAS_MASK": True,
+            "INTERPRET_STEPS": 0,
+            "DOT_PREC": "tf32",
+        }
+        yield CompileSpec(
+            f"attend_d{d} m{bm} n{bn} w{warps} s{stages}",
+            k,
+            consts,
+            types={"slot_ptr": "*i64"},
+            divisible=frozenset(n for n in k.arg_names if n.endswith("_ptr") or n.startswith("s")),
+            num_warps=warps,
+            num_stages=stages,
+        )

@@ -90,3 +90,17 @@ def gelu_mul(gu: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     if impl == "torch":
         return gelu_mul_reference(gu)
     raise ValueError(f"unknown impl {impl!r}")
+
+
+def compile_specs():
+    """gelu(gate) * up over 1,024-column blocks (benchmarks/kernels/compile_check.py)."""
+    from .compile_spec import CompileSpec
+
+    yield CompileSpec(
+        "gelu_mul",
+        _gelu_mul_kernel,
+        {"BLOCK_R": 2, "BLOCK_I": 1024, "INTERPRETED": False},
+        types={"k_beta": "fp32", "k_kappa": "fp32"},
+        divisible=frozenset({"gu_ptr", "y_ptr", "stride_g"}),
+        rounds_like_hf=True,
+    )

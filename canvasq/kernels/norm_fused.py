@@ -16,11 +16,10 @@ they reproduce HF's values, not a more precise variant of them: a trained model'
 ~8 % of their range when these roundings are skipped (measured in fp16 on the testbed). `_rt` is
 that rounding (a no-op in fp32). The torch twins follow HF op for op.
 
-The kernels compile with floating-point contraction off (`NO_FP_FUSION`): with it on, LLVM narrows
-`_rt(x * cos) + _rt(rot * sin)` to bf16 ops and fuses them into `fma.rn.bf16`, one rounding where HF
-has two. That moved 15 % of the RoPE outputs by one bf16 ulp on the H200 and the trained testbed's
-logits by 6 % (2026-11-30); `tests/kernels/test_norm_fused.py` compiles them for sm_90 and checks
-the PTX holds no half-precision FMA.
+The kernels compile with floating-point contraction off (`NO_FP_FUSION`): with it on, LLVM fuses
+`_rt(x * cos) + _rt(rot * sin)` into `fma.rn.bf16`, one rounding where HF has two, which moved the
+trained testbed's bf16 logits by 6 %. Their compile specs say `rounds_like_hf`: compiled for sm_90,
+a half-precision FMA in their PTX fails `tests/kernels/test_norm_fused.py`.
 """
 
 from __future__ import annotations
@@ -563,3 +562,30 @@ def pre_ffn_norms(x, wa, post, scalar: float, wb, eps: float = 1e-6, impl: str =
     if impl == "torch":
         return pre_ffn_norms_reference(x, wa, post, scalar, wb, eps)
     raise ValueError(f"unknown impl {impl!r}")
+
+
+def compile_specs():
+    """The fused norms as the runtime launches them, at both head dims (sliding layers 256, full 512)
+    and with / without the experts' combine (benchmarks/kernels/compile_check.py)."""
+    from .compile_spec import CompileSpec
+
+    hf = {"options": NO_FP_FUSION, "rounds_like_hf": True}
+    rope = frozenset({"x_ptr", "w_ptr", "cos_ptr", "sin_ptr", "y_ptr", "stride_xn", "stride_xh", "stride_cn"})
+    qkv = _qkv_norm_rope_kernel
+    qkv_types = {**{n: "*i64" for n in qkv.arg_names if n[1:] in ("a_ptr", "b_ptr")}, "eps": "fp32"}
+    qkv_div = frozenset(n for n in qkv.arg_names if n.endswith("_ptr"))
+    for d in (256, 512):
+        c = {"HALF": d // 2, "HAS_WEIGHT": True, "HAS_ROPE": True, "SCATTER": True, "BLOCK_R": 4096 // d}
+        yield CompileSpec(f"rms_norm_rope_d{d}", _rms_norm_rope_kernel, c, {"eps": "fp32"}, rope, **hf)
+        c = {"HALF": d // 2, "BLOCK_R": 4096 // d}
+        yield CompileSpec(f"qkv_norm_rope_d{d}", qkv, c, qkv_types, qkv_div, **hf)
+    add = frozenset({"x_ptr", "x2_ptr", "w_ptr", "res_ptr", "y_ptr", "D", "stride_ym"})
+    add_types = {"rw_ptr": "*fp32", "ids_ptr": "*i64", "eps": "fp32"}
+    for combine in (False, True):  # the end of a layer: the experts' output combined, or their rows
+        c = {"HAS_X2": True, "PRE_NORM": True, "HAS_SCALE": True, "BLOCK_R": 1, "BLOCK_D": 4096}
+        c |= {"COMBINE": combine, "TOP_K": 8, "K_P2": 8, "RENORM": True}
+        name = "add_rms_norm" + ("_combine" if combine else "")
+        yield CompileSpec(name, _add_rms_norm_kernel, c, add_types, add, num_warps=8, **hf)
+    pre = frozenset({"x_ptr", "ya_ptr", "yr_ptr", "yb_ptr", "D"})
+    c, types = {"BLOCK_R": 1, "BLOCK_D": 4096}, {"eps": "fp32", "scalar": "fp32"}
+    yield CompileSpec("pre_ffn_norms", _pre_ffn_norms_kernel, c, types, pre, num_warps=8, **hf)

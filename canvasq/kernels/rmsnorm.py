@@ -99,3 +99,17 @@ def rms_norm(
     if impl == "torch":
         return rms_norm_reference(x, weight, eps)
     raise ValueError(f"unknown impl {impl!r}")
+
+
+def compile_specs():
+    """One hidden-width row per program (benchmarks/kernels/compile_check.py)."""
+    from .compile_spec import CompileSpec
+
+    yield CompileSpec(
+        "rms_norm",
+        _rms_norm_kernel,
+        {"HAS_WEIGHT": True, "BLOCK_R": 1, "BLOCK_D": 4096},
+        types={"eps": "fp32"},
+        divisible=frozenset({"x_ptr", "w_ptr", "y_ptr", "D", "stride_x", "stride_y"}),
+        num_warps=8,
+    )

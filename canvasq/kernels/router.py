@@ -2,7 +2,7 @@
 
 HF's router (and the torch twin) runs `softmax(logits, dtype=float32)` and `torch.topk`, which on CUDA
 is three kernels per layer (softmax, a radix select, a bitonic sort of the k survivors): about 15 us per
-layer at 256 rows on the H200, 0.45 ms of a 30-layer forward (BENCHMARKS.md, session 7's profile). Here
+layer at 256 rows on the H200, 0.45 ms of a 30-layer forward (torch profile of the forward). Here
 one program takes BLOCK_R rows whole (E <= 1024 experts fit in registers), so the selection is k
 passes of an arg-max over a row that is already on chip.
 

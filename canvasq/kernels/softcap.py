@@ -83,3 +83,18 @@ def softcap_logits(
     if impl == "torch":
         return softcap_reference(x, cap, out)
     raise ValueError(f"unknown impl {impl!r}")
+
+
+def compile_specs():
+    """The LM head's softcap over bf16 logits into fp32 (benchmarks/kernels/compile_check.py)."""
+    from .compile_spec import CompileSpec
+
+    yield CompileSpec(
+        "softcap",
+        _softcap_kernel,
+        {"BLOCK": 4096, "INTERPRETED": False},
+        types={"y_ptr": "*fp32", "inv_cap": "fp32", "cap": "fp32"},
+        divisible=frozenset({"x_ptr", "y_ptr"}),
+        num_warps=8,
+        options=NO_FP_FUSION,
+    )

@@ -189,3 +189,25 @@ def softmax_argmax(logits: torch.Tensor, temperature: float = 1.0, impl: str = "
     if impl == "torch":
         return softmax_argmax_reference(logits, temperature)
     raise ValueError(f"unknown impl {impl!r}")
+
+
+def compile_specs():
+    """Both passes over bf16 logits at the real vocabulary (benchmarks/kernels/compile_check.py)."""
+    from .compile_spec import CompileSpec
+
+    partials = {"pm_ptr": "*fp32", "ps_ptr": "*fp32", "pu_ptr": "*fp32", "pi_ptr": "*i32"}
+    yield CompileSpec(
+        "softmax_partial",
+        _softmax_stats_partial_kernel,
+        {"CHUNKS": 2, "CHUNK": 131072, "BLOCK_V": 2048},
+        types={**partials, "inv_temp": "fp32"},
+        divisible=frozenset({"logits_ptr", "V", "stride_r"}),
+        num_warps=8,
+    )
+    yield CompileSpec(
+        "softmax_final",
+        _softmax_stats_final_kernel,
+        {"CHUNKS": 2},
+        types={**partials, "conf_ptr": "*fp32", "arg_ptr": "*i64", "ent_ptr": "*fp32"},
+        num_warps=1,
+    )

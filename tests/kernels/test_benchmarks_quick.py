@@ -56,6 +56,46 @@ def test_benchmark_quick(script, args, tmp_path):
         assert (tmp_path / f"{last['bench']}.json").exists()
 
 
+PROBES = Path(__file__).resolve().parents[2] / "benchmarks" / "probes"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "probe",
+    [
+        "router_gpu_timing.py",
+        "attention_gpu_timing.py",
+        "norm_fusion_gpu_timing.py",
+        "moe_ncu_driver.py",
+        pytest.param(
+            "moe_gluon_gpu_timing.py",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon: CUDA")],
+        ),
+    ],
+)
+def test_probe_quick(probe, tmp_path):
+    """Every kept probe runs on the tree as it is (`--quick`: tiny shapes, on CPU through the Triton
+    interpreter), checks its arms' outputs against each other or the twin, and exits 0."""
+    assert {p.name for p in PROBES.glob("*.py")} == {
+        "router_gpu_timing.py",
+        "attention_gpu_timing.py",
+        "norm_fusion_gpu_timing.py",
+        "moe_ncu_driver.py",
+        "moe_gluon_gpu_timing.py",
+    }, "a new probe needs a --quick run here"
+    proc = subprocess.run(
+        [sys.executable, str(PROBES / probe), "--quick"],
+        cwd=PROBES,
+        env={**os.environ, "OUT": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip(), "a probe prints what it measured"
+
+
 def test_kernels_compile_for_sm90_without_spills():
     """Every kernel lowers to an H200 cubin (Triton's bundled ptxas, no GPU) and the default MoE tiles
     do not spill registers."""
@@ -81,9 +121,9 @@ def test_kernels_compile_for_sm90_without_spills():
     # trivial at compile time) and their loops keep the MMA
     gluon = [r for r in rows if r["kernel"].startswith("gluon_")]
     assert {r["kernel"].split()[0] for r in gluon} == {"gluon_gate_up", "gluon_down"}
-    # spill-free, except the measured winners that spill a little (compile_check.MEASURED_SPILLS: BLOCK_M 32
-    # gate_up w2 t2 s3, 48 bytes, probe 7cf24bd; the 256-row down under its 72-register cap, 8 bytes,
-    # probe c43a03e); a layout change that made any tile spill more would show here
+    # spill-free, except the measured winners that spill a little (gluon_w4.MEASURED_SPILLS: the BLOCK_M 32
+    # gate_up w2 t2 s3, 48 bytes; the 256-row down under its 72-register cap, 8 bytes); a layout change
+    # that made any tile spill more would show here
     allowed = {"gluon_gate_up m32 w2 t2 s3": 48, "gluon_down m16 w4 t2 s3 r72": 8}
     assert all(r["stack"] <= allowed.get(r["kernel"], 0) for r in gluon), [
         (r["kernel"], r["stack"]) for r in gluon

@@ -1,14 +1,14 @@
 """Grouped W4A16 MoE: packing (`quant`), Triton kernels on K-contiguous packs (`kernels`), Gluon kernels
 on tiled packs, the CUDA default (`gluon_w4`), launchers + `w4_moe` (`launch`), torch twins (`reference`),
-safetensors cache and HF model patching (`store`), tuned configs (`configs/`)."""
+safetensors cache and HF model patching (`store`), launch configs and the tuned files (`config`,
+`configs/`)."""
 
+from .config import MoeLaunchConfig, get_config
 from .launch import (
     ExpertRows,
-    MoeLaunchConfig,
     RoutingMeta,
     align_routing,
     align_routing_reference,
-    get_config,
     w4_moe,
     w4_moe_launch,
 )

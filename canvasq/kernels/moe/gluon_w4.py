@@ -4,7 +4,7 @@ compiles the kernels for sm_90; the GPU tests run them against the Triton kernel
 
 Why a second pair of kernels: the Triton ones (`kernels.py`) leave the register layout of the MMA
 operands to the compiler, which re-pairs the dequantised weights and the activations with about 75
-moves and 42 `prmt` per iteration (BENCHMARKS.md, session 6). Here the layouts are spelled out:
+moves and 42 `prmt` per iteration. Here the layouts are spelled out:
 
 - swap-AB: the weights are the MMA's A operand (rows = output columns n, 16 per `mma.m16n8k16`) and
   the activations its B operand (the BLOCK_M sorted rows of one expert, 8 per MMA column tile);
@@ -16,13 +16,13 @@ moves and 42 `prmt` per iteration (BENCHMARKS.md, session 6). Here the layouts a
 - two main loops: the next group's tiles wait in registers (STAGES = 0, `_loop_registers`), or come
   in by cp.async through STAGES shared-memory buffers (`_loop_staged`);
 - each group's scale and zero are one int32 word per row (`pack_scale_zero`), loaded two groups
-  before their use: loaded right before it, they stalled every group on DRAM (BENCHMARKS.md, session 8).
+  before their use: loaded right before it, they stall every group on DRAM.
 
 On CUDA the runtime keeps the experts in the tiled order only (`W4Experts.to_tiled`,
 `launch.prefer_tiled`), so these kernels are what a GPU worker runs; the Triton ones serve K-contiguous
 packs (CPU/interpreter, fp32, padded widths, CANVASQ_MOE_LAYOUT=kcontig). Tiles per row count:
-MoeLaunchConfig.gluon_*. Reading the K-contiguous bytes directly was tried and was slower:
-BENCHMARKS.md, session 7.
+MoeLaunchConfig.gluon_*. The tiled copy is what makes a warp's weight loads contiguous (512 bytes);
+read in place, the K-contiguous bytes come 8 rows x 64 bytes at a time and lose that bandwidth.
 
 Letters as in `kernels.py`; HB = G/2 packed bytes per row per group; BN = 16 * warps * tiles rows.
 """
@@ -557,3 +557,41 @@ def _gl_w4_down_kernel(
         acc.to(y_ptr.dtype.element_ty),
         mask=(aid < num_assign)[None, :] & (rs < 1 << 30)[:, None],
     )
+
+
+# tiles of the H200 configs that spill and were measured fastest anyway (bytes of stack allowed): the
+# BLOCK_M 32 gate_up w2 t2 s3 (1,024-4,096 rows) and the 256-row down under its 72-register cap
+MEASURED_SPILLS = {"gluon_gate_up m32 w2 t2 s3": 48, "gluon_down m16 w4 t2 s3 r72": 8}
+
+
+def compile_specs(configs: dict | None = None):
+    """Both kernels at every distinct Gluon tile of the real-shape H200 configs (what a CUDA worker runs
+    on its tiled packs): a layout conversion that stops being trivial (`assert_trivial`) fails this on
+    CPU (benchmarks/kernels/compile_check.py)."""
+    from ..compile_spec import CompileSpec, pointers_and_strides
+    from .config import CONFIG_DIR, config_file_name, load_configs
+
+    name = config_file_name(128, 2816, 704, 8, torch.bfloat16, "NVIDIA_H200")
+    ints = ("qt_ptr", "sz_ptr", "sorted_ids_ptr", "block_expert_ptr", "num_padded_ptr")
+    specs = {}
+    for cfg in (configs or load_configs(str(CONFIG_DIR / name))).values():
+        for which, group, groups in (("gate_up", 128, 22), ("down", 64, 11)):
+            w, t, st, mr = (
+                getattr(cfg, f"gluon_{which}_{k}") for k in ("warps", "tiles", "stages", "maxnreg")
+            )
+            bm = cfg.gluon_block_m or cfg.block_m
+            name = f"gluon_{which} m{bm} w{w} t{t} s{st}" + (f" r{mr}" if mr else "")
+            fn = _gl_w4_gate_up_kernel if which == "gate_up" else _gl_w4_down_kernel
+            consts = {
+                "GROUP": group,
+                "NUM_GROUPS": groups,
+                "BLOCK_M": bm,
+                "BN": 16 * w * t,
+                "NW": w,
+                "STAGES": st,
+            }
+            specs[name] = CompileSpec(
+                name, fn, consts, dict.fromkeys(ints, "*i32"), pointers_and_strides(fn, "I"), num_warps=w,
+                options={"maxnreg": mr} if mr else {}, spill_bytes=MEASURED_SPILLS.get(name, 0),
+            )  # fmt: skip
+    return specs.values()

@@ -24,8 +24,7 @@ def _gelu_tanh(x):
     return x * tl.sigmoid(2.0 * u)
 
 
-# DEQUANT modes: 0 converts the nibble with a plain int->float cast; 1/2/3 (fp16/bf16/fp32 operands)
-# OR the nibble into the mantissa of a float whose exponent makes one ulp == 1 (1024.0 / 128.0 / 2^23),
+# DEQUANT modes: 1/2/3 (fp16/bf16/fp32 operands) OR the nibble into the mantissa of a float whose exponent makes one ulp == 1 (1024.0 / 128.0 / 2^23),
 # so the conversion is one OR and the offset folds into the zero point: q - z == magic(q) - (z + M).
 # 4/5 (fp16/bf16, compiled for a GPU only: the interpreter runs no PTX) give mode 1/2's values from
 # inline PTX on 32-bit words: four bytes -> eight weights in two prmt, two shifts and four lop3.
@@ -35,23 +34,19 @@ def _zero_bias(z, DT: tl.constexpr, DEQUANT: tl.constexpr):
         return (z.to(tl.float32) + 1024.0).to(DT)
     elif DEQUANT == 2 or DEQUANT == 5:
         return (z.to(tl.float32) + 128.0).to(DT)
-    elif DEQUANT == 3:
-        return z.to(tl.float32) + 8388608.0
     else:
-        return z.to(DT)
+        return z.to(tl.float32) + 8388608.0
 
 
 @triton.jit
 def _nibble(v, DT: tl.constexpr, DEQUANT: tl.constexpr):
-    """v: uint8 values 0..15 -> DT (plus the mode's magic offset); modes 0-3."""
+    """v: uint8 values 0..15 -> DT plus the mode's magic offset; modes 1-3."""
     if DEQUANT == 1:
         return (v.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
     elif DEQUANT == 2:
         return (v.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
-    elif DEQUANT == 3:
-        return (v.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
     else:
-        return v.to(DT)
+        return (v.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
 
 
 # prmt spreads bytes 0,1 (2,3) of a word into the low bytes of its two halves; lop3 0xEA is (a & b) | c:
@@ -90,7 +85,7 @@ def _nibbles(q, DT: tl.constexpr, DEQUANT: tl.constexpr):
 
 @triton.jit
 def _act_halves(ptr, off, k0, offs_k, valid, width, HALF: tl.constexpr, EVEN_K: tl.constexpr):
-    """The activation rows' two halves of a group, [rows, SUB] at k0 and k0 + G/2 (the operands of the
+    """The activation rows' two halves of a group, [rows, G/2] at k0 and k0 + G/2 (the operands of the
     low and the high nibbles). EVEN_K: no group runs past `width`, so the row mask alone (the K mask
     cost down ~20 % at 8 rows)."""
     if EVEN_K:
@@ -130,17 +125,11 @@ def _w4_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DEQUANT: tl.constexpr,
-    SCALE_IN_TILE: tl.constexpr,
-    FOLD_ZERO: tl.constexpr,
-    PREFETCH_SCALE: tl.constexpr,
-    SUB: tl.constexpr,
     EVEN_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program: BLOCK_M sorted rows (one expert) x BLOCK_N columns of I, gate and up together.
-    Each iteration takes SUB packed rows (k and k + G/2 of one group): SUB = G/2 is one group per
-    iteration; a smaller SUB holds a smaller weight tile in registers and shared memory (more
-    programs per SM) at the price of more iterations."""
+    """One program: BLOCK_M sorted rows (one expert) x BLOCK_N columns of I, gate and up together; one
+    group per iteration (G/2 packed rows: k and k + G/2)."""
     pdl_enter(PDL)
     DT: tl.constexpr = x_ptr.dtype.element_ty
     pid_m = tl.program_id(0)
@@ -153,78 +142,44 @@ def _w4_gate_up_kernel(
     valid = aid < num_assign
     tok = aid // top_k
     HALF: tl.constexpr = GROUP // 2
-    NSUB: tl.constexpr = HALF // SUB
-    offs_k = tl.arange(0, SUB)
+    offs_k = tl.arange(0, HALF)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
 
     # Scalar base pointers + int32 offset tiles: 64-bit pointer tiles held across the loop cost two
     # registers per element and made this kernel spill (255 regs at BLOCK_N=64, 4 warps).
-    x_off = tok[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, SUB]
+    x_off = tok[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, G/2]
     q_e = q_ptr + e.to(tl.int64) * stride_qe
-    q_off = offs_n[:, None] * stride_qn + offs_k[None, :]  # [BLOCK_N, SUB] bytes, up rows at + I
+    q_off = offs_n[:, None] * stride_qn + offs_k[None, :]  # [BLOCK_N, G/2] bytes, up rows at + I
     s_e = s_ptr + e.to(tl.int64) * stride_se
     z_e = z_ptr + e.to(tl.int64) * stride_se
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # Scales feed the fp32 product, not the dot, so Triton's pipeliner leaves their loads synchronous:
-    # PREFETCH_SCALE issues group g+1's scale loads during group g by hand (software pipelining).
-    sg_next = tl.load(s_e + offs_n, mask=n_mask, other=0.0)
-    su_next = tl.load(s_e + (offs_n + I), mask=n_mask, other=0.0)
-    for it in range(NUM_GROUPS * NSUB):  # constexpr trip count (also dodges an interpreter bug)
-        g = it // NSUB
-        sub = (it % NSUB) * SUB
-        k0 = g * GROUP + sub
+    for g in range(NUM_GROUPS):  # constexpr trip count (also dodges an interpreter bug)
+        k0 = g * GROUP
         xa, xb = _act_halves(x_ptr, x_off, k0, offs_k, valid, H, HALF, EVEN_K)
-        qcol = g * HALF + sub
-        qg = tl.trans(tl.load(q_e + (q_off + qcol), mask=n_mask[:, None], other=0))  # [SUB, BLOCK_N]
+        qcol = g * HALF
+        qg = tl.trans(tl.load(q_e + (q_off + qcol), mask=n_mask[:, None], other=0))  # [G/2, BLOCK_N]
         qu = tl.trans(tl.load(q_e + (q_off + (qcol + I * stride_qn)), mask=n_mask[:, None], other=0))
         srow = g * stride_sg
-        if PREFETCH_SCALE:
-            sg = sg_next.to(tl.float32)
-            su = su_next.to(tl.float32)
-            # the next iteration's group (the same one within a group; the last prefetch re-reads g)
-            nrow = tl.minimum((it + 1) // NSUB, NUM_GROUPS - 1) * stride_sg
-            sg_next = tl.load(s_e + (offs_n + nrow), mask=n_mask, other=0.0)
-            su_next = tl.load(s_e + (offs_n + (nrow + I)), mask=n_mask, other=0.0)
-        else:
-            sg = tl.load(s_e + (offs_n + srow), mask=n_mask, other=0.0).to(tl.float32)
-            su = tl.load(s_e + (offs_n + (srow + I)), mask=n_mask, other=0.0).to(tl.float32)
+        sg = tl.load(s_e + (offs_n + srow), mask=n_mask, other=0.0).to(tl.float32)
+        su = tl.load(s_e + (offs_n + (srow + I)), mask=n_mask, other=0.0).to(tl.float32)
         zg = _zero_bias(tl.load(z_e + (offs_n + srow), mask=n_mask, other=0.0), DT, DEQUANT)
         zu = _zero_bias(tl.load(z_e + (offs_n + (srow + I)), mask=n_mask, other=0.0), DT, DEQUANT)
         qg_lo, qg_hi = _nibbles(qg, DT, DEQUANT)
         qu_lo, qu_hi = _nibbles(qu, DT, DEQUANT)
-        if FOLD_ZERO:
-            # x @ (q - z) == x @ q - rowsum(x) * z: the zero point leaves the weight tile (one
-            # multiply-add per output element per group instead of one subtract per weight)
-            rs = tl.sum(xa.to(tl.float32), 1) + tl.sum(xb.to(tl.float32), 1)
-            pg = tl.dot(xa, qg_lo, input_precision=DOT_PREC)
-            pg = tl.dot(xb, qg_hi, pg, input_precision=DOT_PREC)
-            pu = tl.dot(xa, qu_lo, input_precision=DOT_PREC)
-            pu = tl.dot(xb, qu_hi, pu, input_precision=DOT_PREC)
-            acc_g += (pg - rs[:, None] * zg.to(tl.float32)[None, :]) * sg[None, :]
-            acc_u += (pu - rs[:, None] * zu.to(tl.float32)[None, :]) * su[None, :]
-        else:
-            # (q - zero) is an exact small integer in any float dtype; the scale is constant over the group,
-            # so it multiplies the [BLOCK_M, BLOCK_N] partial product instead of the [G, BLOCK_N] tile.
-            wg_lo = qg_lo - zg[None, :]
-            wg_hi = qg_hi - zg[None, :]
-            wu_lo = qu_lo - zu[None, :]
-            wu_hi = qu_hi - zu[None, :]
-            if SCALE_IN_TILE:
-                # dequantise fully, accumulate straight into acc: fewer live registers, one more multiply
-                # per weight (and the weight rounded to DT once, exactly as the torch twin does)
-                acc_g = tl.dot(xa, (wg_lo * sg[None, :]).to(DT), acc_g, input_precision=DOT_PREC)
-                acc_g = tl.dot(xb, (wg_hi * sg[None, :]).to(DT), acc_g, input_precision=DOT_PREC)
-                acc_u = tl.dot(xa, (wu_lo * su[None, :]).to(DT), acc_u, input_precision=DOT_PREC)
-                acc_u = tl.dot(xb, (wu_hi * su[None, :]).to(DT), acc_u, input_precision=DOT_PREC)
-            else:
-                pg = tl.dot(xa, wg_lo.to(DT), input_precision=DOT_PREC)
-                pg = tl.dot(xb, wg_hi.to(DT), pg, input_precision=DOT_PREC)
-                pu = tl.dot(xa, wu_lo.to(DT), input_precision=DOT_PREC)
-                pu = tl.dot(xb, wu_hi.to(DT), pu, input_precision=DOT_PREC)
-                acc_g += pg * sg[None, :]
-                acc_u += pu * su[None, :]
+        # (q - zero) is an exact small integer in any float dtype; the scale is constant over the group,
+        # so it multiplies the [BLOCK_M, BLOCK_N] partial product instead of the [G, BLOCK_N] tile.
+        wg_lo = qg_lo - zg[None, :]
+        wg_hi = qg_hi - zg[None, :]
+        wu_lo = qu_lo - zu[None, :]
+        wu_hi = qu_hi - zu[None, :]
+        pg = tl.dot(xa, wg_lo.to(DT), input_precision=DOT_PREC)
+        pg = tl.dot(xb, wg_hi.to(DT), pg, input_precision=DOT_PREC)
+        pu = tl.dot(xa, wu_lo.to(DT), input_precision=DOT_PREC)
+        pu = tl.dot(xb, wu_hi.to(DT), pu, input_precision=DOT_PREC)
+        acc_g += pg * sg[None, :]
+        acc_u += pu * su[None, :]
     # activation folded into the epilogue: h = act(gate) * up, never stored separately
     h = _gelu_tanh(acc_g) * acc_u
     tl.store(
@@ -259,15 +214,11 @@ def _w4_down_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DEQUANT: tl.constexpr,
-    SCALE_IN_TILE: tl.constexpr,
-    FOLD_ZERO: tl.constexpr,
-    PREFETCH_SCALE: tl.constexpr,
-    SUB: tl.constexpr,
     EVEN_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program: BLOCK_M sorted rows x BLOCK_N columns of H; writes rows y_tk[t*K + k]. SUB: as in
-    the gate_up kernel."""
+    """One program: BLOCK_M sorted rows x BLOCK_N columns of H, one group per iteration; writes rows
+    y_tk[t*K + k]."""
     pdl_enter(PDL)
     DT: tl.constexpr = h_ptr.dtype.element_ty
     pid_m = tl.program_id(0)
@@ -279,47 +230,28 @@ def _w4_down_kernel(
     aid = tl.load(sorted_ids_ptr + rows)
     valid = aid < num_assign
     HALF: tl.constexpr = GROUP // 2
-    NSUB: tl.constexpr = HALF // SUB
-    offs_k = tl.arange(0, SUB)
+    offs_k = tl.arange(0, HALF)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
 
     h_off = rows[:, None] * stride_hm + offs_k[None, :]  # int32 offset tiles, scalar bases (see above)
     q_e = q_ptr + e * stride_qe
-    q_off = offs_n[:, None] * stride_qn + offs_k[None, :]  # [BLOCK_N, SUB] bytes
+    q_off = offs_n[:, None] * stride_qn + offs_k[None, :]  # [BLOCK_N, G/2] bytes
     s_e = s_ptr + e * stride_se
     z_e = z_ptr + e * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    s_next = tl.load(s_e + offs_n, mask=n_mask, other=0.0)  # PREFETCH_SCALE: see the gate_up kernel
-    for it in range(NUM_GROUPS * NSUB):  # constexpr trip count (also dodges an interpreter bug)
-        g = it // NSUB
-        sub = (it % NSUB) * SUB
-        k0 = g * GROUP + sub
+    for g in range(NUM_GROUPS):  # constexpr trip count (also dodges an interpreter bug)
+        k0 = g * GROUP
         ha, hb = _act_halves(h_ptr, h_off, k0, offs_k, valid, I, HALF, EVEN_K)
-        q = tl.trans(tl.load(q_e + (q_off + (g * HALF + sub)), mask=n_mask[:, None], other=0))
-        if PREFETCH_SCALE:
-            s = s_next.to(tl.float32)
-            nrow = tl.minimum((it + 1) // NSUB, NUM_GROUPS - 1) * stride_sg
-            s_next = tl.load(s_e + (offs_n + nrow), mask=n_mask, other=0.0)
-        else:
-            s = tl.load(s_e + (offs_n + g * stride_sg), mask=n_mask, other=0.0).to(tl.float32)
+        q = tl.trans(tl.load(q_e + (q_off + g * HALF), mask=n_mask[:, None], other=0))
+        s = tl.load(s_e + (offs_n + g * stride_sg), mask=n_mask, other=0.0).to(tl.float32)
         z = _zero_bias(tl.load(z_e + (offs_n + g * stride_sg), mask=n_mask, other=0.0), DT, DEQUANT)
         q_lo, q_hi = _nibbles(q, DT, DEQUANT)
-        if FOLD_ZERO:  # see the gate_up kernel
-            rs = tl.sum(ha.to(tl.float32), 1) + tl.sum(hb.to(tl.float32), 1)
-            p = tl.dot(ha, q_lo, input_precision=DOT_PREC)
-            p = tl.dot(hb, q_hi, p, input_precision=DOT_PREC)
-            acc += (p - rs[:, None] * z.to(tl.float32)[None, :]) * s[None, :]
-        else:
-            w_lo = q_lo - z[None, :]
-            w_hi = q_hi - z[None, :]
-            if SCALE_IN_TILE:
-                acc = tl.dot(ha, (w_lo * s[None, :]).to(DT), acc, input_precision=DOT_PREC)
-                acc = tl.dot(hb, (w_hi * s[None, :]).to(DT), acc, input_precision=DOT_PREC)
-            else:
-                p = tl.dot(ha, w_lo.to(DT), input_precision=DOT_PREC)
-                p = tl.dot(hb, w_hi.to(DT), p, input_precision=DOT_PREC)
-                acc += p * s[None, :]
+        w_lo = q_lo - z[None, :]  # exact, scaled after the dot: see the gate_up kernel
+        w_hi = q_hi - z[None, :]
+        p = tl.dot(ha, w_lo.to(DT), input_precision=DOT_PREC)
+        p = tl.dot(hb, w_hi.to(DT), p, input_precision=DOT_PREC)
+        acc += p * s[None, :]
     tl.store(
         y_ptr + aid[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
         acc.to(y_ptr.dtype.element_ty),
@@ -477,3 +409,43 @@ def _align_kernel(
         b = (pid * CHUNK + s * SUB) // BLOCK_M + tl.arange(0, SUB // BLOCK_M)
         e_b = tl.sum((pad_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), 1)
         tl.store(block_expert_ptr + b, tl.minimum(e_b, num_experts - 1), mask=b * BLOCK_M < p_max)
+
+
+def compile_specs(cfg=None, hidden: int = 2816, inter: int = 704):
+    """The two matmuls at `cfg`'s Triton tiles (default: `MoeLaunchConfig()`), bf16 as compiled for a GPU,
+    then the combine and the routing kernels at two chunk sizes: 256 assignments (2,048 tokens at
+    top-8) and 2,048 (past 8,192 tokens, where an unrolled chunk loop compiled for minutes and spilled)
+    (benchmarks/kernels/compile_check.py)."""
+    import torch
+
+    from ..compile_spec import CompileSpec, pointers_and_strides
+    from .config import MoeLaunchConfig
+    from .launch import triton_constexprs
+
+    cfg = cfg or MoeLaunchConfig()
+    routing = {"sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32"}
+    for which, group, width in (("gate_up", 128, hidden), ("down", 64, inter)):
+        fn = _w4_gate_up_kernel if which == "gate_up" else _w4_down_kernel
+        consts = triton_constexprs(which, cfg, group, width // group, width, torch.bfloat16, compiled=True)
+        yield CompileSpec(
+            which,
+            fn,
+            consts,
+            types={"q_ptr": "*u8", **routing},
+            divisible=pointers_and_strides(fn, "H", "I", "num_assign"),
+            num_warps=getattr(cfg, f"{which}_warps"),
+            num_stages=getattr(cfg, f"{which}_stages"),
+        )
+    yield CompileSpec(
+        "combine",
+        _combine_kernel,
+        {"TOP_K": 8, "K_P2": 8, "RENORM": True, "BLOCK_N": 1024},
+        types={"w_ptr": "*fp32", "ids_ptr": "*i64"},
+        divisible=frozenset({"y_tk_ptr", "out_ptr", "H", "stride_ym", "stride_ot"}),
+    )
+    for chunk in (256, 2048):
+        consts = {"E_P2": 128, "CHUNK": chunk, "SUB": 32}
+        types = {"ids_ptr": "*i64", "hist_ptr": "*i32", **routing, "counts_ptr": "*i32"}
+        yield CompileSpec(f"histogram_chunk{chunk}", _histogram_kernel, consts, types)
+        consts = {**consts, "BLOCK_M": 16, "HIST_ROWS": 16, "HIST_STEPS": 4}
+        yield CompileSpec(f"align_chunk{chunk}", _align_kernel, consts, types)

@@ -1,62 +1,21 @@
-"""Launchers and the public `w4_moe`: routing alignment, tuned-config lookup, three kernel launches.
+"""Launchers and the public `w4_moe`: routing alignment, then one table-driven launcher per kernel family
+(Triton on K-contiguous packs, Gluon on tiled ones) for the two matmuls, then the combine.
 
 Letters as in `kernels.py`: T tokens, K top-k, A = T*K, P padded rows, E experts, H hidden, I expert width.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import asdict, dataclass
-from functools import lru_cache
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import triton
 
 from .._dispatch import auto_triton, can_launch, interpreted, pdl_kwargs
 from . import kernels as _k
+from .config import MoeLaunchConfig, get_config
 from .quant import W4Experts
-
-CONFIG_DIR = Path(__file__).parent / "configs"
-
-
-@dataclass(frozen=True)
-class MoeLaunchConfig:
-    """Tile sizes of one MoE call. BLOCK_M is the routing block (rows of one expert per program)."""
-
-    block_m: int = 32
-    gate_up_block_n: int = 64
-    gate_up_warps: int = 4
-    gate_up_stages: int = 4
-    down_block_n: int = 128
-    down_warps: int = 4
-    down_stages: int = 4
-    combine_block_n: int = 1024
-    magic_dequant: bool = True  # nibble -> float by OR-ing into a mantissa (kernels.py), else a cast
-    ptx_dequant: bool = True  # the magic conversion in inline PTX on 32-bit words (fp16/bf16, compiled only)
-    scale_in_tile: bool = False  # scale the weight tile before the dot (fewer registers) or the product
-    fold_zero: bool = False  # subtract rowsum(x) * zero after the dot instead of zero from every weight
-    prefetch_scale: bool = False  # load group g+1's scales during group g (hand-pipelined)
-    # packed rows per iteration (k and k + G/2 of a group; a power of two ≥ 16 dividing G/2); None: G/2,
-    # one group per iteration. Smaller: fewer registers and less shared memory per program.
-    gate_up_sub_k: int | None = None
-    down_sub_k: int | None = None
-    # the Gluon kernels' tiles (gluon_w4.py), which run instead of the Triton ones on a tiled pack
-    # (W4Experts.tiled, `prefer_tiled`): a program's columns are 16 * warps * tiles (the *_block_n /
-    # *_stages above are the Triton kernels')
-    gluon_gate_up_warps: int = 4
-    gluon_gate_up_tiles: int = 1
-    gluon_down_warps: int = 4
-    gluon_down_tiles: int = 2
-    gluon_block_m: int | None = None  # the Gluon kernels' routing block (None: block_m)
-    # 0: the next group's tiles wait in registers; >= 2: cp.async through that many shared-memory stages
-    gluon_gate_up_stages: int = 0
-    gluon_down_stages: int = 0
-    # register cap per thread (ptxas maxnreg; None: the compiler's choice): more programs per SM for
-    # these latency-bound kernels (ncu, BENCHMARKS.md session 9), at the price of spills
-    gluon_gate_up_maxnreg: int | None = None
-    gluon_down_maxnreg: int | None = None
 
 
 @dataclass(frozen=True)
@@ -190,174 +149,119 @@ def align_routing_reference(topk_ids: torch.Tensor, num_experts: int, block_m: i
     )
 
 
-def _device_name(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "cpu"
-    return torch.cuda.get_device_name(device).replace(" ", "_")
-
-
-def config_file_name(
-    num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype, device_name: str
-) -> str:
-    dt = str(dtype).replace("torch.", "")
-    return f"E={num_experts},H={hidden},I={inter},K={top_k},dtype={dt},device={device_name}.json"
-
-
-@lru_cache(maxsize=64)
-def _load_configs(path: str) -> dict[int, MoeLaunchConfig]:
-    p = Path(path)
-    if not p.exists():
-        return {}
-    raw = json.loads(p.read_text())
-    return {int(t): MoeLaunchConfig(**cfg) for t, cfg in raw["configs"].items()}
-
-
-def get_config(num_tokens: int, top_k: int, packed: W4Experts, dtype: torch.dtype) -> MoeLaunchConfig:
-    """Tuned config for the nearest token count at or above `num_tokens` (else the largest); default
-    when no file exists for this shape and device. Overrides: `CANVASQ_MOE_CONFIG` (one config as a
-    JSON object) or `CANVASQ_MOE_CONFIG_FILE` (a tuned file written by benchmarks/kernels/tune_moe.py)."""
-    override = os.environ.get("CANVASQ_MOE_CONFIG")
-    if override:
-        return MoeLaunchConfig(**json.loads(override))
-    path = os.environ.get("CANVASQ_MOE_CONFIG_FILE") or str(
-        CONFIG_DIR
-        / config_file_name(
-            packed.num_experts, packed.hidden, packed.inter, top_k, dtype, _device_name(packed.device)
-        )
-    )
-    table = _load_configs(path)
-    if not table:
-        return MoeLaunchConfig()
-    above = [t for t in table if t >= num_tokens]
-    return table[min(above)] if above else table[max(table)]
-
-
-def save_configs(path: Path, configs: dict[int, MoeLaunchConfig], meta: dict) -> None:
-    body = {"meta": meta, "configs": {str(t): asdict(c) for t, c in sorted(configs.items())}}
-    path.write_text(json.dumps(body, indent=1) + "\n")
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _dequant_mode(dtype: torch.dtype, compiled: bool) -> int:
+    """kernels.py's DEQUANT for `dtype` operands: the magic-float OR, in inline PTX when compiled for a
+    GPU (fp16/bf16; the interpreter runs no PTX)."""
+    return _PTX_MODE[dtype] if compiled and dtype in _PTX_MODE else _MAGIC_MODE[dtype]
 
 
 _MAGIC_MODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 _PTX_MODE = {torch.float16: 4, torch.bfloat16: 5}
 
 
-def _fold_zero(cfg: MoeLaunchConfig) -> bool:
-    return cfg.fold_zero and not cfg.scale_in_tile
+@dataclass(frozen=True)
+class _Matmul:
+    """What tells the two W4 matmuls apart for their launchers. `name` prefixes the pack's tensors
+    (`<name>_q`, `_scale`, `_zero`, `_sz`), its group (`config.group_<name>`) and the config's tile fields."""
+
+    name: str
+    k_width: str  # W4Experts attribute: the reduced width
+    n_width: str  # W4Experts attribute: the output columns
+    by_token: bool  # reads x[t] of an assignment t*K + k (gate_up), else its sorted row of h (down)
 
 
-def _dequant_mode(cfg: MoeLaunchConfig, dtype: torch.dtype, compiled: bool | None = None) -> int:
-    """kernels.py's DEQUANT for these operands; `compiled`: the kernels are compiled for a GPU, not
-    interpreted (default: ask the kernel object)."""
-    # fp32's magic float is 2^23 + q: with the zero folded out of the tile, x * (2^23 + q) would lose
-    # x's low bits in the product, so the folded fp32 path converts the nibble with a plain cast
-    if not cfg.magic_dequant or (dtype == torch.float32 and _fold_zero(cfg)):
-        return 0
-    if compiled is None:
-        compiled = not interpreted(_k._w4_gate_up_kernel)
-    if cfg.ptx_dequant and compiled and dtype in _PTX_MODE:
-        return _PTX_MODE[dtype]
-    return _MAGIC_MODE[dtype]
+MATMULS = {
+    "gate_up": _Matmul("gate_up", "hidden", "inter", by_token=True),
+    "down": _Matmul("down", "inter", "hidden", by_token=False),
+}
 
 
-def _sub_k(sub: int | None, group: int) -> int:
-    half = group // 2
-    sub = half if sub is None else sub
-    if sub < 16 or half % sub or sub & (sub - 1):
-        raise ValueError(f"sub_k {sub} must be a power of two >= 16 dividing {half} (half a group)")
-    return sub
+def _out_shape(mm: _Matmul, meta: RoutingMeta, packed: W4Experts) -> tuple[int, int]:
+    rows = meta.sorted_ids.numel() if mm.by_token else meta.num_assign
+    return (rows, getattr(packed, mm.n_width))
 
 
-def launch_gate_up(
-    x: torch.Tensor, packed: W4Experts, meta: RoutingMeta, cfg: MoeLaunchConfig, h: torch.Tensor
+def triton_constexprs(
+    which: str, cfg: MoeLaunchConfig, group: int, num_groups: int, k_width: int, dtype: torch.dtype,
+    compiled: bool,
+) -> dict:  # fmt: skip
+    """The constexprs `launch_matmul` gives kernels.py's `_w4_<which>_kernel` (also its compile spec)."""
+    return {
+        "GROUP": group,
+        "NUM_GROUPS": num_groups,
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": getattr(cfg, f"{which}_block_n"),
+        "DOT_PREC": "ieee" if dtype == torch.float32 else "tf32",
+        "DEQUANT": _dequant_mode(dtype, compiled),
+        "EVEN_K": k_width % group == 0,
+    }
+
+
+def _launch_triton(
+    mm: _Matmul,
+    a: torch.Tensor,
+    packed: W4Experts,
+    meta: RoutingMeta,
+    cfg: MoeLaunchConfig,
+    out: torch.Tensor,
 ) -> None:
-    """h [P_max, I] = act(x[tok] @ gate^T) * (x[tok] @ up^T) per sorted row (padding rows: zeros)."""
-    H, I = packed.hidden, packed.inter
-    assert not packed.tiled, "a tiled pack is read by the Gluon kernels (launch_gate_up_gluon)"
-    assert h.shape == (meta.sorted_ids.numel(), I) and h.dtype == x.dtype and h.stride(-1) == 1
-    gq, gs = packed.gate_up_q, packed.gate_up_scale
-    grid = (meta.sorted_ids.numel() // cfg.block_m, triton.cdiv(I, cfg.gate_up_block_n))
-    _k._w4_gate_up_kernel[grid](
-        x,
-        gq,
-        gs,
-        packed.gate_up_zero,
-        h,
-        meta.sorted_ids,
-        meta.block_expert,
-        meta.num_padded,
-        meta.num_assign,
-        meta.num_assign // x.shape[0],
-        H,
-        I,
-        x.stride(0),
-        gq.stride(0),
-        gq.stride(1),
-        gs.stride(0),
-        gs.stride(1),
-        h.stride(0),
-        GROUP=packed.config.group_gate_up,
-        NUM_GROUPS=gs.shape[1],
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.gate_up_block_n,
-        DOT_PREC=_dot_precision(x.dtype),
-        DEQUANT=_dequant_mode(cfg, x.dtype),
-        SCALE_IN_TILE=cfg.scale_in_tile,
-        FOLD_ZERO=_fold_zero(cfg),
-        PREFETCH_SCALE=cfg.prefetch_scale,
-        SUB=_sub_k(cfg.gate_up_sub_k, packed.config.group_gate_up),
-        EVEN_K=H % packed.config.group_gate_up == 0,
-        **pdl_kwargs(x, _k._w4_gate_up_kernel),
-        num_warps=cfg.gate_up_warps,
-        num_stages=cfg.gate_up_stages,
+    assert not packed.tiled, "a tiled pack is read by the Gluon kernels"
+    assert out.shape == _out_shape(mm, meta, packed) and out.dtype == a.dtype and out.stride(-1) == 1
+    kernel = getattr(_k, f"_w4_{mm.name}_kernel")
+    q, s, z = (getattr(packed, f"{mm.name}_{t}") for t in ("q", "scale", "zero"))
+    group = getattr(packed.config, f"group_{mm.name}")
+    n = getattr(packed, mm.n_width)
+    consts = triton_constexprs(
+        mm.name, cfg, group, s.shape[1], getattr(packed, mm.k_width), a.dtype, not interpreted(kernel)
     )
+    by_token = (meta.num_assign // a.shape[0],) if mm.by_token else ()
+    kernel[(meta.sorted_ids.numel() // cfg.block_m, triton.cdiv(n, consts["BLOCK_N"]))](
+        a, q, s, z, out, meta.sorted_ids, meta.block_expert, meta.num_padded, meta.num_assign, *by_token,
+        packed.hidden, packed.inter, a.stride(0), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
+        out.stride(0), **consts, **pdl_kwargs(a, kernel),
+        num_warps=getattr(cfg, f"{mm.name}_warps"), num_stages=getattr(cfg, f"{mm.name}_stages"),
+    )  # fmt: skip
 
 
-def launch_down(
-    h: torch.Tensor, packed: W4Experts, meta: RoutingMeta, cfg: MoeLaunchConfig, y_tk: torch.Tensor
+def _launch_gluon(
+    mm: _Matmul,
+    a: torch.Tensor,
+    packed: W4Experts,
+    meta: RoutingMeta,
+    cfg: MoeLaunchConfig,
+    out: torch.Tensor,
 ) -> None:
-    """y_tk [A, H]: row t*K + k = h[row of (t, k)] @ down_e^T (unweighted; the combine weights it)."""
-    H, I = packed.hidden, packed.inter
-    assert not packed.tiled, "a tiled pack is read by the Gluon kernels (launch_down_gluon)"
-    assert y_tk.shape == (meta.num_assign, H) and y_tk.stride(-1) == 1
-    dq, ds = packed.down_q, packed.down_scale
-    grid = (meta.sorted_ids.numel() // cfg.block_m, triton.cdiv(H, cfg.down_block_n))
-    _k._w4_down_kernel[grid](
-        h,
-        dq,
-        ds,
-        packed.down_zero,
-        y_tk,
-        meta.sorted_ids,
-        meta.block_expert,
-        meta.num_padded,
-        meta.num_assign,
-        H,
-        I,
-        h.stride(0),
-        dq.stride(0),
-        dq.stride(1),
-        ds.stride(0),
-        ds.stride(1),
-        y_tk.stride(0),
-        GROUP=packed.config.group_down,
-        NUM_GROUPS=ds.shape[1],
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.down_block_n,
-        DOT_PREC=_dot_precision(h.dtype),
-        DEQUANT=_dequant_mode(cfg, h.dtype),
-        SCALE_IN_TILE=cfg.scale_in_tile,
-        FOLD_ZERO=_fold_zero(cfg),
-        PREFETCH_SCALE=cfg.prefetch_scale,
-        SUB=_sub_k(cfg.down_sub_k, packed.config.group_down),
-        EVEN_K=I % packed.config.group_down == 0,
-        **pdl_kwargs(h, _k._w4_down_kernel),
-        num_warps=cfg.down_warps,
-        num_stages=cfg.down_stages,
+    from . import gluon_w4
+
+    assert packed.tiled and out.shape == _out_shape(mm, meta, packed) and out.dtype == a.dtype
+    assert out.is_contiguous() and a.stride(-1) == 1
+    assert a.stride(0) % 2 == 0 and a.data_ptr() % 4 == 0, "activations are read as 32-bit pairs"
+    kernel = getattr(gluon_w4, f"_gl_w4_{mm.name}_kernel")
+    qt, sz = getattr(packed, f"{mm.name}_q"), getattr(packed, f"{mm.name}_sz")
+    n = getattr(packed, mm.n_width)
+    warps, tiles, stages, maxnreg = (
+        getattr(cfg, f"gluon_{mm.name}_{t}") for t in ("warps", "tiles", "stages", "maxnreg")
     )
+    nw, tiles = gluon_tile(warps, tiles, n)
+    bn = 16 * nw * tiles
+    cap = {} if maxnreg is None else {"maxnreg": maxnreg}  # ptxas register cap
+    by_token = (meta.num_assign // a.shape[0], packed.inter) if mm.by_token else ()
+    kernel[(meta.sorted_ids.numel() // meta.block_m, n // bn)](
+        a, qt, sz, out, meta.sorted_ids, meta.block_expert, meta.num_padded, meta.num_assign, *by_token,
+        a.stride(0), qt.stride(0), sz.stride(0), sz.stride(1), out.stride(0),
+        GROUP=getattr(packed.config, f"group_{mm.name}"), NUM_GROUPS=sz.shape[1], BLOCK_M=meta.block_m,
+        BN=bn, NW=nw, STAGES=stages, **pdl_kwargs(a, kernel), **cap, num_warps=nw,
+    )  # fmt: skip
+
+
+def launch_matmul(
+    which: str, a: torch.Tensor, packed: W4Experts, meta: RoutingMeta, cfg: MoeLaunchConfig, out: torch.Tensor
+) -> None:
+    """One W4 matmul over the sorted rows, through the Gluon kernel on a tiled pack, else the Triton one.
+    "gate_up": out = h [P_max, I], act(x[tok] @ gate^T) * (x[tok] @ up^T) per sorted row (padding rows:
+    zeros); "down": a = h, out = y_tk [A, H], row t*K + k = h[row of (t, k)] @ down_e^T (unweighted; the
+    combine weights it)."""
+    (_launch_gluon if packed.tiled else _launch_triton)(MATMULS[which], a, packed, meta, cfg, out)
 
 
 LAYOUT_ENV = "CANVASQ_MOE_LAYOUT"  # "kcontig": keep the K-contiguous packing (Triton kernels) on CUDA too
@@ -383,12 +287,13 @@ def tiled_supported(packed: W4Experts, dtype: torch.dtype) -> bool:
 
 
 def prefer_tiled(packed: W4Experts, dtype: torch.dtype | None = None) -> W4Experts:
-    """`packed.to_tiled()` where `tiled_supported` (the Gluon kernels: faster, BENCHMARKS.md sessions 7-8;
-    the K-contiguous bytes are then dropped, so expert memory stays one copy), else `packed`."""
+    """`packed.to_tiled()` where `tiled_supported` (the Gluon kernels are the faster pair: BENCHMARKS.md,
+    "W4 MoE layer"; the K-contiguous bytes are then dropped, so expert memory stays one copy), else
+    `packed`."""
     return packed.to_tiled() if tiled_supported(packed, dtype or packed.scale_dtype) else packed
 
 
-def _gluon_tile(warps: int, tiles: int, n: int) -> tuple[int, int]:
+def gluon_tile(warps: int, tiles: int, n: int) -> tuple[int, int]:
     """(warps, tiles) of a config, narrowed until 16 * warps * tiles divides the n output columns."""
     while n % (16 * warps * tiles):
         if tiles > 1:
@@ -410,89 +315,6 @@ def _check_tiled(x: torch.Tensor, packed: W4Experts) -> None:
             f"in the scales' dtype ({packed.scale_dtype}); got {x.dtype} on {x.device}. Run the torch twin "
             f"(impl='torch') or keep the pack K-contiguous (CANVASQ_MOE_LAYOUT=kcontig)"
         )
-
-
-def _maxnreg(cap: int | None) -> dict:
-    return {} if cap is None else {"maxnreg": cap}
-
-
-def launch_gate_up_gluon(
-    x: torch.Tensor, packed: W4Experts, meta: RoutingMeta, cfg: MoeLaunchConfig, h: torch.Tensor
-) -> None:
-    """`launch_gate_up` through the Gluon kernel on a tiled pack (same h)."""
-    from .gluon_w4 import _gl_w4_gate_up_kernel
-
-    I = packed.inter
-    assert (
-        packed.tiled and h.shape == (meta.sorted_ids.numel(), I) and h.dtype == x.dtype and h.is_contiguous()
-    )
-    assert x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0, "activations are read as 32-bit pairs"
-    qt, gs = packed.gate_up_q, packed.gate_up_sz
-    nw, tiles = _gluon_tile(cfg.gluon_gate_up_warps, cfg.gluon_gate_up_tiles, I)
-    bn = 16 * nw * tiles
-    _gl_w4_gate_up_kernel[(meta.sorted_ids.numel() // meta.block_m, I // bn)](
-        x,
-        qt,
-        gs,
-        h,
-        meta.sorted_ids,
-        meta.block_expert,
-        meta.num_padded,
-        meta.num_assign,
-        meta.num_assign // x.shape[0],
-        I,
-        x.stride(0),
-        qt.stride(0),
-        gs.stride(0),
-        gs.stride(1),
-        h.stride(0),
-        GROUP=packed.config.group_gate_up,
-        NUM_GROUPS=gs.shape[1],
-        BLOCK_M=meta.block_m,
-        BN=bn,
-        NW=nw,
-        STAGES=cfg.gluon_gate_up_stages,
-        **pdl_kwargs(x, _gl_w4_gate_up_kernel),
-        **_maxnreg(cfg.gluon_gate_up_maxnreg),
-        num_warps=nw,
-    )
-
-
-def launch_down_gluon(
-    h: torch.Tensor, packed: W4Experts, meta: RoutingMeta, cfg: MoeLaunchConfig, y_tk: torch.Tensor
-) -> None:
-    """`launch_down` through the Gluon kernel on a tiled pack (same y_tk)."""
-    from .gluon_w4 import _gl_w4_down_kernel
-
-    H = packed.hidden
-    assert packed.tiled and y_tk.shape == (meta.num_assign, H) and y_tk.is_contiguous() and h.is_contiguous()
-    qt, ds = packed.down_q, packed.down_sz
-    nw, tiles = _gluon_tile(cfg.gluon_down_warps, cfg.gluon_down_tiles, H)
-    bn = 16 * nw * tiles
-    _gl_w4_down_kernel[(meta.sorted_ids.numel() // meta.block_m, H // bn)](
-        h,
-        qt,
-        ds,
-        y_tk,
-        meta.sorted_ids,
-        meta.block_expert,
-        meta.num_padded,
-        meta.num_assign,
-        h.stride(0),
-        qt.stride(0),
-        ds.stride(0),
-        ds.stride(1),
-        y_tk.stride(0),
-        GROUP=packed.config.group_down,
-        NUM_GROUPS=ds.shape[1],
-        BLOCK_M=meta.block_m,
-        BN=bn,
-        NW=nw,
-        STAGES=cfg.gluon_down_stages,
-        **pdl_kwargs(h, _gl_w4_down_kernel),
-        **_maxnreg(cfg.gluon_down_maxnreg),
-        num_warps=nw,
-    )
 
 
 def w4_moe_launch(
@@ -537,11 +359,8 @@ def w4_moe_launch(
         _check_tiled(x, packed)
         if x.stride(0) % 2 or x.data_ptr() % 4:  # the Gluon kernels read activations as 32-bit pairs
             x = x.clone(memory_format=torch.contiguous_format)
-        launch_gate_up_gluon(x, packed, meta, cfg, h)
-        launch_down_gluon(h, packed, meta, cfg, y_tk)
-    else:
-        launch_gate_up(x, packed, meta, cfg, h)
-        launch_down(h, packed, meta, cfg, y_tk)
+    launch_matmul("gate_up", x, packed, meta, cfg, h)
+    launch_matmul("down", h, packed, meta, cfg, y_tk)
     if expert_scale is not None:
         assert expert_scale.shape == (E,) and expert_scale.device == x.device
     rows = ExpertRows(y_tk, weights, topk_ids.contiguous(), expert_scale)

@@ -68,7 +68,7 @@ def load_packed(
         for name, m in meta.items():
             if m.get("layout") != PACK_LAYOUT:
                 raise StalePackError(
-                    f"{path}: packed for layout {m.get('layout', 'q[E,Kp/2,N] (before 2026-11-30)')!r}, "
+                    f"{path}: packed for layout {m.get('layout', 'q[E,Kp/2,N], unlabelled')!r}, "
                     f"this canvasq reads {PACK_LAYOUT!r}; delete the file to repack"
                 )
             fields = {

@@ -148,6 +148,11 @@ def _delta(after: dict, before: dict) -> dict:
 
 
 # --- live --------------------------------------------------------------------------------------------
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def live(args) -> dict:
     from canvasq.model.loading import load_bundle
 
@@ -160,10 +165,6 @@ def live(args) -> dict:
     arms = args.arms.split(";")
     rows = []
 
-    def sync():
-        if args.device.startswith("cuda"):
-            torch.cuda.synchronize()
-
     for bs in [int(x) for x in args.batches.split(",")]:
         prompts = [torch.randint(3, V, (args.prompt_len,), generator=g).tolist() for _ in range(bs)]
         reqs = [DecodeRequest(f"r{i}", p, args.max_tokens, args.task) for i, p in enumerate(prompts)]
@@ -173,10 +174,10 @@ def live(args) -> dict:
             over = {"adapter": False, "experts": args.experts, **over}
             for rep in range(args.reps + 1):  # rep 0: cold (graph captures happen here)
                 before = _graph_stats(target, name, over)
-                sync()
+                _sync(args.device)
                 t0 = time.perf_counter()
                 res = run_batch(target, DecodeBatch(reqs, seed=args.seed), decoder=name, overrides=over)
-                sync()
+                _sync(args.device)
                 dt = time.perf_counter() - t0
                 errors = [r.error for r in res if r.error]
                 passes = len({t.index for r in res for t in r.traces})
@@ -235,6 +236,29 @@ def _replay_plan(name: str, result, scale: int, C: int) -> tuple[list[int], int]
     return sizes, max(1, sum(sizes))
 
 
+def _replay_report(mode: str, testbed, args, rows: list, **extra) -> dict:
+    """The JSON a replay mode returns: what was recorded where, and replayed at which shape."""
+    keys = ("shape", "device", "experts", "task", "n", "seed")
+    head = {"mode": mode, "recorded_on": testbed.spec, **{k: getattr(args, k) for k in keys}}
+    return {**head, **extra, "rows": rows, "schedule": "replayed"}
+
+
+def _timed_passes(bundle, batches: list, bs: int, decoder: str, knobs: dict, seed: int, device: str):
+    """Each list of requests through `run_batch` in chunks of `bs`: ([seconds per list], last results)."""
+    times, res = [], []
+    for batch in batches:
+        _sync(device)
+        t0 = time.perf_counter()
+        res = []
+        for i in range(0, len(batch), bs):
+            res += run_batch(
+                bundle, DecodeBatch(batch[i : i + bs], seed=seed), decoder=decoder, overrides=knobs
+            )
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times, res
+
+
 def replay_live(args) -> dict:
     from canvasq.decoders import official, phcd
     from canvasq.model.loading import load_bundle
@@ -246,10 +270,6 @@ def replay_live(args) -> dict:
     scale = target.canvas_length // testbed.canvas_length
     _, reqs = _requests(testbed, args.task, args.n, args.seed, args.max_tokens)
     rows = []
-
-    def sync():
-        if args.device.startswith("cuda"):
-            torch.cuda.synchronize()
 
     for bs in [int(x) for x in args.batches.split(",")]:
         for spec in args.arms.split(";"):
@@ -278,17 +298,8 @@ def replay_live(args) -> dict:
                 if name == "phcd"
                 else {"experts": args.experts, **over}
             )
-            times = []
-            for batch in (warm, jobs):  # the first pass untimed: allocations and graph captures
-                sync()
-                t0 = time.perf_counter()
-                res = []
-                for i in range(0, len(batch), bs):
-                    res += run_batch(
-                        target, DecodeBatch(batch[i : i + bs], seed=args.seed), decoder=name, overrides=knobs
-                    )
-                sync()
-                times.append(time.perf_counter() - t0)
+            # the first list (warm) untimed: allocations and graph captures
+            times, res = _timed_passes(target, [warm, jobs], bs, name, knobs, args.seed, args.device)
             tokens = sum(len(r.token_ids) for r in recorded) * scale
             rows.append(
                 {
@@ -311,19 +322,7 @@ def replay_live(args) -> dict:
             tables[name].clear()
             if args.device.startswith("cuda"):  # the next arm's graphs and logits start from a clean pool
                 torch.cuda.empty_cache()
-    return {
-        "mode": "replay-live",
-        "recorded_on": testbed.spec,
-        "shape": args.shape,
-        "device": args.device,
-        "experts": args.experts,
-        "task": args.task,
-        "n": args.n,
-        "seed": args.seed,
-        "scale": scale,
-        "rows": rows,
-        "schedule": "replayed",
-    }
+    return _replay_report("replay-live", testbed, args, rows, scale=scale)
 
 
 # --- record ------------------------------------------------------------------------------------------
@@ -405,6 +404,26 @@ def record(bundle, spec: str, reqs: list, batch: int, seed: int) -> dict:
 
 # --- replay ------------------------------------------------------------------------------------------
 @torch.no_grad()
+def _pass_inputs(p: dict, scaled, arena, V: int, g: torch.Generator, device: str):
+    """One recorded pass at the replay's shape, random ids: (decoder windows, encoder items); each
+    slot's arena length set to the window's scaled context."""
+    from canvasq.model.runtime import Window
+
+    wins, items = [], []
+    for slot, w in enumerate(p["windows"]):
+        ctx, r = scaled(w)
+        arena.length[slot] = ctx
+        ids = torch.randint(0, V, (r,), generator=g).to(device)
+        pos = torch.arange(ctx, ctx + r, device=device)
+        if p["kind"] == "encode":
+            items.append((slot, ids, pos))
+            continue
+        blk = -(-r // max(1, int(w["canvases"])))
+        start = ctx + (torch.arange(r, device=device) // blk) * blk
+        wins.append(Window(slot, ids, pos, start, torch.clamp(start + blk, max=ctx + r)))
+    return wins, items
+
+
 def replay(rt, schedule: dict, canvas_length: int, device: str, reps: int = 1, graphs: bool = False) -> dict:
     """Time the schedule's passes at `rt`'s shape with rows and context scaled by the canvas ratio.
 
@@ -412,7 +431,6 @@ def replay(rt, schedule: dict, canvas_length: int, device: str, reps: int = 1, g
     built during an untimed warm-up repetition (a service builds them once per bucket); on CUDA each
     pass is then one graph launch. Encoder passes stay eager."""
     from canvasq.model.graph import ROW_BUCKETS, DecodeGraph, _bucket, context_bucket
-    from canvasq.model.runtime import Window
 
     scale = canvas_length / schedule["canvas_length"]
     passes = schedule["passes"]
@@ -435,10 +453,6 @@ def replay(rt, schedule: dict, canvas_length: int, device: str, reps: int = 1, g
     V = rt.vocab_size
     rows_total = 0
 
-    def sync():
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-
     cache: dict[tuple, DecodeGraph] = {}
     pool = torch.cuda.graph_pool_handle() if graphs and device.startswith("cuda") else None
 
@@ -455,29 +469,16 @@ def replay(rt, schedule: dict, canvas_length: int, device: str, reps: int = 1, g
 
     best = None
     for rep in range(reps + int(graphs)):  # with graphs, repetition 0 builds them (untimed)
-        sync()
+        _sync(device)
         t0 = time.perf_counter()
         for p in passes:
-            wins, items = [], []
-            for slot, w in enumerate(p["windows"]):
-                ctx, r = scaled(w)
-                arena.length[slot] = ctx
-                ids = torch.randint(0, V, (r,), generator=g).to(device)
-                pos = torch.arange(ctx, ctx + r, device=device)
-                if p["kind"] == "encode":
-                    items.append((slot, ids, pos))
-                    continue
-                k = max(1, int(w["canvases"]))
-                blk = -(-r // k)
-                start = ctx + (torch.arange(r, device=device) // blk) * blk
-                end = torch.clamp(start + blk, max=ctx + r)
-                wins.append(Window(slot, ids, pos, start, end))
-                rows_total += r
+            wins, items = _pass_inputs(p, scaled, arena, V, g, device)
+            rows_total += sum(len(w.token_ids) for w in wins)
             if items:
                 rt.encode_many(arena, items)
             if wins:
                 decode(wins)
-        sync()
+        _sync(device)
         dt = time.perf_counter() - t0
         if graphs and rep == 0:
             rows_total = 0
@@ -528,18 +529,7 @@ def replay_mode(args) -> dict:
                 f"{res['ms_per_pass']:.1f} ms/pass",
                 file=sys.stderr,
             )
-    return {
-        "mode": "replay",
-        "recorded_on": testbed.spec,
-        "shape": args.shape,
-        "device": args.device,
-        "experts": args.experts,
-        "task": args.task,
-        "n": args.n,
-        "seed": args.seed,
-        "rows": out,
-        "schedule": "replayed",
-    }
+    return _replay_report("replay", testbed, args, out)
 
 
 def table(report: dict) -> str:

@@ -1,6 +1,6 @@
 """Same-process A/B over decoders (and BF16 vs W4 experts): `canvasq bench`.
 
-Measurement rules (docs/DESIGN.md): one process, seed reset per arm, counterbalanced order (ABBA:
+Measurement rules (those of BENCHMARKS.md's tables): one process, seed reset per arm, counterbalanced order (ABBA:
 arms run forward on even (task, seed) blocks and reversed on odd ones), n and seeds reported.
 Accuracy comes from the task suite's verifiers (`suite.generate / verify`: the CLI passes
 `canvasq.testbed.tasks`; the decoders never import the testbed).

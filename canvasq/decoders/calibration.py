@@ -18,7 +18,7 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Dev seeds: distinct from the eval seeds used in BENCHMARKS.md (1-3, 21-23) and the done-when evals.
+# Dev seeds: distinct from the eval seeds of BENCHMARKS.md's accuracy tables (1-3, 21-23, 31-33).
 DEV_SEEDS = (101,)
 DEV_N = 40
 

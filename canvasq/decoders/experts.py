@@ -1,8 +1,8 @@
-"""Expert weights per A/B arm: the BF16 experts as loaded, or Part 2's W4A16 experts swapped in.
+"""Expert weights per A/B arm: the BF16 experts as loaded, or the W4A16 experts swapped in.
 
 The W4 arm is a second module tree that *shares* every tensor of the plain model (nothing is
 copied) and has its experts modules packed by `canvasq.kernels.pack_model_experts`; the plain model
-is untouched, so both arms run in one process (the official A/B of Part 2).
+is untouched, so both arms run in one process (BENCHMARKS.md, "W4 experts and the entropy bound").
 """
 
 from __future__ import annotations

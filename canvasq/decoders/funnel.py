@@ -1,4 +1,4 @@
-"""`funnel`: the pipe's state machine with a shrinking window (seed Part 3, advancements 8–15).
+"""`funnel`: the pipe's state machine with a shrinking window.
 
 What changes against the pipe:
 

@@ -1,4 +1,4 @@
-"""`pipe`: the D2F pipeline (seed Part 3, "multi-canvas D2F scheduling" and advancements 2–7).
+"""`pipe`: the D2F pipeline ("multi-canvas D2F scheduling").
 
 Up to K canvases of one answer are in flight. Between canvases attention is block-causal: a canvas
 sees the prompt and finished canvases through the arena, the earlier live canvases and itself

@@ -1,7 +1,6 @@
 """KV arena: preallocated per-layer K/V buffers with the absolute position of every entry.
 
-The arena is what the encoder writes and the decoder reads (seed Part 3, "scattered KV promotion and
-the arena"). One *slot* per sequence in flight; a slot holds that sequence's committed context: the
+The arena is what the encoder writes and the decoder reads ("scattered KV promotion"). One *slot* per sequence in flight; a slot holds that sequence's committed context: the
 prompt, committed canvases (encoder pass, or promoted decoder K/V) in whatever order they arrived.
 Entries need not be sorted by position: RoPE is baked into the keys at the token's true position and
 every mask is computed from the stored positions, never from the entry index.

@@ -90,7 +90,7 @@ class AttentionGeometry:
         self._folded = {}
         self.maskfree = {False: False, True: False}
         if detect_maskfree:
-            # Prefix attention (seed Part 3): when every real row sees every entry [0, L) of its slot
+            # Prefix attention: when every real row sees every entry [0, L) of its slot
             # (one canvas, context before it, band not clipping, equal lengths), drop the mask so
             # SDPA can take its flash / mem-efficient path. One host sync per eager forward.
             flags = torch.stack([(self.masks[sl][:, 0] | self.pad[:, :, None]).all() for sl in (False, True)])

@@ -15,7 +15,7 @@ REAL_26B_A4B's numbers are the checkpoint's `config.json` `text_config` (identic
 26B-A4B): hidden 2816, 30 layers (5 sliding with window 1024, then 1 full), 16 query heads, 8 KV heads
 × head_dim 256 on sliding layers, 2 KV heads × head_dim 512 on full layers, dense MLP 2112, 128
 experts top-8 of width 704, vocab 262,144, RoPE theta 10k (sliding) and proportional RoPE theta 1M
-with partial rotary 0.25 (full); they agree with the shared DESIGN.md. The testbed keeps HF's RoPE
+with partial rotary 0.25 (full). The testbed keeps HF's RoPE
 defaults.
 """
 

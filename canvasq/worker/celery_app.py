@@ -1,4 +1,4 @@
-"""The Celery app: Redis broker, one queue per model, settings from RELIABILITY.md. No torch here.
+"""The Celery app: Redis broker, one queue per model, settings from `core.settings`. No torch here.
 
 Flow: api commits run + request rows, then publishes one `canvasq.process_chunk(chunk_id)` message
 per chunk to the model's queue → a worker (one per GPU, prefetch 1, late ack) claims the chunk in SQL

@@ -49,6 +49,7 @@ MODULES = (
     "attention",
     "gelu_mul",
     "softmax_argmax",
+    "router",
 )
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")

@@ -96,3 +96,17 @@ def router_topk(logits: torch.Tensor, k: int, impl: str = "auto") -> tuple[torch
     if impl == "torch":
         return router_topk_reference(logits, k)
     raise ValueError(f"unknown impl {impl!r}")
+
+
+def compile_specs():
+    """128 experts, top-8, bf16 logits, as `router_topk_launch` launches them
+    (benchmarks/kernels/compile_check.py)."""
+    from .compile_spec import CompileSpec
+
+    yield CompileSpec(
+        "router_topk",
+        _router_topk_kernel,
+        {"TOP_K": 8, "E_P2": 128, "BLOCK_R": 8},
+        types={"p_ptr": "*fp32", "ids_ptr": "*i64"},
+        divisible=frozenset({"logits_ptr", "p_ptr", "ids_ptr", "stride_l"}),
+    )

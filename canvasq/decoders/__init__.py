@@ -8,7 +8,7 @@ ForwardTrace per model pass (G rows, τ commits, ms).
 task (`routing.route`), so one batch may be split into sub-batches, one per (decoder, knobs); the
 results come back in request order. A failing request returns a result with `error` set.
 
-Where each Part 3 mechanism lives (config field in parentheses):
+Where each mechanism lives (config field in parentheses):
     official.py   HF generate() unchanged, traced from outside; W4 experts arm (experts="w4")
     base.py       loop, prefill, per-row RNG, cancellation, per-row errors, traces, liveness budget,
                   CUDA-graph forwards over a persistent arena (cuda_graphs → model.graph.GraphRunner)

@@ -1,4 +1,4 @@
-"""One typed config per decoder strategy, with Part 3's defaults (names as in the seed).
+"""One typed config per decoder strategy, with each strategy's default knobs.
 
 `with_overrides(cfg, {...})` is the only way a request or a routing rule changes a knob: unknown
 keys fail loudly instead of being ignored, and values are checked in `__post_init__`.
@@ -36,7 +36,7 @@ class HfConfig:
     """`hf`: HF `generate()` unchanged (the reference arm). `None` keeps the checkpoint's generation
     config."""
 
-    experts: str = "bf16"  # "w4": Part 2's A/B arm (Triton W4A16 experts swapped in)
+    experts: str = "bf16"  # "w4": the W4A16 A/B arm (Triton W4A16 experts swapped in)
     max_denoising_steps: int | None = None
     entropy_bound: float | None = None
 
@@ -186,12 +186,12 @@ class PhcdConfig:
 
     windows: int = 4  # N: the global canvas holds N windows of the model's canvas length
     coarse_every: int = 4  # the future rides the first forward and every this many after it
-    # (min, max) tokens per commit by task family, given for 256-token canvases (the proposal's
-    # maths 4-16, code 8-32, text 32-128) and scaled to the model's canvas (`canvas_rows`)
+    # (min, max) tokens per commit by task family, given for 256-token canvases (maths 4-16, code
+    # 8-32, text 32-128) and scaled to the model's canvas (`canvas_rows`)
     math_commit: tuple[int, int] = (4, 16)
     code_commit: tuple[int, int] = (8, 32)
     text_commit: tuple[int, int] = (32, 128)
-    commit_scale: int = 1  # every size × this: the proposal gives ranges, the frontier asks how large
+    commit_scale: int = 1  # every size × this: the ranges are starting points, the frontier asks how large
     safe_entropy: float = 0.1  # nats: a position is safe when its argmax repeats under this entropy
     max_fine_steps: int = 8  # fine steps without a commit before the minimum is committed anyway
     promote: str = "late"  # committed K/V: "late" (promoted from the next forward) or "encode"

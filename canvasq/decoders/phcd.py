@@ -1,4 +1,4 @@
-"""`phcd`: Progressive Hierarchical Canvas Diffusion (seed: phcd-long-range-canvas-proposal.txt).
+"""`phcd`: Progressive Hierarchical Canvas Diffusion.
 
 Per request a *global canvas* of N local windows (`windows`, N × C positions, never past the answer's
 token budget) is kept alive ahead of the committed prefix p:
@@ -51,7 +51,7 @@ REPLAY: dict[str, list[int]] = {}
 
 
 def task_family(task: str | None) -> str:
-    """The proposal's commit classes: maths / reasoning, code, text (anything else)."""
+    """The commit classes: maths / reasoning, code, text (anything else)."""
     if task in ("math", "arith", "long"):
         return "math"
     if task == "code":
@@ -270,7 +270,7 @@ class PhcdDecoder(StepDecoder):
         plan.age[:W] += 1
         self._store_sc(plan, slice(0, W), logits)
         if n:
-            # plan agreement (the proposal's global-local contradiction rate is 1 − agree / rows):
+            # plan agreement (the global-local contradiction rate is 1 − agree / rows):
             # committed tokens against the coarse plan's last decision at their position
             planned = plan.planned[:n]
             s.stats["plan_rows"] += int((planned >= 0).sum())

@@ -27,8 +27,8 @@ are block-causal through `canvas_end` (D2F pipe); Funnel's scattered rows use th
 
 Self-conditioning per window: `None` (zero signal, HF's first step), full logits [R, V] (HF's
 softmax over the vocab times the embedding table), or top-k `(ids [R, k], logits [R, k])`:
-softmax renormalised over the k entries, only those k embedding rows gathered (seed Part 3,
-"top-k self-conditioning projection"). `Window.self_cond_rows` [R] bool limits SC to some rows.
+softmax renormalised over the k entries, only those k embedding rows gathered ("top-k
+self-conditioning projection"). `Window.self_cond_rows` [R] bool limits SC to some rows.
 
 Numerics follow HF op for op (RMSNorm in fp32 then cast, RoPE cos/sin in fp32 then cast, router
 softmax fp32, expert outputs weighted and summed in fp32, final softcap 30 in fp32), so fp32 CPU
@@ -51,7 +51,7 @@ A forward is `_prepare` (host work: scratch placement, index tensors, per-row bo
 new ids / positions / bounds / SC inputs while the arena grows: one launch per decoder step.
 Windows are padded to the bucket with `graph.pad_window` (padding rows are invisible to real rows).
 Expert twins live in `experts.py` (`moe_reference`, `moe_grouped`).
-Prefix attention (seed Part 3): an eager forward whose mask is all-visible for every real row (one
+Prefix attention: an eager forward whose mask is all-visible for every real row (one
 canvas, context before it, sliding band not clipping, equal slot lengths) runs mask-free SDPA
 (`rt.prefix_attention`, default on; graphs always apply the mask).
 """

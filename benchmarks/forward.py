@@ -10,7 +10,7 @@ replayed as a CUDA graph. Every arm's logits are compared with HF's in the same 
 max |ours - HF| / max |HF|; bf16 bound 2e-2; W4 changes the weights, so its error is reported, not
 bounded). Bytes: weights a forward must read (dense + attention + LM head + touched experts: expected
 distinct experts under uniform routing) over the measured time = GB/s and fraction of the floor at
-the measured read bandwidth (PERF.md: ~4.5 TB/s). A profile split (attention, dense MLP, experts incl.
+the measured read bandwidth (~4.5 TB/s on the H200). A profile split (attention, dense MLP, experts incl.
 router, LM head, self-conditioning, other) comes from CUDA events around our runtime's scopes.
 
 Prints a Markdown table; the last line is one JSON object. With $OUT set, raw results go to
@@ -40,7 +40,7 @@ from canvasq.model.graph import DecodeGraph
 from canvasq.model.runtime import Runtime, Window
 from canvasq.provenance import git_commit
 
-READ_BW = 4.5e12  # bytes/s, H200 measured read bandwidth (PERF.md)
+READ_BW = 4.5e12  # bytes/s, the H200's measured read bandwidth
 BF16_TOL = 2e-2
 
 
@@ -161,7 +161,7 @@ def flop_per_row(rt: Runtime, context: int) -> float:
     return float(total)
 
 
-BF16_PEAK = 759e12  # measured on this H200 (PERF.md)
+BF16_PEAK = 759e12  # measured on the H200: an 8192^3 bf16 GEMM
 FP8_PEAK = 2 * BF16_PEAK  # Hopper's FP8 tensor cores: twice the bf16 rate
 
 

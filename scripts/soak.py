@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Reliability soak (issue 4, RELIABILITY.md T19): N requests, W workers, a random worker SIGKILLed
+"""Reliability soak: N requests, W workers, a random worker SIGKILLed
 every ~K seconds (and restarted, as a supervisor would), one Redis restart mid-run, Redis with a
 password (as the compose file runs it), the workers' own periodic reconcile (no sidecar: the
 default) → report lost / duplicated rows, statuses, deliveries and worker memory.

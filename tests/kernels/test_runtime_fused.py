@@ -1,21 +1,18 @@
 """The runtime with its fused norm kernels (Triton; interpreted on CPU) against HF's forward, fp32."""
 
 import functools
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from kernel_testutil import rel_err
 
 from canvasq.kernels.router import router_topk
 from canvasq.model.loading import load_bundle
 from canvasq.model.runtime import Runtime, Window
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.forward import hf_cache, rel_err
+from tests.harness.hf import hf_cache
 
 # CPU tensors through the interpreted kernels: where CUDA is present conftest leaves the kernels compiled,
-# and CPU tensors cannot reach them (the 2026-11-30 H200 run failed all three here on that alone). The
+# and CPU tensors cannot reach them. The
 # same paths on CUDA: tests/model/test_model_gpu.py (testbed bf16 with kernels vs HF, W4 vs dequantised).
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="interpreter test; the CUDA twin is tests/model/test_model_gpu.py"

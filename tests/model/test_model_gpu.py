@@ -12,6 +12,7 @@ import torch
 
 from canvasq.model.graph import DecodeGraph
 from canvasq.model.runtime import Runtime, Window
+from tests.harness.hf import hf_cache
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,17 +54,6 @@ def _testbed_bf16():
     return load_bundle(device="cuda", dtype=torch.bfloat16).hf_model
 
 
-def _hf_cache(m, prompts):
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=m.config.get_text_config())
-    b, p = prompts.shape
-    pos = torch.arange(p, device="cuda")[None].expand(b, p)
-    with torch.no_grad():
-        m.model.encoder(input_ids=prompts, position_ids=pos, past_key_values=cache)
-    return cache
-
-
 @torch.no_grad()
 def test_real_shape_bf16_matches_hf(real_model):
     """Op-for-op numerics (torch norms, grouped_mm experts like HF's default) at the real widths, 2
@@ -78,7 +68,7 @@ def test_real_shape_bf16_matches_hf(real_model):
     canvas = torch.randint(5, v, (b, r), generator=g).cuda()
     nxt = torch.randint(5, v, (b, r), generator=g).cuda()
     sc = (torch.randn(b, r, v, generator=g) * 4).cuda().to(torch.bfloat16)
-    cache = _hf_cache(m, prompts)
+    cache = hf_cache(m, prompts)
     pos = torch.arange(p, p + r, device="cuda")[None].expand(b, r)
     ref = m(
         decoder_input_ids=canvas, past_key_values=cache, decoder_position_ids=pos, self_conditioning_logits=sc
@@ -96,7 +86,7 @@ def test_real_shape_bf16_matches_hf(real_model):
 
     def hf_next(attn: str) -> torch.Tensor:
         m.set_attn_implementation(attn)
-        c = _hf_cache(m, prompts)
+        c = hf_cache(m, prompts)
         m.model.encoder(input_ids=canvas, position_ids=pos, past_key_values=c)
         return m(decoder_input_ids=nxt, past_key_values=c, decoder_position_ids=pos2).logits.reshape(b * r, v)
 
@@ -124,7 +114,7 @@ def test_testbed_bf16_with_kernels_matches_hf():
     b, p = 3, 40
     prompts = torch.randint(5, v, (b, p), generator=g).cuda()
     canvas = torch.randint(5, v, (b, c), generator=g).cuda()
-    cache = _hf_cache(m, prompts)
+    cache = hf_cache(m, prompts)
     pos = torch.arange(p, p + c, device="cuda")[None].expand(b, c)
     ref = m(decoder_input_ids=canvas, past_key_values=cache, decoder_position_ids=pos).logits
     arena = rt.new_arena(b, 256)

@@ -147,7 +147,7 @@ def _w4_gate_up_kernel(
     n_mask = offs_n < I
 
     # Scalar base pointers + int32 offset tiles: 64-bit pointer tiles held across the loop cost two
-    # registers per element and made this kernel spill (255 regs at BLOCK_N=64, 4 warps).
+    # registers per element and make this kernel spill (255 regs at BLOCK_N=64, 4 warps).
     x_off = tok[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, G/2]
     q_e = q_ptr + e.to(tl.int64) * stride_qe
     q_off = offs_n[:, None] * stride_qn + offs_k[None, :]  # [BLOCK_N, G/2] bytes, up rows at + I
@@ -334,9 +334,9 @@ def _histogram_kernel(
     c = tl.program_id(0)
     ex = tl.arange(0, E_P2)
     counts = tl.zeros((E_P2,), tl.int32)
-    # a loop, not unrolled: static_range over 64 tiles (chunks of 2,048: past 65,536 assignments) took
-    # 143 s to compile for sm_90 and spilled 8 KB of stack (the align kernel: 419 s, 768 B), so a
-    # worker's first batch past 8,192 tokens at top-8 stalled for minutes
+    # a loop, not unrolled: static_range over 64 tiles (chunks of 2,048: past 65,536 assignments) takes
+    # 143 s to compile for sm_90 and spills 8 KB of stack (the align kernel: 419 s, 768 B), so a
+    # worker's first batch past 8,192 tokens at top-8 would stall for minutes
     for s in range(CHUNK // SUB):
         i = c * CHUNK + s * SUB + tl.arange(0, SUB)
         _, counts = _onehot_rank(ids_ptr, i, num_assign, counts, ex, SUB)

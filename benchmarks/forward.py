@@ -402,7 +402,8 @@ def _encoder_step(rt: Runtime, prompt_len: int, device: str):
 
 
 # --- main ------------------------------------------------------------------------------------------
-def main(argv=None) -> dict:
+def parse_args(argv=None):
+    """-> (args, rows, batches, arms, device, dtype): the command line with each mode's defaults."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CPU, testbed shape, fp32, few configs")
     ap.add_argument("--rows", default=None, help="comma list of rows per sequence (M)")
@@ -430,16 +431,12 @@ def main(argv=None) -> dict:
     device = "cuda" if (torch.cuda.is_available() and not args.quick) else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if args.quick:
-        rows = [32, 16, 8]
-        batches = [1, 2]
-        arms = ["bf16"]
+        rows, batches, arms = [32, 16, 8], [1, 2], ["bf16"]
         args.prompt = args.prompt or 48
         args.warmup = 1 if args.warmup is None else args.warmup
         args.iters = 3 if args.iters is None else args.iters
     else:
-        rows = [256, 128, 64, 32, 16, 8]
-        batches = [1, 4, 16]
-        arms = ["bf16", "w4"]
+        rows, batches, arms = [256, 128, 64, 32, 16, 8], [1, 4, 16], ["bf16", "w4"]
         args.prompt = args.prompt or 128
         args.warmup = 3 if args.warmup is None else args.warmup
         args.iters = 20 if args.iters is None else args.iters
@@ -449,37 +446,11 @@ def main(argv=None) -> dict:
         batches = [int(x) for x in args.batches.split(",")]
     if args.experts:
         arms = args.experts.split(",")
+    return args, rows, batches, arms, device, dtype
 
-    model, build_s = build_model(args.quick, device, dtype)
-    hf_experts = getattr(model.config.get_text_config(), "_experts_implementation", None)
-    runtimes = {}
-    for arm in arms:
-        try:
-            runtimes[arm] = build_arm(model, arm)
-        except Exception as e:  # noqa: BLE001 -- e.g. no Triton here: report it, run the other arms
-            print(f"[forward] experts={arm} unavailable: {type(e).__name__}: {e}", file=sys.stderr)
-    if not runtimes:
-        raise SystemExit("no runtime arm could be built")
 
-    results = []
-    for b in batches:
-        for m in rows:
-            r = run_config(model, runtimes, m, b, args.prompt, args, device)
-            results.append(r)
-            print(json.dumps(r), file=sys.stderr, flush=True)
-            if device == "cuda":
-                torch.cuda.empty_cache()
-    first = next(iter(runtimes.values()))
-    profile = {}
-    for name, rt in runtimes.items():
-        try:
-            profile[name] = profile_split(rt, model, rows[0], args.prompt, args, device)
-        except Exception as e:  # noqa: BLE001 -- report, keep the timings
-            profile[name] = {"error": f"{type(e).__name__}: {e}"}
-    encode = encode_timing(model, runtimes, args.prompt, args, device)
-
-    # --- report ---
-    names = list(runtimes)
+def result_table(results: list, names: list, args, device: str, dtype) -> tuple[list[str], bool]:
+    """(Markdown lines of the timing table, whether every exact arm stayed within its parity bound)."""
     head = ["B", "M", "HF ms"] + [f"{n} ms" for n in names] + [f"{n} err" for n in names]
     if args.graphs and device == "cuda":
         head += [f"{n} graph ms" for n in names]
@@ -504,6 +475,10 @@ def main(argv=None) -> dict:
         cells += [f"{r.get('hf_ms', nan) / r.get(f'{n}_ms', nan):.1f}" for n in names]
         cells += [f"{100 * r.get(f'{n}_floor_frac', nan):.0f}" for n in names]
         lines.append("| " + " | ".join(cells) + " |")
+    return lines, ok
+
+
+def print_report(lines: list, profile: dict, encode: dict, rows: list, args) -> None:
     print(
         f"\n## Decoder forward, {'testbed shape (CPU, fp32)' if args.quick else 'real 26B-A4B shape'}, "
         f"prompt {args.prompt}, SC {args.sc}, median of {args.iters}"
@@ -520,6 +495,39 @@ def main(argv=None) -> dict:
         f"\nEncoder prefill, {args.prompt} tokens: "
         + ", ".join(f"{k} {v:.2f}" for k, v in encode.items() if k.endswith("_ms"))
     )
+
+
+def main(argv=None) -> dict:
+    args, rows, batches, arms, device, dtype = parse_args(argv)
+    model, build_s = build_model(args.quick, device, dtype)
+    hf_experts = getattr(model.config.get_text_config(), "_experts_implementation", None)
+    runtimes = {}
+    for arm in arms:
+        try:
+            runtimes[arm] = build_arm(model, arm)
+        except Exception as e:  # noqa: BLE001 -- e.g. no Triton here: report it, run the other arms
+            print(f"[forward] experts={arm} unavailable: {type(e).__name__}: {e}", file=sys.stderr)
+    if not runtimes:
+        raise SystemExit("no runtime arm could be built")
+
+    results = []
+    for b in batches:
+        for m in rows:
+            r = run_config(model, runtimes, m, b, args.prompt, args, device)
+            results.append(r)
+            print(json.dumps(r), file=sys.stderr, flush=True)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    profile = {}
+    for name, rt in runtimes.items():
+        try:
+            profile[name] = profile_split(rt, model, rows[0], args.prompt, args, device)
+        except Exception as e:  # noqa: BLE001 -- report, keep the timings
+            profile[name] = {"error": f"{type(e).__name__}: {e}"}
+    encode = encode_timing(model, runtimes, args.prompt, args, device)
+
+    lines, ok = result_table(results, list(runtimes), args, device, dtype)
+    print_report(lines, profile, encode, rows, args)
     summary = {
         "bench": "forward",
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
@@ -540,26 +548,9 @@ def main(argv=None) -> dict:
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         Path(os.environ["OUT"], "forward.json").write_text(json.dumps(summary, indent=1))
-    print(
-        json.dumps(
-            {
-                k: summary[k]
-                for k in (
-                    "bench",
-                    "date",
-                    "commit",
-                    "device",
-                    "shape",
-                    "dtype",
-                    "parity_ok",
-                    "hf_experts",
-                    "first",
-                    "profile",
-                )
-            }
-        )
-    )
-    del first
+    keys = ("bench", "date", "commit", "device", "shape", "dtype", "parity_ok", "hf_experts", "first")
+    keys += ("profile",)
+    print(json.dumps({k: summary[k] for k in keys}))
     return summary
 
 

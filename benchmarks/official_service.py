@@ -136,7 +136,7 @@ def _graph_stats(bundle) -> dict:
     from canvasq.decoders.base import _RUNTIMES
 
     per = _RUNTIMES.get(bundle.hf_model, {})
-    return {k: dict(rt.graph_runner.stats) for k, rt in per.items() if rt.graph_runner is not None}
+    return {str(k): dict(rt.graph_runner.stats) for k, rt in per.items() if rt.graph_runner is not None}
 
 
 def bare(batch: int, prompt: int, device: str, reps: int = 20, fp8: str = "off") -> dict:

@@ -96,6 +96,7 @@ def config_cmd():
         raise click.ClickException(str(exc)) from None
     view["device"] = f"{s.device} (resolved: {device})"
     view["experts"] = f"{s.experts} (resolved: {resolve_experts(s.experts, device)})"
+    view["fp8"] = f"{s.fp8} (resolved: {_resolve_fp8(s.fp8, device)})"
     for k, v in view.items():
         click.echo(f"{k} = {v}")
     from canvasq.decoders.routing import routing_table
@@ -170,3 +171,15 @@ def pack(model, device, cache_dir, force):
     path = pack_checkpoint(model, dev, torch.bfloat16, cache_dir)
     click.echo(f"packed {model} on {dev} in {time.perf_counter() - t0:.1f}s: {path} "
                f"({path.stat().st_size / 2**30:.2f} GiB)")
+
+
+def _resolve_fp8(setting: str, device: str) -> str:
+    """What CANVASQ_FP8 turns on for `device`: the parts, or off (torch only for a CUDA device)."""
+    if not str(device).startswith("cuda"):
+        return "off" if setting == "auto" else f"{setting} (the dequantising twin: slow, for tests)"
+    from canvasq.model.fp8 import parse_parts
+
+    try:
+        return ",".join(parse_parts(setting, device)) or "off"
+    except ValueError as exc:
+        return f"error: {exc}"

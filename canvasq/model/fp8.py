@@ -212,6 +212,9 @@ def parse_parts(value: str | None, device: torch.device | str) -> tuple[str, ...
     if bad:
         raise ValueError(f"CANVASQ_FP8={value!r}: unknown part(s) {', '.join(bad)}; expected auto, off or a list of "
                          f"{', '.join(PARTS)}")
+    if torch.device(device).type == "cuda" and not fp8_supported(device):  # the CPU keeps the twin for tests
+        raise ValueError(f"CANVASQ_FP8={value!r}: this GPU has no row-scaled FP8 grouped GEMM in torch "
+                         "(Hopper only); use auto or off")
     return parts
 
 

@@ -35,7 +35,7 @@ def test_auto_never_trades_accuracy_without_a_table():
 
 
 def test_registry_is_explicit():
-    assert NAMES == ("official", "hf", "pipe", "funnel")
+    assert NAMES == ("official", "hf", "pipe", "funnel", "phcd")
     for n in NAMES:
         assert decoder_class(n).name == n
     with pytest.raises(UnknownDecoder):

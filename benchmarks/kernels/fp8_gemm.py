@@ -21,44 +21,41 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import DEVICE, ON_GPU, time_ms  # noqa: E402
+import torch
+import torch.nn.functional as F
+from _common import DEVICE, ON_GPU, time_ms
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from canvasq.model.experts import moe_grouped  # noqa: E402
-from canvasq.model.fp8 import FP8Experts, FP8Linear, fp8_linear, fp8_moe, quantize_rows  # noqa: E402
+from canvasq.model.experts import moe_grouped
+from canvasq.model.fp8 import FP8Experts, FP8Linear, fp8_linear, fp8_moe, quantize_rows
 
 H, E, TOPK, I = 2816, 128, 8, 704
 DENSE = {"qkv": (8192, H), "o": (H, 4096), "mlp_gate_up": (4224, H), "mlp_down": (H, 2112), "head": (262144, H)}
 
 
 def dense_rows(m: int, dtype) -> list[dict]:
-    out = []
-    for name, (n, k) in DENSE.items():
-        if name == "head" and m > 4096:
-            continue
-        w = torch.randn(n, k, device=DEVICE, dtype=dtype) * k**-0.5
-        x = torch.randn(m, k, device=DEVICE, dtype=dtype)
-        q = FP8Linear.from_weight(w)
-        xq, xs = quantize_rows(x)
-        row = {"M": m, "gemm": name, "N": n, "K": k}
-        row["bf16_ms"] = time_ms(lambda _: F.linear(x, w))
-        if ON_GPU:
-            for acc in (True, False):
-                row[f"fp8_{'fast' if acc else 'exact'}_ms"] = time_ms(lambda _, acc=acc: torch._scaled_mm(
-                    xq, q.q.t(), scale_a=xs[:, None], scale_b=q.scale[None, :], out_dtype=dtype, use_fast_accum=acc))
-            from canvasq.kernels.fp8_quant import quantize_rows_triton
+    return [dense_row(m, name, n, k, dtype) for name, (n, k) in DENSE.items() if not (name == "head" and m > 4096)]
 
-            row["quant_triton_ms"] = time_ms(lambda _: quantize_rows_triton(x))
-        row["quant_torch_ms"] = time_ms(lambda _: quantize_rows(x))
-        row["fp8_linear_ms"] = time_ms(lambda _: fp8_linear(x, q))
-        for key in ("bf16_ms", "fp8_fast_ms"):
-            if key in row:
-                row[key.replace("_ms", "_tflops")] = 2 * m * n * k / (row[key] * 1e-3) / 1e12
-        out.append(row)
-        del w, x, q, xq
-    return out
+
+def dense_row(m: int, name: str, n: int, k: int, dtype) -> dict:
+    w = torch.randn(n, k, device=DEVICE, dtype=dtype) * k**-0.5
+    x = torch.randn(m, k, device=DEVICE, dtype=dtype)
+    q = FP8Linear.from_weight(w)
+    xq, xs = quantize_rows(x)
+    row = {"M": m, "gemm": name, "N": n, "K": k}
+    row["bf16_ms"] = time_ms(lambda _: F.linear(x, w))
+    if ON_GPU:
+        for acc in (True, False):
+            row[f"fp8_{'fast' if acc else 'exact'}_ms"] = time_ms(lambda _, acc=acc: torch._scaled_mm(
+                xq, q.q.t(), scale_a=xs[:, None], scale_b=q.scale[None, :], out_dtype=dtype, use_fast_accum=acc))
+        from canvasq.kernels.fp8_quant import quantize_rows_triton
+
+        row["quant_triton_ms"] = time_ms(lambda _: quantize_rows_triton(x))
+    row["quant_torch_ms"] = time_ms(lambda _: quantize_rows(x))
+    row["fp8_linear_ms"] = time_ms(lambda _: fp8_linear(x, q))
+    for key in ("bf16_ms", "fp8_fast_ms"):
+        if key in row:
+            row[key.replace("_ms", "_tflops")] = 2 * m * n * k / (row[key] * 1e-3) / 1e12
+    return row
 
 
 def expert_rows(m: int, dtype) -> dict:

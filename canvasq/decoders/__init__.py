@@ -1,6 +1,6 @@
 """Generation algorithms for DiffusionGemma: `official` (HF generate), `pipe` (D2F), `funnel`.
 
-Flow: Job (api, CPU) → DecodeBatch (worker: several tokenised prompts) → `run_batch` → a strategy's
+Flow: Job (core, CPU) → DecodeBatch (worker: several tokenised prompts) → `run_batch` → a strategy's
 loop → windows (model: `Window`s, the rows of one forward) → DecodeResult per request, with one
 ForwardTrace per model pass (G rows, τ commits, ms).
 

@@ -1,6 +1,6 @@
 """The DiffusionGemma forward we own: weights taken from an HF model, a KV arena, window forwards.
 
-Flow: Job (api, CPU) → DecodeBatch (worker) → windows (model, GPU: `Window`s, one per sequence, one forward). In this module the
+Flow: Job (core, CPU) → DecodeBatch (worker) → windows (model, GPU: `Window`s, one per sequence, one forward). In this module the
 windows of one pass are a list of `Window`s, one per sequence in the batch, each with its own
 arena slot; all windows run in **one** forward (rows of every window are concatenated into one
 [N, H] matrix for every dense part; attention is batched per window over its own slot).
@@ -76,6 +76,7 @@ from canvasq.model.arena import Captured, KVArena
 from canvasq.model.attention_geometry import AttentionGeometry
 from canvasq.model.experts import gelu_tanh, grouped_mm_available, moe_grouped, moe_reference
 from canvasq.model.fp8 import fp8_linear, fp8_moe
+from canvasq.model.weights import LayerWeights, fuse_projections, layer_weights
 from canvasq.model.windows import DecodeOutput, SelfCond, Window, encoder_windows  # noqa: F401 (re-exported)
 
 # Legend: N rows in the forward (all windows), R rows of one window, B windows, H hidden, V vocab,
@@ -85,42 +86,6 @@ from canvasq.model.windows import DecodeOutput, SelfCond, Window, encoder_window
 # "bf16": the model-dtype experts, grouped GEMMs on CUDA and the per-expert loop elsewhere;
 # "reference" / "grouped": force one of those; "w4": canvasq.kernels' packed W4A16 MoE.
 EXPERT_IMPLS = ("bf16", "reference", "grouped", "w4")
-
-@dataclass
-class LayerWeights:
-    """One transformer layer's tensors (references into the HF model; nothing copied)."""
-
-    sliding: bool
-    heads: int
-    kv_heads: int
-    head_dim: int
-    wq: torch.Tensor  # [h*d, H]
-    wk: torch.Tensor  # [kv*d, H]
-    wv: torch.Tensor | None  # None on V = K layers (V from k_proj)
-    wo: torch.Tensor  # [H, h*d]
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
-    ln_in: torch.Tensor
-    ln_post_attn: torch.Tensor
-    ln_pre_ff: torch.Tensor
-    ln_post_ff1: torch.Tensor
-    ln_pre_ff2: torch.Tensor
-    ln_post_ff2: torch.Tensor
-    ln_post_ff: torch.Tensor
-    mlp_gate: torch.Tensor  # [Id, H]
-    mlp_up: torch.Tensor
-    mlp_down: torch.Tensor  # [H, Id]
-    router_scale: torch.Tensor  # [H]
-    router_proj: torch.Tensor  # [E, H]
-    per_expert_scale: torch.Tensor  # [E]
-    gate_up: torch.Tensor | None  # [E, 2I, H] (None: freed when the model's experts were packed at load)
-    down: torch.Tensor | None  # [E, H, I]
-    layer_scalar: torch.Tensor  # [1]
-    experts_packed: object = None  # W4Experts when experts="w4" (or installed by `pack_model_experts`)
-    wqkv: torch.Tensor | None = None  # [(h + kv [+ kv]) * d, H]: q, k (and v) in one GEMM
-    mlp_gate_up: torch.Tensor | None = None  # [2 * Id, H]: the dense MLP's gate and up in one GEMM
-    fp8: dict = field(default_factory=dict)  # {"wqkv" | "wo" | "mlp_gate_up" | "mlp_down" | "experts": FP8 copy}
-
 
 class Runtime:
     """DiffusionGemma encoder + decoder over a `KVArena`; see the module docstring."""
@@ -172,7 +137,7 @@ class Runtime:
         self._gelu_mul: Callable = functools.partial(gelu_mul, impl=impl)
         self._router: Callable = functools.partial(router_topk, impl=impl)
         self._softcap: Callable = functools.partial(softcap_logits, impl=impl)
-        _fuse_projections(enc_layers + dec_layers)
+        fuse_projections(enc_layers + dec_layers)
         self.prefix_attention = True  # mask-free SDPA when the mask is all-visible (eager forwards)
         self.scope: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
         self.graph_runner = None  # `model.graph.graph_runner(self)`: the decode loop's CUDA graphs
@@ -198,8 +163,8 @@ class Runtime:
             raise ValueError("attention logit softcapping is not implemented")
         enc = hf_model.model.encoder.language_model
         dec = hf_model.model.decoder
-        enc_layers = [_layer_weights(layer) for layer in enc.layers]
-        dec_layers = [_layer_weights(layer) for layer in dec.layers]
+        enc_layers = [layer_weights(layer) for layer in enc.layers]
+        dec_layers = [layer_weights(layer) for layer in dec.layers]
         if experts != "w4" and any(lw.gate_up is None for lw in enc_layers + dec_layers):
             raise ValueError(f"experts={experts!r} needs the BF16 experts, but this model's were packed to W4 "
                              "at load and freed (CANVASQ_EXPERTS=w4); load it with CANVASQ_EXPERTS=bf16")
@@ -553,52 +518,3 @@ class _Prepared:
     static: bool = False  # replayed as a CUDA graph: no host sync, masks always applied
     prefix_attention: bool | None = None  # per-forward override of Runtime.prefix_attention
     logits_out: torch.Tensor | None = None  # fp32 buffer the logits are written into (DecodeGraph)
-
-
-def _fuse_projections(layers: list[LayerWeights]) -> None:
-    """Concatenate q/k/v and the dense gate/up weights once (shared by the encoder and decoder
-    layers, whose weights HF ties). Costs one extra copy of those weights (real shape: ~2.8 GB
-    bf16); saves three GEMM launches per layer and forward."""
-    done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for lw in layers:
-        key = lw.wq.data_ptr()
-        if key not in done:
-            qkv = [lw.wq, lw.wk] + ([lw.wv] if lw.wv is not None else [])
-            done[key] = (torch.cat(qkv).contiguous(), torch.cat([lw.mlp_gate, lw.mlp_up]).contiguous())
-        lw.wqkv, lw.mlp_gate_up = done[key]
-
-
-def _layer_weights(layer) -> LayerWeights:
-    at = layer.self_attn
-    d = at.q_norm.weight.shape[0]
-    heads = at.q_proj.weight.shape[0] // d
-    kvh = at.k_proj.weight.shape[0] // d
-    return LayerWeights(
-        sliding=bool(at.is_sliding),
-        heads=heads,
-        kv_heads=kvh,
-        head_dim=d,
-        wq=at.q_proj.weight,
-        wk=at.k_proj.weight,
-        wv=at.v_proj.weight if at.v_proj is not None else None,
-        wo=at.o_proj.weight,
-        q_norm=at.q_norm.weight,
-        k_norm=at.k_norm.weight,
-        ln_in=layer.input_layernorm.weight,
-        ln_post_attn=layer.post_attention_layernorm.weight,
-        ln_pre_ff=layer.pre_feedforward_layernorm.weight,
-        ln_post_ff1=layer.post_feedforward_layernorm_1.weight,
-        ln_pre_ff2=layer.pre_feedforward_layernorm_2.weight,
-        ln_post_ff2=layer.post_feedforward_layernorm_2.weight,
-        ln_post_ff=layer.post_feedforward_layernorm.weight,
-        mlp_gate=layer.mlp.gate_proj.weight,
-        mlp_up=layer.mlp.up_proj.weight,
-        mlp_down=layer.mlp.down_proj.weight,
-        router_scale=layer.router.scale,
-        router_proj=layer.router.proj.weight,
-        per_expert_scale=layer.router.per_expert_scale,
-        gate_up=getattr(layer.experts, "gate_up_proj", None),  # gone once `pack_model_experts` ran
-        down=getattr(layer.experts, "down_proj", None),
-        layer_scalar=layer.layer_scalar,
-        experts_packed=getattr(layer.experts, "w4_experts", None),
-    )

@@ -28,6 +28,8 @@ from canvasq.cli.common import (
 from canvasq.cli.embedded import embedded_runtime, owner_alive, process_embedded, refuse_if_owned
 from canvasq.core.settings import mask_url
 
+PUBLISH_BATCH = 500  # chunk messages per publish, each batch marked published before the next
+
 
 @click.command()
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
@@ -80,15 +82,16 @@ def submit(file, name, decoder, model, queue, idempotency_key, chunk_size, deadl
     )
     run_queue = queue if created.created else store.get_run(created.run_id).queue
     todo = created.chunk_ids if created.created else [c for c, _ in store.unpublished_chunks(created.run_id)]
-    if todo:
+    for i in range(0, len(todo), PUBLISH_BATCH):  # marked batch by batch: a crash re-publishes little
+        part = todo[i : i + PUBLISH_BATCH]
         try:
-            publish_chunks(todo, run_queue, settings)
+            publish_chunks(part, run_queue, settings)
         except Exception as exc:  # noqa: BLE001 - the rows are stored; say how to finish the job
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise click.ClickException(
                 f"run {created.run_id} is stored but publishing its chunks to {run_queue} failed ({mask_url(first)}); "
                 "run the same `canvasq submit` again (or `canvasq reconcile`) once the broker is back") from None
-        store.mark_published(todo)
+        store.mark_published(part)
     existing_name = None if created.created else store.get_run(created.run_id).name
     if as_json:
         click.echo(json.dumps({"run_id": created.run_id, "created": created.created, "requests": created.requests,
@@ -271,17 +274,20 @@ def reconcile(loop_s):
 
     Workers already run this every CANVASQ_RECONCILE_S seconds (15; one worker per interval across
     the fleet); run it by hand, or as a sidecar where workers run with CANVASQ_RECONCILE_S=0.
+    A pass by hand publishes every unpublished chunk; with --loop (like the workers' passes) only
+    those stored over a minute ago, so a submit still publishing its chunks is not doubled.
 
     Example:
 
         canvasq reconcile --loop 60
     """
-    from canvasq.worker.reconcile import reconcile_once
+    from canvasq.worker.reconcile import OUTBOX_GRACE_S, reconcile_once
 
     settings = cli_settings()
     store = open_store(settings, upgrade_sqlite=False)
+    grace = 0.0 if loop_s is None else OUTBOX_GRACE_S
     while True:
-        click.echo(reconcile_once(store, settings).line())
+        click.echo(reconcile_once(store, settings, outbox_grace_s=grace).line())
         if loop_s is None:
             break
         time.sleep(loop_s)

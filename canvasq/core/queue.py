@@ -189,8 +189,10 @@ class QueueStore(StoreBase):
         with self.Session.begin() as s:
             s.execute(update(Chunk).where(Chunk.id.in_(list(chunk_ids))).values(published_at=utcnow()))
 
-    def unpublished_chunks(self, run_id: str | None = None) -> list[tuple[str, str]]:
-        """(chunk_id, queue) of queued chunks never published (outbox leftovers), of one run or all."""
+    def unpublished_chunks(self, run_id: str | None = None, older_than: datetime | None = None) -> list[tuple[str, str]]:
+        """(chunk_id, queue) of queued chunks never published (outbox leftovers), of one run or all;
+        with `older_than`, only chunks stored (or re-queued) before then, so a pass does not publish
+        what a submit is publishing right now."""
         with self.Session() as s:
             q = (
                 select(Chunk.id, Run.queue)
@@ -199,6 +201,8 @@ class QueueStore(StoreBase):
             )
             if run_id is not None:
                 q = q.where(Chunk.run_id == run_id)
+            if older_than is not None:
+                q = q.where(Chunk.updated_at < older_than)
             return [(r[0], r[1]) for r in s.execute(q.order_by(Chunk.id))]
 
     # -- worker side ------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 from sqlalchemy import update
 
@@ -71,12 +72,21 @@ def requeue_stale(store: QueueStore, chunk_ids: Sequence[str], older_than) -> li
     return done
 
 
-def reconcile_once(store: QueueStore, settings: Settings, publish: Publish | None = None) -> ReconcileReport:
+# A periodic pass leaves alone the outbox rows younger than this: a submit publishes its chunks
+# (in batches, each marked as it goes) right after storing them, and a pass that published them too
+# would deliver each chunk twice, and count both deliveries toward max_attempts.
+OUTBOX_GRACE_S = 60.0
+
+
+def reconcile_once(store: QueueStore, settings: Settings, publish: Publish | None = None,
+                   outbox_grace_s: float = 0.0) -> ReconcileReport:
+    """One pass. `outbox_grace_s`: publish only unpublished chunks stored at least that long ago
+    (0 for a pass by hand, which publishes every one; OUTBOX_GRACE_S for the periodic ones)."""
     if publish is None:
         from canvasq.worker.celery_app import publish_chunks as publish
     expired = store.expire_overdue()
     by_queue: dict[str, list[str]] = {}
-    for cid, q in store.unpublished_chunks():
+    for cid, q in store.unpublished_chunks(older_than=utcnow() - timedelta(seconds=outbox_grace_s)):
         by_queue.setdefault(q, []).append(cid)
     published = 0
     for q, ids in by_queue.items():
@@ -130,7 +140,7 @@ def reconcile_loop(store: QueueStore, settings: Settings, stop: threading.Event,
             try:
                 if not _take_lock(client, key, owner, settings.reconcile_s):
                     continue
-                rep = reconcile_once(store, settings, publish)
+                rep = reconcile_once(store, settings, publish, OUTBOX_GRACE_S)
                 if rep:
                     log.info("reconcile: %s", rep.line())
             except Exception as exc:  # noqa: BLE001 the next interval tries again

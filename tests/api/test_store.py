@@ -7,7 +7,7 @@ import multiprocessing as mp
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import event, func, select, text
+from sqlalchemy import event, func, select, text, update
 
 from canvasq.core.queue import ResultRecord
 from canvasq.core.schemas import Job
@@ -250,3 +250,29 @@ def test_embedded_interrupt_resume_and_orphan_cancel(store):
     again = store.create_run(rows, model="m", queue="embedded", chunk_size=2, idempotency_key="embedded:k",
                              replace_key=True)
     assert again.created and store.run_by_key("embedded:k") == again.run_id and store.get_run(rid).idempotency_key is None
+
+
+def test_a_periodic_reconcile_leaves_a_submit_publishing_alone(store):
+    """The outbox race (CI, 2026-12-01: both chunks of a run delivered twice): a worker's periodic
+    pass that runs between a submit storing its chunks and marking them published must not publish
+    them too. Periodic passes skip outbox rows younger than OUTBOX_GRACE_S; a pass by hand (grace 0)
+    and a periodic pass once the rows are older publish each chunk once."""
+    from canvasq.core.settings import Settings
+    from canvasq.worker.reconcile import OUTBOX_GRACE_S, reconcile_once
+
+    jobs = [Job(f"c{i}", "p", "math", 32, None, i + 1) for i in range(4)]
+    run = store.create_run(jobs, model="m", queue="q", chunk_size=2)
+    sent: list[str] = []
+
+    def publish(ids, queue, settings):
+        sent.extend(ids)
+        return len(ids)
+
+    settings = Settings(database_url="sqlite://")
+    assert reconcile_once(store, settings, publish, OUTBOX_GRACE_S).published == 0 and sent == []
+    with store.Session.begin() as s:  # the submit crashed a grace period ago without publishing
+        s.execute(update(Chunk).where(Chunk.run_id == run.run_id)
+                  .values(updated_at=utcnow() - timedelta(seconds=OUTBOX_GRACE_S + 1)))
+    assert reconcile_once(store, settings, publish, OUTBOX_GRACE_S).published == 2
+    assert sorted(sent) == sorted(run.chunk_ids)
+    assert reconcile_once(store, settings, publish).published == 0 and len(sent) == 2

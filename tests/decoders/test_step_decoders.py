@@ -353,10 +353,10 @@ def test_graph_runner_decodes_like_eager(bundle, name, monkeypatch):
     computes the eager loop's logits, over one persistent arena whose graphs the next batch reuses;
     the funnel's simple promotion (another store) falls back to eager forwards.
 
-    Padding changes the GEMM shapes, so the CPU BLAS may sum in another order: tokens must be equal
-    unless the two runs, their logits close at every forward up to there (`_same_forwards`), split
-    on a near-tie late in the decode (on 2026-11-30, transformers 5.24: one row's last token, 75
-    against 60)."""
+    Padding changes the GEMM shapes, so the CPU BLAS may sum in another order: the two runs' logits
+    must stay close at every forward (`_same_forwards`) until they split on a near-tie, and at least
+    half of the forwards come before that split (on 2026-11-30, transformers 5.24: one row's last
+    token, 75 against 60)."""
     from canvasq.decoders.base import StepDecoder, runtime_for
 
     logits: list[list] = []  # per decode: (kind, inputs, logits) per model pass
@@ -392,10 +392,9 @@ def test_graph_runner_decodes_like_eager(bundle, name, monkeypatch):
     first = dec.decode(_batch(3))
     arena, built = runner.store, grew()["built"]
     compared, forwards = _same_forwards(logits[1], logits[0]), sum(k == "forward" for k, _, _ in logits[0])
-    if _ids(first) != _ids(eager):  # a split on a near-tie, late: most of the decode was compared
-        assert compared >= forwards // 2, (compared, forwards)
-    else:
-        assert compared == forwards
+    # the schedules may split on a near-tie (a commit, or a self-conditioning top-k id that changes
+    # no token: CI on 2026-12-01 split at forward 6 of 10 with equal tokens); most must be compared
+    assert compared >= forwards // 2, (compared, forwards)
     assert grew()["replayed"] > built > 0 and grew()["eager"] == grew()["failed"] == 0
     again = make_decoder(name, bundle, {**ov, "cuda_graphs": "on"}).decode(_batch(3))
     assert _ids(again) == _ids(first)

@@ -120,9 +120,9 @@ def test_workers_reconcile_loop_runs_one_pass_per_interval_across_the_fleet(tmp_
 
         real = rec.reconcile_once
 
-        def counted(st, s, pub=None):
+        def counted(st, s, pub=None, grace=0.0):
             passes.append((threading.current_thread().name, time.monotonic()))
-            return real(st, s, pub)
+            return real(st, s, pub, grace)
 
         monkeypatch.setattr(rec, "reconcile_once", counted)
         stop = threading.Event()

@@ -35,7 +35,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from canvasq.decoders.configs import FP8_MIN_ROWS, FP8_PARTS
 from canvasq.model.loading import DEFAULT_MODEL_DIR, REPO_ROOT  # noqa: F401 (re-exported; no torch import)
 
-DECODERS = ("auto", "official", "hf", "pipe", "funnel")
+DECODERS = ("auto", "official", "hf", "pipe", "funnel", "phcd")
 TASKS = ("math", "code")
 RANDOM_MODELS = ("random:26b-a4b", "random:testbed")
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")

@@ -175,3 +175,26 @@ def test_eval_and_bench_cli_with_phcd(tmp_path):
     for r in rows.values():
         assert r["n"] == 2 and r["gflop_per_tok_26b"] > 0 and 0 < r["ttft_ms"] <= r["ttfw_ms"]
     assert "| phcd |" in (tmp_path / "bench.md").read_text()
+
+
+def test_canvasq_run_with_phcd(tmp_path, monkeypatch):
+    """The product path: `canvasq run --decoder phcd` (embedded SQLite, the worker's decode stream)
+    writes every row, each under the phcd decoder."""
+    from canvasq.cli import cli
+    from canvasq.core.settings import get_settings
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": f"r{i}", "prompt": f"What is {i} plus {i + 3}?", "task": "math",
+                                       "max_tokens": 16}) + "\n" for i in range(3)))
+    monkeypatch.setenv("CANVASQ_DATABASE_URL", f"sqlite:///{tmp_path / 'cq.sqlite'}")
+    monkeypatch.setenv("CANVASQ_MODEL", str(TESTBED_DIR))
+    get_settings.cache_clear()
+    try:
+        res = CliRunner().invoke(cli, ["run", str(src), "-o", str(tmp_path / "out.jsonl"), "--decoder", "phcd"])
+    finally:
+        get_settings.cache_clear()
+    assert res.exit_code == 0, res.output
+    assert "phcd" in res.output
+    lines = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert sorted(x["custom_id"] for x in lines) == ["r0", "r1", "r2"]
+    assert all(x["response"]["status_code"] == 200 for x in lines)

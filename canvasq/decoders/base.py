@@ -32,6 +32,7 @@ from canvasq.decoders.types import (
     DecodeBatch,
     DecodeRequest,
     DecodeResult,
+    FinishReason,
     ForwardTrace,
     Interrupted,
 )
@@ -57,7 +58,7 @@ def request_error(bundle, req: DecodeRequest) -> str | None:
     return None
 
 
-def error_result(req: DecodeRequest, error: str, decoder: str, finish_reason: str = "error") -> DecodeResult:
+def error_result(req: DecodeRequest, error: str, decoder: str, finish_reason: str = FinishReason.error) -> DecodeResult:
     """A request that produced nothing: refused, failed or cancelled before it finished."""
     return DecodeResult(
         custom_id=req.custom_id,
@@ -161,7 +162,7 @@ class Seq:
     retired: list[Canvas] = field(default_factory=list)  # kept for inspection (tests, schedules)
     out: list[int] = field(default_factory=list)  # tokens of retired canvases
     done: bool = False
-    finish_reason: str = "length"
+    finish_reason: str = FinishReason.length
     error: str | None = None
     stats: Counter = field(default_factory=Counter)
     steps: int = 0  # decoder steps this request has been live for (liveness budget)
@@ -453,14 +454,14 @@ class StepDecoder:
         cut = first_stop(tokens, self.stop_ids) if s.error is None else None
         if cut is not None:
             tokens = tokens[:cut]
-            s.finish_reason = "stop"
+            s.finish_reason = FinishReason.stop
         return DecodeResult(
             custom_id=s.req.custom_id,
             token_ids=tokens,
             text=self.bundle.decode_text(tokens) if s.error is None else "",
             finish_reason=s.finish_reason
             if s.error is None
-            else (s.finish_reason if s.error == CANCELLED else "error"),
+            else (s.finish_reason if s.error == CANCELLED else FinishReason.error),
             prompt_tokens=s.prompt_len,
             forwards=len(traces),
             traces=traces,

@@ -39,6 +39,7 @@ from canvasq.decoders.types import (
     DecodeBatch,
     DecodeRequest,
     DecodeResult,
+    FinishReason,
     ForwardTrace,
     Interrupted,
 )
@@ -132,9 +133,9 @@ class HfDecoder:
             gen = seqs[b]
             cut = first_stop(gen, frozenset({bundle.eos_id, bundle.pad_id}))
             if cut is not None and cut < r.max_tokens:
-                tokens, reason = gen[:cut], "stop"
+                tokens, reason = gen[:cut], FinishReason.stop
             else:
-                tokens, reason = gen[: r.max_tokens], "length"
+                tokens, reason = gen[: r.max_tokens], FinishReason.length
             traces = rec.traces_for(b, base=base)
             results.append(
                 DecodeResult(

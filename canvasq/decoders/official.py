@@ -36,6 +36,7 @@ import torch
 
 from canvasq.decoders.base import Seq, StepDecoder, row_generator
 from canvasq.decoders.configs import OfficialConfig
+from canvasq.decoders.types import FinishReason
 
 _GROUP_BYTES = 2 << 30  # per [rows, V] fp32 temporary of the sampler statistics
 
@@ -257,12 +258,12 @@ class OfficialDecoder(StepDecoder):
             plan = REPLAY.get(s.req.custom_id)
             stop = any(t in self.stop_ids for t in toks) if plan is None else False
             if plan is not None and s.spawned >= len(plan):
-                s.done, s.finish_reason = True, "length"
+                s.done, s.finish_reason = True, FinishReason.length
                 self._dn.pop(s.row, None)
                 continue
             if stop or s.spawned >= s.n_canvases or len(s.out) >= s.req.max_tokens:
                 s.done = True
-                s.finish_reason = "stop" if stop else "length"
+                s.finish_reason = FinishReason.stop if stop else FinishReason.length
                 self._dn.pop(s.row, None)
                 continue
             encodes.append((s, (s.slot, cv.tokens, torch.arange(cv.start, cv.end, device=self.device))))

@@ -42,6 +42,7 @@ import torch
 
 from canvasq.decoders.base import Seq, StepDecoder, row_generator
 from canvasq.decoders.configs import OfficialConfig, PhcdConfig, canvas_rows
+from canvasq.decoders.types import FinishReason
 
 # Benchmarks only (`benchmarks/decoders.py replay-live`, labelled "replayed"): custom_id -> the commit
 # sizes recorded on the testbed, one per forward (0 = no commit), scaled by the caller. Random weights
@@ -310,10 +311,10 @@ class PhcdDecoder(StepDecoder):
         plan.start += n
         plan.fine_since_commit = 0
         if any(t in self.stop_ids for t in out) and s.req.custom_id not in REPLAY:
-            s.done, s.finish_reason = True, "stop"
+            s.done, s.finish_reason = True, FinishReason.stop
             return
         if len(s.out) >= s.req.max_tokens:
-            s.done, s.finish_reason = True, "length"
+            s.done, s.finish_reason = True, FinishReason.length
             return
         # the tail: positions still inside both N windows ahead and the answer's budget
         ahead = min(self.config.windows * self.C, s.req.max_tokens - len(s.out))

@@ -28,6 +28,7 @@ import torch
 
 from canvasq.decoders.base import Canvas, Seq, StepDecoder, first_stop
 from canvasq.decoders.configs import PipeConfig, canvas_rows
+from canvasq.decoders.types import FinishReason
 
 
 class PipeDecoder(StepDecoder):
@@ -349,11 +350,11 @@ class PipeDecoder(StepDecoder):
             cut = first_stop(toks[:room], self.stop_ids)
             if cut is not None:
                 s.out += toks[: cut + 1]
-                s.done, s.finish_reason = True, "stop"
+                s.done, s.finish_reason = True, FinishReason.stop
                 return encodes
             if p >= room:
                 s.out += toks[:room]
-                s.done, s.finish_reason = True, "length"
+                s.done, s.finish_reason = True, FinishReason.length
                 return encodes
             if p < front.length or not self.can_retire(front):
                 break

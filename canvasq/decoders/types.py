@@ -8,6 +8,16 @@ middle layer and the results; it imports nothing heavy so the service can use it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class FinishReason(StrEnum):
+    """Why a row ended (a StrEnum: equal to, and stored as, its string)."""
+
+    stop = "stop"  # EOS, or a stop sequence cut on export
+    length = "length"  # max_tokens reached
+    error = "error"  # the row failed; `DecodeResult.error` says why
+    cancelled = "cancelled"  # stopped by `should_stop` (its run cancelled or expired)
 
 
 @dataclass
@@ -52,7 +62,7 @@ class DecodeResult:
     custom_id: str
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" (EOS) or "length" (max_tokens reached)
+    finish_reason: str  # a FinishReason
     prompt_tokens: int
     forwards: int  # every model pass that served this request (decode steps and encoder passes)
     traces: list[ForwardTrace] = field(default_factory=list)
@@ -62,7 +72,7 @@ class DecodeResult:
     stats: dict[str, int] = field(default_factory=dict)
 
 
-CANCELLED = "cancelled"  # `error` and `finish_reason` of rows stopped by `should_stop`
+CANCELLED = FinishReason.cancelled  # `error` and `finish_reason` of rows stopped by `should_stop`
 
 
 class Interrupted(Exception):

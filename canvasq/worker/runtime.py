@@ -27,7 +27,14 @@ from canvasq.core.db import retry_transient
 from canvasq.core.queue import ClaimedRequest, ClaimState, QueueStore, ResultRecord
 from canvasq.core.settings import Settings, get_settings, mask_url, model_name, resolve_experts
 from canvasq.core.statuses import RequestStatus, RunStatus
-from canvasq.decoders.types import CANCELLED, DecodeBatch, DecodeRequest, DecodeResult, Interrupted
+from canvasq.decoders.types import (
+    CANCELLED,
+    DecodeBatch,
+    DecodeRequest,
+    DecodeResult,
+    FinishReason,
+    Interrupted,
+)
 from canvasq.worker import faults
 
 log = logging.getLogger(__name__)
@@ -372,7 +379,7 @@ class ChunkRuntime:
         except Exception as exc:  # deterministic failure → the rows not yet stored error, never a retry storm
             log.exception("decode stream failed for run %s", run_id)
             # every row not yet stored (write_results skips the ones that are)
-            failed = [result_record(DecodeResult(q.custom_id, [], "", "error", len(q.prompt_ids), 0,
+            failed = [result_record(DecodeResult(q.custom_id, [], "", FinishReason.error, len(q.prompt_ids), 0,
                                                  error=f"{type(exc).__name__}: {exc}"), 0.0, decoder) for q in reqs]
             written += retry_transient(lambda: self.store.write_results(run_id, failed, self.worker_id))
         if occupancy:
@@ -403,7 +410,7 @@ class ChunkRuntime:
                 raise
             except Exception as exc:  # deterministic per-batch failure → errored rows, never a retry storm
                 log.exception("decode failed for %d rows of run %s", len(reqs), run_id)
-                results = [DecodeResult(q.custom_id, [], "", "error", len(q.prompt_ids), 0,
+                results = [DecodeResult(q.custom_id, [], "", FinishReason.error, len(q.prompt_ids), 0,
                                         error=f"{type(exc).__name__}: {exc}") for q in reqs]
             share = (time.perf_counter() - t0) * 1000 / len(reqs)
             records += [result_record(res, share, decoder) for res in results]

@@ -198,8 +198,10 @@ class PhcdConfig:
     entropy_bound: float | None = None  # the fine sampler's acceptance bound (None: the checkpoint's)
     sc_topk: int = 64
     # the D2F LoRA (`bundle.d2f_model()`): the future's block-causal layout is the one it was trained
-    # on; with base weights the drafted plan misleads the window (testbed arith 81 → 38 %, n = 16)
-    adapter: bool = True
+    # on; with base weights the drafted plan misleads the window (testbed arith 81 → 38 %, n = 16).
+    # "repair": the D2F model with the repair-trained LoRA (`<dir>/phcd_adapter/`, testbed/repair.py)
+    # merged on top (`bundle.phcd_repair_model()`)
+    adapter: bool | str = True
     experts: str = "bf16"
     cuda_graphs: str = "auto"
 
@@ -207,6 +209,8 @@ class PhcdConfig:
         _check_choice("experts", self.experts, EXPERTS)
         _check_choice("cuda_graphs", self.cuda_graphs, GRAPHS)
         _check_choice("promote", self.promote, ("late", "encode"))
+        if self.adapter not in (True, False, "repair"):
+            raise ValueError(f"adapter must be true, false or 'repair', got {self.adapter!r}")
         for name in ("math_commit", "code_commit", "text_commit"):
             v = tuple(getattr(self, name))
             if len(v) != 2 or not 1 <= v[0] <= v[1]:

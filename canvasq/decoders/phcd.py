@@ -29,6 +29,10 @@ token budget) is kept alive ahead of the committed prefix p:
   arena from the window's scratch (Funnel's promote one step late; decoder K/V approximates encoder
   K/V: CONTRACTS.md). `promote="encode"`: one encoder pass over the committed rows (exact, one more
   forward per commit).
+- **weights**: the D2F adapter merged (`adapter=True`, default), the base (`False`), or the D2F model
+  with the repair-trained LoRA merged on top (`adapter="repair"`: `<dir>/phcd_adapter/`, trained by
+  `python -m canvasq.testbed.repair` on local-refinement, commit-consistency and future-repair
+  objectives; BENCHMARKS.md "PHCD prototype" has its A/B).
 
 Flow: DecodeBatch → `Seq` + `_Plan` per request → one `Window` per live request per forward
 (pending | local | future) → `Runtime.decode` → fine sampler + commit controller + slide → DecodeResult.
@@ -101,6 +105,12 @@ class PhcdDecoder(StepDecoder):
         self._plans: dict[int, _Plan] = {}
 
     # -- hooks of the base loop -------------------------------------------------------------------
+    def pick_model(self):
+        """`adapter="repair"`: the D2F model with the repair-trained LoRA merged on top."""
+        if self.config.adapter == "repair":
+            return self.bundle.phcd_repair_model()
+        return super().pick_model()
+
     def generator(self, seed: int, custom_id: str) -> torch.Generator:
         """On the model's device: the multinomial draws need a generator where the probabilities are."""
         g = torch.Generator(device=self.device)

@@ -23,6 +23,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "testbed"
 ADAPTER_DIRNAME = "d2f_adapter"
+PHCD_ADAPTER_DIRNAME = "phcd_adapter"  # phcd's repair LoRA, trained over the D2F-merged model
 W4_DIRNAME = "canvasq_w4"
 EXPERTS = ("bf16", "w4")
 
@@ -41,6 +42,7 @@ class ModelBundle:
     device: str
     experts: str = "bf16"  # "w4": the experts modules hold packs (their BF16 weights are gone)
     _d2f: Any = field(default=None, repr=False)
+    _phcd_repair: Any = field(default=None, repr=False)
 
     @property
     def config(self):
@@ -106,6 +108,20 @@ class ModelBundle:
                                    f"failed ({type(exc).__name__}: {exc}); run with CANVASQ_EXPERTS=bf16") from exc
         return self._d2f if self._d2f is not None else self.hf_model
 
+    @property
+    def phcd_adapter_dir(self) -> Path | None:
+        path = Path(self.spec) / PHCD_ADAPTER_DIRNAME
+        return path if path.is_dir() else None
+
+    def phcd_repair_model(self):
+        """The D2F model with phcd's repair LoRA (`<dir>/phcd_adapter/`) merged on top (cached)."""
+        if self._phcd_repair is None:
+            if self.phcd_adapter_dir is None:
+                raise FileNotFoundError(f"model {self.spec!r} has no {PHCD_ADAPTER_DIRNAME}/ "
+                                        "(python -m canvasq.testbed.repair trains it)")
+            self._phcd_repair = merge_adapter(self.d2f_model(), self.phcd_adapter_dir)
+        return self._phcd_repair
+
     def engine(self) -> dict[str, Any]:
         """What this process runs on: device, experts and the CUDA graph counters of its decode loops."""
         from canvasq.model.graph import graph_totals
@@ -161,8 +177,8 @@ def load_bundle(
         model = build_random(name, device, dtype)
         if experts == "w4":  # built on the device: packed layer by layer, each BF16 layer freed as it goes
             _pack(model, device, cache=None)
-        tokenizer = None
-        if name == "testbed" and (DEFAULT_MODEL_DIR / "tokenizer.json").exists():
+        tokenizer = None  # random weights read the testbed's ids (all below any shape's vocabulary)
+        if (DEFAULT_MODEL_DIR / "tokenizer.json").exists():
             tokenizer = _load_tokenizer(DEFAULT_MODEL_DIR)
         return ModelBundle(model, tokenizer, spec, device, experts)
 

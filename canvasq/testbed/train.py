@@ -87,17 +87,21 @@ class Batches:
         self.ncan = torch.as_tensor(ncan, device=device)
         self.C, self.V, self.device = canvas, vocab, device
 
-    def sample(self, batch: int, n_canvases: int, gen):
+    def sample(self, batch: int, n_canvases: int, gen, shift: bool = False):
         """Rows: (left-padded context, its mask, K target canvases, their noisy versions).
 
         The first target canvas index j is uniform over the answer; the context is the prompt
         plus canvases < j. With K > 1 the K canvases after it follow (pads past the answer's end
-        are legitimate targets: the sampler writes pad after EOS)."""
+        are legitimate targets: the sampler writes pad after EOS). `shift`: the context also takes
+        0..C-1 further answer tokens, so the canvases start anywhere (phcd's window starts at the
+        committed prefix, not on a canvas boundary)."""
         torch, C = self.torch, self.C
         idx = torch.randint(0, self.seq.shape[0], (batch,), device=self.device, generator=gen)
         nc = self.ncan[idx]
         j = (torch.rand(batch, device=self.device, generator=gen) * nc).long()
         ctx_len = self.plen[idx] + j * C
+        if shift:
+            ctx_len = ctx_len + torch.randint(0, C, (batch,), device=self.device, generator=gen)
         L = int(ctx_len.max())
         t = torch.arange(L, device=self.device)
         src = t[None, :] - (L - ctx_len)[:, None]
@@ -239,7 +243,9 @@ def denoise_loss(
 
 
 def train_phase(model, params, batches, *, minutes, batch, lr, n_canvases, canvas, sc_prob, gen, log, tag,
-                token_weight=None, draft_rounds=0, commit_tau=None):
+                token_weight=None, draft_rounds=0, commit_tau=None, loss_fn=None):
+    """AdamW with warm-up and cosine decay for `minutes` of wall time. `loss_fn(model, batch_size, gen)`
+    replaces the sample + `denoise_loss` step (canvasq/testbed/repair.py's objectives)."""
     import torch
 
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
@@ -254,12 +260,15 @@ def train_phase(model, params, batches, *, minutes, batch, lr, n_canvases, canva
         scale = min(1.0, (step + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
         for g in opt.param_groups:
             g["lr"] = lr * scale
-        b = batches.sample(batch, n_canvases, gen)
+        b = batches.sample(batch, n_canvases, gen) if loss_fn is None else None
         try:
             with torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
-                loss = denoise_loss(
-                    model, b, n_canvases, canvas, sc_prob, gen, token_weight, draft_rounds, commit_tau
-                )
+                if loss_fn is not None:
+                    loss = loss_fn(model, batch, gen)
+                else:
+                    loss = denoise_loss(
+                        model, b, n_canvases, canvas, sc_prob, gen, token_weight, draft_rounds, commit_tau
+                    )
         except (RuntimeError, NotImplementedError) as exc:  # grouped_mm unsupported for this dtype
             if step > 0 or not hasattr(model, "set_experts_implementation"):
                 raise

@@ -198,3 +198,22 @@ def test_canvasq_run_with_phcd(tmp_path, monkeypatch):
     lines = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert sorted(x["custom_id"] for x in lines) == ["r0", "r1", "r2"]
     assert all(x["response"]["status_code"] == 200 for x in lines)
+
+
+@pytest.mark.skipif(
+    not (TESTBED_DIR / "phcd_adapter").is_dir(), reason="needs the repair adapter (models/testbed/phcd_adapter)"
+)
+def test_repair_adapter_knob_loads_and_decodes_both_families(bundle):
+    """`phcd:adapter=repair` merges models/testbed/phcd_adapter over the D2F model (a third copy,
+    cached on the bundle) and decodes both families; unknown adapter values are refused."""
+    dec = PhcdDecoder(bundle, make_config("phcd", {"adapter": "repair"}))
+    assert dec.model is bundle.phcd_repair_model() and dec.model is not bundle.d2f_model()
+    name = "model.decoder.layers.0.self_attn.q_proj.weight"
+    weights = [dict(m.named_parameters())[name] for m in (bundle.d2f_model(), dec.model)]
+    assert not torch.equal(*weights)  # the repair LoRA moved the decoder's weights
+    for task in ("arith", "code"):
+        _, batch = _batch(bundle, task, n=2, max_tokens=48)
+        res = run_batch(bundle, batch, decoder="phcd", overrides={"adapter": "repair"})
+        assert all(r.error is None and r.token_ids and r.stats["commits"] >= len(r.token_ids) for r in res)
+    with pytest.raises(ValueError, match="adapter"):
+        make_config("phcd", {"adapter": "nope"})

@@ -1,0 +1,212 @@
+"""The `phcd` repair adapter (issue 24 part 2): a LoRA trained on what `phcd` feeds the model.
+
+On top of the testbed base with its D2F adapter merged (what `phcd` decodes with), a second peft
+LoRA on the same decoder modules is trained for `--minutes` of wall time on batches laid out as a
+`phcd` forward: one bidirectional window of C rows whose start is *anywhere* in the answer (the
+committed prefix p is not on a canvas boundary: the context is prompt + answer[:p]), followed by
+`--future` block-causal canvases (the global canvas; D2F layout). Three cross-entropy objectives
+toward the true continuation, on specially corrupted inputs, drawn per example:
+
+- **local refinement** (window, half the examples): the window at uniform noise t ~ U(0, 1), every
+  row self-conditioned: refine the local window given the committed prefix.
+- **commit consistency** (window, the other half): the window as it is after the controller slid it
+  by k tokens: its front rows were refined for longer (noise ~ U(0, 0.3)), its back is fresh
+  (U(0.5, 1)), rising linearly; the front rows weigh up to 2x. The controller commits the leading
+  rows whose argmax is stable and confident, so those must be right under any shift.
+- **future repair** (the future canvases, weight `--future-weight`): the future carries stale drafts:
+  the argmax of a gradient-free pass made before the window was known (all-noise window, future at
+  noise U(0.5, 1)), for half the examples misaligned by ±1-2 positions (a plan that assumed a
+  different commit), with their self-conditioning; the target is the true continuation after the
+  committed prefix.
+
+Self-conditioning as `phcd` gives it: the window's from a gradient-free pass on the same input, the
+future's from the draft pass. The loop is `train.train_phase` (AdamW, warm-up, cosine) with this loss.
+Saved to `<out>/phcd_adapter/` (peft) with `<out>/train_report_phcd_repair.json`; `phcd:adapter=repair`
+merges it over the D2F model (`ModelBundle.phcd_repair_model`).
+
+    python -m canvasq.testbed.repair --out models/testbed --minutes 15 --seed 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+REPAIR_DIRNAME = "phcd_adapter"
+LORA_TARGETS = r".*decoder\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+
+
+def repair_loss(model, batches, batch: int, gen, *, n_future: int, token_weight, future_weight: float, parts: dict):
+    """One step's loss over the three objectives (module docstring); `parts` accumulates their CE."""
+    import torch
+    from transformers import DynamicCache
+
+    from canvasq.testbed.train import _cache_of, block_causal_masks
+
+    C, V = batches.C, batches.V
+    K = 1 + n_future
+    ctx, ctx_mask, target, _ = batches.sample(batch, K, gen, shift=True)
+    B, L = ctx.shape
+    dev = ctx.device
+
+    def rand(*shape):
+        return torch.rand(*shape, device=dev, generator=gen)
+
+    def noise(shape):
+        return torch.randint(0, V, shape, device=dev, generator=gen)
+
+    tc = model.config.text_config
+    pos = torch.arange(L, device=dev)[None].expand(B, -1)
+    enc = model.model.encoder(
+        input_ids=ctx, attention_mask=ctx_mask.long(), position_ids=pos, past_key_values=DynamicCache(config=tc)
+    )
+    cache = _cache_of(enc)
+    dpos = torch.arange(L, L + K * C, device=dev)[None].expand(B, -1)
+    dmask = block_causal_masks(model, ctx_mask, K, C, cache)
+
+    def run(ids, sc=None, sc_mask=None):
+        return model(
+            past_key_values=cache, decoder_input_ids=ids, decoder_attention_mask=dmask, decoder_position_ids=dpos,
+            self_conditioning_logits=sc, self_conditioning_mask=sc_mask,
+        ).logits
+
+    win_t, fut_t = target[:, :C], target[:, C:]
+    # window: (a) local refinement at uniform noise, or (b) a slid window, front refined, back fresh
+    commit_mode = rand(B, 1) < 0.5
+    frac = torch.arange(C, device=dev)[None].float() / max(1, C - 1)
+    front, back = 0.3 * rand(B, 1), 0.5 + 0.5 * rand(B, 1)
+    level = torch.where(commit_mode, front + (back - front) * frac, rand(B, 1).expand(B, C))
+    win_in = torch.where(rand(B, C) < level, noise((B, C)), win_t)
+    with torch.no_grad():
+        # (c) the stale plan: drafted before the window was known, then (half) misaligned by ±1-2
+        fut_level = 0.5 + 0.5 * rand(B, 1)
+        fut_noisy = torch.where(rand(fut_t.shape) < fut_level, noise(fut_t.shape), fut_t)
+        first = run(torch.cat([noise((B, C)), fut_noisy], dim=1))
+        drafts, draft_sc = first[:, C:].argmax(-1), first[:, C:]
+        offs = torch.tensor([-2, -1, 1, 2], device=dev)[torch.randint(0, 4, (B,), device=dev, generator=gen)]
+        offs = torch.where(rand(B) < 0.5, offs, 0)
+        src = (torch.arange(n_future * C, device=dev)[None] + offs[:, None]).clamp(0, n_future * C - 1)
+        drafts = drafts.gather(1, src)
+        draft_sc = draft_sc.gather(1, src[..., None].expand(-1, -1, draft_sc.shape[-1]))
+        inp = torch.cat([win_in, drafts], dim=1)
+        # the window's self-conditioning: the previous fine step on (nearly) the same input
+        sc = torch.cat([run(inp)[:, :C], draft_sc], dim=1).to(model.dtype)
+    sc_mask = rand(B) < 0.9
+    logits = run(inp, sc, sc_mask)
+    ce = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), reduction="none"
+    ).view(B, K * C)
+    tw = token_weight[target] if token_weight is not None else torch.ones_like(ce)
+    row_w = torch.ones(B, K * C, device=dev)
+    row_w[:, :C] = torch.where(commit_mode, 2.0 - frac, 1.0)
+    row_w[:, C:] = future_weight
+    w = tw * row_w
+    loss = (ce * w).sum() / w.sum()
+    with torch.no_grad():
+        win_ce = ce[:, :C].mean(1)
+        for name, val in (
+            ("local", win_ce[~commit_mode[:, 0]]),
+            ("commit", win_ce[commit_mode[:, 0]]),
+            ("future", ce[:, C:].mean(1)),
+        ):
+            if val.numel():
+                prev = parts.get(name)
+                parts[name] = float(val.mean()) if prev is None else 0.95 * prev + 0.05 * float(val.mean())
+    return loss
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="the testbed directory (base + d2f_adapter/); the adapter goes here")
+    ap.add_argument("--minutes", type=float, default=15.0)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--future", type=int, default=3, help="future canvases behind the window (phcd: windows - 1)")
+    ap.add_argument("--future-weight", type=float, default=0.5)
+    ap.add_argument("--digit-weight", type=float, default=4.0)
+    ap.add_argument("--n-per-task", type=int, default=20_000)
+    ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    return ap
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from canvasq.model.loading import ADAPTER_DIRNAME, load_bundle, merge_adapter
+    from canvasq.testbed.train import Batches, build_pool, train_phase
+
+    torch.set_num_threads(args.threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(args.seed)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    out = Path(args.out)
+    logf = open(out / "train_log_phcd_repair.txt", "a")
+
+    def log(msg):
+        print(msg, flush=True)
+        logf.write(msg + "\n")
+        logf.flush()
+
+    t0 = time.time()
+    bundle = load_bundle(str(out), device="cpu")
+    C, V = bundle.canvas_length, int(bundle.config.text_config.vocab_size)
+    seq, plen, ncan = build_pool(args.n_per_task, args.seed, str(out), C, workers=1)
+    log(f"data: {seq.shape[0]} problems, max row {seq.shape[1]} tokens, built in {time.time() - t0:.0f}s")
+    batches = Batches(seq, plen, ncan, C, V, device)
+
+    model = merge_adapter(bundle.hf_model, out / ADAPTER_DIRNAME).to(device)  # what phcd decodes with
+    lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=LORA_TARGETS)
+    peft_model = get_peft_model(model, lora)
+    peft_model.train()
+    inner = peft_model.base_model.model
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    log(f"repair LoRA r={args.rank}: {sum(p.numel() for p in params)} trainable parameters on {device}")
+
+    token_weight = torch.ones(V, device=device)
+    tok = bundle.tokenizer
+    token_weight[[tok.convert_tokens_to_ids(str(d)) for d in range(10)]] = args.digit_weight
+    parts: dict = {}
+
+    def loss_fn(m, batch, g):
+        return repair_loss(
+            m, batches, batch, g, n_future=args.future, token_weight=token_weight,
+            future_weight=args.future_weight, parts=parts,
+        )
+
+    def log_parts(msg):
+        log(msg + ("  [" + " ".join(f"{k} {v:.4f}" for k, v in parts.items()) + "]" if parts else ""))
+
+    report = train_phase(
+        inner, params, batches, minutes=args.minutes, batch=args.batch, lr=args.lr, n_canvases=1 + args.future,
+        canvas=C, sc_prob=0.9, gen=gen, log=log_parts, tag="phcd-repair", loss_fn=loss_fn,
+    )
+    peft_model.save_pretrained(str(out / REPAIR_DIRNAME))
+    report = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} vCPU, shared)",
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "machine": platform.machine(),
+        "objectives": ["local refinement", "commit consistency", "future repair"],
+        "repair": report,
+        "final_ce": {k: round(v, 4) for k, v in parts.items()},
+        "cpu_minutes": round(report["seconds"] / 60, 2),
+        "args": vars(args),
+        "command": "python -m canvasq.testbed.repair " + " ".join(sys.argv[1:] if argv is None else argv),
+        "total_seconds": round(time.time() - t0, 1),
+    }
+    (out / "train_report_phcd_repair.json").write_text(json.dumps(report, indent=2))
+    log(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -12,6 +12,10 @@ when a decode batch is about to run, inside the decode call (where a real chunk 
                                 hard limit's SIGKILL ends it (T9)
     CANVASQ_TEST_WORK_LOG=PATH  append "<pid> <custom_id>" for every row about to be decoded: the
                                 work actually done, to compare with one pass (T21)
+    CANVASQ_TEST_REPLAY=PATH    a JSON {custom_id: [denoising steps per canvas]} recorded on the
+                                testbed: the official decoder stops each canvas after its recorded
+                                steps (`official.REPLAY`), so random weights at the real shape run a
+                                real schedule (scripts/fleet.py; loaded once, at the child's start)
 """
 
 from __future__ import annotations
@@ -52,3 +56,17 @@ def before_decode(custom_ids: Iterable[str]) -> None:
         end = time.monotonic() + float(delay)
         while (left := end - time.monotonic()) > 0:
             time.sleep(min(left, 0.1))
+
+
+def install_replay() -> int:
+    """Load CANVASQ_TEST_REPLAY into the official decoder's replay table; returns the entries."""
+    path = os.environ.get("CANVASQ_TEST_REPLAY")
+    if not path:
+        return 0
+    import json
+
+    from canvasq.decoders import official
+
+    with open(path) as fh:
+        official.REPLAY.update({str(k): [int(x) for x in v] for k, v in json.load(fh).items()})
+    return len(official.REPLAY)

@@ -442,6 +442,8 @@ def start_process() -> None:
     before the first chunk."""
     rt = get_runtime()
     rt.store.engine.dispose(close=False)  # never share pooled connections across fork
+    if faults.install_replay():  # inert unless CANVASQ_TEST_REPLAY is set
+        log.warning("replaying recorded schedules from %s", os.environ["CANVASQ_TEST_REPLAY"])
     rt.register()
     rt.start_heartbeat()
     rt.start_reconciler()

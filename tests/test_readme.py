@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def readme_commands() -> list[str]:
     text = (ROOT / "README.md").read_text()
-    block = re.search(r"```\n(.*?)```", text, re.S)
+    block = re.search(r"```\n(.*?)```", text, re.DOTALL)
     assert block, "README has no code block"
     return [line for line in block.group(1).splitlines() if line.strip()]
 

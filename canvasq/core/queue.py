@@ -168,12 +168,12 @@ class QueueStore(StoreBase):
                 seq = n // chunk_size
                 if seq == len(chunk_ids):
                     chunk_ids.append(f"{run_id}-{seq:05d}")
-                    chunks.append(dict(id=chunk_ids[seq], run_id=run_id, seq=seq, status=ChunkStatus.queued,
-                                       attempts=0, updated_at=now))
+                    chunks.append({"id": chunk_ids[seq], "run_id": run_id, "seq": seq, "status": ChunkStatus.queued,
+                                       "attempts": 0, "updated_at": now})
                 buf.append(
-                    dict(run_id=run_id, custom_id=job.custom_id, line_no=job.line_no, prompt=job.prompt,
-                         task=job.task, max_tokens=job.max_tokens, decoder=job.decoder,
-                         stop=list(job.stop) or None, chunk_id=chunk_ids[seq], status=RequestStatus.queued, updated_at=now)
+                    {"run_id": run_id, "custom_id": job.custom_id, "line_no": job.line_no, "prompt": job.prompt,
+                         "task": job.task, "max_tokens": job.max_tokens, "decoder": job.decoder,
+                         "stop": list(job.stop) or None, "chunk_id": chunk_ids[seq], "status": RequestStatus.queued, "updated_at": now}
                 )
                 n += 1
                 if len(buf) >= batch_rows:
@@ -270,8 +270,8 @@ class QueueStore(StoreBase):
                                         Request.status == RequestStatus.queued).values(status=status, updated_at=now))
         upsert(
             s, Output,
-            [dict(run_id=run_id, custom_id=c, error_code=code, error_message=message, text=None,
-                  created_at=now, updated_at=now) for c in ids],
+            [{"run_id": run_id, "custom_id": c, "error_code": code, "error_message": message, "text": None,
+                  "created_at": now, "updated_at": now} for c in ids],
             ("run_id", "custom_id"), ("error_code", "error_message", "text", "updated_at"),
         )
         return len(ids)
@@ -291,13 +291,13 @@ class QueueStore(StoreBase):
                 if res.rowcount != 1:
                     continue  # already terminal: a redelivery or a late duplicate
                 written += 1
-                vals = dict(
-                    run_id=run_id, custom_id=r.custom_id, text=r.text, token_ids=r.token_ids,
-                    finish_reason=r.finish_reason, prompt_tokens=r.prompt_tokens,
-                    completion_tokens=r.completion_tokens, forwards=r.forwards, decoder=r.decoder,
-                    gen_ms=r.gen_ms, worker_id=worker_id, error_code=r.error_code,
-                    error_message=r.error_message, created_at=now, updated_at=now,
-                )
+                vals = {
+                    "run_id": run_id, "custom_id": r.custom_id, "text": r.text, "token_ids": r.token_ids,
+                    "finish_reason": r.finish_reason, "prompt_tokens": r.prompt_tokens,
+                    "completion_tokens": r.completion_tokens, "forwards": r.forwards, "decoder": r.decoder,
+                    "gen_ms": r.gen_ms, "worker_id": worker_id, "error_code": r.error_code,
+                    "error_message": r.error_message, "created_at": now, "updated_at": now,
+                }
                 upsert(s, Output, [vals], ("run_id", "custom_id"),
                        [k for k in vals if k not in ("run_id", "custom_id", "created_at")])
                 s.execute(delete(ForwardTraceRow).where(ForwardTraceRow.run_id == run_id,
@@ -332,8 +332,8 @@ class QueueStore(StoreBase):
                         queue: str | None) -> None:
         now = utcnow()
         with self.Session.begin() as s:
-            upsert(s, Worker, [dict(id=worker_id, host=host, pid=pid, device=device, model=model, queue=queue,
-                                    started_at=now, heartbeat_at=now)],
+            upsert(s, Worker, [{"id": worker_id, "host": host, "pid": pid, "device": device, "model": model, "queue": queue,
+                                    "started_at": now, "heartbeat_at": now}],
                    ("id",), ("host", "pid", "device", "model", "queue", "heartbeat_at"))
 
     def heartbeat(self, worker_id: str, chunk_id: str | None = None, lease_s: float | None = None) -> bool:

@@ -15,6 +15,7 @@ Nothing here imports torch at module level (the worker and `canvasq config` read
 from __future__ import annotations
 
 import hashlib
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -155,7 +156,7 @@ class Calibration:
         if not line or fwd < line[0][0]:
             return None
         best = line[0][1]
-        for (f0, a0), (f1, a1) in zip(line, line[1:]):
+        for (f0, a0), (f1, a1) in itertools.pairwise(line):
             if f0 <= fwd <= f1 and f1 > f0:
                 return max(best, a0 + (a1 - a0) * (fwd - f0) / (f1 - f0))
             best = max(best, a1)

@@ -19,35 +19,35 @@ TASK_NAME = "canvasq.process_chunk"
 
 
 def celery_config(settings: Settings) -> dict:
-    return dict(
+    return {
         # A chunk whose worker dies is redelivered; the SQL attempts counter caps the loop (celery#9082).
-        task_acks_late=True,
-        task_reject_on_worker_lost=True,
-        worker_prefetch_multiplier=1,  # a GPU worker holds one chunk, never a backlog
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,  # a GPU worker holds one chunk, never a backlog
         # On Redis, prefetch 1 still let a busy worker reserve a second chunk (seen in T16); Celery
         # ≥ 5.6 then consumes only while a pool process is free.
-        worker_disable_prefetch=True,
-        task_ignore_result=True,  # outputs are rows in SQL
-        task_soft_time_limit=settings.soft_time_limit,
-        task_time_limit=settings.hard_time_limit,
+        "worker_disable_prefetch": True,
+        "task_ignore_result": True,  # outputs are rows in SQL
+        "task_soft_time_limit": settings.soft_time_limit,
+        "task_time_limit": settings.hard_time_limit,
         # Must exceed the hard limit or Redis hands a running chunk to a second worker (celery#5935).
         # kombu sweeps for expired unacked messages only every interval × throttle seconds (10 × 10
         # by default): a chunk of a SIGKILLed worker came back up to 100 s after its visibility timeout.
-        broker_transport_options={"visibility_timeout": settings.visibility_timeout,
+        "broker_transport_options": {"visibility_timeout": settings.visibility_timeout,
                                   "unacked_restore_interval": max(1, min(10, settings.visibility_timeout // 10)),
                                   "unacked_restore_throttle": 1},
-        task_default_queue=settings.queue_for(),
-        task_serializer="json",
-        accept_content=["json"],
-        worker_send_task_events=True,  # events for Flower / Prometheus exporters
-        task_send_sent_event=True,
-        broker_connection_retry_on_startup=True,
-        broker_connection_max_retries=None,  # ride out a Redis restart
-        worker_cancel_long_running_tasks_on_connection_loss=False,
-        worker_proc_alive_timeout=300,  # the child loads the model at start; give it time
-        worker_max_tasks_per_child=None,  # the model is loaded once per child: keep the child
-        worker_hijack_root_logger=False,
-    )
+        "task_default_queue": settings.queue_for(),
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        "worker_send_task_events": True,  # events for Flower / Prometheus exporters
+        "task_send_sent_event": True,
+        "broker_connection_retry_on_startup": True,
+        "broker_connection_max_retries": None,  # ride out a Redis restart
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
+        "worker_proc_alive_timeout": 300,  # the child loads the model at start; give it time
+        "worker_max_tasks_per_child": None,  # the model is loaded once per child: keep the child
+        "worker_hijack_root_logger": False,
+    }
 
 
 def make_app(settings: Settings | None = None, set_as_current: bool = True) -> Celery:

@@ -5,7 +5,7 @@ from helpers import tiny_bundle
 
 from canvasq.decoders import DecodeBatch, DecodeRequest, run_batch
 from canvasq.decoders.configs import FunnelConfig, OfficialConfig, PipeConfig, with_overrides
-from canvasq.decoders.registry import NAMES, UnknownDecoder, decoder_class, make_config
+from canvasq.decoders.registry import NAMES, UnknownDecoder, decoder_class
 from canvasq.decoders.routing import Route, route, routing_table
 
 

@@ -395,6 +395,8 @@ def test_graph_runner_decodes_like_eager(bundle, name, monkeypatch):
     # the schedules may split on a near-tie (a commit, or a self-conditioning top-k id that changes
     # no token: CI on 2026-12-01 split at forward 6 of 10 with equal tokens); most must be compared
     assert compared >= forwards // 2, (compared, forwards)
+    if compared == forwards:  # no split: the same tokens
+        assert _ids(first) == _ids(eager)
     assert grew()["replayed"] > built > 0 and grew()["eager"] == grew()["failed"] == 0
     again = make_decoder(name, bundle, {**ov, "cuda_graphs": "on"}).decode(_batch(3))
     assert _ids(again) == _ids(first)

@@ -24,7 +24,7 @@ def test_t10_redis_down_30s_mid_run_nothing_lost_outbox_publishes_later(scenario
     """T10: Redis stops for 30 s while a chunk runs and comes back (AOF on). The worker rides it
     out and nothing is lost. A submission during the outage is refused up front (one line, nothing
     stored: the broker is checked before the rows are); the same submission after it runs. A
-    publish that fails after the check is the outbox's case (tests/api/test_resume.py)."""
+    publish that fails after the check is the outbox's case (tests/cli/test_resume.py)."""
     with scenario(db="postgresql", extra={"CANVASQ_TEST_DELAY_S": "1"}) as sc:
         ids = sc.write_input(16)
         w = sc.worker()

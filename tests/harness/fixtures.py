@@ -1,5 +1,6 @@
 """Fixtures on the real services: a SQLite file per test, a fresh PostgreSQL database per session,
-a unique Redis queue per test. Settings are re-read from the environment for each test."""
+a unique Redis queue per test. Settings are re-read from the environment for each test. The test
+rooms that use them (core, cli, serve, deploy) import them in their conftest.py."""
 
 from __future__ import annotations
 

@@ -40,8 +40,8 @@ def _populate(url: str) -> str:
                         chunk_size=2)
     st.claim_chunk(run.chunk_ids[0], "w", 60, 3)
     st.write_results(run.run_id, [ResultRecord("c0", text="t", completion_tokens=3,
-                                               traces=[dict(forward_index=0, rows=8, commits=3, canvases=1,
-                                                            states="full", ms=1.0)])], "w")
+                                               traces=[{"forward_index": 0, "rows": 8, "commits": 3, "canvases": 1,
+                                                            "states": "full", "ms": 1.0}])], "w")
     st.dispose()
     return run.run_id
 

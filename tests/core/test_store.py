@@ -24,7 +24,7 @@ def make_run(store: Store, n: int = 10, chunk_size: int = 4, **kw):
 
 
 def done(cid: str, tokens: int = 5, decoder: str = "official", **kw) -> ResultRecord:
-    traces = [dict(forward_index=i, rows=32, commits=2, canvases=1, states="full", ms=1.5, kind="decode")
+    traces = [{"forward_index": i, "rows": 32, "commits": 2, "canvases": 1, "states": "full", "ms": 1.5, "kind": "decode"}
               for i in range(3)]
     return ResultRecord(cid, text=f"answer {cid}", token_ids=list(range(tokens)), finish_reason="stop",
                         prompt_tokens=7, completion_tokens=tokens, forwards=3, decoder=decoder, gen_ms=100.0,

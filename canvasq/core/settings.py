@@ -52,7 +52,11 @@ class Settings(BaseSettings):
     # accuracy points auto may give up against official's calibrated accuracy (`canvasq calibrate`)
     routing_budget: float = Field(2.0, ge=0, le=100)
 
-    chunk_size: int = Field(16, ge=1, le=10_000)
+    # Requests per chunk of a submitted run. A worker decodes one chunk at a time, so a chunk must
+    # hold several times a GPU worker's 32 decode slots: with the testbed's forward counts per row
+    # (a long tail: mean 9.8, max 97) 32 slots stay 16 % full on average at chunk 16, 43 % at 128
+    # and 95 % with the whole run in one stream (simulated; BENCHMARKS "Decode slots per chunk size").
+    chunk_size: int = Field(128, ge=1, le=10_000)
     # Ordering enforced at worker start: visibility_timeout > hard_time_limit > soft_time_limit
     # (celery#5935: a shorter visibility timeout makes Redis redeliver a still-running chunk).
     soft_time_limit: int = Field(1800, ge=1)

@@ -22,7 +22,8 @@ Where each mechanism lives (config field in parentheses):
                   early spawn, commit-agree (agree), top-k self-conditioning (sc_topk=64)
     phcd.py       PHCD: global canvas of N windows (windows), coarse passes (coarse_every), native-
                   sampler fine steps on the local window, safe-prefix commits per task family
-                  (math_commit / code_commit / text_commit, commit_scale), future kept across commits
+                  (math_commit / code_commit / text_commit, commit_scale), future kept across commits,
+                  weights (adapter: D2F, base, or "repair", the repair-trained LoRA)
     routing.py    --decoder auto (settings table, then the model's calibration, then official)
     calibration.py  `canvasq calibrate`: dev-set sweep, frontier, SQL per model identity
     registry.py names;  configs.py typed configs with the defaults

@@ -120,6 +120,26 @@ def repair_loss(model, batches, batch: int, gen, *, n_future: int, token_weight,
     return loss
 
 
+def tie_encoder(model) -> list:
+    """Route the encoder's projections through the decoder's LoRA-wrapped modules. Encoder and decoder
+    share these weight tensors, so the merged adapter changes the encoder too (the prompt's K/V):
+    training with the LoRA on the decoder alone leaves the encoder unseen. Returns what `untie_encoder`
+    puts back before saving (the adapter is saved under the decoder's module names only)."""
+    saved = []
+    for el, dl in zip(model.model.encoder.language_model.layers, model.model.decoder.layers):
+        for part, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj"))):
+            ep, dp = getattr(el, part), getattr(dl, part)
+            for n in names:
+                saved.append((ep, n, getattr(ep, n)))
+                setattr(ep, n, getattr(dp, n))
+    return saved
+
+
+def untie_encoder(saved: list) -> None:
+    for parent, name, module in saved:
+        setattr(parent, name, module)
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="the testbed directory (base + d2f_adapter/); the adapter goes here")
@@ -133,6 +153,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--n-per-task", type=int, default=20_000)
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--decoder-only", action="store_true",
+                    help="train with the LoRA on the decoder's forward only (v1; the merged weights still change the encoder)")
     return ap
 
 
@@ -169,6 +191,7 @@ def main(argv=None):
     peft_model = get_peft_model(model, lora)
     peft_model.train()
     inner = peft_model.base_model.model
+    tied = [] if args.decoder_only else tie_encoder(inner)
     params = [p for p in peft_model.parameters() if p.requires_grad]
     log(f"repair LoRA r={args.rank}: {sum(p.numel() for p in params)} trainable parameters on {device}")
 
@@ -190,13 +213,16 @@ def main(argv=None):
         inner, params, batches, minutes=args.minutes, batch=args.batch, lr=args.lr, n_canvases=1 + args.future,
         canvas=C, sc_prob=0.9, gen=gen, log=log_parts, tag="phcd-repair", loss_fn=loss_fn,
     )
+    untie_encoder(tied)
     peft_model.save_pretrained(str(out / REPAIR_DIRNAME))
+    (out / REPAIR_DIRNAME / "README.md").unlink(missing_ok=True)  # peft's empty model card
     report = {
         "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} vCPU, shared)",
         "torch": torch.__version__,
         "threads": args.threads,
         "machine": platform.machine(),
         "objectives": ["local refinement", "commit consistency", "future repair"],
+        "lora_in_encoder_forward": not args.decoder_only,
         "repair": report,
         "final_ce": {k: round(v, 4) for k, v in parts.items()},
         "cpu_minutes": round(report["seconds"] / 60, 2),

@@ -71,7 +71,7 @@ def write_inputs(path: Path, n: int, max_tokens: int, recorded: list[dict] | Non
 
 
 def worker_extra(i: int, args, replay_path: Path | None) -> dict[str, str]:
-    extra = {"CANVASQ_RECONCILE_S": "5", "CANVASQ_LEASE_S": str(args.lease_s)}
+    extra = {"CANVASQ_RECONCILE_S": "5", "CANVASQ_LEASE_S": str(args.lease_s), "CANVASQ_CLAIM_AHEAD": args.claim_ahead}
     if args.cpu:
         extra["CANVASQ_DEVICE"] = "cpu"
     else:
@@ -142,7 +142,9 @@ def parse_args(argv):
     ap.add_argument("--max-tokens", type=int, default=128, help="without --record")
     ap.add_argument("--scaling", default=None, help="worker counts, e.g. 1,2,4,8 (default: all, once)")
     ap.add_argument("--kill-one", action="store_true", help="SIGKILL one worker mid-run at the largest count")
-    ap.add_argument("--chunk-size", type=int, default=64)
+    ap.add_argument("--chunk-size", type=int, default=128)
+    ap.add_argument("--claim-ahead", choices=("auto", "on", "off"), default="auto",
+                    help="CANVASQ_CLAIM_AHEAD for the workers (auto: on for GPU workers)")
     ap.add_argument("--db", choices=("sqlite", "postgresql"), default="sqlite")
     ap.add_argument("--visibility-timeout", type=int, default=3600)
     ap.add_argument("--lease-s", type=int, default=60, help="chunk lease: a killed worker's chunk is re-published after it")
@@ -184,6 +186,7 @@ def main(argv=None) -> int:
     for r in results:
         r["scaling_efficiency"] = round(r["tok_s"] / (r["workers"] * base), 3) if base else None
     out = {"host_workers": n_max, "device": "cpu" if args.cpu else "cuda", "model": args.model or "testbed",
+           "claim_ahead": args.claim_ahead,
            "replayed": bool(recorded), "requests": args.requests, "chunk_size": args.chunk_size, "db": args.db,
            "commit": os.popen(f"git -C {ROOT} rev-parse --short HEAD").read().strip(), "runs": results}
     line = json.dumps(out)

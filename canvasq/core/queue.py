@@ -71,6 +71,7 @@ class ClaimState(StrEnum):
     exhausted = "exhausted"  # delivered more than max_attempts times: its rows were closed worker_lost
     cancelled = "cancelled"  # the run is cancelling, cancelled or expired: its rows were closed so
     missing = "missing"  # no such chunk
+    busy = "busy"  # claimed ahead by a live worker that is decoding it: this delivery is dropped
 
 
 @dataclass(frozen=True)
@@ -213,16 +214,23 @@ class QueueStore(StoreBase):
         with self.Session.begin() as s:
             row = s.execute(
                 select(Chunk, Run).join(Run, Run.id == Chunk.run_id).where(Chunk.id == chunk_id)
+                .with_for_update(of=Chunk)  # PostgreSQL: one claim (or claim_ahead) of a chunk at a time
             ).first()
             if row is None:
                 return ClaimedChunk(ClaimState.missing, chunk_id)
             chunk, run = row
+            if chunk.claimed_ahead:  # its message arrives after a worker took it ahead (`claim_ahead`)
+                held = (chunk.status == ChunkStatus.running and chunk.worker_id != worker_id
+                        and chunk.lease_expires_at is not None and chunk.lease_expires_at > now)
+                if held or chunk.status == ChunkStatus.done:  # not a delivery: nothing counted
+                    state = ClaimState.busy if held else ClaimState.empty
+                    return ClaimedChunk(state, chunk_id, run.id, run.model, run.decoder, chunk.attempts)
             attempts = chunk.attempts + 1
             s.execute(
                 update(Chunk)
                 .where(Chunk.id == chunk_id)
                 .values(attempts=Chunk.attempts + 1, status=ChunkStatus.running, worker_id=worker_id,
-                        lease_expires_at=now + timedelta(seconds=lease_s), updated_at=now)
+                        lease_expires_at=now + timedelta(seconds=lease_s), claimed_ahead=False, updated_at=now)
             )
             claimed = ClaimedChunk(ClaimState.work, chunk_id, run.id, run.model, run.decoder, attempts)
             if run.status in (RunStatus.cancelling, RunStatus.cancelled, RunStatus.expired):
@@ -250,6 +258,47 @@ class QueueStore(StoreBase):
             if not reqs:
                 claimed.state = ClaimState.empty
             return claimed
+
+    def claim_ahead(self, run_id: str, worker_id: str, lease_s: int, max_attempts: int) -> ClaimedChunk | None:
+        """Claim the run's next queued, published chunk from SQL before its message reaches anyone:
+        a worker whose decode slots are running dry feeds its rows into the same stream. Counted as
+        a delivery; the chunk's own message, when it comes, is dropped uncounted while this claim
+        holds or once the chunk is done (`claim_chunk`). None when there is no such chunk."""
+        now = utcnow()
+        with self.Session.begin() as s:
+            if s.scalar(select(Run.status).where(Run.id == run_id)) not in (RunStatus.queued, RunStatus.running):
+                return None
+            chunk = s.execute(
+                select(Chunk).where(Chunk.run_id == run_id, Chunk.status == ChunkStatus.queued,
+                                    Chunk.published_at.is_not(None), Chunk.attempts < max_attempts)
+                .order_by(Chunk.seq).limit(1).with_for_update(skip_locked=True)
+            ).scalar_one_or_none()
+            if chunk is None:
+                return None
+            cid, attempts = chunk.id, chunk.attempts + 1
+            res = s.execute(update(Chunk).where(Chunk.id == cid, Chunk.status == ChunkStatus.queued)
+                            .values(attempts=Chunk.attempts + 1, status=ChunkStatus.running, worker_id=worker_id,
+                                    lease_expires_at=now + timedelta(seconds=lease_s), claimed_ahead=True,
+                                    updated_at=now))
+            if res.rowcount != 1:  # claimed by another worker between the read and the write
+                return None
+            run = s.get(Run, run_id)
+            reqs = s.execute(
+                select(Request.custom_id, Request.prompt, Request.task, Request.max_tokens, Request.decoder)
+                .where(Request.chunk_id == cid, Request.status == RequestStatus.queued)
+                .order_by(Request.line_no)
+            ).all()
+            return ClaimedChunk(ClaimState.work if reqs else ClaimState.empty, cid, run_id, run.model,
+                                run.decoder, attempts, [ClaimedRequest(*r) for r in reqs])
+
+    def release_ahead(self, chunk_id: str, worker_id: str) -> None:
+        """Give back a chunk claimed ahead and not fed (its rows need another stream): queued again,
+        that claim uncounted; its message, still in the broker, is then an ordinary delivery."""
+        with self.Session.begin() as s:
+            s.execute(update(Chunk).where(Chunk.id == chunk_id, Chunk.worker_id == worker_id,
+                                          Chunk.status == ChunkStatus.running, Chunk.claimed_ahead.is_(True))
+                      .values(status=ChunkStatus.queued, attempts=Chunk.attempts - 1, worker_id=None,
+                              lease_expires_at=None, claimed_ahead=False, updated_at=utcnow()))
 
     def close_chunk_rows(self, chunk_id: str, run_id: str, status: str, code: str, message: str) -> int:
         with self.Session.begin() as s:
@@ -336,19 +385,21 @@ class QueueStore(StoreBase):
                                     "started_at": now, "heartbeat_at": now}],
                    ("id",), ("host", "pid", "device", "model", "queue", "heartbeat_at"))
 
-    def heartbeat(self, worker_id: str, chunk_id: str | None = None, lease_s: float | None = None) -> bool:
-        """The worker is alive; while it works on `chunk_id` that chunk's lease moves to now + lease_s.
-        Only a chunk still `running` under this worker is renewed (one re-published and claimed by
-        another worker is that worker's). Returns whether a lease was renewed."""
+    def heartbeat(self, worker_id: str, chunk_id: str | Sequence[str] | None = None, lease_s: float | None = None) -> bool:
+        """The worker is alive; while it works on `chunk_id` (one id, or several: chunks claimed
+        ahead) their leases move to now + lease_s. Only a chunk still `running` under this worker is
+        renewed (one re-published and claimed by another worker is that worker's). Returns whether
+        every lease was renewed."""
         now = utcnow()
+        ids = [chunk_id] if isinstance(chunk_id, str) else list(chunk_id or ())
         with self.Session.begin() as s:
             s.execute(update(Worker).where(Worker.id == worker_id).values(heartbeat_at=now))
-            if chunk_id is None or lease_s is None:
+            if not ids or lease_s is None:
                 return False
             res = s.execute(update(Chunk)
-                            .where(Chunk.id == chunk_id, Chunk.worker_id == worker_id, Chunk.status == ChunkStatus.running)
+                            .where(Chunk.id.in_(ids), Chunk.worker_id == worker_id, Chunk.status == ChunkStatus.running)
                             .values(lease_expires_at=now + timedelta(seconds=lease_s)))
-            return res.rowcount == 1
+            return res.rowcount == len(ids)
 
     # -- embedded runs ----------------------------------------------------------------------------
     def run_by_key(self, idempotency_key: str) -> str | None:

@@ -86,6 +86,9 @@ class Settings(BaseSettings):
     decode_batch_size: int = Field(8, ge=1)  # prompts decoded together; results persisted per batch
     # requests in flight per decode stream (continuous batching; None: 32 on a GPU, decode_batch_size on CPU)
     decode_slots: int | None = Field(None, ge=1)
+    # When a chunk's last rows are in flight and slots free up, claim the run's next chunk from SQL and
+    # feed its rows into the same stream (auto: on a GPU worker; its message is then dropped uncounted)
+    claim_ahead: Literal["auto", "on", "off"] = "auto"
     seed: int = 0
     gpu_slots: int | None = Field(None, ge=1)  # `worker --gpu auto`: GPUs on this host to share out
     gpu_host: str | None = None  # the physical host's name for slot keys (containers differ in hostname)

@@ -28,6 +28,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -82,6 +83,8 @@ class Chunk(Base):
     published_at: Mapped[datetime | None] = mapped_column(DateTime)
     worker_id: Mapped[str | None] = mapped_column(String(200))
     last_error: Mapped[str | None] = mapped_column(Text)  # the last exception that ended a delivery
+    # claimed from SQL ahead of its message by a worker with free decode slots (`QueueStore.claim_ahead`)
+    claimed_ahead: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     __table_args__ = (UniqueConstraint("run_id", "seq"),)
 

@@ -65,7 +65,8 @@ def requeue_stale(store: QueueStore, chunk_ids: Sequence[str], older_than) -> li
             res = s.execute(
                 update(Chunk)
                 .where(Chunk.id == cid, Chunk.status == ChunkStatus.running, Chunk.lease_expires_at < older_than)
-                .values(status=ChunkStatus.queued, lease_expires_at=None, published_at=None, updated_at=now)
+                .values(status=ChunkStatus.queued, lease_expires_at=None, published_at=None, claimed_ahead=False,
+                        updated_at=now)
             )
             if res.rowcount == 1:
                 done.append(cid)

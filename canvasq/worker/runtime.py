@@ -145,6 +145,7 @@ class ChunkRuntime:
         self._hb_thread: threading.Thread | None = None
         self._rc_thread: threading.Thread | None = None
         self.holding_chunk: str | None = None  # the chunk whose lease each heartbeat renews (`holding`)
+        self.ahead_chunks: set[str] = set()  # chunks claimed ahead into the running stream (renewed too)
 
     # -- process lifetime --------------------------------------------------------------------------
     @property
@@ -191,9 +192,9 @@ class ChunkRuntime:
         (or cannot reach the store), and `reconcile` re-publishes the chunk."""
         def beat():
             while not self._hb_stop.wait(self.settings.heartbeat_s):
-                chunk = self.holding_chunk
+                chunks = [c for c in (self.holding_chunk, *list(self.ahead_chunks)) if c]
                 try:
-                    self.store.heartbeat(self.worker_id, chunk, self.settings.lease_s)
+                    self.store.heartbeat(self.worker_id, chunks, self.settings.lease_s)
                 except Exception as exc:  # noqa: BLE001 a missed beat is not worth killing the worker
                     log.warning("heartbeat failed: %s", mask_url(str(exc)))
 
@@ -209,6 +210,7 @@ class ChunkRuntime:
             yield
         finally:
             self.holding_chunk = None
+            self.ahead_chunks.clear()  # chunks claimed ahead and cut short lapse and are re-published
 
     def start_reconciler(self) -> None:
         """The fleet's reconcile pass, every reconcile_s, in its own thread so a long pass never
@@ -254,6 +256,10 @@ class ChunkRuntime:
             return summary
         run_id = claim.run_id
         assert run_id is not None
+        if claim.state == ClaimState.busy:  # claimed ahead by a live worker: its message, not a delivery
+            log.info("chunk %s is being decoded by %s (claimed ahead); dropping the message", chunk_id,
+                     "another worker")
+            return summary
         if claim.state != ClaimState.work:
             if claim.state != ClaimState.exhausted:
                 retry_transient(lambda: self.store.finish_chunk(chunk_id))
@@ -263,28 +269,49 @@ class ChunkRuntime:
             log.warning("chunk %s is for model %s; this worker serves %s", chunk_id, claim.model, s.model)
 
         should_stop = self._stopper(run_id)
+        t0 = time.monotonic()
         groups: dict[str, list[ClaimedRequest]] = {}
         for r in claim.requests:
             groups.setdefault(r.decoder or claim.run_decoder or "auto", []).append(r)
+        streams, batched = [], []
         for decoder, rows in groups.items():
             if self._decode_fn is None and decoder != "hf":  # the production path: continuous batching
-                for name, knobs, part in self._routed(decoder, rows):
-                    if should_stop():
-                        break
-                    summary["written"] += self._stream_and_store(run_id, name, knobs, part, should_stop, summary)
-                continue
+                streams += self._routed(decoder, rows)
+            else:
+                batched.append((decoder, rows))
+        feeders = []
+        for i, (name, knobs, part) in enumerate(streams):
+            if should_stop():
+                break
+            # the chunk's last stream may take the run's next chunks ahead, for half the soft time limit
+            ahead = t0 + s.soft_time_limit / 2 if i == len(streams) - 1 and not batched and self.claims_ahead else None
+            summary["written"] += self._stream_and_store(run_id, name, knobs, part, should_stop, summary,
+                                                         ahead_until=ahead, feeders=feeders)
+        for decoder, rows in batched:
             for i in range(0, len(rows), s.decode_batch_size):
                 if should_stop():
                     break
                 summary["written"] += self._decode_and_store(run_id, decoder, rows[i : i + s.decode_batch_size],
                                                              should_stop)
+        code = None
         if should_stop():
             status = self.store.run_status(run_id)
             code = RequestStatus.expired if status == RunStatus.expired else RequestStatus.cancelled
             retry_transient(lambda: self.store.close_chunk_rows(chunk_id, run_id, code, code, f"run {status}"))
+        for feeder in feeders:
+            feeder.close(code)
+            summary["claimed_ahead"] = summary.get("claimed_ahead", 0) + feeder.claimed
         retry_transient(lambda: self.store.finish_chunk(chunk_id))
         retry_transient(lambda: self.store.finalize_run(run_id))
         return summary
+
+    @property
+    def claims_ahead(self) -> bool:
+        """CANVASQ_CLAIM_AHEAD resolved: auto = a fleet worker on a GPU (not an embedded run)."""
+        mode = self.settings.claim_ahead
+        if mode == "off" or (self.queue or "").startswith(("embedded:", "local:")):  # one chunk per run there
+            return False
+        return mode == "on" or str(getattr(self.bundle, "device", "cpu")).startswith("cuda")
 
     @property
     def decode_slots(self) -> int:
@@ -336,10 +363,11 @@ class ChunkRuntime:
         return reqs, records
 
     def _stream_and_store(self, run_id: str, decoder: str, knobs: dict, rows: list[ClaimedRequest], should_stop,
-                          summary: dict) -> int:
+                          summary: dict, ahead_until: float | None = None, feeders: list | None = None) -> int:
         """Continuous batching over `rows`: `decode_slots` requests in flight, a free slot refilled at
         once, each finished row written to the store the moment it ends (idempotent per custom_id: a
-        crash loses no finished row)."""
+        crash loses no finished row). With `ahead_until` (a monotonic time), once `rows` are all in
+        flight the run's next chunks are claimed ahead into the same stream (`worker.ahead`)."""
         from canvasq.decoders.registry import make_decoder
 
         bundle = self.bundle  # a load failure raises here: the chunk is retried, rows stay queued
@@ -350,10 +378,22 @@ class ChunkRuntime:
         dec = make_decoder(decoder, bundle, knobs, self.settings.cuda_graphs, self.experts,
                            fp8=self.settings.fp8, fp8_min_rows=self.settings.fp8_min_rows)
         todo = list(reqs)
+        fed: list[DecodeRequest] = []
         occupancy: list[tuple[int, int]] = []
+        capacity = dec.capacity_for(reqs)
+        feeder = None
+        if ahead_until is not None:
+            from canvasq.worker.ahead import AheadFeeder
+
+            feeder = AheadFeeder(self, run_id, (decoder, knobs), dec.need, capacity, ahead_until)
+            if feeders is not None:
+                feeders.append(feeder)
 
         def feed(n: int):
+            if feeder is not None and len(todo) < n and not should_stop():
+                feeder.top_up(todo, n - len(todo))
             taken, todo[:] = todo[:n], todo[n:]
+            fed.extend(taken)
             if taken:
                 faults.before_decode(q.custom_id for q in taken)  # inert unless CANVASQ_TEST_* is set
             return [(q.custom_id, q) for q in taken]
@@ -365,12 +405,14 @@ class ChunkRuntime:
             ms = sum(t.ms * (t.own_rows or 0) / t.rows for t in res.traces if t.rows)
             rec = result_record(res, ms, decoder)
             written += retry_transient(lambda: self.store.write_results(run_id, [rec], self.worker_id))
+            if feeder is not None:
+                feeder.written(str(key))
             if self.on_row is not None:
                 self.on_row()
 
         try:
             dec.stream(feed, on_result, slots=self.decode_slots, seed=self.settings.seed,
-                       capacity=dec.capacity_for(reqs), should_stop=should_stop, interrupts=self.interrupts,
+                       capacity=capacity, should_stop=should_stop, interrupts=self.interrupts,
                        occupancy=occupancy)
         except Interrupted as cut:  # finished rows are already stored; the task abandons the rest
             raise cut.cause from None
@@ -380,8 +422,11 @@ class ChunkRuntime:
             log.exception("decode stream failed for run %s", run_id)
             # every row not yet stored (write_results skips the ones that are)
             failed = [result_record(DecodeResult(q.custom_id, [], "", FinishReason.error, len(q.prompt_ids), 0,
-                                                 error=f"{type(exc).__name__}: {exc}"), 0.0, decoder) for q in reqs]
+                                                 error=f"{type(exc).__name__}: {exc}"), 0.0, decoder)
+                      for q in [*fed, *todo]]  # the chunk's rows and any claimed ahead, fed or not
             written += retry_transient(lambda: self.store.write_results(run_id, failed, self.worker_id))
+            for q in [*fed, *todo] if feeder is not None else ():
+                feeder.written(q.custom_id)
         if occupancy:
             live = sum(n for n, _ in occupancy)
             summary.setdefault("occupancy", []).extend(occupancy)

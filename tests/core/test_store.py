@@ -276,3 +276,36 @@ def test_a_periodic_reconcile_leaves_a_submit_publishing_alone(store):
     assert reconcile_once(store, settings, publish, OUTBOX_GRACE_S).published == 2
     assert sorted(sent) == sorted(run.chunk_ids)
     assert reconcile_once(store, settings, publish).published == 0 and len(sent) == 2
+
+
+def test_claim_ahead_and_the_late_message(store):
+    """A chunk claimed ahead (a counted delivery) makes its own message a no-op while the claim holds
+    (busy) and once done (empty); after its lease lapses a delivery claims it as usual. Outbox rows
+    (never published) are not taken ahead; a released chunk is queued again, its claim uncounted."""
+    run = make_run(store, 6, 2)
+    assert store.claim_ahead(run.run_id, "w1", 60, 3) is None  # nothing published yet
+    store.mark_published(run.chunk_ids)
+    first = store.claim_ahead(run.run_id, "w1", 60, 3)
+    assert (first.state, first.chunk_id, first.attempts) == ("work", run.chunk_ids[0], 1)
+    assert [r.custom_id for r in first.requests] == ["q0", "q1"]
+    late = store.claim_chunk(run.chunk_ids[0], "w2", 60, 3)
+    assert late.state == "busy" and late.attempts == 1 and not late.requests
+    assert store.heartbeat("w1", [run.chunk_ids[0]], 60)  # renewed by its holder
+    store.write_results(run.run_id, [done("q0"), done("q1")], "w1")
+    store.finish_chunk(run.chunk_ids[0])
+    assert store.claim_chunk(run.chunk_ids[0], "w2", 60, 3).state == "empty"
+    second = store.claim_ahead(run.run_id, "w1", 60, 3)
+    assert second.chunk_id == run.chunk_ids[1]
+    store.release_ahead(second.chunk_id, "w1")
+    with store.Session() as s:
+        c1 = s.get(Chunk, run.chunk_ids[1])
+        assert (c1.status, c1.attempts, c1.claimed_ahead, c1.worker_id) == ("queued", 0, False, None)
+    again = store.claim_ahead(run.run_id, "w1", 60, 3)
+    assert again.chunk_id == run.chunk_ids[1]
+    with store.Session.begin() as s:  # its holder died: the lease lapsed
+        s.execute(update(Chunk).where(Chunk.id == again.chunk_id)
+                  .values(lease_expires_at=utcnow() - timedelta(seconds=1)))
+    taken = store.claim_chunk(again.chunk_id, "w2", 60, 3)
+    assert (taken.state, taken.attempts, [r.custom_id for r in taken.requests]) == ("work", 2, ["q2", "q3"])
+    with store.Session() as s:
+        assert s.get(Chunk, again.chunk_id).claimed_ahead is False

@@ -1,6 +1,7 @@
 """scripts/fleet.py, the multi-GPU fleet measurement, as a dry run on the CPU: two worker processes
 drain one run through a private Redis and a SQLite store; one is SIGKILLed a third of the way
-through; the other finishes the run with every custom_id exactly once."""
+through; the other finishes the run with every custom_id exactly once. The workers claim chunks
+ahead (CANVASQ_CLAIM_AHEAD=on, as GPU workers do by default), so the one killed may hold several."""
 
 import json
 import subprocess
@@ -14,7 +15,7 @@ def test_fleet_dry_run_two_cpu_workers_one_killed(tmp_path):
     res = subprocess.run(
         [sys.executable, str(REPO_ROOT / "scripts" / "fleet.py"), "--cpu", "2", "--requests", "24", "--max-tokens",
          "64", "--chunk-size", "2", "--scaling", "2", "--kill-one", "--lease-s", "10", "--visibility-timeout", "300",
-         "--deadline-s", "400", "--json-out", str(out)],
+         "--deadline-s", "400", "--claim-ahead", "on", "--json-out", str(out)],
         capture_output=True, text=True, timeout=900, check=False,
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]

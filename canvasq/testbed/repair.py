@@ -24,7 +24,8 @@ future's from the draft pass. The loop is `train.train_phase` (AdamW, warm-up, c
 Saved to `<out>/phcd_adapter/` (peft) with `<out>/train_report_phcd_repair.json`; `phcd:adapter=repair`
 merges it over the D2F model (`ModelBundle.phcd_repair_model`).
 
-    python -m canvasq.testbed.repair --out models/testbed --minutes 15 --seed 5
+What produced the committed adapter (v2; v1 was the same with --decoder-only and --minutes 18):
+    python -m canvasq.testbed.repair --out models/testbed --minutes 11 --batch 16 --future 1 --n-per-task 10000 --seed 5
 """
 
 from __future__ import annotations

@@ -173,12 +173,10 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     out = Path(args.out)
-    logf = open(out / "train_log_phcd_repair.txt", "a")
-
     def log(msg):
         print(msg, flush=True)
-        logf.write(msg + "\n")
-        logf.flush()
+        with open(out / "train_log_phcd_repair.txt", "a") as f:
+            f.write(msg + "\n")
 
     t0 = time.time()
     bundle = load_bundle(str(out), device="cpu")

@@ -259,18 +259,26 @@ class QueueStore(StoreBase):
                 claimed.state = ClaimState.empty
             return claimed
 
-    def claim_ahead(self, run_id: str, worker_id: str, lease_s: int, max_attempts: int) -> ClaimedChunk | None:
-        """Claim the run's next queued, published chunk from SQL before its message reaches anyone:
-        a worker whose decode slots are running dry feeds its rows into the same stream. Counted as
-        a delivery; the chunk's own message, when it comes, is dropped uncounted while this claim
-        holds or once the chunk is done (`claim_chunk`). None when there is no such chunk."""
+    def max_queued_tokens(self, run_id: str) -> int:
+        """The largest max_tokens among the run's queued rows (0 when none is queued)."""
+        with self.Session() as s:
+            return s.scalar(select(func.max(Request.max_tokens)).where(
+                Request.run_id == run_id, Request.status == RequestStatus.queued)) or 0
+
+    def claim_ahead(self, run_id: str, worker_id: str, lease_s: int, max_attempts: int,
+                    skip: Sequence[str] = ()) -> ClaimedChunk | None:
+        """Claim the run's next queued, published chunk (not in `skip`) from SQL before its message
+        reaches anyone: a worker whose decode slots are running dry feeds its rows into the same
+        stream. Counted as a delivery; the chunk's own message, when it comes, is dropped uncounted
+        while this claim holds or once the chunk is done (`claim_chunk`). None when there is none."""
         now = utcnow()
         with self.Session.begin() as s:
             if s.scalar(select(Run.status).where(Run.id == run_id)) not in (RunStatus.queued, RunStatus.running):
                 return None
             chunk = s.execute(
                 select(Chunk).where(Chunk.run_id == run_id, Chunk.status == ChunkStatus.queued,
-                                    Chunk.published_at.is_not(None), Chunk.attempts < max_attempts)
+                                    Chunk.published_at.is_not(None), Chunk.attempts < max_attempts,
+                                    Chunk.id.not_in(list(skip)))
                 .order_by(Chunk.seq).limit(1).with_for_update(skip_locked=True)
             ).scalar_one_or_none()
             if chunk is None:

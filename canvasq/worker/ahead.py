@@ -4,8 +4,9 @@ same decode stream, so the slots stay full across chunk boundaries instead of dr
 
 Flow: feed(n) finds the chunk's own rows used up → `AheadFeeder.top_up` claims the next queued,
 published chunk of the run (a counted delivery under this worker's lease, renewed by the heartbeat)
-→ its rows, if they all take this stream's route and fit its arena, join the stream; otherwise the
-chunk is released (queued again, uncounted) and feeding ahead stops for this stream → each row is
+→ its rows, if they all take this stream's route and fit its arena (sized for the run's longest
+max_tokens), join the stream; otherwise the chunk is released (queued again, uncounted) and the next
+one is tried, up to MAX_RELEASED → each row is
 written as it ends, and a chunk whose rows are all written is finished at once. The chunk's own
 message, when a worker receives it, is dropped without counting while the claim holds or once the
 chunk is done. A worker that dies holding chunks claimed ahead stops renewing their leases:
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+MAX_RELEASED = 4  # chunks a stream may give back (other route, longer rows) before it stops looking
+
 
 class AheadFeeder:
     """Claims and tracks the chunks one decode stream takes ahead of their messages."""
@@ -39,6 +42,7 @@ class AheadFeeder:
         self.chunk_of: dict[str, str] = {}  # custom_id -> its chunk id
         self.stopped = False
         self.claimed = 0
+        self.released: list[str] = []  # given back: not claimed again by this stream
 
     def top_up(self, todo: list[DecodeRequest], want: int) -> None:
         """Claim chunks ahead until `want` more rows are in `todo` (or none is left to claim)."""
@@ -48,7 +52,7 @@ class AheadFeeder:
                 self.stopped = True
                 return
             claim = retry_transient(lambda: rt.store.claim_ahead(self.run_id, rt.worker_id, s.lease_s,
-                                                                  s.max_attempts))
+                                                                  s.max_attempts, self.released))
             if claim is None:
                 self.stopped = True
                 return
@@ -56,9 +60,9 @@ class AheadFeeder:
                 retry_transient(lambda cid=claim.chunk_id: rt.store.finish_chunk(cid))
                 continue
             reqs = self._take(claim)
-            if reqs is None:
-                self.stopped = True
-                return
+            if reqs is None:  # given back; a few in a row: the rest of the run is not for this stream
+                self.stopped = len(self.released) >= MAX_RELEASED
+                continue
             todo.extend(reqs)
             want -= len(reqs)
 
@@ -91,6 +95,7 @@ class AheadFeeder:
 
     def _release(self, cid: str, why: str) -> None:
         log.info("chunk %s released, not fed ahead: %s", cid, why)
+        self.released.append(cid)
         retry_transient(lambda: self.rt.store.release_ahead(cid, self.rt.worker_id))
 
     def written(self, custom_id: str) -> None:

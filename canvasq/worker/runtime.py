@@ -385,6 +385,12 @@ class ChunkRuntime:
         if ahead_until is not None:
             from canvasq.worker.ahead import AheadFeeder
 
+            # an arena for the run's rows, not this chunk's: its longest max_tokens, prompts up to
+            # 1.5x this chunk's longest (a longer row's chunk is given back to its own delivery)
+            prompt = max(len(q.prompt_ids) for q in reqs) * 3 // 2
+            run_max = retry_transient(lambda: self.store.max_queued_tokens(run_id))
+            capacity = max(capacity, dec.need(DecodeRequest("", [0] * prompt, max(run_max, *(q.max_tokens for q in reqs)))))
+
             feeder = AheadFeeder(self, run_id, (decoder, knobs), dec.need, capacity, ahead_until)
             if feeders is not None:
                 feeders.append(feeder)

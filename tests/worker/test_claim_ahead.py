@@ -62,14 +62,25 @@ def test_one_delivery_drains_the_run_through_one_stream(tmp_path, wstore, bundle
 
 
 def test_a_chunk_for_another_route_is_given_back(tmp_path, wstore, bundle):
-    run = _run(wstore, 6, 2, decoders={2: "pipe", 3: "pipe"})  # chunk 1 holds pipe rows
+    """Chunk 1 holds pipe rows: given back untouched (queued, its claim uncounted) for its own
+    delivery; chunk 2's official rows still join the stream."""
+    run = _run(wstore, 6, 2, decoders={2: "pipe", 3: "pipe"})
     out = _runtime(tmp_path, wstore, bundle, "on").process_chunk(run.chunk_ids[0])
-    assert out["written"] == 2 and out.get("claimed_ahead", 0) == 0
-    assert _chunks(wstore, run.run_id) == {0: ("done", 1, False), 1: ("queued", 0, False), 2: ("queued", 0, False)}
+    assert out["written"] == 4 and out["claimed_ahead"] == 1
+    assert _chunks(wstore, run.run_id) == {0: ("done", 1, False), 1: ("queued", 0, False), 2: ("done", 1, True)}
     with wstore.Session() as s:
         left = set(s.scalars(select(Request.custom_id).where(Request.run_id == run.run_id,
                                                               Request.status == "queued")))
-    assert left == {"r2", "r3", "r4", "r5"}
+    assert left == {"r2", "r3"}
+
+
+def test_the_arena_is_sized_for_the_runs_longest_rows(tmp_path, wstore, bundle):
+    """A later chunk with a larger max_tokens than the first still joins the stream."""
+    jobs = [Job(f"r{i}", PROMPT, "math", 16 if i < 2 else 96, None, i + 1) for i in range(4)]
+    run = wstore.create_run(jobs, model="m", queue="q", decoder="official", chunk_size=2)
+    wstore.mark_published(run.chunk_ids)
+    out = _runtime(tmp_path, wstore, bundle, "on").process_chunk(run.chunk_ids[0])
+    assert out["written"] == 4 and out["claimed_ahead"] == 1 and wstore.counts(run.run_id)["done"] == 4
 
 
 def test_claims_ahead_resolves_per_device_and_never_in_embedded_runs(tmp_path, wstore, bundle):

@@ -53,12 +53,14 @@ SWEEP: dict[str, tuple[dict, ...]] = {
 }
 
 W4_DIRNAME = "canvasq_w4"  # the W4 pack cache beside a checkpoint is not part of its identity
+# nor is phcd's opt-in repair adapter (`phcd:adapter=repair`): it changes no calibrated decoder
+NOT_IDENTITY = (W4_DIRNAME, "phcd_adapter")
 
 
 def model_identity(spec: str) -> tuple[str, str]:
     """(path, fingerprint) of a model spec. The fingerprint hashes config.json and every safetensors
     file's relative name and size (the D2F adapter's too), so retrained weights get a new identity
-    while a copy or a W4 pack cache beside the checkpoint does not."""
+    while a copy, a W4 pack cache or phcd's repair adapter beside the checkpoint does not."""
     if spec.startswith("random:"):
         return spec, "random"
     d = Path(spec).expanduser().resolve()
@@ -66,7 +68,7 @@ def model_identity(spec: str) -> tuple[str, str]:
     h.update((d / "config.json").read_bytes())
     for p in sorted(d.rglob("*.safetensors")):
         rel = p.relative_to(d)
-        if rel.parts[0] == W4_DIRNAME:
+        if rel.parts[0] in NOT_IDENTITY:
             continue
         h.update(f"{rel.as_posix()}:{p.stat().st_size};".encode())
     return str(d), h.hexdigest()[:32]

@@ -170,11 +170,12 @@ class QueueStore(StoreBase):
                 if seq == len(chunk_ids):
                     chunk_ids.append(f"{run_id}-{seq:05d}")
                     chunks.append({"id": chunk_ids[seq], "run_id": run_id, "seq": seq, "status": ChunkStatus.queued,
-                                       "attempts": 0, "updated_at": now})
+                                   "attempts": 0, "updated_at": now})
                 buf.append(
                     {"run_id": run_id, "custom_id": job.custom_id, "line_no": job.line_no, "prompt": job.prompt,
-                         "task": job.task, "max_tokens": job.max_tokens, "decoder": job.decoder,
-                         "stop": list(job.stop) or None, "chunk_id": chunk_ids[seq], "status": RequestStatus.queued, "updated_at": now}
+                     "task": job.task, "max_tokens": job.max_tokens, "decoder": job.decoder,
+                     "stop": list(job.stop) or None, "chunk_id": chunk_ids[seq], "status": RequestStatus.queued,
+                     "updated_at": now}
                 )
                 n += 1
                 if len(buf) >= batch_rows:
@@ -273,7 +274,8 @@ class QueueStore(StoreBase):
         while this claim holds or once the chunk is done (`claim_chunk`). None when there is none."""
         now = utcnow()
         with self.Session.begin() as s:
-            if s.scalar(select(Run.status).where(Run.id == run_id)) not in (RunStatus.queued, RunStatus.running):
+            run = s.get(Run, run_id)
+            if run is None or run.status not in (RunStatus.queued, RunStatus.running):
                 return None
             chunk = s.execute(
                 select(Chunk).where(Chunk.run_id == run_id, Chunk.status == ChunkStatus.queued,
@@ -290,7 +292,6 @@ class QueueStore(StoreBase):
                                     updated_at=now))
             if res.rowcount != 1:  # claimed by another worker between the read and the write
                 return None
-            run = s.get(Run, run_id)
             reqs = s.execute(
                 select(Request.custom_id, Request.prompt, Request.task, Request.max_tokens, Request.decoder)
                 .where(Request.chunk_id == cid, Request.status == RequestStatus.queued)
@@ -328,7 +329,7 @@ class QueueStore(StoreBase):
         upsert(
             s, Output,
             [{"run_id": run_id, "custom_id": c, "error_code": code, "error_message": message, "text": None,
-                  "created_at": now, "updated_at": now} for c in ids],
+              "created_at": now, "updated_at": now} for c in ids],
             ("run_id", "custom_id"), ("error_code", "error_message", "text", "updated_at"),
         )
         return len(ids)
@@ -389,8 +390,8 @@ class QueueStore(StoreBase):
                         queue: str | None) -> None:
         now = utcnow()
         with self.Session.begin() as s:
-            upsert(s, Worker, [{"id": worker_id, "host": host, "pid": pid, "device": device, "model": model, "queue": queue,
-                                    "started_at": now, "heartbeat_at": now}],
+            upsert(s, Worker, [{"id": worker_id, "host": host, "pid": pid, "device": device, "model": model,
+                                "queue": queue, "started_at": now, "heartbeat_at": now}],
                    ("id",), ("host", "pid", "device", "model", "queue", "heartbeat_at"))
 
     def heartbeat(self, worker_id: str, chunk_id: str | Sequence[str] | None = None, lease_s: float | None = None) -> bool:

@@ -6,8 +6,8 @@ Flow: feed(n) finds the chunk's own rows used up → `AheadFeeder.top_up` claims
 published chunk of the run (a counted delivery under this worker's lease, renewed by the heartbeat)
 → its rows, if they all take this stream's route and fit its arena (sized for the run's longest
 max_tokens), join the stream; otherwise the chunk is released (queued again, uncounted) and the next
-one is tried, up to MAX_RELEASED → each row is
-written as it ends, and a chunk whose rows are all written is finished at once. The chunk's own
+one is tried, up to MAX_RELEASED → each row is written as it ends, and a chunk whose rows are all
+written is finished at once. The chunk's own
 message, when a worker receives it, is dropped without counting while the claim holds or once the
 chunk is done. A worker that dies holding chunks claimed ahead stops renewing their leases:
 reconcile re-publishes them like any other (rows written before stay written).
@@ -70,12 +70,7 @@ class AheadFeeder:
         """The claimed chunk's rows for this stream, or None (chunk released) if any row needs
         another route or more arena than the stream has."""
         rt, cid = self.rt, claim.chunk_id
-        parts = []
-        groups: dict[str, list] = {}
-        for r in claim.requests:
-            groups.setdefault(r.decoder or claim.run_decoder or "auto", []).append(r)
-        for decoder, rows in groups.items():
-            parts += rt._routed(decoder, rows)
+        parts = [p for decoder, rows in rt.by_decoder(claim).items() for p in rt._routed(decoder, rows)]
         if len(parts) != 1 or (parts[0][0], parts[0][1]) != self.route:
             return self._release(cid, "rows for another decoder route")
         reqs, records = rt._tokenize(parts[0][2], self.route[0])

@@ -257,8 +257,7 @@ class ChunkRuntime:
         run_id = claim.run_id
         assert run_id is not None
         if claim.state == ClaimState.busy:  # claimed ahead by a live worker: its message, not a delivery
-            log.info("chunk %s is being decoded by %s (claimed ahead); dropping the message", chunk_id,
-                     "another worker")
+            log.info("chunk %s is being decoded by another worker (claimed ahead); dropping the message", chunk_id)
             return summary
         if claim.state != ClaimState.work:
             if claim.state != ClaimState.exhausted:
@@ -270,11 +269,8 @@ class ChunkRuntime:
 
         should_stop = self._stopper(run_id)
         t0 = time.monotonic()
-        groups: dict[str, list[ClaimedRequest]] = {}
-        for r in claim.requests:
-            groups.setdefault(r.decoder or claim.run_decoder or "auto", []).append(r)
         streams, batched = [], []
-        for decoder, rows in groups.items():
+        for decoder, rows in self.by_decoder(claim).items():
             if self._decode_fn is None and decoder != "hf":  # the production path: continuous batching
                 streams += self._routed(decoder, rows)
             else:
@@ -304,6 +300,14 @@ class ChunkRuntime:
         retry_transient(lambda: self.store.finish_chunk(chunk_id))
         retry_transient(lambda: self.store.finalize_run(run_id))
         return summary
+
+    @staticmethod
+    def by_decoder(claim) -> dict[str, list[ClaimedRequest]]:
+        """A claimed chunk's rows per decoder asked for: the row's own, else the run's, else auto."""
+        groups: dict[str, list[ClaimedRequest]] = {}
+        for r in claim.requests:
+            groups.setdefault(r.decoder or claim.run_decoder or "auto", []).append(r)
+        return groups
 
     @property
     def claims_ahead(self) -> bool:
@@ -427,12 +431,13 @@ class ChunkRuntime:
         except Exception as exc:  # deterministic failure → the rows not yet stored error, never a retry storm
             log.exception("decode stream failed for run %s", run_id)
             # every row not yet stored (write_results skips the ones that are)
+            left = [*fed, *todo]  # the chunk's rows and any claimed ahead, fed or not
             failed = [result_record(DecodeResult(q.custom_id, [], "", FinishReason.error, len(q.prompt_ids), 0,
-                                                 error=f"{type(exc).__name__}: {exc}"), 0.0, decoder)
-                      for q in [*fed, *todo]]  # the chunk's rows and any claimed ahead, fed or not
+                                                 error=f"{type(exc).__name__}: {exc}"), 0.0, decoder) for q in left]
             written += retry_transient(lambda: self.store.write_results(run_id, failed, self.worker_id))
-            for q in [*fed, *todo] if feeder is not None else ():
-                feeder.written(q.custom_id)
+            if feeder is not None:
+                for q in left:
+                    feeder.written(q.custom_id)
         if occupancy:
             live = sum(n for n, _ in occupancy)
             summary.setdefault("occupancy", []).extend(occupancy)

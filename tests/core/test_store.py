@@ -253,9 +253,9 @@ def test_embedded_interrupt_resume_and_orphan_cancel(store):
 
 
 def test_a_periodic_reconcile_leaves_a_submit_publishing_alone(store):
-    """The outbox race (CI, 2026-12-01: both chunks of a run delivered twice): a worker's periodic
-    pass that runs between a submit storing its chunks and marking them published must not publish
-    them too. Periodic passes skip outbox rows younger than OUTBOX_GRACE_S; a pass by hand (grace 0)
+    """The outbox race (every chunk of a run delivered twice, each counted toward max_attempts): a
+    worker's periodic pass that runs between a submit storing its chunks and marking them published
+    must not publish them too. Periodic passes skip outbox rows younger than OUTBOX_GRACE_S; a pass by hand (grace 0)
     and a periodic pass once the rows are older publish each chunk once."""
     from canvasq.core.settings import Settings
     from canvasq.worker.reconcile import OUTBOX_GRACE_S, reconcile_once

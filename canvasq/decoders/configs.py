@@ -67,6 +67,11 @@ class OfficialConfig:
     # "plain": seeded with the batch seed alone, which at batch 1 draws exactly what
     # `torch.manual_seed(seed)` then `generate()` draws (the parity test)
     seed_mode: str = "row"
+    # The draws: "torch" = per request, torch.multinomial + randint on the request's generator (HF's
+    # ops and order); "fused" = one kernel for the whole batch (Gumbel-max from softmax, Philox keyed
+    # by request, canvas and step: the same distribution, other draws); "auto" = fused on CUDA with
+    # seed_mode "row", torch otherwise
+    sampler: str = "auto"
     cuda_graphs: str = "auto"
 
     def __post_init__(self):
@@ -74,6 +79,7 @@ class OfficialConfig:
         _check_fp8(self.fp8, self.fp8_min_rows)
         _check_choice("cuda_graphs", self.cuda_graphs, GRAPHS)
         _check_choice("seed_mode", self.seed_mode, ("row", "plain"))
+        _check_choice("sampler", self.sampler, ("auto", "torch", "fused"))
         if self.max_denoising_steps is not None and self.max_denoising_steps < 1:
             raise ValueError(f"max_denoising_steps must be ≥ 1 or None, got {self.max_denoising_steps}")
         if self.entropy_bound is not None and self.entropy_bound <= 0:

@@ -47,6 +47,14 @@ _GROUP_BYTES = 2 << 30  # per [rows, V] fp32 temporary of the sampler statistics
 REPLAY: dict[str, list[int]] = {}
 
 
+def _mix(seed: int, canvas: int, step: int) -> int:
+    """A 63-bit Philox key per (request seed, canvas, step): splitmix64 over the three."""
+    x = (seed ^ (canvas * 0x9E3779B97F4A7C15) ^ (step * 0xBF58476D1CE4E5B9)) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) >> 1
+
+
 @dataclass(frozen=True)
 class SamplerSettings:
     """The knobs of `generate()`'s sampler, resolved like `generate()` resolves them."""
@@ -101,6 +109,10 @@ class OfficialDecoder(StepDecoder):
         self.sampler = SamplerSettings.resolve(self.model, self.config)
         self.V = self.rt.vocab_size
         self._dn: dict[int, _Denoising] = {}
+        sampler = self.config.sampler
+        if sampler == "auto":
+            sampler = "fused" if self.device.type == "cuda" and self.config.seed_mode == "row" else "torch"
+        self.fused = sampler == "fused"
         k = self.config.sc_topk
         # a canvas's first step under top-k SC: a zero top-k signal with every row off (read-only)
         self._zero_sc = None if k is None or k >= self.V else (
@@ -174,32 +186,27 @@ class OfficialDecoder(StepDecoder):
         """The sampler on one group: logits [B, C, V] fp32 -> (accepted per request [B], stopped [B])."""
         smp = self.sampler
         dns = [self._dn[s.row] for s in seqs]
+        temp = inv_temp = None
         if smp.t_min is not None:
             # HF's LinearTemperatureScheduleLogitsProcessor, same dtype path (int32 step / N in fp32)
             n = torch.tensor([d.steps_left for d in dns], dtype=torch.int32, device=logits.device)
             temp = smp.t_min + (smp.t_max - smp.t_min) * (n / smp.steps)
-            logits = logits.div_(temp[:, None, None])  # the forward's own copy: in place
-        if logits.is_cuda:  # one fused read of the [rows, V] logits (bf16-noise equal to HF's ops)
-            from canvasq.kernels import softmax_argmax
-
-            _, arg, ent = softmax_argmax(logits.reshape(-1, self.V))
-            argmax, entropy = arg.view(logits.shape[:2]), ent.view(logits.shape[:2])
-        else:  # HF's exact ops: the CPU parity test compares tokens
-            argmax = logits.argmax(dim=-1)  # [B, C]
-            entropy = torch.distributions.Categorical(logits=logits, validate_args=False).entropy()
+        if self.fused:  # the kernel scales as it reads
+            inv_temp = None if temp is None else 1.0 / temp
+            argmax, entropy, draws = self._draw_fused(seqs, dns, logits, inv_temp)
+        else:
+            if temp is not None:
+                logits = logits.div_(temp[:, None, None])  # the forward's own copy: in place
+            argmax, entropy, draws = self._draw_torch(seqs, logits)
 
         # accept the lowest-entropy positions while Σ H − max H ≤ bound (HF: EntropyBoundSampler)
         sorted_h, order = torch.sort(entropy, dim=-1)
         keep_sorted = torch.cumsum(sorted_h, dim=-1) - sorted_h <= smp.entropy_bound
         keep = torch.scatter(torch.zeros_like(keep_sorted), -1, order, keep_sorted)
 
-        # the generator draws, per request in HF's order: multinomial over the canvas, then renoise
         for b, s in enumerate(seqs):
             cv = s.canvases[0]
-            probs = torch.softmax(logits[b], dim=-1, dtype=torch.float32)
-            sample = torch.multinomial(probs, num_samples=1, generator=s.gen).squeeze(-1)
-            noise = torch.randint(0, self.V, (self.C,), generator=s.gen, device=self.device)
-            cv.tokens = torch.where(keep[b], sample, noise)
+            cv.tokens = torch.where(keep[b], *draws(b))
             cv.age += 1
 
         # adaptive stopping (HF: StableAndConfidentStoppingCriteria), then the next step's SC
@@ -225,20 +232,56 @@ class OfficialDecoder(StepDecoder):
                 stopped[b] = False
         stopped = stopped | torch.tensor(last, device=logits.device)
 
-        sc = self._self_conditioning(logits)
+        sc = self._self_conditioning(logits, inv_temp)
         for b, (s, d) in enumerate(zip(seqs, dns)):
             d.argmax = argmax[b]
             d.steps_left -= 1
             s.canvases[0].sc = sc[b] if not isinstance(sc, tuple) else (sc[0][b], sc[1][b])
         return keep.sum(dim=-1), stopped
 
-    def _self_conditioning(self, logits: torch.Tensor):
-        """The next step's SC from this step's (temperature-scaled) logits, in the embedding dtype."""
+    def _draw_torch(self, seqs: list[Seq], logits: torch.Tensor):
+        """argmax [B, C], entropy [B, C] and draws(b) -> (sample, renoise) [C] each, the generator draws
+        per request in HF's order (multinomial over the canvas, then renoise) from temperature-scaled
+        logits."""
+        if logits.is_cuda:  # one fused read of the [rows, V] logits (bf16-noise equal to HF's ops)
+            from canvasq.kernels import softmax_argmax
+
+            _, arg, ent = softmax_argmax(logits.reshape(-1, self.V))
+            argmax, entropy = arg.view(logits.shape[:2]), ent.view(logits.shape[:2])
+        else:  # HF's exact ops: the CPU parity test compares tokens
+            argmax = logits.argmax(dim=-1)  # [B, C]
+            entropy = torch.distributions.Categorical(logits=logits, validate_args=False).entropy()
+
+        def draws(b: int):
+            probs = torch.softmax(logits[b], dim=-1, dtype=torch.float32)
+            sample = torch.multinomial(probs, num_samples=1, generator=seqs[b].gen).squeeze(-1)
+            return sample, torch.randint(0, self.V, (self.C,), generator=seqs[b].gen, device=self.device)
+
+        return argmax, entropy, draws
+
+    def _draw_fused(self, seqs: list[Seq], dns: list[_Denoising], logits: torch.Tensor, inv_temp):
+        """The same statistics and draws for the whole group in one read of the logits (no per-request
+        softmax, multinomial or temperature pass). Each request's Philox seed mixes its generator's seed
+        with its canvas and step, so its draws do not depend on the batch."""
+        from canvasq.kernels import softmax_sample
+
+        B = len(seqs)
+        seeds = torch.tensor([_mix(s.gen.initial_seed(), s.spawned, d.steps_left) for s, d in zip(seqs, dns)],
+                             dtype=torch.long).to(self.device, non_blocking=True)
+        if inv_temp is None:
+            inv_temp = torch.ones(B, dtype=torch.float32, device=self.device)
+        _, arg, ent, draw, noise = softmax_sample(logits.reshape(-1, self.V), inv_temp, seeds, self.C)
+        draw, noise = draw.view(B, self.C), noise.view(B, self.C)
+        return arg.view(B, self.C), ent.view(B, self.C), lambda b: (draw[b], noise[b])
+
+    def _self_conditioning(self, logits: torch.Tensor, inv_temp: torch.Tensor | None):
+        """The next step's SC from this step's temperature-scaled logits (scaled here when the draws
+        left them unscaled: `inv_temp`), in the embedding dtype."""
         dtype = self.rt.dtype
         if self.config.sc_topk is None or self.config.sc_topk >= self.V:
-            return logits.to(dtype)
-        vals, ids = torch.topk(logits, self.config.sc_topk, dim=-1)
-        return ids, vals.to(dtype)
+            return (logits if inv_temp is None else logits.mul_(inv_temp[:, None, None])).to(dtype)
+        vals, ids = torch.topk(logits, self.config.sc_topk, dim=-1)  # a positive scale keeps the order
+        return ids, (vals if inv_temp is None else vals * inv_temp[:, None, None]).to(dtype)
 
     # -- a canvas ends ----------------------------------------------------------------------------
     def _finish_canvases(self, seqs: list[Seq]) -> None:

@@ -9,7 +9,8 @@
 - `gelu_mul(gu)`: the dense MLP's gelu_tanh(gate) * up over the fused gate/up output (`gelu_mul.py`).
 - `router_topk(logits, k)`: the MoE router's fp32 softmax + top-k in one launch (`router.py`).
 - `softcap_logits(x, cap)`: the LM head's fp32 cast + final soft cap in one pass (`softcap.py`).
-- `softmax_argmax(logits, temperature)`: (max-prob confidence, argmax, entropy) per row.
+- `softmax_argmax(logits, temperature)`: (max-prob confidence, argmax, entropy) per row;
+  `softmax_sample` adds a Gumbel-max draw and a renoise token from per-group Philox seeds.
 - `fuse_qkv_weights` / `qkv_proj`: one GEMM for q, k, v after the LoRA merge.
 
 Every public function takes `impl="auto" | "triton" | "torch"`; auto picks Triton on CUDA, Triton
@@ -43,7 +44,7 @@ from .qkv import FusedQKV, fuse_attention_module, fuse_qkv_weights, qkv_proj, qk
 from .rmsnorm import rms_norm, rms_norm_reference
 from .router import router_topk, router_topk_reference
 from .softcap import softcap_logits, softcap_reference
-from .softmax_argmax import softmax_argmax, softmax_argmax_reference
+from .softmax_argmax import softmax_argmax, softmax_argmax_reference, softmax_sample
 
 __all__ = [
     "FusedQKV",
@@ -76,6 +77,7 @@ __all__ = [
     "softcap_reference",
     "softmax_argmax",
     "softmax_argmax_reference",
+    "softmax_sample",
     "unpack_w4",
     "w4_moe",
     "w4_moe_reference",

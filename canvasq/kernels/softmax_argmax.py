@@ -9,6 +9,12 @@ exp(-|l - m|) serves both the new-max and the old-max case); lanes then merge in
 (row, slice). Stage 2 merges a row's partials in fixed slice order (deterministic).
 With S = sum exp(l - M) and U = sum exp(l - M)(l - M): conf = 1 / S, entropy = log S - U / S.
 Rescaling to a new max m' multiplies s by a = exp(m - m') and turns u into a * (u + (m - m') s).
+
+`softmax_sample` adds, in the same read, a draw from softmax(logits / T) per row by the Gumbel-max
+rule (argmax of l / T + G, G = -log(-log U)) and a uniform "renoise" token, from a counter-based
+generator (Philox) keyed by one seed per group of rows: a row's draws depend on its seed, its index
+within the group and the vocabulary index, never on the other rows of the launch (batch-invariant).
+Temperatures come per group too, so a batch of requests at different steps shares one launch.
 """
 
 from __future__ import annotations
@@ -56,16 +62,28 @@ def _softmax_stats_partial_kernel(
     ps_ptr,
     pu_ptr,
     pi_ptr,
+    pg_ptr,
+    pgi_ptr,
+    inv_temp_ptr,
+    seed_ptr,
     V,
     stride_r,
-    inv_temp,
+    GROUP,
     CHUNKS: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    SAMPLE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     lanes = tl.arange(0, BLOCK_V)
+    group = row // GROUP
+    inv_temp = tl.load(inv_temp_ptr + group)
+    if SAMPLE:
+        seed = tl.load(seed_ptr + group)
+        base = ((row % GROUP) * V).to(tl.int32)  # Philox counter: position in the group x vocabulary
+        gm = tl.full((BLOCK_V,), float("-inf"), tl.float32)  # running max of l / T + Gumbel noise
+        gi = tl.full((BLOCK_V,), 2147483647, tl.int32)
     # a finite "-inf" for the running max: the first finite logit then rescales s and u by exp(-huge)
     # == 0 without an inf * 0; real -inf logits (masked vocabulary) are skipped explicitly
     m = tl.full((BLOCK_V,), -1e30, tl.float32)
@@ -86,12 +104,22 @@ def _softmax_stats_partial_kernel(
         s = s_new
         idx = tl.where(up, cols, idx)
         m = tl.where(up, l, m)
+        if SAMPLE:
+            g = -tl.log(-tl.log(tl.rand(seed, base + cols)))  # U = 0 gives -inf: never drawn
+            score = tl.where(live, l + g, float("-inf"))
+            better = score > gm  # strict: a lane keeps its first index on a tie
+            gi = tl.where(better, cols, gi)
+            gm = tl.where(better, score, gm)
     m_r, s_r, u_r, i_r = _reduce_lanes(m, s, u, idx)
     out = row * CHUNKS + c
     tl.store(pm_ptr + out, m_r)
     tl.store(ps_ptr + out, s_r)
     tl.store(pu_ptr + out, u_r)
     tl.store(pi_ptr + out, i_r)
+    if SAMPLE:
+        g_r = tl.max(gm, axis=0)
+        tl.store(pg_ptr + out, g_r)
+        tl.store(pgi_ptr + out, tl.min(tl.where(gm == g_r, gi, 2147483647), axis=0))
 
 
 @triton.jit
@@ -100,12 +128,32 @@ def _softmax_stats_final_kernel(
     ps_ptr,
     pu_ptr,
     pi_ptr,
+    pg_ptr,
+    pgi_ptr,
+    seed_ptr,
     conf_ptr,
     arg_ptr,
     ent_ptr,
+    draw_ptr,
+    noise_ptr,
+    V,
+    GROUP,
     CHUNKS: tl.constexpr,
+    SAMPLE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    if SAMPLE:  # slices in fixed order, ties to the lower index (slices are in vocabulary order)
+        g = tl.load(pg_ptr + row * CHUNKS)
+        gi = tl.load(pgi_ptr + row * CHUNKS)
+        for c in tl.static_range(1, CHUNKS):
+            g2 = tl.load(pg_ptr + row * CHUNKS + c)
+            gi = tl.where(g2 > g, tl.load(pgi_ptr + row * CHUNKS + c), gi)
+            g = tl.maximum(g, g2)
+        tl.store(draw_ptr + row, gi.to(tl.int64))
+        # the renoise token: counters past the group's GROUP x V used by the draws
+        seed = tl.load(seed_ptr + row // GROUP)
+        r = tl.randint(seed, (GROUP * V + row % GROUP).to(tl.int32)).to(tl.uint32)
+        tl.store(noise_ptr + row, (r % V.to(tl.uint32)).to(tl.int64))
     m = tl.load(pm_ptr + row * CHUNKS)
     s = tl.load(ps_ptr + row * CHUNKS)
     u = tl.load(pu_ptr + row * CHUNKS)
@@ -135,10 +183,24 @@ def _num_chunks(rows: int, vocab: int, block_v: int) -> int:
 
 
 def softmax_argmax_launch(logits: torch.Tensor, temperature: float = 1.0, block_v: int = 2048):
+    assert temperature > 0
+    inv = torch.full((1,), 1.0 / float(temperature), dtype=torch.float32, device=logits.device)
+    conf, arg, ent, _, _ = _launch(logits, inv, None, max(1, logits.shape[0]), block_v)
+    return conf, arg, ent
+
+
+def softmax_sample_launch(logits: torch.Tensor, inv_temp: torch.Tensor, seeds: torch.Tensor, group: int,
+                          block_v: int = 2048):
+    assert logits.shape[0] == inv_temp.numel() * group == seeds.numel() * group
+    assert group * logits.shape[1] + group < 2**31, "Philox counters are 32-bit"
+    return _launch(logits, inv_temp.float().contiguous(), seeds.long().contiguous(), group, block_v)
+
+
+def _launch(logits, inv_temp, seeds, group: int, block_v: int):
     assert logits.dim() == 2 and logits.stride(-1) == 1
     assert logits.dtype in (torch.float32, torch.float16, torch.bfloat16)
-    assert temperature > 0
     R, V = logits.shape
+    sample = seeds is not None
     block_v = min(block_v, triton.next_power_of_2(V))
     chunks = _num_chunks(R, V, block_v)
     chunk = triton.cdiv(triton.cdiv(V, chunks), block_v) * block_v
@@ -146,27 +208,24 @@ def softmax_argmax_launch(logits: torch.Tensor, temperature: float = 1.0, block_
     pm = torch.empty(R, chunks, dtype=torch.float32, device=dev)
     ps, pu = torch.empty_like(pm), torch.empty_like(pm)
     pi = torch.empty(R, chunks, dtype=torch.int32, device=dev)
+    pg, pgi = (torch.empty_like(pm), torch.empty_like(pi)) if sample else (pm, pi)
     conf = torch.empty(R, dtype=torch.float32, device=dev)
     ent = torch.empty_like(conf)
     arg = torch.empty(R, dtype=torch.int64, device=dev)
+    draw, noise = (torch.empty_like(arg), torch.empty_like(arg)) if sample else (None, None)
     if R == 0:
-        return conf, arg, ent
+        return conf, arg, ent, draw, noise
+    seed_arg = seeds if sample else arg  # an unread placeholder without sampling
     _softmax_stats_partial_kernel[(R, chunks)](
-        logits,
-        pm,
-        ps,
-        pu,
-        pi,
-        V,
-        logits.stride(0),
-        1.0 / float(temperature),
-        CHUNKS=chunks,
-        CHUNK=chunk,
-        BLOCK_V=block_v,
+        logits, pm, ps, pu, pi, pg, pgi, inv_temp, seed_arg, V, logits.stride(0), group,
+        CHUNKS=chunks, CHUNK=chunk, BLOCK_V=block_v, SAMPLE=sample,
         num_warps=8 if block_v >= 2048 else 4,
     )
-    _softmax_stats_final_kernel[(R,)](pm, ps, pu, pi, conf, arg, ent, CHUNKS=chunks, num_warps=1)
-    return conf, arg, ent
+    _softmax_stats_final_kernel[(R,)](
+        pm, ps, pu, pi, pg, pgi, seed_arg, conf, arg, ent, draw if sample else arg, noise if sample else arg,
+        V, group, CHUNKS=chunks, SAMPLE=sample, num_warps=1,
+    )
+    return conf, arg, ent, draw, noise
 
 
 def softmax_argmax_reference(logits: torch.Tensor, temperature: float = 1.0):
@@ -191,23 +250,57 @@ def softmax_argmax(logits: torch.Tensor, temperature: float = 1.0, impl: str = "
     raise ValueError(f"unknown impl {impl!r}")
 
 
+def softmax_sample_reference(logits: torch.Tensor, inv_temp: torch.Tensor, seeds: torch.Tensor, group: int):
+    """Twin in distribution (not in draws: torch's generator is not Philox-by-counter): per group a CPU
+    generator seeded with its seed draws Gumbel noise for the sample and a uniform renoise token."""
+    R, V = logits.shape
+    lf = logits.float() * inv_temp.float().to(logits.device).repeat_interleave(group)[:, None]
+    conf, arg, ent = softmax_argmax_reference(lf)
+    draws, noises = [], []
+    for gi, seed in enumerate(seeds.tolist()):
+        g = torch.Generator().manual_seed(int(seed) % 2**63)
+        u = torch.rand(group, V, generator=g, dtype=torch.float64).clamp_min(1e-300).to(logits.device)
+        draws.append((lf[gi * group:(gi + 1) * group] - (-u.log()).log()).argmax(-1))
+        noises.append(torch.randint(0, V, (group,), generator=g).to(logits.device))
+    return conf, arg, ent, torch.cat(draws), torch.cat(noises)
+
+
+def softmax_sample(logits: torch.Tensor, inv_temp: torch.Tensor, seeds: torch.Tensor, group: int,
+                   impl: str = "auto"):
+    """logits [R, V]; rows in groups of `group` consecutive rows, group g at inverse temperature
+    inv_temp[g] with Philox seed seeds[g] (int64) -> (conf, argmax, entropy, draw, noise), each [R]:
+    the statistics of softmax(logits * inv_temp) as `softmax_argmax`, `draw` one sample from it,
+    `noise` one uniform token in [0, V). One read of the logits; see the module docstring."""
+    if impl == "auto":
+        impl = "triton" if auto_triton(logits, _softmax_stats_partial_kernel) else "torch"
+    if impl == "triton":
+        return softmax_sample_launch(logits, inv_temp, seeds, group)
+    if impl == "torch":
+        return softmax_sample_reference(logits, inv_temp, seeds, group)
+    raise ValueError(f"unknown impl {impl!r}")
+
+
 def compile_specs():
-    """Both passes over bf16 logits at the real vocabulary (benchmarks/kernels/compile_check.py)."""
+    """Both passes over bf16 logits at the real vocabulary, with and without the draws
+    (benchmarks/kernels/compile_check.py)."""
     from .compile_spec import CompileSpec
 
-    partials = {"pm_ptr": "*fp32", "ps_ptr": "*fp32", "pu_ptr": "*fp32", "pi_ptr": "*i32"}
-    yield CompileSpec(
-        "softmax_partial",
-        _softmax_stats_partial_kernel,
-        {"CHUNKS": 2, "CHUNK": 131072, "BLOCK_V": 2048},
-        types={**partials, "inv_temp": "fp32"},
-        divisible=frozenset({"logits_ptr", "V", "stride_r"}),
-        num_warps=8,
-    )
-    yield CompileSpec(
-        "softmax_final",
-        _softmax_stats_final_kernel,
-        {"CHUNKS": 2},
-        types={**partials, "conf_ptr": "*fp32", "arg_ptr": "*i64", "ent_ptr": "*fp32"},
-        num_warps=1,
-    )
+    partials = {"pm_ptr": "*fp32", "ps_ptr": "*fp32", "pu_ptr": "*fp32", "pi_ptr": "*i32", "pg_ptr": "*fp32",
+                "pgi_ptr": "*i32", "seed_ptr": "*i64"}
+    for sample in (False, True):
+        yield CompileSpec(
+            "softmax_sample_partial" if sample else "softmax_partial",
+            _softmax_stats_partial_kernel,
+            {"CHUNKS": 2, "CHUNK": 131072, "BLOCK_V": 2048, "SAMPLE": sample},
+            types={**partials, "inv_temp_ptr": "*fp32"},
+            divisible=frozenset({"logits_ptr", "V", "stride_r"}),
+            num_warps=8,
+        )
+        yield CompileSpec(
+            "softmax_sample_final" if sample else "softmax_final",
+            _softmax_stats_final_kernel,
+            {"CHUNKS": 2, "SAMPLE": sample},
+            types={**partials, "conf_ptr": "*fp32", "arg_ptr": "*i64", "ent_ptr": "*fp32", "draw_ptr": "*i64",
+                   "noise_ptr": "*i64"},
+            num_warps=1,
+        )

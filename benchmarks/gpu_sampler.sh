@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The official sampler's draws on the H200 machine (torch 2.11, no network): torch per-request draws
+# against the fused kernel (kernels/softmax_argmax.softmax_sample), one device call per part:
+#
+#   bash benchmarks/gpu_sampler.sh micro service   # per-step sampler pieces, then the worker loop A/B
+#   bash benchmarks/gpu_sampler.sh guard tests     # testbed accuracy torch vs fused, GPU tests
+#
+# Carry `.whl` (wheels of pydantic, pydantic-settings, sqlalchemy, alembic, click and their deps, which
+# that machine lacks). Everything lands in $OUT/res and is packed into $OUT/res.tgz at the end (the
+# device returns at most 8 files).
+set -u
+OUT=${OUT:-/tmp/out}
+R=/tmp/res
+mkdir -p "$R"
+pack() { tar czf "$OUT/res.tgz" -C /tmp res; }
+trap pack EXIT
+pip install -q --no-index --find-links .whl --target /tmp/site2 pydantic pydantic-settings sqlalchemy alembic \
+  click >/dev/null 2>&1 || echo "wheel install failed" >&2
+export PYTHONPATH=/tmp/site2:$PWD PYTHONUNBUFFERED=1
+export CANVASQ_COMMIT=${CANVASQ_COMMIT:-unknown}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv > "$R/gpu_state.txt" 2>&1
+what=" $* "
+if [[ $what == *" micro "* ]]; then
+  OUT=$R timeout 120 python benchmarks/kernels/sampler.py > "$R/sampler.txt" 2>&1; echo "micro rc=$?"
+  grep "^|" "$R/sampler.txt"
+fi
+if [[ $what == *" service "* ]]; then
+  timeout "${SERVICE_TIMEOUT:-400}" python benchmarks/official_service.py --device cuda \
+    --batches "${BATCHES:-64,32}" --n "${N:-384}" --fp8 auto --sampler torch,fused \
+    --out "$R/service.json" --profile "$R/service_profile.txt" > "$R/service.txt" 2>&1
+  echo "service rc=$?"; grep -v "^{\"commit" "$R/service.txt" | cut -c1-600 | tail -12
+fi
+if [[ $what == *" guard "* ]]; then
+  for seed in ${SEEDS:-21 22 23}; do
+    timeout "${GUARD_TIMEOUT:-100}" python -m canvasq.cli bench --device cuda --arm official:sampler=torch \
+      --arm official:sampler=fused --task arith --task code --n "${N:-200}" --seeds "$seed" \
+      --batch-size 16 --out "$R/guard_$seed" --json > "$R/guard_$seed.txt" 2>&1
+    echo "seed $seed rc=$?"; tail -4 "$R/guard_$seed.txt" | cut -c1-600
+  done
+fi
+if [[ $what == *" tests "* ]]; then
+  pids=()
+  for f in tests/model/test_model_gpu.py tests/kernels/test_*.py tests/decoders/test_official.py; do
+    log="$R/pytest_$(basename "$f" .py).txt"
+    ( timeout "${TESTS_TIMEOUT:-240}" python -m pytest -q -p no:cacheprovider \
+        -m "(gpu or not gpu) and not slow and not soak" "$f" > "$log" 2>&1
+      printf '\nrc=%s\n' "$?" >> "$log" ) &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+  for log in "$R"/pytest_*.txt; do
+    echo "$(basename "$log" .txt) $(tail -1 "$log"): $(grep -E 'passed|failed|skipped|error' "$log" | tail -1)"
+  done
+fi

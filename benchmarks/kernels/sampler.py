@@ -1,0 +1,79 @@
+"""The official sampler's per-step work on [B × 256, V] fp32 logits, per piece and per path:
+
+- torch path (per request, the request's generator): temperature divide in place, fused statistics,
+  then softmax + multinomial + renoise draw per request;
+- fused path: one `softmax_sample` launch (statistics + Gumbel-max draw + renoise for every request);
+- the self-conditioning top-k (k = 64) over the vocabulary: torch.topk on the whole row, and a two-stage
+  top-k (per vocabulary slice, then over the slices' candidates).
+
+GPU: python benchmarks/kernels/sampler.py   CPU: python benchmarks/kernels/sampler.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import _common as C
+import torch
+
+from canvasq.kernels.softmax_argmax import softmax_argmax_launch, softmax_sample
+
+
+def torch_path(logits: torch.Tensor, temps: torch.Tensor, gens: list[torch.Generator]) -> None:
+    B, Cv, V = logits.shape
+    logits.div_(temps[:, None, None])
+    softmax_argmax_launch(logits.view(-1, V)) if logits.is_cuda else None
+    for b in range(B):
+        probs = torch.softmax(logits[b], dim=-1, dtype=torch.float32)
+        torch.multinomial(probs, 1, generator=gens[b])
+        torch.randint(0, V, (Cv,), generator=gens[b], device=logits.device)
+
+
+def topk_two_stage(logits: torch.Tensor, k: int, slices: int) -> tuple[torch.Tensor, torch.Tensor]:
+    R, V = logits.shape
+    vals, ids = torch.topk(logits.view(R, slices, V // slices), k, dim=-1)
+    ids = ids + (torch.arange(slices, device=logits.device) * (V // slices))[None, :, None]
+    v2, pick = torch.topk(vals.view(R, -1), k, dim=-1)
+    return v2, torch.gather(ids.view(R, -1), 1, pick)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--batches", default="16,32,64")
+    a = ap.parse_args()
+    Cv, V = (8, 4096) if a.quick else (256, 262144)
+    batches = [2] if a.quick else [int(x) for x in a.batches.split(",")]
+    bw = C.measured_bandwidth_gbs(nbytes=(2 << 30) if C.ON_GPU else (8 << 20))
+    rows = []
+    for B in batches:
+        logits = torch.randn(B, Cv, V, device=C.DEVICE) * 4
+        temps = torch.full((B,), 0.6, device=C.DEVICE)
+        gens = [torch.Generator(device=C.DEVICE).manual_seed(b) for b in range(B)]
+        seeds = torch.arange(B, dtype=torch.long, device=C.DEVICE) * 7919
+        inv = 1.0 / temps
+        flat = logits.view(-1, V)
+        v1, _ = torch.topk(flat, 64, dim=-1)
+        v2, _ = topk_two_stage(flat, 64, 32)
+        same_topk = torch.equal(v1, v2)
+        arms = {
+            "torch draws (per request)": lambda: torch_path(logits.clone(), temps, gens),
+            "clone (subtract from the torch arm)": lambda: logits.clone(),
+            "fused softmax_sample": lambda: softmax_sample(flat, inv, seeds, Cv),
+            "topk 64 (torch, whole row)": lambda: torch.topk(flat, 64, dim=-1),
+            "topk 64 (two-stage, 32 slices)": lambda: topk_two_stage(flat, 64, 32),
+        }
+        for name, fn in arms.items():
+            ms = C.time_ms(lambda i, fn=fn: fn())
+            nbytes = flat.numel() * 4
+            rows.append({"batch": B, "rows": B * Cv, "arm": name, "ms": ms, "GBs_logits_once": nbytes / ms / 1e6,
+                         "topk_equal": same_topk})
+        del logits, flat
+        if C.ON_GPU:
+            torch.cuda.empty_cache()
+    C.report("sampler", rows, ["batch", "rows", "arm", "ms", "GBs_logits_once", "topk_equal"],
+             {**C.device_info(), "measured_bw_GBs": bw})
+
+
+if __name__ == "__main__":
+    main()

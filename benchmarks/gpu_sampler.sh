@@ -14,8 +14,7 @@ R=/tmp/res
 mkdir -p "$R"
 pack() { tar czf "$OUT/res.tgz" -C /tmp res; }
 trap pack EXIT
-pip install -q --no-index --find-links .whl --target /tmp/site2 pydantic pydantic-settings sqlalchemy alembic \
-  click >/dev/null 2>&1 || echo "wheel install failed" >&2
+pip install -q --no-index --no-deps --target /tmp/site2 .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed" >&2
 export PYTHONPATH=/tmp/site2:$PWD PYTHONUNBUFFERED=1
 export CANVASQ_COMMIT=${CANVASQ_COMMIT:-unknown}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv > "$R/gpu_state.txt" 2>&1

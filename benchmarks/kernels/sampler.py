@@ -3,8 +3,9 @@
 - torch path (per request, the request's generator): temperature divide in place, fused statistics,
   then softmax + multinomial + renoise draw per request;
 - fused path: one `softmax_sample` launch (statistics + Gumbel-max draw + renoise for every request);
-- the self-conditioning top-k (k = 64) over the vocabulary: torch.topk on the whole row, and a two-stage
-  top-k (per vocabulary slice, then over the slices' candidates).
+- the self-conditioning top-k (k = 64) over the vocabulary: torch.topk on the whole row, a two-stage
+  top-k (per vocabulary slice, then over the slices' candidates), and softmax_sample's own (lane
+  maxima, then one gathering read).
 
 GPU: python benchmarks/kernels/sampler.py   CPU: python benchmarks/kernels/sampler.py --quick
 """
@@ -55,11 +56,13 @@ def main() -> None:
         flat = logits.view(-1, V)
         v1, _ = torch.topk(flat, 64, dim=-1)
         v2, _ = topk_two_stage(flat, 64, 32)
-        same_topk = torch.equal(v1, v2)
+        v3 = softmax_sample(flat, torch.ones_like(inv), seeds, Cv, top_k=64).top_vals
+        same_topk = torch.equal(v1, v2) and torch.equal(v1, v3)
         arms = {
             "torch draws (per request)": lambda: torch_path(logits.clone(), temps, gens),
             "clone (subtract from the torch arm)": lambda: logits.clone(),
             "fused softmax_sample": lambda: softmax_sample(flat, inv, seeds, Cv),
+            "fused softmax_sample + top-64": lambda: softmax_sample(flat, inv, seeds, Cv, top_k=64),
             "topk 64 (torch, whole row)": lambda: torch.topk(flat, 64, dim=-1),
             "topk 64 (two-stage, 32 slices)": lambda: topk_two_stage(flat, 64, 32),
         }

@@ -186,14 +186,14 @@ class OfficialDecoder(StepDecoder):
         """The sampler on one group: logits [B, C, V] fp32 -> (accepted per request [B], stopped [B])."""
         smp = self.sampler
         dns = [self._dn[s.row] for s in seqs]
-        temp = inv_temp = None
+        temp = None
         if smp.t_min is not None:
             # HF's LinearTemperatureScheduleLogitsProcessor, same dtype path (int32 step / N in fp32)
             n = torch.tensor([d.steps_left for d in dns], dtype=torch.int32, device=logits.device)
             temp = smp.t_min + (smp.t_max - smp.t_min) * (n / smp.steps)
+        top = None
         if self.fused:  # the kernel scales as it reads
-            inv_temp = None if temp is None else 1.0 / temp
-            argmax, entropy, draws = self._draw_fused(seqs, dns, logits, inv_temp)
+            argmax, entropy, draws, top = self._draw_fused(seqs, dns, logits, None if temp is None else 1.0 / temp)
         else:
             if temp is not None:
                 logits = logits.div_(temp[:, None, None])  # the forward's own copy: in place
@@ -232,7 +232,7 @@ class OfficialDecoder(StepDecoder):
                 stopped[b] = False
         stopped = stopped | torch.tensor(last, device=logits.device)
 
-        sc = self._self_conditioning(logits, inv_temp)
+        sc = top if top is not None else self._self_conditioning(logits)
         for b, (s, d) in enumerate(zip(seqs, dns)):
             d.argmax = argmax[b]
             d.steps_left -= 1
@@ -261,27 +261,34 @@ class OfficialDecoder(StepDecoder):
 
     def _draw_fused(self, seqs: list[Seq], dns: list[_Denoising], logits: torch.Tensor, inv_temp):
         """The same statistics and draws for the whole group in one read of the logits (no per-request
-        softmax, multinomial or temperature pass). Each request's Philox seed mixes its generator's seed
-        with its canvas and step, so its draws do not depend on the batch."""
+        softmax, multinomial or temperature pass), and the top-k self-conditioning in one more (no sort
+        of the vocabulary). Each request's Philox seed mixes its generator's seed with its canvas and
+        step, so its draws do not depend on the batch."""
         from canvasq.kernels import softmax_sample
 
-        B = len(seqs)
+        B, k = len(seqs), self.config.sc_topk
         seeds = torch.tensor([_mix(s.gen.initial_seed(), s.spawned, d.steps_left) for s, d in zip(seqs, dns)],
                              dtype=torch.long).to(self.device, non_blocking=True)
-        if inv_temp is None:
+        scaled = inv_temp is not None
+        if not scaled:
             inv_temp = torch.ones(B, dtype=torch.float32, device=self.device)
-        _, arg, ent, draw, noise = softmax_sample(logits.reshape(-1, self.V), inv_temp, seeds, self.C)
-        draw, noise = draw.view(B, self.C), noise.view(B, self.C)
-        return arg.view(B, self.C), ent.view(B, self.C), lambda b: (draw[b], noise[b])
+        top_k = k if k is not None and k < self.V else 0
+        out = softmax_sample(logits.reshape(-1, self.V), inv_temp, seeds, self.C, top_k=top_k)
+        draw, noise = out.draw.view(B, self.C), out.noise.view(B, self.C)
+        top = None
+        if top_k:
+            top = (out.top_ids.view(B, self.C, k), out.top_vals.view(B, self.C, k).to(self.rt.dtype))
+        elif scaled:  # full-vocabulary SC reads the scaled logits
+            logits.mul_(inv_temp[:, None, None])
+        return out.argmax.view(B, self.C), out.entropy.view(B, self.C), lambda b: (draw[b], noise[b]), top
 
-    def _self_conditioning(self, logits: torch.Tensor, inv_temp: torch.Tensor | None):
-        """The next step's SC from this step's temperature-scaled logits (scaled here when the draws
-        left them unscaled: `inv_temp`), in the embedding dtype."""
+    def _self_conditioning(self, logits: torch.Tensor):
+        """The next step's SC from this step's (temperature-scaled) logits, in the embedding dtype."""
         dtype = self.rt.dtype
         if self.config.sc_topk is None or self.config.sc_topk >= self.V:
-            return (logits if inv_temp is None else logits.mul_(inv_temp[:, None, None])).to(dtype)
-        vals, ids = torch.topk(logits, self.config.sc_topk, dim=-1)  # a positive scale keeps the order
-        return ids, (vals if inv_temp is None else vals * inv_temp[:, None, None]).to(dtype)
+            return logits.to(dtype)
+        vals, ids = torch.topk(logits, self.config.sc_topk, dim=-1)
+        return ids, vals.to(dtype)
 
     # -- a canvas ends ----------------------------------------------------------------------------
     def _finish_canvases(self, seqs: list[Seq]) -> None:

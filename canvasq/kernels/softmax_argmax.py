@@ -19,11 +19,25 @@ Temperatures come per group too, so a batch of requests at different steps share
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from ._dispatch import auto_triton
+
+
+class SampleStats(NamedTuple):
+    """Per row of `softmax_sample`: [R] each, top_vals / top_ids [R, k] (None without top_k)."""
+
+    conf: torch.Tensor
+    argmax: torch.Tensor
+    entropy: torch.Tensor
+    draw: torch.Tensor
+    noise: torch.Tensor
+    top_vals: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
 
 
 @triton.jit
@@ -66,6 +80,7 @@ def _softmax_stats_partial_kernel(
     pgi_ptr,
     inv_temp_ptr,
     seed_ptr,
+    lane_max_ptr,
     V,
     stride_r,
     GROUP,
@@ -73,6 +88,7 @@ def _softmax_stats_partial_kernel(
     CHUNK: tl.constexpr,
     BLOCK_V: tl.constexpr,
     SAMPLE: tl.constexpr,
+    LANE_MAX: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -110,6 +126,8 @@ def _softmax_stats_partial_kernel(
             better = score > gm  # strict: a lane keeps its first index on a tie
             gi = tl.where(better, cols, gi)
             gm = tl.where(better, score, gm)
+    if LANE_MAX:  # each lane's maximum over its own logits: the top-k threshold (`_top_k`)
+        tl.store(lane_max_ptr + (row * CHUNKS + c) * BLOCK_V + lanes, m)
     m_r, s_r, u_r, i_r = _reduce_lanes(m, s, u, idx)
     out = row * CHUNKS + c
     tl.store(pm_ptr + out, m_r)
@@ -174,6 +192,41 @@ def _softmax_stats_final_kernel(
     tl.store(ent_ptr + row, tl.log(s) - u / s)
 
 
+@triton.jit
+def _gather_above_kernel(
+    logits_ptr,
+    inv_temp_ptr,
+    thresh_ptr,
+    count_ptr,
+    vals_ptr,
+    ids_ptr,
+    V,
+    stride_r,
+    GROUP,
+    CAP: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCKS: tl.constexpr,  # cdiv(V, BLOCK_V): a constant trip count (the interpreter cannot loop to V)
+):
+    # one program per row, in vocabulary order (deterministic): every scaled logit >= the row's
+    # threshold goes to the row's first CAP candidate slots; the count is stored even past CAP
+    row = tl.program_id(0).to(tl.int64)
+    inv_temp = tl.load(inv_temp_ptr + row // GROUP)
+    t = tl.load(thresh_ptr + row)
+    lanes = tl.arange(0, BLOCK_V)
+    n = 0
+    for blk in range(BLOCKS):
+        cols = blk * BLOCK_V + lanes
+        l = tl.load(logits_ptr + row * stride_r + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        l = l * inv_temp
+        keep = (l >= t) & (cols < V)
+        pos = n + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        ok = keep & (pos < CAP)
+        tl.store(vals_ptr + row * CAP + pos, l, mask=ok)
+        tl.store(ids_ptr + row * CAP + pos, cols.to(tl.int64), mask=ok)
+        n += tl.sum(keep.to(tl.int32), axis=0)
+    tl.store(count_ptr + row, n)
+
+
 def _num_chunks(rows: int, vocab: int, block_v: int) -> int:
     # enough programs to fill the GPU (~4 per SM on an H200) when rows are few; powers of two only so
     # the number of compiled variants stays small
@@ -185,18 +238,22 @@ def _num_chunks(rows: int, vocab: int, block_v: int) -> int:
 def softmax_argmax_launch(logits: torch.Tensor, temperature: float = 1.0, block_v: int = 2048):
     assert temperature > 0
     inv = torch.full((1,), 1.0 / float(temperature), dtype=torch.float32, device=logits.device)
-    conf, arg, ent, _, _ = _launch(logits, inv, None, max(1, logits.shape[0]), block_v)
+    conf, arg, ent, _, _, _ = _launch(logits, inv, None, max(1, logits.shape[0]), block_v)
     return conf, arg, ent
 
 
 def softmax_sample_launch(logits: torch.Tensor, inv_temp: torch.Tensor, seeds: torch.Tensor, group: int,
-                          block_v: int = 2048):
+                          top_k: int = 0, block_v: int = 2048) -> SampleStats:
     assert logits.shape[0] == inv_temp.numel() * group == seeds.numel() * group
     assert group * logits.shape[1] + group < 2**31, "Philox counters are 32-bit"
-    return _launch(logits, inv_temp.float().contiguous(), seeds.long().contiguous(), group, block_v)
+    inv_temp = inv_temp.float().contiguous()
+    conf, arg, ent, draw, noise, lane_max = _launch(logits, inv_temp, seeds.long().contiguous(), group, block_v,
+                                                   lane_max=top_k > 0)
+    top = _top_k(logits, inv_temp, group, top_k, lane_max) if top_k > 0 else (None, None)
+    return SampleStats(conf, arg, ent, draw, noise, *top)
 
 
-def _launch(logits, inv_temp, seeds, group: int, block_v: int):
+def _launch(logits, inv_temp, seeds, group: int, block_v: int, lane_max: bool = False):
     assert logits.dim() == 2 and logits.stride(-1) == 1
     assert logits.dtype in (torch.float32, torch.float16, torch.bfloat16)
     R, V = logits.shape
@@ -209,23 +266,54 @@ def _launch(logits, inv_temp, seeds, group: int, block_v: int):
     ps, pu = torch.empty_like(pm), torch.empty_like(pm)
     pi = torch.empty(R, chunks, dtype=torch.int32, device=dev)
     pg, pgi = (torch.empty_like(pm), torch.empty_like(pi)) if sample else (pm, pi)
+    lm = torch.empty(R, chunks * block_v, dtype=torch.float32, device=dev) if lane_max else pm
     conf = torch.empty(R, dtype=torch.float32, device=dev)
     ent = torch.empty_like(conf)
     arg = torch.empty(R, dtype=torch.int64, device=dev)
     draw, noise = (torch.empty_like(arg), torch.empty_like(arg)) if sample else (None, None)
     if R == 0:
-        return conf, arg, ent, draw, noise
+        return conf, arg, ent, draw, noise, lm
     seed_arg = seeds if sample else arg  # an unread placeholder without sampling
     _softmax_stats_partial_kernel[(R, chunks)](
-        logits, pm, ps, pu, pi, pg, pgi, inv_temp, seed_arg, V, logits.stride(0), group,
-        CHUNKS=chunks, CHUNK=chunk, BLOCK_V=block_v, SAMPLE=sample,
+        logits, pm, ps, pu, pi, pg, pgi, inv_temp, seed_arg, lm, V, logits.stride(0), group,
+        CHUNKS=chunks, CHUNK=chunk, BLOCK_V=block_v, SAMPLE=sample, LANE_MAX=lane_max,
         num_warps=8 if block_v >= 2048 else 4,
     )
     _softmax_stats_final_kernel[(R,)](
         pm, ps, pu, pi, pg, pgi, seed_arg, conf, arg, ent, draw if sample else arg, noise if sample else arg,
         V, group, CHUNKS=chunks, SAMPLE=sample, num_warps=1,
     )
-    return conf, arg, ent, draw, noise
+    return conf, arg, ent, draw, noise, lm
+
+
+TOP_K_CAP = 512  # candidate slots per row; a row with more candidates falls back to torch.topk
+
+
+def _top_k(logits, inv_temp, group: int, k: int, lane_max: torch.Tensor, block_v: int = 2048):
+    """The k largest scaled logits per row without sorting the vocabulary. Each lane's maximum is a
+    logit of its own, so the k-th largest lane maximum t has at least k logits >= t above it: the
+    row's top k are among the logits >= t, which one more read gathers (few, past the peak)."""
+    R, V = logits.shape
+    if lane_max.shape[1] < k:  # fewer lanes than k: every logit is a candidate
+        thresh = torch.full((R,), float("-inf"), device=logits.device)
+    else:
+        thresh = torch.topk(lane_max, k, dim=-1).values[:, -1].contiguous()
+    cap = max(TOP_K_CAP, triton.next_power_of_2(k))
+    vals = torch.full((R, cap), float("-inf"), device=logits.device)
+    ids = torch.zeros(R, cap, dtype=torch.long, device=logits.device)
+    count = torch.empty(R, dtype=torch.int32, device=logits.device)
+    if R:
+        bv = min(block_v, triton.next_power_of_2(V))
+        _gather_above_kernel[(R,)](logits, inv_temp, thresh, count, vals, ids, V, logits.stride(0), group,
+                                   CAP=cap, BLOCK_V=bv, BLOCKS=triton.cdiv(V, bv), num_warps=8)
+    top, pos = torch.topk(vals, k, dim=-1)
+    top_ids = torch.gather(ids, 1, pos)
+    over = (count > cap).nonzero().flatten()  # a host sync; empty unless logits tie at the top
+    if over.numel():
+        scale = inv_temp.repeat_interleave(group)[over, None]
+        v2, i2 = torch.topk(logits[over].float() * scale, k, dim=-1)
+        top[over], top_ids[over] = v2, i2
+    return top, top_ids
 
 
 def softmax_argmax_reference(logits: torch.Tensor, temperature: float = 1.0):
@@ -250,7 +338,8 @@ def softmax_argmax(logits: torch.Tensor, temperature: float = 1.0, impl: str = "
     raise ValueError(f"unknown impl {impl!r}")
 
 
-def softmax_sample_reference(logits: torch.Tensor, inv_temp: torch.Tensor, seeds: torch.Tensor, group: int):
+def softmax_sample_reference(logits: torch.Tensor, inv_temp: torch.Tensor, seeds: torch.Tensor, group: int,
+                             top_k: int = 0) -> SampleStats:
     """Twin in distribution (not in draws: torch's generator is not Philox-by-counter): per group a CPU
     generator seeded with its seed draws Gumbel noise for the sample and a uniform renoise token."""
     R, V = logits.shape
@@ -262,21 +351,23 @@ def softmax_sample_reference(logits: torch.Tensor, inv_temp: torch.Tensor, seeds
         u = torch.rand(group, V, generator=g, dtype=torch.float64).clamp_min(1e-300).to(logits.device)
         draws.append((lf[gi * group:(gi + 1) * group] - (-u.log()).log()).argmax(-1))
         noises.append(torch.randint(0, V, (group,), generator=g).to(logits.device))
-    return conf, arg, ent, torch.cat(draws), torch.cat(noises)
+    top = torch.topk(lf, top_k, dim=-1) if top_k > 0 else (None, None)
+    return SampleStats(conf, arg, ent, torch.cat(draws), torch.cat(noises), *top)
 
 
 def softmax_sample(logits: torch.Tensor, inv_temp: torch.Tensor, seeds: torch.Tensor, group: int,
-                   impl: str = "auto"):
+                   top_k: int = 0, impl: str = "auto") -> SampleStats:
     """logits [R, V]; rows in groups of `group` consecutive rows, group g at inverse temperature
-    inv_temp[g] with Philox seed seeds[g] (int64) -> (conf, argmax, entropy, draw, noise), each [R]:
-    the statistics of softmax(logits * inv_temp) as `softmax_argmax`, `draw` one sample from it,
-    `noise` one uniform token in [0, V). One read of the logits; see the module docstring."""
+    inv_temp[g] with Philox seed seeds[g] (int64) -> `SampleStats`: the statistics of
+    softmax(logits * inv_temp) as `softmax_argmax`, one draw from it and one uniform renoise token per
+    row, and with `top_k` the k largest scaled logits and their ids (self-conditioning). One read of
+    the logits, one more for the top k; see the module docstring."""
     if impl == "auto":
         impl = "triton" if auto_triton(logits, _softmax_stats_partial_kernel) else "torch"
     if impl == "triton":
-        return softmax_sample_launch(logits, inv_temp, seeds, group)
+        return softmax_sample_launch(logits, inv_temp, seeds, group, top_k)
     if impl == "torch":
-        return softmax_sample_reference(logits, inv_temp, seeds, group)
+        return softmax_sample_reference(logits, inv_temp, seeds, group, top_k)
     raise ValueError(f"unknown impl {impl!r}")
 
 
@@ -291,8 +382,8 @@ def compile_specs():
         yield CompileSpec(
             "softmax_sample_partial" if sample else "softmax_partial",
             _softmax_stats_partial_kernel,
-            {"CHUNKS": 2, "CHUNK": 131072, "BLOCK_V": 2048, "SAMPLE": sample},
-            types={**partials, "inv_temp_ptr": "*fp32"},
+            {"CHUNKS": 2, "CHUNK": 131072, "BLOCK_V": 2048, "SAMPLE": sample, "LANE_MAX": sample},
+            types={**partials, "inv_temp_ptr": "*fp32", "lane_max_ptr": "*fp32"},
             divisible=frozenset({"logits_ptr", "V", "stride_r"}),
             num_warps=8,
         )
@@ -304,3 +395,12 @@ def compile_specs():
                    "noise_ptr": "*i64"},
             num_warps=1,
         )
+    yield CompileSpec(
+        "softmax_gather_above",
+        _gather_above_kernel,
+        {"CAP": TOP_K_CAP, "BLOCK_V": 2048, "BLOCKS": 128},
+        types={"inv_temp_ptr": "*fp32", "thresh_ptr": "*fp32", "count_ptr": "*i32", "vals_ptr": "*fp32",
+               "ids_ptr": "*i64"},
+        divisible=frozenset({"logits_ptr", "V", "stride_r"}),
+        num_warps=8,
+    )

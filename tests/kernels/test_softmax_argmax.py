@@ -61,7 +61,7 @@ def test_sample_draws_follow_the_softmax_and_ignore_the_batch():
     base = torch.tensor([0.0, 1.0, 2.0, 0.5, -1.0, 3.0, float("-inf")])
     C, inv, seeds = 320, torch.tensor([1.0, 0.5]), torch.tensor([11, 2**62 + 5])
     logits = base.repeat(2 * C, 1).to(DEVICE)
-    conf, arg, ent, draw, noise = softmax_sample(logits, inv.to(DEVICE), seeds.to(DEVICE), C, impl="triton")
+    conf, arg, ent, draw, noise, _, _ = softmax_sample(logits, inv.to(DEVICE), seeds.to(DEVICE), C, impl="triton")
     c2, a2, e2 = softmax_argmax_reference(logits * inv.repeat_interleave(C)[:, None].to(DEVICE))
     assert torch.equal(arg, a2) and (ent - e2).abs().max() < 1e-5 and (conf - c2).abs().max() < 1e-5
     assert int(draw.max()) < 6 and 0 <= int(noise.min()) and int(noise.max()) < 7  # -inf is never drawn
@@ -74,3 +74,17 @@ def test_sample_draws_follow_the_softmax_and_ignore_the_batch():
     assert torch.equal(alone[3], draw[C:]) and torch.equal(alone[4], noise[C:])
     other = softmax_sample(logits, inv.to(DEVICE), (seeds + 1).to(DEVICE), C, impl="triton")
     assert not torch.equal(other[3], draw)
+
+
+def test_sample_top_k_matches_torch_topk():
+    """The thresholded top-k (lane maxima, then one gathering read) returns torch.topk's values and ids
+    on the scaled logits, a flat row (more candidates than slots) through the fallback included."""
+    logits = _logits(6, 5000, torch.float32, seed=3)
+    logits[4] = 0.0  # every logit ties: 5000 candidates, past the slots
+    logits[5, 100:] = float("-inf")  # fewer finite logits than lanes
+    inv, seeds = torch.tensor([1.25, 0.5, 2.0]).to(DEVICE), torch.tensor([1, 2, 3]).to(DEVICE)
+    out = softmax_sample(logits, inv, seeds, 2, top_k=64, impl="triton")
+    ref_v, ref_i = torch.topk(logits * inv.repeat_interleave(2)[:, None], 64, dim=-1)
+    assert torch.equal(out.top_vals, ref_v)
+    assert torch.equal(out.top_ids[:4], ref_i[:4]) and torch.equal(out.top_ids[5], ref_i[5])
+    assert len(set(out.top_ids[4].tolist())) == 64  # a tie: any 64 distinct ids

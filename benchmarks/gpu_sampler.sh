@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu_sampler.sh micro service   # per-step sampler pieces, then the worker loop A/B
 #   bash benchmarks/gpu_sampler.sh guard tests     # testbed accuracy torch vs fused, GPU tests
 #
+# "guard" and "tests" run side by side (the guard measures accuracy, not time), then "service".
+#
 # Carry `.whl` (wheels of pydantic, pydantic-settings, sqlalchemy, alembic, click and their deps, which
 # that machine lacks). Everything lands in $OUT/res and is packed into $OUT/res.tgz at the end (the
 # device returns at most 8 files).
@@ -23,11 +25,16 @@ if [[ $what == *" micro "* ]]; then
   OUT=$R timeout 120 python benchmarks/kernels/sampler.py > "$R/sampler.txt" 2>&1; echo "micro rc=$?"
   grep "^|" "$R/sampler.txt"
 fi
-if [[ $what == *" service "* ]]; then
-  timeout "${SERVICE_TIMEOUT:-400}" python benchmarks/official_service.py --device cuda \
-    --batches "${BATCHES:-64,32}" --n "${N:-384}" --fp8 auto --sampler torch,fused \
-    --out "$R/service.json" --profile "$R/service_profile.txt" > "$R/service.txt" 2>&1
-  echo "service rc=$?"; grep -v "^{\"commit" "$R/service.txt" | cut -c1-600 | tail -12
+tests_pid=
+if [[ $what == *" tests "* ]]; then
+  ( for f in tests/model/test_model_gpu.py tests/kernels/test_softmax_argmax.py tests/kernels/test_moe_w4.py \
+        tests/model/test_fp8.py tests/decoders/test_official.py; do
+      log="$R/pytest_$(basename "$f" .py).txt"
+      timeout "${TESTS_TIMEOUT:-240}" python -m pytest -q -p no:cacheprovider \
+        -m "(gpu or not gpu) and not slow and not soak" "$f" > "$log" 2>&1
+      printf '\nrc=%s\n' "$?" >> "$log"
+    done ) &
+  tests_pid=$!
 fi
 if [[ $what == *" guard "* ]]; then
   for seed in ${SEEDS:-21 22 23}; do
@@ -37,17 +44,16 @@ if [[ $what == *" guard "* ]]; then
     echo "seed $seed rc=$?"; tail -4 "$R/guard_$seed.txt" | cut -c1-600
   done
 fi
-if [[ $what == *" tests "* ]]; then
-  pids=()
-  for f in tests/model/test_model_gpu.py tests/kernels/test_*.py tests/decoders/test_official.py; do
-    log="$R/pytest_$(basename "$f" .py).txt"
-    ( timeout "${TESTS_TIMEOUT:-240}" python -m pytest -q -p no:cacheprovider \
-        -m "(gpu or not gpu) and not slow and not soak" "$f" > "$log" 2>&1
-      printf '\nrc=%s\n' "$?" >> "$log" ) &
-    pids+=($!)
-  done
-  for p in "${pids[@]}"; do wait "$p"; done
+if [[ -n $tests_pid ]]; then
+  wait "$tests_pid"
   for log in "$R"/pytest_*.txt; do
     echo "$(basename "$log" .txt) $(tail -1 "$log"): $(grep -E 'passed|failed|skipped|error' "$log" | tail -1)"
   done
+fi
+if [[ $what == *" service "* ]]; then
+  timeout "${SERVICE_TIMEOUT:-400}" python benchmarks/official_service.py --device cuda \
+    --batches "${BATCHES:-64,32}" --n "${SERVICE_N:-384}" --fp8 auto --sampler "${SAMPLERS:-torch,fused}" \
+    --warm "${WARM:-full}" --out "$R/service.json" ${PROFILE:+--profile "$R/service_profile.txt"} \
+    > "$R/service.txt" 2>&1
+  echo "service rc=$?"; grep -v "^{\"commit" "$R/service.txt" | cut -c1-600 | tail -12
 fi

@@ -331,7 +331,7 @@ class StepDecoder:
         if self.graphs is None:
             self.rt.encode_many(self.arena, items)
             return
-        spare = self._spare_slots({slot for slot, _, _ in items}, len(items))
+        spare = self._spare_slots({slot for slot, _, _ in items}, len(items), max(len(ids) for _, ids, _ in items))
         if spare:  # padded to a bucket of windows on free slots, which are emptied again after
             _, ids, pos = items[-1]
             items = list(items) + [(slot, torch.zeros_like(ids), pos - pos[0]) for slot in spare]
@@ -347,7 +347,7 @@ class StepDecoder:
         with windows on free slots that receive zero self-conditioning and whose logits are dropped."""
         if self.graphs is None:
             return self.rt.decode(self.arena, windows, **kw)
-        spare = self._spare_slots({w.slot for w in windows}, len(windows))
+        spare = self._spare_slots({w.slot for w in windows}, len(windows), max(w.rows for w in windows))
         if not spare:
             return self.graphs.decode(self.arena, windows, **kw)
         from canvasq.model.runtime import DecodeOutput, Window
@@ -360,11 +360,15 @@ class StepDecoder:
         n = len(windows)
         return DecodeOutput(out.logits[: out.offsets[n]], out.offsets[: n + 1], out.captured[:n] if out.captured else [])
 
-    def _spare_slots(self, used: set[int], count: int) -> list[int]:
-        """Free slots of the runner's arena that pad `count` windows up to their bucket."""
+    def _spare_slots(self, used: set[int], count: int, rows: int) -> list[int]:
+        """Free slots of the runner's arena that pad `count` windows of up to `rows` rows up to their
+        bucket; none when the padded forward would run eagerly anyway (too many rows for a graph:
+        the large forwards, FP8 among them), where padding is only extra work."""
         if self.graphs is None or self.arena is not self.graphs.store:
             return []
         want = next((b for b in WINDOW_BUCKETS if b >= count), count)
+        if not self.graphs.takes(want, rows):
+            return []
         return [s for s in range(self.arena.slots) if s not in used][: want - count]
 
     def prefill(self, seqs: list[Seq]) -> None:

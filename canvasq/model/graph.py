@@ -270,6 +270,12 @@ class GraphRunner:
         """Padded rows (all windows of a forward) a graph may have: the logits buffer's size."""
         return max(ROW_BUCKETS[0], self.logits_bytes // (4 * self.rt.vocab_size))
 
+    def takes(self, windows: int, rows: int) -> bool:
+        """Whether a forward of `windows` windows of up to `rows` rows can replay a graph (in the
+        runner's arena); a larger one runs eagerly, where padding it to a bucket would only add work."""
+        rows = _bucket(rows, ROW_BUCKETS)
+        return rows <= ROW_BUCKETS[-1] and rows * windows <= self.max_rows
+
     def arena(self, slots: int, capacity: int) -> KVArena | None:
         """The persistent arena, every slot empty, with at least `slots` slots of `capacity` entries;
         None when that would hold more than `max_arena_bytes` for the life of the process (the caller
@@ -324,7 +330,7 @@ class GraphRunner:
     def _graph(self, arena: KVArena, windows: list[Window], encoder: bool) -> DecodeGraph | None:
         """The cached (or a new) graph for these windows; None: run them eagerly."""
         rows = _bucket(max(w.rows for w in windows), ROW_BUCKETS)
-        if arena is not self.store or rows > ROW_BUCKETS[-1] or rows * len(windows) > self.max_rows:
+        if arena is not self.store or not self.takes(len(windows), rows):
             return None
         need = max(arena.length[w.slot] for w in windows) + rows
         if need > arena.capacity:  # the real rows may fit where the padded ones do not

@@ -52,7 +52,7 @@ if [[ -n $tests_pid ]]; then
 fi
 if [[ $what == *" service "* ]]; then
   timeout "${SERVICE_TIMEOUT:-400}" python benchmarks/official_service.py --device cuda \
-    --batches "${BATCHES:-64,32}" --n "${SERVICE_N:-384}" --fp8 auto --sampler "${SAMPLERS:-torch,fused}" \
+    --batches "${BATCHES:-64,32}" --n "${SERVICE_N:-384}" --fp8 auto --arms "${ARMS:-official:sampler=torch;official:sampler=fused}" \
     --warm "${WARM:-full}" --out "$R/service.json" ${PROFILE:+--profile "$R/service_profile.txt"} \
     > "$R/service.txt" 2>&1
   echo "service rc=$?"; grep -v "^{\"commit" "$R/service.txt" | cut -c1-600 | tail -12

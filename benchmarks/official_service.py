@@ -63,7 +63,7 @@ def record(device: str, n: int, seed: int, max_tokens: int) -> tuple[list[dict],
 
 
 def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, fp8: str = "off",
-           sampler: str = "auto") -> dict:
+           arm: str = "official") -> dict:
     import functools
 
     from canvasq.core.schemas import Job
@@ -92,7 +92,9 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
                         experts="w4", cuda_graphs="auto", fp8=fp8)
     store = Store(settings.database_url)
     store.upgrade()
-    configs.CONFIGS["official"] = functools.partial(configs.OfficialConfig, sampler=sampler)
+    from canvasq.decoders.bench import parse_arm
+
+    configs.CONFIGS["official"] = functools.partial(configs.OfficialConfig, **parse_arm(arm).overrides)
     rt = ChunkRuntime(settings=settings, store=store, bundle=bundle, worker_id="bench:1", queue="q")
     # warm-up: the whole job set once, untimed, so the timed pass replays graphs a long-running worker
     # has already captured (window-count x context buckets); `--warm partial` warms 2 x batch rows only
@@ -106,7 +108,7 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
         official.REPLAY[f"t{r['custom_id']}"] = r["steps"]
     graphs = _graph_stats(bundle)
     _sync()
-    prof = cProfile.Profile() if PROFILE == (batch, sampler) else None  # the profiler slows the host side
+    prof = cProfile.Profile() if PROFILE == (batch, arm) else None  # the profiler slows the host side
     t0 = time.perf_counter()
     if prof:
         prof.enable()
@@ -117,7 +119,7 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
         prof.disable()
         text = io.StringIO()
         stats = pstats.Stats(prof, stream=text)
-        print(f"== profile batch {batch} fp8={fp8} sampler={sampler} wall {wall:.2f}s", file=text)
+        print(f"== profile batch {batch} fp8={fp8} arm {arm} wall {wall:.2f}s", file=text)
         stats.sort_stats("tottime").print_stats(30)
         stats.sort_stats("cumulative").print_stats(45)
         PROFILES.append(text.getvalue())
@@ -137,7 +139,7 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
     encode_s = sum(ms for _, k, ms in passes if k == "encode") / 1000
     return {
         "decode_forwards_s": decode_s, "encode_passes_s": encode_s, "rest_s": wall - decode_s - encode_s,
-        "batch": batch, "fp8": fp8, "sampler": sampler, "requests": len(rows), "wall_s": wall, "tokens_replayed": tokens,
+        "batch": batch, "fp8": fp8, "arm": arm, "requests": len(rows), "wall_s": wall, "tokens_replayed": tokens,
         "tok_s_replayed": tokens / wall, "decoder_steps": steps, "rows_per_s": live_rows / wall,
         "occupancy_mean": (sum(n for n, _ in occ) / sum(s for _, s in occ)) if occ else None,
         "occupancy_full_until": next((i for i, (n, s) in enumerate(occ) if n < s), steps) / max(1, steps),
@@ -195,7 +197,7 @@ def bare(batch: int, prompt: int, device: str, reps: int = 20, fp8: str = "off")
 
 _TARGET = None
 WARM = "full"
-PROFILE: tuple | None = None  # (batch, sampler) of the one arm run under cProfile
+PROFILE: tuple | None = None  # (batch, arm) of the one arm run under cProfile
 PROFILES: list[str] = []
 
 
@@ -211,13 +213,14 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--warm", choices=("full", "partial"), default="full")
     ap.add_argument("--fp8", default="off,auto", help="CANVASQ_FP8 arms, ';'-separated when a value is a list")
-    ap.add_argument("--sampler", default="auto", help="official's sampler arms (auto, torch, fused), ','-separated")
+    ap.add_argument("--arms", default="official", help="official's knob arms, ';'-separated, as canvasq bench's "
+                    "--arm (e.g. 'official:sampler=torch;official:sampler=fused')")
     ap.add_argument("--profile", default=None, help="write a cProfile summary of the last arm's timed drain here")
     args = ap.parse_args()
     global WARM, PROFILE
     WARM = args.warm
     if args.profile:  # the last arm only: the others keep unprofiled timings
-        PROFILE = (int(args.batches.split(",")[-1]), args.sampler.split(",")[-1])
+        PROFILE = (int(args.batches.split(",")[-1]), args.arms.split(";")[-1])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     rows, acc = record(args.device, args.n, args.seed, args.max_tokens)
     print(f"recorded {len(rows)} testbed schedules; accuracy {acc}", flush=True)
@@ -226,15 +229,15 @@ def main() -> None:
               "service": [], "bare": []}
     arms = args.fp8.split(";") if ";" in args.fp8 else args.fp8.split(",")
     for b in [int(x) for x in args.batches.split(",")]:
-        for fp8, sampler in [(f, m) for f in arms for m in args.sampler.split(",")]:  # A/B in one process
+        for fp8, arm in [(f, a) for f in arms for a in args.arms.split(";")]:  # A/B in one process
             try:
-                res = replay(rows, b, args.scale, args.device, args.target, fp8, sampler)
+                res = replay(rows, b, args.scale, args.device, args.target, fp8, arm)
                 print(json.dumps(res), flush=True)
                 report["service"].append(res)
                 prompt = int(sum(len(_TARGET.encode_prompt(" ".join([r["prompt"]] * args.scale), r["task"]))
                                  for r in rows) / len(rows))
-                if sampler != args.sampler.split(",")[0]:
-                    continue  # the bare forward does not depend on the sampler
+                if arm != args.arms.split(";")[0]:
+                    continue  # the bare forward does not depend on the decoder's knobs
                 bres = bare(b, prompt, args.device, fp8=fp8)
                 print(json.dumps(bres), flush=True)
                 report["bare"].append(bres)

@@ -194,6 +194,7 @@ class StepDecoder:
         self.device = self.rt.device
         self._traces: dict[int, list[ForwardTrace]] = {}
         self._pass_index = 0
+        self._deferred: list[tuple[Seq, tuple]] = []  # (row, encoder item) for the next prefill pass
         self.graphs = self.graph_runner()
 
     def pick_model(self):
@@ -252,6 +253,7 @@ class StepDecoder:
         `on_result` are not repeated)."""
         self._traces = {}
         self._pass_index = 0
+        self._deferred = []
         self.arena = self.new_arena(slots, capacity) if capacity else None
         pool = _SlotPool(self, slots, seed, capacity or 0, on_result)
         self.last_seqs = pool.seen
@@ -268,8 +270,9 @@ class StepDecoder:
                         break
                     continue
                 poll(should_stop)  # between forwards; a cancel ends the fed rows too
-                if fresh:
-                    self._guarded(self.prefill, fresh, fresh, interrupts)
+                if fresh or self._deferred:  # new prompts and the commits left for this pass, together
+                    carried = fresh + [s for s, _ in self._deferred if not s.done]
+                    self._guarded(self.prefill, carried, fresh, interrupts)
                     self.note_emitted(fresh)
                     pool.deliver_done()
                     if not pool.live:
@@ -372,16 +375,29 @@ class StepDecoder:
         return [s for s in range(self.arena.slots) if s not in used][: want - count]
 
     def prefill(self, seqs: list[Seq]) -> None:
-        """Encode every prompt in one pass, then spawn each row's first canvas."""
-        items = []
+        """Encode every prompt, and the canvases whose commit pass was deferred (`defer_encode`), in one
+        pass; then spawn each new row's first canvas."""
+        items, rows, states = [], {}, {}
         for s in seqs:
             ids = torch.tensor(s.req.prompt_ids, dtype=torch.long, device=self.device)
             items.append((s.slot, ids, torch.arange(s.prompt_len, device=self.device)))
-        with self.timed() as t:
-            self.encode(items)
-        self.record("encode", t.ms, {s.row: s.prompt_len for s in seqs}, {}, {s.row: "prefill" for s in seqs})
+            rows[s.row], states[s.row] = s.prompt_len, "prefill"
+        deferred, self._deferred = [(s, it) for s, it in self._deferred if not s.done], []
+        for s, item in deferred:
+            items.append(item)
+            rows[s.row], states[s.row] = len(item[1]), "commit"
+        if items:
+            with self.timed() as t:
+                self.encode(items)
+            self.record("encode", t.ms, rows, {}, states)
         for s in seqs:
             self.spawn(s)
+
+    def defer_encode(self, s: Seq, item) -> None:
+        """Leave a retired canvas's encoder pass (slot, ids, positions) to the next prefill pass, which
+        the loop runs before the row's next decoder forward: one encoder pass per step, not two (each
+        pass pays the weights' read and, at large batch, runs eagerly)."""
+        self._deferred.append((s, item))
 
     def step(self, seqs: list[Seq]) -> None:
         raise NotImplementedError

@@ -72,6 +72,9 @@ class OfficialConfig:
     # by request, canvas and step: the same distribution, other draws); "auto" = fused on CUDA with
     # seed_mode "row", torch otherwise
     sampler: str = "auto"
+    # A finished canvas's encoder pass waits for the next pass that encodes new prompts (one encoder
+    # pass per step instead of two); the row's next decoder step still sees it. False: at once
+    defer_commits: bool = True
     cuda_graphs: str = "auto"
 
     def __post_init__(self):

@@ -293,7 +293,8 @@ class OfficialDecoder(StepDecoder):
     # -- a canvas ends ----------------------------------------------------------------------------
     def _finish_canvases(self, seqs: list[Seq]) -> None:
         """Append each finished canvas's argmax; end the answer at EOS / PAD or max_tokens, else write
-        the canvas to the cache (one encoder pass for all of them) and start the next one."""
+        the canvas to the cache (one encoder pass for all of them, with the next prompts unless
+        `defer_commits` is off) and start the next one."""
         tokens = torch.stack([self._dn[s.row].argmax for s in seqs]).tolist()
         encodes = []
         for s, toks in zip(seqs, tokens):
@@ -317,7 +318,10 @@ class OfficialDecoder(StepDecoder):
                 self._dn.pop(s.row, None)
                 continue
             encodes.append((s, (s.slot, cv.tokens, torch.arange(cv.start, cv.end, device=self.device))))
-        if encodes:
+        if encodes and self.config.defer_commits:  # with the next prompts, before the next step
+            for s, item in encodes:
+                self.defer_encode(s, item)
+        elif encodes:
             with self.timed() as t:
                 self.encode([item for _, item in encodes])
             self.record(
@@ -327,5 +331,5 @@ class OfficialDecoder(StepDecoder):
                 {},
                 {s.row: "commit" for s, _ in encodes},
             )
-            for s, _ in encodes:
-                self.spawn(s)
+        for s, _ in encodes:  # the next canvas's x_T draw (no model pass: its predecessor's need not be done)
+            self.spawn(s)

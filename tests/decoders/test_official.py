@@ -181,3 +181,30 @@ def test_graphed_forwards_pad_windows_to_a_bucket_on_free_slots(testbed):
     assert list(dec.arena.length[5:]) == [0, 0, 0]
     keys = [k for k in dec.graphs.graphs if not k[0]]
     assert len(keys) == 1 and keys[0][1] == 8 == next(b for b in base_mod.WINDOW_BUCKETS if b >= 5)
+
+
+def test_deferred_commits_share_the_prefill_pass(testbed):
+    """Under continuous batching (4 slots, 16 requests) a finished canvas's encoder pass waits for the
+    next prefill pass: fewer model passes, the same tokens (the row's next step still sees its cache)."""
+    from canvasq.decoders.registry import make_decoder
+
+    reqs = [DecodeRequest(f"q{i}", testbed.encode_prompt(p.prompt, p.task), 128, p.task)
+            for i, p in enumerate(_problems(12, 4, seed=5))]
+    arms = {}
+    for defer in (False, True):
+        dec = make_decoder("official", testbed, {"defer_commits": defer})
+        todo, got = list(enumerate(reqs)), {}
+
+        def feed(n, todo=todo):
+            taken, todo[:] = todo[:n], todo[n:]
+            return taken
+
+        dec.stream(feed, got.__setitem__, slots=4, seed=3, capacity=dec.capacity_for(reqs))
+        res = [got[i] for i in range(len(reqs))]
+        passes = {t.index for r in res for t in r.traces}
+        encodes = {t.index for r in res for t in r.traces if t.kind == "encode"}
+        kinds = {t.states for r in res for t in r.traces if t.kind == "encode"}
+        arms[defer] = ([r.token_ids for r in res], len(passes), len(encodes), kinds)
+    assert arms[True][0] == arms[False][0]
+    assert arms[True][2] < arms[False][2] and arms[True][1] < arms[False][1]
+    assert arms[True][3] == {"prefill", "commit"}

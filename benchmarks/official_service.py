@@ -133,10 +133,17 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
     from canvasq.core.tables import ForwardTraceRow
 
     with store.Session() as ses:  # each pass once (its trace rows repeat per request it carried)
-        passes = ses.execute(select(ForwardTraceRow.forward_index, ForwardTraceRow.kind, ForwardTraceRow.ms)
+        passes = ses.execute(select(ForwardTraceRow.forward_index, ForwardTraceRow.kind, ForwardTraceRow.ms,
+                                    ForwardTraceRow.rows)
                              .where(ForwardTraceRow.run_id == run.run_id).distinct()).all()
-    decode_s = sum(ms for _, k, ms in passes if k == "decode") / 1000
-    encode_s = sum(ms for _, k, ms in passes if k == "encode") / 1000
+    decode_s = sum(ms for _, k, ms, _ in passes if k == "decode") / 1000
+    encode_s = sum(ms for _, k, ms, _ in passes if k == "encode") / 1000
+    # decoder forwards with every slot live: comparable with the bare forward of `batch` windows
+    full = sorted(ms for _, k, ms, r in passes if k == "decode" and r == batch * C)
+    by_windows: dict[int, list[float]] = {}
+    for _, k, ms, r in passes:
+        if k == "decode":
+            by_windows.setdefault(r // C, []).append(ms)
     return {
         "decode_forwards_s": decode_s, "encode_passes_s": encode_s, "rest_s": wall - decode_s - encode_s,
         "batch": batch, "fp8": fp8, "arm": arm, "requests": len(rows), "wall_s": wall, "tokens_replayed": tokens,
@@ -145,6 +152,9 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
         "occupancy_full_until": next((i for i, (n, s) in enumerate(occ) if n < s), steps) / max(1, steps),
         "written": out["written"], "graphs_before": graphs, "graphs_after": after,
         "ms_per_step": 1000 * wall / max(1, steps),
+        "full_decode_forwards": len(full), "full_decode_ms_median": full[len(full) // 2] if full else None,
+        "decode_ms_by_windows": {w: sum(v) / len(v) for w, v in sorted(by_windows.items())},
+        "encode_passes": sum(1 for _, k, _, _ in passes if k == "encode"),
     }
 
 

@@ -67,10 +67,9 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
     import functools
 
     from canvasq.core.schemas import Job
-    from canvasq.decoders import configs
     from canvasq.core.settings import Settings
     from canvasq.core.store import Store
-    from canvasq.decoders import official
+    from canvasq.decoders import configs, official
     from canvasq.model.loading import load_bundle
     from canvasq.worker.runtime import ChunkRuntime
 
@@ -128,14 +127,29 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
     live_rows = sum(n for n, _ in occ) * C
     tokens = sum(r["tokens"] for r in rows) * scale
     after = _graph_stats(bundle)
+    decode_s, encode_s, extra = _pass_stats(store, run.run_id, batch, C)
+    return {
+        "decode_forwards_s": decode_s, "encode_passes_s": encode_s, "rest_s": wall - decode_s - encode_s,
+        "batch": batch, "fp8": fp8, "arm": arm, "requests": len(rows), "wall_s": wall, "tokens_replayed": tokens,
+        "tok_s_replayed": tokens / wall, "decoder_steps": steps, "rows_per_s": live_rows / wall,
+        "occupancy_mean": (sum(n for n, _ in occ) / sum(s for _, s in occ)) if occ else None,
+        "occupancy_full_until": next((i for i, (n, s) in enumerate(occ) if n < s), steps) / max(1, steps),
+        "written": out["written"], "graphs_before": graphs, "graphs_after": after,
+        "ms_per_step": 1000 * wall / max(1, steps), **extra,
+    }
+
+
+def _pass_stats(store, run_id: str, batch: int, C: int) -> tuple[float, float, dict]:
+    """Decoder and encoder seconds of a drained run, from its stored traces (each pass once: its trace
+    rows repeat per request it carried), and the decoder ms at full slots and by window count."""
     from sqlalchemy import select
 
     from canvasq.core.tables import ForwardTraceRow
 
-    with store.Session() as ses:  # each pass once (its trace rows repeat per request it carried)
+    with store.Session() as ses:
         passes = ses.execute(select(ForwardTraceRow.forward_index, ForwardTraceRow.kind, ForwardTraceRow.ms,
                                     ForwardTraceRow.rows)
-                             .where(ForwardTraceRow.run_id == run.run_id).distinct()).all()
+                             .where(ForwardTraceRow.run_id == run_id).distinct()).all()
     decode_s = sum(ms for _, k, ms, _ in passes if k == "decode") / 1000
     encode_s = sum(ms for _, k, ms, _ in passes if k == "encode") / 1000
     # decoder forwards with every slot live: comparable with the bare forward of `batch` windows
@@ -144,14 +158,7 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
     for _, k, ms, r in passes:
         if k == "decode":
             by_windows.setdefault(r // C, []).append(ms)
-    return {
-        "decode_forwards_s": decode_s, "encode_passes_s": encode_s, "rest_s": wall - decode_s - encode_s,
-        "batch": batch, "fp8": fp8, "arm": arm, "requests": len(rows), "wall_s": wall, "tokens_replayed": tokens,
-        "tok_s_replayed": tokens / wall, "decoder_steps": steps, "rows_per_s": live_rows / wall,
-        "occupancy_mean": (sum(n for n, _ in occ) / sum(s for _, s in occ)) if occ else None,
-        "occupancy_full_until": next((i for i, (n, s) in enumerate(occ) if n < s), steps) / max(1, steps),
-        "written": out["written"], "graphs_before": graphs, "graphs_after": after,
-        "ms_per_step": 1000 * wall / max(1, steps),
+    return decode_s, encode_s, {
         "full_decode_forwards": len(full), "full_decode_ms_median": full[len(full) // 2] if full else None,
         "decode_ms_by_windows": {w: sum(v) / len(v) for w, v in sorted(by_windows.items())},
         "encode_passes": sum(1 for _, k, _, _ in passes if k == "encode"),
@@ -231,7 +238,8 @@ def main() -> None:
     WARM = args.warm
     if args.profile:  # the last arm only: the others keep unprofiled timings
         PROFILE = (int(args.batches.split(",")[-1]), args.arms.split(";")[-1])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("CANVASQ_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True).stdout.strip()
     rows, acc = record(args.device, args.n, args.seed, args.max_tokens)
     print(f"recorded {len(rows)} testbed schedules; accuracy {acc}", flush=True)
     report = {"commit": commit, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

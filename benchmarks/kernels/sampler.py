@@ -38,6 +38,19 @@ def topk_two_stage(logits: torch.Tensor, k: int, slices: int) -> tuple[torch.Ten
     return v2, torch.gather(ids.view(R, -1), 1, pick)
 
 
+def _arms(logits: torch.Tensor, temps, gens, inv, seeds) -> dict:
+    _, Cv, V = logits.shape
+    flat = logits.view(-1, V)
+    return {
+        "torch draws (per request)": lambda: torch_path(logits.clone(), temps, gens),
+        "clone (subtract from the torch arm)": lambda: logits.clone(),
+        "fused softmax_sample": lambda: softmax_sample(flat, inv, seeds, Cv),
+        "fused softmax_sample + top-64": lambda: softmax_sample(flat, inv, seeds, Cv, top_k=64),
+        "topk 64 (torch, whole row)": lambda: torch.topk(flat, 64, dim=-1),
+        "topk 64 (two-stage, 32 slices)": lambda: topk_two_stage(flat, 64, 32),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
@@ -58,20 +71,13 @@ def main() -> None:
         v2, _ = topk_two_stage(flat, 64, 32)
         v3 = softmax_sample(flat, torch.ones_like(inv), seeds, Cv, top_k=64).top_vals
         same_topk = torch.equal(v1, v2) and torch.equal(v1, v3)
-        arms = {
-            "torch draws (per request)": lambda: torch_path(logits.clone(), temps, gens),
-            "clone (subtract from the torch arm)": lambda: logits.clone(),
-            "fused softmax_sample": lambda: softmax_sample(flat, inv, seeds, Cv),
-            "fused softmax_sample + top-64": lambda: softmax_sample(flat, inv, seeds, Cv, top_k=64),
-            "topk 64 (torch, whole row)": lambda: torch.topk(flat, 64, dim=-1),
-            "topk 64 (two-stage, 32 slices)": lambda: topk_two_stage(flat, 64, 32),
-        }
+        arms = _arms(logits, temps, gens, inv, seeds)
         for name, fn in arms.items():
             ms = C.time_ms(lambda i, fn=fn: fn())
             nbytes = flat.numel() * 4
             rows.append({"batch": B, "rows": B * Cv, "arm": name, "ms": ms, "GBs_logits_once": nbytes / ms / 1e6,
                          "topk_equal": same_topk})
-        del logits, flat
+        del logits, flat, arms
         if C.ON_GPU:
             torch.cuda.empty_cache()
     C.report("sampler", rows, ["batch", "rows", "arm", "ms", "GBs_logits_once", "topk_equal"],

@@ -342,7 +342,7 @@ def softmax_sample_reference(logits: torch.Tensor, inv_temp: torch.Tensor, seeds
                              top_k: int = 0) -> SampleStats:
     """Twin in distribution (not in draws: torch's generator is not Philox-by-counter): per group a CPU
     generator seeded with its seed draws Gumbel noise for the sample and a uniform renoise token."""
-    R, V = logits.shape
+    V = logits.shape[1]
     lf = logits.float() * inv_temp.float().to(logits.device).repeat_interleave(group)[:, None]
     conf, arg, ent = softmax_argmax_reference(lf)
     draws, noises = [], []

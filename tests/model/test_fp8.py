@@ -115,7 +115,8 @@ def test_runtime_uses_fp8_only_from_the_row_threshold():
     rt.fp8_min_rows = 1
     got = _logits(rt, prompt, canvas)
     assert not torch.equal(got, want)
-    # the worst logit moves by 0.07-0.11 of the largest, by CPU (an AMX Xeon's kernels give 0.112)
+    # the worst logit moves by up to 0.112 of the largest (seen on one CI-kind machine, torch 2.13 CPU;
+    # under 0.1 on others); the argmax agreement is the tighter check
     assert (got - want).abs().max() / want.abs().max() < 0.15
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 

@@ -106,6 +106,7 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
     for r in rows:
         official.REPLAY[f"t{r['custom_id']}"] = r["steps"]
     graphs = _graph_stats(bundle)
+    paths = _attention_paths(bundle)
     _sync()
     prof = cProfile.Profile() if PROFILE == (batch, arm) else None  # the profiler slows the host side
     t0 = time.perf_counter()
@@ -127,6 +128,7 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
     live_rows = sum(n for n, _ in occ) * C
     tokens = sum(r["tokens"] for r in rows) * scale
     after = _graph_stats(bundle)
+    paths = {k: v - paths.get(k, 0) for k, v in _attention_paths(bundle).items()}
     decode_s, encode_s, extra = _pass_stats(store, run.run_id, batch, C)
     return {
         "decode_forwards_s": decode_s, "encode_passes_s": encode_s, "rest_s": wall - decode_s - encode_s,
@@ -135,7 +137,7 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
         "occupancy_mean": (sum(n for n, _ in occ) / sum(s for _, s in occ)) if occ else None,
         "occupancy_full_until": next((i for i, (n, s) in enumerate(occ) if n < s), steps) / max(1, steps),
         "written": out["written"], "graphs_before": graphs, "graphs_after": after,
-        "ms_per_step": 1000 * wall / max(1, steps), **extra,
+        "ms_per_step": 1000 * wall / max(1, steps), "eager_attention_paths": paths, **extra,
     }
 
 
@@ -177,6 +179,17 @@ def _graph_stats(bundle) -> dict:
     return {str(k): dict(rt.graph_runner.stats) for k, rt in per.items() if rt.graph_runner is not None}
 
 
+def _attention_paths(bundle) -> dict:
+    """Eager forwards by attention path (mask-free or masked SDPA), summed over the model's runtimes."""
+    from canvasq.decoders.base import _RUNTIMES
+
+    out: dict[str, int] = {}
+    for rt in _RUNTIMES.get(bundle.hf_model, {}).values():
+        for k, v in rt.attention_paths.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
 def bare(batch: int, prompt: int, device: str, reps: int = 20, fp8: str = "off") -> dict:
     """`batch` windows of 256 rows with top-k SC through the graph runner: the forward alone."""
     from canvasq.decoders.base import runtime_for
@@ -201,6 +214,7 @@ def bare(batch: int, prompt: int, device: str, reps: int = 20, fp8: str = "off")
     for _ in range(3):
         runner.decode(arena, wins)
     _sync()
+    paths = dict(rt.attention_paths)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -209,7 +223,8 @@ def bare(batch: int, prompt: int, device: str, reps: int = 20, fp8: str = "off")
         times.append(time.perf_counter() - t0)
     times.sort()
     med = times[len(times) // 2]
-    return {"batch": batch, "fp8": fp8, "ms_per_forward": med * 1000, "rows_per_s": batch * C / med}
+    return {"batch": batch, "fp8": fp8, "ms_per_forward": med * 1000, "rows_per_s": batch * C / med,
+            "eager_attention_paths": {k: v - paths[k] for k, v in rt.attention_paths.items()}}
 
 
 _TARGET = None

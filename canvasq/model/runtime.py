@@ -139,6 +139,9 @@ class Runtime:
         self._softcap: Callable = functools.partial(softcap_logits, impl=impl)
         fuse_projections(enc_layers + dec_layers)
         self.prefix_attention = True  # mask-free SDPA when the mask is all-visible (eager forwards)
+        # eager forwards by attention path: "maskfree" (all-visible, SDPA without a mask) or "masked"
+        # (ragged contexts, a sliding band that clips, padded rows); graphed forwards always mask
+        self.attention_paths = {"maskfree": 0, "masked": 0}
         self.scope: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
         self.graph_runner = None  # `model.graph.graph_runner(self)`: the decode loop's CUDA graphs
         # FP8 copies (`fp8.install_fp8`) for forwards of at least `fp8_min_rows` rows, where the forward
@@ -336,6 +339,8 @@ class Runtime:
         prep.arena.pos[prep.row_slot, prep.row_col] = prep.pos
         maskfree = self.prefix_attention if prep.prefix_attention is None else prep.prefix_attention
         prep.ctx.build_masks(prep.arena, detect_maskfree=maskfree and not prep.static)
+        if not prep.static:
+            self.attention_paths["maskfree" if prep.ctx.maskfree[False] else "masked"] += 1
         prep.cos_sin = {
             sl: self._rope(prep.pos, inv, self.rope_scaling[sl]) for sl, inv in self.inv_freq.items()
         }

@@ -171,10 +171,13 @@ def test_several_sequences_equal_each_alone(model):
             top = torch.randn(r, v, generator=g).topk(5)
             sc = (top.indices, top.values)
         windows.append(Window.canvas(slot, ids, p, self_cond=sc))
+    before = dict(rt.attention_paths)
     joint = rt.decode(arena, windows)
+    assert rt.attention_paths["masked"] == before["masked"] + 1  # ragged contexts need the mask
     for i, w in enumerate(windows):
         alone = rt.decode(arena, [w]).logits
         assert rel_err(joint.window_logits(i), alone) <= TOL
+    assert rt.attention_paths["maskfree"] == before["maskfree"] + 3  # one canvas after its context: none
     # encode_many equals encode one by one
     other = rt.new_arena(5, 256)
     items = [(s, _ids(g, 6 + s, v), torch.arange(6 + s)) for s in (1, 3)]

@@ -24,8 +24,10 @@ parity test). `sc_topk=k` self-conditions on the top-k of the previous logits in
 vocabulary (runtime's top-k projection).
 
 Sampler statistics run batched over the live requests, in groups whose [rows, V] fp32 temporaries stay
-under `_GROUP_BYTES`; only the generator draws (multinomial, renoise) are per request. One host sync per
-step reads which requests stopped and how many positions each accepted.
+under `_GROUP_BYTES`; with the torch sampler the generator draws (multinomial, renoise) are per request,
+with the fused one (`sampler`, the default on CUDA) they are one launch for the group. One host sync
+per step reads which requests stopped and how many positions each accepted; the fused top-k self-
+conditioning adds one that looks for rows past its candidate slots.
 """
 
 from __future__ import annotations
@@ -193,20 +195,20 @@ class OfficialDecoder(StepDecoder):
             temp = smp.t_min + (smp.t_max - smp.t_min) * (n / smp.steps)
         top = None
         if self.fused:  # the kernel scales as it reads
-            argmax, entropy, draws, top = self._draw_fused(seqs, dns, logits, None if temp is None else 1.0 / temp)
+            argmax, entropy, pick, top = self._draw_fused(seqs, dns, logits, None if temp is None else 1.0 / temp)
         else:
             if temp is not None:
                 logits = logits.div_(temp[:, None, None])  # the forward's own copy: in place
-            argmax, entropy, draws = self._draw_torch(seqs, logits)
+            argmax, entropy, pick = self._draw_torch(seqs, logits)
 
         # accept the lowest-entropy positions while Σ H − max H ≤ bound (HF: EntropyBoundSampler)
         sorted_h, order = torch.sort(entropy, dim=-1)
         keep_sorted = torch.cumsum(sorted_h, dim=-1) - sorted_h <= smp.entropy_bound
         keep = torch.scatter(torch.zeros_like(keep_sorted), -1, order, keep_sorted)
 
-        for b, s in enumerate(seqs):
+        for s, tokens in zip(seqs, pick(keep)):
             cv = s.canvases[0]
-            cv.tokens = torch.where(keep[b], *draws(b))
+            cv.tokens = tokens
             cv.age += 1
 
         # adaptive stopping (HF: StableAndConfidentStoppingCriteria), then the next step's SC
@@ -240,9 +242,9 @@ class OfficialDecoder(StepDecoder):
         return keep.sum(dim=-1), stopped
 
     def _draw_torch(self, seqs: list[Seq], logits: torch.Tensor):
-        """argmax [B, C], entropy [B, C] and draws(b) -> (sample, renoise) [C] each, the generator draws
-        per request in HF's order (multinomial over the canvas, then renoise) from temperature-scaled
-        logits."""
+        """argmax [B, C], entropy [B, C] and pick(keep [B, C]) -> each request's next input [C]: the
+        draw where kept, the renoise elsewhere, drawn per request in HF's order (multinomial over the
+        canvas, then renoise) from temperature-scaled logits."""
         if logits.is_cuda:  # one fused read of the [rows, V] logits (bf16-noise equal to HF's ops)
             from canvasq.kernels import softmax_argmax
 
@@ -252,12 +254,16 @@ class OfficialDecoder(StepDecoder):
             argmax = logits.argmax(dim=-1)  # [B, C]
             entropy = torch.distributions.Categorical(logits=logits, validate_args=False).entropy()
 
-        def draws(b: int):
-            probs = torch.softmax(logits[b], dim=-1, dtype=torch.float32)
-            sample = torch.multinomial(probs, num_samples=1, generator=seqs[b].gen).squeeze(-1)
-            return sample, torch.randint(0, self.V, (self.C,), generator=seqs[b].gen, device=self.device)
+        def pick(keep: torch.Tensor) -> list[torch.Tensor]:
+            rows = []
+            for b, s in enumerate(seqs):
+                probs = torch.softmax(logits[b], dim=-1, dtype=torch.float32)
+                sample = torch.multinomial(probs, num_samples=1, generator=s.gen).squeeze(-1)
+                noise = torch.randint(0, self.V, (self.C,), generator=s.gen, device=self.device)
+                rows.append(torch.where(keep[b], sample, noise))
+            return rows
 
-        return argmax, entropy, draws
+        return argmax, entropy, pick
 
     def _draw_fused(self, seqs: list[Seq], dns: list[_Denoising], logits: torch.Tensor, inv_temp):
         """The same statistics and draws for the whole group in one read of the logits (no per-request
@@ -280,7 +286,11 @@ class OfficialDecoder(StepDecoder):
             top = (out.top_ids.view(B, self.C, k), out.top_vals.view(B, self.C, k).to(self.rt.dtype))
         elif scaled:  # full-vocabulary SC reads the scaled logits
             logits.mul_(inv_temp[:, None, None])
-        return out.argmax.view(B, self.C), out.entropy.view(B, self.C), lambda b: (draw[b], noise[b]), top
+
+        def pick(keep: torch.Tensor) -> tuple[torch.Tensor, ...]:  # one launch for the group
+            return torch.where(keep, draw, noise).unbind(0)
+
+        return out.argmax.view(B, self.C), out.entropy.view(B, self.C), pick, top
 
     def _self_conditioning(self, logits: torch.Tensor):
         """The next step's SC from this step's (temperature-scaled) logits, in the embedding dtype."""

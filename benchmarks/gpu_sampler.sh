@@ -5,7 +5,9 @@
 #   bash benchmarks/gpu_sampler.sh micro service   # per-step sampler pieces, then the worker loop A/B
 #   bash benchmarks/gpu_sampler.sh guard tests     # testbed accuracy torch vs fused, GPU tests
 #
-# "guard" and "tests" run side by side (the guard measures accuracy, not time), then "service".
+# "guard" and "tests" run side by side (the guard measures accuracy, not time), then "service";
+# "guard-after" runs the guard once "service" is done (one call for timing and accuracy). TRACE=1 adds
+# official_service.py's `--trace` (torch.profiler over a few steady steps of the last batch).
 #
 # Carry `.whl` (wheels of pydantic, pydantic-settings, sqlalchemy, alembic, click and their deps, which
 # that machine lacks). Everything lands in $OUT/res and is packed into $OUT/res.tgz at the end (the
@@ -22,7 +24,7 @@ export CANVASQ_COMMIT=${CANVASQ_COMMIT:-unknown}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv > "$R/gpu_state.txt" 2>&1
 what=" $* "
 if [[ $what == *" micro "* ]]; then
-  OUT=$R timeout 120 python benchmarks/kernels/sampler.py > "$R/sampler.txt" 2>&1; echo "micro rc=$?"
+  OUT=$R timeout "${MICRO_TIMEOUT:-120}" python benchmarks/kernels/sampler.py > "$R/sampler.txt" 2>&1; echo "micro rc=$?"
   grep "^|" "$R/sampler.txt"
 fi
 tests_pid=
@@ -36,14 +38,17 @@ if [[ $what == *" tests "* ]]; then
     done ) &
   tests_pid=$!
 fi
-if [[ $what == *" guard "* ]]; then
+guard() {  # the seeds side by side: the testbed is small, the GPU is not the limit
   for seed in ${SEEDS:-21 22 23}; do
-    timeout "${GUARD_TIMEOUT:-100}" python -m canvasq.cli bench --device cuda --arm official:sampler=torch \
-      --arm official:sampler=fused --task arith --task code --n "${N:-200}" --seeds "$seed" \
-      --batch-size 16 --out "$R/guard_$seed" --json > "$R/guard_$seed.txt" 2>&1
-    echo "seed $seed rc=$?"; tail -4 "$R/guard_$seed.txt" | cut -c1-600
+    ( timeout "${GUARD_TIMEOUT:-100}" python -m canvasq.cli bench --device cuda --arm official:sampler=torch \
+        --arm official:sampler=fused --task arith --task code --n "${N:-200}" --seeds "$seed" \
+        --batch-size 16 --out "$R/guard_$seed" --json > "$R/guard_$seed.txt" 2>&1
+      echo "seed $seed rc=$?" >> "$R/guard_$seed.txt" ) &
   done
-fi
+  wait
+  for seed in ${SEEDS:-21 22 23}; do tail -5 "$R/guard_$seed.txt" | cut -c1-600; done
+}
+if [[ $what == *" guard "* ]]; then guard; fi
 if [[ -n $tests_pid ]]; then
   wait "$tests_pid"
   for log in "$R"/pytest_*.txt; do
@@ -54,6 +59,9 @@ if [[ $what == *" service "* ]]; then
   timeout "${SERVICE_TIMEOUT:-400}" python benchmarks/official_service.py --device cuda \
     --batches "${BATCHES:-64,32}" --n "${SERVICE_N:-384}" --fp8 auto --arms "${ARMS:-official:sampler=torch;official:sampler=fused}" \
     --warm "${WARM:-full}" --out "$R/service.json" ${PROFILE:+--profile "$R/service_profile.txt"} \
-    > "$R/service.txt" 2>&1
+    ${TRACE:+--trace "$R/trace"} > "$R/service.txt" 2>&1
   echo "service rc=$?"; grep -v "^{\"commit" "$R/service.txt" | cut -c1-600 | tail -12
+  # the Chrome trace beside the packed results (it alone can be most of a returned file's 16 MB)
+  [[ -f $R/trace.json ]] && gzip -c "$R/trace.json" > "$OUT/trace.json.gz" && rm "$R/trace.json"
 fi
+if [[ $what == *" guard-after "* ]]; then guard; fi

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -109,10 +110,12 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
     paths = _attention_paths(bundle)
     _sync()
     prof = cProfile.Profile() if PROFILE == (batch, arm) else None  # the profiler slows the host side
+    tracer = _StepTrace(TRACE, batch) if TRACE and PROFILE_ARM == (batch, arm) else contextlib.nullcontext()
     t0 = time.perf_counter()
     if prof:
         prof.enable()
-    out = rt.process_chunk(run.chunk_ids[0])
+    with tracer:
+        out = rt.process_chunk(run.chunk_ids[0])
     _sync()
     wall = time.perf_counter() - t0
     if prof:
@@ -165,6 +168,64 @@ def _pass_stats(store, run_id: str, batch: int, C: int) -> tuple[float, float, d
         "decode_ms_by_windows": {w: sum(v) / len(v) for w, v in sorted(by_windows.items())},
         "encode_passes": sum(1 for _, k, _, _ in passes if k == "encode"),
     }
+
+
+class _StepTrace:
+    """torch.profiler over a slice of the timed drain: decoder steps [wait, wait + active) with the
+    encoder passes between them, labelled `decoder_step` / `encoder_pass`. Writes PATH.json (Chrome
+    trace) and PATH.txt (device time by kernel and by label), to see where a step's time goes beside
+    the forward: sampler kernels, mask building, host gaps."""
+
+    def __init__(self, path: str, batch: int, wait: int = 24, active: int = 4):
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        from canvasq.decoders import base, official
+
+        self.path, self.batch = path, batch
+        self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                            schedule=schedule(wait=wait, warmup=1, active=active, repeat=1),
+                            on_trace_ready=self._ready)
+        self.patches = [(official.OfficialDecoder, "step", "decoder_step", True),
+                        (base.StepDecoder, "prefill", "encoder_pass", False)]
+
+    def _wrap(self, fn, label: str, tick: bool):
+        prof = self.prof
+
+        def wrapped(*a, **kw):
+            with torch.profiler.record_function(label):
+                out = fn(*a, **kw)
+            if tick:
+                prof.step()
+            return out
+        return wrapped
+
+    def __enter__(self):
+        from canvasq.decoders.base import _RUNTIMES
+
+        self.runtimes = [rt for per in _RUNTIMES.values() for rt in per.values()]
+        for rt in self.runtimes:  # the forward's own labels: attention, dense_mlp, experts, lm_head, ...
+            rt.scope = torch.profiler.record_function
+        self.saved = [(cls, name, getattr(cls, name)) for cls, name, _, _ in self.patches]
+        for cls, name, label, tick in self.patches:
+            setattr(cls, name, self._wrap(getattr(cls, name), label, tick))
+        self.prof.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.prof.stop()
+        for rt in self.runtimes:
+            rt.scope = lambda name: contextlib.nullcontext()
+        for cls, name, fn in self.saved:
+            setattr(cls, name, fn)
+
+    def _ready(self, p) -> None:
+        p.export_chrome_trace(self.path + ".json")
+        ka = p.key_averages()
+        try:
+            table = ka.table(sort_by="self_device_time_total", row_limit=70)
+        except (AttributeError, KeyError):
+            table = ka.table(sort_by="self_cuda_time_total", row_limit=70)
+        Path(self.path + ".txt").write_text(f"batch {self.batch}\n{table}")
 
 
 def _sync() -> None:
@@ -230,6 +291,8 @@ def bare(batch: int, prompt: int, device: str, reps: int = 20, fp8: str = "off")
 _TARGET = None
 WARM = "full"
 PROFILE: tuple | None = None  # (batch, arm) of the one arm run under cProfile
+PROFILE_ARM: tuple | None = None  # (batch, arm) of the one arm run under torch.profiler (`--trace`)
+TRACE: str | None = None
 PROFILES: list[str] = []
 
 
@@ -248,9 +311,13 @@ def main() -> None:
     ap.add_argument("--arms", default="official", help="official's knob arms, ';'-separated, as canvasq bench's "
                     "--arm (e.g. 'official:sampler=torch;official:sampler=fused')")
     ap.add_argument("--profile", default=None, help="write a cProfile summary of the last arm's timed drain here")
+    ap.add_argument("--trace", default=None, help="torch.profiler over a few steady decoder steps of the last "
+                    "batch's last arm: writes TRACE.json (Chrome trace) and TRACE.txt (device time by kernel)")
     args = ap.parse_args()
-    global WARM, PROFILE
+    global WARM, PROFILE, PROFILE_ARM, TRACE
     WARM = args.warm
+    if args.trace:
+        TRACE, PROFILE_ARM = args.trace, (int(args.batches.split(",")[-1]), args.arms.split(";")[-1])
     if args.profile:  # the last arm only: the others keep unprofiled timings
         PROFILE = (int(args.batches.split(",")[-1]), args.arms.split(";")[-1])
     commit = os.environ.get("CANVASQ_COMMIT") or subprocess.run(

@@ -84,7 +84,8 @@ class Settings(BaseSettings):
     queue_prefix: str = "canvasq"
     device: str = "auto"  # worker device: auto (cuda when visible, else cpu) | cpu | cuda | cuda:N
     decode_batch_size: int = Field(8, ge=1)  # prompts decoded together; results persisted per batch
-    # requests in flight per decode stream (continuous batching; None: 32 on a GPU, decode_batch_size on CPU)
+    # requests in flight per decode stream (continuous batching; None: 64 on a GPU of >= 120 GiB, 32 on a
+    # smaller one, decode_batch_size on CPU)
     decode_slots: int | None = Field(None, ge=1)
     # When a chunk's last rows are in flight and slots free up, claim the run's next chunk from SQL and
     # feed its rows into the same stream (auto: on a GPU worker; its message is then dropped uncounted)

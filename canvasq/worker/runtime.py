@@ -319,11 +319,17 @@ class ChunkRuntime:
 
     @property
     def decode_slots(self) -> int:
-        """Requests in flight per decode stream: the setting, else 32 on a GPU, decode_batch_size on CPU."""
+        """Requests in flight per decode stream: the setting, else by device: 64 on a GPU with at least
+        120 GiB (an H200: 64 x 256 rows fit beside the fp32 logits and arena, and beat 32 in rows/s,
+        BENCHMARKS.md "Service throughput"), 32 on a smaller GPU, decode_batch_size on CPU."""
         if self.settings.decode_slots:
             return self.settings.decode_slots
-        on_gpu = str(getattr(self.bundle, "device", "cpu")).startswith("cuda")
-        return 32 if on_gpu else self.settings.decode_batch_size
+        device = str(getattr(self.bundle, "device", "cpu"))
+        if not device.startswith("cuda"):
+            return self.settings.decode_batch_size
+        import torch
+
+        return 64 if torch.cuda.get_device_properties(torch.device(device)).total_memory >= 120 * 2**30 else 32
 
     @property
     def calibration(self):

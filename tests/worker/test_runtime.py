@@ -4,6 +4,7 @@ skips done rows, one bad row never sinks its chunk, cancel and the attempts cap 
 from __future__ import annotations
 
 import pytest
+import torch
 from sqlalchemy import func, select
 
 from canvasq.core.schemas import Job
@@ -268,3 +269,18 @@ def test_continuous_batching_keeps_slots_full_and_matches_rows_decoded_alone(wse
         req = DecodeRequest(j.custom_id, bundle.encode_prompt(j.prompt, j.task), j.max_tokens, j.task)
         alone = run_batch(bundle, DecodeBatch([req], seed=settings.seed), "official")[0]
         assert got[j.custom_id] == alone.text
+
+
+@pytest.mark.parametrize("gib,want", [(141, 64), (80, 32)])
+def test_decode_slots_default_by_device_memory(wsettings, wstore, bundle, monkeypatch, gib, want):
+    """Unset, a GPU worker's slots follow the device's memory (64 on an H200, 32 on an 80 GiB card);
+    the CPU keeps decode_batch_size and the setting wins everywhere."""
+    import types
+
+    rt = runtime(wsettings, wstore, bundle)
+    assert rt.decode_slots == wsettings.decode_batch_size  # the testbed bundle is on the CPU
+    monkeypatch.setattr(rt.bundle, "device", "cuda:0", raising=False)
+    props = types.SimpleNamespace(total_memory=gib * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    assert rt.decode_slots == want
+    assert runtime(wsettings.model_copy(update={"decode_slots": 5}), wstore, bundle).decode_slots == 5

@@ -64,7 +64,7 @@ def record(device: str, n: int, seed: int, max_tokens: int) -> tuple[list[dict],
 
 
 def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, fp8: str = "off",
-           arm: str = "official") -> dict:
+           arm: str = "official", arena_gib: str = "auto") -> dict:
     import functools
 
     from canvasq.core.schemas import Job
@@ -95,6 +95,7 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
     from canvasq.decoders.bench import parse_arm
 
     configs.CONFIGS["official"] = functools.partial(configs.OfficialConfig, **parse_arm(arm).overrides)
+    _cap_arena(bundle, fp8, settings, arena_gib)
     rt = ChunkRuntime(settings=settings, store=store, bundle=bundle, worker_id="bench:1", queue="q")
     # warm-up: the whole job set once, untimed, so the timed pass replays graphs a long-running worker
     # has already captured (window-count x context buckets); `--warm partial` warms 2 x batch rows only
@@ -109,8 +110,8 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
     graphs = _graph_stats(bundle)
     paths = _attention_paths(bundle)
     _sync()
-    prof = cProfile.Profile() if PROFILE == (batch, arm) else None  # the profiler slows the host side
-    tracer = _StepTrace(TRACE, batch) if TRACE and PROFILE_ARM == (batch, arm) else contextlib.nullcontext()
+    prof = cProfile.Profile() if PROFILE == (batch, arm, arena_gib) else None  # the profiler slows the host side
+    tracer = _StepTrace(TRACE, batch) if TRACE and PROFILE_ARM == (batch, arm, arena_gib) else contextlib.nullcontext()
     t0 = time.perf_counter()
     if prof:
         prof.enable()
@@ -135,13 +136,27 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
     decode_s, encode_s, extra = _pass_stats(store, run.run_id, batch, C)
     return {
         "decode_forwards_s": decode_s, "encode_passes_s": encode_s, "rest_s": wall - decode_s - encode_s,
-        "batch": batch, "fp8": fp8, "arm": arm, "requests": len(rows), "wall_s": wall, "tokens_replayed": tokens,
+        "batch": batch, "fp8": fp8, "arm": arm, "arena_gib": arena_gib, "requests": len(rows), "wall_s": wall, "tokens_replayed": tokens,
         "tok_s_replayed": tokens / wall, "decoder_steps": steps, "rows_per_s": live_rows / wall,
         "occupancy_mean": (sum(n for n, _ in occ) / sum(s for _, s in occ)) if occ else None,
         "occupancy_full_until": next((i for i, (n, s) in enumerate(occ) if n < s), steps) / max(1, steps),
         "written": out["written"], "graphs_before": graphs, "graphs_after": after,
         "ms_per_step": 1000 * wall / max(1, steps), "eager_attention_paths": paths, **extra,
     }
+
+
+def _cap_arena(bundle, fp8: str, settings, arena_gib: str) -> None:
+    """The graph runner's arena cap for this arm (`--arena-gib`): a number of GiB, or auto (the
+    runner's default). A larger cap lets a batch's arena be the runner's, so its forwards can replay
+    graphs; under the cap the stream allocates its own arena and runs eagerly."""
+    from canvasq.decoders.base import runtime_for
+    from canvasq.model.graph import default_arena_bytes, graph_runner
+
+    if settings.cuda_graphs == "off" or not str(settings.device).startswith("cuda"):
+        return
+    rt = runtime_for(bundle.hf_model, "w4", fp8, settings.fp8_min_rows)
+    runner = graph_runner(rt)
+    runner.max_arena_bytes = default_arena_bytes(rt.device) if arena_gib == "auto" else int(float(arena_gib) * 2**30)
 
 
 def _pass_stats(store, run_id: str, batch: int, C: int) -> tuple[float, float, dict]:
@@ -237,7 +252,8 @@ def _graph_stats(bundle) -> dict:
     from canvasq.decoders.base import _RUNTIMES
 
     per = _RUNTIMES.get(bundle.hf_model, {})
-    return {str(k): dict(rt.graph_runner.stats) for k, rt in per.items() if rt.graph_runner is not None}
+    return {str(k): {**rt.graph_runner.stats, "eager_reasons": dict(rt.graph_runner.eager_reasons)}
+            for k, rt in per.items() if rt.graph_runner is not None}
 
 
 def _attention_paths(bundle) -> dict:
@@ -310,6 +326,8 @@ def main() -> None:
     ap.add_argument("--fp8", default="off,auto", help="CANVASQ_FP8 arms, ';'-separated when a value is a list")
     ap.add_argument("--arms", default="official", help="official's knob arms, ';'-separated, as canvasq bench's "
                     "--arm (e.g. 'official:sampler=torch;official:sampler=fused')")
+    ap.add_argument("--arena-gib", default="auto", help="graph runner arena caps to A/B, comma-separated "
+                    "(GiB or auto), each an arm after --arms' (e.g. '16,auto': the cap before and after it grew)")
     ap.add_argument("--profile", default=None, help="write a cProfile summary of the last arm's timed drain here")
     ap.add_argument("--trace", default=None, help="torch.profiler over a few steady decoder steps of the last "
                     "batch's last arm: writes TRACE.json (Chrome trace) and TRACE.txt (device time by kernel)")
@@ -317,9 +335,10 @@ def main() -> None:
     global WARM, PROFILE, PROFILE_ARM, TRACE
     WARM = args.warm
     if args.trace:
-        TRACE, PROFILE_ARM = args.trace, (int(args.batches.split(",")[-1]), args.arms.split(";")[-1])
+        TRACE, PROFILE_ARM = args.trace, (int(args.batches.split(",")[-1]), args.arms.split(";")[-1],
+                                          args.arena_gib.split(",")[-1])
     if args.profile:  # the last arm only: the others keep unprofiled timings
-        PROFILE = (int(args.batches.split(",")[-1]), args.arms.split(";")[-1])
+        PROFILE = (int(args.batches.split(",")[-1]), args.arms.split(";")[-1], args.arena_gib.split(",")[-1])
     commit = os.environ.get("CANVASQ_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True).stdout.strip()
     rows, acc = record(args.device, args.n, args.seed, args.max_tokens)
@@ -329,14 +348,15 @@ def main() -> None:
               "service": [], "bare": []}
     arms = args.fp8.split(";") if ";" in args.fp8 else args.fp8.split(",")
     for b in [int(x) for x in args.batches.split(",")]:
-        for fp8, arm in [(f, a) for f in arms for a in args.arms.split(";")]:  # A/B in one process
+        caps = args.arena_gib.split(",")
+        for fp8, arm, cap in [(f, a, c) for f in arms for a in args.arms.split(";") for c in caps]:  # one process
             try:
-                res = replay(rows, b, args.scale, args.device, args.target, fp8, arm)
+                res = replay(rows, b, args.scale, args.device, args.target, fp8, arm, cap)
                 print(json.dumps(res), flush=True)
                 report["service"].append(res)
                 prompt = int(sum(len(_TARGET.encode_prompt(" ".join([r["prompt"]] * args.scale), r["task"]))
                                  for r in rows) / len(rows))
-                if arm != args.arms.split(";")[0]:
+                if arm != args.arms.split(";")[0] or cap != caps[0]:
                     continue  # the bare forward does not depend on the decoder's knobs
                 bres = bare(b, prompt, args.device, fp8=fp8)
                 print(json.dumps(bres), flush=True)

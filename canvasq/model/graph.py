@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import torch
 
@@ -69,6 +69,11 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 
 ROW_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def row_bucket(rows: int) -> int:
+    """The rows a graph pads a window of `rows` rows to (past the largest bucket: `rows`, eager)."""
+    return _bucket(rows, ROW_BUCKETS)
 CONTEXT_BUCKET = 256  # a graph's context (arena entries it reads) is rounded up to a multiple of this
 
 
@@ -253,9 +258,10 @@ class GraphRunner:
         logits_bytes: int = 16 << 30,
         cuda_graph: bool | None = None,
         warmup: int = 1,
-        max_arena_bytes: int = 16 << 30,
+        max_arena_bytes: int | None = None,
     ):
-        self.rt, self.max_arena_bytes = rt, max_arena_bytes
+        self.rt = rt
+        self.max_arena_bytes = default_arena_bytes(rt.device) if max_arena_bytes is None else max_arena_bytes
         self.cuda_graph = rt.device.type == "cuda" if cuda_graph is None else cuda_graph
         self.max_graphs, self.warmup, self.logits_bytes = max_graphs, warmup, logits_bytes
         self.graphs: OrderedDict[tuple, DecodeGraph | None] = OrderedDict()
@@ -263,6 +269,7 @@ class GraphRunner:
         self.pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
         self.logits: torch.Tensor | None = None
         self.stats = {"built": 0, "replayed": 0, "eager": 0, "evicted": 0, "failed": 0}
+        self.eager_reasons: Counter[str] = Counter()  # why `_graph` left a forward eager (benchmarks read it)
         _RUNNERS.add(self)
 
     @property
@@ -330,10 +337,15 @@ class GraphRunner:
     def _graph(self, arena: KVArena, windows: list[Window], encoder: bool) -> DecodeGraph | None:
         """The cached (or a new) graph for these windows; None: run them eagerly."""
         rows = _bucket(max(w.rows for w in windows), ROW_BUCKETS)
-        if arena is not self.store or not self.takes(len(windows), rows):
+        if arena is not self.store:
+            self.eager_reasons["other arena"] += 1
+            return None
+        if not self.takes(len(windows), rows):
+            self.eager_reasons["too many rows"] += 1
             return None
         need = max(arena.length[w.slot] for w in windows) + rows
         if need > arena.capacity:  # the real rows may fit where the padded ones do not
+            self.eager_reasons["past capacity"] += 1
             return None
         context = context_bucket(need, arena.capacity)
         slots = [w.slot for w in windows]
@@ -382,6 +394,14 @@ class GraphRunner:
             return None
         self.stats["built"] += 1
         return graph
+
+
+def default_arena_bytes(device: torch.device) -> int:
+    """The runner's arena cap: 30 % of the GPU's memory, at least 16 GiB (an H200: 42 GiB, enough for
+    64 slots of 2,304 entries at the real shape, 31 GiB; an 80 GiB card: 24 GiB, 32 slots)."""
+    if device.type != "cuda":
+        return 16 << 30
+    return max(16 << 30, int(0.3 * torch.cuda.get_device_properties(device).total_memory))
 
 
 _RUNNERS: weakref.WeakSet[GraphRunner] = weakref.WeakSet()  # every live runner of this process

@@ -150,13 +150,13 @@ def _cap_arena(bundle, fp8: str, settings, arena_gib: str) -> None:
     runner's default). A larger cap lets a batch's arena be the runner's, so its forwards can replay
     graphs; under the cap the stream allocates its own arena and runs eagerly."""
     from canvasq.decoders.base import runtime_for
-    from canvasq.model.graph import default_arena_bytes, graph_runner
+    from canvasq.model.graph import GraphRunner, graph_runner
 
     if settings.cuda_graphs == "off" or not str(settings.device).startswith("cuda"):
         return
     rt = runtime_for(bundle.hf_model, "w4", fp8, settings.fp8_min_rows)
-    runner = graph_runner(rt)
-    runner.max_arena_bytes = default_arena_bytes(rt.device) if arena_gib == "auto" else int(float(arena_gib) * 2**30)
+    default = GraphRunner.__init__.__defaults__[-1]  # max_arena_bytes
+    graph_runner(rt).max_arena_bytes = default if arena_gib == "auto" else int(float(arena_gib) * 2**30)
 
 
 def _pass_stats(store, run_id: str, batch: int, C: int) -> tuple[float, float, dict]:
@@ -327,7 +327,7 @@ def main() -> None:
     ap.add_argument("--arms", default="official", help="official's knob arms, ';'-separated, as canvasq bench's "
                     "--arm (e.g. 'official:sampler=torch;official:sampler=fused')")
     ap.add_argument("--arena-gib", default="auto", help="graph runner arena caps to A/B, comma-separated "
-                    "(GiB or auto), each an arm after --arms' (e.g. '16,auto': the cap before and after it grew)")
+                    "(GiB or auto: the runner's default), each an arm after --arms' (e.g. '16,40')")
     ap.add_argument("--profile", default=None, help="write a cProfile summary of the last arm's timed drain here")
     ap.add_argument("--trace", default=None, help="torch.profiler over a few steady decoder steps of the last "
                     "batch's last arm: writes TRACE.json (Chrome trace) and TRACE.txt (device time by kernel)")

@@ -279,7 +279,8 @@ class StepDecoder:
                         continue
                 if occupancy is not None:
                     occupancy.append((len(pool.live), slots))
-                self._guarded(self.step, pool.live, pool.live, interrupts + (Cancelled,))
+                live = sorted(pool.live, key=lambda s: s.slot) if getattr(self.config, "slot_order", False) else pool.live
+                self._guarded(self.step, pool.live, live, interrupts + (Cancelled,))
                 self.note_emitted(pool.live)
                 for s in pool.live:
                     s.steps += 1
@@ -330,28 +331,10 @@ class StepDecoder:
         return self.rt.new_arena(slots=slots, capacity=capacity)
 
     def encode(self, items) -> None:
-        """One encoder pass over (slot, ids, positions) items (through a CUDA graph when it can).
-
-        On the runner's arena the items go in one pass per row bucket: a graph pads every window to the
-        largest one, so a prompt (up to 1,024 rows) beside a retired canvas on a long slot would need
-        more entries than the slot has and the whole pass would run eagerly, whose host side (about a
-        thousand launches) costs more than a second graph replay."""
+        """One encoder pass over (slot, ids, positions) items (through a CUDA graph when it can)."""
         if self.graphs is None:
             self.rt.encode_many(self.arena, items)
             return
-        if self.arena is self.graphs.store:
-            from canvasq.model.graph import row_bucket
-
-            groups: dict[int, list] = {}
-            for it in items:
-                groups.setdefault(row_bucket(len(it[1])), []).append(it)
-            if len(groups) > 1:
-                for part in groups.values():
-                    self._encode_graphed(part)
-                return
-        self._encode_graphed(items)
-
-    def _encode_graphed(self, items) -> None:
         spare = self._spare_slots({slot for slot, _, _ in items}, len(items), max(len(ids) for _, ids, _ in items))
         if spare:  # padded to a bucket of windows on free slots, which are emptied again after
             _, ids, pos = items[-1]

@@ -75,6 +75,10 @@ class OfficialConfig:
     # A finished canvas's encoder pass waits for the next pass that encodes new prompts (one encoder
     # pass per step instead of two); the row's next decoder step still sees it. False: at once
     defer_commits: bool = True
+    # Each step's windows in arena-slot order: with every slot live the forward then reads the arena as
+    # one slice instead of gathering every layer's K/V per window (the gathers cost about 100 ms of a
+    # 64 x 256-row step on an H200, BENCHMARKS.md "Service throughput"). False: admission order
+    slot_order: bool = True
     cuda_graphs: str = "auto"
 
     def __post_init__(self):

@@ -69,11 +69,6 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 
 ROW_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)
-
-
-def row_bucket(rows: int) -> int:
-    """The rows a graph pads a window of `rows` rows to (past the largest bucket: `rows`, eager)."""
-    return _bucket(rows, ROW_BUCKETS)
 CONTEXT_BUCKET = 256  # a graph's context (arena entries it reads) is rounded up to a multiple of this
 
 
@@ -258,10 +253,9 @@ class GraphRunner:
         logits_bytes: int = 16 << 30,
         cuda_graph: bool | None = None,
         warmup: int = 1,
-        max_arena_bytes: int | None = None,
+        max_arena_bytes: int = 16 << 30,
     ):
-        self.rt = rt
-        self.max_arena_bytes = default_arena_bytes(rt.device) if max_arena_bytes is None else max_arena_bytes
+        self.rt, self.max_arena_bytes = rt, max_arena_bytes
         self.cuda_graph = rt.device.type == "cuda" if cuda_graph is None else cuda_graph
         self.max_graphs, self.warmup, self.logits_bytes = max_graphs, warmup, logits_bytes
         self.graphs: OrderedDict[tuple, DecodeGraph | None] = OrderedDict()
@@ -394,14 +388,6 @@ class GraphRunner:
             return None
         self.stats["built"] += 1
         return graph
-
-
-def default_arena_bytes(device: torch.device) -> int:
-    """The runner's arena cap: 30 % of the GPU's memory, at least 16 GiB (an H200: 42 GiB, enough for
-    64 slots of 2,304 entries at the real shape, 31 GiB; an 80 GiB card: 24 GiB, 32 slots)."""
-    if device.type != "cuda":
-        return 16 << 30
-    return max(16 << 30, int(0.3 * torch.cuda.get_device_properties(device).total_memory))
 
 
 _RUNNERS: weakref.WeakSet[GraphRunner] = weakref.WeakSet()  # every live runner of this process

@@ -183,31 +183,35 @@ def test_graphed_forwards_pad_windows_to_a_bucket_on_free_slots(testbed):
     assert len(keys) == 1 and keys[0][1] == 8 == next(b for b in base_mod.WINDOW_BUCKETS if b >= 5)
 
 
-def test_a_mixed_encoder_pass_goes_in_graphs_per_row_bucket(testbed):
-    """A prompt beside a retired canvas on a long slot: padded to one row bucket they would need more
-    entries than the slot has (the pass would run eagerly); split per bucket both parts replay graphs,
-    and the arena holds what eager passes write."""
-    dec = OfficialDecoder(testbed, make_config("official", {"cuda_graphs": "on"}))
-    cap, C = 256, dec.C
-    dec.arena = dec.new_arena(4, cap)
-    assert dec.arena is dec.graphs.store and dec.arena.capacity == cap
-    g = torch.Generator().manual_seed(1)
-    first = [(0, torch.randint(0, dec.V, (cap - 2 * C,), generator=g), torch.arange(cap - 2 * C))]
-    prompt = torch.randint(0, dec.V, (100,), generator=g)  # bucket 128: 192 + 128 entries would not fit
-    items = [(1, prompt, torch.arange(100)), (0, torch.randint(0, dec.V, (C,), generator=g),
-                                             torch.arange(cap - 2 * C, cap - C))]
-    dec.encode(first)
-    eager_before = dec.graphs.stats["eager"]
-    dec.encode(items)
-    assert dec.graphs.stats["eager"] == eager_before
-    ref = dec.rt.new_arena(slots=4, capacity=cap)
-    dec.rt.encode_many(ref, first)
-    dec.rt.encode_many(ref, items)
-    assert list(dec.arena.length[:2]) == list(ref.length[:2]) == [cap - C, 100]
-    for layer in range(dec.arena.num_layers):
-        for slot in (0, 1):
-            for got, want in zip(dec.arena.prefix(slot, layer), ref.prefix(slot, layer)):
-                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+def test_steps_run_in_slot_order_with_the_same_tokens(testbed):
+    """Under continuous batching (3 slots, 9 requests) each decoder step's windows go in arena-slot
+    order (a full step then reads the arena as one slice), and every row's tokens are what admission
+    order gives (rows draw from their own generators)."""
+    from canvasq.decoders.registry import make_decoder
+
+    reqs = [DecodeRequest(f"s{i}", testbed.encode_prompt(p.prompt, p.task), 96, p.task)
+            for i, p in enumerate(_problems(6, 3, seed=7))]
+    arms = {}
+    for ordered in (False, True):
+        dec = make_decoder("official", testbed, {"slot_order": ordered})
+        todo, got, orders = list(enumerate(reqs)), {}, []
+        forward = dec.forward
+
+        def spy(windows, forward=forward, orders=orders, **kw):
+            orders.append([w.slot for w in windows])
+            return forward(windows, **kw)
+
+        dec.forward = spy
+
+        def feed(n, todo=todo):
+            taken, todo[:] = todo[:n], todo[n:]
+            return taken
+
+        dec.stream(feed, got.__setitem__, slots=3, seed=4, capacity=dec.capacity_for(reqs))
+        arms[ordered] = ([got[i].token_ids for i in range(len(reqs))], orders)
+    assert arms[True][0] == arms[False][0]
+    assert all(o == sorted(o) for o in arms[True][1])
+    assert any(o != sorted(o) for o in arms[False][1])  # admission order does leave slots unsorted
 
 
 def test_deferred_commits_share_the_prefill_pass(testbed):

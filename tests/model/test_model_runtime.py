@@ -513,17 +513,3 @@ def test_prefix_attention_takes_maskfree_path_only_when_exact():
     prep = rt._prepare(arena, [Window.blocks(0, [(canvas, p), (canvas, p + c)])], encoder=False)
     rt._run(prep)
     assert prep.ctx.maskfree == {False: False, True: False}
-
-
-def test_graph_runner_arena_cap_follows_the_gpu_memory(monkeypatch):
-    """The runner's arena cap: 16 GiB off CUDA; on a GPU 30 % of its memory, never below 16 GiB (an
-    H200's 141 GiB give 42 GiB: 64 slots of 2,304 entries at the real shape fit)."""
-    import types
-
-    from canvasq.model.graph import default_arena_bytes
-
-    assert default_arena_bytes(torch.device("cpu")) == 16 << 30
-    for gib, want in ((141, int(0.3 * 141 * 2**30)), (40, 16 << 30)):
-        props = types.SimpleNamespace(total_memory=gib * 2**30)
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, props=props: props)
-        assert default_arena_bytes(torch.device("cuda", 0)) == want

@@ -111,7 +111,7 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
     paths = _attention_paths(bundle)
     _sync()
     prof = cProfile.Profile() if PROFILE == (batch, arm, arena_gib) else None  # the profiler slows the host side
-    tracer = _StepTrace(TRACE, batch) if TRACE and PROFILE_ARM == (batch, arm, arena_gib) else contextlib.nullcontext()
+    tracer = _StepTrace(TRACE, batch, *TRACE_STEPS) if TRACE and PROFILE_ARM == (batch, arm, arena_gib) else contextlib.nullcontext()
     t0 = time.perf_counter()
     if prof:
         prof.enable()
@@ -236,10 +236,13 @@ class _StepTrace:
     def _ready(self, p) -> None:
         p.export_chrome_trace(self.path + ".json")
         ka = p.key_averages()
-        try:
-            table = ka.table(sort_by="self_device_time_total", row_limit=70)
-        except (AttributeError, KeyError):
-            table = ka.table(sort_by="self_cuda_time_total", row_limit=70)
+        if not torch.cuda.is_available():  # the CPU dry run: no device time to sort by
+            table = ka.table(sort_by="cpu_time_total", row_limit=70)
+        else:
+            try:
+                table = ka.table(sort_by="self_device_time_total", row_limit=70)
+            except (AttributeError, KeyError):
+                table = ka.table(sort_by="self_cuda_time_total", row_limit=70)
         Path(self.path + ".txt").write_text(f"batch {self.batch}\n{table}")
 
 
@@ -309,6 +312,7 @@ WARM = "full"
 PROFILE: tuple | None = None  # (batch, arm) of the one arm run under cProfile
 PROFILE_ARM: tuple | None = None  # (batch, arm) of the one arm run under torch.profiler (`--trace`)
 TRACE: str | None = None
+TRACE_STEPS = (24, 4)  # decoder steps the trace waits, then records (`--trace-steps`)
 PROFILES: list[str] = []
 
 
@@ -326,14 +330,16 @@ def main() -> None:
     ap.add_argument("--fp8", default="off,auto", help="CANVASQ_FP8 arms, ';'-separated when a value is a list")
     ap.add_argument("--arms", default="official", help="official's knob arms, ';'-separated, as canvasq bench's "
                     "--arm (e.g. 'official:sampler=torch;official:sampler=fused')")
+    ap.add_argument("--trace-steps", default="24,4", help="WAIT,ACTIVE: decoder steps before the trace and in it")
     ap.add_argument("--arena-gib", default="auto", help="graph runner arena caps to A/B, comma-separated "
                     "(GiB or auto: the runner's default), each an arm after --arms' (e.g. '16,40')")
     ap.add_argument("--profile", default=None, help="write a cProfile summary of the last arm's timed drain here")
     ap.add_argument("--trace", default=None, help="torch.profiler over a few steady decoder steps of the last "
                     "batch's last arm: writes TRACE.json (Chrome trace) and TRACE.txt (device time by kernel)")
     args = ap.parse_args()
-    global WARM, PROFILE, PROFILE_ARM, TRACE
+    global WARM, PROFILE, PROFILE_ARM, TRACE, TRACE_STEPS
     WARM = args.warm
+    TRACE_STEPS = tuple(int(x) for x in args.trace_steps.split(","))
     if args.trace:
         TRACE, PROFILE_ARM = args.trace, (int(args.batches.split(",")[-1]), args.arms.split(";")[-1],
                                           args.arena_gib.split(",")[-1])

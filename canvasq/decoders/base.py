@@ -343,13 +343,18 @@ class StepDecoder:
         for slot in spare:
             self.arena.reset(slot)
 
+    @property
+    def folds(self) -> bool:
+        """Whether encoder passes ride in the next decoder forward (`fold_encode`; see `prefill`)."""
+        return bool(getattr(self.config, "fold_encode", False))
+
     def forward(self, windows, **kw):
         """One decoder forward over `windows` (through a CUDA graph when the runner can take it).
 
         Under continuous batching the number of live windows changes every few steps; a graph is
         captured per window count, so the windows are padded to a count bucket (`WINDOW_BUCKETS`)
         with windows on free slots that receive zero self-conditioning and whose logits are dropped."""
-        if self.graphs is None:
+        if self.graphs is None or any(w.encoder_rows for w in windows):  # encoder rows: eager
             return self.rt.decode(self.arena, windows, **kw)
         spare = self._spare_slots({w.slot for w in windows}, len(windows), max(w.rows for w in windows))
         if not spare:
@@ -377,22 +382,42 @@ class StepDecoder:
 
     def prefill(self, seqs: list[Seq]) -> None:
         """Encode every prompt, and the canvases whose commit pass was deferred (`defer_encode`), in one
-        pass; then spawn each new row's first canvas."""
+        pass; then spawn each new row's first canvas. When encoder passes fold into the decoder
+        forward (`folds`), the commits and every prompt of at most one canvas's length ride there
+        instead (a longer rider would pad every window of that forward to its rows); only longer
+        prompts get a pass here."""
         items, rows, states = [], {}, {}
         for s in seqs:
             ids = torch.tensor(s.req.prompt_ids, dtype=torch.long, device=self.device)
-            items.append((s.slot, ids, torch.arange(s.prompt_len, device=self.device)))
-            rows[s.row], states[s.row] = s.prompt_len, "prefill"
-        deferred, self._deferred = [(s, it) for s, it in self._deferred if not s.done], []
-        for s, item in deferred:
+            item = (s.slot, ids, torch.arange(s.prompt_len, device=self.device))
+            if self.folds and s.prompt_len <= self.C:
+                self._deferred.append((s, item))
+                continue
             items.append(item)
-            rows[s.row], states[s.row] = len(item[1]), "commit"
+            rows[s.row], states[s.row] = s.prompt_len, "prefill"
+        if not self.folds:
+            deferred, self._deferred = [(s, it) for s, it in self._deferred if not s.done], []
+            for s, item in deferred:
+                items.append(item)
+                rows[s.row], states[s.row] = len(item[1]), "commit"
         if items:
             with self.timed() as t:
                 self.encode(items)
             self.record("encode", t.ms, rows, {}, states)
         for s in seqs:
             self.spawn(s)
+
+    def take_deferred(self, seqs: list[Seq]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The deferred encoder items of `seqs` (row -> ids, positions; a row's items in order), taken
+        off the list; items of finished rows are dropped."""
+        rows = {s.row for s in seqs}
+        mine: dict[int, list] = {}
+        for s, item in self._deferred:
+            if not s.done and s.row in rows:
+                mine.setdefault(s.row, []).append(item)
+        self._deferred = [(s, it) for s, it in self._deferred if not s.done and s.row not in rows]
+        return {r: (torch.cat([ids for _, ids, _ in its]), torch.cat([pos for _, _, pos in its]))
+                for r, its in mine.items()}
 
     def defer_encode(self, s: Seq, item) -> None:
         """Leave a retired canvas's encoder pass (slot, ids, positions) to the next prefill pass, which

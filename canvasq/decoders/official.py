@@ -147,7 +147,8 @@ class OfficialDecoder(StepDecoder):
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self, seqs: list[Seq]) -> None:
-        windows = [self._window(s.slot, s.canvases[0]) for s in seqs]
+        enc = self.take_deferred(seqs) if self.folds else {}  # encoder rows riding in this forward
+        windows = [self._window(s.slot, s.canvases[0], enc.get(s.row)) for s in seqs]
         with self.timed() as t:
             out = self.forward(windows)
         logits = out.logits.view(len(seqs), self.C, self.V)
@@ -165,7 +166,7 @@ class OfficialDecoder(StepDecoder):
         self.record(
             "decode",
             t.ms,
-            {s.row: self.C for s in seqs},
+            {s.row: self.C + (enc[s.row][0].numel() if s.row in enc else 0) for s in seqs},
             {s.row: c for s, c in zip(seqs, counts)},
             {s.row: "full" for s in seqs},
         )
@@ -173,16 +174,32 @@ class OfficialDecoder(StepDecoder):
         if finished:
             self._finish_canvases(finished)
 
-    def _window(self, slot: int, cv):
+    def _window(self, slot: int, cv, enc: tuple[torch.Tensor, torch.Tensor] | None = None):
         """The canvas's decoder window. A canvas's first step has no self-conditioning; with top-k SC it
         still carries a zero top-k signal (`self_cond_rows` all off, exactly HF's "no logits"), so
-        every window of a forward has the same kind and graphed forwards share one capture."""
+        every window of a forward has the same kind and graphed forwards share one capture. `enc`
+        (ids, positions): an encoder pass of the slot's (`fold_encode`) in front, as causal rows
+        with no self-conditioning."""
         from canvasq.model.runtime import Window
 
         if cv.sc is None and self._zero_sc is not None:
             sc, rows = self._zero_sc
+        else:
+            sc, rows = cv.sc, None
+        if enc is None:
             return Window.canvas(slot, cv.tokens, cv.start, self_cond=sc, self_cond_rows=rows)
-        return Window.canvas(slot, cv.tokens, cv.start, self_cond=cv.sc)
+        ids, pos = enc
+        n, dev = ids.numel(), self.device
+        if sc is not None:
+            on = torch.ones(self.C, dtype=torch.bool, device=dev) if rows is None else rows
+            rows = torch.cat([torch.zeros(n, dtype=torch.bool, device=dev), on])
+            sc = (tuple(torch.cat([t.new_zeros((n, *t.shape[1:])), t]) for t in sc) if isinstance(sc, tuple)
+                  else torch.cat([sc.new_zeros((n, *sc.shape[1:])), sc]))
+        canvas = torch.arange(cv.start, cv.start + self.C, device=dev)
+        return Window(slot, torch.cat([ids, cv.tokens]), torch.cat([pos, canvas]),
+                      torch.cat([pos, torch.full_like(canvas, cv.start)]),
+                      torch.cat([pos + 1, torch.full_like(canvas, cv.start + self.C)]),
+                      self_cond=sc, self_cond_rows=rows, encoder_rows=n)
 
     def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The sampler on one group: logits [B, C, V] fp32 -> (accepted per request [B], stopped [B])."""
@@ -328,7 +345,7 @@ class OfficialDecoder(StepDecoder):
                 self._dn.pop(s.row, None)
                 continue
             encodes.append((s, (s.slot, cv.tokens, torch.arange(cv.start, cv.end, device=self.device))))
-        if encodes and self.config.defer_commits:  # with the next prompts, before the next step
+        if encodes and (self.config.defer_commits or self.folds):  # before the row's next step
             for s, item in encodes:
                 self.defer_encode(s, item)
         elif encodes:

@@ -138,6 +138,11 @@ class Runtime:
         self._router: Callable = functools.partial(router_topk, impl=impl)
         self._softcap: Callable = functools.partial(softcap_logits, impl=impl)
         fuse_projections(enc_layers + dec_layers)
+        # HF ties the encoder's and decoder's weights but not their `layer_scalar` buffers: where they
+        # are equal, encoder rows riding in a decoder forward need no per-row scalar
+        self.tied_scalars = all(
+            torch.equal(e.layer_scalar, d.layer_scalar) for e, d in zip(enc_layers, dec_layers)
+        )
         self.prefix_attention = True  # mask-free SDPA when the mask is all-visible (eager forwards)
         # eager forwards by attention path: "maskfree" (all-visible, SDPA without a mask) or "masked"
         # (ragged contexts, a sliding band that clips, padded rows); graphed forwards always mask
@@ -255,8 +260,14 @@ class Runtime:
     ) -> DecodeOutput:
         """Decoder forward over several windows (one arena slot each, read-only). Returns fp32
         softcapped logits for every row and, per window, the captured K/V of its `capture` rows.
-        `prefix_attention` overrides `self.prefix_attention` for this forward."""
-        return self._forward(arena, windows, encoder=False, prefix_attention=prefix_attention)
+        `prefix_attention` overrides `self.prefix_attention` for this forward. A window's leading
+        `encoder_rows` are an encoder pass in the same forward (see `Window`): no logits come back for
+        them, and their K/V are committed to the slot after the forward."""
+        out = self._forward(arena, windows, encoder=False, prefix_attention=prefix_attention)
+        for w in windows:
+            if w.encoder_rows:
+                arena.commit(w.slot, w.encoder_rows)
+        return out
 
     # --- the forward -------------------------------------------------------------------------------
     # Split in two so a decoder step can be replayed as a CUDA graph (`DecodeGraph`): `_prepare` does
@@ -271,7 +282,8 @@ class Runtime:
         logits, cap_k, cap_v = self._run(prep)
         if encoder:
             return None
-        return DecodeOutput(logits, prep.offsets, self._split_captured(prep, cap_k, cap_v))
+        offsets = prep.offsets if prep.enc_rows is None else prep.dec_offsets
+        return DecodeOutput(logits, offsets, self._split_captured(prep, cap_k, cap_v))
 
     def _prepare(
         self,
@@ -316,6 +328,16 @@ class Runtime:
                     cap_rows.append(idx + offsets[b])
                     cap_owner.append((b, int(idx.numel())))
         cap = torch.cat(cap_rows) if cap_rows else None
+        enc_rows = dec_rows = None
+        dec_offsets = offsets
+        if not encoder and any(w.encoder_rows for w in windows):
+            if capture and cap_rows:
+                raise ValueError("encoder rows and captured rows in one forward")
+            enc_rows = torch.cat([torch.arange(w.rows, device=dev) < w.encoder_rows for w in windows])
+            dec_rows = torch.nonzero(~enc_rows).flatten()
+            dec_offsets = [0]
+            for w in windows:
+                dec_offsets.append(dec_offsets[-1] + w.rows - w.encoder_rows)
         return _Prepared(
             encoder,
             windows,
@@ -331,6 +353,9 @@ class Runtime:
             arena,
             cap_slot=None if cap is None else row_slot[cap],
             cap_col=None if cap is None else row_col[cap],
+            enc_rows=enc_rows,
+            dec_rows=dec_rows,
+            dec_offsets=dec_offsets,
         )
 
     def _run(self, prep: _Prepared):
@@ -354,6 +379,8 @@ class Runtime:
         if prep.encoder:
             return None, cap_k, cap_v
         with self.scope("lm_head"):
+            if prep.dec_rows is not None:  # encoder rows that rode along need no logits
+                h = h.index_select(0, prep.dec_rows)
             h = self._norm(h, self.final_norm, self.eps)
             # [N, V] fp32, like HF
             if self.lm_head_fp8 is not None and h.shape[0] >= self.fp8_min_rows:
@@ -393,6 +420,8 @@ class Runtime:
                     gelu_tanh(F.linear(x, self.sc["gate"])) * F.linear(x, self.sc["up"]), self.sc["down"]
                 )
                 h = h.index_add(0, r, sig)
+        if prep.enc_rows is not None:  # the encoder's rows enter without the decoder's input norm
+            return torch.where(prep.enc_rows[:, None], h, self._norm(h, None, self.eps))
         return self._norm(h, None, self.eps)
 
     def _soft_embedding(self, sc) -> torch.Tensor:
@@ -458,9 +487,14 @@ class Runtime:
             moe = self._moe if self._fp8(n, lw, "experts") is None else self._moe_fp8
             e = moe(x_e, topk_ids, topk_p, lw)
         # (h + norm(norm(m) + norm(e))) * scalar: the branches' post-norms and the residual update in one
-        return self._add_norm(
-            m, lw.ln_post_ff, h, e, lw.layer_scalar, eps, pre=(lw.ln_post_ff1, lw.ln_post_ff2)
+        per_row = prep.enc_rows is not None and not self.tied_scalars
+        out = self._add_norm(
+            m, lw.ln_post_ff, h, e, None if per_row else lw.layer_scalar, eps, pre=(lw.ln_post_ff1, lw.ln_post_ff2)
         )
+        if per_row:  # encoder rows riding in a decoder forward take the encoder layer's scalar (HF rounds
+            # the residual sum, then the product: as here)
+            out = out * torch.where(prep.enc_rows[:, None], self.enc_layers[i].layer_scalar, lw.layer_scalar).to(out.dtype)
+        return out
 
     def _fp8(self, rows: int, lw: LayerWeights, name: str):
         """The FP8 copy of `name` when this forward is large enough to use it, else None."""
@@ -523,3 +557,6 @@ class _Prepared:
     static: bool = False  # replayed as a CUDA graph: no host sync, masks always applied
     prefix_attention: bool | None = None  # per-forward override of Runtime.prefix_attention
     logits_out: torch.Tensor | None = None  # fp32 buffer the logits are written into (DecodeGraph)
+    enc_rows: torch.Tensor | None = None  # [N] bool: encoder rows riding in a decoder forward
+    dec_rows: torch.Tensor | None = None  # [N_dec] the other rows' indices (the LM head's rows)
+    dec_offsets: list[int] = field(default_factory=list)  # window i's logits: dec_offsets[i]:[i + 1]

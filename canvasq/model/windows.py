@@ -26,6 +26,9 @@ class Window:
     capture: torch.Tensor | None = None  # rows whose K/V come back in DecodeOutput.captured
     self_cond: SelfCond = None  # None | logits [R, V] | (ids [R, k], logits [R, k])
     self_cond_rows: torch.Tensor | None = None  # rows that get SC (others: zero signal)
+    # leading rows that are an encoder pass riding in this decoder forward (a prompt or a retired
+    # canvas, causal bounds): no input norm or logits, and their K/V are committed after the forward
+    encoder_rows: int = 0
 
     def __post_init__(self):
         if not isinstance(self.token_ids, torch.Tensor):

@@ -214,6 +214,41 @@ def test_steps_run_in_slot_order_with_the_same_tokens(testbed):
     assert any(o != sorted(o) for o in arms[False][1])  # admission order does leave slots unsorted
 
 
+def test_folded_encoder_passes_give_the_same_tokens_in_fewer_forwards(testbed):
+    """`fold_encode`: retired canvases and prompts of at most one canvas ride in the next decoder
+    forward as causal rows in front of their canvas. Under continuous batching (4 slots, 12 requests,
+    a few prompts cut to one canvas) no commit pass runs and a short prompt gets none, there are fewer
+    forwards, and every row's tokens are the separate passes' tokens."""
+    from canvasq.decoders.registry import make_decoder
+
+    reqs = [DecodeRequest(f"f{i}", testbed.encode_prompt(p.prompt, p.task), 128, p.task)
+            for i, p in enumerate(_problems(6, 6, seed=11))]
+    C = testbed.canvas_length
+    for r in reqs[::3]:
+        r.prompt_ids = r.prompt_ids[-C:]  # short prompts ride too
+    long = sum(len(r.prompt_ids) > C for r in reqs)
+    arms = {}
+    for fold in (False, True):
+        dec = make_decoder("official", testbed, {"fold_encode": fold})
+        assert dec.folds == fold
+        todo, got = list(enumerate(reqs)), {}
+
+        def feed(n, todo=todo):
+            taken, todo[:] = todo[:n], todo[n:]
+            return taken
+
+        dec.stream(feed, got.__setitem__, slots=4, seed=3, capacity=dec.capacity_for(reqs))
+        res = [got[i] for i in range(len(reqs))]
+        assert all(r.error is None for r in res)
+        encodes = [t for r in res for t in r.traces if t.kind == "encode"]
+        arms[fold] = ([r.token_ids for r in res], len({t.index for r in res for t in r.traces}),
+                      sum(t.own_rows for t in encodes), {t.states for t in encodes})
+    assert arms[True][0] == arms[False][0]
+    assert arms[True][1] < arms[False][1]
+    assert arms[True][3] <= {"prefill"} and arms[False][3] == {"prefill", "commit"}
+    assert arms[True][2] == sum(len(r.prompt_ids) for r in reqs if len(r.prompt_ids) > C) and long < len(reqs)
+
+
 def test_deferred_commits_share_the_prefill_pass(testbed):
     """Under continuous batching (4 slots, 16 requests) a finished canvas's encoder pass waits for the
     next prefill pass: fewer model passes, the same tokens (the row's next step still sees its cache)."""

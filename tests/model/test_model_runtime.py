@@ -513,3 +513,31 @@ def test_prefix_attention_takes_maskfree_path_only_when_exact():
     prep = rt._prepare(arena, [Window.blocks(0, [(canvas, p), (canvas, p + c)])], encoder=False)
     rt._run(prep)
     assert prep.ctx.maskfree == {False: False, True: False}
+
+
+def test_encoder_rows_ride_in_a_decoder_forward(model):
+    """A window's leading `encoder_rows` (a retired canvas, causal) in a decoder forward beside a plain
+    window: the logits of a separate encoder pass then the decoder forward, for both windows, and the
+    same committed K/V in the arena (these models' encoder and decoder layer scalars differ)."""
+    shape, m, rt = model
+    assert not rt.tied_scalars
+    g = torch.Generator().manual_seed(5)
+    c, v, p = shape.canvas_length, shape.vocab_size, 9
+    prompt, done, canvas = _ids(g, p, v), _ids(g, c, v), _ids(g, c, v)
+    arena = rt.new_arena(2, 128)
+    for slot in (0, 1):
+        rt.encode(arena, slot, prompt, torch.arange(p))
+    rt.encode(arena, 0, done, torch.arange(p, p + c))  # slot 0: the separate encoder pass
+    separate = rt.decode(arena, [Window.canvas(0, canvas, p + c)])
+    pos, cpos = torch.arange(p, p + c), torch.arange(p + c, p + 2 * c)
+    riding = Window(1, torch.cat([done, canvas]), torch.cat([pos, cpos]),
+                    torch.cat([pos, torch.full_like(cpos, p + c)]), torch.cat([pos + 1, torch.full_like(cpos, p + 2 * c)]),
+                    encoder_rows=c)
+    out = rt.decode(arena, [Window.canvas(0, canvas, p + c), riding])
+    assert out.offsets == [0, c, 2 * c] and out.logits.shape[0] == 2 * c
+    assert rel_err(out.window_logits(1), separate.logits) <= TOL
+    assert rel_err(out.window_logits(0), separate.logits) <= TOL
+    assert arena.length[0] == arena.length[1] == p + c
+    for layer in range(arena.num_layers):
+        for a, b in zip(arena.prefix(0, layer), arena.prefix(1, layer)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -210,7 +210,9 @@ class QueueStore(StoreBase):
     # -- worker side ------------------------------------------------------------------------------
     def claim_chunk(self, chunk_id: str, worker_id: str, lease_s: int, max_attempts: int) -> ClaimedChunk:
         """Count this delivery (attempts in SQL: Celery does not cap redelivery, celery#9082) and
-        return the chunk's unfinished rows. Past `max_attempts` the rows become errored/worker_lost."""
+        return the chunk's unfinished rows. Past `max_attempts` the rows become errored/worker_lost.
+        A finished chunk's duplicate, or the late message of a chunk another worker holds ahead, is
+        not a delivery: nothing is counted or changed."""
         now = utcnow()
         with self.Session.begin() as s:
             row = s.execute(
@@ -220,12 +222,16 @@ class QueueStore(StoreBase):
             if row is None:
                 return ClaimedChunk(ClaimState.missing, chunk_id)
             chunk, run = row
+            if chunk.status == ChunkStatus.done and not s.scalar(select(Request.id).where(
+                    Request.chunk_id == chunk_id, Request.status == RequestStatus.queued).limit(1)):
+                # a duplicate of a finished chunk: nothing to count or reopen (counted, enough of them
+                # would mark it failed); one that ended with rows left queued is a delivery as before
+                return ClaimedChunk(ClaimState.empty, chunk_id, run.id, run.model, run.decoder, chunk.attempts)
             if chunk.claimed_ahead:  # its message arrives after a worker took it ahead (`claim_ahead`)
                 held = (chunk.status == ChunkStatus.running and chunk.worker_id != worker_id
                         and chunk.lease_expires_at is not None and chunk.lease_expires_at > now)
-                if held or chunk.status == ChunkStatus.done:  # not a delivery: nothing counted
-                    state = ClaimState.busy if held else ClaimState.empty
-                    return ClaimedChunk(state, chunk_id, run.id, run.model, run.decoder, chunk.attempts)
+                if held:  # not a delivery: nothing counted
+                    return ClaimedChunk(ClaimState.busy, chunk_id, run.id, run.model, run.decoder, chunk.attempts)
             attempts = chunk.attempts + 1
             s.execute(
                 update(Chunk)

@@ -104,6 +104,29 @@ def test_claim_skips_done_rows_and_caps_attempts(store):
         assert set(codes) == {"worker_lost"}
 
 
+def test_duplicates_of_a_finished_chunk_are_not_counted(store):
+    """Duplicate deliveries of a finished chunk (an outbox race, a broker redelivery) find nothing to
+    do: no attempt counted, the chunk stays done however many arrive (counted, a cap of 2 would have
+    turned it failed). A chunk that ended with a row left queued is still a delivery."""
+    run = make_run(store, 4, 2)
+    cid = run.chunk_ids[0]
+    assert store.claim_chunk(cid, "w1", 60, max_attempts=2).state == "work"
+    store.write_results(run.run_id, [done("q0"), done("q1")], "w1")
+    store.finish_chunk(cid)
+    for worker in ("w2", "w3", "w4"):
+        dup = store.claim_chunk(cid, worker, 60, max_attempts=2)
+        assert dup.state == "empty" and dup.attempts == 1 and not dup.requests
+    with store.Session() as s:
+        chunk = s.get(Chunk, cid)
+        assert (chunk.status, chunk.attempts, chunk.worker_id) == ("done", 1, "w1")
+    other = run.chunk_ids[1]
+    assert store.claim_chunk(other, "w1", 60, max_attempts=2).state == "work"
+    store.write_results(run.run_id, [done("q2")], "w1")
+    store.finish_chunk(other)  # q3 left queued
+    again = store.claim_chunk(other, "w2", 60, max_attempts=2)
+    assert again.state == "work" and again.attempts == 2 and [r.custom_id for r in again.requests] == ["q3"]
+
+
 def test_summary_counts_come_from_rows(store):
     run = make_run(store, 6, 3)
     store.claim_chunk(run.chunk_ids[0], "w1", 60, 3)

@@ -23,6 +23,18 @@ def _problems(n_arith=4, n_code=3, seed=11):
     return tasks.generate("arith", n_arith, seed) + tasks.generate("code", n_code, seed)
 
 
+def _drain(dec, reqs, slots: int = 4, seed: int = 3):
+    """Every request through `dec.stream` (continuous batching over `slots`); results in request order."""
+    todo, got = list(enumerate(reqs)), {}
+
+    def feed(n):
+        taken, todo[:] = todo[:n], todo[n:]
+        return taken
+
+    dec.stream(feed, got.__setitem__, slots=slots, seed=seed, capacity=dec.capacity_for(reqs))
+    return [got[i] for i in range(len(reqs))]
+
+
 @pytest.mark.parametrize(
     "knobs",
     [{}, {"t_min": 0.001, "t_max": 0.002}, {"max_denoising_steps": 3}],
@@ -194,7 +206,7 @@ def test_steps_run_in_slot_order_with_the_same_tokens(testbed):
     arms = {}
     for ordered in (False, True):
         dec = make_decoder("official", testbed, {"slot_order": ordered})
-        todo, got, orders = list(enumerate(reqs)), {}, []
+        orders = []
         forward = dec.forward
 
         def spy(windows, forward=forward, orders=orders, **kw):
@@ -202,13 +214,7 @@ def test_steps_run_in_slot_order_with_the_same_tokens(testbed):
             return forward(windows, **kw)
 
         dec.forward = spy
-
-        def feed(n, todo=todo):
-            taken, todo[:] = todo[:n], todo[n:]
-            return taken
-
-        dec.stream(feed, got.__setitem__, slots=3, seed=4, capacity=dec.capacity_for(reqs))
-        arms[ordered] = ([got[i].token_ids for i in range(len(reqs))], orders)
+        arms[ordered] = ([r.token_ids for r in _drain(dec, reqs, slots=3, seed=4)], orders)
     assert arms[True][0] == arms[False][0]
     assert all(o == sorted(o) for o in arms[True][1])
     assert any(o != sorted(o) for o in arms[False][1])  # admission order does leave slots unsorted
@@ -231,14 +237,7 @@ def test_folded_encoder_passes_give_the_same_tokens_in_fewer_forwards(testbed):
     for fold in (False, True):
         dec = make_decoder("official", testbed, {"fold_encode": fold})
         assert dec.folds == fold
-        todo, got = list(enumerate(reqs)), {}
-
-        def feed(n, todo=todo):
-            taken, todo[:] = todo[:n], todo[n:]
-            return taken
-
-        dec.stream(feed, got.__setitem__, slots=4, seed=3, capacity=dec.capacity_for(reqs))
-        res = [got[i] for i in range(len(reqs))]
+        res = _drain(dec, reqs)
         assert all(r.error is None for r in res)
         encodes = [t for r in res for t in r.traces if t.kind == "encode"]
         arms[fold] = ([r.token_ids for r in res], len({t.index for r in res for t in r.traces}),
@@ -259,14 +258,7 @@ def test_deferred_commits_share_the_prefill_pass(testbed):
     arms = {}
     for defer in (False, True):
         dec = make_decoder("official", testbed, {"defer_commits": defer})
-        todo, got = list(enumerate(reqs)), {}
-
-        def feed(n, todo=todo):
-            taken, todo[:] = todo[:n], todo[n:]
-            return taken
-
-        dec.stream(feed, got.__setitem__, slots=4, seed=3, capacity=dec.capacity_for(reqs))
-        res = [got[i] for i in range(len(reqs))]
+        res = _drain(dec, reqs)
         passes = {t.index for r in res for t in r.traces}
         encodes = {t.index for r in res for t in r.traces if t.kind == "encode"}
         kinds = {t.states for r in res for t in r.traces if t.kind == "encode"}

@@ -519,7 +519,7 @@ def test_encoder_rows_ride_in_a_decoder_forward(model):
     """A window's leading `encoder_rows` (a retired canvas, causal) in a decoder forward beside a plain
     window: the logits of a separate encoder pass then the decoder forward, for both windows, and the
     same committed K/V in the arena (these models' encoder and decoder layer scalars differ)."""
-    shape, m, rt = model
+    shape, _, rt = model
     assert not rt.tied_scalars
     g = torch.Generator().manual_seed(5)
     c, v, p = shape.canvas_length, shape.vocab_size, 9

@@ -24,12 +24,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def jobs_from(path: str):
-    from canvasq.core.schemas import Job
+    """The input's jobs as `canvasq submit` reads them (plain and OpenAI batch lines alike)."""
+    from canvasq.core.schemas import Limits, parse_line
 
     out = []
-    for i, line in enumerate(Path(path).read_text().splitlines()):
-        d = json.loads(line)
-        out.append(Job(d["custom_id"], d["prompt"], d.get("task"), int(d.get("max_tokens", 128)), None, i + 1))
+    for i, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        job, errors = parse_line(json.loads(line), i, Limits())
+        if job is None:
+            raise SystemExit(f"{path}:{i}: {'; '.join(errors)}")
+        out.append(job)
     return out
 
 

@@ -3,11 +3,12 @@ plan agreement (committed tokens equal to the coarse plan's last argmax at their
 proposal's global-local contradiction rate is 1 − agreement), tokens per commit, forced commits, and
 future rows kept vs drawn fresh at each slide (future repair keeps, regeneration would draw).
 
-    python3 benchmarks/phcd_counters.py OUT.json
+    python3 benchmarks/phcd_counters.py OUT.json [--n 32]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections import Counter
@@ -36,14 +37,19 @@ def counters(bundle, task: str, max_tokens: int, n: int = 32, seed: int = 41) ->
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", help="the report (JSON)")
+    ap.add_argument("--n", type=int, default=32, help="problems per task")
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     bundle = load_bundle()
     report = {}
     for task, max_tokens in (("arith", 160), ("code", 160), ("long", 384)):
-        report[task] = counters(bundle, task, max_tokens)
+        report[task] = counters(bundle, task, max_tokens, n=args.n)
         print(task, json.dumps(report[task]), flush=True)
-    Path(sys.argv[1]).write_text(json.dumps(report, indent=1))
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    return report
 
 
 if __name__ == "__main__":

@@ -1,0 +1,61 @@
+"""The service benchmarks run end to end on the CPU at tiny sizes against the testbed (each a
+subprocess, as a user runs it); their full runs are in BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+pytestmark = pytest.mark.slow
+
+
+def _run(tmp_path: Path, script: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600, check=False, env={**os.environ, "CANVASQ_COMMIT": "test"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _json_lines(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def test_service_overhead(tmp_path):
+    last = _json_lines(_run(tmp_path, "service_overhead.py", "--n", "6", "--max-tokens", "16"))[-1]
+    assert last["bench"] == "service_overhead" and last["n"] == 6 and last["schedule"] == "real"
+    assert last["plain_s"] > 0 and last["service_s"] > 0
+
+
+def test_claim_ahead_on_the_bundled_example(tmp_path):
+    """Plain and OpenAI batch lines alike (the bundled example has both); both arms write every row."""
+    lines = (ROOT / "examples" / "prompts.jsonl").read_text().splitlines()
+    src = tmp_path / "p.jsonl"
+    src.write_text("\n".join(lines[:3] + lines[-3:]) + "\n")
+    arms = _json_lines(_run(tmp_path, "claim_ahead.py", str(src), "--chunk", "2", "--slots", "4", "--reps", "1"))
+    assert [a["arm"] for a in arms] == ["off", "on"] and all(a["rows"] == 6 and a["tokens"] > 0 for a in arms)
+
+
+def test_phcd_counters(tmp_path):
+    _run(tmp_path, "phcd_counters.py", str(tmp_path / "out.json"), "--n", "1")
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert set(report) == {"arith", "code", "long"} and all(r["commits"] > 0 for r in report.values())
+
+
+def test_slot_occupancy_replays_forward_counts(tmp_path):
+    """Rows of 2, 4, 6 and 8 forwards (a `canvasq run` output's `usage.forwards`) through 2 slots. In
+    chunks of 2: 4 steps at 6/8 busy, then 8 at 14/16. As one stream: rows 6 and 8 take the slots freed
+    at steps 2 and 4, so 12 steps at 20/24 busy either way."""
+    out = tmp_path / "results.jsonl"
+    out.write_text("".join(json.dumps({"custom_id": f"r{i}", "response": {"body": {"usage": {"forwards": f}}}}) + "\n"
+                           for i, f in enumerate((2, 4, 6, 8))))
+    text = _run(tmp_path, "slot_occupancy.py", str(out), "--slots", "2", "--chunks", "2,0")
+    assert "4 rows, forwards per row: mean 5.00, max 8" in text
+    assert "| 2 | 2 | 83% | 12 |" in text and "| 2 | all | 83% | 12 |" in text

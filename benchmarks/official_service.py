@@ -150,13 +150,12 @@ def _cap_arena(bundle, fp8: str, settings, arena_gib: str) -> None:
     runner's default). A larger cap lets a batch's arena be the runner's, so its forwards can replay
     graphs; under the cap the stream allocates its own arena and runs eagerly."""
     from canvasq.decoders.base import runtime_for
-    from canvasq.model.graph import GraphRunner, graph_runner
+    from canvasq.model.graph import ARENA_BYTES, graph_runner
 
     if settings.cuda_graphs == "off" or not str(settings.device).startswith("cuda"):
         return
     rt = runtime_for(bundle.hf_model, "w4", fp8, settings.fp8_min_rows)
-    default = GraphRunner.__init__.__defaults__[-1]  # max_arena_bytes
-    graph_runner(rt).max_arena_bytes = default if arena_gib == "auto" else int(float(arena_gib) * 2**30)
+    graph_runner(rt).max_arena_bytes = ARENA_BYTES if arena_gib == "auto" else int(float(arena_gib) * 2**30)
 
 
 def _pass_stats(store, run_id: str, batch: int, C: int) -> tuple[float, float, dict]:
@@ -217,8 +216,8 @@ class _StepTrace:
     def __enter__(self):
         from canvasq.decoders.base import _RUNTIMES
 
-        self.runtimes = [rt for per in _RUNTIMES.values() for rt in per.values()]
-        for rt in self.runtimes:  # the forward's own labels: attention, dense_mlp, experts, lm_head, ...
+        self.runtimes = [(rt, rt.scope) for per in _RUNTIMES.values() for rt in per.values()]
+        for rt, _ in self.runtimes:  # the forward's own labels: attention, dense_mlp, experts, lm_head, ...
             rt.scope = torch.profiler.record_function
         self.saved = [(cls, name, getattr(cls, name)) for cls, name, _, _ in self.patches]
         for cls, name, label, tick in self.patches:
@@ -228,8 +227,8 @@ class _StepTrace:
 
     def __exit__(self, *exc):
         self.prof.stop()
-        for rt in self.runtimes:
-            rt.scope = lambda name: contextlib.nullcontext()
+        for rt, scope in self.runtimes:
+            rt.scope = scope
         for cls, name, fn in self.saved:
             setattr(cls, name, fn)
 
@@ -309,8 +308,8 @@ def bare(batch: int, prompt: int, device: str, reps: int = 20, fp8: str = "off")
 
 _TARGET = None
 WARM = "full"
-PROFILE: tuple | None = None  # (batch, arm) of the one arm run under cProfile
-PROFILE_ARM: tuple | None = None  # (batch, arm) of the one arm run under torch.profiler (`--trace`)
+PROFILE: tuple | None = None  # (batch, arm, arena cap) of the one arm run under cProfile
+PROFILE_ARM: tuple | None = None  # (batch, arm, arena cap) of the one arm run under torch.profiler (`--trace`)
 TRACE: str | None = None
 TRACE_STEPS = (24, 4)  # decoder steps the trace waits, then records (`--trace-steps`)
 PROFILES: list[str] = []
@@ -340,11 +339,11 @@ def main() -> None:
     global WARM, PROFILE, PROFILE_ARM, TRACE, TRACE_STEPS
     WARM = args.warm
     TRACE_STEPS = tuple(int(x) for x in args.trace_steps.split(","))
+    last = (int(args.batches.split(",")[-1]), args.arms.split(";")[-1], args.arena_gib.split(",")[-1])
     if args.trace:
-        TRACE, PROFILE_ARM = args.trace, (int(args.batches.split(",")[-1]), args.arms.split(";")[-1],
-                                          args.arena_gib.split(",")[-1])
+        TRACE, PROFILE_ARM = args.trace, last
     if args.profile:  # the last arm only: the others keep unprofiled timings
-        PROFILE = (int(args.batches.split(",")[-1]), args.arms.split(";")[-1], args.arena_gib.split(",")[-1])
+        PROFILE = last
     commit = os.environ.get("CANVASQ_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True).stdout.strip()
     rows, acc = record(args.device, args.n, args.seed, args.max_tokens)

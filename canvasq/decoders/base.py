@@ -279,7 +279,9 @@ class StepDecoder:
                         continue
                 if occupancy is not None:
                     occupancy.append((len(pool.live), slots))
-                live = sorted(pool.live, key=lambda s: s.slot) if getattr(self.config, "slot_order", False) else pool.live
+                live = pool.live
+                if getattr(self.config, "slot_order", False):  # a full step then reads the arena as a slice
+                    live = sorted(live, key=lambda s: s.slot)
                 self._guarded(self.step, pool.live, live, interrupts + (Cancelled,))
                 self.note_emitted(pool.live)
                 for s in pool.live:

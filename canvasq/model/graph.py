@@ -68,6 +68,7 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     return n
 
 
+ARENA_BYTES = 16 << 30  # GraphRunner's default arena cap: a batch whose arena is larger decodes eagerly
 ROW_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)
 CONTEXT_BUCKET = 256  # a graph's context (arena entries it reads) is rounded up to a multiple of this
 
@@ -253,7 +254,7 @@ class GraphRunner:
         logits_bytes: int = 16 << 30,
         cuda_graph: bool | None = None,
         warmup: int = 1,
-        max_arena_bytes: int = 16 << 30,
+        max_arena_bytes: int = ARENA_BYTES,
     ):
         self.rt, self.max_arena_bytes = rt, max_arena_bytes
         self.cuda_graph = rt.device.type == "cuda" if cuda_graph is None else cuda_graph

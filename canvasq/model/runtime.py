@@ -488,12 +488,12 @@ class Runtime:
             e = moe(x_e, topk_ids, topk_p, lw)
         # (h + norm(norm(m) + norm(e))) * scalar: the branches' post-norms and the residual update in one
         per_row = prep.enc_rows is not None and not self.tied_scalars
-        out = self._add_norm(
-            m, lw.ln_post_ff, h, e, None if per_row else lw.layer_scalar, eps, pre=(lw.ln_post_ff1, lw.ln_post_ff2)
-        )
+        scale = None if per_row else lw.layer_scalar
+        out = self._add_norm(m, lw.ln_post_ff, h, e, scale, eps, pre=(lw.ln_post_ff1, lw.ln_post_ff2))
         if per_row:  # encoder rows riding in a decoder forward take the encoder layer's scalar (HF rounds
             # the residual sum, then the product: as here)
-            out = out * torch.where(prep.enc_rows[:, None], self.enc_layers[i].layer_scalar, lw.layer_scalar).to(out.dtype)
+            scalar = torch.where(prep.enc_rows[:, None], self.enc_layers[i].layer_scalar, lw.layer_scalar)
+            out = out * scalar.to(out.dtype)
         return out
 
     def _fp8(self, rows: int, lw: LayerWeights, name: str):

@@ -167,20 +167,22 @@ def _pass_stats(store, run_id: str, batch: int, C: int) -> tuple[float, float, d
 
     with store.Session() as ses:
         passes = ses.execute(select(ForwardTraceRow.forward_index, ForwardTraceRow.kind, ForwardTraceRow.ms,
-                                    ForwardTraceRow.rows)
+                                    ForwardTraceRow.rows, ForwardTraceRow.canvases)
                              .where(ForwardTraceRow.run_id == run_id).distinct()).all()
-    decode_s = sum(ms for _, k, ms, _ in passes if k == "decode") / 1000
-    encode_s = sum(ms for _, k, ms, _ in passes if k == "encode") / 1000
-    # decoder forwards with every slot live: comparable with the bare forward of `batch` windows
-    full = sorted(ms for _, k, ms, r in passes if k == "decode" and r == batch * C)
+    decode_s = sum(ms for _, k, ms, _, _ in passes if k == "decode") / 1000
+    encode_s = sum(ms for _, k, ms, _, _ in passes if k == "encode") / 1000
+    # decoder forwards with every slot live (a window per canvas): comparable with the bare forward
+    # of `batch` windows; with `fold_encode` some of them also carry encoder rows (`folded_rows`)
+    full = sorted(ms for _, k, ms, _, n in passes if k == "decode" and n == batch)
     by_windows: dict[int, list[float]] = {}
-    for _, k, ms, r in passes:
+    for _, k, ms, _, n in passes:
         if k == "decode":
-            by_windows.setdefault(r // C, []).append(ms)
+            by_windows.setdefault(n, []).append(ms)
     return decode_s, encode_s, {
         "full_decode_forwards": len(full), "full_decode_ms_median": full[len(full) // 2] if full else None,
         "decode_ms_by_windows": {w: sum(v) / len(v) for w, v in sorted(by_windows.items())},
-        "encode_passes": sum(1 for _, k, _, _ in passes if k == "encode"),
+        "folded_rows": sum(r - n * C for _, k, _, r, n in passes if k == "decode"),
+        "encode_passes": sum(1 for _, k, _, _, _ in passes if k == "encode"),
     }
 
 

@@ -229,11 +229,13 @@ def _gather_above_kernel(
         l = tl.load(logits_ptr + row * stride_r + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         l = l * inv_temp
         keep = (l >= t) & (cols < V)
-        pos = n + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-        ok = keep & (pos < CAP)
-        tl.store(vals_ptr + row * CAP + pos, l, mask=ok)
-        tl.store(ids_ptr + row * CAP + pos, cols.to(tl.int64), mask=ok)
-        n += tl.sum(keep.to(tl.int32), axis=0)
+        found = tl.sum(keep.to(tl.int32), axis=0)
+        if found > 0:  # most blocks hold no candidate: they cost only their read (no scan, no stores)
+            pos = n + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+            ok = keep & (pos < CAP)
+            tl.store(vals_ptr + row * CAP + pos, l, mask=ok)
+            tl.store(ids_ptr + row * CAP + pos, cols.to(tl.int64), mask=ok)
+        n += found
     tl.store(count_ptr + row, n)
 
 

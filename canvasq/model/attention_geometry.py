@@ -16,26 +16,27 @@ from canvasq.model.windows import Window
 
 @dataclass
 class AttentionGeometry:
-    """Per-forward attention geometry: windows padded to [B, Rmax] queries over the first Lmax arena
-    entries of their slots. Host ints and index tensors are fixed at `build`; the per-row bounds
-    (`hi`, `lo`), visible-entry counts (`ends`) and padding flags are device tensors, and the masks
-    are computed from them and the stored positions inside the forward (`build_masks`), so a CUDA
-    graph replays correctly after those tensors are overwritten."""
+    """Per-forward attention geometry: query blocks (the windows; see `build`) padded to [B, Rmax]
+    queries over the first Lmax arena entries of their slots. Host ints and index tensors are fixed
+    at `build`; the per-row bounds (`hi`, `lo`), visible-entry counts (`ends`) and padding flags are
+    device tensors, and the masks are computed from them and the stored positions inside the forward
+    (`build_masks`), so a CUDA graph replays correctly after those tensors are overwritten."""
 
-    slots: torch.Tensor  # [B] arena slot of each window
+    slots: torch.Tensor  # [B] arena slot of each block
     first: int  # slot of the first window
     contiguous: bool  # the windows' slots are first, first + 1, ...: the arena is sliced, not gathered
-    b_idx: torch.Tensor  # [N] window of each row
-    r_idx: torch.Tensor  # [N] row within its window
+    b_idx: torch.Tensor  # [N] block of each row
+    r_idx: torch.Tensor  # [N] row within its block
     rmax: int  # rows of the largest window (queries are padded to it)
     lmax: int  # arena entries attended (context bucket)
-    dense: bool  # every window has rmax rows (no padding rows)
+    dense: bool  # the rows are the blocks' rows in order, each block rmax rows (no padding rows)
     hi: torch.Tensor  # [B, Rmax] keys with position < hi are visible (canvas end)
     lo: torch.Tensor  # [B, Rmax] sliding layers: keys with position >= lo (canvas start - (W - 1))
-    ends: torch.Tensor  # [B] visible entries per slot: committed + the window's own
+    ends: torch.Tensor  # [B] visible entries per block: its slot's committed + its window's own
     pad: torch.Tensor  # [B, Rmax] padding query rows
     masks: dict[bool, torch.Tensor] = field(default_factory=dict)  # sliding? -> [B, 1, Rmax, L] bool
     maskfree: dict[bool, bool] = field(default_factory=lambda: {False: False, True: False})
+    sliced: int = 0  # with folded encoder blocks: leading blocks on slots first, first + 1, ... (else 0)
     kernel: bool = False  # short windows through `kernels.attention` (the runtime's `kernels`), else SDPA
     _folded: dict[tuple[bool, int], torch.Tensor] = field(default_factory=dict)
 
@@ -49,29 +50,49 @@ class AttentionGeometry:
         lmax: int | None,
         capacity: int,
     ):
-        nb = len(windows)
+        """Query blocks are the windows, except that a window's leading `encoder_rows` become a block
+        of their own on the same slot, after all the windows' blocks: a folded encoder pass then adds
+        a few blocks of at most a canvas's rows instead of padding every window's queries to its own
+        rows plus a canvas, and the windows' blocks keep their slot order (read as a slice). Both
+        blocks of a window see the window's scratch rows; the rows' bounds keep the encoder rows
+        causal."""
         sizes = [w.rows for w in windows]
-        rmax = max(sizes)
         ends = [s + r for s, r in zip(starts, sizes)]  # visible entries per slot: committed + window
         need = max(ends)
         if lmax is None:
             lmax = need
         elif lmax < need or lmax > capacity:
             raise ValueError(f"context bucket {lmax} outside [{need}, {capacity}]")
-        slots = torch.tensor([w.slot for w in windows], dtype=torch.long, device=dev)
-        b_idx = torch.cat([torch.full((r,), b, dtype=torch.long) for b, r in enumerate(sizes)]).to(dev)
-        r_idx = torch.cat([torch.arange(r) for r in sizes]).to(dev)
+        # (slot, visible entries, first row in the forward, rows) per query block
+        blocks, extra, row0 = [], [], 0
+        for w, end in zip(windows, ends):
+            e = w.encoder_rows
+            if e:
+                extra.append((w.slot, end, row0, e))
+            blocks.append((w.slot, end, row0 + e, w.rows - e))
+            row0 += w.rows
+        blocks += extra
+        rmax = max(n for *_, n in blocks)
+        b_idx = torch.empty(row0, dtype=torch.long)
+        r_idx = torch.empty(row0, dtype=torch.long)
+        for b, (_, _, r0, n) in enumerate(blocks):
+            b_idx[r0 : r0 + n] = b
+            r_idx[r0 : r0 + n] = torch.arange(n)
+        b_idx, r_idx = b_idx.to(dev), r_idx.to(dev)
+        nb = len(blocks)
+        slots = torch.tensor([s for s, *_ in blocks], dtype=torch.long, device=dev)
         first = windows[0].slot
-        contiguous = all(w.slot == first + b for b, w in enumerate(windows))
+        contiguous = not extra and all(w.slot == first + b for b, w in enumerate(windows))
         hi = torch.zeros(nb, rmax, dtype=torch.long, device=dev)
         lo = torch.zeros(nb, rmax, dtype=torch.long, device=dev)
         hi[b_idx, r_idx] = torch.cat([w.canvas_end.to(dev) for w in windows])
         lo[b_idx, r_idx] = torch.cat([w.canvas_start.to(dev) for w in windows]) - (sliding_window - 1)
         pad = torch.ones(nb, rmax, dtype=torch.bool, device=dev)
         pad[b_idx, r_idx] = False
-        dense = all(r == rmax for r in sizes)
+        dense = not extra and all(r == rmax for r in sizes)  # rows are the blocks' rows, in order
         return cls(slots=slots, first=first, contiguous=contiguous, b_idx=b_idx, r_idx=r_idx, rmax=rmax, lmax=lmax,
-                   dense=dense, hi=hi, lo=lo, ends=torch.tensor(ends, device=dev), pad=pad)
+                   dense=dense, hi=hi, lo=lo, ends=torch.tensor([e for _, e, *_ in blocks], device=dev), pad=pad,
+                   sliced=len(windows) if extra and all(w.slot == first + b for b, w in enumerate(windows)) else 0)
 
     def build_masks(self, arena: KVArena, detect_maskfree: bool = False) -> None:
         nb, lmax = self.hi.shape[0], self.lmax
@@ -127,16 +148,17 @@ class AttentionGeometry:
         g = heads // kvh
         mask = None if self.maskfree[sliding] else self._mask(sliding, g, q.dtype)
         # short windows: one launch, arena read in place, o_proj's layout out; longer ones: SDPA
-        kernel = self.kernel and self.rmax <= SHORT_WINDOW
-        o = attend(
-            q.view(nb, kvh, g * self.rmax, d),
-            arena.k[layer],
-            arena.v[layer],
-            self.slots,
-            self.lmax,
-            mask,
-            groups=g,
-            impl="triton" if kernel else "torch",
-            first=int(self.first) if self.contiguous else None,
-        )
+        impl = "triton" if self.kernel and self.rmax <= SHORT_WINDOW else "torch"
+        q = q.view(nb, kvh, g * self.rmax, d)
+        k, v = arena.k[layer], arena.v[layer]
+        if self.sliced and impl == "torch":  # the windows' blocks as a slice, the encoder blocks gathered
+            n = self.sliced
+            parts = [attend(q[:n], k, v, self.slots[:n], self.lmax, None if mask is None else mask[:n],
+                            groups=g, impl=impl, first=int(self.first)),
+                     attend(q[n:], k, v, self.slots[n:], self.lmax, None if mask is None else mask[n:],
+                            groups=g, impl=impl)]
+            o = torch.cat(parts)
+        else:
+            o = attend(q, k, v, self.slots, self.lmax, mask, groups=g, impl=impl,
+                       first=int(self.first) if self.contiguous else None)
         return o if self.dense else o.view(nb, self.rmax, heads * d)[self.b_idx, self.r_idx]

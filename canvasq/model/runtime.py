@@ -313,15 +313,9 @@ class Runtime:
         ctx = AttentionGeometry.build(windows, starts, self.sliding_window, dev, lmax, arena.capacity)
         ctx.kernel = self.kernels
 
-        sc = []  # (rows [R] on device, keep [R, 1] or None, self_cond on device) per SC window
+        sc = [] if encoder else self._self_cond_entries(windows, offsets)
         cap_rows, cap_owner = [], []
         for b, w in enumerate(windows):
-            if not encoder and w.self_cond is not None:
-                rows = torch.arange(offsets[b], offsets[b + 1], device=dev)
-                keep = None if w.self_cond_rows is None else w.self_cond_rows.to(dev, self.dtype)[:, None]
-                payload = w.self_cond
-                payload = tuple(t.to(dev) for t in payload) if isinstance(payload, tuple) else payload.to(dev)
-                sc.append((rows, keep, payload))
             if not encoder and capture and w.capture is not None:
                 idx = torch.nonzero(w.capture.to(dev)).flatten()
                 if idx.numel():
@@ -357,6 +351,31 @@ class Runtime:
             dec_rows=dec_rows,
             dec_offsets=dec_offsets,
         )
+
+    def _self_cond_entries(self, windows: list[Window], offsets: list[int]) -> list:
+        """(rows [R] on device, keep [R, 1] or None, self_cond on device) per SC entry: one entry for
+        all the windows' top-k signals of one k (one softmax and one gather for the forward, not a
+        few launches per window), else one per window (full-vocabulary logits stay apart)."""
+        dev = self.device
+        parts = [(b, w) for b, w in enumerate(windows) if w.self_cond is not None]
+        ks = {w.self_cond[0].shape[-1] if isinstance(w.self_cond, tuple) else None for _, w in parts}
+        if len(parts) > 1 and len(ks) == 1 and None not in ks:
+            rows = torch.cat([torch.arange(offsets[b], offsets[b + 1]) for b, _ in parts]).to(dev, non_blocking=True)
+            keep = None
+            if any(w.self_cond_rows is not None for _, w in parts):
+                keep = torch.cat([w.self_cond_rows.to(dev) if w.self_cond_rows is not None
+                                  else torch.ones(w.rows, dtype=torch.bool, device=dev) for _, w in parts])
+                keep = keep.to(self.dtype)[:, None]
+            payload = tuple(torch.cat([w.self_cond[i].to(dev) for _, w in parts]) for i in (0, 1))
+            return [(rows, keep, payload)]
+        entries = []
+        for b, w in parts:
+            rows = torch.arange(offsets[b], offsets[b + 1], device=dev)
+            keep = None if w.self_cond_rows is None else w.self_cond_rows.to(dev, self.dtype)[:, None]
+            payload = w.self_cond
+            payload = tuple(t.to(dev) for t in payload) if isinstance(payload, tuple) else payload.to(dev)
+            entries.append((rows, keep, payload))
+        return entries
 
     def _run(self, prep: _Prepared):
         layers = self.enc_layers if prep.encoder else self.dec_layers
@@ -430,8 +449,8 @@ class Runtime:
         if isinstance(sc, tuple):
             tid, tlog = sc
             p = torch.softmax(tlog.to(self.device).float(), dim=-1).to(self.dtype)  # [R, k]
-            rows = F.embedding(tid.to(self.device), self.embed)  # [R, k, H]: k rows gathered, not V
-            return torch.einsum("rk,rkh->rh", p, rows)
+            # Σ_k p_k · E[id_k] in one kernel: the k rows are read, never stored as [R, k, H]
+            return F.embedding_bag(tid.to(self.device), self.embed, per_sample_weights=p, mode="sum")
         p = torch.softmax(sc.to(self.device).float(), dim=-1).to(self.dtype)  # [R, V]
         return p @ self.embed
 

@@ -541,3 +541,42 @@ def test_encoder_rows_ride_in_a_decoder_forward(model):
     for layer in range(arena.num_layers):
         for a, b in zip(arena.prefix(0, layer), arena.prefix(1, layer)):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _riding(slot, enc_ids, enc_start, canvas):
+    """A window whose leading rows are an encoder pass of `enc_ids` at `enc_start`, then `canvas`."""
+    e, c = enc_ids.numel(), canvas.numel()
+    pos, cpos = torch.arange(enc_start, enc_start + e), torch.arange(enc_start + e, enc_start + e + c)
+    return Window(slot, torch.cat([enc_ids, canvas]), torch.cat([pos, cpos]),
+                  torch.cat([pos, torch.full_like(cpos, enc_start + e)]),
+                  torch.cat([pos + 1, torch.full_like(cpos, enc_start + e + c)]), encoder_rows=e)
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1)], ids=["slot-order", "any-order"])
+def test_riding_encoder_rows_of_any_length_keep_each_window_exact(model, order):
+    """Encoder rows get query blocks of their own (a prompt shorter than a canvas, a retired canvas),
+    so no window's queries are padded to its encoder rows plus a canvas: three windows (plain, a
+    riding canvas, a riding prompt) in slot order (the windows' blocks read as a slice) and in any
+    order (gathered) give each window the logits of separate passes."""
+    shape, _, rt = model
+    g = torch.Generator().manual_seed(8)
+    c, v, p = shape.canvas_length, shape.vocab_size, 5
+    prompt, done, canvas = _ids(g, p, v), _ids(g, c, v), _ids(g, c, v)
+    ref = rt.new_arena(1, 128)
+    rt.encode(ref, 0, prompt, torch.arange(p))
+    fresh = rt.decode(ref, [Window.canvas(0, canvas, p)]).logits  # a prompt's first step
+    rt.encode(ref, 0, done, torch.arange(p, p + c))
+    later = rt.decode(ref, [Window.canvas(0, canvas, p + c)]).logits  # after a canvas's commit pass
+
+    arena = rt.new_arena(3, 128)
+    for slot in (0, 1):
+        rt.encode(arena, slot, prompt, torch.arange(p))
+    rt.encode(arena, 0, done, torch.arange(p, p + c))
+    windows = {0: Window.canvas(0, canvas, p + c), 1: _riding(1, done, p, canvas), 2: _riding(2, prompt, 0, canvas)}
+    out = rt.decode(arena, [windows[k] for k in order])
+    prep = rt._prepare(arena, [windows[k] for k in order], encoder=False)
+    assert prep.ctx.rmax == c and bool(prep.ctx.sliced) == (order == (0, 1, 2))
+    expect = {0: later, 1: later, 2: fresh}
+    for i, k in enumerate(order):
+        assert rel_err(out.window_logits(i), expect[k]) <= TOL, k
+    assert [arena.length[s] for s in range(3)] == [p + c, p + c, p]

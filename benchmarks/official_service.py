@@ -94,8 +94,10 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
     store.upgrade()
     from canvasq.decoders.bench import parse_arm
 
-    configs.CONFIGS["official"] = functools.partial(configs.OfficialConfig, **parse_arm(arm).overrides)
+    knobs, _, rt_knobs = arm.partition("@")
+    configs.CONFIGS["official"] = functools.partial(configs.OfficialConfig, **parse_arm(knobs).overrides)
     _cap_arena(bundle, fp8, settings, arena_gib)
+    _runtime_knobs(bundle, fp8, settings, rt_knobs)
     rt = ChunkRuntime(settings=settings, store=store, bundle=bundle, worker_id="bench:1", queue="q")
     # warm-up: the whole job set once, untimed, so the timed pass replays graphs a long-running worker
     # has already captured (window-count x context buckets); `--warm partial` warms 2 x batch rows only
@@ -143,6 +145,26 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
         "written": out["written"], "graphs_before": graphs, "graphs_after": after,
         "ms_per_step": 1000 * wall / max(1, steps), "eager_attention_paths": paths, **extra,
     }
+
+
+def _runtime_knobs(bundle, fp8: str, settings, knobs: str) -> None:
+    """An arm's runtime attributes after '@' (`official@context_step=256,sdpa_backend=efficient`),
+    set on the replay's runtime; attributes an arm leaves out keep the runtime's defaults."""
+    from canvasq.decoders.base import runtime_for
+
+    rt = runtime_for(bundle.hf_model, "w4", fp8, settings.fp8_min_rows)
+    defaults = RUNTIME_DEFAULTS.setdefault(id(rt), {"context_step": rt.context_step, "sdpa_backend": rt.sdpa_backend})
+    want = dict(defaults)
+    for item in filter(None, knobs.split(",")):
+        name, _, value = item.partition("=")
+        if name not in defaults:
+            raise SystemExit(f"unknown runtime knob {name!r} in arm; known: {', '.join(defaults)}")
+        want[name] = type(defaults[name])(value)
+    for name, value in want.items():
+        setattr(rt, name, value)
+
+
+RUNTIME_DEFAULTS: dict[int, dict] = {}
 
 
 def _cap_arena(bundle, fp8: str, settings, arena_gib: str) -> None:
@@ -330,7 +352,8 @@ def main() -> None:
     ap.add_argument("--warm", choices=("full", "partial"), default="full")
     ap.add_argument("--fp8", default="off,auto", help="CANVASQ_FP8 arms, ';'-separated when a value is a list")
     ap.add_argument("--arms", default="official", help="official's knob arms, ';'-separated, as canvasq bench's "
-                    "--arm (e.g. 'official:sampler=torch;official:sampler=fused')")
+                    "--arm (e.g. 'official:sampler=torch;official:sampler=fused'); runtime attributes after '@' "
+                    "(e.g. 'official@context_step=256,sdpa_backend=efficient')")
     ap.add_argument("--trace-steps", default="24,4", help="WAIT,ACTIVE: decoder steps before the trace and in it")
     ap.add_argument("--arena-gib", default="auto", help="graph runner arena caps to A/B, comma-separated "
                     "(GiB or auto: the runner's default), each an arm after --arms' (e.g. '16,40')")

@@ -221,17 +221,30 @@ def attend_launch(
     return o
 
 
+SDPA_BACKENDS = ("auto", "cudnn", "efficient", "math")
+
+
 def attend_reference(
-    q, k_arena, v_arena, slots, lmax: int, mask=None, groups: int = 1, first: int | None = None
+    q, k_arena, v_arena, slots, lmax: int, mask=None, groups: int = 1, first: int | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Twin: SDPA (scale 1) on the slots' arena entries, then the transposing copy. `first`: the slots
-    are first, first + 1, ... (a host int), read as a slice instead of gathered."""
+    are first, first + 1, ... (a host int), read as a slice instead of gathered. `backend`: SDPA's own
+    choice ("auto") or one of `SDPA_BACKENDS` for masked calls (cuDNN builds a plan per new shape)."""
     nb, kvh, gr, d = q.shape
     r = gr // groups
     pick = slots if first is None else slice(first, first + nb)
     k = k_arena[pick, :, :lmax]
     v = v_arena[pick, :, :lmax]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+    if backend != "auto" and mask is not None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        which = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                 "math": SDPBackend.MATH}[backend]
+        with sdpa_kernel(which):
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
     return o.view(nb, kvh, groups, r, d).permute(0, 3, 1, 2, 4).reshape(nb * r, kvh * groups * d)
 
 
@@ -245,6 +258,7 @@ def attend(
     groups: int = 1,
     impl: str = "auto",
     first: int | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """q [B, kv, g*R, d] (g = `groups` query heads per KV head), a layer's arena K/V [S, kv, C, d], the B
     windows' slots, their first `lmax` entries, an additive mask [B, 1, g*R, lmax] or None ->
@@ -256,7 +270,7 @@ def attend(
     if impl == "triton" and d >= 16 and triton.next_power_of_2(d) == d:
         return attend_launch(q, k_arena, v_arena, slots, lmax, mask, groups)
     if impl in ("triton", "torch"):
-        return attend_reference(q, k_arena, v_arena, slots, lmax, mask, groups, first)
+        return attend_reference(q, k_arena, v_arena, slots, lmax, mask, groups, first, backend)
     raise ValueError(f"unknown impl {impl!r}")
 
 

@@ -24,15 +24,23 @@ _K_KAPPA = 0.044715
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, BLOCK: tl.constexpr):
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, dest_ptr, K, stride_x, BLOCK: tl.constexpr, COPIES: tl.constexpr,
+                       SCATTER: tl.constexpr):
+    # SCATTER: the row's COPIES quantised copies go to output rows dest[row, 0..COPIES)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0
-    q = tl.clamp(x / scale, -448.0, 448.0)
-    tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=m)
-    tl.store(s_ptr + row, scale)
+    q = tl.clamp(x / scale, -448.0, 448.0).to(q_ptr.dtype.element_ty)
+    if SCATTER:
+        for c in tl.static_range(COPIES):
+            out = tl.load(dest_ptr + row * COPIES + c)
+            tl.store(q_ptr + out * K + cols, q, mask=m)
+            tl.store(s_ptr + out, scale)
+    else:
+        tl.store(q_ptr + row * K + cols, q, mask=m)
+        tl.store(s_ptr + row, scale)
 
 
 @triton.jit
@@ -51,15 +59,20 @@ def _gelu_mul_quant_kernel(gu_ptr, q_ptr, s_ptr, I, stride_g, k_beta, k_kappa, B
     tl.store(s_ptr + row, scale)
 
 
-def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (unit column stride) -> (q [M, K] e4m3, scale [M] fp32)."""
+def quantize_rows_triton(x: torch.Tensor, dest: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (unit column stride) -> (q [M, K] e4m3, scale [M] fp32). With `dest` [M, c] (a
+    permutation of the output rows): row i's copies go to rows dest[i] of q [M*c, K] and scale
+    [M*c] (the MoE's rows in expert order, without quantising first and gathering after)."""
     m, k = x.shape
     assert x.stride(-1) == 1, x.stride()
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(m, dtype=torch.float32, device=x.device)
+    copies = 1 if dest is None else dest.shape[1]
+    assert dest is None or (dest.shape[0] == m and dest.is_contiguous()), None if dest is None else dest.shape
+    q = torch.empty(m * copies, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m * copies, dtype=torch.float32, device=x.device)
     if m:
         block = triton.next_power_of_2(k)
-        _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), BLOCK=block, num_warps=4 if block <= 2048 else 8)
+        _quant_rows_kernel[(m,)](x, q, s, s if dest is None else dest, k, x.stride(0), BLOCK=block, COPIES=copies,
+                                 SCATTER=dest is not None, num_warps=4 if block <= 2048 else 8)
     return q, s
 
 

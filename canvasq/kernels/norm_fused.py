@@ -221,6 +221,7 @@ def _add_rms_norm_kernel(
     rw_ptr,
     ids_ptr,
     es_ptr,
+    map_ptr,
     R,
     D,
     stride_ym,
@@ -234,6 +235,7 @@ def _add_rms_norm_kernel(
     TOP_K: tl.constexpr,
     K_P2: tl.constexpr,
     RENORM: tl.constexpr,
+    ROW_MAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """y = (res + rms(x [+ x2]) * w) [* scale]; all tensors contiguous [R, D]. PRE_NORM: x and x2
@@ -254,7 +256,8 @@ def _add_rms_norm_kernel(
         if COMBINE:
             t = tl.program_id(0).to(tl.int64)
             c = combine_row(
-                x2_ptr, rw_ptr, ids_ptr, es_ptr, t, cols, cols < D, stride_ym, TOP_K, K_P2, RENORM
+                x2_ptr, rw_ptr, ids_ptr, es_ptr, map_ptr, t, cols, cols < D, stride_ym, TOP_K, K_P2, RENORM,
+                ROW_MAP,
             )
             x2 = _rt(c, DT)[None, :]
         else:
@@ -401,6 +404,7 @@ def add_rms_norm_launch(
         top_k = rows.ids.shape[1]
         assert rows.shape == (r, D) and rows.y_tk.stride(-1) == 1 and rows.weights.is_contiguous()
         assert rows.ids.is_contiguous() and rows.y_tk.dtype == y.dtype
+        assert rows.row_map is None or (rows.row_map.is_contiguous() and rows.row_map.numel() == r * top_k)
     if r:
         _add_rms_norm_kernel[(triton.cdiv(r, block_r),)](
             xs[0],
@@ -414,6 +418,7 @@ def add_rms_norm_launch(
             rows.weights if rows is not None else weight,
             rows.ids if rows is not None else weight,
             rows.expert_scale if rows is not None and rows.expert_scale is not None else weight,
+            rows.row_map if rows is not None and rows.row_map is not None else weight,
             r,
             D,
             rows.y_tk.stride(0) if rows is not None else 0,
@@ -427,6 +432,7 @@ def add_rms_norm_launch(
             TOP_K=top_k if rows is not None else 1,
             K_P2=triton.next_power_of_2(top_k) if rows is not None else 1,
             RENORM=rows is not None and rows.expert_scale is not None,
+            ROW_MAP=rows is not None and rows.row_map is not None,
             **pdl_kwargs(y, _add_rms_norm_kernel),
             num_warps=4 if block_d * block_r <= 4096 else 8,
             **NO_FP_FUSION,
@@ -580,10 +586,10 @@ def compile_specs():
         c = {"HALF": d // 2, "BLOCK_R": 4096 // d}
         yield CompileSpec(f"qkv_norm_rope_d{d}", qkv, c, qkv_types, qkv_div, **hf)
     add = frozenset({"x_ptr", "x2_ptr", "w_ptr", "res_ptr", "y_ptr", "D", "stride_ym"})
-    add_types = {"rw_ptr": "*fp32", "ids_ptr": "*i64", "eps": "fp32"}
+    add_types = {"rw_ptr": "*fp32", "ids_ptr": "*i64", "map_ptr": "*i64", "eps": "fp32"}
     for combine in (False, True):  # the end of a layer: the experts' output combined, or their rows
         c = {"HAS_X2": True, "PRE_NORM": True, "HAS_SCALE": True, "BLOCK_R": 1, "BLOCK_D": 4096}
-        c |= {"COMBINE": combine, "TOP_K": 8, "K_P2": 8, "RENORM": True}
+        c |= {"COMBINE": combine, "TOP_K": 8, "K_P2": 8, "RENORM": True, "ROW_MAP": combine}  # FP8 rows: mapped
         name = "add_rms_norm" + ("_combine" if combine else "")
         yield CompileSpec(name, _add_rms_norm_kernel, c, add_types, add, num_warps=8, **hf)
     pre = frozenset({"x_ptr", "ya_ptr", "yr_ptr", "yb_ptr", "D"})

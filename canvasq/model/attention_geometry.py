@@ -37,6 +37,7 @@ class AttentionGeometry:
     masks: dict[bool, torch.Tensor] = field(default_factory=dict)  # sliding? -> [B, 1, Rmax, L] bool
     maskfree: dict[bool, bool] = field(default_factory=lambda: {False: False, True: False})
     sliced: int = 0  # with folded encoder blocks: leading blocks on slots first, first + 1, ... (else 0)
+    backend: str = "auto"  # SDPA backend of masked calls (`kernels.attention.SDPA_BACKENDS`)
     kernel: bool = False  # short windows through `kernels.attention` (the runtime's `kernels`), else SDPA
     _folded: dict[tuple[bool, int], torch.Tensor] = field(default_factory=dict)
 
@@ -49,18 +50,22 @@ class AttentionGeometry:
         dev,
         lmax: int | None,
         capacity: int,
+        step: int = 0,
     ):
         """Query blocks are the windows, except that a window's leading `encoder_rows` become a block
         of their own on the same slot, after all the windows' blocks: a folded encoder pass then adds
         a few blocks of at most a canvas's rows instead of padding every window's queries to its own
         rows plus a canvas, and the windows' blocks keep their slot order (read as a slice). Both
         blocks of a window see the window's scratch rows; the rows' bounds keep the encoder rows
-        causal."""
+        causal. `step` (eager forwards): when the slots' visible entries differ (a mask is needed
+        anyway), the context is rounded up to a multiple of `step`."""
         sizes = [w.rows for w in windows]
         ends = [s + r for s, r in zip(starts, sizes)]  # visible entries per slot: committed + window
         need = max(ends)
         if lmax is None:
             lmax = need
+            if step and len(set(ends)) > 1:  # masked anyway: a context bucket, so SDPA meets shapes it has seen
+                lmax = min(capacity, -(-need // step) * step)
         elif lmax < need or lmax > capacity:
             raise ValueError(f"context bucket {lmax} outside [{need}, {capacity}]")
         # (slot, visible entries, first row in the forward, rows) per query block
@@ -154,11 +159,11 @@ class AttentionGeometry:
         if self.sliced and impl == "torch":  # the windows' blocks as a slice, the encoder blocks gathered
             n = self.sliced
             parts = [attend(q[:n], k, v, self.slots[:n], self.lmax, None if mask is None else mask[:n],
-                            groups=g, impl=impl, first=int(self.first)),
+                            groups=g, impl=impl, first=int(self.first), backend=self.backend),
                      attend(q[n:], k, v, self.slots[n:], self.lmax, None if mask is None else mask[n:],
-                            groups=g, impl=impl)]
+                            groups=g, impl=impl, backend=self.backend)]
             o = torch.cat(parts)
         else:
             o = attend(q, k, v, self.slots, self.lmax, mask, groups=g, impl=impl,
-                       first=int(self.first) if self.contiguous else None)
+                       first=int(self.first) if self.contiguous else None, backend=self.backend)
         return o if self.dense else o.view(nb, self.rmax, heads * d)[self.b_idx, self.r_idx]

@@ -158,9 +158,16 @@ def fp8_moe(
     num_experts = ex.gate_up.shape[0]
     bounds = torch.arange(1, num_experts + 1, device=flat.device)
     offs = torch.searchsorted(sorted_e, bounds, right=False).to(torch.int32)
-    xq, xs = _quantize(x, kernel)
-    src = order // k
-    xq, xs = xq.view(torch.uint8)[src].view(E4M3), xs[src]  # gathered as bytes: fp8 indexing is not on every build
+    # row_of[t*K + j]: where token t's j-th assignment sits in expert order
+    row_of = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    if kernel:  # each token quantised once, its copies written straight to their expert-order rows
+        from canvasq.kernels.fp8_quant import quantize_rows_triton
+
+        xq, xs = quantize_rows_triton(x.contiguous(), dest=row_of.view(n, k))
+    else:
+        xq, xs = quantize_rows(x)
+        src = order // k
+        xq, xs = xq.view(torch.uint8)[src].view(E4M3), xs[src]  # gathered as bytes: fp8 indexing is not on every build
     gu = _grouped(xq, xs, ex.gate_up, ex.gate_up_scale, offs, x.dtype, kernel)
     if kernel:
         from canvasq.kernels.fp8_quant import gelu_mul_quant_triton
@@ -170,10 +177,9 @@ def fp8_moe(
         g, u = gu.chunk(2, dim=-1)
         aq, as_ = quantize_rows(gelu_tanh(g) * u)
     out = _grouped(aq, as_, ex.down, ex.down_scale, offs, x.dtype, kernel)  # [N*K, H], expert order
-    y = torch.empty_like(out)
-    y[order] = out  # token order: row t*K + j is token t's j-th expert
-    if defer_combine:
-        return ExpertRows(y, topk_p, topk_ids, expert_scale)
+    if defer_combine:  # the combine reads the rows where they are (no scatter back to token order)
+        return ExpertRows(out, topk_p, topk_ids, expert_scale, row_map=row_of)
+    y = out[row_of]  # token order: row t*K + j is token t's j-th expert
     w = topk_p if expert_scale is None else route_weights(topk_p, topk_ids, expert_scale)
     y = y.view(n, k, -1).float() * w[..., None].float()
     return y.sum(1).to(x.dtype)

@@ -144,6 +144,10 @@ class Runtime:
             torch.equal(e.layer_scalar, d.layer_scalar) for e, d in zip(enc_layers, dec_layers)
         )
         self.prefix_attention = True  # mask-free SDPA when the mask is all-visible (eager forwards)
+        # masked eager forwards: SDPA's backend (`kernels.attention.SDPA_BACKENDS`) and the context
+        # rounded up to a multiple of `context_step` entries (0: exact), measured in BENCHMARKS.md
+        self.sdpa_backend = "auto"
+        self.context_step = 0
         # eager forwards by attention path: "maskfree" (all-visible, SDPA without a mask) or "masked"
         # (ragged contexts, a sliding band that clips, padded rows); graphed forwards always mask
         self.attention_paths = {"maskfree": 0, "masked": 0}
@@ -310,8 +314,9 @@ class Runtime:
         starts = [arena.reserve(w.slot, w.rows) for w in windows]
         row_slot = torch.cat([torch.full((r,), s, dtype=torch.long) for s, r in zip(slots, sizes)]).to(dev)
         row_col = torch.cat([torch.arange(s, s + r) for s, r in zip(starts, sizes)]).to(dev)
-        ctx = AttentionGeometry.build(windows, starts, self.sliding_window, dev, lmax, arena.capacity)
-        ctx.kernel = self.kernels
+        ctx = AttentionGeometry.build(windows, starts, self.sliding_window, dev, lmax, arena.capacity,
+                                      step=self.context_step)
+        ctx.kernel, ctx.backend = self.kernels, self.sdpa_backend
 
         sc = [] if encoder else self._self_cond_entries(windows, offsets)
         cap_rows, cap_owner = [], []

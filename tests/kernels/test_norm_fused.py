@@ -231,3 +231,10 @@ def test_add_rms_norm_combines_expert_rows(T, D, K, renorm, dtype):
     twin = add_rms_norm(m, w, res, rows, scale, pre=(w1, w2), impl="torch")
     assert rel_err(fused, twin) < TOL[dtype]
     assert rel_err(fused, add_rms_norm(m, w, res, None, scale, impl="torch")) > 0.01  # the rows count
+    # the same rows left in another order (the FP8 experts' expert order) and read through a row map
+    perm = torch.randperm(T * K, generator=g).to(DEVICE)
+    moved = y_tk.new_empty(y_tk.shape)
+    moved[perm] = y_tk
+    mapped = ExpertRows(moved, rows.weights, ids, es, row_map=perm)
+    assert torch.equal(add_rms_norm(m, w, res, mapped, scale, pre=(w1, w2), impl="triton"), fused)
+    assert torch.equal(add_rms_norm(m, w, res, mapped, scale, pre=(w1, w2), impl="torch"), twin)

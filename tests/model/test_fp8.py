@@ -159,6 +159,14 @@ def test_fp8_kernels_match_the_twin_on_gpu():
     want = fp8_moe(x, ids, route_weights(w, ids, scale), ex, kernel=False)
     got = rows.combined()
     assert (got.float() - want.float()).abs().max() / want.float().abs().max() < 2e-2
+    # the rows stay in expert order; the end-of-layer norm reads them through the row map
+    from canvasq.kernels.norm_fused import add_rms_norm
+
+    assert rows.row_map is not None and rows.y_tk.shape == (n * k, h)
+    one = torch.ones(h, device=dev, dtype=dt)
+    fused = add_rms_norm(x, one, x, rows, None, pre=(one, one), impl="triton")
+    twin = add_rms_norm(x, one, x, rows, None, pre=(one, one), impl="torch")
+    assert (fused.float() - twin.float()).abs().max() / twin.float().abs().max() < 1e-2
     lin = FP8Linear.from_weight(gate_up[0])
     a, b = fp8_linear(x, lin, kernel=True), fp8_linear(x, lin, kernel=False)
     assert (a.float() - b.float()).abs().max() / b.float().abs().max() < 2e-2
@@ -176,6 +184,12 @@ def test_triton_row_quantisers_match_the_torch_twin():
     tq, ts = quantize_rows(x)
     torch.testing.assert_close(s, ts)
     assert (q.float() != tq.float()).float().mean() < 1e-3  # the division may round one ulp apart
+    # each row's copies straight to their places (the FP8 experts' rows in expert order)
+    dest = torch.randperm(300 * 4, generator=g).view(300, 4).to("cuda")
+    sq, ss = quantize_rows_triton(x, dest=dest)
+    src = torch.empty(1200, dtype=torch.long, device="cuda")
+    src[dest.flatten()] = torch.arange(300, device="cuda").repeat_interleave(4)
+    assert torch.equal(sq.view(torch.uint8), q.view(torch.uint8)[src]) and torch.equal(ss, s[src])
     gu = torch.randn(300, 2 * 704, generator=g).to("cuda", torch.bfloat16)
     q, s = gelu_mul_quant_triton(gu)
     gate, up = gu.chunk(2, dim=-1)

@@ -580,3 +580,27 @@ def test_riding_encoder_rows_of_any_length_keep_each_window_exact(model, order):
     for i, k in enumerate(order):
         assert rel_err(out.window_logits(i), expect[k]) <= TOL, k
     assert [arena.length[s] for s in range(3)] == [p + c, p + c, p]
+
+
+@pytest.mark.parametrize("backend", ["auto", "math"])
+def test_context_rounded_up_for_ragged_slots_keeps_logits(model, backend):
+    """`context_step`: a masked eager forward (slots of different lengths) reads a context rounded up
+    to a multiple of the step (so SDPA sees few distinct shapes); the extra entries are masked, so the
+    logits are those of the exact context. Equal lengths keep the exact context (mask-free)."""
+    shape, _, rt = model
+    g = torch.Generator().manual_seed(9)
+    c, v = shape.canvas_length, shape.vocab_size
+    arena = rt.new_arena(2, 256)
+    for slot, p in ((0, 7), (1, 19)):
+        rt.encode(arena, slot, _ids(g, p, v), torch.arange(p))
+    wins = [Window.canvas(0, _ids(g, c, v), 7), Window.canvas(1, _ids(g, c, v), 19)]
+    exact = rt.decode(arena, wins).logits
+    rt.context_step, rt.sdpa_backend = 64, backend
+    try:
+        prep = rt._prepare(arena, wins, encoder=False)
+        assert prep.ctx.lmax == 64 and prep.ctx.backend == backend
+        assert rel_err(rt.decode(arena, wins).logits, exact) <= TOL
+        same = [Window.canvas(0, _ids(g, c, v), 7)]
+        assert rt._prepare(arena, same, encoder=False).ctx.lmax == 7 + c
+    finally:
+        rt.context_step, rt.sdpa_backend = 0, "auto"

@@ -280,17 +280,18 @@ def _combine_kernel(
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < H
-    acc = combine_row(y_tk_ptr, w_ptr, ids_ptr, scale_ptr, t, offs, mask, stride_ym, TOP_K, K_P2, RENORM)
+    acc = combine_row(y_tk_ptr, w_ptr, ids_ptr, scale_ptr, ids_ptr, t, offs, mask, stride_ym, TOP_K, K_P2, RENORM,
+                      False)
     tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def combine_row(
-    y_tk_ptr, w_ptr, ids_ptr, scale_ptr, t, offs, mask, stride_ym, TOP_K: tl.constexpr,
-    K_P2: tl.constexpr, RENORM: tl.constexpr,
+    y_tk_ptr, w_ptr, ids_ptr, scale_ptr, map_ptr, t, offs, mask, stride_ym, TOP_K: tl.constexpr,
+    K_P2: tl.constexpr, RENORM: tl.constexpr, ROW_MAP: tl.constexpr,
 ):  # fmt: skip
     """sum_k w[t, k] * y_tk[t*K + k, offs] (fp32 [len(offs)]), k in fixed order 0..K-1, fp32
-    accumulation. RENORM (DiffusionGemma's router epilogue, otherwise three torch ops per layer): w are
+    accumulation; ROW_MAP: row map[t*K + k] of y_tk instead (rows left in expert order). RENORM (DiffusionGemma's router epilogue, otherwise three torch ops per layer): w are
     the raw top-k probabilities, used as w[t, k] / sum_k w[t, k] * scale[ids[t, k]] (correctly rounded
     divide). Shared by `_combine_kernel` and the end-of-layer norm that takes the rows unreduced
     (`norm_fused.add_rms_norm` with `ExpertRows`)."""
@@ -303,7 +304,8 @@ def combine_row(
         if RENORM:
             e = tl.load(ids_ptr + t * TOP_K + k)
             w = tl.math.div_rn(w, total) * tl.load(scale_ptr + e).to(tl.float32)
-        v = tl.load(y_tk_ptr + (t * TOP_K + k) * stride_ym + offs, mask=mask, other=0.0)
+        src = tl.load(map_ptr + t * TOP_K + k).to(tl.int64) if ROW_MAP else t * TOP_K + k
+        v = tl.load(y_tk_ptr + src * stride_ym + offs, mask=mask, other=0.0)
         acc = tl.fma(w, v.to(tl.float32), acc)  # explicit: the same in kernels compiled without contraction
     return acc
 

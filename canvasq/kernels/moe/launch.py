@@ -41,6 +41,8 @@ class ExpertRows:
     weights: torch.Tensor  # [T, K] combine weights, or the router's raw top-k probabilities (expert_scale)
     ids: torch.Tensor  # [T, K] int
     expert_scale: torch.Tensor | None  # [E]: weights are renormalised and scaled (`route_weights`)
+    # [T*K] int64: y_tk's row for assignment t*K + k when the rows stay in expert order (FP8 experts)
+    row_map: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -52,7 +54,7 @@ class ExpertRows:
         w = self.weights
         if self.expert_scale is not None:
             w = route_weights(w, self.ids, self.expert_scale)
-        return combine_reference(self.y_tk, w)
+        return combine_reference(self.y_tk if self.row_map is None else self.y_tk[self.row_map], w)
 
 
 def max_padded_rows(num_assign: int, num_experts: int, block_m: int) -> int:

@@ -8,6 +8,7 @@
 # "guard" and "tests" run side by side (the guard measures accuracy, not time), then "service";
 # "guard-after" runs the guard once "service" is done (one call for timing and accuracy). TRACE=1 adds
 # official_service.py's `--trace` (torch.profiler over a few steady steps of the last batch).
+# TEST_FILES replaces the test files "tests" runs.
 #
 # Carry `.whl` (wheels of pydantic, pydantic-settings, sqlalchemy, alembic, click and their deps, which
 # that machine lacks). Everything lands in $OUT/res and is packed into $OUT/res.tgz at the end (the
@@ -29,8 +30,8 @@ if [[ $what == *" micro "* ]]; then
 fi
 tests_pid=
 if [[ $what == *" tests "* ]]; then
-  ( for f in tests/model/test_model_gpu.py tests/kernels/test_softmax_argmax.py tests/kernels/test_moe_w4.py \
-        tests/model/test_fp8.py tests/decoders/test_official.py; do
+  ( for f in ${TEST_FILES:-tests/model/test_model_gpu.py tests/kernels/test_softmax_argmax.py tests/kernels/test_moe_w4.py \
+        tests/model/test_fp8.py tests/decoders/test_official.py}; do
       log="$R/pytest_$(basename "$f" .py).txt"
       timeout "${TESTS_TIMEOUT:-240}" python -m pytest -q -p no:cacheprovider \
         -m "(gpu or not gpu) and not slow and not soak" "$f" > "$log" 2>&1

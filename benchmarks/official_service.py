@@ -153,7 +153,8 @@ def _runtime_knobs(bundle, fp8: str, settings, knobs: str) -> None:
     from canvasq.decoders.base import runtime_for
 
     rt = runtime_for(bundle.hf_model, "w4", fp8, settings.fp8_min_rows)
-    defaults = RUNTIME_DEFAULTS.setdefault(id(rt), {"context_step": rt.context_step, "sdpa_backend": rt.sdpa_backend})
+    defaults = RUNTIME_DEFAULTS.setdefault(id(rt), {"context_step": rt.context_step, "sdpa_backend": rt.sdpa_backend,
+                                                       "encoder_sdpa_backend": rt.encoder_sdpa_backend})
     want = dict(defaults)
     for item in filter(None, knobs.split(",")):
         name, _, value = item.partition("=")

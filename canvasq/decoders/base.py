@@ -385,14 +385,13 @@ class StepDecoder:
     def prefill(self, seqs: list[Seq]) -> None:
         """Encode every prompt, and the canvases whose commit pass was deferred (`defer_encode`), in one
         pass; then spawn each new row's first canvas. When encoder passes fold into the decoder
-        forward (`folds`), the commits and every prompt of at most one canvas's length ride there
-        instead (a longer rider would pad every window of that forward to its rows); only longer
-        prompts get a pass here."""
+        forward (`folds`), the commits and the prompts ride there instead (a long prompt as several
+        causal query blocks of at most a canvas's rows), and no pass runs here."""
         items, rows, states = [], {}, {}
         for s in seqs:
             ids = torch.tensor(s.req.prompt_ids, dtype=torch.long, device=self.device)
             item = (s.slot, ids, torch.arange(s.prompt_len, device=self.device))
-            if self.folds and s.prompt_len <= self.C:
+            if self.folds:
                 self._deferred.append((s, item))
                 continue
             items.append(item)

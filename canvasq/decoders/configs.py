@@ -79,11 +79,11 @@ class OfficialConfig:
     # one slice instead of gathering every layer's K/V per window (the gathers cost about 100 ms of a
     # 64 x 256-row step on an H200, BENCHMARKS.md "Service throughput"). False: admission order
     slot_order: bool = True
-    # Encoder passes ride in the next decoder forward: a row's retired canvas, or its prompt when it is
-    # at most one canvas long, goes in front of its canvas window as causal rows (the stacks share
-    # their weights; the rows keep the encoder's layer scalars and skip the decoder's input norm), so
-    # a step runs one forward instead of two. Off until measured on a GPU: a window with riders has
-    # twice the rows, and the attention pads every window of the forward to the longest
+    # Encoder passes ride in the next decoder forward: a row's retired canvas or its prompt goes in
+    # front of its canvas window as causal rows (the stacks share their weights; the rows keep the
+    # encoder's layer scalars and skip the decoder's input norm), as query blocks of their own of at
+    # most a canvas's rows, so a step runs one forward instead of two. Off until it wins on a GPU
+    # (BENCHMARKS.md "Service throughput": measured slower at 88ca63f)
     fold_encode: bool = False
     cuda_graphs: str = "auto"
 

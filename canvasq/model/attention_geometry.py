@@ -38,6 +38,7 @@ class AttentionGeometry:
     maskfree: dict[bool, bool] = field(default_factory=lambda: {False: False, True: False})
     sliced: int = 0  # with folded encoder blocks: leading blocks on slots first, first + 1, ... (else 0)
     backend: str = "auto"  # SDPA backend of masked calls (`kernels.attention.SDPA_BACKENDS`)
+    encoder_backend: str = "auto"  # ... of the calls on encoder blocks alone (their shapes vary more)
     kernel: bool = False  # short windows through `kernels.attention` (the runtime's `kernels`), else SDPA
     _folded: dict[tuple[bool, int], torch.Tensor] = field(default_factory=dict)
 
@@ -68,14 +69,17 @@ class AttentionGeometry:
                 lmax = min(capacity, -(-need // step) * step)
         elif lmax < need or lmax > capacity:
             raise ValueError(f"context bucket {lmax} outside [{need}, {capacity}]")
-        # (slot, visible entries, first row in the forward, rows) per query block
+        # (slot, visible entries, first row in the forward, rows) per query block; encoder rows in
+        # chunks of at most the windows' largest block (a long prompt is several causal blocks)
+        chunk = max([w.rows - w.encoder_rows for w in windows if w.rows > w.encoder_rows] or [max(sizes)])
         blocks, extra, row0 = [], [], 0
         for w, end in zip(windows, ends):
             e = w.encoder_rows
-            if e:
-                extra.append((w.slot, end, row0, e))
-            blocks.append((w.slot, end, row0 + e, w.rows - e))
+            extra += [(w.slot, end, row0 + c, min(chunk, e - c)) for c in range(0, e, chunk)]
+            if w.rows > e:
+                blocks.append((w.slot, end, row0 + e, w.rows - e))
             row0 += w.rows
+        n_windows = len(blocks)
         blocks += extra
         rmax = max(n for *_, n in blocks)
         b_idx = torch.empty(row0, dtype=torch.long)
@@ -87,7 +91,8 @@ class AttentionGeometry:
         nb = len(blocks)
         slots = torch.tensor([s for s, *_ in blocks], dtype=torch.long, device=dev)
         first = windows[0].slot
-        contiguous = not extra and all(w.slot == first + b for b, w in enumerate(windows))
+        in_order = n_windows == len(windows) and all(w.slot == first + b for b, w in enumerate(windows))
+        contiguous = not extra and in_order
         hi = torch.zeros(nb, rmax, dtype=torch.long, device=dev)
         lo = torch.zeros(nb, rmax, dtype=torch.long, device=dev)
         hi[b_idx, r_idx] = torch.cat([w.canvas_end.to(dev) for w in windows])
@@ -97,7 +102,7 @@ class AttentionGeometry:
         dense = not extra and all(r == rmax for r in sizes)  # rows are the blocks' rows, in order
         return cls(slots=slots, first=first, contiguous=contiguous, b_idx=b_idx, r_idx=r_idx, rmax=rmax, lmax=lmax,
                    dense=dense, hi=hi, lo=lo, ends=torch.tensor([e for _, e, *_ in blocks], device=dev), pad=pad,
-                   sliced=len(windows) if extra and all(w.slot == first + b for b, w in enumerate(windows)) else 0)
+                   sliced=n_windows if extra and in_order else 0)
 
     def build_masks(self, arena: KVArena, detect_maskfree: bool = False) -> None:
         nb, lmax = self.hi.shape[0], self.lmax
@@ -161,7 +166,7 @@ class AttentionGeometry:
             parts = [attend(q[:n], k, v, self.slots[:n], self.lmax, None if mask is None else mask[:n],
                             groups=g, impl=impl, first=int(self.first), backend=self.backend),
                      attend(q[n:], k, v, self.slots[n:], self.lmax, None if mask is None else mask[n:],
-                            groups=g, impl=impl, backend=self.backend)]
+                            groups=g, impl=impl, backend=self.encoder_backend)]
             o = torch.cat(parts)
         else:
             o = attend(q, k, v, self.slots, self.lmax, mask, groups=g, impl=impl,

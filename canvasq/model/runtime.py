@@ -144,10 +144,15 @@ class Runtime:
             torch.equal(e.layer_scalar, d.layer_scalar) for e, d in zip(enc_layers, dec_layers)
         )
         self.prefix_attention = True  # mask-free SDPA when the mask is all-visible (eager forwards)
-        # masked eager forwards: SDPA's backend (`kernels.attention.SDPA_BACKENDS`) and the context
-        # rounded up to a multiple of `context_step` entries (0: exact), measured in BENCHMARKS.md
+        # Masked eager forwards on CUDA: SDPA picks cuDNN, which builds a plan for every new shape
+        # (~25 ms of host time each), so decoder steps read a context rounded up to a multiple of
+        # `context_step` entries (shapes repeat; 0: exact) and encoder passes, whose batch and rows
+        # vary pass to pass, take the mem-efficient kernel (`encoder_sdpa_backend`; see
+        # `kernels.attention.SDPA_BACKENDS`). Measured: BENCHMARKS.md, "Service throughput".
+        cuda = self.device.type == "cuda"
         self.sdpa_backend = "auto"
-        self.context_step = 0
+        self.encoder_sdpa_backend = "efficient" if cuda else "auto"
+        self.context_step = 256 if cuda else 0
         # eager forwards by attention path: "maskfree" (all-visible, SDPA without a mask) or "masked"
         # (ragged contexts, a sliding band that clips, padded rows); graphed forwards always mask
         self.attention_paths = {"maskfree": 0, "masked": 0}
@@ -316,7 +321,8 @@ class Runtime:
         row_col = torch.cat([torch.arange(s, s + r) for s, r in zip(starts, sizes)]).to(dev)
         ctx = AttentionGeometry.build(windows, starts, self.sliding_window, dev, lmax, arena.capacity,
                                       step=self.context_step)
-        ctx.kernel, ctx.backend = self.kernels, self.sdpa_backend
+        ctx.kernel, ctx.encoder_backend = self.kernels, self.encoder_sdpa_backend
+        ctx.backend = self.encoder_sdpa_backend if encoder else self.sdpa_backend
 
         sc = [] if encoder else self._self_cond_entries(windows, offsets)
         cap_rows, cap_owner = [], []

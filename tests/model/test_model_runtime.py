@@ -554,10 +554,11 @@ def _riding(slot, enc_ids, enc_start, canvas):
 
 @pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1)], ids=["slot-order", "any-order"])
 def test_riding_encoder_rows_of_any_length_keep_each_window_exact(model, order):
-    """Encoder rows get query blocks of their own (a prompt shorter than a canvas, a retired canvas),
-    so no window's queries are padded to its encoder rows plus a canvas: three windows (plain, a
-    riding canvas, a riding prompt) in slot order (the windows' blocks read as a slice) and in any
-    order (gathered) give each window the logits of separate passes."""
+    """Encoder rows get query blocks of their own of at most a canvas's rows (a short prompt, a retired
+    canvas, a long prompt in three blocks), so no window's queries are padded to its encoder rows plus
+    a canvas: four windows (plain, a riding canvas, a short and a long riding prompt) in slot order
+    (the windows' blocks read as a slice) and in another order (gathered) give each window the logits
+    of separate passes."""
     shape, _, rt = model
     g = torch.Generator().manual_seed(8)
     c, v, p = shape.canvas_length, shape.vocab_size, 5
@@ -567,19 +568,26 @@ def test_riding_encoder_rows_of_any_length_keep_each_window_exact(model, order):
     fresh = rt.decode(ref, [Window.canvas(0, canvas, p)]).logits  # a prompt's first step
     rt.encode(ref, 0, done, torch.arange(p, p + c))
     later = rt.decode(ref, [Window.canvas(0, canvas, p + c)]).logits  # after a canvas's commit pass
+    long = _ids(g, 2 * c + 3, v)  # a prompt longer than two canvases: three causal query blocks
+    ref = rt.new_arena(1, 256)
+    rt.encode(ref, 0, long, torch.arange(long.numel()))
+    after_long = rt.decode(ref, [Window.canvas(0, canvas, long.numel())]).logits
 
-    arena = rt.new_arena(3, 128)
+    arena = rt.new_arena(4, 256)
     for slot in (0, 1):
         rt.encode(arena, slot, prompt, torch.arange(p))
     rt.encode(arena, 0, done, torch.arange(p, p + c))
-    windows = {0: Window.canvas(0, canvas, p + c), 1: _riding(1, done, p, canvas), 2: _riding(2, prompt, 0, canvas)}
+    windows = {0: Window.canvas(0, canvas, p + c), 1: _riding(1, done, p, canvas), 2: _riding(2, prompt, 0, canvas),
+               3: _riding(3, long, 0, canvas)}
+    order = order + (3,)
     out = rt.decode(arena, [windows[k] for k in order])
     prep = rt._prepare(arena, [windows[k] for k in order], encoder=False)
-    assert prep.ctx.rmax == c and bool(prep.ctx.sliced) == (order == (0, 1, 2))
-    expect = {0: later, 1: later, 2: fresh}
+    assert prep.ctx.rmax == c and bool(prep.ctx.sliced) == (order == (0, 1, 2, 3))
+    assert prep.ctx.hi.shape[0] == 4 + 1 + 1 + 3  # the windows' blocks, then the encoder rows' blocks
+    expect = {0: later, 1: later, 2: fresh, 3: after_long}
     for i, k in enumerate(order):
         assert rel_err(out.window_logits(i), expect[k]) <= TOL, k
-    assert [arena.length[s] for s in range(3)] == [p + c, p + c, p]
+    assert [arena.length[s] for s in range(4)] == [p + c, p + c, p, long.numel()]
 
 
 @pytest.mark.parametrize("backend", ["auto", "math"])

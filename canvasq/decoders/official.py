@@ -24,9 +24,9 @@ parity test). `sc_topk=k` self-conditions on the top-k of the previous logits in
 vocabulary (runtime's top-k projection).
 
 Sampler statistics run batched over the live requests, in groups whose [rows, V] fp32 temporaries stay
-under `_GROUP_BYTES`; with the torch sampler the generator draws (multinomial, renoise) are per request,
-with the fused one (`sampler`, the default on CUDA) they are one launch for the group. One host sync
-per step reads which requests stopped and how many positions each accepted; the fused top-k self-
+under `_GROUP_BYTES` (the fused sampler with top-k self-conditioning has none: one group); with the
+torch sampler the generator draws (multinomial, renoise) are per request, with the fused one
+(`sampler`, the default on CUDA) they are one launch for the group. One host sync per step reads which requests stopped and how many positions each accepted; the fused top-k self-
 conditioning adds one that looks for rows past its candidate slots.
 """
 
@@ -116,6 +116,9 @@ class OfficialDecoder(StepDecoder):
             sampler = "fused" if self.device.type == "cuda" and self.config.seed_mode == "row" else "torch"
         self.fused = sampler == "fused"
         k = self.config.sc_topk
+        # the fused draws with top-k SC hold no [rows, V] temporaries: the whole step is one group
+        # (one launch, one set of host syncs; eight groups cost ~50 ms of a 64-slot step on an H200)
+        self._one_group = self.fused and k is not None and k < self.V
         # a canvas's first step under top-k SC: a zero top-k signal with every row off (read-only)
         self._zero_sc = None if k is None or k >= self.V else (
             (torch.zeros(self.C, k, dtype=torch.long, device=self.device),
@@ -154,7 +157,7 @@ class OfficialDecoder(StepDecoder):
         logits = out.logits.view(len(seqs), self.C, self.V)
 
         accepted, stopped = [], []
-        group = max(1, _GROUP_BYTES // (4 * self.C * self.V))
+        group = len(seqs) if self._one_group else max(1, _GROUP_BYTES // (4 * self.C * self.V))
         for g0 in range(0, len(seqs), group):
             part = seqs[g0 : g0 + group]
             a, st = self._sample(part, logits[g0 : g0 + group])

@@ -230,7 +230,8 @@ def attend_reference(
 ) -> torch.Tensor:
     """Twin: SDPA (scale 1) on the slots' arena entries, then the transposing copy. `first`: the slots
     are first, first + 1, ... (a host int), read as a slice instead of gathered. `backend`: SDPA's own
-    choice ("auto") or one of `SDPA_BACKENDS` for masked calls (cuDNN builds a plan per new shape)."""
+    choice ("auto") or one of `SDPA_BACKENDS` tried first for masked calls (cuDNN builds a plan per
+    new shape)."""
     nb, kvh, gr, d = q.shape
     r = gr // groups
     pick = slots if first is None else slice(first, first + nb)
@@ -239,9 +240,12 @@ def attend_reference(
     if backend != "auto" and mask is not None:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        which = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                 SDPBackend.MATH]
+        first = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                  "math": SDPBackend.MATH}[backend]
-        with sdpa_kernel(which):
+        # preferred, not forced: a GPU or build without that kernel falls back to SDPA's others
+        with sdpa_kernel([first] + [b for b in order if b != first], set_priority=True):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
     else:
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)

@@ -40,6 +40,14 @@ def _ids(g, n, vocab):
     return torch.randint(0, vocab, (n,), generator=g)
 
 
+def _prompted_arena(rt, g, vocab, slots: int, capacity: int, prompts: dict[int, int]):
+    """A new arena with a random prompt of `prompts[slot]` tokens encoded into each listed slot."""
+    arena = rt.new_arena(slots, capacity)
+    for slot, p in prompts.items():
+        rt.encode(arena, slot, _ids(g, p, vocab), torch.arange(p))
+    return arena
+
+
 @pytest.mark.parametrize("prompt_len", [3, 21, 40])
 def test_single_canvas_matches_hf(model, prompt_len):
     shape, m, rt = model
@@ -344,9 +352,7 @@ def test_decode_graph_replays_like_decode(model):
     shape, _, rt = model
     g = torch.Generator().manual_seed(21)
     c, v = shape.canvas_length, shape.vocab_size
-    arena = rt.new_arena(3, 160)
-    for s, p in ((1, 12), (2, 30)):
-        rt.encode(arena, s, _ids(g, p, v), torch.arange(p))
+    arena = _prompted_arena(rt, g, v, 3, 160, {1: 12, 2: 30})
 
     def windows(rows_a, rows_b, ctx_a, ctx_b):
         a = Window.blocks(
@@ -598,9 +604,7 @@ def test_context_rounded_up_for_ragged_slots_keeps_logits(model, backend):
     shape, _, rt = model
     g = torch.Generator().manual_seed(9)
     c, v = shape.canvas_length, shape.vocab_size
-    arena = rt.new_arena(2, 256)
-    for slot, p in ((0, 7), (1, 19)):
-        rt.encode(arena, slot, _ids(g, p, v), torch.arange(p))
+    arena = _prompted_arena(rt, g, v, 2, 256, {0: 7, 1: 19})
     wins = [Window.canvas(0, _ids(g, c, v), 7), Window.canvas(1, _ids(g, c, v), 19)]
     exact = rt.decode(arena, wins).logits
     rt.context_step, rt.sdpa_backend = 64, backend

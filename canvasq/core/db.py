@@ -149,14 +149,15 @@ def upsert(session: Session, model, rows: Sequence[dict], keys: Sequence[str], u
         from sqlalchemy.dialects.sqlite import insert as dialect_insert
     else:  # pragma: no cover - only the two tested dialects are supported
         raise NotImplementedError(dialect)
-    stmt = dialect_insert(model).values(list(rows))
+    table = getattr(model, "__table__", model)
+    stmt = dialect_insert(table)  # rows as executemany parameters: the statement compiles once (cached)
     if update_cols:
         stmt = stmt.on_conflict_do_update(
             index_elements=list(keys), set_={c: getattr(stmt.excluded, c) for c in update_cols}
         )
     else:
         stmt = stmt.on_conflict_do_nothing(index_elements=list(keys))
-    session.execute(stmt)
+    session.execute(stmt, list(rows))
 
 
 def retry_transient(fn: Callable[[], Any], attempts: int = 6, base_s: float = 0.5) -> Any:

@@ -82,8 +82,9 @@ class OfficialConfig:
     # Encoder passes ride in the next decoder forward: a row's retired canvas or its prompt goes in
     # front of its canvas window as causal rows (the stacks share their weights; the rows keep the
     # encoder's layer scalars and skip the decoder's input norm), as query blocks of their own of at
-    # most a canvas's rows, so a step runs one forward instead of two. Off until it wins on a GPU
-    # (BENCHMARKS.md "Service throughput": measured slower at 88ca63f)
+    # most a canvas's rows, so a step runs one forward instead of two. Off: the riders' rows then pay
+    # the decoder step's cost in every layer, which ate the saved passes (BENCHMARKS.md "Service
+    # throughput": a tie at 64 slots on an H200)
     fold_encode: bool = False
     cuda_graphs: str = "auto"
 

@@ -26,8 +26,9 @@ vocabulary (runtime's top-k projection).
 Sampler statistics run batched over the live requests, in groups whose [rows, V] fp32 temporaries stay
 under `_GROUP_BYTES` (the fused sampler with top-k self-conditioning has none: one group); with the
 torch sampler the generator draws (multinomial, renoise) are per request, with the fused one
-(`sampler`, the default on CUDA) they are one launch for the group. One host sync per step reads which requests stopped and how many positions each accepted; the fused top-k self-
-conditioning adds one that looks for rows past its candidate slots.
+(`sampler`, the default on CUDA) they are one launch for the group. One host sync per step reads
+which requests stopped and how many positions each accepted; the fused top-k self-conditioning adds
+one that looks for rows past its candidate slots.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
 import triton.language as tl
 
 from ._dispatch import auto_triton, interpreted, pdl_kwargs
@@ -221,7 +222,10 @@ def attend_launch(
     return o
 
 
-SDPA_BACKENDS = ("auto", "cudnn", "efficient", "math")
+# the masked calls' kernels (flash takes no mask), in SDPA's fallback order after the preferred one
+_SDPA_KERNELS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                 "math": SDPBackend.MATH}
+SDPA_BACKENDS = ("auto", *_SDPA_KERNELS)
 
 
 def attend_reference(
@@ -238,14 +242,9 @@ def attend_reference(
     k = k_arena[pick, :, :lmax]
     v = v_arena[pick, :, :lmax]
     if backend != "auto" and mask is not None:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION,
-                 SDPBackend.MATH]
-        first = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                 "math": SDPBackend.MATH}[backend]
         # preferred, not forced: a GPU or build without that kernel falls back to SDPA's others
-        with sdpa_kernel([first] + [b for b in order if b != first], set_priority=True):
+        preferred = _SDPA_KERNELS[backend]
+        with sdpa_kernel([preferred] + [b for b in _SDPA_KERNELS.values() if b != preferred], set_priority=True):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
     else:
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)

@@ -24,7 +24,9 @@ class AttentionGeometry:
 
     slots: torch.Tensor  # [B] arena slot of each block
     first: int  # slot of the first window
-    contiguous: bool  # the windows' slots are first, first + 1, ...: the arena is sliced, not gathered
+    # leading blocks on slots first, first + 1, ... (every window's block, when the windows come in slot
+    # order; else 0): the arena is sliced for them, not gathered
+    sliced: int
     b_idx: torch.Tensor  # [N] block of each row
     r_idx: torch.Tensor  # [N] row within its block
     rmax: int  # rows of the largest window (queries are padded to it)
@@ -36,7 +38,6 @@ class AttentionGeometry:
     pad: torch.Tensor  # [B, Rmax] padding query rows
     masks: dict[bool, torch.Tensor] = field(default_factory=dict)  # sliding? -> [B, 1, Rmax, L] bool
     maskfree: dict[bool, bool] = field(default_factory=lambda: {False: False, True: False})
-    sliced: int = 0  # with folded encoder blocks: leading blocks on slots first, first + 1, ... (else 0)
     backend: str = "auto"  # SDPA backend of masked calls (`kernels.attention.SDPA_BACKENDS`)
     encoder_backend: str = "auto"  # ... of the calls on encoder blocks alone (their shapes vary more)
     kernel: bool = False  # short windows through `kernels.attention` (the runtime's `kernels`), else SDPA
@@ -92,7 +93,6 @@ class AttentionGeometry:
         slots = torch.tensor([s for s, *_ in blocks], dtype=torch.long, device=dev)
         first = windows[0].slot
         in_order = n_windows == len(windows) and all(w.slot == first + b for b, w in enumerate(windows))
-        contiguous = not extra and in_order
         hi = torch.zeros(nb, rmax, dtype=torch.long, device=dev)
         lo = torch.zeros(nb, rmax, dtype=torch.long, device=dev)
         hi[b_idx, r_idx] = torch.cat([w.canvas_end.to(dev) for w in windows])
@@ -100,9 +100,13 @@ class AttentionGeometry:
         pad = torch.ones(nb, rmax, dtype=torch.bool, device=dev)
         pad[b_idx, r_idx] = False
         dense = not extra and all(r == rmax for r in sizes)  # rows are the blocks' rows, in order
-        return cls(slots=slots, first=first, contiguous=contiguous, b_idx=b_idx, r_idx=r_idx, rmax=rmax, lmax=lmax,
-                   dense=dense, hi=hi, lo=lo, ends=torch.tensor([e for _, e, *_ in blocks], device=dev), pad=pad,
-                   sliced=n_windows if extra and in_order else 0)
+        return cls(slots=slots, first=first, sliced=n_windows if in_order else 0, b_idx=b_idx, r_idx=r_idx, rmax=rmax, lmax=lmax,
+                   dense=dense, hi=hi, lo=lo, ends=torch.tensor([e for _, e, *_ in blocks], device=dev), pad=pad)
+
+    @property
+    def contiguous(self) -> bool:
+        """Every block's slot is first, first + 1, ...: the whole arena read is one slice."""
+        return self.sliced == self.hi.shape[0]
 
     def build_masks(self, arena: KVArena, detect_maskfree: bool = False) -> None:
         nb, lmax = self.hi.shape[0], self.lmax
@@ -161,8 +165,8 @@ class AttentionGeometry:
         impl = "triton" if self.kernel and self.rmax <= SHORT_WINDOW else "torch"
         q = q.view(nb, kvh, g * self.rmax, d)
         k, v = arena.k[layer], arena.v[layer]
-        if self.sliced and impl == "torch":  # the windows' blocks as a slice, the encoder blocks gathered
-            n = self.sliced
+        n = self.sliced
+        if impl == "torch" and 0 < n < nb:  # the windows' blocks as a slice, the encoder blocks gathered
             parts = [attend(q[:n], k, v, self.slots[:n], self.lmax, None if mask is None else mask[:n],
                             groups=g, impl=impl, first=int(self.first), backend=self.backend),
                      attend(q[n:], k, v, self.slots[n:], self.lmax, None if mask is None else mask[n:],

@@ -371,7 +371,7 @@ class Runtime:
         parts = [(b, w) for b, w in enumerate(windows) if w.self_cond is not None]
         ks = {w.self_cond[0].shape[-1] if isinstance(w.self_cond, tuple) else None for _, w in parts}
         if len(parts) > 1 and len(ks) == 1 and None not in ks:
-            rows = torch.cat([torch.arange(offsets[b], offsets[b + 1]) for b, _ in parts]).to(dev, non_blocking=True)
+            rows = torch.cat([torch.arange(offsets[b], offsets[b + 1]) for b, _ in parts]).to(dev)
             keep = None
             if any(w.self_cond_rows is not None for _, w in parts):
                 keep = torch.cat([w.self_cond_rows.to(dev) if w.self_cond_rows is not None

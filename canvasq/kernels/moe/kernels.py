@@ -291,7 +291,8 @@ def combine_row(
     K_P2: tl.constexpr, RENORM: tl.constexpr, ROW_MAP: tl.constexpr,
 ):  # fmt: skip
     """sum_k w[t, k] * y_tk[t*K + k, offs] (fp32 [len(offs)]), k in fixed order 0..K-1, fp32
-    accumulation; ROW_MAP: row map[t*K + k] of y_tk instead (rows left in expert order). RENORM (DiffusionGemma's router epilogue, otherwise three torch ops per layer): w are
+    accumulation; ROW_MAP: row map[t*K + k] of y_tk instead (rows left in expert order). RENORM
+    (DiffusionGemma's router epilogue, otherwise three torch ops per layer): w are
     the raw top-k probabilities, used as w[t, k] / sum_k w[t, k] * scale[ids[t, k]] (correctly rounded
     divide). Shared by `_combine_kernel` and the end-of-layer norm that takes the rows unreduced
     (`norm_fused.add_rms_norm` with `ExpertRows`)."""

@@ -1,5 +1,5 @@
 """`python -m canvasq.cli` is the `canvasq` command."""
 
-from canvasq.cli import cli
+from canvasq.cli import main
 
-cli()
+main()

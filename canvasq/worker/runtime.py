@@ -225,7 +225,12 @@ class ChunkRuntime:
         self._rc_thread.start()
 
     def stop(self) -> None:
+        """Stop the heartbeat and reconcile threads and wait for them (a store call in flight ends
+        first), so nothing of this worker runs on while its process exits."""
         self._hb_stop.set()
+        for t in (self._hb_thread, self._rc_thread):
+            if t is not None and t is not threading.current_thread():
+                t.join(timeout=self.settings.heartbeat_s)
 
     # -- one chunk ---------------------------------------------------------------------------------
     def _stopper(self, run_id: str) -> Callable[[], bool]:

@@ -6,10 +6,13 @@ count (the `usage.forwards` of a `canvasq run` output file), this replays that p
 for each slot count and chunk size and prints the mean share of slots busy and the steps needed.
 
     python3 benchmarks/slot_occupancy.py results.jsonl --slots 8,32 --chunks 16,32,64,128,256,0 --repeat 10
+    python3 benchmarks/slot_occupancy.py results.jsonl --input prompts.jsonl --slots 32,64 --chunks 128,0
 
 `--chunks 0` is one stream over the whole input (what cross-chunk feeding would give); `--repeat`
-cycles the rows to a fleet-sized run. A step's cost is not constant in the rows it carries, so this
-gives slot use and step counts, not time.
+cycles the rows to a fleet-sized run. With `--input` (the submitted file, for each row's
+`max_tokens`) each chunk is also replayed in the worker's admission order, largest `max_tokens` first
+(`canvasq.worker.runtime.longest_first`), beside the file's order. A step's cost is not constant in
+the rows it carries, so this gives slot use and step counts, not time.
 """
 
 from __future__ import annotations
@@ -19,15 +22,34 @@ import json
 from collections import deque
 
 
-def forwards_per_row(path: str) -> list[int]:
+def forwards_per_row(path: str) -> list[tuple[str, int]]:
+    """(custom_id, forwards) of every decoded row, in the file's order."""
     out = []
     with open(path) as fh:
         for line in fh:
-            body = (json.loads(line).get("response") or {}).get("body") or {}
+            rec = json.loads(line)
+            body = (rec.get("response") or {}).get("body") or {}
             usage = body.get("usage") or {}
             if usage.get("forwards"):
-                out.append(int(usage["forwards"]))
+                out.append((rec.get("custom_id"), int(usage["forwards"])))
     return out
+
+
+def max_tokens_by_id(path: str) -> dict[str, int]:
+    """custom_id -> max_tokens of a submitted file (prompt lines or OpenAI batch lines)."""
+    out = {}
+    with open(path) as fh:
+        for line in fh:
+            rec = json.loads(line)
+            out[rec["custom_id"]] = int(rec.get("max_tokens") or (rec.get("body") or {}).get("max_tokens") or 0)
+    return out
+
+
+def longest_first(rows: list[tuple[int, int]], chunk: int) -> list[tuple[int, int]]:
+    """(max_tokens, forwards) rows with each chunk sorted by max_tokens, largest first (stable)."""
+    chunk = chunk or len(rows)
+    return [r for start in range(0, len(rows), chunk)
+            for r in sorted(rows[start : start + chunk], key=lambda r: -r[0])]
 
 
 def replay(rows: list[int], slots: int, chunk: int) -> tuple[float, int]:
@@ -51,14 +73,25 @@ def main(argv=None) -> None:
     ap.add_argument("--slots", default="8,32")
     ap.add_argument("--chunks", default="16,32,64,128,256,0", help="0: the whole input as one stream")
     ap.add_argument("--repeat", type=int, default=1, help="cycle the rows this many times")
+    ap.add_argument("--input", help="the submitted file: also replay the largest-max_tokens-first order")
     args = ap.parse_args(argv)
-    rows = forwards_per_row(args.results) * args.repeat
+    done = forwards_per_row(args.results) * args.repeat
+    rows = [f for _, f in done]
     print(f"{len(rows)} rows, forwards per row: mean {sum(rows) / len(rows):.2f}, max {max(rows)}")
-    print("| slots | chunk | slots busy | steps |\n|---|---|---|---|")
+    limits = max_tokens_by_id(args.input) if args.input else None
+    if limits is None:
+        print("| slots | chunk | slots busy | steps |\n|---|---|---|---|")
+    else:
+        print("| slots | chunk | slots busy | steps | longest first: busy | steps |\n|---|---|---|---|---|---|")
     for slots in (int(x) for x in args.slots.split(",")):
         for chunk in (int(x) for x in args.chunks.split(",")):
             share, steps = replay(rows, slots, chunk)
-            print(f"| {slots} | {chunk or 'all'} | {share:.0%} | {steps:,} |")
+            line = f"| {slots} | {chunk or 'all'} | {share:.0%} | {steps:,} |"
+            if limits is not None:
+                ordered = longest_first([(limits[cid], f) for cid, f in done], chunk)
+                share, steps = replay([f for _, f in ordered], slots, chunk)
+                line += f" {share:.0%} | {steps:,} |"
+            print(line)
 
 
 if __name__ == "__main__":

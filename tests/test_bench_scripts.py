@@ -59,3 +59,16 @@ def test_slot_occupancy_replays_forward_counts(tmp_path):
     text = _run(tmp_path, "slot_occupancy.py", str(out), "--slots", "2", "--chunks", "2,0")
     assert "4 rows, forwards per row: mean 5.00, max 8" in text
     assert "| 2 | 2 | 83% | 12 |" in text and "| 2 | all | 83% | 12 |" in text
+
+
+def test_slot_occupancy_replays_longest_first_from_the_input(tmp_path):
+    """Rows of 2, 2, 2 and 8 forwards with max_tokens 16, 16, 16, 64 through 2 slots as one stream.
+    In file order the long row starts at step 3 and runs alone for 6 steps: 10 steps, 14/20 busy.
+    Largest max_tokens first it starts at once beside the short ones: 8 steps, 14/16 busy."""
+    out, src = tmp_path / "results.jsonl", tmp_path / "in.jsonl"
+    out.write_text("".join(json.dumps({"custom_id": f"r{i}", "response": {"body": {"usage": {"forwards": f}}}}) + "\n"
+                           for i, f in enumerate((2, 2, 2, 8))))
+    src.write_text("".join(json.dumps({"custom_id": f"r{i}", "prompt": "p", "max_tokens": m}) + "\n"
+                           for i, m in enumerate((16, 16, 16, 64))))
+    text = _run(tmp_path, "slot_occupancy.py", str(out), "--input", str(src), "--slots", "2", "--chunks", "0")
+    assert "| 2 | all | 70% | 10 | 88% | 8 |" in text

@@ -245,18 +245,24 @@ def test_experts_setting_reaches_the_decoders(wsettings, wstore, bundle):
     assert seen == ["bf16", "w4"]
 
 
-def test_continuous_batching_keeps_slots_full_and_matches_rows_decoded_alone(wsettings, wstore, bundle):
-    """A chunk of mixed max_tokens through 3 decode slots: a finished row's slot is refilled before
-    the next step (full until the chunk runs out of rows), every row is stored once, and each row's
-    answer is what it gets decoded alone (the official decoder draws from per-request generators)."""
+def test_continuous_batching_keeps_slots_full_and_matches_rows_decoded_alone(wsettings, wstore, bundle, tmp_path,
+                                                                           monkeypatch):
+    """A chunk of mixed max_tokens through 3 decode slots: rows are admitted largest max_tokens first,
+    a finished row's slot is refilled before the next step (full until the chunk runs out of rows),
+    every row is stored once, and each row's answer is what it gets decoded alone (the official
+    decoder draws from per-request generators)."""
     from canvasq.decoders import DecodeBatch, DecodeRequest, run_batch
 
     settings = wsettings.model_copy(update={"decode_slots": 3})
     lengths = [8, 40, 16, 64, 8, 24, 48, 8, 32]
     js = [Job(f"r{i}", PROMPTS[i % 2][1], PROMPTS[i % 2][0], n, None, i + 1) for i, n in enumerate(lengths)]
     run = wstore.create_run(js, model=settings.model, queue="q", decoder="official", chunk_size=len(js))
+    work = tmp_path / "work.log"
+    monkeypatch.setenv("CANVASQ_TEST_WORK_LOG", str(work))  # each row's id as it is fed to a slot
     out = runtime(settings, wstore, bundle).process_chunk(run.chunk_ids[0])
     assert out["written"] == len(js) and wstore.run_status(run.run_id) == "completed"
+    fed = [line.split()[1] for line in work.read_text().splitlines()]
+    assert fed == ["r3", "r6", "r1", "r8", "r5", "r2", "r0", "r4", "r7"]  # 64, 48, 40, 32, 24, 16, then 8s in order
     occ = out["occupancy"]
     assert all(slots == 3 for _, slots in occ)
     # full while rows were waiting: the first step that runs below 3 is after the last row was fed,

@@ -46,6 +46,16 @@ def test_every_command_has_an_example(path, cmd):
     assert "canvasq " + " ".join(path) in example, f"{' '.join(path)}'s example does not use it"
 
 
+@pytest.mark.parametrize("path, cmd", ALL, ids=[" ".join(p) for p, _ in ALL])
+def test_every_example_line_prints_as_written(path, cmd):
+    """Click rewraps a paragraph of several lines into one unless a `\\b` line precedes it; an example
+    block's commands must come out one per line, as written (copy-paste ready)."""
+    want = [line.strip() for line in cmd.help.split("Example:", 1)[-1].splitlines()
+            if line.strip().startswith("canvasq ")]
+    got = {line.strip() for line in CliRunner().invoke(cli, [*path, "--help"], terminal_width=200).output.splitlines()}
+    assert [w for w in want if w not in got] == []
+
+
 def test_help_does_not_import_heavy_modules():
     code = (
         "import sys\n"

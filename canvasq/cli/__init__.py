@@ -49,6 +49,7 @@ def cli():
 
     Example:
 
+    \b
         canvasq run examples/prompts.jsonl -o results.jsonl
     """
 

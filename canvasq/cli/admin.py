@@ -18,6 +18,7 @@ def db():
 
     Example:
 
+    \b
         CANVASQ_DATABASE_URL=postgresql+psycopg://canvasq@db/canvasq canvasq db upgrade
     """
 
@@ -29,6 +30,7 @@ def db_upgrade(revision):
 
     Example:
 
+    \b
         canvasq db upgrade
     """
     from canvasq.core.db import upgrade
@@ -47,6 +49,7 @@ def db_downgrade(revision, yes):
 
     Example:
 
+    \b
         canvasq db downgrade base --yes
     """
     from canvasq.core.db import downgrade
@@ -68,6 +71,7 @@ def db_current():
 
     Example:
 
+    \b
         canvasq db current
     """
     from canvasq.core.db import current_revision, head_revision
@@ -83,6 +87,7 @@ def config_cmd():
 
     Example:
 
+    \b
         CANVASQ_DATABASE_URL=postgresql+psycopg://u:secret@h/db canvasq config
     """
     s = get_settings()
@@ -141,6 +146,7 @@ def pack(model, device, cache_dir, force):
 
     Example:
 
+    \b
         canvasq pack /models/diffusiongemma
         CANVASQ_W4_CACHE_DIR=/scratch/w4 canvasq pack /models/diffusiongemma --device cuda:1
     """

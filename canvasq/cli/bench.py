@@ -64,6 +64,7 @@ def bench(
 
     Example:
 
+    \b
         canvasq bench --task arith --n 50 --seeds 1,2,3 --arm official --arm funnel:tau_conf=0.7
         canvasq bench --arm official --arm official:experts=w4 --device cuda
         canvasq bench --n 200 --seeds 31,32,33 --batch-size 16 --arm official --arm auto   # after calibrate
@@ -156,6 +157,7 @@ def calibrate(model_spec, task_names, n, seeds, batch_size, max_tokens, decoders
 
     Example:
 
+    \b
         canvasq calibrate                          # default sweep, n=40 per task, seed 101
         canvasq calibrate --n 100 --seeds 101,102 --arm funnel:tau_conf=0.95,draft_only=true
         canvasq calibrate --show --plot frontier.png

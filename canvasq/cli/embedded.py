@@ -217,6 +217,7 @@ def run(file, out_path, decoder, model, name, chunk_size, fresh, as_json):
 
     Example:
 
+    \b
         canvasq run examples/prompts.jsonl -o results.jsonl --decoder auto
     """
     from canvasq.core.db import file_sha256

@@ -54,6 +54,7 @@ def submit(file, name, decoder, model, queue, idempotency_key, chunk_size, deadl
 
     Example:
 
+    \b
         RUN=$(canvasq submit prompts.jsonl --name nightly --decoder auto)
         canvasq status $RUN --watch
     """
@@ -128,6 +129,7 @@ def worker(model, queue, concurrency, loglevel, pool, gpu):
 
     Example:
 
+    \b
         CUDA_VISIBLE_DEVICES=0 canvasq worker --model /models/diffusiongemma &
         CUDA_VISIBLE_DEVICES=1 canvasq worker --model /models/diffusiongemma &
         CANVASQ_GPU_SLOTS=8 canvasq worker --gpu auto    # containers that see all GPUs
@@ -185,6 +187,7 @@ def cancel(run_id, as_json):
 
     Example:
 
+    \b
         canvasq cancel run_1a2b3c4d
     """
     settings = cli_settings()
@@ -211,6 +214,7 @@ def retry(run_id, only, as_json):
 
     Example:
 
+    \b
         canvasq retry run_1a2b3c4d --only errored
         canvasq retry run_1a2b3c4d --only stuck
     """
@@ -279,6 +283,7 @@ def reconcile(loop_s):
 
     Example:
 
+    \b
         canvasq reconcile --loop 60
     """
     from canvasq.worker.reconcile import OUTBOX_GRACE_S, reconcile_once

@@ -39,6 +39,7 @@ def status(run_id, watch, interval, as_json):
 
     Example:
 
+    \b
         canvasq status run_1a2b3c4d --watch
     """
     settings = cli_settings()
@@ -67,6 +68,7 @@ def runs(status_, limit, as_json):
 
     Example:
 
+    \b
         canvasq runs --status running --limit 5
     """
     settings = cli_settings()
@@ -99,6 +101,7 @@ def results(run_id, out_path, errors_path, ordered, as_json):
 
     Example:
 
+    \b
         canvasq results run_1a2b3c4d -o out.jsonl --errors err.jsonl --ordered
     """
     settings = cli_settings()
@@ -153,6 +156,7 @@ def trace(run_id, custom_id, plot_path, as_json):
 
     Example:
 
+    \b
         canvasq trace run_1a2b3c4d q17 --plot q17.png
     """
     store = open_store(cli_settings(), upgrade_sqlite=False)
@@ -237,6 +241,7 @@ def workers(as_json):
 
     Example:
 
+    \b
         canvasq workers
     """
     settings = cli_settings()

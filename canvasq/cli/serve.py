@@ -37,6 +37,7 @@ def serve(host, port, with_worker, model, log_level):
 
     Example:
 
+    \b
         canvasq keys create --project demo         # prints the key once
         canvasq serve --with-worker --port 8000
         # OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=KEY).batches.create(...)
@@ -113,6 +114,7 @@ def keys():
 
     Example:
 
+    \b
         canvasq keys create --project research --name alice
         canvasq keys list
         canvasq keys revoke key_0123abcd
@@ -127,6 +129,7 @@ def keys_create(project, name):
 
     Example:
 
+    \b
         export OPENAI_API_KEY=$(canvasq keys create --project research)
     """
     from canvasq.serve.keys import create_key
@@ -146,6 +149,7 @@ def keys_list(show_all):
 
     Example:
 
+    \b
         canvasq keys list --all
     """
     from canvasq.cli.common import table
@@ -164,6 +168,7 @@ def keys_revoke(key_id):
 
     Example:
 
+    \b
         canvasq keys revoke key_0123abcd
     """
     from canvasq.serve.keys import revoke_key

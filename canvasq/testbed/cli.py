@@ -24,6 +24,7 @@ def eval_cmd(task, n, seed, decoder, model_spec, batch_size, entropy_bound, as_j
 
     Example:
 
+    \b
         canvasq eval --task arith --n 200 --seed 1 --decoder official --json
         canvasq eval --task long --n 50 --seed 1 --decoder phcd
     """
@@ -60,6 +61,7 @@ def testbed():
 
     Example:
 
+    \b
         canvasq testbed train --out models/testbed --minutes 6 --d2f-minutes 1
     """
 
@@ -73,6 +75,7 @@ def train(args):
 
     Example:
 
+    \b
         canvasq testbed train --out /tmp/tb --init models/testbed --minutes 6 --d2f-minutes 0.8
     """
     from canvasq.testbed.train import main
@@ -89,6 +92,7 @@ def tokenizer_cmd(out, vocab_size, n_per_task):
 
     Example:
 
+    \b
         canvasq testbed tokenizer --out models/testbed
     """
     from pathlib import Path

@@ -94,18 +94,19 @@ def first_stop(tokens: list[int], stop_ids: frozenset[int]) -> int | None:
     return None
 
 
-def runtime_for(hf_model, experts: str, fp8: str = "off", fp8_min_rows: int = 0):
-    """One `Runtime` per (model, experts, FP8 setting) per process: it shares the HF tensors, W4 packs
-    once; `fp8` ("auto", "off" or a list of `model.fp8.PARTS`) adds FP8 copies for large forwards."""
+def runtime_for(hf_model, experts: str, fp8: str = "off", fp8_min_rows: int = 0, encoder_model=None):
+    """One `Runtime` per (model, experts, FP8 setting, encoder model) per process: it shares the HF
+    tensors, W4 packs once; `fp8` ("auto", "off" or a list of `model.fp8.PARTS`) adds FP8 copies for
+    large forwards; `encoder_model` gives the encoder passes other weights (`Runtime.from_hf`)."""
     from canvasq.model.fp8 import install_fp8, parse_parts
     from canvasq.model.runtime import Runtime
 
     per_model = _RUNTIMES.setdefault(hf_model, {})
     device = next(hf_model.parameters()).device
     parts = parse_parts(fp8, device)
-    key = (experts, parts, fp8_min_rows if parts else 0)
+    key = (experts, parts, fp8_min_rows if parts else 0, None if encoder_model is None else id(encoder_model))
     if key not in per_model:
-        rt = Runtime.from_hf(hf_model, experts=experts)
+        rt = Runtime.from_hf(hf_model, experts=experts, encoder_model=encoder_model)
         if parts:
             install_fp8(rt, parts, fp8_min_rows)
         per_model[key] = rt
@@ -187,6 +188,7 @@ class StepDecoder:
             self.config.experts,
             getattr(self.config, "fp8", "off"),
             getattr(self.config, "fp8_min_rows", 0),
+            encoder_model=self.pick_encoder_model(),
         )
         self.C = bundle.canvas_length
         self.eos_id = bundle.eos_id
@@ -199,6 +201,13 @@ class StepDecoder:
 
     def pick_model(self):
         return self.bundle.d2f_model() if getattr(self.config, "adapter", False) else self.bundle.hf_model
+
+    def pick_encoder_model(self):
+        """The base model for the encoder passes when the adapter is kept to the decoder steps
+        (`adapter_encoder=false`), else None: the encoder runs `pick_model()`'s (tied) weights."""
+        if getattr(self.config, "adapter", False) and not getattr(self.config, "adapter_encoder", True):
+            return self.bundle.hf_model if self.model is not self.bundle.hf_model else None
+        return None
 
     def graph_runner(self):
         """The runtime's `GraphRunner` when this decoder's forwards go through CUDA graphs, else None."""

@@ -137,6 +137,13 @@ class PipeConfig:
     self_conditioning: bool = True
     sc_topk: int | None = None  # top-k self-conditioning projection; None = full vocabulary
     adapter: bool = True  # decode with the D2F LoRA merged (`bundle.d2f_model()`)
+    # The merged LoRA in the encoder passes too (prompt, committed canvases). HF ties the encoder's
+    # weights to the decoder's, so a merge reaches both, though the adapter was trained to denoise
+    # decoder passes. False (default): the encoder runs the base weights, at the cost of one more
+    # copy of the fused attention and dense MLP weights (the experts stay shared). Testbed, 200 × 2
+    # tasks × 3 seeds: pipe 65.6 -> 73.5 %, Funnel 54.8 -> 61.8 %, each with fewer forwards
+    # (BENCHMARKS.md, "Testbed accuracy per decoder").
+    adapter_encoder: bool = False
     experts: str = "bf16"
     fp8: str = "auto"  # FP8 GEMMs in forwards of >= fp8_min_rows rows (model/fp8.py): auto | off | parts
     fp8_min_rows: int = FP8_MIN_ROWS

@@ -61,7 +61,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -143,6 +143,9 @@ class Runtime:
         self.tied_scalars = all(
             torch.equal(e.layer_scalar, d.layer_scalar) for e, d in zip(enc_layers, dec_layers)
         )
+        # encoder rows can ride in a decoder forward (`Window.encoder_rows`) only on the same weights
+        self.tied_weights = all(e.wqkv is d.wqkv and e.wo is d.wo and e.mlp_gate_up is d.mlp_gate_up
+                                and e.mlp_down is d.mlp_down for e, d in zip(enc_layers, dec_layers))
         self.prefix_attention = True  # mask-free SDPA when the mask is all-visible (eager forwards)
         # Masked eager forwards on CUDA: SDPA picks cuDNN, which builds a plan for every new shape
         # (~25 ms of host time each), so decoder steps read a context rounded up to a multiple of
@@ -166,11 +169,17 @@ class Runtime:
 
     # --- construction ------------------------------------------------------------------------------
     @classmethod
-    def from_hf(cls, hf_model, experts: str = "bf16", kernels: bool | None = None) -> Runtime:
+    def from_hf(cls, hf_model, experts: str = "bf16", kernels: bool | None = None,
+                encoder_model=None) -> Runtime:
         """Take the weights of a `DiffusionGemmaForBlockDiffusion` (testbed, real, or random).
 
         Encoder and decoder layers are read from their own modules: HF ties their weights (same
-        tensors, so nothing is held twice) but not their buffers (`layer_scalar`)."""
+        tensors, so nothing is held twice) but not their buffers (`layer_scalar`). `encoder_model`
+        (default `hf_model`) supplies the encoder layers' attention, dense MLP, norms and router: a
+        LoRA merged into `hf_model` then reaches the decoder steps only (the D2F adapter was trained
+        on decoder passes; merged, it rewrites the tied encoder too). Its experts are taken from
+        `hf_model`'s layers, so the expert weights and W4 packs stay one copy: only for a pair that
+        differs outside the experts (the adapters' `target_modules` exclude them)."""
         if experts not in EXPERT_IMPLS:
             raise ValueError(f"unknown experts implementation {experts!r}; known: {', '.join(EXPERT_IMPLS)}")
         tc = hf_model.config.get_text_config()
@@ -178,10 +187,13 @@ class Runtime:
             raise ValueError(f"unsupported activation {tc.hidden_activation!r}")
         if getattr(tc, "attn_logit_softcapping", None):
             raise ValueError("attention logit softcapping is not implemented")
-        enc = hf_model.model.encoder.language_model
+        enc = (encoder_model if encoder_model is not None else hf_model).model.encoder.language_model
         dec = hf_model.model.decoder
-        enc_layers = [layer_weights(layer) for layer in enc.layers]
         dec_layers = [layer_weights(layer) for layer in dec.layers]
+        enc_layers = [layer_weights(layer) for layer in enc.layers]
+        if encoder_model is not None:
+            enc_layers = [replace(e, gate_up=d.gate_up, down=d.down, experts_packed=d.experts_packed)
+                          for e, d in zip(enc_layers, dec_layers)]
         if experts != "w4" and any(lw.gate_up is None for lw in enc_layers + dec_layers):
             raise ValueError(f"experts={experts!r} needs the BF16 experts, but this model's were packed to W4 "
                              "at load and freed (CANVASQ_EXPERTS=w4); load it with CANVASQ_EXPERTS=bf16")
@@ -338,6 +350,9 @@ class Runtime:
         if not encoder and any(w.encoder_rows for w in windows):
             if capture and cap_rows:
                 raise ValueError("encoder rows and captured rows in one forward")
+            if not self.tied_weights:
+                raise ValueError("encoder rows in a decoder forward need the encoder's weights tied to the "
+                                 "decoder's (this runtime's encoder has its own: fold_encode=false)")
             enc_rows = torch.cat([torch.arange(w.rows, device=dev) < w.encoder_rows for w in windows])
             dec_rows = torch.nonzero(~enc_rows).flatten()
             dec_offsets = [0]

@@ -616,3 +616,50 @@ def test_context_rounded_up_for_ragged_slots_keeps_logits(model, backend):
         assert rt._prepare(arena, same, encoder=False).ctx.lmax == 7 + c
     finally:
         rt.context_step, rt.sdpa_backend = 0, "auto"
+
+
+def test_encoder_model_keeps_a_decoder_only_change_out_of_the_encoder_passes():
+    """A change merged into the (tied) decoder weights, as a LoRA merge makes it, reaches the encoder
+    too; `encoder_model=` the unchanged model keeps the encoder passes on the base weights: its
+    prompt K/V are the base model's, its decoder logits the changed model's over those K/V, the
+    experts one copy, and encoder rows may not ride in a decoder forward (they would read the
+    decoder's weights)."""
+    import copy
+
+    shape = small_shape()
+    base = random_model(shape, seed=11)
+    changed = copy.deepcopy(base)
+    with torch.no_grad():
+        for layer in changed.model.decoder.layers:
+            w = layer.self_attn.q_proj.weight
+            w.add_(0.1 * torch.randn(w.shape, generator=torch.Generator().manual_seed(1)))
+            layer.mlp.down_proj.weight.add_(0.01)
+    assert torch.equal(changed.model.encoder.language_model.layers[0].self_attn.q_proj.weight,
+                       changed.model.decoder.layers[0].self_attn.q_proj.weight)  # tied: the merge reaches both
+    rt_base, rt_changed = Runtime.from_hf(base), Runtime.from_hf(changed)
+    rt = Runtime.from_hf(changed, encoder_model=base)
+    assert rt_base.tied_weights and rt_changed.tied_weights and not rt.tied_weights
+    assert all(e.gate_up is d.gate_up and e.down is d.down for e, d in zip(rt.enc_layers, rt.dec_layers))
+
+    g = torch.Generator().manual_seed(3)
+    c, v, p = shape.canvas_length, shape.vocab_size, 9
+    prompt, canvas = _ids(g, p, v), _ids(g, c, v)
+    arenas = {}
+    for name, r in (("mixed", rt), ("base", rt_base), ("changed", rt_changed)):
+        arenas[name] = r.new_arena(1, 64)
+        r.encode(arenas[name], 0, prompt, torch.arange(p))
+    last = arenas["mixed"].num_layers - 1
+    for layer in range(last + 1):
+        for a, b in zip(arenas["mixed"].prefix(0, layer), arenas["base"].prefix(0, layer)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # the changed encoder writes other keys
+    assert not torch.allclose(arenas["mixed"].prefix(0, last)[0], arenas["changed"].prefix(0, last)[0])
+    win = [Window.canvas(0, canvas, p)]
+    mixed = rt.decode(arenas["mixed"], win).logits
+    torch.testing.assert_close(mixed, rt_changed.decode(arenas["mixed"], win).logits, rtol=0, atol=0)
+    assert rel_err(mixed, rt_changed.decode(arenas["changed"], win).logits) > TOL
+    riding = Window(0, torch.cat([canvas, canvas]), torch.arange(p, p + 2 * c),
+                    torch.cat([torch.arange(p, p + c), torch.full((c,), p + c)]),
+                    torch.cat([torch.arange(p + 1, p + c + 1), torch.full((c,), p + 2 * c)]), encoder_rows=c)
+    with pytest.raises(ValueError, match="fold_encode=false"):
+        rt.decode(arenas["mixed"], [riding])

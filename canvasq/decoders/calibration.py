@@ -8,7 +8,8 @@ per family and decoder → SQL (`canvasq.core.calibrations`; the decoders know n
 loaded once per worker process → `routing.route`.
 
 The reference of a family is `official` at the checkpoint's own sampler settings (no knobs): routing
-may pick any setting whose calibrated accuracy is within the budget of it, and takes the fastest.
+may pick any setting whose calibrated accuracy is within the budget of it, and takes the fastest
+(one that does less work per token and is measured at least `MIN_GAIN` faster than the reference).
 Nothing here imports torch at module level (the worker and `canvasq config` read calibrations).
 """
 
@@ -89,6 +90,17 @@ def knobs_label(decoder: str, knobs: dict) -> str:
     return decoder + ":" + ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(knobs.items()))
 
 
+MIN_GAIN = 0.10  # measured tok/s a setting needs above the reference's to be routed to
+WORK_MARGIN = 0.01  # relative difference in τ or G/τ that counts as less work
+
+
+def does_less_work(p: Point, ref: Point) -> bool:
+    """More tokens committed per forward (τ) or fewer rows computed per committed token (G/τ) than
+    `ref`: the only ways a setting is faster, bandwidth-bound (cost per forward) or compute-bound
+    (cost per row). Equal work measured faster is noise."""
+    return p.tau > ref.tau * (1 + WORK_MARGIN) or p.g_over_tau < ref.g_over_tau * (1 - WORK_MARGIN)
+
+
 @dataclass(frozen=True)
 class Point:
     family: str
@@ -139,13 +151,18 @@ class Calibration:
 
     def choose(self, family: str, budget: float) -> Point | None:
         """The fastest setting within `budget` accuracy points of the reference (the reference itself
-        when nothing else qualifies); None when the family has no reference."""
+        when nothing else qualifies); None when the family has no reference.
+
+        Wall tok/s alone is noise-prone (arms doing identical work differ by 10 % and more on a shared
+        machine), so a setting displaces the reference only if it does less work per committed token
+        (`does_less_work`) and its measured tok/s beats the reference's by `MIN_GAIN`."""
         ref = self.reference(family)
         if ref is None:
             return None
         floor = ref.accuracy * 100 - budget - 1e-9
-        ok = [p for p in self.family_points(family) if p.decoder != "hf" and p.accuracy * 100 >= floor]
-        return max(ok, key=lambda p: (p.tok_s, p.reference))
+        ok = [p for p in self.family_points(family) if p.decoder != "hf" and p.accuracy * 100 >= floor
+              and (p.reference or does_less_work(p, ref))]
+        return max(ok, key=lambda p: (p.tok_s * (1 + MIN_GAIN) if p.reference else p.tok_s, p.reference))
 
     def official_line(self, family: str, fwd: float) -> float | None:
         """Accuracy (0..1) of the capped official sampler at `fwd` forwards per request: linear
@@ -277,7 +294,8 @@ def table(cal: Calibration, budget: float, frontier_only: bool = False) -> str:
             )
     lines += [
         "",
-        f"auto: the fastest setting within {budget:g} points of the reference (CANVASQ_ROUTING_BUDGET). "
+        f"auto: the fastest setting within {budget:g} points of the reference (CANVASQ_ROUTING_BUDGET) that "
+        f"does less work per token (τ or G/τ {WORK_MARGIN:.0%} better) and is measured {MIN_GAIN:.0%} faster. "
         "vs capped line: a step decoder's accuracy minus the capped official sampler's at equal "
         "forwards per request (linear between its step caps; >= 0 is on or above the line).",
     ]

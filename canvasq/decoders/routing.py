@@ -8,8 +8,8 @@ Auto never trades accuracy silently. In order:
    `budget` points (`CANVASQ_ROUTING_BUDGET`, default 2) of `official` at the checkpoint's settings;
 3. otherwise `official` (the native sampler, the accurate arm), said once in the log.
 
-The step decoders (pipe, funnel) at their seed settings lose 20-50 points on the testbed
-(BENCHMARKS.md), so without a calibration that measured them on the loaded model they never serve.
+The step decoders (pipe, funnel) lose 17-28 points on the testbed at their defaults (BENCHMARKS.md),
+so without a calibration that measured them on the loaded model they never serve.
 Per-request overrides are applied on top by `run_batch`.
 """
 

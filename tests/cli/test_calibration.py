@@ -17,19 +17,22 @@ from canvasq.decoders.routing import DEFAULT_ROUTE, Route, route, routing_table
 from tests.harness.backends import model_for_tests
 
 
-def _point(family, decoder, knobs, acc, tok_s, reference=False, task=None):
+def _point(family, decoder, knobs, acc, tok_s, reference=False, task=None, tau=7.0, g_over_tau=5.0):
+    """A point that does less work than the references below (τ 7 against 6) unless told."""
     return C.Point(family=family, task=task or {"math": "arith", "code": "code"}[family], decoder=decoder,
-                   knobs=knobs, n=40, accuracy=acc, tok_s=tok_s, fwd_per_req=10.0, tau=6.0, g_over_tau=5.0,
+                   knobs=knobs, n=40, accuracy=acc, tok_s=tok_s, fwd_per_req=10.0, tau=tau, g_over_tau=g_over_tau,
                    reference=reference)
 
 
 POINTS = [
-    _point("math", "official", {}, 0.80, 300.0, reference=True),
+    _point("math", "official", {}, 0.80, 300.0, reference=True, tau=6.0),
     _point("math", "official", {"max_denoising_steps": 4}, 0.79, 380.0),  # within 2 points: fastest such
     _point("math", "official", {"max_denoising_steps": 2}, 0.77, 450.0),  # 3 points below: never
+    _point("math", "official", {"entropy_bound": 1.0}, 0.80, 340.0, tau=6.0),  # the reference's work: noise
     _point("math", "funnel", {"tau_conf": 0.9, "draft_only": True}, 0.60, 900.0),
-    _point("code", "official", {}, 0.99, 400.0, reference=True),
-    _point("code", "official", {"entropy_bound": 4.0}, 1.00, 600.0),
+    _point("code", "official", {}, 0.99, 400.0, reference=True, tau=6.0),
+    _point("code", "official", {"entropy_bound": 4.0}, 1.00, 600.0, tau=6.0, g_over_tau=4.0),  # fewer rows/token
+    _point("code", "official", {"confidence_threshold": 0.05}, 1.00, 430.0),  # less work, < 10 % faster
     _point("code", "pipe", {"draft_only": True}, 0.975, 700.0),  # 1.5 points below: within budget
 ]
 
@@ -82,6 +85,12 @@ def test_routing_picks_the_fastest_within_budget_from_a_stored_calibration(store
     # a tighter budget: only settings at least as accurate as official
     assert route("code", calibration=cal, budget=1.0) == Route("official", {"entropy_bound": 4.0}, "calibration")
     assert route("arith", calibration=cal, budget=0.0) == Route("official", {}, "calibration")
+    # equal work measured 13 % faster (entropy_bound 1.0, 340 tok/s) and less work measured < 10 % faster
+    # (confidence_threshold, 430 against 400) never displace the reference
+    assert route("arith", calibration=cal, budget=0.0).overrides == {}
+    no_bound = C.Calibration(**{**cal.__dict__, "_by_family": {},
+                                "points": tuple(p for p in cal.points if p.knobs != {"entropy_bound": 4.0})})
+    assert route("code", calibration=no_bound, budget=1.0) == Route("official", {}, "calibration")
     # a wide budget reaches the step decoder
     assert route("arith", calibration=cal, budget=25.0).decoder == "funnel"
     # the settings table still wins; an uncalibrated family goes to official

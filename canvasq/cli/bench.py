@@ -127,7 +127,8 @@ def _auto_calibration(model_spec, arms):
               help="HF directory or random:testbed (default: $CANVASQ_MODEL / models/testbed).")
 @click.option("--task", "task_names", multiple=True, type=click.Choice(["arith", "code"]),
               help="Dev set per task family; repeatable (default: both).")
-@click.option("--n", default=40, show_default=True, help="Problems per task per seed.")
+@click.option("--n", default=100, show_default=True,
+              help="Problems per task per seed (one problem is 100/n points: keep it finer than the routing budget).")
 @click.option("--seeds", default="101", show_default=True,
               help="Comma-separated dev seeds (keep them apart from the eval seeds).")
 @click.option("--batch-size", default=16, show_default=True, help="Prompts per run_batch call (tok/s is at this batch).")
@@ -158,7 +159,7 @@ def calibrate(model_spec, task_names, n, seeds, batch_size, max_tokens, decoders
     Example:
 
     \b
-        canvasq calibrate                          # default sweep, n=40 per task, seed 101
+        canvasq calibrate                          # default sweep, n=100 per task, seed 101
         canvasq calibrate --n 100 --seeds 101,102 --arm funnel:tau_conf=0.95,draft_only=true
         canvasq calibrate --show --plot frontier.png
     """

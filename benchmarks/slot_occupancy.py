@@ -20,6 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 from collections import deque
+from typing import NamedTuple
+
+from canvasq.worker.runtime import longest_first
 
 
 def forwards_per_row(path: str) -> list[tuple[str, int]]:
@@ -45,11 +48,15 @@ def max_tokens_by_id(path: str) -> dict[str, int]:
     return out
 
 
-def longest_first(rows: list[tuple[int, int]], chunk: int) -> list[tuple[int, int]]:
-    """(max_tokens, forwards) rows with each chunk sorted by max_tokens, largest first (stable)."""
+class Row(NamedTuple):
+    max_tokens: int
+    forwards: int
+
+
+def admitted(rows: list[Row], chunk: int) -> list[Row]:
+    """Each chunk's rows in the worker's admission order (`longest_first`, the product's own)."""
     chunk = chunk or len(rows)
-    return [r for start in range(0, len(rows), chunk)
-            for r in sorted(rows[start : start + chunk], key=lambda r: -r[0])]
+    return [r for start in range(0, len(rows), chunk) for r in longest_first(rows[start : start + chunk])]
 
 
 def replay(rows: list[int], slots: int, chunk: int) -> tuple[float, int]:
@@ -88,8 +95,8 @@ def main(argv=None) -> None:
             share, steps = replay(rows, slots, chunk)
             line = f"| {slots} | {chunk or 'all'} | {share:.0%} | {steps:,} |"
             if limits is not None:
-                ordered = longest_first([(limits[cid], f) for cid, f in done], chunk)
-                share, steps = replay([f for _, f in ordered], slots, chunk)
+                ordered = admitted([Row(limits[cid], f) for cid, f in done], chunk)
+                share, steps = replay([r.forwards for r in ordered], slots, chunk)
                 line += f" {share:.0%} | {steps:,} |"
             print(line)
 

@@ -65,9 +65,10 @@ cli.add_command(testbed_cli.eval_cmd, name="eval")
 def main() -> None:
     """The `canvasq` process: `cli` with one exit path of its own. A run stopped by Ctrl-C or SIGTERM
     has committed its state (rows stored, chunks released, run `interrupted`) before it exits 130, so
-    the process ends there without interpreter and native teardown: once in a few hundred interrupts
-    that teardown aborted the process (SIGABRT, "terminate called without an active exception", CI on
-    76613c2) after the interrupt had been handled. Tests drive `cli` in-process and never reach this."""
+    the process ends there without interpreter and native teardown, which nothing needs by then and
+    which, rarely, aborts the process (SIGABRT, "terminate called without an active exception") after
+    the interrupt was handled, turning a clean stop into a crash. Tests drive `cli` in-process and
+    never reach this."""
     try:
         cli()
     except SystemExit as exc:

@@ -205,9 +205,9 @@ class StepDecoder:
     def pick_encoder_model(self):
         """The base model for the encoder passes when the adapter is kept to the decoder steps
         (`adapter_encoder=false`), else None: the encoder runs `pick_model()`'s (tied) weights."""
-        if getattr(self.config, "adapter", False) and not getattr(self.config, "adapter_encoder", True):
-            return self.bundle.hf_model if self.model is not self.bundle.hf_model else None
-        return None
+        if getattr(self.config, "adapter_encoder", True) or self.model is self.bundle.hf_model:
+            return None
+        return self.bundle.hf_model
 
     def graph_runner(self):
         """The runtime's `GraphRunner` when this decoder's forwards go through CUDA graphs, else None."""

@@ -88,8 +88,8 @@ def default_decode_fn() -> DecodeFn:
     return run_batch
 
 
-def longest_first(reqs: list[DecodeRequest]) -> list[DecodeRequest]:
-    """Rows in the order a stream admits them: the largest `max_tokens` first (stable). A row's
+def longest_first(reqs: list) -> list:
+    """Rows (anything with `max_tokens`) in the order a stream admits them: the largest first (stable). A row's
     forwards grow with its canvases, so a long row admitted last runs on alone while the other
     slots sit empty; started first, it overlaps the short ones (longest-processing-time order).
     Replayed from a real run's forwards per row (200 mixed rows cycled to 2,000, one stream):

@@ -104,7 +104,7 @@ def test_routing_picks_the_fastest_within_budget_from_a_stored_calibration(store
 
 
 def test_routing_needs_the_budget_to_hold_with_confidence_at_the_dev_sets_size():
-    """Session 16's math calibration: official with confidence_threshold 0.05 equal to the reference
+    """A measured math calibration: official with confidence_threshold 0.05 equal to the reference
     (78 %) on 100 dev problems, 14 % faster with fewer forwards; on 600 fresh problems it lost 2.3
     points. At n = 100 the difference's 95 % bound is -9.6 points: not routed; at n = 10,000, -1.0."""
     def cal(n):

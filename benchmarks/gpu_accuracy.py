@@ -39,8 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SETTINGS = {"dtype": str, "batch": int, "kernels": "bool", "experts_impl": str, "context_step": int, "sdpa_backend": str,
             "encoder_sdpa_backend": str, "prefix_attention": "bool", "stats": str}
 RUNTIME_ATTRS = ("context_step", "sdpa_backend", "encoder_sdpa_backend", "prefix_attention")
-# the guard: HF's generate() and the default path (the worker's settings on this device)
-GUARD_ARMS = ("hf", "official")
+# the guard: HF's generate(), official with its defaults on the bf16 model `canvasq bench` loads, and
+# official as a GPU worker runs it by default (W4 experts, 64 decode slots on an H200)
+GUARD_ARMS = ("hf", "official", "official:experts=w4@batch=64")
 
 
 def parse_settings(text: str) -> dict:
@@ -94,7 +95,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--arm", action="append", default=[])
-    ap.add_argument("--guard", action="store_true", help="the arms hf and official (added before any --arm)")
+    ap.add_argument("--guard", action="store_true", help=f"the arms {', '.join(GUARD_ARMS)} (before any --arm)")
     ap.add_argument("--task", action="append", default=[])
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--seeds", default="61")

@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/gpu_accuracy.sh guard      # hf vs the default official path, 200 x 2 tasks x 3 seeds
 #   bash benchmarks/gpu_accuracy.sh ablation   # one factor per arm, 200 x 2 tasks, one seed
+#   bash benchmarks/gpu_accuracy.sh main       # the README's main command with default settings, scored
 #
 # SEEDS / N override the defaults; everything lands in $OUT.
 set -u
@@ -24,5 +25,12 @@ case $what in
       --arm 'official:defer_commits=false' --arm 'official@experts_impl=reference' --arm 'official:experts=w4' \
       --arm 'hf@dtype=fp32' --arm 'official@dtype=fp32' --arm 'official:experts=w4@batch=64' \
       2>&1 | tee "$OUT/ablation.txt" | grep -v Loading ;;
-  *) echo "usage: $0 guard|ablation" >&2; exit 2 ;;
+  main)
+    db=$(mktemp -d)/main.sqlite
+    CANVASQ_DATABASE_URL="sqlite:///$db" python3 -m canvasq.cli run examples/prompts.jsonl -o "$OUT/main_results.jsonl" \
+      > "$OUT/main.txt" 2>&1
+    echo "rc=$?" >> "$OUT/main.txt"
+    python3 benchmarks/example_score.py "$OUT/main_results.jsonl" >> "$OUT/main.txt" 2>&1
+    grep -E "^engine|^official|wrote|^math|rc=" "$OUT/main.txt" ;;
+  *) echo "usage: $0 guard|ablation|main" >&2; exit 2 ;;
 esac

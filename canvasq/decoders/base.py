@@ -197,6 +197,7 @@ class StepDecoder:
         self._traces: dict[int, list[ForwardTrace]] = {}
         self._pass_index = 0
         self._deferred: list[tuple[Seq, tuple]] = []  # (row, encoder item) for the next prefill pass
+        self.pool: _SlotPool | None = None  # the stream's slots (set by `stream`)
         self.graphs = self.graph_runner()
 
     def pick_model(self):
@@ -264,7 +265,7 @@ class StepDecoder:
         self._pass_index = 0
         self._deferred = []
         self.arena = self.new_arena(slots, capacity) if capacity else None
-        pool = _SlotPool(self, slots, seed, capacity or 0, on_result)
+        pool = self.pool = _SlotPool(self, slots, seed, capacity or 0, on_result)
         self.last_seqs = pool.seen
         exhausted = False
         try:
@@ -383,13 +384,18 @@ class StepDecoder:
     def _spare_slots(self, used: set[int], count: int, rows: int) -> list[int]:
         """Free slots of the runner's arena that pad `count` windows of up to `rows` rows up to their
         bucket; none when the padded forward would run eagerly anyway (too many rows for a graph:
-        the large forwards, FP8 among them), where padding is only extra work."""
+        the large forwards, FP8 among them), where padding is only extra work.
+
+        Free means outside this pass (`used`) and held by no request of the stream (`pool.live`):
+        an encoder pass carries only the rows that prefill or commit, and a padding window's slot is
+        written and then emptied, which would erase the cache of a live row that sat out the pass."""
         if self.graphs is None or self.arena is not self.graphs.store:
             return []
         want = next((b for b in WINDOW_BUCKETS if b >= count), count)
         if not self.graphs.takes(want, rows):
             return []
-        return [s for s in range(self.arena.slots) if s not in used][: want - count]
+        held = used | {s.slot for s in (self.pool.live if self.pool is not None else ())}
+        return [s for s in range(self.arena.slots) if s not in held][: want - count]
 
     def prefill(self, seqs: list[Seq]) -> None:
         """Encode every prompt, and the canvases whose commit pass was deferred (`defer_encode`), in one

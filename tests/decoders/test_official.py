@@ -164,6 +164,38 @@ def test_graph_runner_path_and_top_k_sc_decode(testbed):
     assert dec.graphs is not None
 
 
+def test_graphed_encoder_passes_pad_only_on_free_slots(testbed, monkeypatch):
+    """A graphed encoder pass carries only the rows that prefill or commit; it is padded to a
+    window-count bucket on free slots, whose entries it then empties. A slot held by a live row that
+    sat out the pass is never padding: such rows lost their prompt and canvases mid-answer, which
+    cost the GPU's default path 9 points against HF generate() (BENCHMARKS.md, "GPU accuracy")."""
+    from canvasq.model.arena import KVArena
+
+    dec = OfficialDecoder(testbed, make_config("official", {"cuda_graphs": "on"}))
+    padded, hits = [], []
+    plain_spare, plain_reset = OfficialDecoder._spare_slots, KVArena.reset
+
+    def spare(self, used, count, rows):
+        got = plain_spare(self, used, count, rows)
+        padded.extend(got)
+        return got
+
+    def reset(arena, slot):
+        pool = getattr(dec, "pool", None)
+        if pool is not None and any(s.slot == slot and not s.done for s in pool.live):
+            hits.append(slot)
+        plain_reset(arena, slot)
+
+    monkeypatch.setattr(OfficialDecoder, "_spare_slots", spare)
+    monkeypatch.setattr(KVArena, "reset", reset)
+    probs = tasks.generate("arith", 6, 5)
+    reqs = [DecodeRequest(p.uid, testbed.encode_prompt(p.prompt, p.task), 96, p.task) for p in probs]
+    res = _drain(dec, reqs, slots=6)
+    assert all(r.error is None and r.token_ids for r in res)
+    assert padded, "no forward was padded: the case is not exercised"
+    assert not hits, f"live rows' slots emptied as padding: {hits}"
+
+
 def test_graphed_forwards_pad_windows_to_a_bucket_on_free_slots(testbed):
     """Under continuous batching the live count changes; graphed forwards are padded to a window-count
     bucket on free slots (zero SC, logits dropped): the real windows' logits are unchanged, the

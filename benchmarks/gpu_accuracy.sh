@@ -10,6 +10,12 @@ set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# the CLI's own packages that machine lacks (pydantic, pydantic-settings, sqlalchemy, alembic and their
+# deps) travel as wheels in .whl (name it in the call's carry list)
+if ls .whl/*.whl >/dev/null 2>&1; then
+  pip install -q --no-index --no-deps --target /tmp/site2 .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed" >&2
+fi
+export PYTHONPATH=/tmp/site2:$PWD${PYTHONPATH:+:$PYTHONPATH}
 what=${1:-guard}
 case $what in
   guard)

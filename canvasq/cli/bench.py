@@ -35,7 +35,7 @@ def _require_sandbox(tasks: list[str]) -> None:
     help="Repeatable (default: arith and code; long: arith's 6+ canvas variant, give it --max-tokens 384).",
 )
 @click.option("--n", default=20, show_default=True, help="Problems per task per seed.")
-@click.option("--seeds", default="1", show_default=True, help="Comma-separated seeds.")
+@click.option("--seeds", default="1", show_default=True, help="Comma-separated seeds (eval split).")
 @click.option("--batch-size", default=8, show_default=True, help="Prompts per run_batch call.")
 @click.option("--max-tokens", default=128, show_default=True)
 @click.option("--baseline", default=None, help="Arm label the ratios refer to (default: the first arm).")
@@ -130,7 +130,7 @@ def _auto_calibration(model_spec, arms):
 @click.option("--n", default=100, show_default=True,
               help="Problems per task per seed (one problem is 100/n points: keep it finer than the routing budget).")
 @click.option("--seeds", default="101", show_default=True,
-              help="Comma-separated dev seeds (keep them apart from the eval seeds).")
+              help="Comma-separated seeds of the dev split (disjoint from eval whatever the seeds).")
 @click.option("--batch-size", default=16, show_default=True, help="Prompts per run_batch call (tok/s is at this batch).")
 @click.option("--max-tokens", default=160, show_default=True)
 @click.option("--decoder", "decoders", multiple=True, type=click.Choice(["official", "pipe", "funnel"]),
@@ -150,7 +150,7 @@ def calibrate(model_spec, task_names, n, seeds, batch_size, max_tokens, decoders
     """Sweep each decoder's main knobs on a dev set per task family, store the frontier for this model.
 
     Measures accuracy, committed tok/s at --batch-size, forwards per request, τ (tokens per forward) and
-    G/τ (rows per token) for every setting on the testbed tasks (dev seeds, not the eval seeds), and
+    G/τ (rows per token) for every setting on the testbed tasks' dev split (never eval problems), and
     stores them in the database (CANVASQ_DATABASE_URL) keyed by the model's path and a fingerprint of
     its weights. `--decoder auto` then routes each task family to the fastest setting within
     CANVASQ_ROUTING_BUDGET points of the official sampler's accuracy; `canvasq config` shows the

@@ -129,9 +129,11 @@ def run_bench(
     budget: float | None = None,
     *,
     suite,
+    split: str = "eval",
 ) -> dict:
     """`calibration` / `budget`: what an `auto` arm routes by (`routing.route`). `suite`: the task
-    families, `generate(task, n, seed) -> problems` (`.uid`, `.prompt`) and `verify(problem, text)`."""
+    families, `generate(task, n, seed, split) -> problems` (`.uid`, `.prompt`) and `verify(problem, text)`;
+    `split`: "eval", or "dev" for a calibration."""
     import torch
 
     from canvasq.decoders import run_batch
@@ -141,7 +143,7 @@ def run_bench(
     order_log = []
     block = 0
     # warm-up outside the clock: first-call allocations and lazy merges (d2f_model, W4 packing)
-    warm = suite.generate(task_names[0], 1, 10_000)[0]
+    warm = suite.generate(task_names[0], 1, 10_000, split=split)[0]
     routed = {"calibration": calibration, "budget": budget}
     for a in arms:
         req = DecodeRequest(
@@ -150,7 +152,7 @@ def run_bench(
         run_batch(bundle, DecodeBatch([req], seed=0), decoder=a.decoder, overrides=a.overrides or None, **routed)
     for task in task_names:
         for seed in seeds:
-            problems = suite.generate(task, n, seed)
+            problems = suite.generate(task, n, seed, split=split)
             reqs = [
                 DecodeRequest(p.uid, bundle.encode_prompt(p.prompt, task), max_tokens, task) for p in problems
             ]
@@ -176,6 +178,7 @@ def run_bench(
         "tasks": task_names,
         "n": n,
         "seeds": seeds,
+        "split": split,
         "batch_size": batch_size,
         "max_tokens": max_tokens,
         "order": order_log,

@@ -1,7 +1,7 @@
 """Per-model calibration of the decoders (`canvasq calibrate`) and what `--decoder auto` reads from it.
 
 Flow: model spec → identity (resolved path, weights fingerprint) → sweep: each setting of `SWEEP` on
-each task family's dev set (testbed tasks on dev seeds, never the eval seeds) through `bench.run_bench`
+each task family's dev set (the testbed's dev split, disjoint from eval) through `bench.run_bench`
 (one process, ABBA order, batch `batch_size`) → one `Point` per (task, setting): accuracy, committed
 tok/s at that batch, forwards per request, τ (tokens per forward), G/τ (rows per token) → frontier
 per family and decoder → SQL (`canvasq.core.calibrations`; the decoders know no SQL) → `Calibration`,
@@ -245,7 +245,7 @@ def run_sweep(
 
         arms = [Arm("official", "official", {}), *arms]  # the reference is always measured
     report = run_bench(bundle, arms, tasks, n=n, seeds=seeds, batch_size=batch_size, max_tokens=max_tokens,
-                       progress=progress, suite=suite)
+                       progress=progress, suite=suite, split="dev")
     by_label = {a.label: a for a in arms}
     points = []
     for row in report["arms"]:

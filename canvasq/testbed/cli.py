@@ -20,6 +20,9 @@ import click
 def eval_cmd(task, n, seed, decoder, model_spec, batch_size, entropy_bound, as_json):
     """Accuracy, tokens, forwards and tok/s of a decoder on fresh testbed problems.
 
+    Problems come from the eval split: disjoint from the train and dev splits and from the committed
+    checkpoint's training data, whatever the seed.
+
     `forwards` counts every model pass: decoder denoising steps and encoder commit passes.
 
     Example:

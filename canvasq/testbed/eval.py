@@ -2,6 +2,7 @@
 
 Reports accuracy, mean generated tokens, forwards (every model pass: decoder denoising steps and
 encoder commit passes), tokens per forward and wall tok/s; `--json` ends with one JSON line.
+Problems come from the eval split (`tasks.generate`'s default): never a training or dev problem.
 """
 
 from __future__ import annotations

@@ -26,6 +26,9 @@ merges it over the D2F model (`ModelBundle.phcd_repair_model`).
 
 What produced the committed adapter (v2; v1 was the same with --decoder-only and --minutes 18):
     python -m canvasq.testbed.repair --out models/testbed --minutes 11 --batch 16 --future 1 --n-per-task 10000 --seed 5
+Its data came from the legacy unpartitioned streams (`ledger.LEGACY_TRAINING`); `train.build_pool` now
+draws the train split (`tasks.generate(..., split="train")`), so re-running this trains on other
+problems than the committed adapter saw, and never on dev or eval ones.
 """
 
 from __future__ import annotations

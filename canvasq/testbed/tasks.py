@@ -11,12 +11,21 @@
   long worked form is the point of the variant, not a score the model was fit to.
 
 Both draw from spaces of well over 10^9 distinct problems (names × items × numbers × templates ×
-docstring examples) and are deterministic per seed.
+docstring examples) and are deterministic per (split, seed).
+
+Splits by purpose (`generate(..., split=)`): `train` (train.py, repair.py, the tokenizer), `dev`
+(tuning: `canvasq calibrate`) and `eval` (everything that reports accuracy). A stable hash of the
+prompt text puts every possible problem in exactly one split (`split_of`), and each split draws from
+its own stream, keeping only its own problems: train, dev and eval are disjoint by construction,
+whatever the seeds. The committed checkpoint was trained before the splits existed, on the legacy
+streams of `ledger.LEGACY_TRAINING`; dev and eval also skip every prompt of those (`ledger`'s Bloom
+filter), so no seed of them repeats a problem the weights were trained on.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import random
 import re
@@ -267,11 +276,43 @@ def make_code(rng: random.Random, uid: str) -> Problem:
 _MAKERS = {"arith": make_arith, "code": make_code, "long": make_long}
 
 
-def generate(task: str, n: int, seed: int) -> list[Problem]:
-    """`n` problems of one family, deterministic per (task, seed)."""
+SPLITS = ("train", "dev", "eval")
+# A prompt's bucket of 8 (`split_of`): 1/8 eval, 1/8 dev, the rest train. Eval and dev streams keep
+# one candidate in 8 (a code problem costs ~80 µs to draw, so 200 eval problems take ~0.13 s).
+_SPLIT_OF_BUCKET = ("eval", "dev", "train", "train", "train", "train", "train", "train")
+
+
+def split_of(prompt: str) -> str:
+    """The split a prompt belongs to, from a stable hash of its text (blake2b: Python's own `hash`
+    of a str changes per process), so the partition is the same on every machine and in every run."""
+    digest = hashlib.blake2b(prompt.encode(), digest_size=8, person=b"canvasq-split").digest()
+    return _SPLIT_OF_BUCKET[int.from_bytes(digest, "little") % len(_SPLIT_OF_BUCKET)]
+
+
+def generate(task: str, n: int, seed: int, split: str = "eval") -> list[Problem]:
+    """`n` problems of one family from one split, deterministic per (task, split, seed); uids
+    `<task>-<split>-<seed>-<i>`. The split's stream keeps drawing and keeps only problems of its own
+    bucket (`split_of`); dev and eval also skip the legacy training prompts (`ledger`)."""
     task = TASK_ALIASES.get(task, task)
     if task not in _MAKERS:
         raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS + VARIANTS)}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
+    held_out = None
+    if split != "train":
+        from canvasq.testbed.ledger import in_legacy_training as held_out
+    make, rng, out = _MAKERS[task], random.Random(f"{task}:{split}:{seed}"), []
+    while len(out) < n:
+        p = make(rng, f"{task}-{split}-{seed}-{len(out)}")
+        if split_of(p.prompt) == split and not (held_out and held_out(p.prompt)):
+            out.append(p)
+    return out
+
+
+def legacy_generate(task: str, n: int, seed: int) -> list[Problem]:
+    """What `generate` drew before the splits (one unpartitioned stream per (task, seed)): the data the
+    committed checkpoint was trained on (`ledger.LEGACY_TRAINING`). Kept only to exclude it from dev
+    and eval; never draw new data from it."""
     rng = random.Random(f"{task}:{seed}")
     return [_MAKERS[task](rng, f"{task}-{seed}-{i}") for i in range(n)]
 

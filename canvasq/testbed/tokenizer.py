@@ -10,10 +10,12 @@ from canvasq.testbed.config import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_I
 
 
 def corpus(n_per_task: int, seed: int):
+    """The train split's problems (the committed tokenizer read the legacy stream 12345 before the
+    splits existed: `ledger.LEGACY_TRAINING`)."""
     from canvasq.testbed import tasks
 
     for task in tasks.TASKS:
-        for p in tasks.generate(task, n_per_task, seed):
+        for p in tasks.generate(task, n_per_task, seed, split="train"):
             yield p.prompt
             yield p.answer
 

@@ -12,7 +12,12 @@ multi-canvas block-causal schedule the pipe decodes with: K consecutive canvases
 noise in one decoder pass, each attending to the cache and to the earlier canvases' noisy tokens
 (never later ones). Saved beside the model in `d2f_adapter/` and merged at load time.
 
-Example (what produced the committed checkpoint; see README "Testbed"):
+Data: the train split, 5,000 problems per task from each stream seed `seed * 1_000_003 + i`
+(`tasks.generate(..., split="train")`), so a training run never draws a dev or eval problem. The committed checkpoint was trained before
+the splits, on the legacy unpartitioned streams of the same seeds (`ledger.LEGACY_TRAINING`); running
+this now draws the partitioned train split instead, so it does not repeat that data.
+
+Example (what produced the committed checkpoint, then on the legacy streams; see README "Testbed"):
     python -m canvasq.testbed.train --out models/testbed --minutes 7 --d2f-minutes 1.5 --seed 0
 """
 
@@ -44,14 +49,15 @@ def _encode_chunk(args):
     from canvasq.testbed import tasks
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    probs = tasks.generate(task, n, seed)
+    probs = tasks.generate(task, n, seed, split="train")
     prompts = tok([p.prompt for p in probs], add_special_tokens=False)["input_ids"]
     answers = tok([p.answer for p in probs], add_special_tokens=False)["input_ids"]
     return [([BOS_ID, *p, SEP_ID], [*a, EOS_ID]) for p, a in zip(prompts, answers)]
 
 
 def build_pool(n_per_task: int, seed: int, tok_dir: str, canvas: int, workers: int):
-    """All problems as one padded id matrix: row = prompt ‖ answer padded to whole canvases."""
+    """All problems (the train split) as one padded id matrix: row = prompt ‖ answer padded to whole
+    canvases."""
     chunk = 5000
     jobs = [
         (task, seed * 1_000_003 + i, min(chunk, n_per_task - i * chunk), tok_dir)

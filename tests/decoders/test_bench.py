@@ -44,6 +44,22 @@ def test_run_bench_abba_and_reports(tmp_path):
     assert rep["commit"] and rep["hardware"] and f"commit {rep['commit']}" in markdown(rep)
 
 
+@pytest.mark.skipif(
+    not (ROOT / "models/testbed/tokenizer.json").exists(), reason="needs the testbed tokenizer"
+)
+def test_bench_draws_eval_problems_and_calibration_dev_problems():
+    """A bench reports accuracy: the eval split. A calibration tunes: the dev split (never eval)."""
+    from canvasq.decoders.calibration import run_sweep
+    from canvasq.model.loading import load_bundle
+
+    bundle = load_bundle("random:testbed")
+    arms = [parse_arm("official:max_denoising_steps=2")]
+    rep = run_bench(bundle, arms, ["arith"], n=1, seeds=[1], batch_size=1, max_tokens=32, suite=tasks)
+    assert rep["split"] == "eval"
+    _, rep = run_sweep(bundle, arms, ["arith"], n=1, seeds=[1], batch_size=1, max_tokens=32, suite=tasks)
+    assert rep["split"] == "dev"
+
+
 def test_record_and_replay_schedule():
     spec = importlib.util.spec_from_file_location("bench_decoders", ROOT / "benchmarks" / "decoders.py")
     mod = importlib.util.module_from_spec(spec)

@@ -19,6 +19,13 @@ def testbed():
     return load_bundle()
 
 
+@pytest.fixture(scope="module")
+def testbed64():
+    """fp64, for equal tokens from two paths that sum in different orders: in fp32 those flip a near-tie
+    draw now and then (folded encoder rows: one row of 12 on 4 of 14 eval seeds, none in fp64)."""
+    return load_bundle(dtype=torch.float64)
+
+
 def _problems(n_arith=4, n_code=3, seed=11):
     return tasks.generate("arith", n_arith, seed) + tasks.generate("code", n_code, seed)
 
@@ -252,12 +259,15 @@ def test_steps_run_in_slot_order_with_the_same_tokens(testbed):
     assert any(o != sorted(o) for o in arms[False][1])  # admission order does leave slots unsorted
 
 
-def test_folded_encoder_passes_give_the_same_tokens_in_fewer_forwards(testbed):
+def test_folded_encoder_passes_give_the_same_tokens_in_fewer_forwards(testbed64):
     """`fold_encode`: retired canvases and prompts ride in the next decoder forward as causal rows in
     front of their canvas (a prompt longer than a canvas as several query blocks). Under continuous
     batching (4 slots, 12 requests, a few prompts cut to one canvas, the rest longer) no encoder pass
-    runs at all, there are fewer forwards, and every row's tokens are the separate passes' tokens."""
+    runs at all, there are fewer forwards, and every row's tokens are the separate passes' tokens
+    (in fp64: `testbed64`)."""
     from canvasq.decoders.registry import make_decoder
+
+    testbed = testbed64
 
     reqs = [DecodeRequest(f"f{i}", testbed.encode_prompt(p.prompt, p.task), 128, p.task)
             for i, p in enumerate(_problems(6, 6, seed=11))]

@@ -31,3 +31,16 @@ def test_ci_runs_the_readme_test_command():
 
 def test_example_file_exists():
     assert (ROOT / "examples" / "prompts.jsonl").is_file()
+
+
+def test_example_file_is_the_eval_split_draw_the_readme_names():
+    """examples/prompts.jsonl is what scripts/example_prompts.py writes (eval split, seed 2026)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("example_prompts", ROOT / "scripts" / "example_prompts.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    want = "\n".join(script.lines()) + "\n"
+    assert (ROOT / "examples" / "prompts.jsonl").read_text() == want, "run: python scripts/example_prompts.py"
+    text = (ROOT / "README.md").read_text()
+    assert 'generate("arith" | "code", 12, seed=2026)' in text and "scripts/example_prompts.py" in text

@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_checks.sh tests forward    # one call, at most 5 + 3.5 min
 #   bash benchmarks/gpu_checks.sh replay           # its own call, about 7 min (records on CPU first)
 #   bash benchmarks/gpu_checks.sh ncu              # Nsight Compute on the Gluon MoE kernels, 256 rows
+#   bash benchmarks/gpu_checks.sh accuracy         # official against HF generate(), 1,200 problems per arm (~4 min)
 #
 # peft is not on that machine: carry a wheel (`pip download peft==0.21.2 --no-deps -d .whl`) and
 # name `.whl` in the call's carry list. CANVASQ_COMMIT labels the reports.
@@ -27,7 +28,7 @@ if [[ $what == *" tests "* ]]; then
   # over 300 s in one process), and the machine has 16 cores.
   : > "$OUT/pytest_gpu.txt"
   pids=()
-  for f in tests/model/test_model_gpu.py tests/kernels/test_*.py; do
+  for f in tests/model/test_model_gpu.py tests/decoders/test_gpu_accuracy.py tests/kernels/test_*.py; do
     log="$OUT/pytest_$(basename "$f" .py).txt"
     ( timeout "${TESTS_TIMEOUT:-300}" python -m pytest -q -p no:cacheprovider \
         -m "(gpu or not gpu) and not slow and not soak" "$f" > "$log" 2>&1
@@ -58,6 +59,9 @@ if [[ $what == *" ncu "* ]]; then
     python benchmarks/probes/moe_ncu_driver.py 256 > "$OUT/ncu_moe_256.txt" 2>&1
   echo "rc=$?" >> "$OUT/ncu_moe_256.txt"
   grep -E "_gl_w4|Duration|DRAM Throughput|Issued Warp|No Eligible|Registers Per|Achieved Occupancy" "$OUT/ncu_moe_256.txt"
+fi
+if [[ $what == *" accuracy "* ]]; then  # the standing guard (tests/decoders/test_gpu_accuracy.py is its quick twin)
+  bash benchmarks/gpu_accuracy.sh guard
 fi
 if [[ $what == *" replay "* ]]; then
   timeout 560 python benchmarks/decoders.py replay --device cuda --experts w4 --graphs --batches 16,4,1 \

@@ -34,23 +34,13 @@ from canvasq.cli.common import (
     validate_input,
 )
 from canvasq.core.results import write_results
-from canvasq.core.settings import mask_url
-
-# Settings that never change what a run generates; every other one is part of an embedded run's
-# identity (a setting added later counts by default: it starts a new run rather than mixing outputs).
-NOT_IDENTITY = {"database_url", "broker_url", "soft_time_limit", "hard_time_limit", "visibility_timeout",
-                 "max_attempts", "heartbeat_s", "run_deadline_s", "sqlite_busy_timeout_ms", "max_errors",
-                 "queue_prefix", "gpu_slots", "gpu_host", "torch_threads", "cuda_graphs", "chunk_size",
-                 "w4_cache_dir"}
-
+from canvasq.core.settings import mask_url, run_identity
 
 def _embedded_key(digest: str, settings, decoder: str, chunk_size: int) -> str:
-    """An embedded run's identity: the input's bytes and every setting that shapes its outputs.
-    Rerunning the same `canvasq run` finds the run by this key and continues it."""
-    ident = {k: v for k, v in settings.model_dump(mode="json").items() if k not in NOT_IDENTITY}
-    if Path(settings.model).is_dir():  # models/testbed and /abs/.../models/testbed are one model
-        ident["model"] = str(Path(settings.model).resolve())
-    params = json.dumps([digest, decoder, chunk_size, ident], sort_keys=True, default=str)
+    """An embedded run's identity: the input's bytes and every setting that shapes its outputs
+    (`core.settings.run_identity`). Rerunning the same `canvasq run` finds the run by this key and
+    continues it."""
+    params = json.dumps([digest, decoder, chunk_size, run_identity(settings)], sort_keys=True, default=str)
     return "embedded:" + hashlib.sha256(params.encode()).hexdigest()[:32]
 
 

@@ -24,10 +24,11 @@ Import cost: pydantic only. Nothing here touches torch, Celery or SQLAlchemy eng
 
 from __future__ import annotations
 
+import enum
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -41,68 +42,86 @@ RANDOM_MODELS = ("random:26b-a4b", "random:testbed")
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
+class Identity(enum.Enum):
+    """Whether a setting is part of an embedded run's identity (`run_identity`); every field of
+    `Settings` declares one as `Annotated[type, Identity.YES]`. When unsure, YES: a rerun with another
+    value then starts a new run instead of mixing rows generated two ways."""
+
+    YES = True  # can change the tokens generated (model, precision, forward path, decoder, seed)
+    NO = False  # where, when, how often or how fast the same work runs; limits that only refuse a line
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CANVASQ_", extra="ignore")
 
-    database_url: str = "sqlite:///canvasq.sqlite"
-    broker_url: str = "redis://localhost:6379/0"
-    model: str = str(DEFAULT_MODEL_DIR)
+    database_url: Annotated[str, Identity.NO] = "sqlite:///canvasq.sqlite"
+    broker_url: Annotated[str, Identity.NO] = "redis://localhost:6379/0"
+    model: Annotated[str, Identity.YES] = str(DEFAULT_MODEL_DIR)
     # task -> decoder; replaces the built-in routing of `--decoder auto` for the listed tasks.
-    routing: dict[str, str] = Field(default_factory=dict)
+    routing: Annotated[dict[str, str], Identity.YES] = Field(default_factory=dict)
     # accuracy points auto may give up against official's calibrated accuracy (`canvasq calibrate`)
-    routing_budget: float = Field(2.0, ge=0, le=100)
+    routing_budget: Annotated[float, Identity.YES] = Field(2.0, ge=0, le=100)
 
-    # Requests per chunk of a submitted run. A worker decodes one chunk at a time, so a chunk must
-    # hold several times a GPU worker's 32 decode slots: with the testbed's forward counts per row
-    # (a long tail: mean 9.8, max 97) 32 slots stay 16 % full on average at chunk 16, 43 % at 128
-    # and 95 % with the whole run in one stream (simulated; BENCHMARKS "Decode slots per chunk size").
-    chunk_size: int = Field(128, ge=1, le=10_000)
+    # Requests per chunk of a submitted run (an embedded run's key holds the chunk size it ran with).
+    # A worker decodes one chunk at a time, so a chunk must hold several times a GPU worker's 32 decode
+    # slots: with the testbed's forward counts per row (a long tail: mean 9.8, max 97) 32 slots stay
+    # 16 % full on average at chunk 16, 43 % at 128 and 95 % with the whole run in one stream
+    # (simulated; BENCHMARKS "Decode slots per chunk size").
+    chunk_size: Annotated[int, Identity.NO] = Field(128, ge=1, le=10_000)
     # Ordering enforced at worker start: visibility_timeout > hard_time_limit > soft_time_limit
     # (celery#5935: a shorter visibility timeout makes Redis redeliver a still-running chunk).
-    soft_time_limit: int = Field(1800, ge=1)
-    hard_time_limit: int = Field(2100, ge=1)
-    visibility_timeout: int = Field(3600, ge=1)
-    max_attempts: int = Field(3, ge=1)  # past this many deliveries a chunk's unfinished rows are worker_lost
-    heartbeat_s: float = Field(15.0, gt=0)
+    soft_time_limit: Annotated[int, Identity.NO] = Field(1800, ge=1)
+    hard_time_limit: Annotated[int, Identity.NO] = Field(2100, ge=1)
+    visibility_timeout: Annotated[int, Identity.NO] = Field(3600, ge=1)
+    # past this many deliveries a chunk's unfinished rows are worker_lost
+    max_attempts: Annotated[int, Identity.NO] = Field(3, ge=1)
+    heartbeat_s: Annotated[float, Identity.NO] = Field(15.0, gt=0)
     # A claimed chunk's lease in SQL, renewed by the worker's heartbeat while it works on the chunk:
     # a dead worker's chunk is re-published by reconcile once its lease lapses (the visibility
     # timeout stays the broker's own, slower, backstop). Must cover at least two missed beats.
-    lease_s: int = Field(60, ge=1)
+    lease_s: Annotated[int, Identity.NO] = Field(60, ge=1)
     # Every worker runs a reconcile pass this often (one worker per interval across the fleet, by a
     # lock in Redis); 0 turns it off (then run `canvasq reconcile --loop 15` somewhere).
-    reconcile_s: float = Field(15.0, ge=0)
-    run_deadline_s: int | None = Field(None, ge=1)  # default deadline for new runs (None: none)
-    sqlite_busy_timeout_ms: int = Field(30_000, ge=0)
+    reconcile_s: Annotated[float, Identity.NO] = Field(15.0, ge=0)
+    run_deadline_s: Annotated[int | None, Identity.NO] = Field(None, ge=1)  # submitted runs' default
+    sqlite_busy_timeout_ms: Annotated[int, Identity.NO] = Field(30_000, ge=0)
 
-    # input validation limits
-    max_tokens_limit: int = Field(4096, ge=1)
-    default_max_tokens: int = Field(256, ge=1)
-    max_custom_id_len: int = Field(64, ge=1, le=200)  # the store's column holds 200
-    max_line_bytes: int = Field(1 << 20, ge=1024)
-    max_errors: int = Field(200, ge=1)  # errors kept for the report; the rest are counted
+    # input validation limits: they refuse lines and change nothing a valid line generates
+    max_tokens_limit: Annotated[int, Identity.NO] = Field(4096, ge=1)
+    default_max_tokens: Annotated[int, Identity.YES] = Field(256, ge=1)  # for a line that gives none
+    max_custom_id_len: Annotated[int, Identity.NO] = Field(64, ge=1, le=200)  # the store's column holds 200
+    max_line_bytes: Annotated[int, Identity.NO] = Field(1 << 20, ge=1024)
+    max_errors: Annotated[int, Identity.NO] = Field(200, ge=1)  # errors kept for the report; the rest counted
 
-    queue_prefix: str = "canvasq"
-    device: str = "auto"  # worker device: auto (cuda when visible, else cpu) | cpu | cuda | cuda:N
-    decode_batch_size: int = Field(8, ge=1)  # prompts decoded together; results persisted per batch
+    queue_prefix: Annotated[str, Identity.NO] = "canvasq"
+    # worker device: auto (cuda when visible, else cpu) | cpu | cuda | cuda:N
+    device: Annotated[str, Identity.YES] = "auto"
+    # prompts decoded together; results persisted per batch. This and the two below shape the rows
+    # of each forward (padding, batched GEMMs), which can move logits by rounding: identity
+    decode_batch_size: Annotated[int, Identity.YES] = Field(8, ge=1)
     # requests in flight per decode stream (continuous batching; None: 64 on a GPU of >= 120 GiB, 32 on a
     # smaller one, decode_batch_size on CPU)
-    decode_slots: int | None = Field(None, ge=1)
+    decode_slots: Annotated[int | None, Identity.YES] = Field(None, ge=1)
     # When a chunk's last rows are in flight and slots free up, claim the run's next chunk from SQL and
     # feed its rows into the same stream (auto: on a GPU worker; its message is then dropped uncounted)
-    claim_ahead: Literal["auto", "on", "off"] = "auto"
-    seed: int = 0
-    gpu_slots: int | None = Field(None, ge=1)  # `worker --gpu auto`: GPUs on this host to share out
-    gpu_host: str | None = None  # the physical host's name for slot keys (containers differ in hostname)
-    torch_threads: int | None = Field(None, ge=1)  # CPU workers: threads per process (None: torch's default)
-    # pipe / funnel forwards replayed as CUDA graphs on a CUDA device ("auto"), or always eager ("off")
-    cuda_graphs: Literal["auto", "off"] = "auto"
+    claim_ahead: Annotated[Literal["auto", "on", "off"], Identity.YES] = "auto"
+    seed: Annotated[int, Identity.YES] = 0
+    gpu_slots: Annotated[int | None, Identity.NO] = Field(None, ge=1)  # `worker --gpu auto`: GPUs to share
+    # the physical host's name for slot keys (containers differ in hostname)
+    gpu_host: Annotated[str | None, Identity.NO] = None
+    # CPU workers: threads per process (None: torch's default); the same operations, spread over threads
+    torch_threads: Annotated[int | None, Identity.NO] = Field(None, ge=1)
+    # pipe / funnel forwards replayed as CUDA graphs on a CUDA device ("auto"), or always eager ("off").
+    # Identity: a graph pads rows and keeps masks on, so its logits equal eager ones only to rounding
+    cuda_graphs: Annotated[Literal["auto", "off"], Identity.YES] = "auto"
     # MoE experts: W4A16 packs (packed once, cached on disk, BF16 experts freed) or the BF16 weights
-    experts: Literal["auto", "w4", "bf16"] = "auto"
-    # packed-experts cache for model directories that are not writable (default: ~/.cache/canvasq/w4)
-    w4_cache_dir: str | None = None
+    experts: Annotated[Literal["auto", "w4", "bf16"], Identity.YES] = "auto"
+    # packed-experts cache for model directories that are not writable (default: ~/.cache/canvasq/w4);
+    # where the same packs are kept
+    w4_cache_dir: Annotated[str | None, Identity.NO] = None
     # FP8 tensor-core GEMMs for forwards of >= fp8_min_rows rows, where the forward is compute-bound
-    fp8: str = "auto"
-    fp8_min_rows: int = Field(FP8_MIN_ROWS, ge=0)
+    fp8: Annotated[str, Identity.YES] = "auto"
+    fp8_min_rows: Annotated[int, Identity.YES] = Field(FP8_MIN_ROWS, ge=0)
 
     @field_validator("fp8")
     @classmethod
@@ -159,6 +178,25 @@ class Settings(BaseSettings):
             "model": self.model,
             "queue": self.queue_for(),
         }
+
+
+def identity_of(name: str) -> Identity:
+    """The identity flag field `name` of `Settings` declares; a field without one is a TypeError."""
+    flags = [m for m in Settings.model_fields[name].metadata if isinstance(m, Identity)]
+    if len(flags) != 1:
+        raise TypeError(f"Settings.{name} must declare Identity.YES or Identity.NO once; it has {len(flags)}")
+    return flags[0]
+
+
+def run_identity(settings: Settings) -> dict[str, Any]:
+    """The settings that make an embedded run what it is (JSON values): every field declared
+    `Identity.YES`. A model directory counts by its resolved path (models/testbed and
+    /abs/.../models/testbed are one model)."""
+    values = settings.model_dump(mode="json")
+    ident = {name: values[name] for name in Settings.model_fields if identity_of(name) is Identity.YES}
+    if Path(settings.model).is_dir():
+        ident["model"] = str(Path(settings.model).resolve())
+    return ident
 
 
 def resolve_experts(setting: str, device: str) -> str:

@@ -297,3 +297,23 @@ def test_submit_after_publish_failure_publishes_the_unpublished_chunks(env, monk
     finally:
         proxy.refuse() if proxy._listener else None
         drop_queue(queue)
+
+
+def test_rerun_with_other_lease_and_reconcile_intervals_resumes(env):
+    """Lease and reconcile intervals change when work is re-published, never what it generates:
+    the same `canvasq run` with other CANVASQ_LEASE_S / CANVASQ_RECONCILE_S continues the run; a
+    setting that changes tokens (CANVASQ_SEED) starts another."""
+    src = env["tmp"] / "in.jsonl"
+    _write_input(src, 2)
+    env["mp"].setenv("CANVASQ_MODEL", model_for_tests())
+    invoke("run", str(src), "-o", "o.jsonl", "--decoder", "funnel")
+    env["mp"].setenv("CANVASQ_LEASE_S", "90")
+    env["mp"].setenv("CANVASQ_RECONCILE_S", "5")
+    res = invoke("run", str(src), "-o", "o.jsonl", "--decoder", "funnel")
+    assert "2 rows reused from the earlier run" in res.stdout and "loading" not in res.stderr
+    env["mp"].setenv("CANVASQ_SEED", "7")
+    res = invoke("run", str(src), "-o", "o.jsonl", "--decoder", "funnel")
+    assert "reused" not in res.stdout
+    st = Store(env["url"])
+    assert len(st.list_runs()) == 2
+    st.dispose()

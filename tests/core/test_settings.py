@@ -115,3 +115,37 @@ def test_random_model_context_is_the_built_models():
 
     assert model_context("random:26b-a4b")[0] == build_config(REAL_26B_A4B).get_text_config().max_position_embeddings
     assert model_context("random:testbed")[0] == build_config().get_text_config().max_position_embeddings
+
+
+def test_every_setting_declares_its_identity_flag():
+    """An embedded run's identity is read off the fields (`run_identity`): a field without its flag
+    would silently fall on one side, so each declares exactly one."""
+    from canvasq.core.settings import Identity, identity_of
+
+    for name, info in Settings.model_fields.items():
+        assert sum(isinstance(m, Identity) for m in info.metadata) == 1, name
+        identity_of(name)
+
+
+def test_run_identity_holds_what_changes_tokens_only():
+    from canvasq.core.settings import run_identity
+
+    base = Settings(model="random:testbed")
+    ident = run_identity(base)
+    assert {"model", "seed", "routing", "routing_budget", "default_max_tokens", "device", "experts", "fp8",
+            "fp8_min_rows", "decode_slots", "decode_batch_size", "cuda_graphs"} <= set(ident)
+    for name, value in [("lease_s", 90), ("reconcile_s", 5.0), ("heartbeat_s", 3.0), ("database_url", "sqlite://"),
+                        ("broker_url", "redis://x:1/0"), ("torch_threads", 3), ("max_attempts", 7),
+                        ("max_tokens_limit", 99), ("w4_cache_dir", "/tmp/w4"), ("chunk_size", 3)]:
+        assert run_identity(base.model_copy(update={name: value})) == ident, name
+    for name, value in [("seed", 1), ("fp8", "off"), ("experts", "w4"), ("default_max_tokens", 9),
+                        ("routing", {"math": "pipe"}), ("cuda_graphs", "off"), ("decode_slots", 4)]:
+        assert run_identity(base.model_copy(update={name: value})) != ident, name
+
+
+def test_run_identity_resolves_a_model_directory(tmp_path, monkeypatch):
+    from canvasq.core.settings import run_identity
+
+    (tmp_path / "m").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert run_identity(Settings(model="m")) == run_identity(Settings(model=str(tmp_path / "m")))

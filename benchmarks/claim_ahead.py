@@ -1,4 +1,4 @@
-"""Cross-chunk feeding A/B through the worker's own loop (`ChunkRuntime.process_chunk`), one process.
+"""Cross-chunk feeding A/B through the worker's own loop (`Engine.process_chunk`), one process.
 
     python3 benchmarks/claim_ahead.py prompts.jsonl --chunk 16 --slots 32 --reps 2 [--device cuda --model M]
 
@@ -44,7 +44,7 @@ def one_pass(bundle, jobs, mode: str, chunk: int, slots: int, device: str) -> di
     from canvasq.core.settings import Settings
     from canvasq.core.store import Store
     from canvasq.core.tables import Chunk, Output
-    from canvasq.worker.runtime import ChunkRuntime
+    from canvasq.worker.engine import Engine
 
     db = Path(tempfile.mkdtemp()) / "bench.sqlite"
     settings = Settings(database_url=f"sqlite:///{db}", model=str(bundle.spec), device=device, decode_slots=slots,
@@ -53,11 +53,11 @@ def one_pass(bundle, jobs, mode: str, chunk: int, slots: int, device: str) -> di
     store.upgrade()
     run = store.create_run(jobs, model=settings.model, queue="q", decoder="official", chunk_size=chunk)
     store.mark_published(run.chunk_ids)
-    rt = ChunkRuntime(settings=settings, store=store, bundle=bundle, worker_id="bench:1", queue="q")
+    engine = Engine(settings=settings, store=store, bundle=bundle, worker_id="bench:1", queue="q")
     occ: list[tuple[int, int]] = []
     t0 = time.perf_counter()
     for cid in run.chunk_ids:  # the messages, in the order a queue delivers them
-        occ += rt.process_chunk(cid).get("occupancy", [])
+        occ += engine.process_chunk(cid).occupancy
     wall = time.perf_counter() - t0
     with store.Session() as s:
         tokens = s.scalar(select(func.sum(Output.completion_tokens)).where(Output.run_id == run.run_id)) or 0

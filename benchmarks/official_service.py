@@ -6,7 +6,7 @@
    problems; per request its denoising steps per canvas and its answer length are kept (accuracy too).
 2. Replay: `random:26b-a4b` (W4 experts, CUDA graphs: the service defaults on a GPU) loaded like a
    worker loads it; a run of the same requests (prompt text repeated `--scale` times, max_tokens =
-   recorded canvases × 256) is created in a SQLite store and drained by `ChunkRuntime.process_chunk`
+   recorded canvases × 256) is created in a SQLite store and drained by `Engine.process_chunk`
    with `decode_slots = batch`: continuous batching, per-row writes, the sampler's real work on real
    [rows, 262,144] logits; only the stop decisions come from the recording (`official.REPLAY`).
    tok/s = recorded tokens × scale ÷ wall seconds of the chunk.
@@ -72,7 +72,7 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
     from canvasq.core.store import Store
     from canvasq.decoders import configs, official
     from canvasq.model.loading import load_bundle
-    from canvasq.worker.runtime import ChunkRuntime
+    from canvasq.worker.engine import Engine
 
     global _TARGET
     if _TARGET is None:
@@ -98,12 +98,12 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
     configs.CONFIGS["official"] = functools.partial(configs.OfficialConfig, **parse_arm(knobs).overrides)
     _cap_arena(bundle, fp8, settings, arena_gib)
     _runtime_knobs(bundle, fp8, settings, rt_knobs)
-    rt = ChunkRuntime(settings=settings, store=store, bundle=bundle, worker_id="bench:1", queue="q")
+    engine = Engine(settings=settings, store=store, bundle=bundle, worker_id="bench:1", queue="q")
     # warm-up: the whole job set once, untimed, so the timed pass replays graphs a long-running worker
     # has already captured (window-count x context buckets); `--warm partial` warms 2 x batch rows only
     warm_jobs = jobs if WARM == "full" else jobs[: 2 * batch]
     warm = store.create_run(warm_jobs, model=settings.model, queue="q", decoder="official", chunk_size=len(jobs))
-    rt.process_chunk(warm.chunk_ids[0])
+    engine.process_chunk(warm.chunk_ids[0])
     run = store.create_run([Job(f"t{j.custom_id}", *[getattr(j, k) for k in ("prompt", "task", "max_tokens",
                                                                            "decoder", "line_no")]) for j in jobs],
                            model=settings.model, queue="q", decoder="official", chunk_size=len(jobs))
@@ -118,7 +118,7 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
     if prof:
         prof.enable()
     with tracer:
-        out = rt.process_chunk(run.chunk_ids[0])
+        out = engine.process_chunk(run.chunk_ids[0])
     _sync()
     wall = time.perf_counter() - t0
     if prof:
@@ -129,7 +129,7 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
         stats.sort_stats("tottime").print_stats(30)
         stats.sort_stats("cumulative").print_stats(45)
         PROFILES.append(text.getvalue())
-    occ = out.get("occupancy", [])
+    occ = out.occupancy
     steps = len(occ)
     live_rows = sum(n for n, _ in occ) * C
     tokens = sum(r["tokens"] for r in rows) * scale
@@ -142,7 +142,7 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
         "tok_s_replayed": tokens / wall, "decoder_steps": steps, "rows_per_s": live_rows / wall,
         "occupancy_mean": (sum(n for n, _ in occ) / sum(s for _, s in occ)) if occ else None,
         "occupancy_full_until": next((i for i, (n, s) in enumerate(occ) if n < s), steps) / max(1, steps),
-        "written": out["written"], "graphs_before": graphs, "graphs_after": after,
+        "written": out.written, "graphs_before": graphs, "graphs_after": after,
         "ms_per_step": 1000 * wall / max(1, steps), "eager_attention_paths": paths, **extra,
     }
 

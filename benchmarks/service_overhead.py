@@ -4,7 +4,7 @@ Arms (run in ABBA order, seed reset per arm):
   plain    tokenise → DecodeBatch → run_batch, results kept in memory (the denominator)
   service  the whole service path minus process boundaries: validate the JSONL, store run + request
            rows (SQL), publish chunk messages to a fresh Redis queue, consume them one at a time,
-           claim each chunk in SQL, decode through ChunkRuntime, upsert outputs + traces, finalise
+           claim each chunk in SQL, decode through Engine, upsert outputs + traces, finalise
            the run, export results JSONL
 
 overhead = (service wall − plain wall) / plain wall, summed over both repetitions of each arm; and,
@@ -65,7 +65,7 @@ def arm_service(bundle, settings, path: Path, decoder: str, db_url: str, redis_u
     from canvasq.core.schemas import Limits, iter_jobs, validate_file
     from canvasq.core.store import Store
     from canvasq.worker.celery_app import publish_chunks
-    from canvasq.worker.runtime import ChunkRuntime
+    from canvasq.worker.engine import Engine
     from tests.harness.backends import unique_queue
 
     settings = settings.model_copy(update={"database_url": db_url, "broker_url": redis_url})
@@ -91,7 +91,7 @@ def arm_service(bundle, settings, path: Path, decoder: str, db_url: str, redis_u
         finally:
             decode_s[0] += time.perf_counter() - t
 
-    rt = ChunkRuntime(settings=settings, store=store, bundle=bundle, worker_id="bench:1", queue=queue,
+    engine = Engine(settings=settings, store=store, bundle=bundle, worker_id="bench:1", queue=queue,
                       decode_fn=timed_decode)
     done = 0
     with Connection(redis_url) as conn:
@@ -99,7 +99,7 @@ def arm_service(bundle, settings, path: Path, decoder: str, db_url: str, redis_u
         while done < len(created.chunk_ids):
             msg = q.get(block=True, timeout=30)
             chunk_id = msg.payload[0][0]  # Celery protocol 2 body: (args, kwargs, embed)
-            rt.process_chunk(chunk_id)
+            engine.process_chunk(chunk_id)
             msg.ack()
             done += 1
         q.close()

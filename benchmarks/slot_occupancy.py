@@ -11,7 +11,7 @@ for each slot count and chunk size and prints the mean share of slots busy and t
 `--chunks 0` is one stream over the whole input (what cross-chunk feeding would give); `--repeat`
 cycles the rows to a fleet-sized run. With `--input` (the submitted file, for each row's
 `max_tokens`) each chunk is also replayed in the worker's admission order, largest `max_tokens` first
-(`canvasq.worker.runtime.longest_first`), beside the file's order. A step's cost is not constant in
+(`canvasq.worker.streams.longest_first`), beside the file's order. A step's cost is not constant in
 the rows it carries, so this gives slot use and step counts, not time.
 """
 
@@ -22,7 +22,7 @@ import json
 from collections import deque
 from typing import NamedTuple
 
-from canvasq.worker.runtime import longest_first
+from canvasq.worker.streams import longest_first
 
 
 def forwards_per_row(path: str) -> list[tuple[str, int]]:

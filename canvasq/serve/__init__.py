@@ -8,6 +8,6 @@ from the run's rows; once the run is over, its output and error files are writte
 
 Modules: config (ServeSettings), keys (bearer keys, hashed at rest), files (streamed upload, the
 files directory), batches (Batch objects, create / cancel / finalise), app (the FastAPI routes),
-local_worker (the `--with-worker` child: one ChunkRuntime draining its queue from SQL); the
+local_worker (the `--with-worker` child: one `worker.engine.Engine` draining its queue from SQL); the
 `serve` and `keys` commands live in `canvasq.cli.serve`.
 """

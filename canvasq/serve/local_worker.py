@@ -1,6 +1,6 @@
 """The `canvasq serve --with-worker` worker: one child process that drains its own queue from SQL,
 no broker. Chunks of runs whose queue is `local_queue(...)` are taken in order of their run's
-creation; each runs through `ChunkRuntime.process_chunk` under its lease, as a fleet worker's do.
+creation; each runs through `Engine.run_chunk` under its lease, as a fleet worker's do.
 A chunk left `running` by a killed child still holds queued rows and is taken again at restart.
 
     python -m canvasq.serve.local_worker QUEUE    (started and restarted by `canvasq serve`)
@@ -34,35 +34,36 @@ def next_chunk(store, queue: str) -> str | None:
     """The first chunk, by run then sequence, of an active run on `queue` that still holds queued rows."""
     with store.Session() as s:
         return s.scalar(
-            select(Chunk.id).join(Run, Run.id == Chunk.run_id)
-            .where(Run.queue == queue, Run.status.in_(RUN_ACTIVE),
-                   select(Request.id).where(Request.chunk_id == Chunk.id, Request.status == "queued").exists())
-            .order_by(Run.created_at, Chunk.seq).limit(1))
+            select(Chunk.id)
+            .join(Run, Run.id == Chunk.run_id)
+            .where(
+                Run.queue == queue,
+                Run.status.in_(RUN_ACTIVE),
+                select(Request.id).where(Request.chunk_id == Chunk.id, Request.status == "queued").exists(),
+            )
+            .order_by(Run.created_at, Chunk.seq)
+            .limit(1)
+        )
 
 
 def main(queue: str, poll_s: float = 0.5, expire_every_s: float = 5.0) -> None:
     from canvasq.core.settings import get_settings
     from canvasq.core.store import Store
-    from canvasq.worker.runtime import ChunkRuntime
+    from canvasq.worker.engine import Engine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = get_settings()
     store = Store.from_settings(settings)
-    rt = ChunkRuntime(settings=settings, store=store, worker_id=f"local:{socket.gethostname()}:{os.getpid()}",
-                      queue=queue)
+    engine = Engine(
+        settings=settings, store=store, worker_id=f"local:{socket.gethostname()}:{os.getpid()}", queue=queue
+    )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    t0 = time.perf_counter()
-    rt.bundle  # noqa: B018 - load before the first chunk
-    from canvasq.worker.metrics import start_worker_metrics
-
-    start_worker_metrics(rt, time.perf_counter() - t0)
-    rt.register()
-    rt.start_heartbeat()
-    log.info("%s: %s on %s", READY_MARK, rt.worker_id, queue)
     last_expire = 0.0
     parent = os.getppid()
     try:
+        engine.start(metrics=True)
+        log.info("%s: %s on %s", READY_MARK, engine.worker_id, queue)
         while not stop.is_set() and os.getppid() == parent:  # the server gone: stop too
             if time.monotonic() - last_expire >= expire_every_s:  # a fleet's reconcile does this
                 last_expire = time.monotonic()
@@ -72,10 +73,9 @@ def main(queue: str, poll_s: float = 0.5, expire_every_s: float = 5.0) -> None:
             if cid is None:
                 stop.wait(poll_s)
                 continue
-            with rt.holding(cid):
-                rt.process_chunk(cid)
+            engine.run_chunk(cid)
     finally:
-        rt.stop()
+        engine.stop()
         store.dispose()
 
 

@@ -24,7 +24,7 @@ from canvasq.core.queue import ClaimState
 
 if TYPE_CHECKING:
     from canvasq.decoders.types import DecodeRequest
-    from canvasq.worker.runtime import ChunkRuntime
+    from canvasq.worker.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +34,9 @@ MAX_RELEASED = 4  # chunks a stream may give back (other route, longer rows) bef
 class AheadFeeder:
     """Claims and tracks the chunks one decode stream takes ahead of their messages."""
 
-    def __init__(self, rt: ChunkRuntime, run_id: str, route: tuple[str, dict], need, capacity: int,
+    def __init__(self, engine: Engine, run_id: str, route: tuple[str, dict], need, capacity: int,
                  deadline: float):
-        self.rt, self.run_id, self.route = rt, run_id, route
+        self.engine, self.run_id, self.route = engine, run_id, route
         self.need, self.capacity, self.deadline = need, capacity, deadline
         self.pending: dict[str, set[str]] = {}  # chunk id -> custom_ids fed and not yet written
         self.chunk_of: dict[str, str] = {}  # custom_id -> its chunk id
@@ -46,18 +46,18 @@ class AheadFeeder:
 
     def top_up(self, todo: list[DecodeRequest], want: int) -> None:
         """Claim chunks ahead until `want` more rows are in `todo` (or none is left to claim)."""
-        rt, s = self.rt, self.rt.settings
+        engine, s = self.engine, self.engine.settings
         while want > 0 and not self.stopped:
             if time.monotonic() > self.deadline:  # leave the rest to their own deliveries
                 self.stopped = True
                 return
-            claim = retry_transient(lambda: rt.store.claim_ahead(self.run_id, rt.worker_id, s.lease_s,
+            claim = retry_transient(lambda: engine.store.claim_ahead(self.run_id, engine.worker_id, s.lease_s,
                                                                   s.max_attempts, self.released))
             if claim is None:
                 self.stopped = True
                 return
             if claim.state != ClaimState.work:  # every row already terminal
-                retry_transient(lambda cid=claim.chunk_id: rt.store.finish_chunk(cid))
+                retry_transient(lambda cid=claim.chunk_id: engine.store.finish_chunk(cid))
                 continue
             reqs = self._take(claim)
             if reqs is None:  # given back; a few in a row: the rest of the run is not for this stream
@@ -69,16 +69,16 @@ class AheadFeeder:
     def _take(self, claim) -> list[DecodeRequest] | None:
         """The claimed chunk's rows for this stream, or None (chunk released) if any row needs
         another route or more arena than the stream has."""
-        rt, cid = self.rt, claim.chunk_id
-        parts = [p for decoder, rows in rt.by_decoder(claim).items() for p in rt._routed(decoder, rows)]
+        engine, cid = self.engine, claim.chunk_id
+        parts = [p for decoder, rows in engine.by_decoder(claim).items() for p in engine.routed(decoder, rows)]
         if len(parts) != 1 or (parts[0][0], parts[0][1]) != self.route:
             return self._release(cid, "rows for another decoder route")
-        reqs, records = rt._tokenize(parts[0][2], self.route[0])
+        reqs, records = engine.tokenize(parts[0][2], self.route[0])
         if any(self.need(q) > self.capacity for q in reqs):
             return self._release(cid, "rows longer than this stream's arena")
-        rt.ahead_chunks.add(cid)  # renewed by the heartbeat from here on
+        engine.ahead_chunks.add(cid)  # renewed by the heartbeat from here on
         if records:  # rows the tokenizer refused: errored now
-            retry_transient(lambda: rt.store.write_results(self.run_id, records, rt.worker_id))
+            retry_transient(lambda: engine.store.write_results(self.run_id, records, engine.worker_id))
         self.pending[cid] = {q.custom_id for q in reqs}
         for q in reqs:
             self.chunk_of[q.custom_id] = cid
@@ -91,7 +91,7 @@ class AheadFeeder:
     def _release(self, cid: str, why: str) -> None:
         log.info("chunk %s released, not fed ahead: %s", cid, why)
         self.released.append(cid)
-        retry_transient(lambda: self.rt.store.release_ahead(cid, self.rt.worker_id))
+        retry_transient(lambda: self.engine.store.release_ahead(cid, self.engine.worker_id))
 
     def written(self, custom_id: str) -> None:
         """A fed row was stored: finish its chunk once all of the chunk's rows are."""
@@ -104,9 +104,9 @@ class AheadFeeder:
             self._finish(cid)
 
     def _finish(self, cid: str) -> None:
-        retry_transient(lambda: self.rt.store.finish_chunk(cid))
+        retry_transient(lambda: self.engine.store.finish_chunk(cid))
         self.pending.pop(cid, None)
-        self.rt.ahead_chunks.discard(cid)
+        self.engine.ahead_chunks.discard(cid)
 
     def close(self, cancelled_status: str | None = None) -> None:
         """The stream ended. With `cancelled_status` (the run was cancelled or expired) the rows still
@@ -115,8 +115,8 @@ class AheadFeeder:
         reconcile re-publishes it."""
         for cid in list(self.pending):
             if cancelled_status is not None:
-                retry_transient(lambda cid=cid: self.rt.store.close_chunk_rows(
+                retry_transient(lambda cid=cid: self.engine.store.close_chunk_rows(
                     cid, self.run_id, cancelled_status, cancelled_status, f"run {cancelled_status}"))
                 self._finish(cid)
             else:
-                self.rt.ahead_chunks.discard(cid)
+                self.engine.ahead_chunks.discard(cid)

@@ -2,7 +2,7 @@
 
 Flow: api commits run + request rows, then publishes one `canvasq.process_chunk(chunk_id)` message
 per chunk to the model's queue → a worker (one per GPU, prefetch 1, late ack) claims the chunk in SQL
-→ `canvasq.worker.runtime` decodes it. Outputs live in SQL, so results are ignored here.
+→ `canvasq.worker.engine` decodes it. Outputs live in SQL, so results are ignored here.
 """
 
 from __future__ import annotations
@@ -95,21 +95,13 @@ def _check_at_start(**_kw):
 
 @signals.worker_process_init.connect
 def _child_start(**_kw):
-    import os
-    import time
+    from canvasq.worker.engine import start_process
 
-    from canvasq.worker.runtime import get_runtime, start_process
-
-    t0 = time.perf_counter()
     start_process()
-    if os.environ.get("CANVASQ_METRICS_PORT"):  # Prometheus metrics of this worker (canvasq.worker.metrics)
-        from canvasq.worker.metrics import start_worker_metrics
-
-        start_worker_metrics(get_runtime(), time.perf_counter() - t0)
 
 
 @signals.worker_process_shutdown.connect
 def _child_stop(**_kw):
-    from canvasq.worker.runtime import stop_process
+    from canvasq.worker.engine import stop_process
 
     stop_process()

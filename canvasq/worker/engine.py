@@ -1,14 +1,20 @@
-"""Runs one chunk in a worker process. No Celery import: the tasks module and the embedded
-`canvasq run` both call `ChunkRuntime.process_chunk`.
+"""The engine: one per worker process, started once, then fed chunks.
 
-Flow: chunk id → claim in SQL (attempts + 1, lease) → its still-`queued` request rows (Jobs) →
-tokenised into DecodeRequests → DecodeBatch per decoder, `decode_batch_size` prompts at a time →
-`canvasq.decoders.run_batch` → DecodeResults → outputs + forward traces written in one transaction
-per batch (only rows still `queued`: a redelivered chunk skips done rows) → chunk done → run
-finalised when no row is left queued.
+    engine = Engine(settings, store, worker_id=..., queue=...)
+    engine.start()                  # load the model bundle, build its runtime and graphs (a warm-up
+                                    # decode on a GPU), register the worker, start the heartbeat
+                                    # (and, for a fleet worker, the reconcile loop and metrics)
+    engine.run_chunk(chunk_id)      # claim, decode and store one chunk under its renewed lease
+    engine.stop()
 
-The model is loaded once per process (`start_process`, called in the Celery child; CUDA is never
-touched in the parent). torch is imported only when the model is loaded.
+The three drivers differ only in where chunk ids come from and where results go: the Celery worker
+(`worker.tasks`: broker messages; `start_process` in each child), `canvasq run` (`cli.embedded`: the
+run's pending chunks, then an output file) and `canvasq serve --with-worker` (`serve.local_worker`:
+its queue polled in SQL). No Celery import here; torch is imported only when the model is loaded.
+
+Flow of a chunk: chunk id → claim in SQL (attempts + 1, lease) → its still-`queued` rows → per decoder
+route → `worker.streams` (tokenise, decode, store each row as it ends) → chunk done → run finalised
+when no row is left queued.
 """
 
 from __future__ import annotations
@@ -20,22 +26,15 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Self
 
 from canvasq.core.db import retry_transient
-from canvasq.core.queue import ClaimedRequest, ClaimState, QueueStore, ResultRecord
+from canvasq.core.queue import ClaimedRequest, ClaimState, QueueStore
 from canvasq.core.settings import Settings, get_settings, mask_url, model_name, resolve_experts
 from canvasq.core.statuses import RequestStatus, RunStatus
-from canvasq.decoders.types import (
-    CANCELLED,
-    DecodeBatch,
-    DecodeRequest,
-    DecodeResult,
-    FinishReason,
-    Interrupted,
-)
-from canvasq.worker import faults
+from canvasq.decoders.types import DecodeResult
+from canvasq.worker import faults, streams
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +64,10 @@ def resolve_device(setting: str, visible: int | None = None, current: int | None
     if head != "cuda" or not index.isdigit():
         raise ValueError(f"CANVASQ_DEVICE={setting!r}: expected auto, cpu, cuda or cuda:N")
     if int(index) >= visible:
-        raise ValueError(f"CANVASQ_DEVICE={setting}: {visible} CUDA device(s) visible ({where}); "
-                         f"N counts the visible devices from 0")
+        raise ValueError(
+            f"CANVASQ_DEVICE={setting}: {visible} CUDA device(s) visible ({where}); "
+            f"N counts the visible devices from 0"
+        )
     return f"cuda:{int(index)}"
 
 
@@ -88,44 +89,21 @@ def default_decode_fn() -> DecodeFn:
     return run_batch
 
 
-def longest_first(reqs: list) -> list:
-    """Rows (anything with `max_tokens`) in the order a stream admits them: the largest first (stable). A row's
-    forwards grow with its canvases, so a long row admitted last runs on alone while the other
-    slots sit empty; started first, it overlaps the short ones (longest-processing-time order).
-    Replayed from a real run's forwards per row (200 mixed rows cycled to 2,000, one stream):
-    64 slots 83 -> 99 % busy, 369 -> 311 steps (BENCHMARKS.md, "Decode slots per chunk size")."""
-    return sorted(reqs, key=lambda q: -q.max_tokens)
+@dataclass
+class ChunkSummary:
+    """What `Engine.process_chunk` did with one chunk."""
+
+    chunk: str
+    state: str  # the claim's `ClaimState` (work, empty, exhausted, cancelled, missing, busy)
+    attempt: int | None = None
+    written: int = 0  # rows stored by this delivery
+    occupancy: list[tuple[int, int]] = field(default_factory=list)  # (live rows, slots) per decoder step
+    claimed_ahead: int = 0  # the run's later chunks fed into this chunk's stream
 
 
-def result_record(res: DecodeResult, gen_ms: float, decoder: str) -> ResultRecord:
-    if res.error == CANCELLED:
-        status, code = RequestStatus.cancelled, "cancelled"
-    elif res.error:
-        status, code = RequestStatus.errored, "decode_error"
-    else:
-        status, code = RequestStatus.done, None
-    traces = [
-        {k: v for k, v in asdict(t).items() if k != "index"} | {"forward_index": t.index} for t in res.traces
-    ]
-    return ResultRecord(
-        custom_id=res.custom_id,
-        text=res.text if not res.error or res.error == CANCELLED else None,
-        token_ids=list(res.token_ids) if res.token_ids else [],
-        finish_reason=res.finish_reason,
-        prompt_tokens=res.prompt_tokens,
-        completion_tokens=len(res.token_ids or []) if not res.error else 0,
-        forwards=res.forwards,
-        decoder=res.decoder or decoder,
-        gen_ms=gen_ms,
-        error_code=code,
-        error_message=res.error if res.error else None,
-        status=status,
-        traces=traces,
-    )
-
-
-class ChunkRuntime:
-    """Everything one worker process needs: settings, store, the model (lazy), a decode function."""
+class Engine:
+    """One worker process's engine: settings, store, the model bundle and its runtime, the worker's
+    liveness (registration, heartbeat, leases) and the chunk loop. See the module docstring."""
 
     def __init__(
         self,
@@ -170,10 +148,16 @@ class ChunkRuntime:
             bind_cuda_device(device)
             experts = resolve_experts(self.settings.experts, device)
             t0 = time.perf_counter()
-            self._bundle = load_bundle(self.settings.model, device=device, experts=experts,
-                                       cache_dir=self.settings.w4_cache_dir)
-            log.info("loaded %s on %s in %.1fs (experts %s)", self.settings.model, device,
-                     time.perf_counter() - t0, experts)
+            self._bundle = load_bundle(
+                self.settings.model, device=device, experts=experts, cache_dir=self.settings.w4_cache_dir
+            )
+            log.info(
+                "loaded %s on %s in %.1fs (experts %s)",
+                self.settings.model,
+                device,
+                time.perf_counter() - t0,
+                experts,
+            )
             self.device = device
         return self._bundle
 
@@ -191,7 +175,12 @@ class ChunkRuntime:
     def register(self) -> None:
         retry_transient(
             lambda: self.store.register_worker(
-                self.worker_id, socket.gethostname(), os.getpid(), self.device, self.settings.model, self.queue
+                self.worker_id,
+                socket.gethostname(),
+                os.getpid(),
+                self.device,
+                self.settings.model,
+                self.queue,
             )
         )
 
@@ -199,6 +188,7 @@ class ChunkRuntime:
         """Every heartbeat_s: the worker row's heartbeat, and the lease of the chunk in hand renewed
         to now + lease_s. The lease lapses only when this thread stops beating: the process died
         (or cannot reach the store), and `reconcile` re-publishes the chunk."""
+
         def beat():
             while not self._hb_stop.wait(self.settings.heartbeat_s):
                 chunks = [c for c in (self.holding_chunk, *list(self.ahead_chunks)) if c]
@@ -228,9 +218,12 @@ class ChunkRuntime:
             return
         from canvasq.worker.reconcile import reconcile_loop
 
-        self._rc_thread = threading.Thread(target=reconcile_loop, args=(self.store, self.settings, self._hb_stop,
-                                                                        self.worker_id),
-                                           name="canvasq-reconcile", daemon=True)
+        self._rc_thread = threading.Thread(
+            target=reconcile_loop,
+            args=(self.store, self.settings, self._hb_stop, self.worker_id),
+            name="canvasq-reconcile",
+            daemon=True,
+        )
         self._rc_thread.start()
 
     def stop(self) -> None:
@@ -240,6 +233,62 @@ class ChunkRuntime:
         for t in (self._hb_thread, self._rc_thread):
             if t is not None and t is not threading.current_thread():
                 t.join(timeout=self.settings.heartbeat_s)
+
+    def load(self) -> Any:
+        """The model bundle, loaded now (a load failure raises here, before any chunk is claimed)."""
+        return self.bundle
+
+    def warm(self) -> None:
+        """Build the default route's decoder now: its runtime (W4 packs, FP8 copies) and, where its
+        forwards replay graphs, the graph runner's arena for `decode_slots` rows, with one short
+        decode, so Triton compiles and graph captures happen at start rather than inside the first
+        chunk's time limit."""
+        from canvasq.decoders.registry import make_decoder
+        from canvasq.decoders.types import DecodeRequest
+
+        s, bundle = self.settings, self.bundle
+        dec = make_decoder(
+            "official", bundle, None, s.cuda_graphs, self.experts, fp8=s.fp8, fp8_min_rows=s.fp8_min_rows
+        )
+        if dec.graphs is None:
+            return
+        req = DecodeRequest("warm-up", bundle.encode_prompt("warm up", None), s.default_max_tokens, None)
+        pending = [(req.custom_id, req)]
+
+        def feed(n: int):
+            taken, pending[:] = pending[:n], pending[n:]
+            return taken
+
+        dec.stream(feed, lambda key, res: None, slots=self.decode_slots, capacity=dec.capacity_for([req]))
+
+    def start(self, *, reconcile: bool = False, metrics: bool = False) -> Self:
+        """Register this worker and start its heartbeat (and, with `reconcile`, the fleet's reconcile
+        loop), then load and warm the model (already loaded: kept), then with `metrics` serve its
+        Prometheus endpoint (CANVASQ_METRICS_PORT). Registered first, a worker whose load is slow or
+        fails shows as alive in `canvasq workers`."""
+        self.register()
+        self.start_heartbeat()
+        if reconcile:
+            self.start_reconciler()
+        t0 = time.perf_counter()
+        self.load()
+        self.warm()
+        if metrics:
+            from canvasq.worker.metrics import start_worker_metrics
+
+            start_worker_metrics(self, time.perf_counter() - t0)
+        return self
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def run_chunk(self, chunk_id: str) -> ChunkSummary:
+        """One chunk under its lease (renewed by the heartbeat while it runs)."""
+        with self.holding(chunk_id):
+            return self.process_chunk(chunk_id)
 
     # -- one chunk ---------------------------------------------------------------------------------
     def _stopper(self, run_id: str) -> Callable[[], bool]:
@@ -251,27 +300,32 @@ class ChunkRuntime:
             if not state["stop"] and now - state["t"] >= self.stop_poll_s:
                 state["t"] = now
                 try:
-                    state["stop"] = self.store.run_status(run_id) in (RunStatus.cancelling, RunStatus.cancelled,
-                                                                       RunStatus.expired)
+                    state["stop"] = self.store.run_status(run_id) in (
+                        RunStatus.cancelling,
+                        RunStatus.cancelled,
+                        RunStatus.expired,
+                    )
                 except Exception as exc:  # noqa: BLE001 a flaky read never stops generation
                     log.debug("cancel-flag read failed: %s", exc)
             return state["stop"]
 
         return should_stop
 
-    def process_chunk(self, chunk_id: str) -> dict[str, Any]:
+    def process_chunk(self, chunk_id: str) -> ChunkSummary:
         s = self.settings
         claim = retry_transient(
             lambda: self.store.claim_chunk(chunk_id, self.worker_id, s.lease_s, s.max_attempts)
         )
-        summary = {"chunk": chunk_id, "state": claim.state, "attempt": claim.attempts, "written": 0}
+        summary = ChunkSummary(chunk_id, claim.state, claim.attempts)
         if claim.state == ClaimState.missing:
             log.warning("chunk %s not in the store; dropping the message", chunk_id)
             return summary
         run_id = claim.run_id
         assert run_id is not None
         if claim.state == ClaimState.busy:  # claimed ahead by a live worker: its message, not a delivery
-            log.info("chunk %s is being decoded by another worker (claimed ahead); dropping the message", chunk_id)
+            log.info(
+                "chunk %s is being decoded by another worker (claimed ahead); dropping the message", chunk_id
+            )
             return summary
         if claim.state != ClaimState.work:
             if claim.state != ClaimState.exhausted:
@@ -283,34 +337,42 @@ class ChunkRuntime:
 
         should_stop = self._stopper(run_id)
         t0 = time.monotonic()
-        streams, batched = [], []
+        routes, batched = [], []
         for decoder, rows in self.by_decoder(claim).items():
             if self._decode_fn is None and decoder != "hf":  # the production path: continuous batching
-                streams += self._routed(decoder, rows)
+                routes += self.routed(decoder, rows)
             else:
                 batched.append((decoder, rows))
         feeders = []
-        for i, (name, knobs, part) in enumerate(streams):
+        for i, (name, knobs, part) in enumerate(routes):
             if should_stop():
                 break
             # the chunk's last stream may take the run's next chunks ahead, for half the soft time limit
-            ahead = t0 + s.soft_time_limit / 2 if i == len(streams) - 1 and not batched and self.claims_ahead else None
-            summary["written"] += self._stream_and_store(run_id, name, knobs, part, should_stop, summary,
-                                                         ahead_until=ahead, feeders=feeders)
+            ahead = (
+                t0 + s.soft_time_limit / 2
+                if i == len(routes) - 1 and not batched and self.claims_ahead
+                else None
+            )
+            summary.written += streams.stream_and_store(
+                self, run_id, name, knobs, part, should_stop, summary, ahead_until=ahead, feeders=feeders
+            )
         for decoder, rows in batched:
             for i in range(0, len(rows), s.decode_batch_size):
                 if should_stop():
                     break
-                summary["written"] += self._decode_and_store(run_id, decoder, rows[i : i + s.decode_batch_size],
-                                                             should_stop)
+                summary.written += streams.decode_and_store(
+                    self, run_id, decoder, rows[i : i + s.decode_batch_size], should_stop
+                )
         code = None
         if should_stop():
             status = self.store.run_status(run_id)
             code = RequestStatus.expired if status == RunStatus.expired else RequestStatus.cancelled
-            retry_transient(lambda: self.store.close_chunk_rows(chunk_id, run_id, code, code, f"run {status}"))
+            retry_transient(
+                lambda: self.store.close_chunk_rows(chunk_id, run_id, code, code, f"run {status}")
+            )
         for feeder in feeders:
             feeder.close(code)
-            summary["claimed_ahead"] = summary.get("claimed_ahead", 0) + feeder.claimed
+            summary.claimed_ahead += feeder.claimed
         retry_transient(lambda: self.store.finish_chunk(chunk_id))
         retry_transient(lambda: self.store.finalize_run(run_id))
         return summary
@@ -343,7 +405,9 @@ class ChunkRuntime:
             return self.settings.decode_batch_size
         import torch
 
-        return 64 if torch.cuda.get_device_properties(torch.device(device)).total_memory >= 120 * 2**30 else 32
+        return (
+            64 if torch.cuda.get_device_properties(torch.device(device)).total_memory >= 120 * 2**30 else 32
+        )
 
     @property
     def calibration(self):
@@ -355,148 +419,42 @@ class ChunkRuntime:
             try:
                 self._calibration = load_for_model(self.store, self.settings.model)
             except Exception as exc:  # noqa: BLE001 no calibration is a safe answer: official
-                log.warning("calibration for %s not readable (%s); --decoder auto uses official",
-                            self.settings.model, exc)
+                log.warning(
+                    "calibration for %s not readable (%s); --decoder auto uses official",
+                    self.settings.model,
+                    exc,
+                )
                 self._calibration = None
             if self._calibration is not None:
                 log.info("--decoder auto routes by %s", self._calibration.describe())
         return self._calibration
 
-    def _routed(self, decoder: str, rows: list[ClaimedRequest]) -> list[tuple[str, dict, list[ClaimedRequest]]]:
+    def routed(
+        self, decoder: str, rows: list[ClaimedRequest]
+    ) -> list[tuple[str, dict, list[ClaimedRequest]]]:
         """(decoder, knobs, rows) per route: `auto` resolved per row's task (decoders.routing)."""
         if decoder != "auto":
             return [(decoder, {}, rows)]
         from canvasq.decoders.routing import group_by_route
 
-        groups = group_by_route([r.task for r in rows], self.settings.routing or None, self.calibration,
-                                self.settings.routing_budget)
+        groups = group_by_route(
+            [r.task for r in rows],
+            self.settings.routing or None,
+            self.calibration,
+            self.settings.routing_budget,
+        )
         return [(name, knobs, [rows[i] for i in idx]) for name, knobs, idx in groups]
 
-    def _tokenize(self, rows: list[ClaimedRequest], decoder: str) -> tuple[list[DecodeRequest], list[ResultRecord]]:
-        """DecodeRequests, and an errored record for each row the tokenizer fails on (that row only)."""
-        bundle, reqs, records = self.bundle, [], []
-        for r in rows:
-            try:
-                ids = bundle.encode_prompt(r.prompt, r.task)
-                reqs.append(DecodeRequest(r.custom_id, list(ids), r.max_tokens, r.task))
-            except self.interrupts:
-                raise
-            except Exception as exc:
-                records.append(ResultRecord(r.custom_id, status=RequestStatus.errored, error_code="tokenizer_error",
-                                            error_message=f"{type(exc).__name__}: {exc}", decoder=decoder))
-        return reqs, records
-
-    def _stream_and_store(self, run_id: str, decoder: str, knobs: dict, rows: list[ClaimedRequest], should_stop,
-                          summary: dict, ahead_until: float | None = None, feeders: list | None = None) -> int:
-        """Continuous batching over `rows`: `decode_slots` requests in flight, a free slot refilled at
-        once, each finished row written to the store the moment it ends (idempotent per custom_id: a
-        crash loses no finished row). With `ahead_until` (a monotonic time), once `rows` are all in
-        flight the run's next chunks are claimed ahead into the same stream (`worker.ahead`)."""
-        from canvasq.decoders.registry import make_decoder
-
-        bundle = self.bundle  # a load failure raises here: the chunk is retried, rows stay queued
-        reqs, records = self._tokenize(rows, decoder)
-        written = retry_transient(lambda: self.store.write_results(run_id, records, self.worker_id)) if records else 0
-        if not reqs:
-            return written
-        dec = make_decoder(decoder, bundle, knobs, self.settings.cuda_graphs, self.experts,
-                           fp8=self.settings.fp8, fp8_min_rows=self.settings.fp8_min_rows)
-        todo = longest_first(reqs)
-        fed: list[DecodeRequest] = []
-        occupancy: list[tuple[int, int]] = []
-        capacity = dec.capacity_for(reqs)
-        feeder = None
-        if ahead_until is not None:
-            from canvasq.worker.ahead import AheadFeeder
-
-            # an arena for the run's rows, not this chunk's: its longest max_tokens, prompts up to
-            # 1.5x this chunk's longest (a longer row's chunk is given back to its own delivery)
-            prompt = max(len(q.prompt_ids) for q in reqs) * 3 // 2
-            run_max = retry_transient(lambda: self.store.max_queued_tokens(run_id))
-            capacity = max(capacity, dec.need(DecodeRequest("", [0] * prompt, max(run_max, *(q.max_tokens for q in reqs)))))
-
-            feeder = AheadFeeder(self, run_id, (decoder, knobs), dec.need, capacity, ahead_until)
-            if feeders is not None:
-                feeders.append(feeder)
-
-        def feed(n: int):
-            if feeder is not None and len(todo) < n and not should_stop():
-                feeder.top_up(todo, n - len(todo))
-                todo[:] = longest_first(todo)
-            taken, todo[:] = todo[:n], todo[n:]
-            fed.extend(taken)
-            if taken:
-                faults.before_decode(q.custom_id for q in taken)  # inert unless CANVASQ_TEST_* is set
-            return [(q.custom_id, q) for q in taken]
-
-        def on_result(key, res: DecodeResult) -> None:
-            nonlocal written
-            # its share of each pass that carried it (rows in flight share the wall; a sum over rows
-            # of their time in flight would count it once per slot)
-            ms = sum(t.ms * (t.own_rows or 0) / t.rows for t in res.traces if t.rows)
-            rec = result_record(res, ms, decoder)
-            written += retry_transient(lambda: self.store.write_results(run_id, [rec], self.worker_id))
-            if feeder is not None:
-                feeder.written(str(key))
-            if self.on_row is not None:
-                self.on_row()
-
-        try:
-            dec.stream(feed, on_result, slots=self.decode_slots, seed=self.settings.seed,
-                       capacity=capacity, should_stop=should_stop, interrupts=self.interrupts,
-                       occupancy=occupancy)
-        except Interrupted as cut:  # finished rows are already stored; the task abandons the rest
-            raise cut.cause from None
-        except self.interrupts:
-            raise
-        except Exception as exc:  # deterministic failure → the rows not yet stored error, never a retry storm
-            log.exception("decode stream failed for run %s", run_id)
-            # every row not yet stored (write_results skips the ones that are)
-            left = [*fed, *todo]  # the chunk's rows and any claimed ahead, fed or not
-            failed = [result_record(DecodeResult(q.custom_id, [], "", FinishReason.error, len(q.prompt_ids), 0,
-                                                 error=f"{type(exc).__name__}: {exc}"), 0.0, decoder) for q in left]
-            written += retry_transient(lambda: self.store.write_results(run_id, failed, self.worker_id))
-            if feeder is not None:
-                for q in left:
-                    feeder.written(q.custom_id)
-        if occupancy:
-            live = sum(n for n, _ in occupancy)
-            summary.setdefault("occupancy", []).extend(occupancy)
-            log.info("decode stream %s: %d rows, %d steps, slots %.0f%% full", decoder, len(reqs),
-                     len(occupancy), 100 * live / sum(n for _, n in occupancy))
-        return written
-
-    def _decode_and_store(self, run_id: str, decoder: str, rows: list[ClaimedRequest], should_stop) -> int:
-        bundle = self.bundle  # a load failure raises here: the chunk is retried, rows stay queued
-        reqs, records = self._tokenize(rows, decoder)
-        if reqs:
-            t0 = time.perf_counter()
-            try:
-                faults.before_decode(q.custom_id for q in reqs)  # inert unless CANVASQ_TEST_* is set
-                results = self.decode_fn(bundle, DecodeBatch(reqs, seed=self.settings.seed), decoder,
-                                         should_stop=should_stop, routing=self.settings.routing or None,
-                                         interrupts=self.interrupts, cuda_graphs=self.settings.cuda_graphs,
-                                         experts=self.experts, fp8=self.settings.fp8,
-                                         fp8_min_rows=self.settings.fp8_min_rows)
-            except Interrupted as cut:  # keep the finished rows; the task abandons the rest of the chunk
-                share = (time.perf_counter() - t0) * 1000 / len(reqs)
-                done = [result_record(res, share, decoder) for res in cut.done]
-                retry_transient(lambda: self.store.write_results(run_id, records + done, self.worker_id))
-                raise cut.cause from None
-            except self.interrupts:
-                raise
-            except Exception as exc:  # deterministic per-batch failure → errored rows, never a retry storm
-                log.exception("decode failed for %d rows of run %s", len(reqs), run_id)
-                results = [DecodeResult(q.custom_id, [], "", FinishReason.error, len(q.prompt_ids), 0,
-                                        error=f"{type(exc).__name__}: {exc}") for q in reqs]
-            share = (time.perf_counter() - t0) * 1000 / len(reqs)
-            records += [result_record(res, share, decoder) for res in results]
-        return retry_transient(lambda: self.store.write_results(run_id, records, self.worker_id))
+    def tokenize(self, rows: list[ClaimedRequest], decoder: str):
+        """`streams.tokenize` for this engine: DecodeRequests and the errored records of refused rows."""
+        return streams.tokenize(self, rows, decoder)
 
     def abandon_chunk(self, chunk_id: str, code: str, message: str) -> None:
         """Soft time limit: rows done so far stay, the rest become errored(`code`); no redelivery."""
         run_id = chunk_id.rsplit("-", 1)[0]
-        retry_transient(lambda: self.store.close_chunk_rows(chunk_id, run_id, RequestStatus.errored, code, message))
+        retry_transient(
+            lambda: self.store.close_chunk_rows(chunk_id, run_id, RequestStatus.errored, code, message)
+        )
         retry_transient(lambda: self.store.record_chunk_error(chunk_id, message))
         retry_transient(lambda: self.store.finish_chunk(chunk_id))
         retry_transient(lambda: self.store.finalize_run(run_id))
@@ -504,33 +462,30 @@ class ChunkRuntime:
 
 # ---------------------------------------------------------------------------------------- per process
 
-_RUNTIME: ChunkRuntime | None = None
+_ENGINE: Engine | None = None
 
 
-def get_runtime() -> ChunkRuntime:
-    global _RUNTIME
-    if _RUNTIME is None:
-        _RUNTIME = ChunkRuntime(queue=os.environ.get("CANVASQ_WORKER_QUEUE") or None)
-    return _RUNTIME
+def get_engine() -> Engine:
+    """The Celery child's engine (one per process)."""
+    global _ENGINE
+    if _ENGINE is None:
+        _ENGINE = Engine(queue=os.environ.get("CANVASQ_WORKER_QUEUE") or None)
+    return _ENGINE
 
 
 def start_process() -> None:
-    """In the worker child: register, start the heartbeat (and the periodic reconcile), load the model
-    before the first chunk."""
-    rt = get_runtime()
-    rt.store.engine.dispose(close=False)  # never share pooled connections across fork
+    """In the Celery worker child: start its engine (never in the parent: CUDA is touched only here)."""
+    engine = get_engine()
+    engine.store.engine.dispose(close=False)  # never share pooled connections across fork
     if faults.install_replay():  # inert unless CANVASQ_TEST_REPLAY is set
         log.warning("replaying recorded schedules from %s", os.environ["CANVASQ_TEST_REPLAY"])
-    rt.register()
-    rt.start_heartbeat()
-    rt.start_reconciler()
     try:
-        rt.bundle  # noqa: B018 - load now, not inside the first chunk's time limit
-        log.info("canvasq child ready: %s", rt.worker_id)
+        engine.start(reconcile=True, metrics=bool(os.environ.get("CANVASQ_METRICS_PORT")))
+        log.info("canvasq child ready: %s", engine.worker_id)
     except Exception:
         log.exception("model load failed; chunks will retry the load")
 
 
 def stop_process() -> None:
-    if _RUNTIME is not None:
-        _RUNTIME.stop()
+    if _ENGINE is not None:
+        _ENGINE.stop()

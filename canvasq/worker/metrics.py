@@ -46,10 +46,10 @@ class WorkerMetrics:
         self.info = Gauge("canvasq_worker_info", "This worker (value 1): its device and model", ["device", "model"],
                           registry=reg)
 
-    def instrument(self, rt) -> None:
-        """Count what `rt` writes and processes (wraps its store's write_results and its
+    def instrument(self, engine) -> None:
+        """Count what `engine` writes and processes (wraps its store's write_results and its
         process_chunk on the instance; nothing else changes)."""
-        write, process = rt.store.write_results, rt.process_chunk
+        write, process = engine.store.write_results, engine.process_chunk
 
         def write_results(run_id, records, worker_id=None):
             written = write(run_id, records, worker_id)
@@ -64,8 +64,8 @@ class WorkerMetrics:
 
         def process_chunk(chunk_id):
             summary = process(chunk_id)
-            self.chunks.labels(summary.get("state", "?")).inc()
-            occ = summary.get("occupancy") or []
+            self.chunks.labels(str(summary.state)).inc()
+            occ = summary.occupancy
             if occ:
                 self.steps.inc(len(occ))
                 self.busy.inc(sum(n for n, _ in occ))
@@ -73,7 +73,7 @@ class WorkerMetrics:
                 self.slots.set(occ[-1][1])
             return summary
 
-        rt.store.write_results, rt.process_chunk = write_results, process_chunk
+        engine.store.write_results, engine.process_chunk = write_results, process_chunk
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         from prometheus_client import start_http_server
@@ -81,7 +81,7 @@ class WorkerMetrics:
         start_http_server(port, addr=addr, registry=self.registry)
 
 
-def start_worker_metrics(rt, load_s: float | None = None) -> WorkerMetrics | None:
+def start_worker_metrics(engine, load_s: float | None = None) -> WorkerMetrics | None:
     """In a worker process: metrics on CANVASQ_METRICS_PORT when it is set (one port per worker)."""
     port = os.environ.get("CANVASQ_METRICS_PORT")
     if not port:
@@ -89,8 +89,8 @@ def start_worker_metrics(rt, load_s: float | None = None) -> WorkerMetrics | Non
     from canvasq.core.settings import model_name
 
     m = WorkerMetrics()
-    m.instrument(rt)
-    m.info.labels(str(getattr(rt, "device", "?")), model_name(rt.settings.model)).set(1)
+    m.instrument(engine)
+    m.info.labels(str(getattr(engine, "device", "?")), model_name(engine.settings.model)).set(1)
     if load_s is not None:
         m.load_s.set(load_s)
     try:

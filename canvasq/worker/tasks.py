@@ -1,7 +1,7 @@
-"""Thin Celery adapters: deserialize, call the runtime, let Celery ack. No logic lives here.
+"""Thin Celery adapters: deserialize, call the engine, let Celery ack. No logic lives here.
 
 Transient persistence errors (database or Redis connection) retry with backoff; anything
-deterministic has already become an `errored` row inside the runtime. A soft time limit keeps the
+deterministic has already become an `errored` row inside the engine. A soft time limit keeps the
 rows written so far and errors the rest (`timeout`), so the chunk is handled once, not looped.
 """
 
@@ -21,14 +21,14 @@ class ChunkTask(app.Task):
         # Celery ≥ 5.5 calls this in the main process when the hard limit killed the child; the
         # message is acked (acks_on_timeout), so without this the chunk's rows stayed queued forever.
         if isinstance(exc, TimeLimitExceeded) and not isinstance(exc, SoftTimeLimitExceeded) and args:
-            from canvasq.worker.runtime import ChunkRuntime
+            from canvasq.worker.engine import Engine
 
-            rt = ChunkRuntime(worker_id=f"main:{os.getpid()}")  # not get_runtime(): children fork from here
+            engine = Engine(worker_id=f"main:{os.getpid()}")  # not get_engine(): children fork from here
             try:
-                rt.abandon_chunk(args[0], "timeout",
-                                 f"hard time limit ({rt.settings.hard_time_limit}s) exceeded; process replaced")
+                engine.abandon_chunk(args[0], "timeout",
+                                     f"hard time limit ({engine.settings.hard_time_limit}s) exceeded; process replaced")
             finally:
-                rt.store.dispose()
+                engine.store.dispose()
 
 
 @app.task(
@@ -42,13 +42,14 @@ class ChunkTask(app.Task):
     max_retries=5,
 )
 def process_chunk(self, chunk_id: str) -> dict:
-    from canvasq.worker.runtime import get_runtime
+    from dataclasses import asdict
 
-    rt = get_runtime()
-    rt.interrupts = (SoftTimeLimitExceeded,)
+    from canvasq.worker.engine import get_engine
+
+    engine = get_engine()
+    engine.interrupts = (SoftTimeLimitExceeded,)
     try:
-        with rt.holding(chunk_id):  # the heartbeat renews this chunk's lease while it runs
-            return rt.process_chunk(chunk_id)
+        return asdict(engine.run_chunk(chunk_id))
     except SoftTimeLimitExceeded:
-        rt.abandon_chunk(chunk_id, "timeout", f"soft time limit ({rt.settings.soft_time_limit}s) exceeded")
+        engine.abandon_chunk(chunk_id, "timeout", f"soft time limit ({engine.settings.soft_time_limit}s) exceeded")
         return {"chunk": chunk_id, "state": "timeout"}

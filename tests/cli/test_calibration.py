@@ -129,7 +129,7 @@ def test_without_a_calibration_auto_is_official(store):
 def test_worker_routes_auto_by_its_models_calibration(tmp_path):
     from canvasq.core.settings import Settings
     from canvasq.core.store import Store
-    from canvasq.worker.runtime import ChunkRuntime
+    from canvasq.worker.engine import Engine
 
     url = f"sqlite:///{tmp_path / 'w.sqlite'}"
     st = Store(url)
@@ -137,15 +137,15 @@ def test_worker_routes_auto_by_its_models_calibration(tmp_path):
     try:
         settings = Settings(database_url=url, model=model_for_tests(), device="cpu", routing_budget=2.0)
         rows = [ClaimedRequest("a", "", "arith", 8, None), ClaimedRequest("c", "", "code", 8, None)]
-        plain = ChunkRuntime(settings=settings, store=st, bundle=object(), worker_id="t:1", queue="q")
-        assert [(d, k) for d, k, _ in plain._routed("auto", rows)] == [("official", {})]
+        plain = Engine(settings=settings, store=st, bundle=object(), worker_id="t:1", queue="q")
+        assert [(d, k) for d, k, _ in plain.routed("auto", rows)] == [("official", {})]
         path, fp = C.model_identity(model_for_tests())
         stored.save(st, _calibration(path=path, fp=fp))
         assert plain.calibration is None  # read once per process: a new calibration needs a new worker
-        rt = ChunkRuntime(settings=settings, store=st, bundle=object(), worker_id="t:2", queue="q")
-        got = {r[0].custom_id: (d, k) for d, k, r in rt._routed("auto", rows)}
+        engine = Engine(settings=settings, store=st, bundle=object(), worker_id="t:2", queue="q")
+        got = {r[0].custom_id: (d, k) for d, k, r in engine.routed("auto", rows)}
         assert got == {"a": ("official", {"max_denoising_steps": 4}), "c": ("pipe", {"draft_only": True})}
-        assert [(d, k) for d, k, _ in rt._routed("official", rows)] == [("official", {})]
+        assert [(d, k) for d, k, _ in engine.routed("official", rows)] == [("official", {})]
     finally:
         st.dispose()
 

@@ -13,7 +13,7 @@ from canvasq.core.schemas import Job
 from canvasq.core.settings import Settings
 from canvasq.core.store import Store
 from canvasq.decoders.types import DecodeResult, Interrupted
-from canvasq.worker.runtime import ChunkRuntime
+from canvasq.worker.engine import Engine
 from tests.harness.checks import assert_exactly_once
 
 
@@ -60,18 +60,18 @@ def _run(store):
 
 def test_soft_limit_swallowed_by_the_decoder_still_ends_the_chunk(store, tmp_path):
     created = _run(store)
-    rt = ChunkRuntime(
+    engine = Engine(
         settings=Settings(database_url=store.url, model="m", decode_batch_size=2, device="cpu"),
         store=store,
         bundle=_Bundle(),
         decode_fn=_decoder_hit_by_soft_limit(),
         worker_id="t",
     )
-    rt.interrupts = (SoftTimeLimitExceeded,)  # what the Celery task sets
+    engine.interrupts = (SoftTimeLimitExceeded,)  # what the Celery task sets
     cid = created.chunk_ids[0]
     with pytest.raises(SoftTimeLimitExceeded):
-        rt.process_chunk(cid)
-    rt.abandon_chunk(cid, "timeout", "soft time limit exceeded")  # what the task does next
+        engine.process_chunk(cid)
+    engine.abandon_chunk(cid, "timeout", "soft time limit exceeded")  # what the task does next
     rep = assert_exactly_once(
         store,
         created.run_id,
@@ -85,14 +85,14 @@ def test_soft_limit_swallowed_by_the_decoder_still_ends_the_chunk(store, tmp_pat
 def test_without_interrupts_a_failing_batch_errors_only_its_rows(store):
     """Embedded mode (no Celery): the same failure is a per-batch decode error, the chunk goes on."""
     created = _run(store)
-    rt = ChunkRuntime(
+    engine = Engine(
         settings=Settings(database_url=store.url, model="m", decode_batch_size=2, device="cpu"),
         store=store,
         bundle=_Bundle(),
         decode_fn=_decoder_hit_by_soft_limit(),
         worker_id="t",
     )
-    rt.process_chunk(created.chunk_ids[0])
+    engine.process_chunk(created.chunk_ids[0])
     rep = assert_exactly_once(
         store,
         created.run_id,

@@ -39,7 +39,7 @@ def test_celery_app_does_not_import_torch():
 
 
 def test_runtime_does_not_import_celery_or_torch():
-    heavy = _imports("canvasq.worker.runtime")
+    heavy = _imports("canvasq.worker.engine")
     assert "celery" not in heavy and "torch" not in heavy
 
 

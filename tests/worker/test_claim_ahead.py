@@ -10,7 +10,7 @@ from sqlalchemy import select
 from canvasq.core.schemas import Job
 from canvasq.core.settings import Settings
 from canvasq.core.tables import Chunk, Request
-from canvasq.worker.runtime import ChunkRuntime
+from canvasq.worker.engine import Engine
 
 PROMPT = "Ann has 12 apples. She finds 3 more apples. How many apples does Ann have now?"
 
@@ -28,45 +28,44 @@ def _chunks(store, run_id):
                 for c in s.scalars(select(Chunk).where(Chunk.run_id == run_id))}
 
 
-def _runtime(tmp_path, store, bundle, mode: str, worker: str = "test:1") -> ChunkRuntime:
+def _engine(tmp_path, store, bundle, mode: str, worker: str = "test:1") -> Engine:
     settings = Settings(database_url=f"sqlite:///{tmp_path / 'w.sqlite'}", model=str(bundle.spec), device="cpu",
                         decode_batch_size=4, decode_slots=4, max_attempts=3, claim_ahead=mode)
-    return ChunkRuntime(settings=settings, store=store, bundle=bundle, worker_id=worker, queue="q")
+    return Engine(settings=settings, store=store, bundle=bundle, worker_id=worker, queue="q")
 
 
-def _mean_occupancy(summary) -> float:
-    occ = summary["occupancy"]
+def _mean_occupancy(occ: list[tuple[int, int]]) -> float:
     return sum(n for n, _ in occ) / sum(s for _, s in occ)
 
 
 def test_one_delivery_drains_the_run_through_one_stream(tmp_path, wstore, bundle):
     run = _run(wstore, 10, 2)
-    out = _runtime(tmp_path, wstore, bundle, "on").process_chunk(run.chunk_ids[0])
-    assert out["written"] == 10 and out["claimed_ahead"] == 4
+    out = _engine(tmp_path, wstore, bundle, "on").process_chunk(run.chunk_ids[0])
+    assert out.written == 10 and out.claimed_ahead == 4
     assert wstore.run_status(run.run_id) == "completed" and wstore.counts(run.run_id)["done"] == 10
     assert _chunks(wstore, run.run_id) == {0: ("done", 1, False), **{k: ("done", 1, True) for k in range(1, 5)}}
     # the messages of the chunks taken ahead: dropped, not counted as deliveries
-    other = _runtime(tmp_path, wstore, bundle, "on", worker="test:2")
+    other = _engine(tmp_path, wstore, bundle, "on", worker="test:2")
     for cid in run.chunk_ids[1:]:
         again = other.process_chunk(cid)
-        assert again["state"] == "empty" and again["written"] == 0
+        assert again.state == "empty" and again.written == 0
     assert {a for _, a, _ in _chunks(wstore, run.run_id).values()} == {1}
 
     # A/B, same process and rows: without claiming ahead each chunk's stream drains before the next
     plain_run = _run(wstore, 10, 2)
-    plain = _runtime(tmp_path, wstore, bundle, "off")
+    plain = _engine(tmp_path, wstore, bundle, "off")
     occ = []
     for cid in plain_run.chunk_ids:
-        occ += plain.process_chunk(cid)["occupancy"]
-    assert _mean_occupancy(out) > _mean_occupancy({"occupancy": occ})
+        occ += plain.process_chunk(cid).occupancy
+    assert _mean_occupancy(out.occupancy) > _mean_occupancy(occ)
 
 
 def test_a_chunk_for_another_route_is_given_back(tmp_path, wstore, bundle):
     """Chunk 1 holds pipe rows: given back untouched (queued, its claim uncounted) for its own
     delivery; chunk 2's official rows still join the stream."""
     run = _run(wstore, 6, 2, decoders={2: "pipe", 3: "pipe"})
-    out = _runtime(tmp_path, wstore, bundle, "on").process_chunk(run.chunk_ids[0])
-    assert out["written"] == 4 and out["claimed_ahead"] == 1
+    out = _engine(tmp_path, wstore, bundle, "on").process_chunk(run.chunk_ids[0])
+    assert out.written == 4 and out.claimed_ahead == 1
     assert _chunks(wstore, run.run_id) == {0: ("done", 1, False), 1: ("queued", 0, False), 2: ("done", 1, True)}
     with wstore.Session() as s:
         left = set(s.scalars(select(Request.custom_id).where(Request.run_id == run.run_id,
@@ -79,13 +78,13 @@ def test_the_arena_is_sized_for_the_runs_longest_rows(tmp_path, wstore, bundle):
     jobs = [Job(f"r{i}", PROMPT, "math", 16 if i < 2 else 96, None, i + 1) for i in range(4)]
     run = wstore.create_run(jobs, model="m", queue="q", decoder="official", chunk_size=2)
     wstore.mark_published(run.chunk_ids)
-    out = _runtime(tmp_path, wstore, bundle, "on").process_chunk(run.chunk_ids[0])
-    assert out["written"] == 4 and out["claimed_ahead"] == 1 and wstore.counts(run.run_id)["done"] == 4
+    out = _engine(tmp_path, wstore, bundle, "on").process_chunk(run.chunk_ids[0])
+    assert out.written == 4 and out.claimed_ahead == 1 and wstore.counts(run.run_id)["done"] == 4
 
 
 def test_claims_ahead_resolves_per_device_and_never_in_embedded_runs(tmp_path, wstore, bundle):
-    assert not _runtime(tmp_path, wstore, bundle, "auto").claims_ahead  # auto: GPU workers only
-    assert _runtime(tmp_path, wstore, bundle, "on").claims_ahead
-    embedded = _runtime(tmp_path, wstore, bundle, "on")
+    assert not _engine(tmp_path, wstore, bundle, "auto").claims_ahead  # auto: GPU workers only
+    assert _engine(tmp_path, wstore, bundle, "on").claims_ahead
+    embedded = _engine(tmp_path, wstore, bundle, "on")
     embedded.queue = "embedded:run_x"
     assert not embedded.claims_ahead

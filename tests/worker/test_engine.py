@@ -1,4 +1,4 @@
-"""The chunk runtime on the real test model and a real SQLite store: rows done once, redelivery
+"""The worker engine on the real test model and a real SQLite store: rows done once, redelivery
 skips done rows, one bad row never sinks its chunk, cancel and the attempts cap end the run."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from sqlalchemy import func, select
 
 from canvasq.core.schemas import Job
 from canvasq.core.tables import ForwardTraceRow, Output
-from canvasq.worker.runtime import ChunkRuntime
+from canvasq.worker.engine import Engine
 
 PROMPTS = [
     ("math", "Ann has 12 apples. She finds 3 more apples. How many apples does Ann have now?"),
@@ -21,15 +21,15 @@ def jobs(n: int, max_tokens: int = 32) -> list[Job]:
     return [Job(f"r{i}", PROMPTS[i % 2][1], PROMPTS[i % 2][0], max_tokens, None, i + 1) for i in range(n)]
 
 
-def runtime(wsettings, wstore, bundle, **kw) -> ChunkRuntime:
-    return ChunkRuntime(settings=wsettings, store=wstore, bundle=bundle, worker_id="test:1", queue="q", **kw)
+def engine_for(wsettings, wstore, bundle, **kw) -> Engine:
+    return Engine(settings=wsettings, store=wstore, bundle=bundle, worker_id="test:1", queue="q", **kw)
 
 
 def test_chunk_done_once_and_redelivery_writes_nothing(wsettings, wstore, bundle):
     run = wstore.create_run(jobs(5), model=wsettings.model, queue="q", decoder="official", chunk_size=5)
-    rt = runtime(wsettings, wstore, bundle)
-    first = rt.process_chunk(run.chunk_ids[0])
-    assert first["state"] == "work" and first["written"] == 5
+    engine = engine_for(wsettings, wstore, bundle)
+    first = engine.process_chunk(run.chunk_ids[0])
+    assert first.state == "work" and first.written == 5
     assert wstore.run_status(run.run_id) == "completed"
     with wstore.Session() as s:
         outs = s.execute(select(Output.custom_id, Output.completion_tokens, Output.forwards, Output.decoder,
@@ -40,15 +40,15 @@ def test_chunk_done_once_and_redelivery_writes_nothing(wsettings, wstore, bundle
     assert all(o.error_code is None and 0 < o.completion_tokens <= 32 and o.forwards > 0 for o in outs)
     assert {o.decoder for o in outs} == {"official"}
     assert n_traces == sum(o.forwards for o in outs)  # one trace row per forward that served a request
-    again = rt.process_chunk(run.chunk_ids[0])  # duplicate delivery after the rows were stored
-    assert again["state"] == "empty" and again["written"] == 0 and again["attempt"] == 1  # not counted
+    again = engine.process_chunk(run.chunk_ids[0])  # duplicate delivery after the rows were stored
+    assert again.state == "empty" and again.written == 0 and again.attempt == 1  # not counted
     with wstore.Session() as s:
         assert s.scalar(select(func.count()).select_from(Output).where(Output.run_id == run.run_id)) == 5
 
 
 def test_redelivery_after_partial_progress_skips_done_rows(wsettings, wstore, bundle):
     run = wstore.create_run(jobs(4), model=wsettings.model, queue="q", decoder="official", chunk_size=4)
-    rt = runtime(wsettings, wstore, bundle)
+    engine = engine_for(wsettings, wstore, bundle)
     # a first delivery that stored two rows, then its worker died
     claim = wstore.claim_chunk(run.chunk_ids[0], "dead:1", 60, 3)
     assert claim.state == "work"
@@ -56,8 +56,8 @@ def test_redelivery_after_partial_progress_skips_done_rows(wsettings, wstore, bu
 
     wstore.write_results(run.run_id, [ResultRecord("r0", text="kept", completion_tokens=1),
                                       ResultRecord("r1", text="kept", completion_tokens=1)], "dead:1")
-    out = rt.process_chunk(run.chunk_ids[0])
-    assert out["written"] == 2
+    out = engine.process_chunk(run.chunk_ids[0])
+    assert out.written == 2
     with wstore.Session() as s:
         rows = dict(s.execute(select(Output.custom_id, Output.worker_id).where(Output.run_id == run.run_id)).all())
     assert rows == {"r0": "dead:1", "r1": "dead:1", "r2": "test:1", "r3": "test:1"}
@@ -83,8 +83,8 @@ def test_one_bad_row_errors_alone(wsettings, wstore, bundle):
     js[1] = Job("bad-tok", "FAIL-TOKENIZER please", "math", 32, None, 2)
     js[2] = Job("too-long", PROMPTS[0][1], "math", 1020, None, 3)  # prompt + 1020 tokens > 1024 positions
     run = wstore.create_run(js, model=wsettings.model, queue="q", decoder="official", chunk_size=4)
-    rt = runtime(wsettings, wstore, FailingTokenizerBundle(bundle))
-    rt.process_chunk(run.chunk_ids[0])
+    engine = engine_for(wsettings, wstore, FailingTokenizerBundle(bundle))
+    engine.process_chunk(run.chunk_ids[0])
     c = wstore.counts(run.run_id)
     assert (c["done"], c["errored"], c["queued"]) == (2, 2, 0)
     with wstore.Session() as s:
@@ -94,11 +94,11 @@ def test_one_bad_row_errors_alone(wsettings, wstore, bundle):
 
 def test_cancelled_run_starts_no_work(wsettings, wstore, bundle):
     run = wstore.create_run(jobs(4), model=wsettings.model, queue="q", decoder="official", chunk_size=2)
-    rt = runtime(wsettings, wstore, bundle)
-    rt.process_chunk(run.chunk_ids[0])
+    engine = engine_for(wsettings, wstore, bundle)
+    engine.process_chunk(run.chunk_ids[0])
     assert wstore.cancel_run(run.run_id) == "cancelled"  # chunk 1 never started: cancelled at once
-    out = rt.process_chunk(run.chunk_ids[1])  # its message arrives anyway
-    assert out["state"] == "cancelled" and out["written"] == 0
+    out = engine.process_chunk(run.chunk_ids[1])  # its message arrives anyway
+    assert out.state == "cancelled" and out.written == 0
     c = wstore.counts(run.run_id)
     assert (c["done"], c["cancelled"]) == (2, 2)
 
@@ -117,8 +117,8 @@ def test_should_stop_mid_chunk_keeps_finished_rows(wsettings, wstore, bundle):
             wstore.cancel_run(run.run_id)  # a user cancels while the first batch decodes
         return res
 
-    rt = runtime(wsettings, wstore, bundle, decode_fn=decode_then_cancel, stop_poll_s=0.0)
-    rt.process_chunk(run.chunk_ids[0])
+    engine = engine_for(wsettings, wstore, bundle, decode_fn=decode_then_cancel, stop_poll_s=0.0)
+    engine.process_chunk(run.chunk_ids[0])
     c = wstore.counts(run.run_id)
     assert calls["n"] == 1
     assert (c["done"], c["cancelled"], c["queued"]) == (4, 4, 0)
@@ -129,8 +129,8 @@ def test_attempts_cap_marks_worker_lost(wsettings, wstore, bundle):
     run = wstore.create_run(jobs(2), model=wsettings.model, queue="q", decoder="official", chunk_size=2)
     for _ in range(wsettings.max_attempts):  # deliveries whose worker died before writing anything
         assert wstore.claim_chunk(run.chunk_ids[0], "dead", 60, wsettings.max_attempts).state == "work"
-    out = runtime(wsettings, wstore, bundle).process_chunk(run.chunk_ids[0])
-    assert out["state"] == "exhausted"
+    out = engine_for(wsettings, wstore, bundle).process_chunk(run.chunk_ids[0])
+    assert out.state == "exhausted"
     c = wstore.counts(run.run_id)
     assert (c["errored"], c["queued"]) == (2, 0)
     assert wstore.run_status(run.run_id) == "completed"
@@ -140,9 +140,9 @@ def test_attempts_cap_marks_worker_lost(wsettings, wstore, bundle):
 def test_seeded_output_is_reproducible(wsettings, wstore, bundle, decoder):
     a = wstore.create_run(jobs(2), model=wsettings.model, queue="q", decoder=decoder, chunk_size=2)
     b = wstore.create_run(jobs(2), model=wsettings.model, queue="q", decoder=decoder, chunk_size=2)
-    rt = runtime(wsettings, wstore, bundle)
-    rt.process_chunk(a.chunk_ids[0])
-    rt.process_chunk(b.chunk_ids[0])
+    engine = engine_for(wsettings, wstore, bundle)
+    engine.process_chunk(a.chunk_ids[0])
+    engine.process_chunk(b.chunk_ids[0])
     with wstore.Session() as s:
         texts = [dict(s.execute(select(Output.custom_id, Output.token_ids).where(Output.run_id == r.run_id)).all())
                  for r in (a, b)]
@@ -150,7 +150,7 @@ def test_seeded_output_is_reproducible(wsettings, wstore, bundle, decoder):
 
 
 def test_cuda_graphs_setting_reaches_the_step_decoders(wsettings, wstore, bundle, monkeypatch):
-    """CANVASQ_CUDA_GRAPHS is validated and handed to run_batch by the chunk runtime; it sets the
+    """CANVASQ_CUDA_GRAPHS is validated and handed to run_batch by the engine; it sets the
     decoders' `cuda_graphs` (official on the runtime too; the hf reference arm has none and ignores
     it), and a per-call override still wins."""
     from pydantic import ValidationError
@@ -177,8 +177,8 @@ def test_cuda_graphs_setting_reaches_the_step_decoders(wsettings, wstore, bundle
 
     settings = wsettings.model_copy(update={"cuda_graphs": "off"})
     run = wstore.create_run(jobs(2), model=settings.model, queue="q", decoder="auto", chunk_size=2)
-    out = runtime(settings, wstore, bundle, decode_fn=recording).process_chunk(run.chunk_ids[0])
-    assert out["written"] == 2 and seen == ["off"]
+    out = engine_for(settings, wstore, bundle, decode_fn=recording).process_chunk(run.chunk_ids[0])
+    assert out.written == 2 and seen == ["off"]
 
 
 def test_a_worker_pinned_to_cuda_n_selects_that_device(monkeypatch):
@@ -186,7 +186,7 @@ def test_a_worker_pinned_to_cuda_n_selects_that_device(monkeypatch):
     device's stream, so the worker must make N current before loading; cpu selects nothing."""
     import torch
 
-    from canvasq.worker.runtime import bind_cuda_device
+    from canvasq.worker.engine import bind_cuda_device
 
     chosen = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(torch.device(d)))
@@ -199,7 +199,7 @@ def test_a_worker_pinned_to_cuda_n_selects_that_device(monkeypatch):
 def test_device_setting_resolves_to_an_indexed_device():
     """auto / cuda take the current device's index (torch.cuda.set_device needs one); cuda:N must be
     visible; every refusal is one line naming CANVASQ_DEVICE."""
-    from canvasq.worker.runtime import resolve_device
+    from canvasq.worker.engine import resolve_device
 
     assert resolve_device("cpu") == "cpu"
     assert resolve_device("auto", visible=0, current=0) == "cpu"
@@ -215,7 +215,7 @@ def test_device_setting_resolves_to_an_indexed_device():
 def test_bare_cuda_binds_the_current_device(monkeypatch):
     import torch
 
-    from canvasq.worker.runtime import bind_cuda_device
+    from canvasq.worker.engine import bind_cuda_device
 
     chosen = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(torch.device(d)))
@@ -240,8 +240,8 @@ def test_experts_setting_reaches_the_decoders(wsettings, wstore, bundle):
         settings = wsettings.model_copy(update={"experts": setting})
         run = wstore.create_run(jobs(1, max_tokens=8), model=settings.model, queue="q", decoder="pipe",
                                 chunk_size=1)
-        out = runtime(settings, wstore, bundle, decode_fn=recording).process_chunk(run.chunk_ids[0])
-        assert out["written"] == 1 and seen[-1] == want
+        out = engine_for(settings, wstore, bundle, decode_fn=recording).process_chunk(run.chunk_ids[0])
+        assert out.written == 1 and seen[-1] == want
     assert seen == ["bf16", "w4"]
 
 
@@ -259,11 +259,11 @@ def test_continuous_batching_keeps_slots_full_and_matches_rows_decoded_alone(wse
     run = wstore.create_run(js, model=settings.model, queue="q", decoder="official", chunk_size=len(js))
     work = tmp_path / "work.log"
     monkeypatch.setenv("CANVASQ_TEST_WORK_LOG", str(work))  # each row's id as it is fed to a slot
-    out = runtime(settings, wstore, bundle).process_chunk(run.chunk_ids[0])
-    assert out["written"] == len(js) and wstore.run_status(run.run_id) == "completed"
+    out = engine_for(settings, wstore, bundle).process_chunk(run.chunk_ids[0])
+    assert out.written == len(js) and wstore.run_status(run.run_id) == "completed"
     fed = [line.split()[1] for line in work.read_text().splitlines()]
     assert fed == ["r3", "r6", "r1", "r8", "r5", "r2", "r0", "r4", "r7"]  # 64, 48, 40, 32, 24, 16, then 8s in order
-    occ = out["occupancy"]
+    occ = out.occupancy
     assert all(slots == 3 for _, slots in occ)
     # full while rows were waiting: the first step that runs below 3 is after the last row was fed,
     # so at most two rows (the ones still finishing) are ever missing from a step
@@ -283,10 +283,36 @@ def test_decode_slots_default_by_device_memory(wsettings, wstore, bundle, monkey
     the CPU keeps decode_batch_size and the setting wins everywhere."""
     import types
 
-    rt = runtime(wsettings, wstore, bundle)
-    assert rt.decode_slots == wsettings.decode_batch_size  # the testbed bundle is on the CPU
-    monkeypatch.setattr(rt.bundle, "device", "cuda:0", raising=False)
+    engine = engine_for(wsettings, wstore, bundle)
+    assert engine.decode_slots == wsettings.decode_batch_size  # the testbed bundle is on the CPU
+    monkeypatch.setattr(engine.bundle, "device", "cuda:0", raising=False)
     props = types.SimpleNamespace(total_memory=gib * 2**30)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
-    assert rt.decode_slots == want
-    assert runtime(wsettings.model_copy(update={"decode_slots": 5}), wstore, bundle).decode_slots == 5
+    assert engine.decode_slots == want
+    assert engine_for(wsettings.model_copy(update={"decode_slots": 5}), wstore, bundle).decode_slots == 5
+
+
+def test_engine_starts_once_then_takes_chunks(wsettings, wstore, bundle):
+    """`start()`: the worker registered and beating, and the default route's runtime and graph runner
+    built before any chunk, its arena sized for the decode slots by a warm-up decode (on the CPU the
+    prepared forwards a CUDA graph replays, `cuda_graphs` "on"); chunks then decode in that arena."""
+    import time
+
+    from canvasq.core.tables import Worker
+    from canvasq.decoders.base import runtime_for
+
+    settings = wsettings.model_copy(update={"cuda_graphs": "on", "heartbeat_s": 0.05, "decode_slots": 4})
+    run = wstore.create_run(jobs(4), model=settings.model, queue="q", decoder="official", chunk_size=4)
+    with engine_for(settings, wstore, bundle).start() as engine:
+        runner = runtime_for(bundle.hf_model, engine.experts, settings.fp8, settings.fp8_min_rows).graph_runner
+        assert runner is not None and runner.store is not None and runner.store.slots >= 4
+        arena, built = runner.store, runner.stats["built"]
+        assert built > 0  # the warm-up's forwards were prepared at start
+        with wstore.Session() as s:
+            first = s.get(Worker, "test:1").heartbeat_at
+        time.sleep(0.3)
+        with wstore.Session() as s:
+            assert s.get(Worker, "test:1").heartbeat_at > first
+        out = engine.run_chunk(run.chunk_ids[0])
+        assert out.state == "work" and out.written == 4 and runner.store is arena
+    assert wstore.run_status(run.run_id) == "completed"

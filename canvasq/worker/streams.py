@@ -1,0 +1,250 @@
+"""A claimed chunk's rows through a decoder and into the store: tokenise, decode (a continuous-batching
+stream, or `run_batch` for the decoders without one), and write each row the moment it ends.
+
+Flow: ClaimedRequest rows → `tokenize` (DecodeRequests; a row the tokenizer refuses is errored alone)
+→ `stream_and_store` (the production path: `decode_slots` requests in flight, a free slot refilled at
+once, the run's next chunks claimed ahead when the chunk's own rows are all in flight) or
+`decode_and_store` (batches of `decode_batch_size` through `run_batch`) → `result_record` →
+`QueueStore.write_results` (idempotent per custom_id: a crash loses no finished row).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+from canvasq.core.db import retry_transient
+from canvasq.core.queue import ClaimedRequest, ResultRecord
+from canvasq.core.statuses import RequestStatus
+from canvasq.decoders.types import (
+    CANCELLED,
+    DecodeBatch,
+    DecodeRequest,
+    DecodeResult,
+    FinishReason,
+    Interrupted,
+)
+from canvasq.worker import faults
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from canvasq.worker.engine import ChunkSummary, Engine
+
+log = logging.getLogger(__name__)
+
+
+def longest_first(reqs: list) -> list:
+    """Rows (anything with `max_tokens`) in the order a stream admits them: the largest first (stable). A row's
+    forwards grow with its canvases, so a long row admitted last runs on alone while the other
+    slots sit empty; started first, it overlaps the short ones (longest-processing-time order).
+    Replayed from a real run's forwards per row (200 mixed rows cycled to 2,000, one stream):
+    64 slots 83 -> 99 % busy, 369 -> 311 steps (BENCHMARKS.md, "Decode slots per chunk size")."""
+    return sorted(reqs, key=lambda q: -q.max_tokens)
+
+
+def result_record(res: DecodeResult, gen_ms: float, decoder: str) -> ResultRecord:
+    if res.error == CANCELLED:
+        status, code = RequestStatus.cancelled, "cancelled"
+    elif res.error:
+        status, code = RequestStatus.errored, "decode_error"
+    else:
+        status, code = RequestStatus.done, None
+    traces = [
+        {k: v for k, v in asdict(t).items() if k != "index"} | {"forward_index": t.index} for t in res.traces
+    ]
+    return ResultRecord(
+        custom_id=res.custom_id,
+        text=res.text if not res.error or res.error == CANCELLED else None,
+        token_ids=list(res.token_ids) if res.token_ids else [],
+        finish_reason=res.finish_reason,
+        prompt_tokens=res.prompt_tokens,
+        completion_tokens=len(res.token_ids or []) if not res.error else 0,
+        forwards=res.forwards,
+        decoder=res.decoder or decoder,
+        gen_ms=gen_ms,
+        error_code=code,
+        error_message=res.error if res.error else None,
+        status=status,
+        traces=traces,
+    )
+
+
+def failed_record(q: DecodeRequest, exc: BaseException, decoder: str) -> ResultRecord:
+    """A row a failed stream or batch never finished: errored with the failure, never retried."""
+    res = DecodeResult(
+        q.custom_id, [], "", FinishReason.error, len(q.prompt_ids), 0, error=f"{type(exc).__name__}: {exc}"
+    )
+    return result_record(res, 0.0, decoder)
+
+
+def tokenize(
+    engine: Engine, rows: list[ClaimedRequest], decoder: str
+) -> tuple[list[DecodeRequest], list[ResultRecord]]:
+    """DecodeRequests, and an errored record for each row the tokenizer fails on (that row only)."""
+    bundle, reqs, records = engine.bundle, [], []
+    for r in rows:
+        try:
+            ids = bundle.encode_prompt(r.prompt, r.task)
+            reqs.append(DecodeRequest(r.custom_id, list(ids), r.max_tokens, r.task))
+        except engine.interrupts:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a row the tokenizer refuses errors alone
+            records.append(
+                ResultRecord(
+                    r.custom_id,
+                    status=RequestStatus.errored,
+                    error_code="tokenizer_error",
+                    error_message=f"{type(exc).__name__}: {exc}",
+                    decoder=decoder,
+                )
+            )
+    return reqs, records
+
+
+def _write(engine: Engine, run_id: str, records: list[ResultRecord]) -> int:
+    return (
+        retry_transient(lambda: engine.store.write_results(run_id, records, engine.worker_id))
+        if records
+        else 0
+    )
+
+
+def stream_and_store(
+    engine: Engine,
+    run_id: str,
+    decoder: str,
+    knobs: dict,
+    rows: list[ClaimedRequest],
+    should_stop: Callable[[], bool],
+    summary: ChunkSummary,
+    ahead_until: float | None = None,
+    feeders: list | None = None,
+) -> int:
+    """Continuous batching over `rows`: `decode_slots` requests in flight, a free slot refilled at
+    once, each finished row written to the store the moment it ends. With `ahead_until` (a monotonic
+    time), once `rows` are all in flight the run's next chunks are claimed ahead into the same stream
+    (`worker.ahead`). Returns the rows written."""
+    from canvasq.decoders.registry import make_decoder
+
+    bundle = engine.bundle  # a load failure raises here: the chunk is retried, rows stay queued
+    reqs, records = tokenize(engine, rows, decoder)
+    written = _write(engine, run_id, records)
+    if not reqs:
+        return written
+    s = engine.settings
+    dec = make_decoder(
+        decoder, bundle, knobs, s.cuda_graphs, engine.experts, fp8=s.fp8, fp8_min_rows=s.fp8_min_rows
+    )
+    todo = longest_first(reqs)
+    fed: list[DecodeRequest] = []
+    occupancy: list[tuple[int, int]] = []
+    capacity = dec.capacity_for(reqs)
+    feeder = None
+    if ahead_until is not None:
+        from canvasq.worker.ahead import AheadFeeder
+
+        # an arena for the run's rows, not this chunk's: its longest max_tokens, prompts up to
+        # 1.5x this chunk's longest (a longer row's chunk is given back to its own delivery)
+        prompt = max(len(q.prompt_ids) for q in reqs) * 3 // 2
+        run_max = retry_transient(lambda: engine.store.max_queued_tokens(run_id))
+        capacity = max(
+            capacity, dec.need(DecodeRequest("", [0] * prompt, max(run_max, *(q.max_tokens for q in reqs))))
+        )
+        feeder = AheadFeeder(engine, run_id, (decoder, knobs), dec.need, capacity, ahead_until)
+        if feeders is not None:
+            feeders.append(feeder)
+
+    def feed(n: int):
+        if feeder is not None and len(todo) < n and not should_stop():
+            feeder.top_up(todo, n - len(todo))
+            todo[:] = longest_first(todo)
+        taken, todo[:] = todo[:n], todo[n:]
+        fed.extend(taken)
+        if taken:
+            faults.before_decode(q.custom_id for q in taken)  # inert unless CANVASQ_TEST_* is set
+        return [(q.custom_id, q) for q in taken]
+
+    def on_result(key, res: DecodeResult) -> None:
+        nonlocal written
+        # its share of each pass that carried it (rows in flight share the wall; a sum over rows
+        # of their time in flight would count it once per slot)
+        ms = sum(t.ms * (t.own_rows or 0) / t.rows for t in res.traces if t.rows)
+        written += _write(engine, run_id, [result_record(res, ms, decoder)])
+        if feeder is not None:
+            feeder.written(str(key))
+        if engine.on_row is not None:
+            engine.on_row()
+
+    try:
+        dec.stream(
+            feed,
+            on_result,
+            slots=engine.decode_slots,
+            seed=s.seed,
+            capacity=capacity,
+            should_stop=should_stop,
+            interrupts=engine.interrupts,
+            occupancy=occupancy,
+        )
+    except Interrupted as cut:  # finished rows are already stored; the task abandons the rest
+        raise cut.cause from None
+    except engine.interrupts:
+        raise
+    except Exception as exc:  # deterministic failure → the rows not yet stored error, never a retry storm
+        log.exception("decode stream failed for run %s", run_id)
+        left = [*fed, *todo]  # the chunk's rows and any claimed ahead, fed or not (stored ones are skipped)
+        written += _write(engine, run_id, [failed_record(q, exc, decoder) for q in left])
+        if feeder is not None:
+            for q in left:
+                feeder.written(q.custom_id)
+    if occupancy:
+        live = sum(n for n, _ in occupancy)
+        summary.occupancy.extend(occupancy)
+        log.info(
+            "decode stream %s: %d rows, %d steps, slots %.0f%% full",
+            decoder,
+            len(reqs),
+            len(occupancy),
+            100 * live / sum(n for _, n in occupancy),
+        )
+    return written
+
+
+def decode_and_store(
+    engine: Engine, run_id: str, decoder: str, rows: list[ClaimedRequest], should_stop: Callable[[], bool]
+) -> int:
+    """`rows` through `run_batch` as one batch (the `hf` reference and an injected decode function);
+    returns the rows written."""
+    bundle = engine.bundle  # a load failure raises here: the chunk is retried, rows stay queued
+    reqs, records = tokenize(engine, rows, decoder)
+    if reqs:
+        s, t0 = engine.settings, time.perf_counter()
+        try:
+            faults.before_decode(q.custom_id for q in reqs)  # inert unless CANVASQ_TEST_* is set
+            results = engine.decode_fn(
+                bundle,
+                DecodeBatch(reqs, seed=s.seed),
+                decoder,
+                should_stop=should_stop,
+                routing=s.routing or None,
+                interrupts=engine.interrupts,
+                cuda_graphs=s.cuda_graphs,
+                experts=engine.experts,
+                fp8=s.fp8,
+                fp8_min_rows=s.fp8_min_rows,
+            )
+        except Interrupted as cut:  # keep the finished rows; the task abandons the rest of the chunk
+            share = (time.perf_counter() - t0) * 1000 / len(reqs)
+            _write(engine, run_id, records + [result_record(res, share, decoder) for res in cut.done])
+            raise cut.cause from None
+        except engine.interrupts:
+            raise
+        except Exception as exc:  # deterministic per-batch failure → errored rows, never a retry storm
+            log.exception("decode failed for %d rows of run %s", len(reqs), run_id)
+            return _write(engine, run_id, records + [failed_record(q, exc, decoder) for q in reqs])
+        share = (time.perf_counter() - t0) * 1000 / len(reqs)
+        records += [result_record(res, share, decoder) for res in results]
+    return _write(engine, run_id, records)

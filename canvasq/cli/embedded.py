@@ -1,8 +1,9 @@
 """`canvasq run`: a run generated in this process (embedded mode: SQLite store, no broker, no worker).
 
-The CLI drives `worker.runtime.ChunkRuntime` in-process (docs/CONTRACTS.md, "The service"): the run's
-owner is the worker row registered with queue `embedded:<run id>`; a rerun of the same command finds
-the run by its identity key and continues it.
+The CLI drives a `worker.engine.Engine` in-process (docs/CONTRACTS.md, "The service"): the model is
+loaded before the run is created, then the engine starts under queue `embedded:<run id>` (the worker
+row that owns the run) and is fed the run's pending chunks; a rerun of the same command finds the run
+by its identity key and continues it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from canvasq.cli.common import (
 )
 from canvasq.core.results import write_results
 from canvasq.core.settings import mask_url, run_identity
+
 
 def _embedded_key(digest: str, settings, decoder: str, chunk_size: int) -> str:
     """An embedded run's identity: the input's bytes and every setting that shapes its outputs
@@ -84,23 +86,23 @@ def refuse_if_owned(store, settings, run_id: str) -> None:
                                    f"wait for it or `canvasq cancel {run_id}`")
 
 
-def embedded_runtime(store, settings):
-    """A ChunkRuntime with the model loaded: a model that does not load fails here, before any run
-    is created or changed."""
+def embedded_engine(store, settings):
+    """An engine with the model loaded: a model that does not load fails here, before any
+    run is created or changed."""
     import socket
 
-    from canvasq.worker.runtime import ChunkRuntime
+    from canvasq.worker.engine import Engine
 
-    rt = ChunkRuntime(settings=settings, store=store, worker_id=f"embedded:{socket.gethostname()}:{os.getpid()}",
-                      queue="embedded")
+    engine = Engine(settings=settings, store=store, worker_id=f"embedded:{socket.gethostname()}:{os.getpid()}",
+                    queue="embedded")
     click.echo(f"loading {settings.model} ...", err=True)
     try:
-        rt.bundle  # noqa: B018 - load before any run is touched
+        engine.load()
     except Exception as exc:  # noqa: BLE001 - whatever broke, the model is the setting to fix
         first = (str(exc).strip().splitlines() or [""])[0]
         raise click.ClickException(f"cannot load the model {settings.model} (CANVASQ_MODEL / --model): "
                                    f"{type(exc).__name__}: {first}") from None
-    return rt
+    return engine
 
 
 # `canvasq run`'s chunk: chunks spread a run over fleet workers; the embedded runner is one worker, and
@@ -146,32 +148,31 @@ def _raise_interrupt(_signum, _frame):
     raise KeyboardInterrupt
 
 
-def process_embedded(rt, run_id: str) -> list[tuple[int, int]]:
+def process_embedded(engine, run_id: str) -> list[tuple[int, int]]:
     """Generate every chunk of `run_id` that still holds queued rows; returns the decode slots' use per
     step (live rows, slots). Ctrl-C or SIGTERM marks the run `interrupted` and exits 130; rows stored
     before stay, and the same command continues."""
     import signal
 
     occupancy: list[tuple[int, int]] = []
-    store = rt.store
-    rt.queue = f"embedded:{run_id}"  # the run's owner, for `owner_alive`
-    rt.register()
+    store = engine.store
+    engine.queue = f"embedded:{run_id}"  # the run's owner, for `owner_alive`
+    engine.start()  # registered as the owner, heartbeat beating; the model was loaded before the run
     store.resume_run(run_id)  # `running` again even if a `canvasq runs` saw it between create and register
-    rt.start_heartbeat()
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         queued = store.counts(run_id)["queued"]
         bar_cls = click.progressbar if sys.stderr.isatty() else _ProgressLines
         with bar_cls(length=queued, label="generating", file=sys.stderr, show_eta=True,
                      show_percent=True, show_pos=True) as bar:
-            rt.on_row = lambda: bar.update(1)  # each row as it finishes, not each chunk
+            engine.on_row = lambda: bar.update(1)  # each row as it finishes, not each chunk
             for cid in store.pending_chunks(run_id):
-                occupancy += rt.process_chunk(cid).get("occupancy", [])
+                occupancy += engine.run_chunk(cid).occupancy
                 settled = queued - store.counts(run_id)["queued"]  # also rows closed without decoding
                 bar.update(max(0, settled - bar.pos))
-            rt.on_row = None
+            engine.on_row = None
         store.finalize_run(run_id)
-        click.echo(f"engine: {json.dumps(rt.bundle.engine())}", err=True)  # device, experts, graphs
+        click.echo(f"engine: {json.dumps(engine.bundle.engine())}", err=True)  # device, experts, graphs
         return occupancy
     except KeyboardInterrupt:
         store.mark_interrupted(run_id, release_chunks=True)
@@ -181,7 +182,7 @@ def process_embedded(rt, run_id: str) -> list[tuple[int, int]]:
         raise SystemExit(130) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
-        rt.stop()
+        engine.stop()
 
 
 @click.command()
@@ -227,7 +228,7 @@ def run(file, out_path, decoder, model, name, chunk_size, fresh, as_json):
         if earlier is not None:
             refuse_if_owned(store, settings, earlier)
         # the model loads before a run is created, so a model that fails to load leaves none behind
-        rt = embedded_runtime(store, settings) if earlier is None or store.pending_chunks(earlier) else None
+        engine = embedded_engine(store, settings) if earlier is None or store.pending_chunks(earlier) else None
         created = store.create_run(
             iter_jobs(file, limits), model=settings.model, queue="embedded", decoder=decoder,
             chunk_size=chunk_size, name=name or Path(file).name[:MAX_NAME],
@@ -249,8 +250,8 @@ def run(file, out_path, decoder, model, name, chunk_size, fresh, as_json):
             store.resume_run(run_id)
         t0 = time.perf_counter()
         occupancy = []
-        if rt is not None:
-            occupancy = process_embedded(rt, run_id)
+        if engine is not None:
+            occupancy = process_embedded(engine, run_id)
         else:
             store.finalize_run(run_id)
         wall = time.perf_counter() - t0

@@ -25,7 +25,7 @@ from canvasq.cli.common import (
     say,
     validate_input,
 )
-from canvasq.cli.embedded import embedded_runtime, owner_alive, process_embedded, refuse_if_owned
+from canvasq.cli.embedded import embedded_engine, owner_alive, process_embedded, refuse_if_owned
 from canvasq.core.settings import mask_url
 
 PUBLISH_BATCH = 500  # chunk messages per publish, each batch marked published before the next
@@ -235,7 +235,7 @@ def retry(run_id, only, as_json):
         refuse_if_owned(store, settings, run_row.id)
         run_settings = settings.model_copy(update={"model": run_row.model})
         check_model(run_settings)
-        rt = embedded_runtime(store, run_settings)
+        engine = embedded_engine(store, run_settings)
     else:
         check_broker(settings)
     before = store.counts(run_row.id)
@@ -263,7 +263,7 @@ def retry(run_id, only, as_json):
     if not left:
         say(as_json, f"{run_row.id}: no rows in {states}", run_id=run_row.id, states=states, rows=0, chunks=0)
         return
-    process_embedded(rt, run_row.id)
+    process_embedded(engine, run_row.id)
     extra = f" and {left - n} left unfinished by an interruption" if left > n else ""
     say(as_json, f"{run_row.id}: re-ran {n} rows in {states}{extra}", run_id=run_row.id, states=states, rows=n,
          left_by_interruption=max(0, left - n), counts=store.counts(run_row.id), status=store.run_status(run_row.id))

@@ -17,12 +17,15 @@ import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from canvasq.core.settings import DECODERS, RANDOM_MODELS, TASKS, Settings, model_name
+from canvasq.decoders.types import token_budget_error
+from canvasq.model.loading import DEFAULT_MODEL_DIR, ModelBundle  # no torch at import
 from canvasq.model.shapes import REAL_26B_A4B, TESTBED  # dataclasses: no torch, no transformers
 
 OPENAI_URLS = ("/v1/chat/completions",)
@@ -217,75 +220,152 @@ class Limits:
     max_line_bytes: int = 1 << 20
     max_errors: int = 200
     context_tokens: int | None = None  # the model's context (prompt + answer)
-    count_tokens: Callable[[str], int] | None = None  # None: prompt length is not checked
+    canvas_length: int = 1  # the answer is generated in canvases: max_tokens counts rounded up to them
+    prompt_tokens: PromptTokens | None = None  # None: the prompt's share of the context is not checked
     model_aliases: frozenset[str] = frozenset()  # accepted values of a line's "model" (empty: any)
 
     @classmethod
     def for_model(cls, settings: Settings, model: str | None = None) -> Limits:
         spec = model or settings.model
-        ctx, counter = model_context(spec)
+        ctx = model_context(spec)
         aliases = {spec, model_name(spec), "testbed", *RANDOM_MODELS}
+        limit = ctx.positions
         return cls(
-            max_tokens_limit=min(settings.max_tokens_limit, ctx) if ctx else settings.max_tokens_limit,
+            max_tokens_limit=min(settings.max_tokens_limit, limit) if limit else settings.max_tokens_limit,
             default_max_tokens=settings.default_max_tokens,
             max_custom_id_len=settings.max_custom_id_len,
             max_line_bytes=settings.max_line_bytes,
             max_errors=settings.max_errors,
-            context_tokens=ctx,
-            count_tokens=counter,
+            context_tokens=limit,
+            canvas_length=ctx.canvas_length,
+            prompt_tokens=ctx.prompt_tokens,
             model_aliases=frozenset(aliases),
         )
 
 
+class PromptTokens:
+    """How many ids the worker's `ModelBundle.encode_prompt` makes of a prompt, counted without torch.
+    `count` tokenises; `at_most` bounds it from the text's length alone, so only prompts long enough to
+    matter pay for a tokenizer pass."""
+
+    def __init__(self, count: Callable[[str], int]):
+        self.count = count
+
+    @cached_property
+    def _template_ids(self) -> int:
+        return self.count("")
+
+    def at_most(self, text: str) -> int:
+        """A token spans at least one byte and a SentencePiece word adds at most one marker token, so
+        a text makes at most twice its UTF-8 bytes in ids; plus the layout's own ids and a margin."""
+        return 2 * len(text.encode("utf-8", "surrogatepass")) + self._template_ids + 16
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    """What validation knows of a model's context, read without torch."""
+
+    positions: int | None  # prompt + answer (max_position_embeddings); None: unknown
+    canvas_length: int = 1  # 1: unknown (max_tokens then counts as it is: still a necessary condition)
+    prompt_tokens: PromptTokens | None = None  # None: no tokenizer here; the worker's check is the judge
+
+
 # the shapes `build_random` builds (one source of truth: 26B-A4B is 262,144, not the 131,072 once here)
-_RANDOM_CONTEXT = {
-    "random:26b-a4b": REAL_26B_A4B.max_position_embeddings,
-    "random:testbed": TESTBED.max_position_embeddings,
-}
+_RANDOM_SHAPES = {"random:26b-a4b": REAL_26B_A4B, "random:testbed": TESTBED}
 
 
-def model_context(spec: str) -> tuple[int | None, Callable[[str], int] | None]:
-    """(context tokens, token counter) read from a model directory without importing torch.
+def model_context(spec: str) -> ModelContext:
+    """The context, canvas length and prompt counter of a model spec, without importing torch.
 
-    The counter uses the directory's `tokenizer.json` through `tokenizers` (a light Rust library);
-    without one, prompt length is not checked here and the worker's tokenizer is the judge.
+    Prompts are counted as `ModelBundle.encode_prompt` tokenises them: the chat template through the
+    transformers tokenizer when the directory has one (a real checkpoint; loaded at the first prompt
+    that needs counting), else the block layout `<bos> prompt <sep>` over `tokenizer.json` through
+    `tokenizers` (a light Rust library). `random:` models read the testbed's tokenizer, as
+    `load_bundle` gives them.
     """
-    if spec in _RANDOM_CONTEXT:
-        return _RANDOM_CONTEXT[spec], None
+    if spec in _RANDOM_SHAPES:
+        shape = _RANDOM_SHAPES[spec]
+        return ModelContext(shape.max_position_embeddings, shape.canvas_length,
+                            _block_layout(DEFAULT_MODEL_DIR))
     d = Path(spec)
     ctx: int | None = None
+    canvas = 1
     try:
         cfg = json.loads((d / "config.json").read_text())
         text_cfg = cfg.get("text_config", cfg)  # the config file's own layout, not our settings
+        canvas = int(cfg.get("canvas_length") or text_cfg.get("canvas_length") or 1)
         ctx = int(text_cfg["max_position_embeddings"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         ctx = None
     if ctx is None:  # no config.json yet: the tokenizer's declared limit
         try:
             ctx = int(json.loads((d / "tokenizer_config.json").read_text())["model_max_length"])
         except (OSError, ValueError, KeyError, TypeError):
             ctx = None
-    counter = None
-    tok_file = d / "tokenizer.json"
-    if tok_file.is_file():
-        try:
-            from tokenizers import Tokenizer
+    counter = _chat_template(d) if _has_chat_template(d) else _block_layout(d)
+    return ModelContext(ctx, canvas, counter)
 
-            tok = Tokenizer.from_file(str(tok_file))
-            counter = lambda text: len(tok.encode(text).ids)
-        except Exception:  # a tokenizer file we cannot read: leave the check to the worker
-            counter = None
-    return ctx, counter
+
+def _has_chat_template(d: Path) -> bool:
+    if (d / "chat_template.jinja").is_file() or (d / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((d / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _block_layout(d: Path) -> PromptTokens | None:
+    """`<bos> prompt <sep>`: `ModelBundle.encode_prompt` without a chat template (the testbed)."""
+    tok_file = d / "tokenizer.json"
+    if not tok_file.is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tok_file))
+    except Exception:  # noqa: BLE001 - a tokenizer file we cannot read: leave the check to the worker
+        return None
+    return PromptTokens(lambda text: len(tok.encode(text, add_special_tokens=False).ids) + 2)
+
+
+def _chat_template(d: Path) -> PromptTokens:
+    """The worker's own `ModelBundle.encode_prompt` over the transformers tokenizer (no model)."""
+    bundle: list[ModelBundle] = []
+
+    def count(text: str) -> int:
+        if not bundle:
+            from transformers import AutoTokenizer
+
+            bundle.append(ModelBundle(None, AutoTokenizer.from_pretrained(str(d)), str(d), "cpu"))
+        return len(bundle[0].encode_prompt(text))
+
+    return PromptTokens(count)
+
+
+def prompt_budget_error(prompt: str, max_tokens: int, limits: Limits) -> str | None:
+    """The decoders' token budget (`decoders.types.token_budget_error`) checked at validation, with
+    the prompt counted as the worker tokenises it."""
+    counter, ctx = limits.prompt_tokens, limits.context_tokens
+    if counter is None or not ctx:
+        return None
+
+    def error(prompt_tokens: int) -> str | None:
+        return token_budget_error(prompt_tokens, max_tokens, limits.canvas_length, ctx)
+
+    if error(counter.at_most(prompt)) is None:  # fits even at the bound: no tokenizer pass
+        return None
+    return error(counter.count(prompt))
 
 
 def model_problem(spec: str) -> str | None:
     """Why the model `spec` cannot load, found without torch (config.json parses, every safetensors
     header is readable and its tensors fit in the file), or None. Run before a run is created, so a
     broken model leaves no orphan run behind."""
-    if spec in _RANDOM_CONTEXT:
+    if spec in _RANDOM_SHAPES:
         return None
     if spec.startswith("random:"):
-        return f"unknown random model {spec!r}; known: {', '.join(_RANDOM_CONTEXT)}"
+        return f"unknown random model {spec!r}; known: {', '.join(_RANDOM_SHAPES)}"
     d = Path(spec)
     if not d.is_dir():
         return f"model directory {spec} does not exist" if not d.exists() else f"model {spec} is not a directory"
@@ -410,10 +490,9 @@ def parse_line(obj: Any, line_no: int, limits: Limits) -> tuple[Job | None, list
     for i, x in enumerate(stop):
         errors += _storable_text(f"stop[{i}]", x)
 
-    for fname, value in (("custom_id", cid), ("prompt", prompt)):
-        errors += _storable_text(fname, value)
-    if not prompt.strip():
-        errors.append("prompt is empty")
+    errors += _storable_text("custom_id", cid)
+    prompt_errors = _storable_text("prompt", prompt) or ([] if prompt.strip() else ["prompt is empty"])
+    errors += prompt_errors
     if task is not None and task not in TASKS:
         errors.append(f"unknown task {task!r}; known: {', '.join(TASKS)}")
     if line.decoder is not None and line.decoder not in DECODERS:
@@ -421,22 +500,19 @@ def parse_line(obj: Any, line_no: int, limits: Limits) -> tuple[Job | None, list
     if model is not None and limits.model_aliases and model not in limits.model_aliases:
         errors.append(f"unknown model {model!r}; this run serves {min(limits.model_aliases)!r}")
 
+    max_tokens_errors = []
     if max_tokens is None:
         max_tokens = limits.default_max_tokens
     elif max_tokens <= 0:
-        errors.append(f"max_tokens must be positive, got {max_tokens}")
+        max_tokens_errors.append(f"max_tokens must be positive, got {max_tokens}")
     elif max_tokens > limits.max_tokens_limit:
-        errors.append(f"max_tokens {max_tokens} is beyond the limit {limits.max_tokens_limit}"
-                      + (f" (the model's context: {limits.context_tokens} tokens for prompt and answer)"
-                         if limits.context_tokens == limits.max_tokens_limit else
-                         " (CANVASQ_MAX_TOKENS_LIMIT)"))
-
-    # Tokens never outnumber UTF-8 bytes (+ a few specials), so only long prompts pay for counting.
-    if (prompt.strip() and limits.count_tokens is not None and limits.context_tokens is not None
-            and len(prompt.encode("utf-8", "surrogatepass")) + 8 >= limits.context_tokens):
-        n = limits.count_tokens(prompt)
-        if n >= limits.context_tokens:
-            errors.append(f"prompt is {n} tokens; the model context is {limits.context_tokens}")
+        why = (f"the model's context: {limits.context_tokens} tokens for prompt and answer"
+               if limits.context_tokens == limits.max_tokens_limit else "CANVASQ_MAX_TOKENS_LIMIT")
+        max_tokens_errors.append(f"max_tokens {max_tokens} is beyond the limit {limits.max_tokens_limit} ({why})")
+    errors += max_tokens_errors
+    if not prompt_errors and not max_tokens_errors:  # what the decoder will see: does it fit its context?
+        budget = prompt_budget_error(prompt, max_tokens, limits)
+        errors += [budget] if budget else []
     if errors:
         return None, errors
     if task is None:

@@ -50,12 +50,10 @@ def request_error(bundle, req: DecodeRequest) -> str | None:
         return "empty prompt"
     if req.max_tokens <= 0:
         return f"max_tokens must be positive, got {req.max_tokens}"
+    from canvasq.decoders.types import token_budget_error  # the validator's rule too (core.schemas)
+
     limit = getattr(bundle.config.get_text_config(), "max_position_embeddings", None)
-    C = bundle.canvas_length
-    need = len(req.prompt_ids) + -(-req.max_tokens // C) * C
-    if limit and need > limit:
-        return f"prompt ({len(req.prompt_ids)}) + max_tokens rounded to canvases exceeds {limit} positions"
-    return None
+    return token_budget_error(len(req.prompt_ids), req.max_tokens, bundle.canvas_length, limit)
 
 
 def error_result(req: DecodeRequest, error: str, decoder: str, finish_reason: str = FinishReason.error) -> DecodeResult:

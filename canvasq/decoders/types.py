@@ -82,3 +82,19 @@ class Interrupted(Exception):
     def __init__(self, cause: BaseException, done: list[DecodeResult]):
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.cause, self.done = cause, done
+
+
+def token_budget_error(prompt_tokens: int, max_tokens: int, canvas_length: int,
+                       context: int | None) -> str | None:
+    """Why a prompt of `prompt_tokens` ids cannot get `max_tokens` of answer within `context` positions,
+    or None. The answer is generated in whole canvases, so max_tokens counts rounded up to a multiple
+    of `canvas_length`. The one rule for both the validator (`core.schemas.parse_line`) and the
+    decoders (`decoders.base.request_error`)."""
+    if not context:
+        return None
+    canvases = -(-max_tokens // canvas_length)
+    need = prompt_tokens + canvases * canvas_length
+    if need <= context:
+        return None
+    return (f"prompt ({prompt_tokens} tokens) + max_tokens {max_tokens} rounded up to {canvases} canvases of "
+            f"{canvas_length} need {need} positions; the model context is {context}")

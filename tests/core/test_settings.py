@@ -113,8 +113,10 @@ def test_random_model_context_is_the_built_models():
     from canvasq.core.schemas import model_context
     from canvasq.model.shapes import REAL_26B_A4B, build_config
 
-    assert model_context("random:26b-a4b")[0] == build_config(REAL_26B_A4B).get_text_config().max_position_embeddings
-    assert model_context("random:testbed")[0] == build_config().get_text_config().max_position_embeddings
+    for spec, cfg in (("random:26b-a4b", build_config(REAL_26B_A4B)), ("random:testbed", build_config())):
+        ctx = model_context(spec)
+        assert ctx.positions == cfg.get_text_config().max_position_embeddings
+        assert ctx.canvas_length == cfg.canvas_length
 
 
 def test_every_setting_declares_its_identity_flag():

@@ -335,6 +335,15 @@ class Engine:
         if model_name(claim.model or "") != model_name(s.model):
             log.warning("chunk %s is for model %s; this worker serves %s", chunk_id, claim.model, s.model)
 
+        self._decode_chunk(claim, summary)
+        retry_transient(lambda: self.store.finish_chunk(chunk_id))
+        retry_transient(lambda: self.store.finalize_run(run_id))
+        return summary
+
+    def _decode_chunk(self, claim, summary: ChunkSummary) -> None:
+        """A claimed chunk's rows through their decoders (streams, then batched decoders), then a run
+        cancelled or expired meanwhile closes the rows left."""
+        s, run_id, chunk_id = self.settings, claim.run_id, summary.chunk
         should_stop = self._stopper(run_id)
         t0 = time.monotonic()
         routes, batched = [], []
@@ -373,9 +382,6 @@ class Engine:
         for feeder in feeders:
             feeder.close(code)
             summary.claimed_ahead += feeder.claimed
-        retry_transient(lambda: self.store.finish_chunk(chunk_id))
-        retry_transient(lambda: self.store.finalize_run(run_id))
-        return summary
 
     @staticmethod
     def by_decoder(claim) -> dict[str, list[ClaimedRequest]]:

@@ -112,6 +112,69 @@ def _write(engine: Engine, run_id: str, records: list[ResultRecord]) -> int:
     )
 
 
+class _RowStream:
+    """One decode stream's rows: those still to feed (longest first, topped up from chunks claimed
+    ahead), those fed, and each finished row written the moment it ends."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        run_id: str,
+        decoder: str,
+        reqs: list[DecodeRequest],
+        should_stop: Callable[[], bool],
+        feeder=None,
+    ):
+        self.engine, self.run_id, self.decoder = engine, run_id, decoder
+        self.should_stop, self.feeder = should_stop, feeder
+        self.todo, self.fed, self.written = longest_first(reqs), [], 0
+
+    def feed(self, n: int) -> list[tuple[str, DecodeRequest]]:
+        todo = self.todo
+        if self.feeder is not None and len(todo) < n and not self.should_stop():
+            self.feeder.top_up(todo, n - len(todo))
+            todo[:] = longest_first(todo)
+        taken, todo[:] = todo[:n], todo[n:]
+        self.fed.extend(taken)
+        if taken:
+            faults.before_decode(q.custom_id for q in taken)  # inert unless CANVASQ_TEST_* is set
+        return [(q.custom_id, q) for q in taken]
+
+    def on_result(self, key, res: DecodeResult) -> None:
+        # its share of each pass that carried it (rows in flight share the wall; a sum over rows
+        # of their time in flight would count it once per slot)
+        ms = sum(t.ms * (t.own_rows or 0) / t.rows for t in res.traces if t.rows)
+        self.written += _write(self.engine, self.run_id, [result_record(res, ms, self.decoder)])
+        if self.feeder is not None:
+            self.feeder.written(str(key))
+        if self.engine.on_row is not None:
+            self.engine.on_row()
+
+    def fail(self, exc: BaseException) -> None:
+        """The stream failed: every row not yet stored errors (stored ones are skipped by the store),
+        the chunk's own and any claimed ahead, fed or not."""
+        left = [*self.fed, *self.todo]
+        self.written += _write(self.engine, self.run_id, [failed_record(q, exc, self.decoder) for q in left])
+        if self.feeder is not None:
+            for q in left:
+                self.feeder.written(q.custom_id)
+
+
+def _ahead(
+    engine: Engine, run_id: str, route: tuple[str, dict], dec, reqs: list[DecodeRequest], deadline: float
+):
+    """(arena entries per slot, AheadFeeder) for a stream that takes the run's next chunks: an arena
+    for the run's rows, not this chunk's (its longest max_tokens, prompts up to 1.5x this chunk's
+    longest: a longer row's chunk is given back to its own delivery)."""
+    from canvasq.worker.ahead import AheadFeeder
+
+    prompt = max(len(q.prompt_ids) for q in reqs) * 3 // 2
+    run_max = retry_transient(lambda: engine.store.max_queued_tokens(run_id))
+    longest = DecodeRequest("", [0] * prompt, max(run_max, *(q.max_tokens for q in reqs)))
+    capacity = max(dec.capacity_for(reqs), dec.need(longest))
+    return capacity, AheadFeeder(engine, run_id, route, dec.need, capacity, deadline)
+
+
 def stream_and_store(
     engine: Engine,
     run_id: str,
@@ -138,50 +201,16 @@ def stream_and_store(
     dec = make_decoder(
         decoder, bundle, knobs, s.cuda_graphs, engine.experts, fp8=s.fp8, fp8_min_rows=s.fp8_min_rows
     )
-    todo = longest_first(reqs)
-    fed: list[DecodeRequest] = []
-    occupancy: list[tuple[int, int]] = []
-    capacity = dec.capacity_for(reqs)
-    feeder = None
+    capacity, feeder = dec.capacity_for(reqs), None
     if ahead_until is not None:
-        from canvasq.worker.ahead import AheadFeeder
-
-        # an arena for the run's rows, not this chunk's: its longest max_tokens, prompts up to
-        # 1.5x this chunk's longest (a longer row's chunk is given back to its own delivery)
-        prompt = max(len(q.prompt_ids) for q in reqs) * 3 // 2
-        run_max = retry_transient(lambda: engine.store.max_queued_tokens(run_id))
-        capacity = max(
-            capacity, dec.need(DecodeRequest("", [0] * prompt, max(run_max, *(q.max_tokens for q in reqs))))
-        )
-        feeder = AheadFeeder(engine, run_id, (decoder, knobs), dec.need, capacity, ahead_until)
+        capacity, feeder = _ahead(engine, run_id, (decoder, knobs), dec, reqs, ahead_until)
         if feeders is not None:
             feeders.append(feeder)
-
-    def feed(n: int):
-        if feeder is not None and len(todo) < n and not should_stop():
-            feeder.top_up(todo, n - len(todo))
-            todo[:] = longest_first(todo)
-        taken, todo[:] = todo[:n], todo[n:]
-        fed.extend(taken)
-        if taken:
-            faults.before_decode(q.custom_id for q in taken)  # inert unless CANVASQ_TEST_* is set
-        return [(q.custom_id, q) for q in taken]
-
-    def on_result(key, res: DecodeResult) -> None:
-        nonlocal written
-        # its share of each pass that carried it (rows in flight share the wall; a sum over rows
-        # of their time in flight would count it once per slot)
-        ms = sum(t.ms * (t.own_rows or 0) / t.rows for t in res.traces if t.rows)
-        written += _write(engine, run_id, [result_record(res, ms, decoder)])
-        if feeder is not None:
-            feeder.written(str(key))
-        if engine.on_row is not None:
-            engine.on_row()
-
+    stream, occupancy = _RowStream(engine, run_id, decoder, reqs, should_stop, feeder), []
     try:
         dec.stream(
-            feed,
-            on_result,
+            stream.feed,
+            stream.on_result,
             slots=engine.decode_slots,
             seed=s.seed,
             capacity=capacity,
@@ -195,22 +224,17 @@ def stream_and_store(
         raise
     except Exception as exc:  # deterministic failure → the rows not yet stored error, never a retry storm
         log.exception("decode stream failed for run %s", run_id)
-        left = [*fed, *todo]  # the chunk's rows and any claimed ahead, fed or not (stored ones are skipped)
-        written += _write(engine, run_id, [failed_record(q, exc, decoder) for q in left])
-        if feeder is not None:
-            for q in left:
-                feeder.written(q.custom_id)
+        stream.fail(exc)
     if occupancy:
-        live = sum(n for n, _ in occupancy)
         summary.occupancy.extend(occupancy)
         log.info(
             "decode stream %s: %d rows, %d steps, slots %.0f%% full",
             decoder,
             len(reqs),
             len(occupancy),
-            100 * live / sum(n for _, n in occupancy),
+            100 * sum(n for n, _ in occupancy) / sum(n for _, n in occupancy),
         )
-    return written
+    return written + stream.written
 
 
 def decode_and_store(

@@ -3,8 +3,9 @@
 Flow: POST /v1/files (multipart, streamed to the files directory under size and line limits) →
 POST /v1/batches (the file validated by `schemas.iter_validated`, a run created and its chunks
 published exactly as `canvasq submit` does) → workers → GET /v1/batches/{id} (status and counts read
-from the run's rows; once the run is over, its output and error files are written once by
-`core.results.write_results`, as `canvasq results` writes them) → GET /v1/files/{id}/content.
+from the run's rows; GET routes never write) → once the run is over, the server's finalizer thread
+writes its output and error files once by `core.results.write_results`, as `canvasq results` writes
+them → GET /v1/files/{id}/content.
 
 Modules: config (ServeSettings), keys (bearer keys, hashed at rest), files (streamed upload, the
 files directory), batches (Batch objects, create / cancel / finalise), app (the FastAPI routes),

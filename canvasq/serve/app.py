@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from canvasq.core.settings import Settings, get_settings
 from canvasq.serve.auth import Who
-from canvasq.serve.batches import DECODER_METADATA_KEY, Batches
+from canvasq.serve.batches import DECODER_METADATA_KEY, Batches, Finalizer
 from canvasq.serve.config import ServeSettings, serve_settings
 from canvasq.serve.files import (
     ApiError,
@@ -71,7 +71,9 @@ def create_app(store, *, settings: Settings | None = None, serve: ServeSettings 
     batches = Batches(store, files, settings, serve, publish, queue or settings.queue_for())
     @contextlib.asynccontextmanager
     async def lifespan(_app):
+        finalizer = Finalizer(batches, serve.finalize_every_s).start()  # ended batches' files; GETs only read
         yield
+        finalizer.stop()
         for fn in on_shutdown:
             fn()
 

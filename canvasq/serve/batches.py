@@ -8,15 +8,18 @@ Status (OpenAI's names) from the batch row and its run:
   finalizing   the run ended; the output and error files are being written
   completed | cancelled | expired   the run ended that way and its files exist
 
-The files are written once, by whichever server process reads the ended batch first (a conditional
-UPDATE picks one). Expired rows are `batch_expired` and cancelled ones `batch_cancelled` in the error
-file, so every custom_id of the input is in exactly one of the two files.
+The files are written by the server's `Finalizer`, a background thread of every server process (a
+conditional UPDATE picks one writer across processes), or by the cancel route when the run has already
+ended; reads never write (a GET of an ended batch says `finalizing` until its files exist). Expired
+rows are `batch_expired` and cancelled ones `batch_cancelled` in the error file, so every custom_id of
+the input is in exactly one of the two files.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import threading
 import uuid
 from collections.abc import Callable
 from datetime import UTC, timedelta
@@ -149,11 +152,7 @@ class Batches:
         return row[0], row[1]
 
     def get(self, project: str, batch_id: str) -> dict:
-        b, run = self._row(project, batch_id)
-        if run is not None and run.status in RUN_ENDED and b.finished_at is None:
-            self.finalize(b, run)
-            b, run = self._row(project, batch_id)
-        return self.to_object(b, run)
+        return self.to_object(*self._row(project, batch_id))
 
     def list(self, project: str, *, after: str | None, limit: int) -> tuple[list[dict], bool]:
         with self.store.Session() as s:
@@ -167,8 +166,10 @@ class Batches:
         return [self.get(project, i) for i in ids[:limit]], len(ids) > limit
 
     def cancel(self, project: str, batch_id: str) -> dict:
-        _, run = self._row(project, batch_id)
+        b, run = self._row(project, batch_id)
         if run is None or run.status in RUN_ENDED:
+            if run is not None and b.finished_at is None:  # ended: its files first, then the answer
+                self.finalize(b, run)
             obj = self.get(project, batch_id)
             if obj["status"] in ("cancelling", "cancelled"):
                 return obj
@@ -177,9 +178,22 @@ class Batches:
             s.execute(update(ApiBatch).where(ApiBatch.id == batch_id, ApiBatch.cancelling_at.is_(None))
                       .values(cancelling_at=utcnow()))
         self.store.cancel_run(run.id)  # queued chunks now, running ones between decoder steps
+        b, run = self._row(project, batch_id)
+        if run.status in RUN_ENDED:  # nothing was running: cancelled at once
+            self.finalize(b, run)
         return self.get(project, batch_id)
 
     # -- finalise ----------------------------------------------------------------------------------
+    def finalize_ended(self) -> int:
+        """Write the files of every batch whose run has ended (every project); returns how many."""
+        with self.store.Session() as s:
+            rows = s.execute(select(ApiBatch, Run).join(Run, Run.id == ApiBatch.run_id)
+                             .where(Run.status.in_(RUN_ENDED), ApiBatch.finished_at.is_(None))
+                             .order_by(ApiBatch.seq)).all()
+        for b, run in rows:
+            self.finalize(b, run)
+        return len(rows)
+
     def finalize(self, b: ApiBatch, run: Run) -> None:
         """Write the ended run's output and error files (once, across server processes)."""
         from canvasq.core.results import write_results  # the lines `canvasq results` writes
@@ -258,6 +272,32 @@ class Batches:
                              "decoders": summary["decoders"]},
             }
         return obj
+
+
+class Finalizer:
+    """The server's writer of ended batches' files: a thread that runs `Batches.finalize_ended` at start
+    and every `every_s` seconds, so that no read has to write."""
+
+    def __init__(self, batches: Batches, every_s: float):
+        self.batches, self.every_s = batches, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="canvasq-finalizer", daemon=True)
+
+    def start(self) -> Finalizer:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.batches.finalize_ended()
+            except Exception as exc:  # noqa: BLE001 - a store or disk outage: the next pass tries again
+                log.warning("finalizing ended batches failed (%s); retrying in %.1f s", exc, self.every_s)
+            self._stop.wait(self.every_s)
 
 
 def _sha256(path) -> str:

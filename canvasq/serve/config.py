@@ -20,6 +20,9 @@ class ServeSettings(BaseSettings):
     max_completion_window_s: int = Field(7 * 24 * 3600, ge=1)
     # batch list / file list page size when the client gives no limit
     default_page_limit: int = Field(20, ge=1, le=10_000)
+    # how often the server's finalizer writes the files of batches whose run has ended (a batch is
+    # `finalizing` for up to this long after its last row)
+    finalize_every_s: float = Field(1.0, gt=0)
 
 
 def serve_settings() -> ServeSettings:

@@ -55,8 +55,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from canvasq.decoders import DecodeBatch, DecodeRequest, run_batch
-from canvasq.decoders.base import runtime_for
 from canvasq.decoders.registry import make_decoder
+from canvasq.decoders.runtimes import runtime_for
 
 
 def _requests(bundle, task: str, n: int, seed: int, max_tokens: int) -> tuple[list, list]:

@@ -58,8 +58,8 @@ def parse_settings(text: str) -> dict:
 @contextlib.contextmanager
 def arm_runtime(settings: dict):
     """Runtimes built for this arm alone, with its settings; the stats patch for its duration."""
-    import canvasq.kernels as kernels
-    from canvasq.decoders import base
+    from canvasq import kernels
+    from canvasq.decoders import runtimes
     from canvasq.model.fp8 import install_fp8, parse_parts
     from canvasq.model.runtime import Runtime
 
@@ -80,15 +80,15 @@ def arm_runtime(settings: dict):
             built[key] = rt
         return built[key]
 
-    saved = base.runtime_for, kernels.softmax_argmax
-    base.runtime_for = runtime_for
+    saved = runtimes.runtime_for, kernels.softmax_argmax
+    runtimes.runtime_for = runtime_for
     if settings.get("stats") == "torch":
         kernels.softmax_argmax = lambda logits, temperature=1.0, impl="auto": kernels.softmax_argmax_reference(
             logits, temperature)
     try:
         yield
     finally:
-        base.runtime_for, kernels.softmax_argmax = saved
+        runtimes.runtime_for, kernels.softmax_argmax = saved
 
 
 def main() -> None:

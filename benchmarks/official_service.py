@@ -150,7 +150,7 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
 def _runtime_knobs(bundle, fp8: str, settings, knobs: str) -> None:
     """An arm's runtime attributes after '@' (`official@context_step=256,sdpa_backend=efficient`),
     set on the replay's runtime; attributes an arm leaves out keep the runtime's defaults."""
-    from canvasq.decoders.base import runtime_for
+    from canvasq.decoders.runtimes import runtime_for
 
     rt = runtime_for(bundle.hf_model, "w4", fp8, settings.fp8_min_rows)
     defaults = RUNTIME_DEFAULTS.setdefault(id(rt), {"context_step": rt.context_step, "sdpa_backend": rt.sdpa_backend,
@@ -172,7 +172,7 @@ def _cap_arena(bundle, fp8: str, settings, arena_gib: str) -> None:
     """The graph runner's arena cap for this arm (`--arena-gib`): a number of GiB, or auto (the
     runner's default). A larger cap lets a batch's arena be the runner's, so its forwards can replay
     graphs; under the cap the stream allocates its own arena and runs eagerly."""
-    from canvasq.decoders.base import runtime_for
+    from canvasq.decoders.runtimes import runtime_for
     from canvasq.model.graph import ARENA_BYTES, graph_runner
 
     if settings.cuda_graphs == "off" or not str(settings.device).startswith("cuda"):
@@ -239,7 +239,7 @@ class _StepTrace:
         return wrapped
 
     def __enter__(self):
-        from canvasq.decoders.base import _RUNTIMES
+        from canvasq.decoders.runtimes import _RUNTIMES
 
         self.runtimes = [(rt, rt.scope) for per in _RUNTIMES.values() for rt in per.values()]
         for rt, _ in self.runtimes:  # the forward's own labels: attention, dense_mlp, experts, lm_head, ...
@@ -276,7 +276,7 @@ def _sync() -> None:
 
 
 def _graph_stats(bundle) -> dict:
-    from canvasq.decoders.base import _RUNTIMES
+    from canvasq.decoders.runtimes import _RUNTIMES
 
     per = _RUNTIMES.get(bundle.hf_model, {})
     return {str(k): {**rt.graph_runner.stats, "eager_reasons": dict(rt.graph_runner.eager_reasons)}
@@ -285,7 +285,7 @@ def _graph_stats(bundle) -> dict:
 
 def _attention_paths(bundle) -> dict:
     """Eager forwards by attention path (mask-free or masked SDPA), summed over the model's runtimes."""
-    from canvasq.decoders.base import _RUNTIMES
+    from canvasq.decoders.runtimes import _RUNTIMES
 
     out: dict[str, int] = {}
     for rt in _RUNTIMES.get(bundle.hf_model, {}).values():
@@ -296,7 +296,7 @@ def _attention_paths(bundle) -> dict:
 
 def bare(batch: int, prompt: int, device: str, reps: int = 20, fp8: str = "off") -> dict:
     """`batch` windows of 256 rows with top-k SC through the graph runner: the forward alone."""
-    from canvasq.decoders.base import runtime_for
+    from canvasq.decoders.runtimes import runtime_for
     from canvasq.model.graph import graph_runner
     from canvasq.model.runtime import Window
 

@@ -19,14 +19,21 @@ prefix (`emitted`) first held one token / one canvas (a row that ends shorter: i
 from __future__ import annotations
 
 import time
-import weakref
-import zlib
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
+from canvasq.decoders import runtimes
+from canvasq.decoders.state import (
+    Cancelled,
+    Canvas,
+    Seq,
+    error_result,
+    first_stop,
+    poll,
+    request_error,
+    row_generator,
+)
 from canvasq.decoders.types import (
     CANCELLED,
     DecodeBatch,
@@ -40,137 +47,6 @@ from canvasq.decoders.types import (
 # windows per graphed forward: a live count is padded up to the next bucket (one graph per bucket)
 WINDOW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
-# model -> {experts: Runtime}; weak keys, so a freed model never hands its runtime to a new one
-_RUNTIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def request_error(bundle, req: DecodeRequest) -> str | None:
-    """Why a request cannot be decoded at all (checked before it joins a batch), or None."""
-    if not req.prompt_ids:
-        return "empty prompt"
-    if req.max_tokens <= 0:
-        return f"max_tokens must be positive, got {req.max_tokens}"
-    from canvasq.decoders.types import token_budget_error  # the validator's rule too (core.schemas)
-
-    limit = getattr(bundle.config.get_text_config(), "max_position_embeddings", None)
-    return token_budget_error(len(req.prompt_ids), req.max_tokens, bundle.canvas_length, limit)
-
-
-def error_result(req: DecodeRequest, error: str, decoder: str, finish_reason: str = FinishReason.error) -> DecodeResult:
-    """A request that produced nothing: refused, failed or cancelled before it finished."""
-    return DecodeResult(
-        custom_id=req.custom_id,
-        token_ids=[],
-        text="",
-        finish_reason=finish_reason,
-        prompt_tokens=len(req.prompt_ids),
-        forwards=0,
-        error=error,
-        decoder=decoder,
-    )
-
-
-class Cancelled(Exception):
-    """Raised by `poll` between forwards once `should_stop()` turns true; the decoder turns it into
-    CANCELLED rows."""
-
-
-def poll(should_stop) -> None:
-    if should_stop is not None and should_stop():
-        raise Cancelled()
-
-
-def first_stop(tokens: list[int], stop_ids: frozenset[int]) -> int | None:
-    """Index of the first token that ends the answer, or None.
-
-    EOS ends it; so does PAD: the sampler writes pad only after EOS, so a committed pad means an EOS
-    was lost to parallel decoding ("high house") and everything after it is padding. Counting those
-    pads as generated tokens would inflate tok/s."""
-    for i, t in enumerate(tokens):
-        if t in stop_ids:
-            return i
-    return None
-
-
-def runtime_for(hf_model, experts: str, fp8: str = "off", fp8_min_rows: int = 0, encoder_model=None):
-    """One `Runtime` per (model, experts, FP8 setting, encoder model) per process: it shares the HF
-    tensors, W4 packs once; `fp8` ("auto", "off" or a list of `model.fp8.PARTS`) adds FP8 copies for
-    large forwards; `encoder_model` gives the encoder passes other weights (`Runtime.from_hf`)."""
-    from canvasq.model.fp8 import install_fp8, parse_parts
-    from canvasq.model.runtime import Runtime
-
-    per_model = _RUNTIMES.setdefault(hf_model, {})
-    device = next(hf_model.parameters()).device
-    parts = parse_parts(fp8, device)
-    key = (experts, parts, fp8_min_rows if parts else 0, None if encoder_model is None else id(encoder_model))
-    if key not in per_model:
-        rt = Runtime.from_hf(hf_model, experts=experts, encoder_model=encoder_model)
-        if parts:
-            install_fp8(rt, parts, fp8_min_rows)
-        per_model[key] = rt
-    return per_model[key]
-
-
-def row_generator(seed: int, custom_id: str) -> torch.Generator:
-    """A request's own RNG: its draws do not depend on which other rows share the batch."""
-    g = torch.Generator()
-    g.manual_seed((int(seed) * 1_000_003 + zlib.crc32(custom_id.encode())) % (2**63))
-    return g
-
-
-@dataclass
-class Canvas:
-    """One canvas in flight. Tensors are [C] on the model's device."""
-
-    index: int  # 0-based canvas number within the answer
-    start: int  # absolute position of its first row
-    tokens: torch.Tensor  # long: current input ids (the final id at committed positions)
-    committed: torch.Tensor  # bool
-    state: str  # "full" | "semi" | "draft"
-    pending: torch.Tensor | None = None  # bool, funnel: committed, rides once more, then promoted
-    age: int = 0  # decoder forwards this canvas has ridden
-    streak: int = 0  # consecutive committing steps with ≤ jacobi_max_commits commits
-    sc: object = None  # self-conditioning for its next forward: None | [C, V] | ([C, k], [C, k])
-    prev_eos: torch.Tensor | None = None  # bool: argmax was EOS on the previous step (EOS streak)
-
-    @property
-    def length(self) -> int:
-        return int(self.tokens.numel())
-
-    @property
-    def decoded(self) -> float:
-        """Decode fraction: share of positions committed."""
-        return float(self.committed.float().mean())
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
-
-
-@dataclass
-class Seq:
-    """One request in flight."""
-
-    row: int  # index in the batch
-    req: DecodeRequest
-    slot: int
-    gen: torch.Generator
-    n_canvases: int  # canvases needed to cover max_tokens
-    spawned: int = 0
-    canvases: list[Canvas] = field(default_factory=list)
-    retired: list[Canvas] = field(default_factory=list)  # kept for inspection (tests, schedules)
-    out: list[int] = field(default_factory=list)  # tokens of retired canvases
-    done: bool = False
-    finish_reason: str = FinishReason.length
-    error: str | None = None
-    stats: Counter = field(default_factory=Counter)
-    steps: int = 0  # decoder steps this request has been live for (liveness budget)
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.req.prompt_ids)
-
-
 class StepDecoder:
     """Base class: owns the loop. Subclasses implement `step(seqs)`."""
 
@@ -181,7 +57,7 @@ class StepDecoder:
         self.bundle = bundle
         self.config = config if config is not None else self.config_cls()
         self.model = self.pick_model()
-        self.rt = runtime_for(
+        self.rt = runtimes.runtime_for(
             self.model,
             self.config.experts,
             getattr(self.config, "fp8", "off"),

@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import torch
 
-from canvasq.decoders.base import Canvas, Seq
 from canvasq.decoders.configs import FunnelConfig, canvas_rows
 from canvasq.decoders.pipe import PipeDecoder
+from canvasq.decoders.state import Canvas, Seq
 
 
 def growing_kv_class():

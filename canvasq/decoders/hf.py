@@ -31,9 +31,9 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-from canvasq.decoders.base import Cancelled, error_result, first_stop, poll, request_error
 from canvasq.decoders.configs import HfConfig
 from canvasq.decoders.experts import model_with_experts
+from canvasq.decoders.state import Cancelled, error_result, first_stop, poll, request_error
 from canvasq.decoders.types import (
     CANCELLED,
     DecodeBatch,

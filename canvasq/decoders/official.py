@@ -37,8 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
-from canvasq.decoders.base import Seq, StepDecoder, row_generator
+from canvasq.decoders.base import StepDecoder
 from canvasq.decoders.configs import OfficialConfig
+from canvasq.decoders.state import Seq, row_generator
 from canvasq.decoders.types import FinishReason
 
 _GROUP_BYTES = 2 << 30  # per [rows, V] fp32 temporary of the sampler statistics

@@ -44,8 +44,9 @@ from dataclasses import dataclass
 
 import torch
 
-from canvasq.decoders.base import Seq, StepDecoder, row_generator
+from canvasq.decoders.base import StepDecoder
 from canvasq.decoders.configs import OfficialConfig, PhcdConfig, canvas_rows
+from canvasq.decoders.state import Seq, row_generator
 from canvasq.decoders.types import FinishReason
 
 # Benchmarks only (`benchmarks/decoders.py replay-live`, labelled "replayed"): custom_id -> the commit

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from canvasq.decoders.base import Canvas, Seq, StepDecoder, first_stop
+from canvasq.decoders.base import StepDecoder
 from canvasq.decoders.configs import PipeConfig, canvas_rows
+from canvasq.decoders.state import Canvas, Seq, first_stop
 from canvasq.decoders.types import FinishReason
 
 

@@ -89,7 +89,7 @@ def token_budget_error(prompt_tokens: int, max_tokens: int, canvas_length: int,
     """Why a prompt of `prompt_tokens` ids cannot get `max_tokens` of answer within `context` positions,
     or None. The answer is generated in whole canvases, so max_tokens counts rounded up to a multiple
     of `canvas_length`. The one rule for both the validator (`core.schemas.parse_line`) and the
-    decoders (`decoders.base.request_error`)."""
+    decoders (`decoders.state.request_error`)."""
     if not context:
         return None
     canvases = -(-max_tokens // canvas_length)

@@ -12,7 +12,7 @@ import torch
 from canvasq.core.schemas import Limits, LineError, model_context, validate_file
 from canvasq.core.settings import Settings
 from canvasq.decoders import run_batch
-from canvasq.decoders.base import request_error
+from canvasq.decoders.state import request_error
 from canvasq.decoders.types import DecodeBatch, DecodeRequest, token_budget_error
 from canvasq.model.loading import load_bundle
 from tests.harness.backends import model_for_tests

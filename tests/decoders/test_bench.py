@@ -65,7 +65,7 @@ def test_record_and_replay_schedule():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     from canvasq.decoders import DecodeRequest
-    from canvasq.decoders.base import runtime_for
+    from canvasq.decoders.runtimes import runtime_for
 
     b = tiny_bundle(peak=3.0)
     reqs = [DecodeRequest(f"r{i}", [2, 5 + i, 6, 7, 4], 16) for i in range(3)]

@@ -218,7 +218,7 @@ def test_graphed_forwards_pad_windows_to_a_bucket_on_free_slots(testbed):
     lengths = list(dec.arena.length)
     assert lengths[5:] == [0, 0, 0]  # the encode's own padding was emptied again
     g = torch.Generator().manual_seed(0)
-    from canvasq.decoders.base import Canvas
+    from canvasq.decoders.state import Canvas
 
     wins = []
     for slot in range(5):

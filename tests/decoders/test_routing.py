@@ -66,7 +66,7 @@ def test_auto_splits_the_batch_by_task_and_keeps_order():
 
 
 def test_answer_ends_at_eos_or_pad():
-    from canvasq.decoders.base import first_stop
+    from canvasq.decoders.state import first_stop
 
     stop = frozenset({1, 0})
     assert first_stop([5, 6, 1, 7], stop) == 2

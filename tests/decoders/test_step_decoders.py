@@ -284,7 +284,7 @@ def test_agree_mode_costs_forwards(eos_bundle):
 
 
 def test_failed_forward_errors_rows_without_raising(bundle):
-    from canvasq.decoders.base import runtime_for
+    from canvasq.decoders.runtimes import runtime_for
 
     rt = runtime_for(bundle.hf_model, "bf16")
 
@@ -356,7 +356,8 @@ def test_graph_runner_decodes_like_eager(bundle, name, monkeypatch):
     Padding changes the GEMM shapes, so the CPU BLAS may sum in another order: the two runs' logits
     must stay close at every forward (`_same_forwards`) until they split on a near-tie, and at least
     half of the forwards come before that split (a split seen: one row's last token, 75 against 60)."""
-    from canvasq.decoders.base import StepDecoder, runtime_for
+    from canvasq.decoders.base import StepDecoder
+    from canvasq.decoders.runtimes import runtime_for
 
     logits: list[list] = []  # per decode: (kind, inputs, logits) per model pass
     plain_forward, plain_encode = StepDecoder.forward, StepDecoder.encode

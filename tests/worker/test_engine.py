@@ -299,7 +299,7 @@ def test_engine_starts_once_then_takes_chunks(wsettings, wstore, bundle):
     import time
 
     from canvasq.core.tables import Worker
-    from canvasq.decoders.base import runtime_for
+    from canvasq.decoders.runtimes import runtime_for
 
     settings = wsettings.model_copy(update={"cuda_graphs": "on", "heartbeat_s": 0.05, "decode_slots": 4})
     run = wstore.create_run(jobs(4), model=settings.model, queue="q", decoder="official", chunk_size=4)

@@ -152,18 +152,23 @@ class Batches:
         return row[0], row[1]
 
     def get(self, project: str, batch_id: str) -> dict:
-        return self.to_object(*self._row(project, batch_id))
+        return self._objects([self._row(project, batch_id)])[0]
 
     def list(self, project: str, *, after: str | None, limit: int) -> tuple[list[dict], bool]:
+        """A page, newest first, in a fixed number of queries however long the page."""
         with self.store.Session() as s:
-            q = select(ApiBatch.id).where(ApiBatch.project == project)
+            q = select(ApiBatch, Run).outerjoin(Run, Run.id == ApiBatch.run_id).where(ApiBatch.project == project)
             if after:
                 seq = s.scalar(select(ApiBatch.seq).where(ApiBatch.id == after, ApiBatch.project == project))
                 if seq is None:
                     raise ApiError(400, f"no batch {after!r} to page after", param="after")
                 q = q.where(ApiBatch.seq < seq)
-            ids = list(s.scalars(q.order_by(ApiBatch.seq.desc()).limit(limit + 1)))
-        return [self.get(project, i) for i in ids[:limit]], len(ids) > limit
+            rows = [(b, run) for b, run in s.execute(q.order_by(ApiBatch.seq.desc()).limit(limit + 1))]
+        return self._objects(rows[:limit]), len(rows) > limit
+
+    def _objects(self, rows: list[tuple[ApiBatch, Run | None]]) -> list[dict]:
+        summaries = self.store.run_summaries([run for _, run in rows if run is not None])
+        return [self.to_object(b, run, summaries.get(run.id) if run is not None else None) for b, run in rows]
 
     def cancel(self, project: str, batch_id: str) -> dict:
         b, run = self._row(project, batch_id)
@@ -222,9 +227,9 @@ class Batches:
             tmp_err.unlink(missing_ok=True)
 
     # -- the object --------------------------------------------------------------------------------
-    def to_object(self, b: ApiBatch, run: Run | None) -> dict:
-        counts = self.store.counts(run.id) if run is not None else None
-        summary = self.store.run_summary(run.id) if run is not None else None
+    def to_object(self, b: ApiBatch, run: Run | None, summary: dict | None) -> dict:
+        """The OpenAI Batch object of `b` over `run` and its `Reports.run_summaries` entry."""
+        counts = summary["counts"] if summary is not None else None
         if b.failed_at is not None:
             status = "failed"
         elif run is None:

@@ -163,15 +163,7 @@ class StepDecoder:
                         continue
                 if occupancy is not None:
                     occupancy.append((len(pool.live), slots))
-                live = pool.live
-                if getattr(self.config, "slot_order", False):  # a full step then reads the arena as a slice
-                    live = sorted(live, key=lambda s: s.slot)
-                self._guarded(self.step, pool.live, live, interrupts + (Cancelled,))
-                self.note_emitted(pool.live)
-                for s in pool.live:
-                    s.steps += 1
-                    if not s.done and s.steps > self.step_budget([s]):
-                        s.error, s.done = f"no progress after {s.steps} steps", True
+                self._step_all(pool, interrupts)
                 pool.deliver_done()
         except Cancelled:
             for s in pool.live:
@@ -181,6 +173,19 @@ class StepDecoder:
         except interrupts as exc:
             pool.deliver_done()
             raise Interrupted(exc, []) from exc
+
+    def _step_all(self, pool: _SlotPool, interrupts: tuple[type[BaseException], ...]) -> None:
+        """One decoder step over every live row (in slot order when `slot_order`: a full step then
+        reads the arena as a slice), then the liveness guard: a row past its step budget errors."""
+        live = pool.live
+        if getattr(self.config, "slot_order", False):
+            live = sorted(live, key=lambda s: s.slot)
+        self._guarded(self.step, pool.live, live, interrupts + (Cancelled,))
+        self.note_emitted(pool.live)
+        for s in pool.live:
+            s.steps += 1
+            if not s.done and s.steps > self.step_budget([s]):
+                s.error, s.done = f"no progress after {s.steps} steps", True
 
     @staticmethod
     def _guarded(fn, seqs: list[Seq], arg, passthrough: tuple[type[BaseException], ...]) -> None:

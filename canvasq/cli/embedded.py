@@ -212,7 +212,6 @@ def run(file, out_path, decoder, model, name, chunk_size, fresh, as_json):
         canvasq run examples/prompts.jsonl -o results.jsonl --decoder auto
     """
     from canvasq.core.db import file_sha256
-    from canvasq.core.schemas import iter_jobs
 
     settings = cli_settings(model)
     limits, _ = validate_input(file, settings)
@@ -229,25 +228,8 @@ def run(file, out_path, decoder, model, name, chunk_size, fresh, as_json):
             refuse_if_owned(store, settings, earlier)
         # the model loads before a run is created, so a model that fails to load leaves none behind
         engine = embedded_engine(store, settings) if earlier is None or store.pending_chunks(earlier) else None
-        created = store.create_run(
-            iter_jobs(file, limits), model=settings.model, queue="embedded", decoder=decoder,
-            chunk_size=chunk_size, name=name or Path(file).name[:MAX_NAME],
-            idempotency_key=key, replace_key=fresh,
-            input_path=str(Path(file).resolve()), input_sha256=digest, mode="embedded",
-        )
-        run_id, reused = created.run_id, 0
-        if created.created:
-            click.echo(f"run {run_id}: {created.requests} requests, {len(created.chunk_ids)} chunks "
-                       f"(store {mask_url(store.url)})", err=True)
-        else:
-            c, was = store.counts(run_id), store.run_status(run_id)
-            reused = c["total"] - c["queued"]
-            click.echo(f"resuming run {run_id} ({was}): {reused} of {c['total']} rows reused, {c['queued']} to "
-                       "generate (--fresh starts over)", err=True)
-            if was in ("cancelled", "expired"):
-                click.echo(f"run {run_id} was {was}: `canvasq retry {run_id} --only {was}` re-runs those rows",
-                           err=True)
-            store.resume_run(run_id)
+        run_id, reused = _create_or_resume(store, settings, file, limits, decoder, chunk_size, name, key, fresh,
+                                           digest)
         t0 = time.perf_counter()
         occupancy = []
         if engine is not None:
@@ -260,18 +242,48 @@ def run(file, out_path, decoder, model, name, chunk_size, fresh, as_json):
     except BaseException:
         output.discard()
         raise
-    summary = store.run_summary(run_id)
+    _print_summary(store.run_summary(run_id), wall, reused, occupancy, as_json, n_ok, n_err, out_path)
+    report_unfinished(store, run_id)
+
+
+def _create_or_resume(store, settings, file, limits, decoder, chunk_size, name, key, fresh, digest):
+    """The run of this file and settings (`key`): created, or the earlier one resumed; returns (run id,
+    rows reused from the earlier run)."""
+    from canvasq.core.schemas import iter_jobs
+
+    created = store.create_run(
+        iter_jobs(file, limits), model=settings.model, queue="embedded", decoder=decoder,
+        chunk_size=chunk_size, name=name or Path(file).name[:MAX_NAME],
+        idempotency_key=key, replace_key=fresh,
+        input_path=str(Path(file).resolve()), input_sha256=digest, mode="embedded",
+    )
+    run_id = created.run_id
+    if created.created:
+        click.echo(f"run {run_id}: {created.requests} requests, {len(created.chunk_ids)} chunks "
+                   f"(store {mask_url(store.url)})", err=True)
+        return run_id, 0
+    c, was = store.counts(run_id), store.run_status(run_id)
+    reused = c["total"] - c["queued"]
+    click.echo(f"resuming run {run_id} ({was}): {reused} of {c['total']} rows reused, {c['queued']} to "
+               "generate (--fresh starts over)", err=True)
+    if was in ("cancelled", "expired"):
+        click.echo(f"run {run_id} was {was}: `canvasq retry {run_id} --only {was}` re-runs those rows", err=True)
+    store.resume_run(run_id)
+    return run_id, reused
+
+
+def _print_summary(summary: dict, wall: float, reused: int, occupancy, as_json: bool, n_ok: int, n_err: int,
+                   out_path: str) -> None:
     summary["process_wall_s"] = wall
     summary["reused"] = reused
     summary["slots"] = slot_use(occupancy)
     if as_json:
         click.echo(json.dumps(summary, default=str))
-    else:
-        click.echo(summary_table(summary))
-        if summary["slots"]:
-            u = summary["slots"]
-            click.echo(f"decode slots: {u['slots']}, {u['mean'] * 100:.0f} % full over {u['steps']} steps "
-                       f"(every slot busy for the first {u['full_until'] * 100:.0f} % of them)")
-        click.echo(f"wrote {n_ok} results and {n_err} errors to {out_path} in {wall:.1f}s"
-                   + (f"; {reused} rows reused from the earlier run" if reused else ""))
-    report_unfinished(store, run_id)
+        return
+    click.echo(summary_table(summary))
+    if summary["slots"]:
+        u = summary["slots"]
+        click.echo(f"decode slots: {u['slots']}, {u['mean'] * 100:.0f} % full over {u['steps']} steps "
+                   f"(every slot busy for the first {u['full_until'] * 100:.0f} % of them)")
+    click.echo(f"wrote {n_ok} results and {n_err} errors to {out_path} in {wall:.1f}s"
+               + (f"; {reused} rows reused from the earlier run" if reused else ""))

@@ -17,6 +17,7 @@ import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from enum import StrEnum
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
@@ -170,10 +171,21 @@ class Job:
 # ---------------------------------------------------------------------------------------- validation
 
 
+class LineErrorCode(StrEnum):
+    """What kind of error a line (or the file) has: the Batch API's `errors.data[].code`."""
+
+    invalid_request = "invalid_request"  # a JSON object that is not a request canvasq can run
+    invalid_json_line = "invalid_json_line"  # not JSON, or JSON but not an object
+    duplicate_custom_id = "duplicate_custom_id"
+    empty_file = "empty_file"
+    invalid_file = "invalid_file"  # the file itself (line 0): not a regular, readable file
+
+
 @dataclass(frozen=True)
 class LineError:
     line: int
     message: str
+    code: LineErrorCode = LineErrorCode.invalid_request
 
     def __str__(self) -> str:
         return f"line {self.line}: {self.message}" if self.line else self.message
@@ -445,10 +457,14 @@ def _storable_text(name: str, value: str) -> list[str]:
     return out
 
 
+def _not_an_object(obj: Any) -> str:
+    return f"expected a JSON object, got {type(obj).__name__}"
+
+
 def parse_line(obj: Any, line_no: int, limits: Limits) -> tuple[Job | None, list[str]]:
     """Check one decoded JSON value; returns (job, []) or (None, messages)."""
     if not isinstance(obj, dict):
-        return None, [f"expected a JSON object, got {type(obj).__name__}"]
+        return None, [_not_an_object(obj)]
     is_openai = any(k in obj for k in ("body", "method", "url"))
     try:
         line = OpenAILine.model_validate(obj) if is_openai else SimpleLine.model_validate(obj)
@@ -561,15 +577,15 @@ def iter_validated(path: str | Path, limits: Limits, report: ValidationReport) -
     """Stream `path`, yielding valid Jobs and recording every error in `report`."""
     seen: dict[str, int] = {}  # custom_id -> first line: the only state that grows with the file
 
-    def err(line: int, msg: str) -> None:
+    def err(line: int, msg: str, code: LineErrorCode = LineErrorCode.invalid_request) -> None:
         if len(report.errors) < limits.max_errors:
-            report.errors.append(LineError(line, msg))
+            report.errors.append(LineError(line, msg, code))
         else:
             report.errors_dropped += 1
 
     problem = input_file_problem(path)
     if problem:
-        err(0, problem)
+        err(0, problem, LineErrorCode.invalid_file)
         return
     with open(path, "rb") as fh:
         head = fh.read(8192)
@@ -605,27 +621,31 @@ def iter_validated(path: str | Path, limits: Limits, report: ValidationReport) -
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as exc:
-                err(line_no, f"malformed JSON: {exc.msg} (column {exc.colno})")
+                err(line_no, f"malformed JSON: {exc.msg} (column {exc.colno})", LineErrorCode.invalid_json_line)
                 continue
             except RecursionError:
                 err(line_no, "JSON nested too deeply")
                 continue
+            if not isinstance(obj, dict):
+                err(line_no, _not_an_object(obj), LineErrorCode.invalid_json_line)
+                continue
             job, msgs = parse_line(obj, line_no, limits)
-            cid = obj.get("custom_id") if isinstance(obj, dict) else None
+            for m in msgs:
+                err(line_no, m)
+            cid = obj.get("custom_id")
             if isinstance(cid, str) and cid:
                 first = seen.get(cid)
                 if first is not None:
-                    msgs = [*msgs, f"duplicate custom_id {cid!r} (first on line {first})"]
+                    err(line_no, f"duplicate custom_id {cid!r} (first on line {first})",
+                        LineErrorCode.duplicate_custom_id)
                     job = None
                 else:
                     seen[cid] = line_no
-            for m in msgs:
-                err(line_no, m)
             if job is not None:
                 report.jobs += 1
                 yield job
     if report.lines == 0:
-        err(0, "file is empty: no requests")
+        err(0, "file is empty: no requests", LineErrorCode.empty_file)
 
 
 def validate_file(path: str | Path, limits: Limits) -> ValidationReport:

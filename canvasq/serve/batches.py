@@ -65,19 +65,8 @@ def check_metadata(meta: dict | None) -> dict | None:
     return meta
 
 
-def _error_code(message: str, line: int) -> str:
-    if "duplicate custom_id" in message:
-        return "duplicate_custom_id"
-    if message.startswith("malformed JSON") or "expected a JSON object" in message:
-        return "invalid_json_line"
-    if "file is empty" in message:
-        return "empty_file"
-    return "invalid_request" if line else "invalid_file"
-
-
 def report_errors(report: ValidationReport) -> list[dict]:
-    out = [{"code": _error_code(e.message, e.line), "line": e.line or None, "message": e.message, "param": None}
-           for e in report.errors]
+    out = [{"code": str(e.code), "line": e.line or None, "message": e.message, "param": None} for e in report.errors]
     if report.errors_dropped:
         out.append({"code": "too_many_errors", "line": None, "param": None,
                     "message": f"... and {report.errors_dropped} more errors"})

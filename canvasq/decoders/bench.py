@@ -160,12 +160,8 @@ def run_bench(
             order_log.append({"task": task, "seed": seed, "order": [a.label for a in ordered]})
             for a in ordered:
                 torch.manual_seed(seed)  # seed reset per arm
-                results, passes, t0 = [], 0, time.perf_counter()
-                for i in range(0, len(reqs), batch_size):
-                    batch = DecodeBatch(reqs[i : i + batch_size], seed=seed)
-                    part = run_batch(bundle, batch, decoder=a.decoder, overrides=a.overrides or None, **routed)
-                    passes += len({x.index for r in part for x in r.traces})  # distinct passes of this call
-                    results += part
+                t0 = time.perf_counter()
+                results, passes = _run_arm(bundle, a, reqs, seed, batch_size, routed)
                 dt = time.perf_counter() - t0
                 stats[a.label].add(task, results, problems, dt, suite.verify, passes)
                 if progress:
@@ -184,6 +180,21 @@ def run_bench(
         "order": order_log,
         "arms": [stats[a.label].row() for a in arms],
     }
+
+
+def _run_arm(bundle, arm: Arm, reqs: list, seed: int, batch_size: int, routed: dict) -> tuple[list, int]:
+    """One arm over one (task, seed) block in `run_batch` calls of `batch_size`: its results and the
+    distinct model passes they took (a batched pass serves several requests once)."""
+    from canvasq.decoders import run_batch
+    from canvasq.decoders.types import DecodeBatch
+
+    results, passes = [], 0
+    for i in range(0, len(reqs), batch_size):
+        batch = DecodeBatch(reqs[i : i + batch_size], seed=seed)
+        part = run_batch(bundle, batch, decoder=arm.decoder, overrides=arm.overrides or None, **routed)
+        passes += len({x.index for r in part for x in r.traces})  # distinct passes of this call
+        results += part
+    return results, passes
 
 
 def model_flops_per_row(hf_model) -> float:

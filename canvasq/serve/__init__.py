@@ -8,7 +8,8 @@ writes its output and error files once by `core.results.write_results`, as `canv
 them → GET /v1/files/{id}/content.
 
 Modules: config (ServeSettings), keys (bearer keys, hashed at rest), files (streamed upload, the
-files directory), batches (Batch objects, create / cancel / finalise), app (the FastAPI routes),
+files directory), objects (the typed answers: Batch, FileObject, pages), batches (create / cancel /
+finalise, the Batch object of a row and its run), app (the FastAPI routes),
 local_worker (the `--with-worker` child: one `worker.engine.Engine` draining its queue from SQL); the
 `serve` and `keys` commands live in `canvasq.cli.serve`.
 """

@@ -33,6 +33,7 @@ from canvasq.serve.files import (
 )
 from canvasq.serve.keys import Principal
 from canvasq.serve.metrics import HttpMetrics, server_registry
+from canvasq.serve.objects import Batch, FileDeleted, FileObject, Page
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +49,6 @@ class BatchCreate(BaseModel):
     metadata: dict[str, str] | None = None
     output_expires_after: dict | None = None  # accepted; outputs live until deleted
     decoder: str | None = Field(None, description=f"canvasq: decoder for the batch (or metadata {DECODER_METADATA_KEY})")
-
-
-def _page(data: list[dict], has_more: bool) -> dict:
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
 
 
 def create_app(store, *, settings: Settings | None = None, serve: ServeSettings | None = None,
@@ -131,7 +127,7 @@ def _file_routes(app: FastAPI, files: FileStore, settings: Settings, serve: Serv
         "properties": {"file": {"type": "string", "format": "binary"}, "purpose": {"type": "string", "enum": ["batch"]}},
     }}}}
 
-    @app.post("/v1/files", summary="Upload a file (multipart: file, purpose=batch)",
+    @app.post("/v1/files", summary="Upload a file (multipart: file, purpose=batch)", response_model=FileObject,
               openapi_extra={"requestBody": upload_body})
     async def upload_file(request: Request, who: Who):
         import anyio
@@ -157,12 +153,12 @@ def _file_routes(app: FastAPI, files: FileStore, settings: Settings, serve: Serv
             raise
         return file_object(row)
 
-    @app.get("/v1/files", summary="List files")
+    @app.get("/v1/files", summary="List files", response_model=Page[FileObject])
     def list_files(who: Who, after: str | None = None,
                    limit: Annotated[int, Query(ge=1, le=10_000)] = serve.default_page_limit,
                    order: Literal["asc", "desc"] = "desc", purpose: str | None = None):
         rows, more = files.list(who.project, after=after, limit=limit, order=order, purpose=purpose)
-        return _page([file_object(f) for f in rows], more)
+        return Page[FileObject].of([file_object(f) for f in rows], more)
 
     def _file(who: Principal, file_id: str):
         f = files.get(who.project, file_id)
@@ -170,7 +166,7 @@ def _file_routes(app: FastAPI, files: FileStore, settings: Settings, serve: Serv
             raise ApiError(404, f"No such File object: {file_id}", param="file_id")
         return f
 
-    @app.get("/v1/files/{file_id}", summary="Retrieve a file")
+    @app.get("/v1/files/{file_id}", summary="Retrieve a file", response_model=FileObject)
     def retrieve_file(file_id: str, who: Who):
         return file_object(_file(who, file_id))
 
@@ -179,30 +175,31 @@ def _file_routes(app: FastAPI, files: FileStore, settings: Settings, serve: Serv
         f = _file(who, file_id)
         return FileResponse(files.path_of(f), media_type="application/jsonl", filename=f.filename)
 
-    @app.delete("/v1/files/{file_id}", summary="Delete a file")
+    @app.delete("/v1/files/{file_id}", summary="Delete a file", response_model=FileDeleted)
     def delete_file(file_id: str, who: Who):
         if not files.delete(who.project, file_id):
             raise ApiError(404, f"No such File object: {file_id}", param="file_id")
-        return {"id": file_id, "object": "file", "deleted": True}
+        return FileDeleted(id=file_id, deleted=True)
 
 
 def _batch_routes(app: FastAPI, batches: Batches, serve: ServeSettings) -> None:
-    @app.post("/v1/batches", summary="Create a batch from an uploaded file")
+    @app.post("/v1/batches", summary="Create a batch from an uploaded file", response_model=Batch)
     def create_batch(body: BatchCreate, who: Who):
         return batches.create(who.project, input_file_id=body.input_file_id, endpoint=body.endpoint,
                               completion_window=body.completion_window, metadata=body.metadata,
                               decoder=body.decoder)
 
-    @app.get("/v1/batches", summary="List batches, newest first")
+    @app.get("/v1/batches", summary="List batches, newest first", response_model=Page[Batch])
     def list_batches(who: Who, after: str | None = None,
                      limit: Annotated[int, Query(ge=1, le=100)] = serve.default_page_limit):
         data, more = batches.list(who.project, after=after, limit=limit)
-        return _page(data, more)
+        return Page[Batch].of(data, more)
 
-    @app.get("/v1/batches/{batch_id}", summary="Retrieve a batch")
+    @app.get("/v1/batches/{batch_id}", summary="Retrieve a batch", response_model=Batch)
     def retrieve_batch(batch_id: str, who: Who):
         return batches.get(who.project, batch_id)
 
-    @app.post("/v1/batches/{batch_id}/cancel", summary="Cancel a batch (finished rows are kept)")
+    @app.post("/v1/batches/{batch_id}/cancel", summary="Cancel a batch (finished rows are kept)",
+              response_model=Batch)
     def cancel_batch(batch_id: str, who: Who):
         return batches.cancel(who.project, batch_id)

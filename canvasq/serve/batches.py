@@ -31,6 +31,14 @@ from canvasq.core.settings import DECODERS, Settings, model_name
 from canvasq.core.tables import ApiBatch, Run, utcnow
 from canvasq.serve.config import ServeSettings
 from canvasq.serve.files import ApiError, FileStore, new_file_id
+from canvasq.serve.objects import (
+    Batch,
+    BatchErrors,
+    BatchRequestCounts,
+    BatchUsage,
+    CanvasqBatch,
+    RunProgress,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +96,7 @@ class Batches:
 
     # -- create ------------------------------------------------------------------------------------
     def create(self, project: str, *, input_file_id: str, endpoint: str, completion_window: str,
-               metadata: dict | None, decoder: str | None) -> dict:
+               metadata: dict | None, decoder: str | None) -> Batch:
         if endpoint not in OPENAI_URLS:
             raise ApiError(400, f"endpoint {endpoint!r} is not supported; supported: {', '.join(OPENAI_URLS)}",
                            param="endpoint")
@@ -140,10 +148,10 @@ class Batches:
             raise ApiError(404, f"No such Batch object: {batch_id}", param="batch_id")
         return row[0], row[1]
 
-    def get(self, project: str, batch_id: str) -> dict:
+    def get(self, project: str, batch_id: str) -> Batch:
         return self._objects([self._row(project, batch_id)])[0]
 
-    def list(self, project: str, *, after: str | None, limit: int) -> tuple[list[dict], bool]:
+    def list(self, project: str, *, after: str | None, limit: int) -> tuple[list[Batch], bool]:
         """A page, newest first, in a fixed number of queries however long the page."""
         with self.store.Session() as s:
             q = select(ApiBatch, Run).outerjoin(Run, Run.id == ApiBatch.run_id).where(ApiBatch.project == project)
@@ -155,19 +163,19 @@ class Batches:
             rows = [(b, run) for b, run in s.execute(q.order_by(ApiBatch.seq.desc()).limit(limit + 1))]
         return self._objects(rows[:limit]), len(rows) > limit
 
-    def _objects(self, rows: list[tuple[ApiBatch, Run | None]]) -> list[dict]:
+    def _objects(self, rows: list[tuple[ApiBatch, Run | None]]) -> list[Batch]:
         summaries = self.store.run_summaries([run for _, run in rows if run is not None])
         return [self.to_object(b, run, summaries.get(run.id) if run is not None else None) for b, run in rows]
 
-    def cancel(self, project: str, batch_id: str) -> dict:
+    def cancel(self, project: str, batch_id: str) -> Batch:
         b, run = self._row(project, batch_id)
         if run is None or run.status in RUN_ENDED:
             if run is not None and b.finished_at is None:  # ended: its files first, then the answer
                 self.finalize(b, run)
             obj = self.get(project, batch_id)
-            if obj["status"] in ("cancelling", "cancelled"):
+            if obj.status in ("cancelling", "cancelled"):
                 return obj
-            raise ApiError(409, f"Cannot cancel a batch with status {obj['status']!r}", param="batch_id")
+            raise ApiError(409, f"Cannot cancel a batch with status {obj.status!r}", param="batch_id")
         with self.store.Session.begin() as s:
             s.execute(update(ApiBatch).where(ApiBatch.id == batch_id, ApiBatch.cancelling_at.is_(None))
                       .values(cancelling_at=utcnow()))
@@ -216,9 +224,8 @@ class Batches:
             tmp_err.unlink(missing_ok=True)
 
     # -- the object --------------------------------------------------------------------------------
-    def to_object(self, b: ApiBatch, run: Run | None, summary: dict | None) -> dict:
+    def to_object(self, b: ApiBatch, run: Run | None, summary: dict | None) -> Batch:
         """The OpenAI Batch object of `b` over `run` and its `Reports.run_summaries` entry."""
-        counts = summary["counts"] if summary is not None else None
         if b.failed_at is not None:
             status = "failed"
         elif run is None:
@@ -231,41 +238,27 @@ class Batches:
             status = "cancelling"
         else:
             status = "in_progress"
-        end = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}.get(status)
-        obj = {
-            "id": b.id, "object": "batch", "endpoint": b.endpoint, "model": model_name(run.model) if run else None,
-            "errors": {"object": "list", "data": b.errors} if b.errors else None,
-            "input_file_id": b.input_file_id, "completion_window": b.completion_window, "status": status,
-            "output_file_id": b.output_file_id, "error_file_id": b.error_file_id,
-            "created_at": _ts(b.created_at),
-            "in_progress_at": _ts(run.created_at) if run is not None else None,
-            "expires_at": _ts(b.expires_at), "finalizing_at": _ts(b.finalizing_at),
-            "completed_at": None, "failed_at": _ts(b.failed_at), "expired_at": None,
-            "cancelling_at": _ts(b.cancelling_at), "cancelled_at": None,
-            "request_counts": {"total": 0, "completed": 0, "failed": 0},
-            "metadata": b.meta,
-            "usage": None,
-        }
-        if end:
-            obj[end] = _ts(b.finished_at)
-        if counts is not None:
-            obj["request_counts"] = {"total": counts["total"], "completed": counts["done"],
-                                     "failed": counts["errored"] + counts["expired"] + counts["cancelled"]}
+        ended_at = {st: _ts(b.finished_at) if status == st else None for st in RUN_ENDED}
+        counts, usage, extension = BatchRequestCounts(total=0, completed=0, failed=0), None, None
         if summary is not None:
-            obj["usage"] = {"input_tokens": summary["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
-                            "output_tokens": summary["completion_tokens"],
-                            "output_tokens_details": {"reasoning_tokens": 0},
-                            "total_tokens": summary["prompt_tokens"] + summary["completion_tokens"]}
-            # canvasq's extension (a field stock clients keep as an extra): the run behind the batch and
-            # its progress in tokens, in the spirit of Fireworks' jobProgress
-            obj["canvasq"] = {
-                "run_id": run.id, "run_status": run.status, "decoder": run.decoder, "counts": counts,
-                "progress": {"completion_tokens": summary["completion_tokens"],
-                             "prompt_tokens": summary["prompt_tokens"], "forwards": summary["forwards"],
-                             "wall_s": summary["wall_s"], "tok_s": summary["tok_s"], "eta_s": summary["eta_s"],
-                             "decoders": summary["decoders"]},
-            }
-        return obj
+            c = summary["counts"]
+            counts = BatchRequestCounts(total=c["total"], completed=c["done"],
+                                        failed=c["errored"] + c["expired"] + c["cancelled"])
+            usage = BatchUsage(input_tokens=summary["prompt_tokens"], output_tokens=summary["completion_tokens"],
+                               total_tokens=summary["prompt_tokens"] + summary["completion_tokens"])
+            extension = CanvasqBatch(run_id=run.id, run_status=run.status, decoder=run.decoder, counts=c,
+                                     progress=RunProgress.model_validate(summary))
+        return Batch(
+            id=b.id, endpoint=b.endpoint, model=model_name(run.model) if run else None,
+            errors=BatchErrors(data=b.errors) if b.errors else None,
+            input_file_id=b.input_file_id, completion_window=b.completion_window, status=status,
+            output_file_id=b.output_file_id, error_file_id=b.error_file_id,
+            created_at=_ts(b.created_at), in_progress_at=_ts(run.created_at) if run is not None else None,
+            expires_at=_ts(b.expires_at), finalizing_at=_ts(b.finalizing_at), completed_at=ended_at["completed"],
+            failed_at=_ts(b.failed_at), expired_at=ended_at["expired"], cancelling_at=_ts(b.cancelling_at),
+            cancelled_at=ended_at["cancelled"], request_counts=counts, metadata=b.meta, usage=usage,
+            canvasq=extension,
+        )
 
 
 class Finalizer:

@@ -20,6 +20,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from sqlalchemy import delete, select
 
 from canvasq.core.tables import ApiFile, utcnow
+from canvasq.serve.objects import FileObject
 
 MULTIPART_OVERHEAD = 64 * 1024  # boundaries, part headers and the small fields beside the file
 MAX_FIELD_BYTES = 4096  # `purpose` and any other non-file field
@@ -238,9 +239,8 @@ class FileStore:
         return True
 
 
-def file_object(f: ApiFile) -> dict:
-    return {"id": f.id, "object": "file", "bytes": f.bytes, "created_at": _ts(f.created_at), "filename": f.filename,
-            "purpose": f.purpose, "status": "processed", "status_details": None, "expires_at": None}
+def file_object(f: ApiFile) -> FileObject:
+    return FileObject(id=f.id, bytes=f.bytes, created_at=_ts(f.created_at), filename=f.filename, purpose=f.purpose)
 
 
 def _ts(dt) -> int | None:

@@ -61,7 +61,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -73,9 +73,9 @@ from canvasq.kernels.rmsnorm import rms_norm as rms_norm_any
 from canvasq.kernels.router import router_topk
 from canvasq.kernels.softcap import softcap_logits
 from canvasq.model.arena import Captured, KVArena
-from canvasq.model.attention_geometry import AttentionGeometry
 from canvasq.model.experts import gelu_tanh, grouped_mm_available, moe_grouped, moe_reference
 from canvasq.model.fp8 import fp8_linear, fp8_moe
+from canvasq.model.prepared import Prepared, prepare
 from canvasq.model.weights import LayerWeights, fuse_projections, layer_weights
 from canvasq.model.windows import DecodeOutput, SelfCond, Window, encoder_windows  # noqa: F401 (re-exported)
 
@@ -86,6 +86,16 @@ from canvasq.model.windows import DecodeOutput, SelfCond, Window, encoder_window
 # "bf16": the model-dtype experts, grouped GEMMs on CUDA and the per-expert loop elsewhere;
 # "reference" / "grouped": force one of those; "w4": canvasq.kernels' packed W4A16 MoE.
 EXPERT_IMPLS = ("bf16", "reference", "grouped", "w4")
+
+def _rope_tables(rot) -> tuple[dict[bool, torch.Tensor], dict[bool, float]]:
+    """HF's rotary module's inverse frequencies (fp32) and attention scaling, keyed by sliding?"""
+    inv_freq, rope_scaling = {}, {}
+    for lt, sliding in (("sliding_attention", True), ("full_attention", False)):
+        if hasattr(rot, f"{lt}_inv_freq"):
+            inv_freq[sliding] = getattr(rot, f"{lt}_inv_freq").float()
+            rope_scaling[sliding] = float(getattr(rot, f"{lt}_attention_scaling"))
+    return inv_freq, rope_scaling
+
 
 class Runtime:
     """DiffusionGemma encoder + decoder over a `KVArena`; see the module docstring."""
@@ -118,25 +128,7 @@ class Runtime:
         self.experts = experts
         self.dtype, self.device = embed.dtype, embed.device
         self.vocab_size, self.hidden_size = embed.shape
-        if experts == "w4":
-            self._moe: Callable = self._moe_w4
-        elif experts == "grouped" or (
-            experts == "bf16" and self.device.type == "cuda" and grouped_mm_available()
-        ):
-            self._moe = self._moe_grouped
-        else:
-            self._moe = self._moe_reference
-        # Triton RMSNorm and fused norm epilogues on CUDA (one launch each instead of ~6-8); HF's op
-        # order (the torch twins) elsewhere
-        self.kernels = self.device.type == "cuda" if kernels is None else kernels
-        impl = "triton" if self.kernels else "torch"
-        self._norm: Callable = functools.partial(rms_norm_any, impl=impl)
-        self._pre_ffn: Callable = functools.partial(pre_ffn_norms, impl=impl)
-        self._qkv_norms: Callable = functools.partial(qkv_norm_rope, impl=impl)  # twin for odd head dims
-        self._add_norm: Callable = functools.partial(add_rms_norm, impl=impl)
-        self._gelu_mul: Callable = functools.partial(gelu_mul, impl=impl)
-        self._router: Callable = functools.partial(router_topk, impl=impl)
-        self._softcap: Callable = functools.partial(softcap_logits, impl=impl)
+        self._bind_ops(experts, self.device.type == "cuda" if kernels is None else kernels)
         fuse_projections(enc_layers + dec_layers)
         # HF ties the encoder's and decoder's weights but not their `layer_scalar` buffers: where they
         # are equal, encoder rows riding in a decoder forward need no per-row scalar
@@ -166,6 +158,26 @@ class Runtime:
         self.fp8_parts: tuple[str, ...] = ()
         self.fp8_min_rows = 0
         self.lm_head_fp8 = None
+
+    def _bind_ops(self, experts: str, kernels: bool) -> None:
+        """The experts' implementation (`EXPERT_IMPLS`: "bf16" is grouped GEMMs on CUDA, the loop
+        elsewhere), and the Triton RMSNorm and fused norm epilogues on CUDA (one launch each instead
+        of ~6-8) or HF's op order (the torch twins) elsewhere."""
+        if experts == "w4":
+            self._moe: Callable = self._moe_w4
+        elif experts == "grouped" or (experts == "bf16" and self.device.type == "cuda" and grouped_mm_available()):
+            self._moe = self._moe_grouped
+        else:
+            self._moe = self._moe_reference
+        self.kernels = kernels
+        impl = "triton" if kernels else "torch"
+        self._norm: Callable = functools.partial(rms_norm_any, impl=impl)
+        self._pre_ffn: Callable = functools.partial(pre_ffn_norms, impl=impl)
+        self._qkv_norms: Callable = functools.partial(qkv_norm_rope, impl=impl)  # twin for odd head dims
+        self._add_norm: Callable = functools.partial(add_rms_norm, impl=impl)
+        self._gelu_mul: Callable = functools.partial(gelu_mul, impl=impl)
+        self._router: Callable = functools.partial(router_topk, impl=impl)
+        self._softcap: Callable = functools.partial(softcap_logits, impl=impl)
 
     # --- construction ------------------------------------------------------------------------------
     @classmethod
@@ -197,19 +209,10 @@ class Runtime:
         if experts != "w4" and any(lw.gate_up is None for lw in enc_layers + dec_layers):
             raise ValueError(f"experts={experts!r} needs the BF16 experts, but this model's were packed to W4 "
                              "at load and freed (CANVASQ_EXPERTS=w4); load it with CANVASQ_EXPERTS=bf16")
-        rot = dec.rotary_emb
-        inv_freq, rope_scaling = {}, {}
-        for lt, sliding in (("sliding_attention", True), ("full_attention", False)):
-            if hasattr(rot, f"{lt}_inv_freq"):
-                inv_freq[sliding] = getattr(rot, f"{lt}_inv_freq").float()
-                rope_scaling[sliding] = float(getattr(rot, f"{lt}_attention_scaling"))
+        inv_freq, rope_scaling = _rope_tables(dec.rotary_emb)
         sc_mod = dec.self_conditioning
-        sc = {
-            "pre_norm": sc_mod.pre_norm.weight,
-            "gate": sc_mod.gate_proj.weight,
-            "up": sc_mod.up_proj.weight,
-            "down": sc_mod.down_proj.weight,
-        }
+        sc = {"pre_norm": sc_mod.pre_norm.weight, "gate": sc_mod.gate_proj.weight, "up": sc_mod.up_proj.weight,
+              "down": sc_mod.down_proj.weight}
         rt = cls(
             enc_layers,
             dec_layers,
@@ -306,104 +309,12 @@ class Runtime:
         offsets = prep.offsets if prep.enc_rows is None else prep.dec_offsets
         return DecodeOutput(logits, offsets, self._split_captured(prep, cap_k, cap_v))
 
-    def _prepare(
-        self,
-        arena: KVArena,
-        windows: list[Window],
-        encoder: bool,
-        lmax: int | None = None,
-        capture: bool = True,
-    ) -> _Prepared:
-        slots = [w.slot for w in windows]
-        if len(set(slots)) != len(slots):
-            raise ValueError("two windows on one arena slot in a forward")
-        if arena.num_layers != self.num_layers:
-            raise ValueError("arena was built for another model")
-        dev = self.device
-        sizes = [w.rows for w in windows]
-        offsets = [0]
-        for r in sizes:
-            offsets.append(offsets[-1] + r)
+    def _prepare(self, arena: KVArena, windows: list[Window], encoder: bool, lmax: int | None = None,
+                 capture: bool = True) -> Prepared:
+        """The forward's host side (`model.prepared.prepare`): what `_run` reads."""
+        return prepare(self, arena, windows, encoder, lmax, capture)
 
-        ids = torch.cat([w.token_ids.to(dev) for w in windows])
-        pos = torch.cat([w.positions.to(dev) for w in windows])
-        # Scratch placement: window b's rows go to entries [length_b, length_b + R_b) of its slot.
-        starts = [arena.reserve(w.slot, w.rows) for w in windows]
-        row_slot = torch.cat([torch.full((r,), s, dtype=torch.long) for s, r in zip(slots, sizes)]).to(dev)
-        row_col = torch.cat([torch.arange(s, s + r) for s, r in zip(starts, sizes)]).to(dev)
-        ctx = AttentionGeometry.build(windows, starts, self.sliding_window, dev, lmax, arena.capacity,
-                                      step=self.context_step)
-        ctx.kernel, ctx.encoder_backend = self.kernels, self.encoder_sdpa_backend
-        ctx.backend = self.encoder_sdpa_backend if encoder else self.sdpa_backend
-
-        sc = [] if encoder else self._self_cond_entries(windows, offsets)
-        cap_rows, cap_owner = [], []
-        for b, w in enumerate(windows):
-            if not encoder and capture and w.capture is not None:
-                idx = torch.nonzero(w.capture.to(dev)).flatten()
-                if idx.numel():
-                    cap_rows.append(idx + offsets[b])
-                    cap_owner.append((b, int(idx.numel())))
-        cap = torch.cat(cap_rows) if cap_rows else None
-        enc_rows = dec_rows = None
-        dec_offsets = offsets
-        if not encoder and any(w.encoder_rows for w in windows):
-            if capture and cap_rows:
-                raise ValueError("encoder rows and captured rows in one forward")
-            if not self.tied_weights:
-                raise ValueError("encoder rows in a decoder forward need the encoder's weights tied to the "
-                                 "decoder's (this runtime's encoder has its own: fold_encode=false)")
-            enc_rows = torch.cat([torch.arange(w.rows, device=dev) < w.encoder_rows for w in windows])
-            dec_rows = torch.nonzero(~enc_rows).flatten()
-            dec_offsets = [0]
-            for w in windows:
-                dec_offsets.append(dec_offsets[-1] + w.rows - w.encoder_rows)
-        return _Prepared(
-            encoder,
-            windows,
-            offsets,
-            ids,
-            pos,
-            row_slot,
-            row_col,
-            ctx,
-            sc,
-            cap,
-            cap_owner,
-            arena,
-            cap_slot=None if cap is None else row_slot[cap],
-            cap_col=None if cap is None else row_col[cap],
-            enc_rows=enc_rows,
-            dec_rows=dec_rows,
-            dec_offsets=dec_offsets,
-        )
-
-    def _self_cond_entries(self, windows: list[Window], offsets: list[int]) -> list:
-        """(rows [R] on device, keep [R, 1] or None, self_cond on device) per SC entry: one entry for
-        all the windows' top-k signals of one k (one softmax and one gather for the forward, not a
-        few launches per window), else one per window (full-vocabulary logits stay apart)."""
-        dev = self.device
-        parts = [(b, w) for b, w in enumerate(windows) if w.self_cond is not None]
-        ks = {w.self_cond[0].shape[-1] if isinstance(w.self_cond, tuple) else None for _, w in parts}
-        if len(parts) > 1 and len(ks) == 1 and None not in ks:
-            rows = torch.cat([torch.arange(offsets[b], offsets[b + 1]) for b, _ in parts]).to(dev)
-            keep = None
-            if any(w.self_cond_rows is not None for _, w in parts):
-                keep = torch.cat([w.self_cond_rows.to(dev) if w.self_cond_rows is not None
-                                  else torch.ones(w.rows, dtype=torch.bool, device=dev) for _, w in parts])
-                keep = keep.to(self.dtype)[:, None]
-            payload = tuple(torch.cat([w.self_cond[i].to(dev) for _, w in parts]) for i in (0, 1))
-            return [(rows, keep, payload)]
-        entries = []
-        for b, w in parts:
-            rows = torch.arange(offsets[b], offsets[b + 1], device=dev)
-            keep = None if w.self_cond_rows is None else w.self_cond_rows.to(dev, self.dtype)[:, None]
-            payload = w.self_cond
-            payload = tuple(t.to(dev) for t in payload) if isinstance(payload, tuple) else payload.to(dev)
-            entries.append((rows, keep, payload))
-        return entries
-
-    def _run(self, prep: _Prepared):
+    def _run(self, prep: Prepared):
         layers = self.enc_layers if prep.encoder else self.dec_layers
         # window positions into the slots' scratch, then masks and RoPE tables from device tensors only
         prep.arena.pos[prep.row_slot, prep.row_col] = prep.pos
@@ -435,7 +346,7 @@ class Runtime:
             logits = self._softcap(head, self.softcap, out=prep.logits_out)
         return logits, cap_k, cap_v
 
-    def _split_captured(self, prep: _Prepared, cap_k, cap_v) -> list[Captured | None]:
+    def _split_captured(self, prep: Prepared, cap_k, cap_v) -> list[Captured | None]:
         out: list[Captured | None] = [None] * len(prep.windows)
         start = 0
         for b, count in prep.cap_owner:
@@ -444,7 +355,7 @@ class Runtime:
             start += count
         return out
 
-    def _embed(self, prep: _Prepared) -> torch.Tensor:
+    def _embed(self, prep: Prepared) -> torch.Tensor:
         scale = self.embed_scale.to(self.dtype)
         h = F.embedding(prep.ids, self.embed) * scale  # [N, H]
         if prep.encoder:
@@ -485,7 +396,7 @@ class Runtime:
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * scaling).to(self.dtype), (emb.sin() * scaling).to(self.dtype)
 
-    def _layer(self, i, lw: LayerWeights, h, cos, sin, prep: _Prepared, cap_k, cap_v, kv_only: bool):
+    def _layer(self, i, lw: LayerWeights, h, cos, sin, prep: Prepared, cap_k, cap_v, kv_only: bool):
         eps = self.eps
         n = h.shape[0]
         with self.scope("attention"):
@@ -578,30 +489,3 @@ class Runtime:
             expert_scale=lw.per_expert_scale,
             defer_combine=self.kernels,
         )
-
-
-@dataclass
-class _Prepared:
-    """Everything `Runtime._run` reads, built by `Runtime._prepare` (device tensors, host ints)."""
-
-    encoder: bool
-    windows: list[Window]
-    offsets: list[int]
-    ids: torch.Tensor  # [N]
-    pos: torch.Tensor  # [N]
-    row_slot: torch.Tensor  # [N] arena slot of each row
-    row_col: torch.Tensor  # [N] scratch entry of each row
-    ctx: AttentionGeometry
-    sc: list
-    capture: torch.Tensor | None  # [n_cap] row indices, window order
-    cap_owner: list[tuple[int, int]]  # (window, count) per window with captures
-    arena: KVArena
-    cos_sin: dict = field(default_factory=dict)  # filled by _run
-    cap_slot: torch.Tensor | None = None  # [n_cap] arena slot / entry of each captured row
-    cap_col: torch.Tensor | None = None
-    static: bool = False  # replayed as a CUDA graph: no host sync, masks always applied
-    prefix_attention: bool | None = None  # per-forward override of Runtime.prefix_attention
-    logits_out: torch.Tensor | None = None  # fp32 buffer the logits are written into (DecodeGraph)
-    enc_rows: torch.Tensor | None = None  # [N] bool: encoder rows riding in a decoder forward
-    dec_rows: torch.Tensor | None = None  # [N_dec] the other rows' indices (the LM head's rows)
-    dec_offsets: list[int] = field(default_factory=list)  # window i's logits: dec_offsets[i]:[i + 1]

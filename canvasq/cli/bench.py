@@ -166,7 +166,6 @@ def calibrate(model_spec, task_names, n, seeds, batch_size, max_tokens, decoders
     from canvasq.cli.common import open_store
     from canvasq.core import calibrations as stored
     from canvasq.core.settings import get_settings, settings_error_line
-    from canvasq.decoders import calibration as cal_mod
 
     try:
         settings = get_settings()
@@ -174,6 +173,28 @@ def calibrate(model_spec, task_names, n, seeds, batch_size, max_tokens, decoders
         raise click.ClickException(settings_error_line(exc)) from None
     spec = model_spec or settings.model
     budget = settings.routing_budget if budget is None else budget
+    seed_list = _checked_sweep(spec, seeds, n, batch_size)
+    store = open_store(settings)
+    try:
+        if show:
+            cal = stored.load_for_model(store, spec)
+            if cal is None:
+                raise click.ClickException(f"no calibration stored for {spec} in this database: run `canvasq calibrate`")
+            _print_calibration(cal, budget, not show_all, plot_path)
+            return
+        tasks = list(task_names or ("arith", "code"))
+        _require_sandbox(tasks)
+        cal = _sweep(spec, _sweep_arms(decoders, arms), tasks, n, seed_list, batch_size, max_tokens, device, threads)
+        cal_id = stored.save(store, cal)
+        cal = stored.load(store, cal.model_path, cal.fingerprint)
+        _print_calibration(cal, budget, False, plot_path)
+        click.echo(f"stored calibration #{cal_id} for {cal.model_path}")
+    finally:
+        store.dispose()
+
+
+def _checked_sweep(spec: str, seeds: str, n: int, batch_size: int) -> list[int]:
+    """The sweep's seeds, after its sizes and the model directory check out (one line each, before any load)."""
     try:
         seed_list = [int(s) for s in seeds.split(",") if s.strip()]
     except ValueError:
@@ -186,33 +207,22 @@ def calibrate(model_spec, task_names, n, seeds, batch_size, max_tokens, decoders
         problem = model_problem(spec)
         if problem:
             raise click.ClickException(problem)
-    store = open_store(settings)
-    try:
-        if show:
-            cal = stored.load_for_model(store, spec)
-            if cal is None:
-                raise click.ClickException(f"no calibration stored for {spec} in this database: run `canvasq calibrate`")
-            _print_calibration(cal, budget, not show_all, plot_path)
-            return
-        tasks = list(task_names or ("arith", "code"))
-        _require_sandbox(tasks)
-        arm_list = _sweep_arms(decoders, arms)
-        import torch
+    return seed_list
 
-        from canvasq.model.loading import load_bundle
-        from canvasq.testbed import tasks as testbed_tasks
 
-        torch.set_num_threads(threads)
-        bundle = load_bundle(spec, device=device)
-        cal, _ = cal_mod.run_sweep(bundle, arm_list, tasks, n=n, seeds=seed_list, batch_size=batch_size,
-                                   max_tokens=max_tokens, progress=lambda m: click.echo(m, err=True),
-                                   suite=testbed_tasks)
-        cal_id = stored.save(store, cal)
-        cal = stored.load(store, cal.model_path, cal.fingerprint)
-        _print_calibration(cal, budget, False, plot_path)
-        click.echo(f"stored calibration #{cal_id} for {cal.model_path}")
-    finally:
-        store.dispose()
+def _sweep(spec, arm_list, tasks, n, seeds, batch_size, max_tokens, device, threads):
+    """Load the model and run the sweep (`decoders.calibration.run_sweep`); returns its Calibration."""
+    import torch
+
+    from canvasq.decoders import calibration as cal_mod
+    from canvasq.model.loading import load_bundle
+    from canvasq.testbed import tasks as testbed_tasks
+
+    torch.set_num_threads(threads)
+    bundle = load_bundle(spec, device=device)
+    cal, _ = cal_mod.run_sweep(bundle, arm_list, tasks, n=n, seeds=seeds, batch_size=batch_size,
+                               max_tokens=max_tokens, progress=lambda m: click.echo(m, err=True), suite=testbed_tasks)
+    return cal
 
 
 def _sweep_arms(decoders: tuple[str, ...], arms: tuple[str, ...]) -> list:

@@ -39,6 +39,14 @@ import torch
 
 from canvasq.decoders.base import StepDecoder
 from canvasq.decoders.configs import OfficialConfig
+from canvasq.decoders.sampling import (
+    SamplerSettings,
+    draw_fused,
+    draw_torch,
+    entropy_bound_keep,
+    philox_key,
+    self_conditioning,
+)
 from canvasq.decoders.state import Seq, row_generator
 from canvasq.decoders.types import FinishReason
 
@@ -49,50 +57,6 @@ _GROUP_BYTES = 2 << 30  # per [rows, V] fp32 temporary of the sampler statistics
 # ends after its recorded canvases (random weights at the real shape never converge), so the service
 # loop runs the real forwards and sampler work of a real schedule. Empty in production.
 REPLAY: dict[str, list[int]] = {}
-
-
-def _mix(seed: int, canvas: int, step: int) -> int:
-    """A 63-bit Philox key per (request seed, canvas, step): splitmix64 over the three."""
-    x = (seed ^ (canvas * 0x9E3779B97F4A7C15) ^ (step * 0xBF58476D1CE4E5B9)) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (x ^ (x >> 31)) >> 1
-
-
-@dataclass(frozen=True)
-class SamplerSettings:
-    """The knobs of `generate()`'s sampler, resolved like `generate()` resolves them."""
-
-    steps: int
-    entropy_bound: float
-    t_min: float | None
-    t_max: float | None
-    stability_threshold: int | None
-    confidence_threshold: float | None
-
-    @classmethod
-    def resolve(cls, hf_model, config: OfficialConfig) -> SamplerSettings:
-        """Our overrides on top of the checkpoint's generation config and HF's defaults (HF's own
-        `_prepare_generation_config`, so a checkpoint's `generation_config.json` counts the same)."""
-        from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
-
-        kw = {}
-        for name in ("max_denoising_steps", "t_min", "t_max", "stability_threshold", "confidence_threshold"):
-            if getattr(config, name) is not None:
-                kw[name] = getattr(config, name)
-        if config.entropy_bound is not None:
-            kw["sampler_config"] = EntropyBoundSamplerConfig(entropy_bound=float(config.entropy_bound))
-        gc, _ = hf_model._prepare_generation_config(None, **kw)
-        with_temps = gc.t_min is not None and gc.t_max is not None
-        with_stop = gc.stability_threshold is not None and gc.confidence_threshold is not None
-        return cls(
-            steps=int(gc.max_denoising_steps),
-            entropy_bound=float(gc.sampler_config.entropy_bound),
-            t_min=gc.t_min if with_temps else None,
-            t_max=gc.t_max if with_temps else None,
-            stability_threshold=gc.stability_threshold if with_stop else None,
-            confidence_threshold=gc.confidence_threshold if with_stop else None,
-        )
 
 
 @dataclass
@@ -217,24 +181,34 @@ class OfficialDecoder(StepDecoder):
             temp = smp.t_min + (smp.t_max - smp.t_min) * (n / smp.steps)
         top = None
         if self.fused:  # the kernel scales as it reads
-            argmax, entropy, pick, top = self._draw_fused(seqs, dns, logits, None if temp is None else 1.0 / temp)
+            seeds = torch.tensor([philox_key(s.gen.initial_seed(), s.spawned, d.steps_left) for s, d in zip(seqs, dns)],
+                                 dtype=torch.long).to(self.device, non_blocking=True)
+            argmax, entropy, pick, top = draw_fused(logits, seeds, None if temp is None else 1.0 / temp,
+                                                    self.config.sc_topk, self.rt.dtype)
         else:
             if temp is not None:
                 logits = logits.div_(temp[:, None, None])  # the forward's own copy: in place
-            argmax, entropy, pick = self._draw_torch(seqs, logits)
-
-        # accept the lowest-entropy positions while Σ H − max H ≤ bound (HF: EntropyBoundSampler)
-        sorted_h, order = torch.sort(entropy, dim=-1)
-        keep_sorted = torch.cumsum(sorted_h, dim=-1) - sorted_h <= smp.entropy_bound
-        keep = torch.scatter(torch.zeros_like(keep_sorted), -1, order, keep_sorted)
-
+            argmax, entropy, pick = draw_torch(logits, [s.gen for s in seqs])
+        keep = entropy_bound_keep(entropy, smp.entropy_bound)
         for s, tokens in zip(seqs, pick(keep)):
             cv = s.canvases[0]
             cv.tokens = tokens
             cv.age += 1
+        stopped = self._stopped(seqs, dns, argmax, entropy)
+        sc = top if top is not None else self_conditioning(logits, self.config.sc_topk, self.rt.dtype)
+        for b, (s, d) in enumerate(zip(seqs, dns)):
+            d.argmax = argmax[b]
+            d.steps_left -= 1
+            s.canvases[0].sc = sc[b] if not isinstance(sc, tuple) else (sc[0][b], sc[1][b])
+        return keep.sum(dim=-1), stopped
 
-        # adaptive stopping (HF: StableAndConfidentStoppingCriteria), then the next step's SC
-        stopped = torch.zeros(len(seqs), dtype=torch.bool, device=logits.device)
+    def _stopped(self, seqs: list[Seq], dns: list[_Denoising], argmax: torch.Tensor,
+                 entropy: torch.Tensor) -> torch.Tensor:
+        """Which canvases end this step [B]: HF's StableAndConfidentStoppingCriteria (the argmax
+        unchanged for `stability_threshold` steps and the mean entropy under `confidence_threshold`),
+        or the step cap."""
+        smp = self.sampler
+        stopped = torch.zeros(len(seqs), dtype=torch.bool, device=argmax.device)
         if smp.stability_threshold is not None:
             S = smp.stability_threshold
             if S == 0:
@@ -254,73 +228,7 @@ class OfficialDecoder(StepDecoder):
             if plan is not None:  # benchmarks: the recorded schedule decides, not the stopper
                 last[b] = self.sampler.steps - dns[b].steps_left + 1 >= plan[s.spawned - 1]
                 stopped[b] = False
-        stopped = stopped | torch.tensor(last, device=logits.device)
-
-        sc = top if top is not None else self._self_conditioning(logits)
-        for b, (s, d) in enumerate(zip(seqs, dns)):
-            d.argmax = argmax[b]
-            d.steps_left -= 1
-            s.canvases[0].sc = sc[b] if not isinstance(sc, tuple) else (sc[0][b], sc[1][b])
-        return keep.sum(dim=-1), stopped
-
-    def _draw_torch(self, seqs: list[Seq], logits: torch.Tensor):
-        """argmax [B, C], entropy [B, C] and pick(keep [B, C]) -> each request's next input [C]: the
-        draw where kept, the renoise elsewhere, drawn per request in HF's order (multinomial over the
-        canvas, then renoise) from temperature-scaled logits."""
-        if logits.is_cuda:  # one fused read of the [rows, V] logits (bf16-noise equal to HF's ops)
-            from canvasq.kernels import softmax_argmax
-
-            _, arg, ent = softmax_argmax(logits.reshape(-1, self.V))
-            argmax, entropy = arg.view(logits.shape[:2]), ent.view(logits.shape[:2])
-        else:  # HF's exact ops: the CPU parity test compares tokens
-            argmax = logits.argmax(dim=-1)  # [B, C]
-            entropy = torch.distributions.Categorical(logits=logits, validate_args=False).entropy()
-
-        def pick(keep: torch.Tensor) -> list[torch.Tensor]:
-            rows = []
-            for b, s in enumerate(seqs):
-                probs = torch.softmax(logits[b], dim=-1, dtype=torch.float32)
-                sample = torch.multinomial(probs, num_samples=1, generator=s.gen).squeeze(-1)
-                noise = torch.randint(0, self.V, (self.C,), generator=s.gen, device=self.device)
-                rows.append(torch.where(keep[b], sample, noise))
-            return rows
-
-        return argmax, entropy, pick
-
-    def _draw_fused(self, seqs: list[Seq], dns: list[_Denoising], logits: torch.Tensor, inv_temp):
-        """The same statistics and draws for the whole group in one read of the logits (no per-request
-        softmax, multinomial or temperature pass), and the top-k self-conditioning in one more (no sort
-        of the vocabulary). Each request's Philox seed mixes its generator's seed with its canvas and
-        step, so its draws do not depend on the batch."""
-        from canvasq.kernels import softmax_sample
-
-        B, k = len(seqs), self.config.sc_topk
-        seeds = torch.tensor([_mix(s.gen.initial_seed(), s.spawned, d.steps_left) for s, d in zip(seqs, dns)],
-                             dtype=torch.long).to(self.device, non_blocking=True)
-        scaled = inv_temp is not None
-        if not scaled:
-            inv_temp = torch.ones(B, dtype=torch.float32, device=self.device)
-        top_k = k if k is not None and k < self.V else 0
-        out = softmax_sample(logits.reshape(-1, self.V), inv_temp, seeds, self.C, top_k=top_k)
-        draw, noise = out.draw.view(B, self.C), out.noise.view(B, self.C)
-        top = None
-        if top_k:
-            top = (out.top_ids.view(B, self.C, k), out.top_vals.view(B, self.C, k).to(self.rt.dtype))
-        elif scaled:  # full-vocabulary SC reads the scaled logits
-            logits.mul_(inv_temp[:, None, None])
-
-        def pick(keep: torch.Tensor) -> tuple[torch.Tensor, ...]:  # one launch for the group
-            return torch.where(keep, draw, noise).unbind(0)
-
-        return out.argmax.view(B, self.C), out.entropy.view(B, self.C), pick, top
-
-    def _self_conditioning(self, logits: torch.Tensor):
-        """The next step's SC from this step's (temperature-scaled) logits, in the embedding dtype."""
-        dtype = self.rt.dtype
-        if self.config.sc_topk is None or self.config.sc_topk >= self.V:
-            return logits.to(dtype)
-        vals, ids = torch.topk(logits, self.config.sc_topk, dim=-1)
-        return ids, vals.to(dtype)
+        return stopped | torch.tensor(last, device=argmax.device)
 
     # -- a canvas ends ----------------------------------------------------------------------------
     def _finish_canvases(self, seqs: list[Seq]) -> None:

@@ -95,7 +95,7 @@ class PhcdDecoder(StepDecoder):
 
     def __init__(self, bundle, config: PhcdConfig | None = None):
         super().__init__(bundle, config)
-        from canvasq.decoders.official import SamplerSettings
+        from canvasq.decoders.sampling import SamplerSettings
 
         # the fine sampler is the native one: the checkpoint's temperatures and entropy bound
         self.sampler = SamplerSettings.resolve(

@@ -6,8 +6,9 @@ import torch
 from helpers import tiny_bundle
 
 from canvasq.decoders import CANCELLED, DecodeBatch, DecodeRequest, run_batch
-from canvasq.decoders.official import OfficialDecoder, SamplerSettings
+from canvasq.decoders.official import OfficialDecoder
 from canvasq.decoders.registry import make_config
+from canvasq.decoders.sampling import SamplerSettings
 from canvasq.model.loading import load_bundle
 from canvasq.testbed import tasks
 

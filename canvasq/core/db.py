@@ -10,13 +10,17 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self, cast
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import CursorResult, Engine, Result, create_engine, event
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from canvasq.core.settings import REPO_ROOT
+
+if TYPE_CHECKING:
+    from sqlalchemy.dialects.postgresql import Insert as PgInsert
+    from sqlalchemy.dialects.sqlite import Insert as SqliteInsert
 
 MIGRATIONS_DIR = REPO_ROOT / "migrations"
 
@@ -143,14 +147,18 @@ def upsert(session: Session, model, rows: Sequence[dict], keys: Sequence[str], u
     if not rows:
         return
     dialect = session.get_bind().dialect.name
+    table = getattr(model, "__table__", model)
+    stmt: PgInsert | SqliteInsert  # rows as executemany parameters: the statement compiles once (cached)
     if dialect == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert as dialect_insert
+        from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+        stmt = pg_insert(table)
     elif dialect == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert as dialect_insert
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        stmt = sqlite_insert(table)
     else:  # pragma: no cover - only the two tested dialects are supported
         raise NotImplementedError(dialect)
-    table = getattr(model, "__table__", model)
-    stmt = dialect_insert(table)  # rows as executemany parameters: the statement compiles once (cached)
     if update_cols:
         stmt = stmt.on_conflict_do_update(
             index_elements=list(keys), set_={c: getattr(stmt.excluded, c) for c in update_cols}
@@ -158,6 +166,12 @@ def upsert(session: Session, model, rows: Sequence[dict], keys: Sequence[str], u
     else:
         stmt = stmt.on_conflict_do_nothing(index_elements=list(keys))
     session.execute(stmt, list(rows))
+
+
+def rowcount(result: Result[*tuple[Any, ...]]) -> int:
+    """The rows an UPDATE or DELETE matched: `Session.execute` types its answer as a plain Result,
+    though a DML statement's is a CursorResult."""
+    return cast(CursorResult[Any], result).rowcount
 
 
 def retry_transient(fn: Callable[[], Any], attempts: int = 6, base_s: float = 0.5) -> Any:

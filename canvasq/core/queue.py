@@ -16,11 +16,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
+from typing import cast
 
-from sqlalchemy import and_, case, delete, func, insert, or_, select, update
+from sqlalchemy import Table, and_, case, delete, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
-from canvasq.core.db import StoreBase, new_run_id, upsert
+from canvasq.core.db import StoreBase, new_run_id, rowcount, upsert
 from canvasq.core.schemas import Job
 from canvasq.core.statuses import RUN_ACTIVE, ChunkStatus, RequestStatus, RunStatus
 from canvasq.core.tables import (
@@ -130,9 +131,9 @@ class QueueStore(StoreBase):
             if idempotency_key:
                 existing = s.scalar(select(Run).where(Run.idempotency_key == idempotency_key))
                 if existing is not None:
-                    chunk_ids = list(s.scalars(select(Chunk.id).where(Chunk.run_id == existing.id)))
+                    existing_chunks = list(s.scalars(select(Chunk.id).where(Chunk.run_id == existing.id)))
                     n = s.scalar(select(func.count()).where(Request.run_id == existing.id))
-                    return RunCreated(existing.id, False, chunk_ids, n or 0)
+                    return RunCreated(existing.id, False, existing_chunks, n or 0)
             run_id = new_run_id()
             now = utcnow()
             s.add(
@@ -296,7 +297,7 @@ class QueueStore(StoreBase):
                             .values(attempts=Chunk.attempts + 1, status=ChunkStatus.running, worker_id=worker_id,
                                     lease_expires_at=now + timedelta(seconds=lease_s), claimed_ahead=True,
                                     updated_at=now))
-            if res.rowcount != 1:  # claimed by another worker between the read and the write
+            if rowcount(res) != 1:  # claimed by another worker between the read and the write
                 return None
             reqs = s.execute(
                 select(Request.custom_id, Request.prompt, Request.task, Request.max_tokens, Request.decoder)
@@ -352,7 +353,7 @@ class QueueStore(StoreBase):
                     .where(Request.run_id == run_id, Request.custom_id == r.custom_id, Request.status == RequestStatus.queued)
                     .values(status=r.status, updated_at=now)
                 )
-                if res.rowcount != 1:
+                if rowcount(res) != 1:
                     continue  # already terminal: a redelivery or a late duplicate
                 written += 1
                 vals = {
@@ -367,7 +368,7 @@ class QueueStore(StoreBase):
                 s.execute(delete(ForwardTraceRow).where(ForwardTraceRow.run_id == run_id,
                                                         ForwardTraceRow.custom_id == r.custom_id))
                 if r.traces:  # Core executemany (the ORM's bulk path costs more per row than SQLite does)
-                    s.execute(insert(ForwardTraceRow.__table__),
+                    s.execute(insert(cast(Table, ForwardTraceRow.__table__)),
                               [dict(run_id=run_id, custom_id=r.custom_id, **t) for t in r.traces])
         return written
 
@@ -414,7 +415,7 @@ class QueueStore(StoreBase):
             res = s.execute(update(Chunk)
                             .where(Chunk.id.in_(ids), Chunk.worker_id == worker_id, Chunk.status == ChunkStatus.running)
                             .values(lease_expires_at=now + timedelta(seconds=lease_s)))
-            return res.rowcount == len(ids)
+            return rowcount(res) == len(ids)
 
     # -- embedded runs ----------------------------------------------------------------------------
     def run_by_key(self, idempotency_key: str) -> str | None:

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 from itertools import pairwise
 from typing import Any
 
-from sqlalchemy import and_, case, func, select
+from sqlalchemy import Row, and_, case, func, select
 
 from canvasq.core.db import StoreBase
 from canvasq.core.statuses import REQUEST_STATUSES, REQUEST_TERMINAL, RUN_ACTIVE
@@ -70,9 +70,9 @@ def _summary(run: Run, counts: dict[str, int], per_dec: Sequence, finishes: list
     forwards = sum(d.forwards for d in per_dec)
     gen_ms = sum(d.gen_ms for d in per_dec)
     active = run.status in RUN_ACTIVE
-    now = now if active and (in_flight or run.status == "running") else None  # not while it waits
-    wall = active_wall(run.started_at, finishes, now)
-    rate = recent_rate(finishes, now)
+    running_at = now if active and (in_flight or run.status == "running") else None  # not while it waits
+    wall = active_wall(run.started_at, finishes, running_at)
+    rate = recent_rate(finishes, running_at)
     eta = counts["queued"] / rate if rate and counts["queued"] and active else None
     return {
         "run_id": run.id, "name": run.name, "status": run.status, "model": run.model, "queue": run.queue,
@@ -109,7 +109,7 @@ class Reports(StoreBase):
         with self.Session() as s:
             rows = s.execute(select(Request.status, func.count()).where(Request.run_id == run_id)
                              .group_by(Request.status)).all()
-        out = {k: 0 for k in REQUEST_STATUSES}
+        out: dict[str, int] = dict.fromkeys(REQUEST_STATUSES, 0)
         out.update({st: n for st, n in rows})
         out["total"] = sum(n for _, n in rows)
         return out
@@ -147,12 +147,12 @@ class Reports(StoreBase):
         if not ids:
             return {}
         with self.Session() as s:
-            counts = {i: dict.fromkeys(REQUEST_STATUSES, 0) for i in ids}
+            counts: dict[str, dict[str, int]] = {i: dict.fromkeys(REQUEST_STATUSES, 0) for i in ids}
             for run_id, st, n in s.execute(select(Request.run_id, Request.status, func.count())
                                            .where(Request.run_id.in_(ids)).group_by(Request.run_id, Request.status)):
                 counts[run_id][st] = n
             # one GROUP BY: a run's totals are the sums of its decoders' rows
-            per_dec = {i: [] for i in ids}
+            per_dec: dict[str, list[Row[*tuple[Any, ...]]]] = {i: [] for i in ids}
             for d in s.execute(
                 select(Output.run_id, Output.decoder, func.count().label("requests"),
                        func.coalesce(func.sum(Output.completion_tokens), 0).label("tokens"),
@@ -163,7 +163,7 @@ class Reports(StoreBase):
                 .group_by(Output.run_id, Output.decoder).order_by(Output.run_id, Output.decoder)
             ):
                 per_dec[d.run_id].append(d)
-            finishes = {i: [] for i in ids}
+            finishes: dict[str, list[datetime]] = {i: [] for i in ids}
             for run_id, at in s.execute(select(Output.run_id, Output.updated_at)
                                         .where(Output.run_id.in_(ids), Output.error_code.is_(None))):
                 finishes[run_id].append(at)

@@ -500,10 +500,10 @@ def parse_line(obj: Any, line_no: int, limits: Limits) -> tuple[Job | None, list
         task, stop = line.task, line.stop
         if isinstance(stop, list) and len(stop) > MAX_STOP:
             errors.append(f"stop has {len(stop)} sequences; the limit is {MAX_STOP}")
-    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if any(not x for x in stop) and isinstance(line, SimpleLine):
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if any(not x for x in stops) and isinstance(line, SimpleLine):
         errors.append("stop has an empty string")
-    for i, x in enumerate(stop):
+    for i, x in enumerate(stops):
         errors += _storable_text(f"stop[{i}]", x)
 
     errors += _storable_text("custom_id", cid)
@@ -533,7 +533,7 @@ def parse_line(obj: Any, line_no: int, limits: Limits) -> tuple[Job | None, list
         return None, errors
     if task is None:
         task = infer_task(prompt)
-    return Job(cid, prompt, task, max_tokens, line.decoder, line_no, stop), []
+    return Job(cid, prompt, task, max_tokens, line.decoder, line_no, stops), []
 
 
 def _read_lines(fh, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:

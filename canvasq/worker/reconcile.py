@@ -28,6 +28,7 @@ from datetime import timedelta
 
 from sqlalchemy import update
 
+from canvasq.core.db import rowcount
 from canvasq.core.queue import QueueStore
 from canvasq.core.settings import Settings, mask_url
 from canvasq.core.statuses import ChunkStatus
@@ -68,7 +69,7 @@ def requeue_stale(store: QueueStore, chunk_ids: Sequence[str], older_than) -> li
                 .values(status=ChunkStatus.queued, lease_expires_at=None, published_at=None, claimed_ahead=False,
                         updated_at=now)
             )
-            if res.rowcount == 1:
+            if rowcount(res) == 1:
                 done.append(cid)
     return done
 
@@ -84,7 +85,9 @@ def reconcile_once(store: QueueStore, settings: Settings, publish: Publish | Non
     """One pass. `outbox_grace_s`: publish only unpublished chunks stored at least that long ago
     (0 for a pass by hand, which publishes every one; OUTBOX_GRACE_S for the periodic ones)."""
     if publish is None:
-        from canvasq.worker.celery_app import publish_chunks as publish
+        from canvasq.worker.celery_app import publish_chunks
+
+        publish = publish_chunks
     expired = store.expire_overdue()
     by_queue: dict[str, list[str]] = {}
     for cid, q in store.unpublished_chunks(older_than=utcnow() - timedelta(seconds=outbox_grace_s)):

@@ -145,8 +145,10 @@ def _file_routes(app: FastAPI, files: FileStore, settings: Settings, serve: Serv
                                param="purpose")
             if sink.bytes == 0:
                 raise ApiError(400, "the file is empty", param="file")
+            filename = sink.filename
+            assert filename is not None  # finish() refuses an upload without a `file` part
             row = await anyio.to_thread.run_sync(lambda: files.add(
-                who.project, sink.tmp_path, filename=sink.filename, purpose="batch", nbytes=sink.bytes,
+                who.project, sink.tmp_path, filename=filename, purpose="batch", nbytes=sink.bytes,
                 lines=sink.lines, sha256=sink.sha.hexdigest()))
         except BaseException:
             sink.abort()

@@ -17,12 +17,14 @@ the input is in exactly one of the two files.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import re
 import threading
 import uuid
 from collections.abc import Callable
-from datetime import UTC, timedelta
+from datetime import timedelta
+from typing import cast
 
 from sqlalchemy import select, update
 
@@ -30,11 +32,12 @@ from canvasq.core.schemas import OPENAI_URLS, Limits, ValidationReport, iter_job
 from canvasq.core.settings import DECODERS, Settings, model_name
 from canvasq.core.tables import ApiBatch, Run, utcnow
 from canvasq.serve.config import ServeSettings
-from canvasq.serve.files import ApiError, FileStore, new_file_id
+from canvasq.serve.files import ApiError, FileStore, new_file_id, unix_ts
 from canvasq.serve.objects import (
     Batch,
     BatchErrors,
     BatchRequestCounts,
+    BatchStatus,
     BatchUsage,
     CanvasqBatch,
     RunProgress,
@@ -79,10 +82,6 @@ def report_errors(report: ValidationReport) -> list[dict]:
         out.append({"code": "too_many_errors", "line": None, "param": None,
                     "message": f"... and {report.errors_dropped} more errors"})
     return out
-
-
-def _ts(dt) -> int | None:
-    return int(dt.replace(tzinfo=UTC).timestamp()) if dt is not None else None
 
 
 class Batches:
@@ -163,7 +162,7 @@ class Batches:
             rows = [(b, run) for b, run in s.execute(q.order_by(ApiBatch.seq.desc()).limit(limit + 1))]
         return self._objects(rows[:limit]), len(rows) > limit
 
-    def _objects(self, rows: list[tuple[ApiBatch, Run | None]]) -> list[Batch]:
+    def _objects(self, rows: builtins.list[tuple[ApiBatch, Run | None]]) -> builtins.list[Batch]:
         summaries = self.store.run_summaries([run for _, run in rows if run is not None])
         return [self.to_object(b, run, summaries.get(run.id) if run is not None else None) for b, run in rows]
 
@@ -181,6 +180,7 @@ class Batches:
                       .values(cancelling_at=utcnow()))
         self.store.cancel_run(run.id)  # queued chunks now, running ones between decoder steps
         b, run = self._row(project, batch_id)
+        assert run is not None  # the batch's run, found above
         if run.status in RUN_ENDED:  # nothing was running: cancelled at once
             self.finalize(b, run)
         return self.get(project, batch_id)
@@ -226,21 +226,23 @@ class Batches:
     # -- the object --------------------------------------------------------------------------------
     def to_object(self, b: ApiBatch, run: Run | None, summary: dict | None) -> Batch:
         """The OpenAI Batch object of `b` over `run` and its `Reports.run_summaries` entry."""
+        status: BatchStatus
         if b.failed_at is not None:
             status = "failed"
         elif run is None:
             status = "validating"
-        elif b.finished_at is not None:
-            status = run.status if run.status in RUN_ENDED else "completed"
+        elif b.finished_at is not None:  # RUN_ENDED's run statuses are Batch statuses too
+            status = cast(BatchStatus, run.status) if run.status in RUN_ENDED else "completed"
         elif run.status in RUN_ENDED:
             status = "finalizing"
         elif run.status == "cancelling":
             status = "cancelling"
         else:
             status = "in_progress"
-        ended_at = {st: _ts(b.finished_at) if status == st else None for st in RUN_ENDED}
+        ended_at = {st: unix_ts(b.finished_at) if status == st else None for st in RUN_ENDED}
         counts, usage, extension = BatchRequestCounts(total=0, completed=0, failed=0), None, None
         if summary is not None:
+            assert run is not None  # a summary is its run's
             c = summary["counts"]
             counts = BatchRequestCounts(total=c["total"], completed=c["done"],
                                         failed=c["errored"] + c["expired"] + c["cancelled"])
@@ -253,9 +255,9 @@ class Batches:
             errors=BatchErrors(data=b.errors) if b.errors else None,
             input_file_id=b.input_file_id, completion_window=b.completion_window, status=status,
             output_file_id=b.output_file_id, error_file_id=b.error_file_id,
-            created_at=_ts(b.created_at), in_progress_at=_ts(run.created_at) if run is not None else None,
-            expires_at=_ts(b.expires_at), finalizing_at=_ts(b.finalizing_at), completed_at=ended_at["completed"],
-            failed_at=_ts(b.failed_at), expired_at=ended_at["expired"], cancelling_at=_ts(b.cancelling_at),
+            created_at=unix_ts(b.created_at), in_progress_at=unix_ts(run.created_at) if run is not None else None,
+            expires_at=unix_ts(b.expires_at), finalizing_at=unix_ts(b.finalizing_at), completed_at=ended_at["completed"],
+            failed_at=unix_ts(b.failed_at), expired_at=ended_at["expired"], cancelling_at=unix_ts(b.cancelling_at),
             cancelled_at=ended_at["cancelled"], request_counts=counts, metadata=b.meta, usage=usage,
             canvasq=extension,
         )

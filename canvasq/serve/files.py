@@ -14,13 +14,15 @@ import hashlib
 import os
 import uuid
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import IO, cast, overload
 
 from python_multipart.multipart import MultipartParser, parse_options_header
 from sqlalchemy import delete, select
 
 from canvasq.core.tables import ApiFile, utcnow
-from canvasq.serve.objects import FileObject
+from canvasq.serve.objects import FileObject, FilePurpose
 
 MULTIPART_OVERHEAD = 64 * 1024  # boundaries, part headers and the small fields beside the file
 MAX_FIELD_BYTES = 4096  # `purpose` and any other non-file field
@@ -60,7 +62,7 @@ class UploadSink:
         self.lines = 0  # complete lines seen (newlines)
         self.line_len = 0  # bytes of the line in progress
         self.sha = hashlib.sha256()
-        self._fh = None
+        self._fh: IO[bytes] | None = None
         self._part = _Part()
         self._hname = bytearray()
         self._hvalue = bytearray()
@@ -112,6 +114,7 @@ class UploadSink:
                            param="file")
         self._count_lines(chunk)
         self.sha.update(chunk)
+        assert self._fh is not None  # opened with the `file` part's headers
         self._fh.write(chunk)
 
     def _count_lines(self, chunk: bytes) -> None:
@@ -195,7 +198,7 @@ class FileStore:
     def path_of(self, f: ApiFile) -> Path:
         return self.root / f.path
 
-    def add(self, project: str, tmp: Path, *, filename: str, purpose: str, nbytes: int, lines: int,
+    def add(self, project: str, tmp: Path, *, filename: str, purpose: FilePurpose, nbytes: int, lines: int,
             sha256: str, file_id: str | None = None, session=None) -> ApiFile:
         """Move `tmp` into place and insert its row (in `session` when given, else its own)."""
         file_id = file_id or new_file_id()
@@ -240,10 +243,14 @@ class FileStore:
 
 
 def file_object(f: ApiFile) -> FileObject:
-    return FileObject(id=f.id, bytes=f.bytes, created_at=_ts(f.created_at), filename=f.filename, purpose=f.purpose)
+    return FileObject(id=f.id, bytes=f.bytes, created_at=unix_ts(f.created_at), filename=f.filename,
+                      purpose=cast(FilePurpose, f.purpose))  # the column holds only what `add` was given
 
 
-def _ts(dt) -> int | None:
-    from datetime import UTC
-
+@overload
+def unix_ts(dt: datetime) -> int: ...
+@overload
+def unix_ts(dt: datetime | None) -> int | None: ...
+def unix_ts(dt: datetime | None) -> int | None:
+    """Seconds since the epoch of one of the store's (naive UTC) datetimes, as the API objects carry them."""
     return int(dt.replace(tzinfo=UTC).timestamp()) if dt is not None else None

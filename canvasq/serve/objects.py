@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field
 
 BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
                       "cancelled"]
+FilePurpose = Literal["batch", "batch_output"]
 
 
 class BatchRequestCounts(BaseModel):
@@ -110,7 +111,7 @@ class FileObject(BaseModel):
     bytes: int
     created_at: int
     filename: str
-    purpose: Literal["batch", "batch_output"]
+    purpose: FilePurpose
     status: Literal["uploaded", "processed", "error"] = "processed"
     status_details: str | None = None
     expires_at: int | None = None  # files live until deleted

@@ -240,6 +240,7 @@ def _run(code, timeout_s, mem_bytes, file_bytes, disk_bytes, output_bytes, resul
         finally:
             os.close(res_w)
             os.close(st_w)
+        assert proc.stdout is not None and proc.stderr is not None  # both PIPE
         out, err = proc.stdout.fileno(), proc.stderr.fileno()
         caps = {out: output_bytes, err: output_bytes,
                 res_r: result_bytes, st_r: 64 * 1024}

@@ -29,6 +29,7 @@ import hashlib
 import json
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 TASKS = ("arith", "code")  # the two trained families
@@ -298,10 +299,11 @@ def generate(task: str, n: int, seed: int, split: str = "eval") -> list[Problem]
         raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS + VARIANTS)}")
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
-    held_out = None
+    held_out: Callable[[str], bool] | None = None
     if split != "train":
         from canvasq.testbed.ledger import in_legacy_training as held_out
-    make, rng, out = _MAKERS[task], random.Random(f"{task}:{split}:{seed}"), []
+    make, rng = _MAKERS[task], random.Random(f"{task}:{split}:{seed}")
+    out: list[Problem] = []
     while len(out) < n:
         p = make(rng, f"{task}-{split}-{seed}-{len(out)}")
         if split_of(p.prompt) == split and not (held_out and held_out(p.prompt)):
@@ -331,6 +333,7 @@ def verify(problem: Problem, completion: str, timeout_s: float = 5.0) -> bool:
     from canvasq.testbed.sandbox import run_python
 
     cases = code_cases(problem)
+    assert problem.entry is not None  # code_cases found calls to it
     r = run_python(_harness(problem.prompt + completion, problem.entry, [a for a, _ in cases]), timeout_s=timeout_s)
     values = _parse_values(r.result, len(cases)) if not r.truncated else None
     if values is None:
@@ -349,7 +352,8 @@ def code_cases(problem: Problem) -> list[tuple[str, object]]:
         node = ast.parse(test, mode="exec").body[0]
         cmp = node.test if isinstance(node, ast.Assert) else None
         call = cmp.left if isinstance(cmp, ast.Compare) else None
-        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == problem.entry
+        if not (isinstance(cmp, ast.Compare) and isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+                and call.func.id == problem.entry
                 and not call.keywords and len(cmp.ops) == 1 and isinstance(cmp.ops[0], ast.Eq)):
             raise ValueError(f"{problem.uid}: unsupported hidden test {test!r}")
         args = tuple(ast.literal_eval(a) for a in call.args)

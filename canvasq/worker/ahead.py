@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 from canvasq.core.db import retry_transient
@@ -57,7 +58,7 @@ class AheadFeeder:
                 self.stopped = True
                 return
             if claim.state != ClaimState.work:  # every row already terminal
-                retry_transient(lambda cid=claim.chunk_id: engine.store.finish_chunk(cid))
+                retry_transient(partial(engine.store.finish_chunk, claim.chunk_id))
                 continue
             reqs = self._take(claim)
             if reqs is None:  # given back; a few in a row: the rest of the run is not for this stream
@@ -72,10 +73,12 @@ class AheadFeeder:
         engine, cid = self.engine, claim.chunk_id
         parts = [p for decoder, rows in engine.by_decoder(claim).items() for p in engine.routed(decoder, rows)]
         if len(parts) != 1 or (parts[0][0], parts[0][1]) != self.route:
-            return self._release(cid, "rows for another decoder route")
+            self._release(cid, "rows for another decoder route")
+            return None
         reqs, records = engine.tokenize(parts[0][2], self.route[0])
         if any(self.need(q) > self.capacity for q in reqs):
-            return self._release(cid, "rows longer than this stream's arena")
+            self._release(cid, "rows longer than this stream's arena")
+            return None
         engine.ahead_chunks.add(cid)  # renewed by the heartbeat from here on
         if records:  # rows the tokenizer refused: errored now
             retry_transient(lambda: engine.store.write_results(self.run_id, records, engine.worker_id))
@@ -115,8 +118,8 @@ class AheadFeeder:
         reconcile re-publishes it."""
         for cid in list(self.pending):
             if cancelled_status is not None:
-                retry_transient(lambda cid=cid: self.engine.store.close_chunk_rows(
-                    cid, self.run_id, cancelled_status, cancelled_status, f"run {cancelled_status}"))
+                retry_transient(partial(self.engine.store.close_chunk_rows, cid, self.run_id, cancelled_status,
+                                        cancelled_status, f"run {cancelled_status}"))
                 self._finish(cid)
             else:
                 self.engine.ahead_chunks.discard(cid)

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from canvasq.core.db import retry_transient
 from canvasq.core.queue import ClaimedRequest, ClaimState, QueueStore
@@ -35,6 +35,9 @@ from canvasq.core.settings import Settings, get_settings, mask_url, model_name, 
 from canvasq.core.statuses import RequestStatus, RunStatus
 from canvasq.decoders.types import DecodeResult
 from canvasq.worker import faults, streams
+
+if TYPE_CHECKING:
+    from canvasq.worker.ahead import AheadFeeder
 
 log = logging.getLogger(__name__)
 
@@ -293,21 +296,22 @@ class Engine:
     # -- one chunk ---------------------------------------------------------------------------------
     def _stopper(self, run_id: str) -> Callable[[], bool]:
         """`should_stop` for the decoder: the run's cancelling flag, read at most every stop_poll_s."""
-        state = {"t": 0.0, "stop": False}
+        read_at, stop = 0.0, False
 
         def should_stop() -> bool:
+            nonlocal read_at, stop
             now = time.monotonic()
-            if not state["stop"] and now - state["t"] >= self.stop_poll_s:
-                state["t"] = now
+            if not stop and now - read_at >= self.stop_poll_s:
+                read_at = now
                 try:
-                    state["stop"] = self.store.run_status(run_id) in (
+                    stop = self.store.run_status(run_id) in (
                         RunStatus.cancelling,
                         RunStatus.cancelled,
                         RunStatus.expired,
                     )
                 except Exception as exc:  # noqa: BLE001 a flaky read never stops generation
                     log.debug("cancel-flag read failed: %s", exc)
-            return state["stop"]
+            return stop
 
         return should_stop
 
@@ -352,7 +356,7 @@ class Engine:
                 routes += self.routed(decoder, rows)
             else:
                 batched.append((decoder, rows))
-        feeders = []
+        feeders: list[AheadFeeder] = []
         for i, (name, knobs, part) in enumerate(routes):
             if should_stop():
                 break

@@ -31,6 +31,7 @@ from canvasq.worker import faults
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from canvasq.worker.ahead import AheadFeeder
     from canvasq.worker.engine import ChunkSummary, Engine
 
 log = logging.getLogger(__name__)
@@ -123,11 +124,12 @@ class _RowStream:
         decoder: str,
         reqs: list[DecodeRequest],
         should_stop: Callable[[], bool],
-        feeder=None,
+        feeder: AheadFeeder | None = None,
     ):
         self.engine, self.run_id, self.decoder = engine, run_id, decoder
         self.should_stop, self.feeder = should_stop, feeder
-        self.todo, self.fed, self.written = longest_first(reqs), [], 0
+        self.todo, self.written = longest_first(reqs), 0
+        self.fed: list[DecodeRequest] = []
 
     def feed(self, n: int) -> list[tuple[str, DecodeRequest]]:
         todo = self.todo
@@ -162,7 +164,7 @@ class _RowStream:
 
 def _ahead(
     engine: Engine, run_id: str, route: tuple[str, dict], dec, reqs: list[DecodeRequest], deadline: float
-):
+) -> tuple[int, AheadFeeder]:
     """(arena entries per slot, AheadFeeder) for a stream that takes the run's next chunks: an arena
     for the run's rows, not this chunk's (its longest max_tokens, prompts up to 1.5x this chunk's
     longest: a longer row's chunk is given back to its own delivery)."""
@@ -184,7 +186,7 @@ def stream_and_store(
     should_stop: Callable[[], bool],
     summary: ChunkSummary,
     ahead_until: float | None = None,
-    feeders: list | None = None,
+    feeders: list[AheadFeeder] | None = None,
 ) -> int:
     """Continuous batching over `rows`: `decode_slots` requests in flight, a free slot refilled at
     once, each finished row written to the store the moment it ends. With `ahead_until` (a monotonic
@@ -206,7 +208,8 @@ def stream_and_store(
         capacity, feeder = _ahead(engine, run_id, (decoder, knobs), dec, reqs, ahead_until)
         if feeders is not None:
             feeders.append(feeder)
-    stream, occupancy = _RowStream(engine, run_id, decoder, reqs, should_stop, feeder), []
+    stream = _RowStream(engine, run_id, decoder, reqs, should_stop, feeder)
+    occupancy: list[tuple[int, int]] = []
     try:
         dec.stream(
             stream.feed,

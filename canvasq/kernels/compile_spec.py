@@ -5,6 +5,10 @@ without a GPU and report registers, spills, shared memory and half-precision FMA
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from triton.runtime.jit import JITFunction
 
 
 @dataclass(frozen=True)
@@ -18,7 +22,7 @@ class CompileSpec:
     although it spills."""
 
     name: str
-    fn: object
+    fn: JITFunction
     constexprs: dict
     types: dict[str, str] = field(default_factory=dict)
     divisible: frozenset[str] = frozenset()

@@ -483,7 +483,8 @@ def rms_norm_rope_reference(
     y = y.contiguous() if cos is None else rope_reference(y, cos, sin)
     if out is None:
         return y
-    out.check(*y.shape, y.dtype)
+    n, heads, d = y.shape
+    out.check(n, heads, d, y.dtype)
     out.dst[out.a, :, out.b] = y
     return out.dst
 

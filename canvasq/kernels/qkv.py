@@ -9,6 +9,7 @@ Bytes: one read of x [T, H] instead of two or three, one weight read of (Nq + Nk
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -36,7 +37,7 @@ def fuse_qkv_weights(
     biases = [q_bias, k_bias] + ([v_bias] if v_weight is not None else [])
     has_bias = [b is not None for b in biases]
     assert all(has_bias) or not any(has_bias), "either every projection has a bias or none does"
-    bias = torch.cat(biases) if all(has_bias) else None
+    bias = torch.cat([b for b in biases if b is not None]) if all(has_bias) else None
     nv = v_weight.shape[0] if v_weight is not None else 0
     return FusedQKV(torch.cat(ws).contiguous(), bias, (q_weight.shape[0], k_weight.shape[0], nv))
 
@@ -59,12 +60,14 @@ def qkv_proj_reference(x, q_weight, k_weight, v_weight=None, q_bias=None, k_bias
 
 def fuse_attention_module(attn: torch.nn.Module) -> FusedQKV:
     """FusedQKV from an HF attention module's `q_proj`, `k_proj`, optional `v_proj` (nn.Linear each)."""
-    v = getattr(attn, "v_proj", None)
+    # nn.Module's __getattr__ is typed Tensor | Module: the projections are Linear-like (LoRA merged)
+    q, k = cast(torch.nn.Linear, attn.q_proj), cast(torch.nn.Linear, attn.k_proj)
+    v = cast(torch.nn.Linear | None, getattr(attn, "v_proj", None))
     return fuse_qkv_weights(
-        attn.q_proj.weight,
-        attn.k_proj.weight,
+        q.weight,
+        k.weight,
         v.weight if v is not None else None,
-        attn.q_proj.bias,
-        attn.k_proj.bias,
+        q.bias,
+        k.bias,
         v.bias if v is not None else None,
     )

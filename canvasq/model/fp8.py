@@ -231,7 +231,7 @@ def install_fp8(rt, parts: tuple[str, ...], min_rows: int) -> int:
     bad = [p for p in parts if p not in PARTS]
     if bad:
         raise ValueError(f"unknown FP8 part(s) {bad}; known: {', '.join(PARTS)}")
-    done: dict[int, object] = {}
+    done: dict[int, FP8Linear | FP8Experts] = {}
     added = 0
 
     def once(key: int, make):

@@ -313,7 +313,9 @@ class GraphRunner:
             self.stats["eager"] += 1
             return self.rt.decode(arena, windows, prefix_attention=prefix_attention)
         self.stats["replayed"] += 1
-        return graph.run(windows)
+        out = graph.run(windows)
+        assert out is not None  # a decoder graph has logits
+        return out
 
     @torch.no_grad()
     def encode_many(self, arena: KVArena, items: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
@@ -356,20 +358,23 @@ class GraphRunner:
         if key in self.graphs:
             self.graphs.move_to_end(key)
             return self.graphs[key]
-        graph = self.graphs[key] = self._build(windows, rows, context, encoder)
+        graph = self.graphs[key] = self._build(arena, windows, rows, context, encoder)
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
             self.stats["evicted"] += 1
         return graph
 
-    def _build(self, windows: list[Window], rows: int, context: int, encoder: bool) -> DecodeGraph | None:
+    def _build(
+        self, arena: KVArena, windows: list[Window], rows: int, context: int, encoder: bool
+    ) -> DecodeGraph | None:
+        """A graph over the runner's own arena (`arena` is `self.store`)."""
         if self.logits is None:
-            n = min(self.max_rows, self.store.slots * ROW_BUCKETS[-1])
+            n = min(self.max_rows, arena.slots * ROW_BUCKETS[-1])
             self.logits = torch.empty(n * self.rt.vocab_size, dtype=torch.float32, device=self.rt.device)
         try:
             graph = DecodeGraph(
                 self.rt,
-                self.store,
+                arena,
                 windows,
                 rows=rows,
                 context=context,

@@ -112,22 +112,21 @@ def self_cond_entries(windows: list[Window], offsets: list[int], dev, dtype: tor
     """(rows [R] on device, keep [R, 1] or None, self_cond on device) per SC entry: one entry for all
     the windows' top-k signals of one k (one softmax and one gather for the forward, not a few
     launches per window), else one per window (full-vocabulary logits stay apart)."""
-    parts = [(b, w) for b, w in enumerate(windows) if w.self_cond is not None]
-    ks = {w.self_cond[0].shape[-1] if isinstance(w.self_cond, tuple) else None for _, w in parts}
+    parts = [(b, w, w.self_cond) for b, w in enumerate(windows) if w.self_cond is not None]
+    ks = {sc[0].shape[-1] if isinstance(sc, tuple) else None for _, _, sc in parts}
     if len(parts) > 1 and len(ks) == 1 and None not in ks:
-        rows = torch.cat([torch.arange(offsets[b], offsets[b + 1]) for b, _ in parts]).to(dev)
+        rows = torch.cat([torch.arange(offsets[b], offsets[b + 1]) for b, _, _ in parts]).to(dev)
         keep = None
-        if any(w.self_cond_rows is not None for _, w in parts):
+        if any(w.self_cond_rows is not None for _, w, _ in parts):
             keep = torch.cat([w.self_cond_rows.to(dev) if w.self_cond_rows is not None
-                              else torch.ones(w.rows, dtype=torch.bool, device=dev) for _, w in parts])
+                              else torch.ones(w.rows, dtype=torch.bool, device=dev) for _, w, _ in parts])
             keep = keep.to(dtype)[:, None]
-        payload = tuple(torch.cat([w.self_cond[i].to(dev) for _, w in parts]) for i in (0, 1))
+        tops = [sc for _, _, sc in parts if isinstance(sc, tuple)]  # every one: `ks` holds no None
+        payload = tuple(torch.cat([sc[i].to(dev) for sc in tops]) for i in (0, 1))
         return [(rows, keep, payload)]
     entries = []
-    for b, w in parts:
+    for b, w, sc in parts:
         rows = torch.arange(offsets[b], offsets[b + 1], device=dev)
         keep = None if w.self_cond_rows is None else w.self_cond_rows.to(dev, dtype)[:, None]
-        payload = w.self_cond
-        payload = tuple(t.to(dev) for t in payload) if isinstance(payload, tuple) else payload.to(dev)
-        entries.append((rows, keep, payload))
+        entries.append((rows, keep, tuple(t.to(dev) for t in sc) if isinstance(sc, tuple) else sc.to(dev)))
     return entries

@@ -62,6 +62,7 @@ import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +79,10 @@ from canvasq.model.fp8 import fp8_linear, fp8_moe
 from canvasq.model.prepared import Prepared, prepare
 from canvasq.model.weights import LayerWeights, fuse_projections, layer_weights
 from canvasq.model.windows import DecodeOutput, SelfCond, Window, encoder_windows  # noqa: F401 (re-exported)
+
+if TYPE_CHECKING:
+    from canvasq.kernels.moe.quant import W4Experts
+    from canvasq.model.graph import GraphRunner
 
 # Legend: N rows in the forward (all windows), R rows of one window, B windows, H hidden, V vocab,
 # h heads / kv heads of a layer, d head dim, L arena entries visible (prefix + window), E experts,
@@ -152,7 +157,7 @@ class Runtime:
         # (ragged contexts, a sliding band that clips, padded rows); graphed forwards always mask
         self.attention_paths = {"maskfree": 0, "masked": 0}
         self.scope: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
-        self.graph_runner = None  # `model.graph.graph_runner(self)`: the decode loop's CUDA graphs
+        self.graph_runner: GraphRunner | None = None  # `model.graph.graph_runner(self)`: the decode loop's CUDA graphs
         # FP8 copies (`fp8.install_fp8`) for forwards of at least `fp8_min_rows` rows, where the forward
         # is compute-bound; smaller forwards keep the model-dtype / W4 path
         self.fp8_parts: tuple[str, ...] = ()
@@ -253,10 +258,11 @@ class Runtime:
         from canvasq.kernels.moe import pack_w4
         from canvasq.kernels.moe.launch import prefer_tiled
 
-        packed: dict[int, object] = {}
+        packed: dict[int, W4Experts] = {}
         for lw in self.enc_layers + self.dec_layers:
             if lw.experts_packed is not None:
                 continue
+            assert lw.gate_up is not None and lw.down is not None  # freed only where packed at load
             key = lw.gate_up.data_ptr()
             if key not in packed:
                 packed[key] = prefer_tiled(pack_w4(lw.gate_up, lw.down), self.dtype)
@@ -288,6 +294,7 @@ class Runtime:
         `encoder_rows` are an encoder pass in the same forward (see `Window`): no logits come back for
         them, and their K/V are committed to the slot after the forward."""
         out = self._forward(arena, windows, encoder=False, prefix_attention=prefix_attention)
+        assert out is not None  # a decoder forward has logits
         for w in windows:
             if w.encoder_rows:
                 arena.commit(w.slot, w.encoder_rows)
@@ -348,6 +355,8 @@ class Runtime:
 
     def _split_captured(self, prep: Prepared, cap_k, cap_v) -> list[Captured | None]:
         out: list[Captured | None] = [None] * len(prep.windows)
+        if prep.capture is None:  # no window captures (cap_owner is empty)
+            return out
         start = 0
         for b, count in prep.cap_owner:
             sl = slice(start, start + count)
@@ -364,12 +373,12 @@ class Runtime:
         # MLP output is exactly 0 (HF's "no logits" case), so they need no special path.
         if prep.sc:
             with self.scope("self_cond"):
-                soft, rows = [], []
+                softs, rows = [], []
                 for r, keep, payload in prep.sc:
                     s = self._soft_embedding(payload) * scale  # [R, H]
-                    soft.append(s if keep is None else s * keep)
+                    softs.append(s if keep is None else s * keep)
                     rows.append(r)
-                soft = torch.cat(soft) if len(soft) > 1 else soft[0]
+                soft = torch.cat(softs) if len(softs) > 1 else softs[0]
                 r = torch.cat(rows) if len(rows) > 1 else rows[0]
                 x = self._norm(soft, self.sc["pre_norm"], self.eps)
                 sig = F.linear(
@@ -428,6 +437,7 @@ class Runtime:
                 cap_v.append(arena_v[prep.cap_slot, :, prep.cap_col])
             if kv_only:
                 return h
+            assert q_out is not None  # made for every layer but kv_only
             a = prep.ctx.attend(i, prep.arena, q_out.dst, lw.sliding)  # [N, h*d]
             a = self._dense(a, lw, "wo")
             h = self._add_norm(a, lw.ln_post_attn, h, None, None, eps)  # h + norm(a)
@@ -448,6 +458,7 @@ class Runtime:
         out = self._add_norm(m, lw.ln_post_ff, h, e, scale, eps, pre=(lw.ln_post_ff1, lw.ln_post_ff2))
         if per_row:  # encoder rows riding in a decoder forward take the encoder layer's scalar (HF rounds
             # the residual sum, then the product: as here)
+            assert prep.enc_rows is not None  # per_row says so
             scalar = torch.where(prep.enc_rows[:, None], self.enc_layers[i].layer_scalar, lw.layer_scalar)
             out = out * scalar.to(out.dtype)
         return out
@@ -468,11 +479,13 @@ class Runtime:
         )
 
     def _moe_reference(self, x, topk_ids, topk_p, lw: LayerWeights):
+        assert lw.gate_up is not None and lw.down is not None  # the BF16 experts (not freed for W4)
         return moe_reference(
             x, topk_ids, route_weights(topk_p, topk_ids, lw.per_expert_scale), lw.gate_up, lw.down
         )
 
     def _moe_grouped(self, x, topk_ids, topk_p, lw: LayerWeights):
+        assert lw.gate_up is not None and lw.down is not None  # the BF16 experts (not freed for W4)
         return moe_grouped(
             x, topk_ids, route_weights(topk_p, topk_ids, lw.per_expert_scale), lw.gate_up, lw.down
         )
@@ -481,6 +494,7 @@ class Runtime:
         from canvasq.kernels.moe import w4_moe
 
         # with the fused norms, the combine happens in the end-of-layer norm (`ExpertRows`)
+        assert lw.experts_packed is not None  # packed by _pack_w4 or at load
         return w4_moe(
             x,
             topk_ids,

@@ -159,7 +159,8 @@ def build_config(shape: ModelShape = TESTBED):
     }
     if s.real_rope:
         text.update(hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, rope_parameters=_REAL_ROPE)
-    return DiffusionGemmaConfig(
+    # HF's dataclass configs take extra attributes (the token ids) as **kwargs their signature omits
+    return DiffusionGemmaConfig(  # type: ignore[call-arg]
         text_config=text,
         vision_config=dict(TINY_VISION),
         canvas_length=s.canvas_length,

@@ -5,8 +5,12 @@ GEMM each, and the FP8 copies `fp8.install_fp8` adds."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from canvasq.kernels.moe.quant import W4Experts
 
 
 @dataclass
@@ -39,7 +43,7 @@ class LayerWeights:
     gate_up: torch.Tensor | None  # [E, 2I, H] (None: freed when the model's experts were packed at load)
     down: torch.Tensor | None  # [E, H, I]
     layer_scalar: torch.Tensor  # [1]
-    experts_packed: object = None  # W4Experts when experts="w4" (or installed by `pack_model_experts`)
+    experts_packed: W4Experts | None = None  # W4Experts when experts="w4" (or installed by `pack_model_experts`)
     wqkv: torch.Tensor | None = None  # [(h + kv [+ kv]) * d, H]: q, k (and v) in one GEMM
     mlp_gate_up: torch.Tensor | None = None  # [2 * Id, H]: the dense MLP's gate and up in one GEMM
     fp8: dict = field(default_factory=dict)  # {"wqkv" | "wo" | "mlp_gate_up" | "mlp_down" | "experts": FP8 copy}

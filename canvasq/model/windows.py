@@ -67,8 +67,10 @@ class Window:
         for t, start in canvases:
             r = t.numel()
             p = torch.arange(start, start + r, device=t.device)
-            ids.append(t), pos.append(p)
-            lo.append(torch.full_like(p, start)), hi.append(torch.full_like(p, start + r))
+            ids.append(t)
+            pos.append(p)
+            lo.append(torch.full_like(p, start))
+            hi.append(torch.full_like(p, start + r))
         return cls(slot, torch.cat(ids), torch.cat(pos), torch.cat(lo), torch.cat(hi), **kw)
 
 

@@ -382,8 +382,8 @@ def _loop_staged(
             gl.allocate_shared_memory(gl.int32, [STAGES, BN, GROUP // 8], SW),
         )
     else:
-        q_offs = (q_off0,)
-        sws = (gl.allocate_shared_memory(gl.int32, [STAGES, BN, GROUP // 8], SW),)
+        q_offs = (q_off0,)  # type: ignore[assignment]  # one tuple length per NMAT, fixed at trace time
+        sws = (gl.allocate_shared_memory(gl.int32, [STAGES, BN, GROUP // 8], SW),)  # type: ignore[assignment]
     sx = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_M, GROUP // 2], SX)
 
     for st in gl.static_range(STAGES - 1):

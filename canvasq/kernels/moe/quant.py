@@ -36,6 +36,7 @@ is within about scale / 2 of its dequantised value (`max_abs_error_bound`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -102,6 +103,7 @@ class W4Experts:
             "down_zero": self.down_zero,
         }
         if self.tiled:
+            assert self.gate_up_sz is not None and self.down_sz is not None  # set with `tiled`
             out.update(gate_up_sz=self.gate_up_sz, down_sz=self.down_sz)
         return out
 
@@ -113,7 +115,8 @@ class W4Experts:
         return self.nbytes() // self.num_experts
 
     def to(self, device) -> W4Experts:
-        return replace(self, **{k: v.to(device) for k, v in self.tensors().items()})
+        moved: dict[str, Any] = {k: v.to(device) for k, v in self.tensors().items()}
+        return replace(self, **moved)
 
     def kcontig_q(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up_q, down_q) in the K-contiguous order, untiling a tiled pack (a copy)."""
@@ -166,6 +169,7 @@ class W4Experts:
         gg, gd = self.config.group_gate_up, self.config.group_down
         hp, ip = _round_up(H, gg), _round_up(I, gd)
         if self.tiled:
+            assert self.gate_up_sz is not None and self.down_sz is not None
             assert self.gate_up_sz.shape == self.gate_up_scale.shape and self.gate_up_sz.dtype == torch.int32
             assert self.down_sz.shape == self.down_scale.shape and self.down_sz.dtype == torch.int32
             assert self.gate_up_q.shape == (E, 2 * I // 16, hp // gg, 2 * gg), self.gate_up_q.shape

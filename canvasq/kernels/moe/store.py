@@ -19,6 +19,7 @@ import json
 import logging
 import types
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -103,7 +104,7 @@ def _install(mod: torch.nn.Module, packed: W4Experts) -> None:
             del mod._parameters[pname]
         elif hasattr(mod, pname):
             delattr(mod, pname)
-    mod.w4_experts = packed
+    mod.w4_experts = packed  # type: ignore[assignment]  # nn.Module types its attributes Tensor | Module
     mod.forward = types.MethodType(_w4_forward, mod)
 
 
@@ -123,11 +124,12 @@ def pack_model_experts(
     mods = _expert_modules(model)
     if not mods:
         return {}
-    device = torch.device(device) if device is not None else mods[0][1].gate_up_proj.device
+    # nn.Module types its attributes Tensor | Module: _expert_modules found Tensors
+    dev = torch.device(device) if device is not None else cast(torch.Tensor, mods[0][1].gate_up_proj).device
     loaded = None
     if cache is not None and Path(cache).exists():
         try:
-            loaded = load_packed(cache, device)
+            loaded = load_packed(cache, dev)
         except StalePackError as ex:
             log.warning("%s: repacking", ex)
     if loaded is not None:
@@ -139,11 +141,12 @@ def pack_model_experts(
     packs, owners = {}, {}
     for members in groups.values():
         first_name, first = members[0]
-        packs[first_name] = pack_w4(first.gate_up_proj.data.to(device), first.down_proj.data.to(device), config)
+        gate_up, down = cast(torch.Tensor, first.gate_up_proj), cast(torch.Tensor, first.down_proj)
+        packs[first_name] = pack_w4(gate_up.data.to(dev), down.data.to(dev), config)
         owners[first_name] = [n for n, _ in members]
         for _, mod in members:  # drops the BF16 parameters now (frees the layer on a GPU)
             _install(mod, packs[first_name])
-        if device.type == "cuda":
+        if dev.type == "cuda":
             torch.cuda.empty_cache()
     if cache is not None:
         save_packed(cache, packs, owners)

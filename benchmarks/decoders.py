@@ -32,7 +32,7 @@ between arms (the graph and eager arms run the same loop; whether their tokens a
 `replay-live`: the decoder's own loop (`run_batch`: its windows, sampler work on [rows, 262,144]
 logits, commits, promotions, encoder passes) at the real shape, with the decisions random weights cannot
 make taken from a testbed recording: `official` stops each canvas after its recorded denoising steps
-(`official.REPLAY`), `phcd` commits its recorded count × scale on each forward (`phcd.REPLAY`; coarse
+(`replay.OFFICIAL`), `phcd` commits its recorded count × scale on each forward (`replay.PHCD`; coarse
 passes fall on the same forwards). Prompts are the testbed prompts' ids repeated × scale. Each arm runs
 once untimed (allocations, graph captures), then timed; tok/s = recorded tokens × scale ÷ wall seconds.
 
@@ -260,10 +260,11 @@ def _timed_passes(bundle, batches: list, bs: int, decoder: str, knobs: dict, see
 
 
 def replay_live(args) -> dict:
-    from canvasq.decoders import official, phcd
+    from benchmarks import replay
     from canvasq.model.loading import load_bundle
 
-    tables = {"official": official.REPLAY, "phcd": phcd.REPLAY}
+    replay.install()
+    tables = {"official": replay.OFFICIAL, "phcd": replay.PHCD}
     testbed = load_bundle(args.model, device=args.record_device)
     # experts packed at load (W4: the packs every runtime of the model shares, no BF16 copy kept)
     target = load_bundle(args.shape, device=args.device, experts=args.experts)
@@ -275,8 +276,9 @@ def replay_live(args) -> dict:
         for spec in args.arms.split(";"):
             name, over = _parse_arm(spec)
             if name not in tables:
-                raise SystemExit(f"replay-live: {name!r} has no REPLAY hook (official, phcd)")
+                raise SystemExit(f"replay-live: {name!r} has no replaying decoder (official, phcd)")
             part = reqs[:bs] if bs > 1 else reqs[: max(1, args.n // 4)]
+            tables[name].clear()  # the testbed records its own schedule, not an earlier arm's
             recorded = []
             for i in range(0, len(part), bs):
                 recorded += run_batch(
@@ -285,7 +287,6 @@ def replay_live(args) -> dict:
                     decoder=name,
                     overrides=over or None,
                 )
-            tables[name].clear()
             jobs = []
             for q, r in zip(part, recorded):
                 plan, max_tokens = _replay_plan(name, r, scale, target.canvas_length)

@@ -8,7 +8,7 @@
    worker loads it; a run of the same requests (prompt text repeated `--scale` times, max_tokens =
    recorded canvases × 256) is created in a SQLite store and drained by `Engine.process_chunk`
    with `decode_slots = batch`: continuous batching, per-row writes, the sampler's real work on real
-   [rows, 262,144] logits; only the stop decisions come from the recording (`official.REPLAY`).
+   [rows, 262,144] logits; only the stop decisions come from the recording (`replay.OFFICIAL`).
    tok/s = recorded tokens × scale ÷ wall seconds of the chunk.
 3. Bare forwards: the same number of 256-row windows per step through the graph runner alone, so the
    service loop's rows/s can be compared with the forward's.
@@ -67,10 +67,11 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
            arm: str = "official", arena_gib: str = "auto") -> dict:
     import functools
 
+    from benchmarks import replay
     from canvasq.core.schemas import Job
     from canvasq.core.settings import Settings
     from canvasq.core.store import Store
-    from canvasq.decoders import configs, official
+    from canvasq.decoders import configs
     from canvasq.model.loading import load_bundle
     from canvasq.worker.engine import Engine
 
@@ -82,10 +83,11 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
         print(f"loaded {target} (W4) in {time.perf_counter() - t0:.1f}s", flush=True)
     bundle = _TARGET
     C = bundle.canvas_length
-    official.REPLAY.clear()
+    replay.install()
+    replay.OFFICIAL.clear()
     jobs = []
     for i, r in enumerate(rows):
-        official.REPLAY[r["custom_id"]] = r["steps"]
+        replay.OFFICIAL[r["custom_id"]] = r["steps"]
         jobs.append(Job(r["custom_id"], " ".join([r["prompt"]] * scale), r["task"], len(r["steps"]) * C, None, i + 1))
     db = Path(tempfile.mkdtemp()) / "bench.sqlite"
     settings = Settings(database_url=f"sqlite:///{db}", model=target, device=device, decode_slots=batch,
@@ -108,7 +110,7 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
                                                                            "decoder", "line_no")]) for j in jobs],
                            model=settings.model, queue="q", decoder="official", chunk_size=len(jobs))
     for r in rows:
-        official.REPLAY[f"t{r['custom_id']}"] = r["steps"]
+        replay.OFFICIAL[f"t{r['custom_id']}"] = r["steps"]
     graphs = _graph_stats(bundle)
     paths = _attention_paths(bundle)
     _sync()

@@ -52,11 +52,6 @@ from canvasq.decoders.types import FinishReason
 
 _GROUP_BYTES = 2 << 30  # per [rows, V] fp32 temporary of the sampler statistics
 
-# Benchmarks only (`benchmarks/official_service.py`, labelled "replayed"): custom_id -> denoising steps
-# per canvas recorded on the testbed. A listed request stops each canvas after its recorded steps and
-# ends after its recorded canvases (random weights at the real shape never converge), so the service
-# loop runs the real forwards and sampler work of a real schedule. Empty in production.
-REPLAY: dict[str, list[int]] = {}
 
 
 @dataclass
@@ -66,6 +61,11 @@ class _Denoising:
     steps_left: int  # HF's cur_step: N on the first step of a canvas, 1 on the last
     argmax: torch.Tensor | None = None  # [C]: the canvas's tokens once it stops
     history: torch.Tensor | None = None  # [S, C]: the last S argmax canvases (stability test)
+
+    def final(self) -> torch.Tensor:
+        """[C]: the canvas's tokens, once a step has stopped it (its last argmax)."""
+        assert self.argmax is not None
+        return self.argmax
 
 
 class OfficialDecoder(StepDecoder):
@@ -162,8 +162,11 @@ class OfficialDecoder(StepDecoder):
         if sc is not None:
             on = torch.ones(self.C, dtype=torch.bool, device=dev) if rows is None else rows
             rows = torch.cat([torch.zeros(n, dtype=torch.bool, device=dev), on])
-            sc = (tuple(torch.cat([t.new_zeros((n, *t.shape[1:])), t]) for t in sc) if isinstance(sc, tuple)
-                  else torch.cat([sc.new_zeros((n, *sc.shape[1:])), sc]))
+
+            def behind(t: torch.Tensor) -> torch.Tensor:  # no signal for the encoder rows in front
+                return torch.cat([t.new_zeros((n, *t.shape[1:])), t])
+
+            sc = (behind(sc[0]), behind(sc[1])) if isinstance(sc, tuple) else behind(sc)
         canvas = torch.arange(cv.start, cv.start + self.C, device=dev)
         return Window(slot, torch.cat([ids, cv.tokens]), torch.cat([pos, canvas]),
                       torch.cat([pos, torch.full_like(canvas, cv.start)]),
@@ -178,6 +181,7 @@ class OfficialDecoder(StepDecoder):
         if smp.t_min is not None:
             # HF's LinearTemperatureScheduleLogitsProcessor, same dtype path (int32 step / N in fp32)
             n = torch.tensor([d.steps_left for d in dns], dtype=torch.int32, device=logits.device)
+            assert smp.t_max is not None  # set with t_min (`SamplerSettings.resolve`)
             temp = smp.t_min + (smp.t_max - smp.t_min) * (n / smp.steps)
         top = None
         if self.fused:  # the kernel scales as it reads
@@ -210,7 +214,8 @@ class OfficialDecoder(StepDecoder):
         smp = self.sampler
         stopped = torch.zeros(len(seqs), dtype=torch.bool, device=argmax.device)
         if smp.stability_threshold is not None:
-            S = smp.stability_threshold
+            S, confidence = smp.stability_threshold, smp.confidence_threshold
+            assert confidence is not None  # set with stability_threshold (`SamplerSettings.resolve`)
             if S == 0:
                 stable = torch.ones_like(stopped)
             else:
@@ -221,21 +226,25 @@ class OfficialDecoder(StepDecoder):
                 hist = torch.cat([hist[:, 1:], argmax[:, None, :]], dim=1)
                 for b, d in enumerate(dns):
                     d.history = hist[b]
-            stopped = stable & (entropy.mean(dim=-1) < smp.confidence_threshold)
-        last = [d.steps_left <= 1 for d in dns]
-        for b, s in enumerate(seqs):
-            plan = REPLAY.get(s.req.custom_id)
-            if plan is not None:  # benchmarks: the recorded schedule decides, not the stopper
-                last[b] = self.sampler.steps - dns[b].steps_left + 1 >= plan[s.spawned - 1]
-                stopped[b] = False
-        return stopped | torch.tensor(last, device=argmax.device)
+            stopped = stable & (entropy.mean(dim=-1) < confidence)
+        last = torch.tensor([d.steps_left <= 1 for d in dns], device=argmax.device)
+        return stopped | last
 
     # -- a canvas ends ----------------------------------------------------------------------------
+    def _answer_ends(self, s: Seq, toks: list[int]) -> str | None:
+        """Whether the answer ends with the canvas just finished (`toks`): its finish reason, or None.
+        EOS (or PAD) in it ends it; so do its last canvas and max_tokens."""
+        if any(t in self.stop_ids for t in toks):
+            return FinishReason.stop
+        if s.spawned >= s.n_canvases or len(s.out) >= s.req.max_tokens:
+            return FinishReason.length
+        return None
+
     def _finish_canvases(self, seqs: list[Seq]) -> None:
         """Append each finished canvas's argmax; end the answer at EOS / PAD or max_tokens, else write
         the canvas to the cache (one encoder pass for all of them, with the next prompts unless
         `defer_commits` is off) and start the next one."""
-        tokens = torch.stack([self._dn[s.row].argmax for s in seqs]).tolist()
+        tokens = torch.stack([self._dn[s.row].final() for s in seqs]).tolist()
         encodes = []
         for s, toks in zip(seqs, tokens):
             s.out.extend(toks)
@@ -246,15 +255,9 @@ class OfficialDecoder(StepDecoder):
             cv.committed[:] = True
             s.retired.append(cv)
             s.canvases = []
-            plan = REPLAY.get(s.req.custom_id)
-            stop = any(t in self.stop_ids for t in toks) if plan is None else False
-            if plan is not None and s.spawned >= len(plan):
-                s.done, s.finish_reason = True, FinishReason.length
-                self._dn.pop(s.row, None)
-                continue
-            if stop or s.spawned >= s.n_canvases or len(s.out) >= s.req.max_tokens:
-                s.done = True
-                s.finish_reason = FinishReason.stop if stop else FinishReason.length
+            ended = self._answer_ends(s, toks)
+            if ended is not None:
+                s.done, s.finish_reason = True, ended
                 self._dn.pop(s.row, None)
                 continue
             encodes.append((s, (s.slot, cv.tokens, torch.arange(cv.start, cv.end, device=self.device))))

@@ -49,12 +49,6 @@ from canvasq.decoders.configs import OfficialConfig, PhcdConfig, canvas_rows
 from canvasq.decoders.state import Seq, row_generator
 from canvasq.decoders.types import FinishReason
 
-# Benchmarks only (`benchmarks/decoders.py replay-live`, labelled "replayed"): custom_id -> the commit
-# sizes recorded on the testbed, one per forward (0 = no commit), scaled by the caller. Random weights
-# at the real shape never become confident, so a listed request commits exactly its recorded sizes,
-# never ends on a sampled EOS, and its coarse passes fall on the same forwards. Empty in production.
-REPLAY: dict[str, list[int]] = {}
-
 
 def task_family(task: str | None) -> str:
     """The commit classes: maths / reasoning, code, text (anything else)."""
@@ -161,11 +155,13 @@ class PhcdDecoder(StepDecoder):
         windows = [w for w, _ in built]
         with self.timed() as t:
             out = self.forward(windows)
-        commits, encodes = {}, []
+        commits: dict[int, int] = {}
+        encodes: list[tuple[Seq, tuple[int, torch.Tensor, torch.Tensor]]] = []  # (request, encode item)
         for b, (s, (w, layout)) in enumerate(zip(seqs, built)):
             plan = self._plans[s.row]
             n_pend, W, F = layout
             if n_pend and self.config.promote == "late":
+                assert self.arena is not None  # the stream's
                 self.arena.promote_window(s.slot, list(range(n_pend)))
                 s.stats["promoted"] += n_pend
             plan.pending_ids = plan.pending_pos = None
@@ -174,7 +170,9 @@ class PhcdDecoder(StepDecoder):
                 self._coarse(s, plan, logits[n_pend + W :], W)
             commits[s.row] = self._fine(s, plan, logits[n_pend : n_pend + W])
             if commits[s.row] and self.config.promote == "encode" and not s.done:
-                encodes.append((s, (s.slot, plan.pending_ids, plan.pending_pos)))
+                ids, pos = plan.pending_ids, plan.pending_pos
+                assert ids is not None and pos is not None  # the rows `_commit` just committed
+                encodes.append((s, (s.slot, ids, pos)))
                 plan.pending_ids = plan.pending_pos = None
         states = {s.row: "local,coarse" if lay[2] else "local" for s, (_, lay) in zip(seqs, built)}
         self.record("decode", t.ms, {s.row: w.rows for s, w in zip(seqs, windows)}, commits, states)
@@ -206,13 +204,15 @@ class PhcdDecoder(StepDecoder):
         k_sc = [torch.zeros(0, self.k, dtype=torch.long, device=self.device)]
         v_sc = [torch.zeros(0, self.k, dtype=self.rt.dtype, device=self.device)]
         n_pend = 0
-        if plan.pending_ids is not None and self.config.promote == "late":
+        pend_ids, pend_pos = plan.pending_ids, plan.pending_pos
+        if pend_ids is not None and self.config.promote == "late":
             # promote one step late: committed rows ride once more with their final ids, causally
-            n_pend = int(plan.pending_ids.numel())
-            ids.append(plan.pending_ids)
-            pos.append(plan.pending_pos)
-            lo.append(plan.pending_pos)
-            hi.append(plan.pending_pos + 1)
+            assert pend_pos is not None  # set with pending_ids (`_commit`)
+            n_pend = int(pend_ids.numel())
+            ids.append(pend_ids)
+            pos.append(pend_pos)
+            lo.append(pend_pos)
+            hi.append(pend_pos + 1)
             sc_rows.append(torch.zeros(n_pend, dtype=torch.bool, device=self.device))
             k_sc.append(torch.zeros(n_pend, self.k, dtype=torch.long, device=self.device))
             v_sc.append(torch.zeros(n_pend, self.k, dtype=self.rt.dtype, device=self.device))
@@ -259,8 +259,9 @@ class PhcdDecoder(StepDecoder):
         smp, cfg = self.sampler, self.config
         W = logits.shape[0]
         if smp.t_min is not None:  # the sampler's linear ramp, by how many fine steps a row has had
-            n = torch.clamp(smp.steps - plan.age[:W], min=1).to(torch.float32)
-            logits = logits / (smp.t_min + (smp.t_max - smp.t_min) * (n / smp.steps))[:, None]
+            assert smp.t_max is not None  # set with t_min (`SamplerSettings.resolve`)
+            left = torch.clamp(smp.steps - plan.age[:W], min=1).to(torch.float32)
+            logits = logits / (smp.t_min + (smp.t_max - smp.t_min) * (left / smp.steps))[:, None]
         logp = torch.log_softmax(logits, dim=-1)
         probs = logp.exp()
         entropy = -(probs * logp).sum(-1)
@@ -292,10 +293,6 @@ class PhcdDecoder(StepDecoder):
 
     def _commit_count(self, s: Seq, plan: _Plan, arg: torch.Tensor, run: int, W: int) -> int:
         """How many leading window tokens the controller commits this step (0: keep refining)."""
-        replayed = REPLAY.get(s.req.custom_id)
-        if replayed is not None:  # benchmarks: the recorded schedule decides
-            i = plan.forwards - 1
-            return min(replayed[i] if i < len(replayed) else W, W)
         lo, hi = plan.commit_lo, plan.commit_hi
         room = s.req.max_tokens - len(s.out)
         stops = [i for i, t in enumerate(arg[: min(run, hi)].tolist()) if t in self.stop_ids]
@@ -309,6 +306,10 @@ class PhcdDecoder(StepDecoder):
             return min(lo, room, W)
         return 0
 
+    def _ends_at_stop(self, s: Seq, out: list[int]) -> bool:
+        """A committed EOS (or PAD) in `out` ends `s`'s answer."""
+        return any(t in self.stop_ids for t in out)
+
     def _commit(self, s: Seq, plan: _Plan, toks: torch.Tensor) -> None:
         """Append the committed tokens, slide the global canvas by their count, keep the rest of it
         (future repair) and draw U(V) only for the positions that newly enter at its far end."""
@@ -321,7 +322,7 @@ class PhcdDecoder(StepDecoder):
         plan.pending_pos = torch.arange(plan.start, plan.start + n, device=self.device)
         plan.start += n
         plan.fine_since_commit = 0
-        if any(t in self.stop_ids for t in out) and s.req.custom_id not in REPLAY:
+        if self._ends_at_stop(s, out):
             s.done, s.finish_reason = True, FinishReason.stop
             return
         if len(s.out) >= s.req.max_tokens:

@@ -17,6 +17,9 @@ _CLASSES = {
     "phcd": "canvasq.decoders.phcd:PhcdDecoder",
 }
 NAMES = tuple(_CLASSES)
+# classes that serve a registered name instead of its own (`substitute`): benchmarks run a decoder's
+# loop on recorded schedules this way (`benchmarks/replay.py`); empty in production
+_SUBSTITUTES: dict[str, type] = {}
 
 
 class UnknownDecoder(ValueError):
@@ -24,12 +27,24 @@ class UnknownDecoder(ValueError):
 
 
 def decoder_class(name: str):
+    if name in _SUBSTITUTES:
+        return _SUBSTITUTES[name]
     try:
         target = _CLASSES[name]
     except KeyError:
         raise UnknownDecoder(f"unknown decoder {name!r}; known: {', '.join(NAMES)} (and 'auto')") from None
     module, attr = target.split(":")
     return getattr(importlib.import_module(module), attr)
+
+
+def substitute(name: str, cls: type | None) -> None:
+    """Serve decoder `name` with `cls` (a subclass of its own class) in this process; None restores it."""
+    if name not in _CLASSES:
+        raise UnknownDecoder(f"unknown decoder {name!r}; known: {', '.join(NAMES)}")
+    if cls is None:
+        _SUBSTITUTES.pop(name, None)
+    else:
+        _SUBSTITUTES[name] = cls
 
 
 def make_config(name: str, overrides: dict | None = None):

@@ -14,8 +14,9 @@ when a decode batch is about to run, inside the decode call (where a real chunk 
                                 work actually done, to compare with one pass (T21)
     CANVASQ_TEST_REPLAY=PATH    a JSON {custom_id: [denoising steps per canvas]} recorded on the
                                 testbed: the official decoder stops each canvas after its recorded
-                                steps (`official.REPLAY`), so random weights at the real shape run a
-                                real schedule (scripts/fleet.py; loaded once, at the child's start)
+                                steps (`benchmarks/replay.py`, from the source checkout), so random
+                                weights at the real shape run a real schedule (scripts/fleet.py;
+                                loaded once, at the child's start)
 """
 
 from __future__ import annotations
@@ -59,14 +60,23 @@ def before_decode(custom_ids: Iterable[str]) -> None:
 
 
 def install_replay() -> int:
-    """Load CANVASQ_TEST_REPLAY into the official decoder's replay table; returns the entries."""
+    """Serve `official` with the replaying decoder of `benchmarks/replay.py` on the schedules in
+    CANVASQ_TEST_REPLAY; returns the entries. The benchmarks live in the source checkout, beside the
+    package."""
     path = os.environ.get("CANVASQ_TEST_REPLAY")
     if not path:
         return 0
     import json
+    import sys
+    from pathlib import Path
 
-    from canvasq.decoders import official
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "benchmarks" / "replay.py").is_file():
+        raise RuntimeError(f"CANVASQ_TEST_REPLAY needs the repository's benchmarks/replay.py (not found under {root})")
+    sys.path.insert(0, str(root))
+    from benchmarks import replay
 
     with open(path) as fh:
-        official.REPLAY.update({str(k): [int(x) for x in v] for k, v in json.load(fh).items()})
-    return len(official.REPLAY)
+        replay.OFFICIAL.update({str(k): [int(x) for x in v] for k, v in json.load(fh).items()})
+    replay.install()
+    return len(replay.OFFICIAL)

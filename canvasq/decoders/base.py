@@ -19,7 +19,8 @@ prefix (`emitted`) first held one token / one canvas (a row that ends shorter: i
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -44,6 +45,11 @@ from canvasq.decoders.types import (
     Interrupted,
 )
 
+if TYPE_CHECKING:
+    from canvasq.model.arena import KVArena
+
+K = TypeVar("K")  # the key a fed request comes with and its result goes back with (`stream`)
+
 # windows per graphed forward: a live count is padded up to the next bucket (one graph per bucket)
 WINDOW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
@@ -53,7 +59,7 @@ class StepDecoder:
     name = "base"
     config_cls: type = object
 
-    def __init__(self, bundle, config=None):
+    def __init__(self, bundle, config=None) -> None:
         self.bundle = bundle
         self.config = config if config is not None else self.config_cls()
         self.model = self.pick_model()
@@ -72,6 +78,7 @@ class StepDecoder:
         self._pass_index = 0
         self._deferred: list[tuple[Seq, tuple]] = []  # (row, encoder item) for the next prefill pass
         self.pool: _SlotPool | None = None  # the stream's slots (set by `stream`)
+        self.arena: KVArena | None = None  # the stream's KV cache (set by `stream`)
         self.graphs = self.graph_runner()
 
     def pick_model(self):
@@ -117,8 +124,8 @@ class StepDecoder:
 
     def stream(
         self,
-        feed: Callable[[int], list[tuple[object, DecodeRequest]]],
-        on_result: Callable[[object, DecodeResult], None],
+        feed: Callable[[int], list[tuple[K, DecodeRequest]]],
+        on_result: Callable[[K, DecodeResult], None],
         slots: int,
         seed: int = 0,
         capacity: int | None = None,
@@ -214,7 +221,7 @@ class StepDecoder:
         return 2 * max(s.n_canvases for s in seqs) * self.C + 16
 
     # -- hooks ----------------------------------------------------------------------------------
-    def new_arena(self, slots: int, capacity: int):
+    def new_arena(self, slots: int, capacity: int) -> KVArena:
         if self.graphs is not None:  # graphs read one arena for the life of the process
             arena = self.graphs.arena(slots, capacity)
             if arena is not None:
@@ -231,7 +238,8 @@ class StepDecoder:
             _, ids, pos = items[-1]
             items = list(items) + [(slot, torch.zeros_like(ids), pos - pos[0]) for slot in spare]
         self.graphs.encode_many(self.arena, items)
-        for slot in spare:
+        for slot in spare:  # spare slots are the runner's arena's (`_spare_slots`)
+            assert self.arena is not None
             self.arena.reset(slot)
 
     @property
@@ -423,7 +431,7 @@ class _SlotPool:
         self.keys: dict[int, object] = {}
         self.next_row = 0
 
-    def admit(self, new: list[tuple[object, DecodeRequest]]) -> list[Seq]:
+    def admit(self, new: Sequence[tuple[object, DecodeRequest]]) -> list[Seq]:
         """Fed requests take free slots; one that cannot be decoded is answered at once, alone."""
         dec, fresh = self.dec, []
         for key, req in new:
@@ -438,6 +446,7 @@ class _SlotPool:
             self.next_row += 1
             self.keys[s.row] = key
             dec._traces[s.row] = []
+            assert dec.arena is not None  # admitted: it fits the stream's capacity, so there is one
             dec.arena.reset(s.slot)
             fresh.append(s)
         self.live += fresh
@@ -453,6 +462,7 @@ class _SlotPool:
             self.on_result(self.keys.pop(s.row), dec._result(s))
             dec._traces.pop(s.row, None)
             if dec.graphs is not None:  # a free slot may pad graphed forwards: keep it empty
+                assert dec.arena is not None  # rows were admitted
                 dec.arena.reset(s.slot)
             self.free.append(s.slot)
         self.live = [s for s in self.live if not s.done]

@@ -38,6 +38,13 @@ from canvasq.decoders.pipe import PipeDecoder
 from canvasq.decoders.state import Canvas, Seq
 
 
+def _pending(cv: Canvas) -> torch.Tensor:
+    """A funnel canvas's rows committed and riding once more, promoted after (`FunnelDecoder.spawn`
+    gives every canvas one)."""
+    assert cv.pending is not None
+    return cv.pending
+
+
 def growing_kv_class():
     """`KVArena` with `promote="simple"` semantics: no preallocation; every write that needs room
     concatenates onto each layer's K/V tensors (the simple promote the arena replaces)."""
@@ -64,7 +71,7 @@ class FunnelDecoder(PipeDecoder):
     name = "funnel"
     config_cls = FunnelConfig
 
-    def __init__(self, bundle, config=None):
+    def __init__(self, bundle, config=None) -> None:
         super().__init__(bundle, config)
         # Promote-one-step-late is the correctness rule; False exists only so a test can show what
         # capturing at decision time breaks.
@@ -86,13 +93,13 @@ class FunnelDecoder(PipeDecoder):
     def window_rows(self, cv: Canvas) -> torch.Tensor:
         if not self.config.shrink:
             return super().window_rows(cv)
-        return torch.nonzero(~cv.committed | cv.pending).flatten()
+        return torch.nonzero(~cv.committed | _pending(cv)).flatten()
 
     def capture_rows(self, cv: Canvas, idx: torch.Tensor) -> torch.Tensor | None:
         if not self.config.shrink or self.config.promote == "arena":
             return None  # the arena promotes straight from the window's scratch rows
         if self.promote_late:
-            return cv.pending[idx].clone()  # rows riding with their final id
+            return _pending(cv)[idx].clone()  # rows riding with their final id
         return ~cv.committed[idx]  # decision time: capture every open row, keep the ones that commit
 
     def after_forward(
@@ -102,31 +109,35 @@ class FunnelDecoder(PipeDecoder):
             return
         # rows whose K/V join the cache now: the ones that rode with their final id (promote one
         # step late), or — decision-time mode, the bug the rule prevents — the ones just committed
-        done_now = cv.pending[idx].clone() if self.promote_late else newly
+        pending = _pending(cv)
+        done_now = pending[idx].clone() if self.promote_late else newly
         if self.config.promote == "arena":
             self._promote_rows.extend((win_off + torch.nonzero(done_now).flatten()).tolist())
         elif captured is not None and bool(done_now.any()):
             cap, off, mask = captured  # GrowingKV: concatenate the captured rows
             rank = torch.cumsum(mask.long(), 0) - 1
+            assert self.arena is not None  # the stream's
             self.arena.promote(s.slot, cap, rows=(rank[done_now] + off).tolist())
         s.stats["promoted"] += int(done_now.sum())
-        cv.pending[idx[done_now]] = False
+        pending[idx[done_now]] = False
         if self.promote_late:
-            cv.pending[idx[newly]] = True
+            pending[idx[newly]] = True
 
     def after_window(self, s: Seq) -> None:
         if self._promote_rows:  # one left-compaction per window, rows ascending
+            assert self.arena is not None  # the stream's
             self.arena.promote_window(s.slot, sorted(self._promote_rows))
             self._promote_rows = []
 
     # -- retire -----------------------------------------------------------------------------------
     def can_retire(self, cv: Canvas) -> bool:
-        return (not self.config.shrink) or not bool(cv.pending.any())
+        return (not self.config.shrink) or not bool(_pending(cv).any())
 
     def retire(self, s: Seq, cv: Canvas, continues: bool):
         if not self.config.shrink:
             return super().retire(s, cv, continues)
         if self.config.retire_refresh and continues:
+            assert self.arena is not None  # the stream's
             pos = self.arena.positions(s.slot)
             self.arena.compact(s.slot, ~((pos >= cv.start) & (pos < cv.end)))
             s.stats["refresh_retires"] += 1

@@ -340,7 +340,7 @@ class PipeDecoder(StepDecoder):
     # -- retire, finish, spawn --------------------------------------------------------------------
     def _retire_and_spawn(self, s: Seq) -> list:
         cfg = self.config
-        encodes = []
+        encodes: list[tuple] = []
         while s.canvases:
             front = s.canvases[0]
             front.state = "full"

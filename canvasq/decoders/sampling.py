@@ -103,6 +103,7 @@ def draw_fused(logits: torch.Tensor, seeds: torch.Tensor, inv_temp: torch.Tensor
     draw, noise = out.draw.view(B, C), out.noise.view(B, C)
     top = None
     if top_k:
+        assert out.top_ids is not None and out.top_vals is not None  # asked for with top_k
         top = (out.top_ids.view(B, C, top_k), out.top_vals.view(B, C, top_k).to(sc_dtype))
     elif scaled:  # full-vocabulary SC reads the scaled logits
         logits.mul_(inv_temp[:, None, None])

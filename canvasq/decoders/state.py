@@ -7,6 +7,7 @@ from __future__ import annotations
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -80,7 +81,9 @@ class Canvas:
     pending: torch.Tensor | None = None  # bool, funnel: committed, rides once more, then promoted
     age: int = 0  # decoder forwards this canvas has ridden
     streak: int = 0  # consecutive committing steps with ≤ jacobi_max_commits commits
-    sc: object = None  # self-conditioning for its next forward: None | [C, V] | ([C, k], [C, k])
+    # self-conditioning for its next forward, in the decoder's own form: official keeps the window's
+    # input (None | [C, V] | ([C, k], [C, k])); pipe keeps (that input, [C] bool rows that have it)
+    sc: Any = None
     prev_eos: torch.Tensor | None = None  # bool: argmax was EOS on the previous step (EOS streak)
 
     @property

@@ -162,7 +162,7 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
 
     import torch

@@ -202,7 +202,7 @@ def _checked_sweep(spec: str, seeds: str, n: int, batch_size: int) -> list[int]:
     if not seed_list or n < 1 or batch_size < 1:
         raise click.ClickException("--n, --batch-size and --seeds must be positive / non-empty")
     if not spec.startswith("random:"):
-        from canvasq.core.schemas import model_problem
+        from canvasq.core.models import model_problem
 
         problem = model_problem(spec)
         if problem:

@@ -69,7 +69,7 @@ def check_name(_ctx, param, value):
 
 
 def check_model(settings) -> None:
-    from canvasq.core.schemas import model_problem
+    from canvasq.core.models import model_problem
 
     problem = model_problem(settings.model)
     if problem:

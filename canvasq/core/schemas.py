@@ -15,96 +15,23 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
-from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
+from canvasq.core.models import PromptTokens, model_context
+from canvasq.core.openai_body import MAX_STOP, ChatBody, body_param_errors
 from canvasq.core.settings import DECODERS, RANDOM_MODELS, TASKS, Settings, model_name
 from canvasq.decoders.types import token_budget_error
-from canvasq.model.loading import DEFAULT_MODEL_DIR, ModelBundle  # no torch at import
-from canvasq.model.shapes import REAL_26B_A4B, TESTBED  # dataclasses: no torch, no transformers
 
 OPENAI_URLS = ("/v1/chat/completions",)
 
 
 # ---------------------------------------------------------------------------------------- input forms
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: StrictStr
-    text: StrictStr | None = None
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[ContentPart]
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text or "" for p in self.content)
-
-    def non_text_parts(self) -> list[str]:
-        return [] if isinstance(self.content, str) else [p.type for p in self.content if p.type != "text"]
-
-
-class ChatBody(BaseModel):
-    """The chat body. Every OpenAI parameter is honoured or refused (`body_param_errors`); none is
-    accepted and silently dropped."""
-
-    model_config = ConfigDict(extra="allow")  # extras are judged by `body_param_errors`
-    model: StrictStr | None = None
-    messages: list[Message] = Field(min_length=1)
-    max_tokens: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    metadata: dict[str, StrictStr] | None = None
-
-
-# Body parameters that change nothing canvasq generates (accepted), and the values of sampling
-# parameters that ask for exactly what the decoders already do (anything else is refused).
-_BODY_NO_EFFECT = frozenset({"user", "store", "service_tier", "stream_options"})
-_BODY_NEUTRAL = {"n": 1, "top_p": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False,
-                 "stream": False, "parallel_tool_calls": None}
-_BODY_WHY = {
-    "n": "canvasq returns one choice per request; write {v} lines with their own custom_ids instead",
-    "temperature": "the decoders sample on their own schedule (official: the checkpoint's temperature ramp); "
-                   "remove it",
-    "top_p": "the decoders do not truncate the distribution; only top_p 1 is honoured",
-    "seed": "each row draws from its own generator, seeded by CANVASQ_SEED and its custom_id (the same line "
-            "gives the same output); a per-request seed is not supported",
-}
-MAX_STOP = 4  # OpenAI's limit on stop sequences
-
-
-def body_param_errors(body: ChatBody) -> list[str]:
-    """One message per body parameter canvasq cannot honour end to end (refused, never dropped)."""
-    out = []
-    for name, value in (body.model_extra or {}).items():
-        if name in _BODY_NO_EFFECT:
-            continue
-        neutral = _BODY_NEUTRAL.get(name, ...)
-        if value == neutral and isinstance(value, bool) == isinstance(neutral, bool):  # True is not n=1
-            continue
-        why = _BODY_WHY.get(name, "not supported by canvasq (it would be ignored); remove it")
-        out.append(f"body.{name}={json.dumps(value)[:40]}: {why.format(v=value)}")
-    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
-    if len(stop) > MAX_STOP:
-        out.append(f"body.stop has {len(stop)} sequences; the limit is {MAX_STOP}")
-    if any(not s for s in stop):
-        out.append("body.stop has an empty string")
-    if body.max_tokens is not None and body.max_completion_tokens is not None \
-            and body.max_tokens != body.max_completion_tokens:
-        out.append(f"body.max_tokens ({body.max_tokens}) and body.max_completion_tokens "
-                   f"({body.max_completion_tokens}) differ; give one")
-    return out
 
 
 # ---------------------------------------------------------------------------------------- task inference
@@ -255,106 +182,6 @@ class Limits:
         )
 
 
-class PromptTokens:
-    """How many ids the worker's `ModelBundle.encode_prompt` makes of a prompt, counted without torch.
-    `count` tokenises; `at_most` bounds it from the text's length alone, so only prompts long enough to
-    matter pay for a tokenizer pass."""
-
-    def __init__(self, count: Callable[[str], int]):
-        self.count = count
-
-    @cached_property
-    def _template_ids(self) -> int:
-        return self.count("")
-
-    def at_most(self, text: str) -> int:
-        """A token spans at least one byte and a SentencePiece word adds at most one marker token, so
-        a text makes at most twice its UTF-8 bytes in ids; plus the layout's own ids and a margin."""
-        return 2 * len(text.encode("utf-8", "surrogatepass")) + self._template_ids + 16
-
-
-@dataclass(frozen=True)
-class ModelContext:
-    """What validation knows of a model's context, read without torch."""
-
-    positions: int | None  # prompt + answer (max_position_embeddings); None: unknown
-    canvas_length: int = 1  # 1: unknown (max_tokens then counts as it is: still a necessary condition)
-    prompt_tokens: PromptTokens | None = None  # None: no tokenizer here; the worker's check is the judge
-
-
-# the shapes `build_random` builds (one source of truth: 26B-A4B is 262,144, not the 131,072 once here)
-_RANDOM_SHAPES = {"random:26b-a4b": REAL_26B_A4B, "random:testbed": TESTBED}
-
-
-def model_context(spec: str) -> ModelContext:
-    """The context, canvas length and prompt counter of a model spec, without importing torch.
-
-    Prompts are counted as `ModelBundle.encode_prompt` tokenises them: the chat template through the
-    transformers tokenizer when the directory has one (a real checkpoint; loaded at the first prompt
-    that needs counting), else the block layout `<bos> prompt <sep>` over `tokenizer.json` through
-    `tokenizers` (a light Rust library). `random:` models read the testbed's tokenizer, as
-    `load_bundle` gives them.
-    """
-    if spec in _RANDOM_SHAPES:
-        shape = _RANDOM_SHAPES[spec]
-        return ModelContext(shape.max_position_embeddings, shape.canvas_length,
-                            _block_layout(DEFAULT_MODEL_DIR))
-    d = Path(spec)
-    ctx: int | None = None
-    canvas = 1
-    try:
-        cfg = json.loads((d / "config.json").read_text())
-        text_cfg = cfg.get("text_config", cfg)  # the config file's own layout, not our settings
-        canvas = int(cfg.get("canvas_length") or text_cfg.get("canvas_length") or 1)
-        ctx = int(text_cfg["max_position_embeddings"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        ctx = None
-    if ctx is None:  # no config.json yet: the tokenizer's declared limit
-        try:
-            ctx = int(json.loads((d / "tokenizer_config.json").read_text())["model_max_length"])
-        except (OSError, ValueError, KeyError, TypeError):
-            ctx = None
-    counter = _chat_template(d) if _has_chat_template(d) else _block_layout(d)
-    return ModelContext(ctx, canvas, counter)
-
-
-def _has_chat_template(d: Path) -> bool:
-    if (d / "chat_template.jinja").is_file() or (d / "chat_template.json").is_file():
-        return True
-    try:
-        return bool(json.loads((d / "tokenizer_config.json").read_text()).get("chat_template"))
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def _block_layout(d: Path) -> PromptTokens | None:
-    """`<bos> prompt <sep>`: `ModelBundle.encode_prompt` without a chat template (the testbed)."""
-    tok_file = d / "tokenizer.json"
-    if not tok_file.is_file():
-        return None
-    try:
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(tok_file))
-    except Exception:  # noqa: BLE001 - a tokenizer file we cannot read: leave the check to the worker
-        return None
-    return PromptTokens(lambda text: len(tok.encode(text, add_special_tokens=False).ids) + 2)
-
-
-def _chat_template(d: Path) -> PromptTokens:
-    """The worker's own `ModelBundle.encode_prompt` over the transformers tokenizer (no model)."""
-    bundle: list[ModelBundle] = []
-
-    def count(text: str) -> int:
-        if not bundle:
-            from transformers import AutoTokenizer
-
-            bundle.append(ModelBundle(None, AutoTokenizer.from_pretrained(str(d)), str(d), "cpu"))
-        return len(bundle[0].encode_prompt(text))
-
-    return PromptTokens(count)
-
-
 def prompt_budget_error(prompt: str, max_tokens: int, limits: Limits) -> str | None:
     """The decoders' token budget (`decoders.types.token_budget_error`) checked at validation, with
     the prompt counted as the worker tokenises it."""
@@ -368,55 +195,6 @@ def prompt_budget_error(prompt: str, max_tokens: int, limits: Limits) -> str | N
     if error(counter.at_most(prompt)) is None:  # fits even at the bound: no tokenizer pass
         return None
     return error(counter.count(prompt))
-
-
-def model_problem(spec: str) -> str | None:
-    """Why the model `spec` cannot load, found without torch (config.json parses, every safetensors
-    header is readable and its tensors fit in the file), or None. Run before a run is created, so a
-    broken model leaves no orphan run behind."""
-    if spec in _RANDOM_SHAPES:
-        return None
-    if spec.startswith("random:"):
-        return f"unknown random model {spec!r}; known: {', '.join(_RANDOM_SHAPES)}"
-    d = Path(spec)
-    if not d.is_dir():
-        return f"model directory {spec} does not exist" if not d.exists() else f"model {spec} is not a directory"
-    try:
-        cfg = json.loads((d / "config.json").read_text())
-    except OSError as exc:
-        return f"model {spec}: cannot read config.json ({exc.strerror or exc})"
-    except ValueError as exc:
-        return f"model {spec}: config.json is not valid JSON ({exc})"
-    if not isinstance(cfg, dict):
-        return f"model {spec}: config.json is not valid JSON (not an object)"
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        return f"model {spec}: no *.safetensors weights"
-    for f in files:
-        problem = _safetensors_problem(f)
-        if problem:
-            return f"model {spec}: {f.name} {problem}"
-    return None
-
-
-def _safetensors_problem(path: Path) -> str | None:
-    """The file's header: 8-byte little-endian length, that many bytes of JSON, tensor data after it."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if n < 2 or n > min(size - 8, 100 << 20):
-                return "is not a safetensors file (bad header length)"
-            header = json.loads(fh.read(n))
-        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
-    except OSError as exc:
-        return f"cannot be read ({exc.strerror or exc})"
-    except (ValueError, KeyError, TypeError, IndexError):
-        return "has a corrupt header"
-    if ends and max(ends) > size - 8 - n:
-        return f"is truncated ({size} bytes; its header needs {8 + n + max(ends)})"
-    return None
 
 
 def _pydantic_errors(exc: ValidationError) -> list[str]:
@@ -461,6 +239,40 @@ def _not_an_object(obj: Any) -> str:
     return f"expected a JSON object, got {type(obj).__name__}"
 
 
+def _line_fields(line: OpenAILine | SimpleLine, errors: list[str]):
+    """(prompt, max_tokens, model, task, stop) of either input form; the form's own errors are appended."""
+    if isinstance(line, SimpleLine):
+        if isinstance(line.stop, list) and len(line.stop) > MAX_STOP:
+            errors.append(f"stop has {len(line.stop)} sequences; the limit is {MAX_STOP}")
+        return line.prompt, line.max_tokens, line.model, line.task, line.stop
+    if line.url not in OPENAI_URLS:
+        errors.append(f"unknown url {line.url!r}; supported: {', '.join(OPENAI_URLS)}")
+    msgs = line.body.messages
+    if not any(m.role == "user" for m in msgs):
+        errors.append("body.messages has no user turn")
+    for i, m in enumerate(msgs):
+        if m.non_text_parts():
+            errors.append(f"body.messages.{i}: only text content is supported (got {m.non_text_parts()[0]!r})")
+    prompt = "\n\n".join(m.text() for m in msgs)  # the conversation, in order
+    max_tokens = line.body.max_tokens if line.body.max_tokens is not None else line.body.max_completion_tokens
+    errors += body_param_errors(line.body)
+    task = line.task or (line.body.metadata or {}).get("task")
+    return prompt, max_tokens, line.body.model, task, line.body.stop
+
+
+def _checked_max_tokens(max_tokens: int | None, limits: Limits) -> tuple[int, list[str]]:
+    """The line's max_tokens (the default when absent) and why it is out of bounds, if it is."""
+    if max_tokens is None:
+        return limits.default_max_tokens, []
+    if max_tokens <= 0:
+        return max_tokens, [f"max_tokens must be positive, got {max_tokens}"]
+    if max_tokens > limits.max_tokens_limit:
+        why = (f"the model's context: {limits.context_tokens} tokens for prompt and answer"
+               if limits.context_tokens == limits.max_tokens_limit else "CANVASQ_MAX_TOKENS_LIMIT")
+        return max_tokens, [f"max_tokens {max_tokens} is beyond the limit {limits.max_tokens_limit} ({why})"]
+    return max_tokens, []
+
+
 def parse_line(obj: Any, line_no: int, limits: Limits) -> tuple[Job | None, list[str]]:
     """Check one decoded JSON value; returns (job, []) or (None, messages)."""
     if not isinstance(obj, dict):
@@ -478,28 +290,7 @@ def parse_line(obj: Any, line_no: int, limits: Limits) -> tuple[Job | None, list
     elif len(cid) > limits.max_custom_id_len:
         errors.append(f"custom_id is {len(cid)} characters; the limit is {limits.max_custom_id_len}")
 
-    if isinstance(line, OpenAILine):
-        if line.url not in OPENAI_URLS:
-            errors.append(f"unknown url {line.url!r}; supported: {', '.join(OPENAI_URLS)}")
-        msgs = line.body.messages
-        if not any(m.role == "user" for m in msgs):
-            errors.append("body.messages has no user turn")
-        for i, m in enumerate(msgs):
-            if m.non_text_parts():
-                errors.append(f"body.messages.{i}: only text content is supported (got {m.non_text_parts()[0]!r})")
-        prompt = "\n\n".join(m.text() for m in msgs)  # the conversation, in order
-        max_tokens = line.body.max_tokens if line.body.max_tokens is not None else line.body.max_completion_tokens
-        model = line.body.model
-        errors += body_param_errors(line.body)
-        task = line.task or (line.body.metadata or {}).get("task")
-        stop = line.body.stop
-    else:
-        prompt = line.prompt
-        max_tokens = line.max_tokens
-        model = line.model
-        task, stop = line.task, line.stop
-        if isinstance(stop, list) and len(stop) > MAX_STOP:
-            errors.append(f"stop has {len(stop)} sequences; the limit is {MAX_STOP}")
+    prompt, max_tokens, model, task, stop = _line_fields(line, errors)
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if any(not x for x in stops) and isinstance(line, SimpleLine):
         errors.append("stop has an empty string")
@@ -516,15 +307,7 @@ def parse_line(obj: Any, line_no: int, limits: Limits) -> tuple[Job | None, list
     if model is not None and limits.model_aliases and model not in limits.model_aliases:
         errors.append(f"unknown model {model!r}; this run serves {min(limits.model_aliases)!r}")
 
-    max_tokens_errors = []
-    if max_tokens is None:
-        max_tokens = limits.default_max_tokens
-    elif max_tokens <= 0:
-        max_tokens_errors.append(f"max_tokens must be positive, got {max_tokens}")
-    elif max_tokens > limits.max_tokens_limit:
-        why = (f"the model's context: {limits.context_tokens} tokens for prompt and answer"
-               if limits.context_tokens == limits.max_tokens_limit else "CANVASQ_MAX_TOKENS_LIMIT")
-        max_tokens_errors.append(f"max_tokens {max_tokens} is beyond the limit {limits.max_tokens_limit} ({why})")
+    max_tokens, max_tokens_errors = _checked_max_tokens(max_tokens, limits)
     errors += max_tokens_errors
     if not prompt_errors and not max_tokens_errors:  # what the decoder will see: does it fit its context?
         budget = prompt_budget_error(prompt, max_tokens, limits)
@@ -573,6 +356,48 @@ def input_file_problem(path: str | Path) -> str | None:
     return None
 
 
+def _binary_head(head: bytes, report: ValidationReport) -> str | None:
+    """A NUL in the file's first bytes makes it binary (or UTF-16): one error, not one per line of
+    garbage, on the NUL's own line when text lines come before it (line 1 otherwise)."""
+    if b"\x00" not in head:
+        return None
+    offset = head.index(b"\x00")
+    start = head.rfind(b"\n", 0, offset) + 1
+    try:
+        head[:start].decode("utf-8")
+        report.lines = head.count(b"\n", 0, offset) + 1
+    except UnicodeDecodeError:
+        report.lines = 1
+    return f"binary data (NUL byte at byte offset {offset}); expected UTF-8 JSON lines"
+
+
+def _json_object(raw: bytes | None, line_no: int, max_line_bytes: int):
+    """(the line's JSON object, None) or (None, (message, code)): too long, binary, not UTF-8, blank,
+    malformed or not an object."""
+    bad = LineErrorCode.invalid_request
+    if raw is None:
+        return None, (f"line is longer than {max_line_bytes} bytes", bad)
+    if b"\x00" in raw:
+        return None, ("binary data (NUL byte); expected UTF-8 JSON lines", bad)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return None, (f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})", bad)
+    if text.startswith("\ufeff") and line_no == 1:
+        text = text[1:]
+    if not text.strip():
+        return None, ("blank line; every line must be one JSON request", bad)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return None, (f"malformed JSON: {exc.msg} (column {exc.colno})", LineErrorCode.invalid_json_line)
+    except RecursionError:
+        return None, ("JSON nested too deeply", bad)
+    if not isinstance(obj, dict):
+        return None, (_not_an_object(obj), LineErrorCode.invalid_json_line)
+    return obj, None
+
+
 def iter_validated(path: str | Path, limits: Limits, report: ValidationReport) -> Iterator[Job]:
     """Stream `path`, yielding valid Jobs and recording every error in `report`."""
     seen: dict[str, int] = {}  # custom_id -> first line: the only state that grows with the file
@@ -588,46 +413,16 @@ def iter_validated(path: str | Path, limits: Limits, report: ValidationReport) -
         err(0, problem, LineErrorCode.invalid_file)
         return
     with open(path, "rb") as fh:
-        head = fh.read(8192)
-        if b"\x00" in head:  # a binary (or UTF-16) file: one error, not one per line of garbage
-            offset = head.index(b"\x00")
-            start = head.rfind(b"\n", 0, offset) + 1
-            try:  # text lines before it: the NUL's own line; otherwise a binary file, line 1
-                head[:start].decode("utf-8")
-                report.lines = head.count(b"\n", 0, offset) + 1
-            except UnicodeDecodeError:
-                report.lines = 1
-            err(report.lines, f"binary data (NUL byte at byte offset {offset}); expected UTF-8 JSON lines")
+        binary = _binary_head(fh.read(8192), report)
+        if binary:
+            err(report.lines, binary)
             return
         fh.seek(0)
         for line_no, raw in _read_lines(fh, limits.max_line_bytes):
             report.lines = line_no
-            if raw is None:
-                err(line_no, f"line is longer than {limits.max_line_bytes} bytes")
-                continue
-            if b"\x00" in raw:
-                err(line_no, "binary data (NUL byte); expected UTF-8 JSON lines")
-                continue
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                err(line_no, f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})")
-                continue
-            if text.startswith("\ufeff") and line_no == 1:
-                text = text[1:]
-            if not text.strip():
-                err(line_no, "blank line; every line must be one JSON request")
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as exc:
-                err(line_no, f"malformed JSON: {exc.msg} (column {exc.colno})", LineErrorCode.invalid_json_line)
-                continue
-            except RecursionError:
-                err(line_no, "JSON nested too deeply")
-                continue
-            if not isinstance(obj, dict):
-                err(line_no, _not_an_object(obj), LineErrorCode.invalid_json_line)
+            obj, problem = _json_object(raw, line_no, limits.max_line_bytes)
+            if obj is None:
+                err(line_no, *problem)
                 continue
             job, msgs = parse_line(obj, line_no, limits)
             for m in msgs:

@@ -110,7 +110,7 @@ def test_config_command_masks_password():
 def test_random_model_context_is_the_built_models():
     """The submit-side context limit of a `random:` model is the max_position_embeddings of the model
     `load_bundle` builds for it (it was 131,072 for 26b-a4b while the built config said 262,144)."""
-    from canvasq.core.schemas import model_context
+    from canvasq.core.models import model_context
     from canvasq.model.shapes import REAL_26B_A4B, build_config
 
     for spec, cfg in (("random:26b-a4b", build_config(REAL_26B_A4B)), ("random:testbed", build_config())):

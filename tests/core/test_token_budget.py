@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from canvasq.core.schemas import Limits, LineError, model_context, validate_file
+from canvasq.core.models import model_context
+from canvasq.core.schemas import Limits, LineError, validate_file
 from canvasq.core.settings import Settings
 from canvasq.decoders import run_batch
 from canvasq.decoders.state import request_error

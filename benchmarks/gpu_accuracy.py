@@ -141,9 +141,9 @@ def main() -> None:
               f"{row['tok_per_fwd']:.2f} | {row['wall_s']:.0f} |", flush=True)
         (out / "gpu_accuracy.json").write_text(json.dumps(report, indent=1))
     md = [f"# Official on our runtime against HF generate() — {args.device}", "",
-          f"{report.get('date', '')}; {report.get('hardware', '')}; commit {report.get('commit', '')}; "
+          (f"{report.get('date', '')}; {report.get('hardware', '')}; commit {report.get('commit', '')}; "
           f"tasks {', '.join(task_names)}; n = {args.n} per task per seed; seeds {seeds}; "
-          f"batch {args.batch_size}; max_tokens {args.max_tokens}; real schedules (not replayed).", "",
+          f"batch {args.batch_size}; max_tokens {args.max_tokens}; real schedules (not replayed)."), "",
           "| arm | n | acc | arith | code | fwd/req | tok/fwd |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         per = r["per_task"]

@@ -57,7 +57,7 @@ def workers(env, queue: str, n: int, log_dir: Path):
     procs = []
     try:
         for i in range(n):
-            log = open(log_dir / f"worker{i}.log", "w")
+            log = open(log_dir / f"worker{i}.log", "w")  # noqa: SIM115 - closed with its worker below
             procs.append((subprocess.Popen(
                 [sys.executable, "-m", "canvasq.cli", "worker", "--queue", queue, "--loglevel", "INFO"],
                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log))

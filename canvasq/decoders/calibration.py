@@ -284,11 +284,11 @@ def run_sweep(
 def table(cal: Calibration, budget: float, frontier_only: bool = False) -> str:
     """The frontier as a markdown table per family, with the route auto would take marked."""
     lines = [
-        f"{cal.describe()}: {cal.model_path} (fingerprint {cal.fingerprint[:12]}), {cal.hardware}, "
-        f"commit {cal.commit or '?'}, max_tokens {cal.max_tokens}",
+        (f"{cal.describe()}: {cal.model_path} (fingerprint {cal.fingerprint[:12]}), {cal.hardware}, "
+        f"commit {cal.commit or '?'}, max_tokens {cal.max_tokens}"),
         "",
-        "| family | setting | n | acc | Δ vs official | tok/s | × official | fwd/req | τ | G/τ | vs capped line "
-        "| frontier | auto |",
+        ("| family | setting | n | acc | Δ vs official | tok/s | × official | fwd/req | τ | G/τ | vs capped line "
+        "| frontier | auto |"),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for fam in cal.families():
@@ -309,11 +309,11 @@ def table(cal: Calibration, budget: float, frontier_only: bool = False) -> str:
             )
     lines += [
         "",
-        f"auto: the fastest setting within {budget:g} points of the reference (CANVASQ_ROUTING_BUDGET; with "
+        (f"auto: the fastest setting within {budget:g} points of the reference (CANVASQ_ROUTING_BUDGET; with "
         f"95 % confidence at this n) that does less work per token (τ or G/τ {WORK_MARGIN:.0%} better) and is "
         f"measured {MIN_GAIN:.0%} faster. "
         "vs capped line: a step decoder's accuracy minus the capped official sampler's at equal "
-        "forwards per request (linear between its step caps; >= 0 is on or above the line).",
+        "forwards per request (linear between its step caps; >= 0 is on or above the line)."),
     ]
     return "\n".join(lines) + "\n"
 

@@ -118,9 +118,9 @@ def routing_table(
             if (table or {}).get(fam):
                 continue  # the settings entry above wins
             rows.append((fam, knobs_label(pick.decoder, pick.knobs),
-                         f"{calibration.describe()}: {pick.accuracy * 100:.1f} % vs official "
+                         (f"{calibration.describe()}: {pick.accuracy * 100:.1f} % vs official "
                          f"{ref.accuracy * 100:.1f} % (budget {budget:g}), {pick.tok_s:.0f} vs "
-                         f"{ref.tok_s:.0f} tok/s"))
+                         f"{ref.tok_s:.0f} tok/s")))
         rows.append(("(any other)", DEFAULT_ROUTE.decoder, "default: not in the calibration"))
     else:
         rows.append(("(any other)", DEFAULT_ROUTE.decoder, "default: no calibration, the accurate sampler"))

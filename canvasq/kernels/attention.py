@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
 import triton.language as tl
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ._dispatch import auto_triton, interpreted, pdl_kwargs
 from ._math import pdl_enter

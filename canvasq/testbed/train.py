@@ -203,7 +203,7 @@ def denoise_loss(
         dmask = torch.nn.functional.pad(ctx_mask, (0, canvas), value=True).long()
     else:
         dmask = block_causal_masks(model, ctx_mask, n_canvases, canvas, cache)
-    kw = dict(past_key_values=cache, decoder_input_ids=noisy, decoder_attention_mask=dmask, decoder_position_ids=dpos)
+    kw = {"past_key_values": cache, "decoder_input_ids": noisy, "decoder_attention_mask": dmask, "decoder_position_ids": dpos}
     sc_logits, sc_mask = None, None
     rounds = 0
     if draft_rounds:
@@ -329,7 +329,7 @@ def main(argv=None):
     gen = torch.Generator(device=device).manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    logf = open(out / "train_log.txt", "a")
+    logf = open(out / "train_log.txt", "a")  # noqa: SIM115 - the run's log, open for the whole run
 
     def log(msg):
         print(msg, flush=True)

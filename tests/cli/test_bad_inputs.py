@@ -28,7 +28,7 @@ def _runs_in_store(db: Path) -> int:
     st = Store(f"sqlite:///{db}")
     try:
         return len(st.list_runs(limit=1000))
-    except Exception:  # no tables: nothing was stored
+    except Exception:  # noqa: BLE001 - no tables: nothing was stored
         return 0
     finally:
         st.dispose()

@@ -214,9 +214,8 @@ def test_sqlite_pragmas_on_every_connection(tmp_path):
 def test_foreign_keys_enforced(store):
     from sqlalchemy.exc import IntegrityError
 
-    with pytest.raises(IntegrityError):
-        with store.Session.begin() as s:
-            s.add(Request(run_id="run_missing", custom_id="x", line_no=1, prompt="p", max_tokens=1, status="queued"))
+    with pytest.raises(IntegrityError), store.Session.begin() as s:
+        s.add(Request(run_id="run_missing", custom_id="x", line_no=1, prompt="p", max_tokens=1, status="queued"))
 
 
 def _writer(url: str, run_id: str, ids: list[str], q) -> None:

@@ -13,7 +13,7 @@ from canvasq.model.loading import load_bundle
 from canvasq.testbed import tasks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks import replay  # noqa: E402
+from benchmarks import replay
 
 
 @pytest.fixture(scope="module")

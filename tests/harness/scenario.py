@@ -18,6 +18,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Self
 
 from canvasq.core.store import Store
 from tests.harness import probes
@@ -72,7 +73,7 @@ class Scenario:
         self.input_path = self.tmp / "input.jsonl"
 
     # -- set-up ------------------------------------------------------------------------------------
-    def __enter__(self) -> Scenario:
+    def __enter__(self) -> Self:
         self._stack.__enter__()
         self._stack.enter_context(self.redis)
         if self.db_kind == "sqlite":

@@ -26,7 +26,7 @@ def wait_for(
     while True:
         try:
             value = cond()
-        except Exception as exc:  # a service mid-restart: keep polling
+        except Exception as exc:  # noqa: BLE001 - a service mid-restart: keep polling
             value, last_exc = None, exc
         else:
             last_exc = None
@@ -47,5 +47,5 @@ def _extra(diagnose: Callable[[], str] | None) -> str:
         return ""
     try:
         return "\n" + diagnose()
-    except Exception as exc:  # pragma: no cover - diagnostics must never hide the real failure
+    except Exception as exc:  # noqa: BLE001 # pragma: no cover - diagnostics must never hide the real failure
         return f"\n(diagnostics failed: {exc!r})"

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Self
 
 from tests.harness.waiting import wait_for
 
@@ -99,7 +100,7 @@ class WorkerProcess:
         self.ready_count = 0  # READY_MARK lines seen when wait_ready last returned
 
     def start(self) -> WorkerProcess:
-        self._log = open(self.log_path, "a")
+        self._log = open(self.log_path, "a")  # noqa: SIM115 - the worker's log while it runs (closed in stop)
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -202,7 +203,7 @@ class WorkerProcess:
             self._log.close()
             self._log = None
 
-    def __enter__(self) -> WorkerProcess:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -89,7 +89,7 @@ def _writer(url: str, run_id: str, chunk_ids: list[str], worker: str, rounds: in
                             text=f"{worker}:{r}",
                             completion_tokens=3,
                             traces=[
-                                dict(forward_index=0, rows=4, commits=3, canvases=1, states="full", ms=1.0)
+                                {"forward_index": 0, "rows": 4, "commits": 3, "canvases": 1, "states": "full", "ms": 1.0}
                             ],
                         )
                         for x in claim.requests
@@ -99,7 +99,7 @@ def _writer(url: str, run_id: str, chunk_ids: list[str], worker: str, rounds: in
                     st.counts(run_id)
                     st.finish_chunk(cid)
                     st.finalize_run(run_id)
-                except Exception as exc:  # collected: the assertion is that there are none
+                except Exception as exc:  # noqa: BLE001 - collected: the assertion is that there are none
                     errors.append(f"{type(exc).__name__}: {exc}")
     finally:
         st.dispose()

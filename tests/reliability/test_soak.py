@@ -30,6 +30,7 @@ def test_soak_small():
             "--visibility-timeout",
             "60",
         ],
+        check=False,
         capture_output=True,
         text=True,
         timeout=3000,

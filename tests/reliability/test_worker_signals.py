@@ -67,9 +67,9 @@ def test_t2_t16_whole_worker_killed_second_worker_takes_over_after_visibility_ti
     kombu's `unacked` set never exceeds the live workers). T2: SIGKILL one whole worker mid-chunk
     (no goodbye to Redis) → its chunk comes back after the test-sized visibility timeout and the
     other worker completes it."""
-    kw = dict(
-        soft_time_limit=20, hard_time_limit=24, visibility_timeout=28, extra={"CANVASQ_TEST_DELAY_S": DELAY}
-    )
+    kw = {
+        "soft_time_limit": 20, "hard_time_limit": 24, "visibility_timeout": 28, "extra": {"CANVASQ_TEST_DELAY_S": DELAY}
+    }
     with scenario(db="postgresql", **kw) as sc:
         ids = sc.write_input(20)
         a = sc.worker()
@@ -84,7 +84,7 @@ def test_t2_t16_whole_worker_killed_second_worker_takes_over_after_visibility_ti
             while not stop.is_set():
                 try:
                     samples[phase["v"]].append((probes.unacked(r), sc.redis.queue_length(sc.queue)))
-                except Exception:  # noqa: BLE001 - a sample lost is not a finding
+                except Exception:  # noqa: BLE001, S110 - a sample lost is not a finding
                     pass
                 stop.wait(0.05)
 

@@ -211,7 +211,8 @@ def test_pipe_run_prints_no_future_warning(tmp_path):
     env.update(CANVASQ_MODEL=model_for_tests(), CANVASQ_DATABASE_URL=f"sqlite:///{tmp_path / 'w.sqlite'}",
                PYTHONWARNINGS="default")
     proc = subprocess.run([sys.executable, "-m", "canvasq.cli", "run", path, "-o", str(tmp_path / "o.jsonl"),
-                           "--decoder", "pipe"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                           "--decoder", "pipe"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "wrote 1 results and 0 errors" in proc.stdout
     assert "FutureWarning" not in proc.stderr, proc.stderr[-2000:]

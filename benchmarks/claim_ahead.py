@@ -47,8 +47,14 @@ def one_pass(bundle, jobs, mode: str, chunk: int, slots: int, device: str) -> di
     from canvasq.worker.engine import Engine
 
     db = Path(tempfile.mkdtemp()) / "bench.sqlite"
-    settings = Settings(database_url=f"sqlite:///{db}", model=str(bundle.spec), device=device, decode_slots=slots,
-                        decode_batch_size=slots, claim_ahead=mode)
+    settings = Settings(
+        database_url=f"sqlite:///{db}",
+        model=str(bundle.spec),
+        device=device,
+        decode_slots=slots,
+        decode_batch_size=slots,
+        claim_ahead=mode,
+    )
     store = Store(settings.database_url)
     store.upgrade()
     run = store.create_run(jobs, model=settings.model, queue="q", decoder="official", chunk_size=chunk)
@@ -63,9 +69,15 @@ def one_pass(bundle, jobs, mode: str, chunk: int, slots: int, device: str) -> di
         tokens = s.scalar(select(func.sum(Output.completion_tokens)).where(Output.run_id == run.run_id)) or 0
         deliveries = sorted(set(s.scalars(select(Chunk.attempts).where(Chunk.run_id == run.run_id))))
     store.dispose()
-    return {"arm": mode, "wall_s": round(wall, 2), "steps": len(occ),
-            "slots_busy": round(sum(n for n, _ in occ) / max(1, sum(s for _, s in occ)), 3),
-            "tokens": int(tokens), "tok_s": round(tokens / wall, 1), "deliveries_per_chunk": deliveries}
+    return {
+        "arm": mode,
+        "wall_s": round(wall, 2),
+        "steps": len(occ),
+        "slots_busy": round(sum(n for n, _ in occ) / max(1, sum(s for _, s in occ)), 3),
+        "tokens": int(tokens),
+        "tok_s": round(tokens / wall, 1),
+        "deliveries_per_chunk": deliveries,
+    }
 
 
 def main(argv=None) -> None:
@@ -89,8 +101,12 @@ def main(argv=None) -> None:
     order = ["off", "on", "on", "off"] * ((args.reps + 1) // 2)
     for mode in order[: 2 * args.reps]:
         r = one_pass(bundle, jobs, mode, args.chunk, args.slots, args.device)
-        print(json.dumps({**r, "rows": len(jobs), "chunk": args.chunk, "slots": args.slots, "device": args.device}),
-              flush=True)
+        print(
+            json.dumps(
+                {**r, "rows": len(jobs), "chunk": args.chunk, "slots": args.slots, "device": args.device}
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

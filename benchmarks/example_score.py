@@ -30,7 +30,13 @@ def score(results: Path) -> dict:
         ok = bool(text) and tasks.verify(problems[kind][int(num) - 1], text)
         counts[kind][0] += ok
         counts[kind][1] += 1
-        rows.append({"custom_id": r["custom_id"], "ok": ok, "last": text.strip().splitlines()[-1] if text.strip() else ""})
+        rows.append(
+            {
+                "custom_id": r["custom_id"],
+                "ok": ok,
+                "last": text.strip().splitlines()[-1] if text.strip() else "",
+            }
+        )
     return {"rows": rows, "correct": {k: f"{a} of {n}" for k, (a, n) in counts.items()}}
 
 
@@ -38,4 +44,8 @@ if __name__ == "__main__":
     out = score(Path(sys.argv[1]))
     for r in out["rows"]:
         print(f"{r['custom_id']}  {'right' if r['ok'] else 'WRONG'}  {r['last'][:80]}")
-    print(json.dumps(out["correct"]) if "--json" in sys.argv else f"math {out['correct']['math']}, code {out['correct']['code']}")
+    print(
+        json.dumps(out["correct"])
+        if "--json" in sys.argv
+        else f"math {out['correct']['math']}, code {out['correct']['code']}"
+    )

@@ -36,8 +36,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SETTINGS = {"dtype": str, "batch": int, "kernels": "bool", "experts_impl": str, "context_step": int, "sdpa_backend": str,
-            "encoder_sdpa_backend": str, "prefix_attention": "bool", "stats": str}
+SETTINGS = {
+    "dtype": str,
+    "batch": int,
+    "kernels": "bool",
+    "experts_impl": str,
+    "context_step": int,
+    "sdpa_backend": str,
+    "encoder_sdpa_backend": str,
+    "prefix_attention": "bool",
+    "stats": str,
+}
 RUNTIME_ATTRS = ("context_step", "sdpa_backend", "encoder_sdpa_backend", "prefix_attention")
 # the guard: HF's generate(), official with its defaults on the bf16 model `canvasq bench` loads, and
 # official as a GPU worker runs it by default (W4 experts, 64 decode slots on an H200)
@@ -51,7 +60,9 @@ def parse_settings(text: str) -> dict:
         kind = SETTINGS.get(name.strip())
         if kind is None:
             raise SystemExit(f"unknown setting {name!r} after '@'; known: {', '.join(SETTINGS)}")
-        out[name.strip()] = value.strip().lower() in ("1", "true", "on") if kind == "bool" else kind(value.strip())
+        out[name.strip()] = (
+            value.strip().lower() in ("1", "true", "on") if kind == "bool" else kind(value.strip())
+        )
     return out
 
 
@@ -70,8 +81,9 @@ def arm_runtime(settings: dict):
         key = (id(hf_model), experts, parts, fp8_min_rows if parts else 0, id(encoder_model))
         if key not in built:
             impl = settings.get("experts_impl", experts) if experts == "bf16" else experts
-            rt = Runtime.from_hf(hf_model, experts=impl, encoder_model=encoder_model,
-                                 kernels=settings.get("kernels"))
+            rt = Runtime.from_hf(
+                hf_model, experts=impl, encoder_model=encoder_model, kernels=settings.get("kernels")
+            )
             if parts:
                 install_fp8(rt, parts, fp8_min_rows)
             for name in RUNTIME_ATTRS:
@@ -83,8 +95,9 @@ def arm_runtime(settings: dict):
     saved = runtimes.runtime_for, kernels.softmax_argmax
     runtimes.runtime_for = runtime_for
     if settings.get("stats") == "torch":
-        kernels.softmax_argmax = lambda logits, temperature=1.0, impl="auto": kernels.softmax_argmax_reference(
-            logits, temperature)
+        kernels.softmax_argmax = lambda logits, temperature=1.0, impl="auto": (
+            kernels.softmax_argmax_reference(logits, temperature)
+        )
     try:
         yield
     finally:
@@ -95,13 +108,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--arm", action="append", default=[])
-    ap.add_argument("--guard", action="store_true", help=f"the arms {', '.join(GUARD_ARMS)} (before any --arm)")
+    ap.add_argument(
+        "--guard", action="store_true", help=f"the arms {', '.join(GUARD_ARMS)} (before any --arm)"
+    )
     ap.add_argument("--task", action="append", default=[])
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--seeds", default="61")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--experts", default="bf16", help="the bundle's experts (w4: packed at load, as a GPU worker)")
+    ap.add_argument(
+        "--experts", default="bf16", help="the bundle's experts (w4: packed at load, as a GPU worker)"
+    )
     ap.add_argument("--out", default="gpu-accuracy-out")
     args = ap.parse_args()
 
@@ -116,8 +133,16 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     bundles: dict = {}
     rows, t_all = [], time.perf_counter()
-    report = {"device": args.device, **B._provenance(args.device), "tasks": task_names, "n": args.n,
-              "seeds": seeds, "batch_size": args.batch_size, "max_tokens": args.max_tokens, "arms": rows}
+    report = {
+        "device": args.device,
+        **B._provenance(args.device),
+        "tasks": task_names,
+        "n": args.n,
+        "seeds": seeds,
+        "batch_size": args.batch_size,
+        "max_tokens": args.max_tokens,
+        "arms": rows,
+    }
     print("| arm | n | acc | arith | code | fwd/req | tok/fwd | s |")
     print("|---|---|---|---|---|---|---|---|")
     for spec in arms:
@@ -130,25 +155,44 @@ def main() -> None:
         arm = B.parse_arm(knobs)
         t0 = time.perf_counter()
         with arm_runtime(settings):
-            rep = B.run_bench(bundles[dtype], [arm], task_names, n=args.n, seeds=seeds,
-                              batch_size=settings.get("batch", args.batch_size), max_tokens=args.max_tokens,
-                              suite=tasks)
+            rep = B.run_bench(
+                bundles[dtype],
+                [arm],
+                task_names,
+                n=args.n,
+                seeds=seeds,
+                batch_size=settings.get("batch", args.batch_size),
+                max_tokens=args.max_tokens,
+                suite=tasks,
+            )
         row = {**rep["arms"][0], "arm": spec, "settings": settings, "wall_s": time.perf_counter() - t0}
         rows.append(row)
         per = row["per_task"]
-        print(f"| {spec} | {row['n']} | {row['acc']:.3f} | {per.get('arith', {}).get('acc', float('nan')):.3f} | "
-              f"{per.get('code', {}).get('acc', float('nan')):.3f} | {row['fwd_per_req']:.2f} | "
-              f"{row['tok_per_fwd']:.2f} | {row['wall_s']:.0f} |", flush=True)
+        print(
+            f"| {spec} | {row['n']} | {row['acc']:.3f} | {per.get('arith', {}).get('acc', float('nan')):.3f} | "
+            f"{per.get('code', {}).get('acc', float('nan')):.3f} | {row['fwd_per_req']:.2f} | "
+            f"{row['tok_per_fwd']:.2f} | {row['wall_s']:.0f} |",
+            flush=True,
+        )
         (out / "gpu_accuracy.json").write_text(json.dumps(report, indent=1))
-    md = [f"# Official on our runtime against HF generate() — {args.device}", "",
-          (f"{report.get('date', '')}; {report.get('hardware', '')}; commit {report.get('commit', '')}; "
-          f"tasks {', '.join(task_names)}; n = {args.n} per task per seed; seeds {seeds}; "
-          f"batch {args.batch_size}; max_tokens {args.max_tokens}; real schedules (not replayed)."), "",
-          "| arm | n | acc | arith | code | fwd/req | tok/fwd |", "|---|---|---|---|---|---|---|"]
+    md = [
+        f"# Official on our runtime against HF generate() — {args.device}",
+        "",
+        (
+            f"{report.get('date', '')}; {report.get('hardware', '')}; commit {report.get('commit', '')}; "
+            f"tasks {', '.join(task_names)}; n = {args.n} per task per seed; seeds {seeds}; "
+            f"batch {args.batch_size}; max_tokens {args.max_tokens}; real schedules (not replayed)."
+        ),
+        "",
+        "| arm | n | acc | arith | code | fwd/req | tok/fwd |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         per = r["per_task"]
-        md.append(f"| {r['arm']} | {r['n']} | {r['acc']:.3f} | {per.get('arith', {}).get('acc', float('nan')):.3f} | "
-                  f"{per.get('code', {}).get('acc', float('nan')):.3f} | {r['fwd_per_req']:.2f} | {r['tok_per_fwd']:.2f} |")
+        md.append(
+            f"| {r['arm']} | {r['n']} | {r['acc']:.3f} | {per.get('arith', {}).get('acc', float('nan')):.3f} | "
+            f"{per.get('code', {}).get('acc', float('nan')):.3f} | {r['fwd_per_req']:.2f} | {r['tok_per_fwd']:.2f} |"
+        )
     (out / "gpu_accuracy.md").write_text("\n".join(md) + "\n")
     print(f"total {time.perf_counter() - t_all:.0f} s")
 

@@ -43,8 +43,10 @@ def record(device: str, n: int, seed: int, max_tokens: int) -> tuple[list[dict],
     rows, correct = [], {"arith": [], "code": []}
     for task in ("arith", "code"):
         probs = tasks.generate(task, n // 2, seed)
-        reqs = [DecodeRequest(f"{task}-{i}", bundle.encode_prompt(p.prompt, p.task), max_tokens, p.task)
-                for i, p in enumerate(probs)]
+        reqs = [
+            DecodeRequest(f"{task}-{i}", bundle.encode_prompt(p.prompt, p.task), max_tokens, p.task)
+            for i, p in enumerate(probs)
+        ]
         res = run_batch(bundle, DecodeBatch(reqs, seed=seed), "official")
         for p, q, r in zip(probs, reqs, res):
             steps, cur = [], None
@@ -56,15 +58,30 @@ def record(device: str, n: int, seed: int, max_tokens: int) -> tuple[list[dict],
                     cur = None
             if cur is not None:
                 steps.append(cur)
-            rows.append({"custom_id": q.custom_id, "prompt": p.prompt, "task": p.task,
-                         "steps": steps, "tokens": len(r.token_ids)})
+            rows.append(
+                {
+                    "custom_id": q.custom_id,
+                    "prompt": p.prompt,
+                    "task": p.task,
+                    "steps": steps,
+                    "tokens": len(r.token_ids),
+                }
+            )
             correct[task].append(bool(tasks.verify(p, r.text)))
     acc = {k: sum(v) / max(1, len(v)) for k, v in correct.items()}
     return rows, acc
 
 
-def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, fp8: str = "off",
-           arm: str = "official", arena_gib: str = "auto") -> dict:
+def replay(
+    rows: list[dict],
+    batch: int,
+    scale: int,
+    device: str,
+    target: str,
+    fp8: str = "off",
+    arm: str = "official",
+    arena_gib: str = "auto",
+) -> dict:
     import functools
 
     from benchmarks import replay
@@ -88,10 +105,19 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
     jobs = []
     for i, r in enumerate(rows):
         replay.OFFICIAL[r["custom_id"]] = r["steps"]
-        jobs.append(Job(r["custom_id"], " ".join([r["prompt"]] * scale), r["task"], len(r["steps"]) * C, None, i + 1))
+        jobs.append(
+            Job(r["custom_id"], " ".join([r["prompt"]] * scale), r["task"], len(r["steps"]) * C, None, i + 1)
+        )
     db = Path(tempfile.mkdtemp()) / "bench.sqlite"
-    settings = Settings(database_url=f"sqlite:///{db}", model=target, device=device, decode_slots=batch,
-                        experts="w4", cuda_graphs="auto", fp8=fp8)
+    settings = Settings(
+        database_url=f"sqlite:///{db}",
+        model=target,
+        device=device,
+        decode_slots=batch,
+        experts="w4",
+        cuda_graphs="auto",
+        fp8=fp8,
+    )
     store = Store(settings.database_url)
     store.upgrade()
     from canvasq.decoders.bench import parse_arm
@@ -104,18 +130,36 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
     # warm-up: the whole job set once, untimed, so the timed pass replays graphs a long-running worker
     # has already captured (window-count x context buckets); `--warm partial` warms 2 x batch rows only
     warm_jobs = jobs if WARM == "full" else jobs[: 2 * batch]
-    warm = store.create_run(warm_jobs, model=settings.model, queue="q", decoder="official", chunk_size=len(jobs))
+    warm = store.create_run(
+        warm_jobs, model=settings.model, queue="q", decoder="official", chunk_size=len(jobs)
+    )
     engine.process_chunk(warm.chunk_ids[0])
-    run = store.create_run([Job(f"t{j.custom_id}", *[getattr(j, k) for k in ("prompt", "task", "max_tokens",
-                                                                           "decoder", "line_no")]) for j in jobs],
-                           model=settings.model, queue="q", decoder="official", chunk_size=len(jobs))
+    run = store.create_run(
+        [
+            Job(
+                f"t{j.custom_id}",
+                *[getattr(j, k) for k in ("prompt", "task", "max_tokens", "decoder", "line_no")],
+            )
+            for j in jobs
+        ],
+        model=settings.model,
+        queue="q",
+        decoder="official",
+        chunk_size=len(jobs),
+    )
     for r in rows:
         replay.OFFICIAL[f"t{r['custom_id']}"] = r["steps"]
     graphs = _graph_stats(bundle)
     paths = _attention_paths(bundle)
     _sync()
-    prof = cProfile.Profile() if PROFILE == (batch, arm, arena_gib) else None  # the profiler slows the host side
-    tracer = _StepTrace(TRACE, batch, *TRACE_STEPS) if TRACE and PROFILE_ARM == (batch, arm, arena_gib) else contextlib.nullcontext()
+    prof = (
+        cProfile.Profile() if PROFILE == (batch, arm, arena_gib) else None
+    )  # the profiler slows the host side
+    tracer = (
+        _StepTrace(TRACE, batch, *TRACE_STEPS)
+        if TRACE and PROFILE_ARM == (batch, arm, arena_gib)
+        else contextlib.nullcontext()
+    )
     t0 = time.perf_counter()
     if prof:
         prof.enable()
@@ -139,13 +183,27 @@ def replay(rows: list[dict], batch: int, scale: int, device: str, target: str, f
     paths = {k: v - paths.get(k, 0) for k, v in _attention_paths(bundle).items()}
     decode_s, encode_s, extra = _pass_stats(store, run.run_id, batch, C)
     return {
-        "decode_forwards_s": decode_s, "encode_passes_s": encode_s, "rest_s": wall - decode_s - encode_s,
-        "batch": batch, "fp8": fp8, "arm": arm, "arena_gib": arena_gib, "requests": len(rows), "wall_s": wall, "tokens_replayed": tokens,
-        "tok_s_replayed": tokens / wall, "decoder_steps": steps, "rows_per_s": live_rows / wall,
+        "decode_forwards_s": decode_s,
+        "encode_passes_s": encode_s,
+        "rest_s": wall - decode_s - encode_s,
+        "batch": batch,
+        "fp8": fp8,
+        "arm": arm,
+        "arena_gib": arena_gib,
+        "requests": len(rows),
+        "wall_s": wall,
+        "tokens_replayed": tokens,
+        "tok_s_replayed": tokens / wall,
+        "decoder_steps": steps,
+        "rows_per_s": live_rows / wall,
         "occupancy_mean": (sum(n for n, _ in occ) / sum(s for _, s in occ)) if occ else None,
         "occupancy_full_until": next((i for i, (n, s) in enumerate(occ) if n < s), steps) / max(1, steps),
-        "written": out.written, "graphs_before": graphs, "graphs_after": after,
-        "ms_per_step": 1000 * wall / max(1, steps), "eager_attention_paths": paths, **extra,
+        "written": out.written,
+        "graphs_before": graphs,
+        "graphs_after": after,
+        "ms_per_step": 1000 * wall / max(1, steps),
+        "eager_attention_paths": paths,
+        **extra,
     }
 
 
@@ -155,8 +213,14 @@ def _runtime_knobs(bundle, fp8: str, settings, knobs: str) -> None:
     from canvasq.decoders.runtimes import runtime_for
 
     rt = runtime_for(bundle.hf_model, "w4", fp8, settings.fp8_min_rows)
-    defaults = RUNTIME_DEFAULTS.setdefault(id(rt), {"context_step": rt.context_step, "sdpa_backend": rt.sdpa_backend,
-                                                       "encoder_sdpa_backend": rt.encoder_sdpa_backend})
+    defaults = RUNTIME_DEFAULTS.setdefault(
+        id(rt),
+        {
+            "context_step": rt.context_step,
+            "sdpa_backend": rt.sdpa_backend,
+            "encoder_sdpa_backend": rt.encoder_sdpa_backend,
+        },
+    )
     want = dict(defaults)
     for item in filter(None, knobs.split(",")):
         name, _, value = item.partition("=")
@@ -191,9 +255,17 @@ def _pass_stats(store, run_id: str, batch: int, C: int) -> tuple[float, float, d
     from canvasq.core.tables import ForwardTraceRow
 
     with store.Session() as ses:
-        passes = ses.execute(select(ForwardTraceRow.forward_index, ForwardTraceRow.kind, ForwardTraceRow.ms,
-                                    ForwardTraceRow.rows, ForwardTraceRow.canvases)
-                             .where(ForwardTraceRow.run_id == run_id).distinct()).all()
+        passes = ses.execute(
+            select(
+                ForwardTraceRow.forward_index,
+                ForwardTraceRow.kind,
+                ForwardTraceRow.ms,
+                ForwardTraceRow.rows,
+                ForwardTraceRow.canvases,
+            )
+            .where(ForwardTraceRow.run_id == run_id)
+            .distinct()
+        ).all()
     decode_s = sum(ms for _, k, ms, _, _ in passes if k == "decode") / 1000
     encode_s = sum(ms for _, k, ms, _, _ in passes if k == "encode") / 1000
     # decoder forwards with every slot live (a window per canvas): comparable with the bare forward
@@ -203,12 +275,17 @@ def _pass_stats(store, run_id: str, batch: int, C: int) -> tuple[float, float, d
     for _, k, ms, _, n in passes:
         if k == "decode":
             by_windows.setdefault(n, []).append(ms)
-    return decode_s, encode_s, {
-        "full_decode_forwards": len(full), "full_decode_ms_median": full[len(full) // 2] if full else None,
-        "decode_ms_by_windows": {w: sum(v) / len(v) for w, v in sorted(by_windows.items())},
-        "folded_rows": sum(r - n * C for _, k, _, r, n in passes if k == "decode"),
-        "encode_passes": sum(1 for _, k, _, _, _ in passes if k == "encode"),
-    }
+    return (
+        decode_s,
+        encode_s,
+        {
+            "full_decode_forwards": len(full),
+            "full_decode_ms_median": full[len(full) // 2] if full else None,
+            "decode_ms_by_windows": {w: sum(v) / len(v) for w, v in sorted(by_windows.items())},
+            "folded_rows": sum(r - n * C for _, k, _, r, n in passes if k == "decode"),
+            "encode_passes": sum(1 for _, k, _, _, _ in passes if k == "encode"),
+        },
+    )
 
 
 class _StepTrace:
@@ -223,11 +300,15 @@ class _StepTrace:
         from canvasq.decoders import base, official
 
         self.path, self.batch = path, batch
-        self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                            schedule=schedule(wait=wait, warmup=1, active=active, repeat=1),
-                            on_trace_ready=self._ready)
-        self.patches = [(official.OfficialDecoder, "step", "decoder_step", True),
-                        (base.StepDecoder, "prefill", "encoder_pass", False)]
+        self.prof = profile(
+            activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+            schedule=schedule(wait=wait, warmup=1, active=active, repeat=1),
+            on_trace_ready=self._ready,
+        )
+        self.patches = [
+            (official.OfficialDecoder, "step", "decoder_step", True),
+            (base.StepDecoder, "prefill", "encoder_pass", False),
+        ]
 
     def _wrap(self, fn, label: str, tick: bool):
         prof = self.prof
@@ -238,6 +319,7 @@ class _StepTrace:
             if tick:
                 prof.step()
             return out
+
         return wrapped
 
     def __enter__(self):
@@ -281,8 +363,11 @@ def _graph_stats(bundle) -> dict:
     from canvasq.decoders.runtimes import _RUNTIMES
 
     per = _RUNTIMES.get(bundle.hf_model, {})
-    return {str(k): {**rt.graph_runner.stats, "eager_reasons": dict(rt.graph_runner.eager_reasons)}
-            for k, rt in per.items() if rt.graph_runner is not None}
+    return {
+        str(k): {**rt.graph_runner.stats, "eager_reasons": dict(rt.graph_runner.eager_reasons)}
+        for k, rt in per.items()
+        if rt.graph_runner is not None
+    }
 
 
 def _attention_paths(bundle) -> dict:
@@ -316,7 +401,9 @@ def bare(batch: int, prompt: int, device: str, reps: int = 20, fp8: str = "off")
         runner.encode_many(arena, [(b, ids, torch.arange(prompt, device=device))])
     k = min(64, V)
     sc = (torch.randint(0, V, (C, k), device=device), torch.randn(C, k, device=device).to(rt.dtype))
-    wins = [Window.canvas(b, torch.randint(0, V, (C,), device=device), prompt, self_cond=sc) for b in range(batch)]
+    wins = [
+        Window.canvas(b, torch.randint(0, V, (C,), device=device), prompt, self_cond=sc) for b in range(batch)
+    ]
     for _ in range(3):
         runner.decode(arena, wins)
     _sync()
@@ -329,14 +416,21 @@ def bare(batch: int, prompt: int, device: str, reps: int = 20, fp8: str = "off")
         times.append(time.perf_counter() - t0)
     times.sort()
     med = times[len(times) // 2]
-    return {"batch": batch, "fp8": fp8, "ms_per_forward": med * 1000, "rows_per_s": batch * C / med,
-            "eager_attention_paths": {k: v - paths[k] for k, v in rt.attention_paths.items()}}
+    return {
+        "batch": batch,
+        "fp8": fp8,
+        "ms_per_forward": med * 1000,
+        "rows_per_s": batch * C / med,
+        "eager_attention_paths": {k: v - paths[k] for k, v in rt.attention_paths.items()},
+    }
 
 
 _TARGET = None
 WARM = "full"
 PROFILE: tuple | None = None  # (batch, arm, arena cap) of the one arm run under cProfile
-PROFILE_ARM: tuple | None = None  # (batch, arm, arena cap) of the one arm run under torch.profiler (`--trace`)
+PROFILE_ARM: tuple | None = (
+    None  # (batch, arm, arena cap) of the one arm run under torch.profiler (`--trace`)
+)
 TRACE: str | None = None
 TRACE_STEPS = (24, 4)  # decoder steps the trace waits, then records (`--trace-steps`)
 PROFILES: list[str] = []
@@ -350,19 +444,39 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--scale", type=int, default=8, help="rows and tokens × scale (canvas 32 → 256)")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--target", default="random:26b-a4b", help="the replay's model (random:testbed: a CPU dry run)")
+    ap.add_argument(
+        "--target", default="random:26b-a4b", help="the replay's model (random:testbed: a CPU dry run)"
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--warm", choices=("full", "partial"), default="full")
-    ap.add_argument("--fp8", default="off,auto", help="CANVASQ_FP8 arms, ';'-separated when a value is a list")
-    ap.add_argument("--arms", default="official", help="official's knob arms, ';'-separated, as canvasq bench's "
-                    "--arm (e.g. 'official:sampler=torch;official:sampler=fused'); runtime attributes after '@' "
-                    "(e.g. 'official@context_step=256,sdpa_backend=efficient')")
-    ap.add_argument("--trace-steps", default="24,4", help="WAIT,ACTIVE: decoder steps before the trace and in it")
-    ap.add_argument("--arena-gib", default="auto", help="graph runner arena caps to A/B, comma-separated "
-                    "(GiB or auto: the runner's default), each an arm after --arms' (e.g. '16,40')")
-    ap.add_argument("--profile", default=None, help="write a cProfile summary of the last arm's timed drain here")
-    ap.add_argument("--trace", default=None, help="torch.profiler over a few steady decoder steps of the last "
-                    "batch's last arm: writes TRACE.json (Chrome trace) and TRACE.txt (device time by kernel)")
+    ap.add_argument(
+        "--fp8", default="off,auto", help="CANVASQ_FP8 arms, ';'-separated when a value is a list"
+    )
+    ap.add_argument(
+        "--arms",
+        default="official",
+        help="official's knob arms, ';'-separated, as canvasq bench's "
+        "--arm (e.g. 'official:sampler=torch;official:sampler=fused'); runtime attributes after '@' "
+        "(e.g. 'official@context_step=256,sdpa_backend=efficient')",
+    )
+    ap.add_argument(
+        "--trace-steps", default="24,4", help="WAIT,ACTIVE: decoder steps before the trace and in it"
+    )
+    ap.add_argument(
+        "--arena-gib",
+        default="auto",
+        help="graph runner arena caps to A/B, comma-separated "
+        "(GiB or auto: the runner's default), each an arm after --arms' (e.g. '16,40')",
+    )
+    ap.add_argument(
+        "--profile", default=None, help="write a cProfile summary of the last arm's timed drain here"
+    )
+    ap.add_argument(
+        "--trace",
+        default=None,
+        help="torch.profiler over a few steady decoder steps of the last "
+        "batch's last arm: writes TRACE.json (Chrome trace) and TRACE.txt (device time by kernel)",
+    )
     args = ap.parse_args()
     global WARM, PROFILE, PROFILE_ARM, TRACE, TRACE_STEPS
     WARM = args.warm
@@ -372,23 +486,41 @@ def main() -> None:
         TRACE, PROFILE_ARM = args.trace, last
     if args.profile:  # the last arm only: the others keep unprofiled timings
         PROFILE = last
-    commit = os.environ.get("CANVASQ_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True).stdout.strip()
+    commit = (
+        os.environ.get("CANVASQ_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True
+        ).stdout.strip()
+    )
     rows, acc = record(args.device, args.n, args.seed, args.max_tokens)
     print(f"recorded {len(rows)} testbed schedules; accuracy {acc}", flush=True)
-    report = {"commit": commit, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "schedule": "replayed", "scale": args.scale, "seed": args.seed, "testbed_accuracy": acc,
-              "service": [], "bare": []}
+    report = {
+        "commit": commit,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "schedule": "replayed",
+        "scale": args.scale,
+        "seed": args.seed,
+        "testbed_accuracy": acc,
+        "service": [],
+        "bare": [],
+    }
     arms = args.fp8.split(";") if ";" in args.fp8 else args.fp8.split(",")
     for b in [int(x) for x in args.batches.split(",")]:
         caps = args.arena_gib.split(",")
-        for fp8, arm, cap in [(f, a, c) for f in arms for a in args.arms.split(";") for c in caps]:  # one process
+        for fp8, arm, cap in [
+            (f, a, c) for f in arms for a in args.arms.split(";") for c in caps
+        ]:  # one process
             try:
                 res = replay(rows, b, args.scale, args.device, args.target, fp8, arm, cap)
                 print(json.dumps(res), flush=True)
                 report["service"].append(res)
-                prompt = int(sum(len(_TARGET.encode_prompt(" ".join([r["prompt"]] * args.scale), r["task"]))
-                                 for r in rows) / len(rows))
+                prompt = int(
+                    sum(
+                        len(_TARGET.encode_prompt(" ".join([r["prompt"]] * args.scale), r["task"]))
+                        for r in rows
+                    )
+                    / len(rows)
+                )
                 if arm != args.arms.split(";")[0] or cap != caps[0]:
                     continue  # the bare forward does not depend on the decoder's knobs
                 bres = bare(b, prompt, args.device, fp8=fp8)

@@ -38,8 +38,12 @@ def write_input(path: Path, n: int, max_tokens: int, seed: int) -> None:
     with open(path, "w") as fh:
         for i in range(n):
             task, p = ("math", math[i // 2]) if i % 2 == 0 else ("code", code[i // 2])
-            fh.write(json.dumps({"custom_id": f"r{i:05d}", "prompt": p.prompt, "task": task,
-                                 "max_tokens": max_tokens}) + "\n")
+            fh.write(
+                json.dumps(
+                    {"custom_id": f"r{i:05d}", "prompt": p.prompt, "task": task, "max_tokens": max_tokens}
+                )
+                + "\n"
+            )
 
 
 def arm_plain(bundle, settings, path: Path, decoder: str) -> dict:
@@ -51,8 +55,10 @@ def arm_plain(bundle, settings, path: Path, decoder: str) -> dict:
     tokens = 0
     bs = settings.decode_batch_size
     for i in range(0, len(jobs), bs):
-        reqs = [DecodeRequest(j.custom_id, bundle.encode_prompt(j.prompt, j.task), j.max_tokens, j.task)
-                for j in jobs[i : i + bs]]
+        reqs = [
+            DecodeRequest(j.custom_id, bundle.encode_prompt(j.prompt, j.task), j.max_tokens, j.task)
+            for j in jobs[i : i + bs]
+        ]
         for r in run_batch(bundle, DecodeBatch(reqs, seed=settings.seed), decoder):
             tokens += len(r.token_ids)
     return {"wall_s": time.perf_counter() - t0, "tokens": tokens, "requests": len(jobs)}
@@ -76,8 +82,13 @@ def arm_service(bundle, settings, path: Path, decoder: str, db_url: str, redis_u
     limits = Limits.for_model(settings)
     report = validate_file(path, limits)
     assert report.ok, report.summary()
-    created = store.create_run(iter_jobs(path, limits), model=settings.model, queue=queue, decoder=decoder,
-                               chunk_size=settings.decode_batch_size)
+    created = store.create_run(
+        iter_jobs(path, limits),
+        model=settings.model,
+        queue=queue,
+        decoder=decoder,
+        chunk_size=settings.decode_batch_size,
+    )
     publish_chunks(created.chunk_ids, queue, settings)
     store.mark_published(created.chunk_ids)
     from canvasq.decoders import run_batch
@@ -91,8 +102,14 @@ def arm_service(bundle, settings, path: Path, decoder: str, db_url: str, redis_u
         finally:
             decode_s[0] += time.perf_counter() - t
 
-    engine = Engine(settings=settings, store=store, bundle=bundle, worker_id="bench:1", queue=queue,
-                      decode_fn=timed_decode)
+    engine = Engine(
+        settings=settings,
+        store=store,
+        bundle=bundle,
+        worker_id="bench:1",
+        queue=queue,
+        decode_fn=timed_decode,
+    )
     done = 0
     with Connection(redis_url) as conn:
         q = conn.SimpleQueue(queue)
@@ -109,8 +126,14 @@ def arm_service(bundle, settings, path: Path, decoder: str, db_url: str, redis_u
     wall = time.perf_counter() - t0
     summary = store.run_summary(created.run_id)
     store.dispose()
-    return {"wall_s": wall, "tokens": summary["completion_tokens"], "requests": n_ok + n_err,
-            "errors": n_err, "status": summary["status"], "decode_s": decode_s[0]}
+    return {
+        "wall_s": wall,
+        "tokens": summary["completion_tokens"],
+        "requests": n_ok + n_err,
+        "errors": n_err,
+        "status": summary["status"],
+        "decode_s": decode_s[0],
+    }
 
 
 def main() -> None:
@@ -132,8 +155,13 @@ def main() -> None:
     from canvasq.core.settings import get_settings
     from canvasq.model.loading import load_bundle
 
-    settings = get_settings().model_copy(update={"decode_batch_size": args.batch, "seed": args.seed,
-                                                 **({"model": args.model} if args.model else {})})
+    settings = get_settings().model_copy(
+        update={
+            "decode_batch_size": args.batch,
+            "seed": args.seed,
+            **({"model": args.model} if args.model else {}),
+        }
+    )
     bundle = load_bundle(settings.model, device=args.device)
     tmp = Path(tempfile.mkdtemp(prefix="canvasq-bench-"))
     path = tmp / "in.jsonl"
@@ -148,8 +176,11 @@ def main() -> None:
             db = args.db or f"sqlite:///{tmp / f'bench{k}.sqlite'}"
             results["service"].append(arm_service(bundle, settings, path, args.decoder, db, args.redis))
         r = results["plain" if arm == "A" else "service"][-1]
-        print(f"  {['plain', 'service'][arm == 'B']:8s} {r['requests']:6d} req  {r['tokens']:8d} tok  "
-              f"{r['wall_s']:8.1f} s", flush=True)
+        print(
+            f"  {['plain', 'service'][arm == 'B']:8s} {r['requests']:6d} req  {r['tokens']:8d} tok  "
+            f"{r['wall_s']:8.1f} s",
+            flush=True,
+        )
 
     plain_s = sum(r["wall_s"] for r in results["plain"])
     service_s = sum(r["wall_s"] for r in results["service"])
@@ -157,22 +188,45 @@ def main() -> None:
     # Contention-robust view: everything the service arm did outside run_batch, against run_batch.
     svc_decode = sum(r["decode_s"] for r in results["service"])
     direct = (service_s - svc_decode) / svc_decode * 100 if svc_decode else float("nan")
-    hw = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"CPU {platform.processor() or platform.machine()}"
+    hw = (
+        torch.cuda.get_device_name(0)
+        if args.device.startswith("cuda")
+        else f"CPU {platform.processor() or platform.machine()}"
+    )
     print()
     print(f"{'arm':8s} {'runs':>4s} {'wall s':>9s} {'tokens':>9s} {'tok/s':>8s}")
     for name, rs in results.items():
         w, t = sum(r["wall_s"] for r in rs), sum(r["tokens"] for r in rs)
         print(f"{name:8s} {len(rs):4d} {w:9.1f} {t:9d} {t / w if w else 0:8.1f}")
-    print(f"service overhead vs plain generation: {overhead:+.2f}%  (n={args.n}, order {args.order}, "
-          f"decoder {args.decoder}, model {settings.model}, {hw}, commit schedule real)")
-    print(f"service time outside generation (queue, store, validation, tokenising, export): "
-          f"{service_s - svc_decode:.2f} s = {direct:+.2f}% of the {svc_decode:.1f} s spent in run_batch")
-    print(json.dumps({"bench": "service_overhead", "n": args.n, "max_tokens": args.max_tokens, "decoder": args.decoder,
-                      "model": settings.model, "device": args.device, "hardware": hw, "order": args.order,
-                      "plain_s": round(plain_s, 3), "service_s": round(service_s, 3),
-                      "overhead_pct": round(overhead, 3),
-                      "outside_generation_s": round(service_s - svc_decode, 3), "outside_generation_pct": round(direct, 3),
-                      "store": args.db or "sqlite", "schedule": "real"}))
+    print(
+        f"service overhead vs plain generation: {overhead:+.2f}%  (n={args.n}, order {args.order}, "
+        f"decoder {args.decoder}, model {settings.model}, {hw}, commit schedule real)"
+    )
+    print(
+        f"service time outside generation (queue, store, validation, tokenising, export): "
+        f"{service_s - svc_decode:.2f} s = {direct:+.2f}% of the {svc_decode:.1f} s spent in run_batch"
+    )
+    print(
+        json.dumps(
+            {
+                "bench": "service_overhead",
+                "n": args.n,
+                "max_tokens": args.max_tokens,
+                "decoder": args.decoder,
+                "model": settings.model,
+                "device": args.device,
+                "hardware": hw,
+                "order": args.order,
+                "plain_s": round(plain_s, 3),
+                "service_s": round(service_s, 3),
+                "overhead_pct": round(overhead, 3),
+                "outside_generation_s": round(service_s - svc_decode, 3),
+                "outside_generation_pct": round(direct, 3),
+                "store": args.db or "sqlite",
+                "schedule": "real",
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

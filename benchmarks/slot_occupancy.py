@@ -44,7 +44,9 @@ def max_tokens_by_id(path: str) -> dict[str, int]:
     with open(path) as fh:
         for line in fh:
             rec = json.loads(line)
-            out[rec["custom_id"]] = int(rec.get("max_tokens") or (rec.get("body") or {}).get("max_tokens") or 0)
+            out[rec["custom_id"]] = int(
+                rec.get("max_tokens") or (rec.get("body") or {}).get("max_tokens") or 0
+            )
     return out
 
 
@@ -89,7 +91,9 @@ def main(argv=None) -> None:
     if limits is None:
         print("| slots | chunk | slots busy | steps |\n|---|---|---|---|")
     else:
-        print("| slots | chunk | slots busy | steps | longest first: busy | steps |\n|---|---|---|---|---|---|")
+        print(
+            "| slots | chunk | slots busy | steps | longest first: busy | steps |\n|---|---|---|---|---|---|"
+        )
     for slots in (int(x) for x in args.slots.split(",")):
         for chunk in (int(x) for x in args.chunks.split(",")):
             share, steps = replay(rows, slots, chunk)

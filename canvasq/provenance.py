@@ -13,11 +13,14 @@ def git_commit() -> str:
     if os.environ.get("CANVASQ_COMMIT"):
         return os.environ["CANVASQ_COMMIT"]
     try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            text=True,
-            stderr=subprocess.DEVNULL,
-        ).strip() or "unknown"
+        return (
+            subprocess.check_output(
+                ["git", "rev-parse", "--short", "HEAD"],
+                cwd=Path(__file__).resolve().parent,
+                text=True,
+                stderr=subprocess.DEVNULL,
+            ).strip()
+            or "unknown"
+        )
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

@@ -18,8 +18,15 @@ pytestmark = pytest.mark.slow
 
 
 def _run(tmp_path: Path, script: str, *args: str) -> str:
-    proc = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600, check=False, env={**os.environ, "CANVASQ_COMMIT": "test"})
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env={**os.environ, "CANVASQ_COMMIT": "test"},
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -39,7 +46,9 @@ def test_claim_ahead_on_the_bundled_example(tmp_path):
     lines = (ROOT / "examples" / "prompts.jsonl").read_text().splitlines()
     src = tmp_path / "p.jsonl"
     src.write_text("\n".join(lines[:3] + lines[-3:]) + "\n")
-    arms = _json_lines(_run(tmp_path, "claim_ahead.py", str(src), "--chunk", "2", "--slots", "4", "--reps", "1"))
+    arms = _json_lines(
+        _run(tmp_path, "claim_ahead.py", str(src), "--chunk", "2", "--slots", "4", "--reps", "1")
+    )
     assert [a["arm"] for a in arms] == ["off", "on"] and all(a["rows"] == 6 and a["tokens"] > 0 for a in arms)
 
 
@@ -54,8 +63,12 @@ def test_slot_occupancy_replays_forward_counts(tmp_path):
     chunks of 2: 4 steps at 6/8 busy, then 8 at 14/16. As one stream: rows 6 and 8 take the slots freed
     at steps 2 and 4, so 12 steps at 20/24 busy either way."""
     out = tmp_path / "results.jsonl"
-    out.write_text("".join(json.dumps({"custom_id": f"r{i}", "response": {"body": {"usage": {"forwards": f}}}}) + "\n"
-                           for i, f in enumerate((2, 4, 6, 8))))
+    out.write_text(
+        "".join(
+            json.dumps({"custom_id": f"r{i}", "response": {"body": {"usage": {"forwards": f}}}}) + "\n"
+            for i, f in enumerate((2, 4, 6, 8))
+        )
+    )
     text = _run(tmp_path, "slot_occupancy.py", str(out), "--slots", "2", "--chunks", "2,0")
     assert "4 rows, forwards per row: mean 5.00, max 8" in text
     assert "| 2 | 2 | 83% | 12 |" in text and "| 2 | all | 83% | 12 |" in text
@@ -66,9 +79,17 @@ def test_slot_occupancy_replays_longest_first_from_the_input(tmp_path):
     In file order the long row starts at step 3 and runs alone for 6 steps: 10 steps, 14/20 busy.
     Largest max_tokens first it starts at once beside the short ones: 8 steps, 14/16 busy."""
     out, src = tmp_path / "results.jsonl", tmp_path / "in.jsonl"
-    out.write_text("".join(json.dumps({"custom_id": f"r{i}", "response": {"body": {"usage": {"forwards": f}}}}) + "\n"
-                           for i, f in enumerate((2, 2, 2, 8))))
-    src.write_text("".join(json.dumps({"custom_id": f"r{i}", "prompt": "p", "max_tokens": m}) + "\n"
-                           for i, m in enumerate((16, 16, 16, 64))))
+    out.write_text(
+        "".join(
+            json.dumps({"custom_id": f"r{i}", "response": {"body": {"usage": {"forwards": f}}}}) + "\n"
+            for i, f in enumerate((2, 2, 2, 8))
+        )
+    )
+    src.write_text(
+        "".join(
+            json.dumps({"custom_id": f"r{i}", "prompt": "p", "max_tokens": m}) + "\n"
+            for i, m in enumerate((16, 16, 16, 64))
+        )
+    )
     text = _run(tmp_path, "slot_occupancy.py", str(out), "--input", str(src), "--slots", "2", "--chunks", "0")
     assert "| 2 | all | 70% | 10 | 88% | 8 |" in text

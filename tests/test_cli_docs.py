@@ -21,13 +21,28 @@ def _commands(group: click.Group, prefix: tuple[str, ...] = ()):
 
 
 ALL = list(_commands(cli))
-OURS = [(path, cmd) for path, cmd in ALL if cmd.callback is None or cmd.callback.__module__.startswith("canvasq.cli.")]
+OURS = [
+    (path, cmd)
+    for path, cmd in ALL
+    if cmd.callback is None or cmd.callback.__module__.startswith("canvasq.cli.")
+]
 
 
 def test_expected_commands_exist():
     names = {" ".join(p) for p, _ in ALL}
-    for want in ["run", "submit", "worker", "status", "runs", "results", "cancel", "retry", "trace",
-                 "db upgrade", "reconcile"]:
+    for want in [
+        "run",
+        "submit",
+        "worker",
+        "status",
+        "runs",
+        "results",
+        "cancel",
+        "retry",
+        "trace",
+        "db upgrade",
+        "reconcile",
+    ]:
         assert want in names
 
 
@@ -50,9 +65,15 @@ def test_every_command_has_an_example(path, cmd):
 def test_every_example_line_prints_as_written(path, cmd):
     """Click rewraps a paragraph of several lines into one unless a `\\b` line precedes it; an example
     block's commands must come out one per line, as written (copy-paste ready)."""
-    want = [line.strip() for line in cmd.help.split("Example:", 1)[-1].splitlines()
-            if line.strip().startswith("canvasq ")]
-    got = {line.strip() for line in CliRunner().invoke(cli, [*path, "--help"], terminal_width=200).output.splitlines()}
+    want = [
+        line.strip()
+        for line in cmd.help.split("Example:", 1)[-1].splitlines()
+        if line.strip().startswith("canvasq ")
+    ]
+    got = {
+        line.strip()
+        for line in CliRunner().invoke(cli, [*path, "--help"], terminal_width=200).output.splitlines()
+    }
     assert [w for w in want if w not in got] == []
 
 
@@ -68,5 +89,7 @@ def test_help_does_not_import_heavy_modules():
         "heavy = [m for m in ('torch', 'transformers', 'celery', 'matplotlib', 'triton') if m in sys.modules]\n"
         "print(','.join(heavy))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert out == "", f"--help imported {out}"

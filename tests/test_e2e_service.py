@@ -40,16 +40,27 @@ def write_input(path: Path, n: int = N) -> list[str]:
             if i % 4 < 2:
                 line = {"custom_id": cid, "prompt": p.prompt, "task": task, "max_tokens": 32}
             else:
-                line = {"custom_id": cid, "method": "POST", "url": OPENAI_URLS[0], "task": task,
-                        "body": {"messages": [{"role": "user", "content": p.prompt}], "max_tokens": 32}}
+                line = {
+                    "custom_id": cid,
+                    "method": "POST",
+                    "url": OPENAI_URLS[0],
+                    "task": task,
+                    "body": {"messages": [{"role": "user", "content": p.prompt}], "max_tokens": 32},
+                }
             fh.write(json.dumps(line) + "\n")
             ids.append(cid)
     return ids
 
 
 def canvasq(env, *args, check=True) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "canvasq.cli", *args], env=env, capture_output=True,
-                          text=True, check=check, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "canvasq.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=check,
+        timeout=300,
+    )
 
 
 @contextlib.contextmanager
@@ -58,9 +69,27 @@ def workers(env, queue: str, n: int, log_dir: Path):
     try:
         for i in range(n):
             log = open(log_dir / f"worker{i}.log", "w")  # noqa: SIM115 - closed with its worker below
-            procs.append((subprocess.Popen(
-                [sys.executable, "-m", "canvasq.cli", "worker", "--queue", queue, "--loglevel", "INFO"],
-                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log))
+            procs.append(
+                (
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "canvasq.cli",
+                            "worker",
+                            "--queue",
+                            queue,
+                            "--loglevel",
+                            "INFO",
+                        ],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    ),
+                    log,
+                )
+            )
         yield [p for p, _ in procs]
     finally:
         for p, _ in procs:  # warm shutdown, then make sure
@@ -101,34 +130,73 @@ def db_url(request, tmp_path):
 
 def test_200_requests_two_workers(db_url, tmp_path):
     queue = unique_queue("canvasq.e2e")
-    env = {**os.environ, "CANVASQ_DATABASE_URL": db_url, "CANVASQ_BROKER_URL": REDIS_URL,
-           "CANVASQ_MODEL": model_for_tests(), "CANVASQ_TORCH_THREADS": "1", "CANVASQ_DEVICE": "cpu",
-           "CANVASQ_DECODE_BATCH_SIZE": str(CHUNK), "CANVASQ_HEARTBEAT_S": "2", "OMP_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "CANVASQ_DATABASE_URL": db_url,
+        "CANVASQ_BROKER_URL": REDIS_URL,
+        "CANVASQ_MODEL": model_for_tests(),
+        "CANVASQ_TORCH_THREADS": "1",
+        "CANVASQ_DEVICE": "cpu",
+        "CANVASQ_DECODE_BATCH_SIZE": str(CHUNK),
+        "CANVASQ_HEARTBEAT_S": "2",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     ids = write_input(tmp_path / "in.jsonl")
     canvasq(env, "db", "upgrade")
     store = Store(db_url)
     try:
         with workers(env, queue, 2, tmp_path) as procs:
+
             def registered():
                 with store.Session() as s:
-                    return s.scalar(select(func.count()).select_from(Worker).where(Worker.queue == queue)) == 2
+                    return (
+                        s.scalar(select(func.count()).select_from(Worker).where(Worker.queue == queue)) == 2
+                    )
 
             wait_until(registered, "both workers to register", procs, tmp_path)
-            sub = canvasq(env, "submit", str(tmp_path / "in.jsonl"), "--queue", queue, "--chunk-size", str(CHUNK),
-                          "--decoder", "official", "--name", "e2e")
+            sub = canvasq(
+                env,
+                "submit",
+                str(tmp_path / "in.jsonl"),
+                "--queue",
+                queue,
+                "--chunk-size",
+                str(CHUNK),
+                "--decoder",
+                "official",
+                "--name",
+                "e2e",
+            )
             run_id = sub.stdout.strip().splitlines()[-1]
             assert run_id.startswith("run_")
-            wait_until(lambda: store.run_status(run_id) == "completed", "the run to complete", procs, tmp_path)
+            wait_until(
+                lambda: store.run_status(run_id) == "completed", "the run to complete", procs, tmp_path
+            )
 
         # exactly one output per custom_id, every row terminal and done
         with store.Session() as s:
-            per_id = dict(s.execute(select(Output.custom_id, func.count()).where(Output.run_id == run_id)
-                                    .group_by(Output.custom_id)).all())
-            statuses = dict(s.execute(select(Request.status, func.count()).where(Request.run_id == run_id)
-                                      .group_by(Request.status)).all())
-            by_worker = dict(s.execute(select(Output.worker_id, func.count()).where(Output.run_id == run_id)
-                                       .group_by(Output.worker_id)).all())
+            per_id = dict(
+                s.execute(
+                    select(Output.custom_id, func.count())
+                    .where(Output.run_id == run_id)
+                    .group_by(Output.custom_id)
+                ).all()
+            )
+            statuses = dict(
+                s.execute(
+                    select(Request.status, func.count())
+                    .where(Request.run_id == run_id)
+                    .group_by(Request.status)
+                ).all()
+            )
+            by_worker = dict(
+                s.execute(
+                    select(Output.worker_id, func.count())
+                    .where(Output.run_id == run_id)
+                    .group_by(Output.worker_id)
+                ).all()
+            )
             worker_rows = s.execute(select(Worker.id, Worker.device).where(Worker.queue == queue)).all()
         assert per_id == {cid: 1 for cid in ids}
         assert statuses == {"done": N}
@@ -138,8 +206,16 @@ def test_200_requests_two_workers(db_url, tmp_path):
         assert queue_length(queue) == 0
 
         # results round-trip: OpenAI batch output lines, in input order with --ordered
-        canvasq(env, "results", run_id, "-o", str(tmp_path / "out.jsonl"), "--errors", str(tmp_path / "err.jsonl"),
-                "--ordered")
+        canvasq(
+            env,
+            "results",
+            run_id,
+            "-o",
+            str(tmp_path / "out.jsonl"),
+            "--errors",
+            str(tmp_path / "err.jsonl"),
+            "--ordered",
+        )
         lines = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
         assert [x["custom_id"] for x in lines] == ids
         assert (tmp_path / "err.jsonl").read_text() == ""
@@ -151,7 +227,10 @@ def test_200_requests_two_workers(db_url, tmp_path):
             assert isinstance(body["choices"][0]["message"]["content"], str)
             assert body["choices"][0]["finish_reason"] in ("stop", "length")
             u = body["usage"]
-            assert 0 < u["completion_tokens"] <= 32 and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+            assert (
+                0 < u["completion_tokens"] <= 32
+                and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+            )
         again = canvasq(env, "results", run_id, "--ordered").stdout.splitlines()
         assert [json.loads(x) for x in again] == lines  # stable export
 
@@ -159,12 +238,26 @@ def test_200_requests_two_workers(db_url, tmp_path):
         runs = json.loads(canvasq(env, "runs", "--json").stdout)
         mine = [r for r in runs if r["run_id"] == run_id]
         assert len(mine) == 1
-        assert (mine[0]["status"], mine[0]["total"], mine[0]["done"], mine[0]["errored"], mine[0]["queued"]) == (
-            "completed", N, N, 0, 0)
+        assert (
+            mine[0]["status"],
+            mine[0]["total"],
+            mine[0]["done"],
+            mine[0]["errored"],
+            mine[0]["queued"],
+        ) == ("completed", N, N, 0, 0)
         st = json.loads(canvasq(env, "status", run_id, "--json").stdout.splitlines()[-1])
         assert st["status"] == "completed"
-        assert st["counts"] == {"queued": 0, "done": N, "errored": 0, "expired": 0, "cancelled": 0, "total": N}
-        assert st["completion_tokens"] == sum(x["response"]["body"]["usage"]["completion_tokens"] for x in lines)
+        assert st["counts"] == {
+            "queued": 0,
+            "done": N,
+            "errored": 0,
+            "expired": 0,
+            "cancelled": 0,
+            "total": N,
+        }
+        assert st["completion_tokens"] == sum(
+            x["response"]["body"]["usage"]["completion_tokens"] for x in lines
+        )
         text_status = canvasq(env, "status", run_id).stdout
         assert f"{N}/{N} generated  completed" in text_status
 

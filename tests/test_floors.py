@@ -74,8 +74,10 @@ def test_no_import_statement_goes_up():
         for line, module in _imports(path):
             imported = _room(module)
             if imported is not None and not _allowed(importer, imported):
-                upward.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {importer} (floor {FLOORS[importer]}) "
-                              f"imports {module} (floor {FLOORS[imported]})")
+                upward.append(
+                    f"{path.relative_to(PACKAGE.parent)}:{line}: {importer} (floor {FLOORS[importer]}) "
+                    f"imports {module} (floor {FLOORS[imported]})"
+                )
     assert not upward, "imports that do not go down the floors:\n" + "\n".join(upward)
 
 
@@ -90,10 +92,16 @@ def test_the_scan_sees_lazy_and_relative_imports(tmp_path):
 
 
 ROOT_MODULES = {  # what importing a room loads: its package and every module in it
-    room: sorted({f"canvasq.{room}"} | {
-        "canvasq." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
-        for p in (PACKAGE / room).rglob("*.py") if p.name != "__main__.py"
-    }) if (PACKAGE / room).is_dir() else [f"canvasq.{room}"]
+    room: sorted(
+        {f"canvasq.{room}"}
+        | {
+            "canvasq." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
+            for p in (PACKAGE / room).rglob("*.py")
+            if p.name != "__main__.py"
+        }
+    )
+    if (PACKAGE / room).is_dir()
+    else [f"canvasq.{room}"]
     for room in FLOORS
 }
 
@@ -106,8 +114,14 @@ def test_importing_a_room_loads_no_room_above_it(room):
         "    importlib.import_module(m)\n"
         "print(json.dumps(sorted({n.split('.')[1] for n in sys.modules if n.startswith('canvasq.')})))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         cwd=PACKAGE.parent, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=PACKAGE.parent,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
     assert room in loaded

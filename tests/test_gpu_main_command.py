@@ -33,7 +33,9 @@ def _main_command(workdir: Path, model: Path, prompts: Path, timeout_s: int) -> 
     env = {k: v for k, v in os.environ.items() if not k.startswith("CANVASQ_")}
     env.update(CANVASQ_MODEL=str(model), CANVASQ_DATABASE_URL=f"sqlite:///{workdir / 'canvasq.sqlite'}")
     cmd = [sys.executable, "-m", "canvasq.cli", "run", str(prompts), "-o", "results.jsonl"]
-    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+    proc = subprocess.run(
+        cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     n = sum(1 for line in prompts.read_text().splitlines() if line.strip())
     assert f"wrote {n} results and 0 errors" in proc.stdout, proc.stdout + proc.stderr[-3000:]

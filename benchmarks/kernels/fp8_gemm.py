@@ -29,11 +29,19 @@ from canvasq.model.experts import moe_grouped
 from canvasq.model.fp8 import FP8Experts, FP8Linear, fp8_linear, fp8_moe, quantize_rows
 
 H, E, TOPK, I = 2816, 128, 8, 704
-DENSE = {"qkv": (8192, H), "o": (H, 4096), "mlp_gate_up": (4224, H), "mlp_down": (H, 2112), "head": (262144, H)}
+DENSE = {
+    "qkv": (8192, H),
+    "o": (H, 4096),
+    "mlp_gate_up": (4224, H),
+    "mlp_down": (H, 2112),
+    "head": (262144, H),
+}
 
 
 def dense_rows(m: int, dtype) -> list[dict]:
-    return [dense_row(m, name, n, k, dtype) for name, (n, k) in DENSE.items() if not (name == "head" and m > 4096)]
+    return [
+        dense_row(m, name, n, k, dtype) for name, (n, k) in DENSE.items() if not (name == "head" and m > 4096)
+    ]
 
 
 def dense_row(m: int, name: str, n: int, k: int, dtype) -> dict:
@@ -45,8 +53,16 @@ def dense_row(m: int, name: str, n: int, k: int, dtype) -> dict:
     row["bf16_ms"] = time_ms(lambda _: F.linear(x, w))
     if ON_GPU:
         for acc in (True, False):
-            row[f"fp8_{'fast' if acc else 'exact'}_ms"] = time_ms(lambda _, acc=acc: torch._scaled_mm(
-                xq, q.q.t(), scale_a=xs[:, None], scale_b=q.scale[None, :], out_dtype=dtype, use_fast_accum=acc))
+            row[f"fp8_{'fast' if acc else 'exact'}_ms"] = time_ms(
+                lambda _, acc=acc: torch._scaled_mm(
+                    xq,
+                    q.q.t(),
+                    scale_a=xs[:, None],
+                    scale_b=q.scale[None, :],
+                    out_dtype=dtype,
+                    use_fast_accum=acc,
+                )
+            )
         from canvasq.kernels.fp8_quant import quantize_rows_triton
 
         row["quant_triton_ms"] = time_ms(lambda _: quantize_rows_triton(x))
@@ -82,11 +98,29 @@ def expert_rows(m: int, dtype) -> dict:
         sorted_e, order = torch.sort(flat, stable=True)
         offs = torch.searchsorted(sorted_e, torch.arange(1, E + 1, device=DEVICE)).to(torch.int32)
         xq, xs = quantize_rows(x[order // TOPK])
-        row["fp8_gate_up_gemm_ms"] = time_ms(lambda _: torch._scaled_grouped_mm(
-            xq, ex.gate_up.transpose(-2, -1), xs, ex.gate_up_scale, offs=offs, out_dtype=dtype, use_fast_accum=True))
+        row["fp8_gate_up_gemm_ms"] = time_ms(
+            lambda _: torch._scaled_grouped_mm(
+                xq,
+                ex.gate_up.transpose(-2, -1),
+                xs,
+                ex.gate_up_scale,
+                offs=offs,
+                out_dtype=dtype,
+                use_fast_accum=True,
+            )
+        )
         aq, as_ = quantize_rows(torch.randn(m * TOPK, I, device=DEVICE, dtype=dtype))
-        row["fp8_down_gemm_ms"] = time_ms(lambda _: torch._scaled_grouped_mm(
-            aq, ex.down.transpose(-2, -1), as_, ex.down_scale, offs=offs, out_dtype=dtype, use_fast_accum=True))
+        row["fp8_down_gemm_ms"] = time_ms(
+            lambda _: torch._scaled_grouped_mm(
+                aq,
+                ex.down.transpose(-2, -1),
+                as_,
+                ex.down_scale,
+                offs=offs,
+                out_dtype=dtype,
+                use_fast_accum=True,
+            )
+        )
         mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
         xb = x[order // TOPK]
         row["bf16_gate_up_gemm_ms"] = time_ms(lambda _: mm(xb, gate_up.transpose(-2, -1), offs=offs))
@@ -109,7 +143,9 @@ def main() -> None:
     results = []
     for m in rows:
         for r in dense_rows(m, dtype) + [expert_rows(m, dtype)]:
-            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
+            print(
+                json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}), flush=True
+            )
             results.append(r)
         if ON_GPU:
             torch.cuda.empty_cache()

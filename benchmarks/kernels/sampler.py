@@ -77,13 +77,25 @@ def main() -> None:
         for name, fn in arms.items():
             ms = C.time_ms(lambda i, fn=fn: fn())
             nbytes = flat.numel() * 4
-            rows.append({"batch": B, "rows": B * Cv, "arm": name, "ms": ms, "GBs_logits_once": nbytes / ms / 1e6,
-                         "topk_equal": same_topk})
+            rows.append(
+                {
+                    "batch": B,
+                    "rows": B * Cv,
+                    "arm": name,
+                    "ms": ms,
+                    "GBs_logits_once": nbytes / ms / 1e6,
+                    "topk_equal": same_topk,
+                }
+            )
         del logits, flat, arms
         if C.ON_GPU:
             torch.cuda.empty_cache()
-    C.report("sampler", rows, ["batch", "rows", "arm", "ms", "GBs_logits_once", "topk_equal"],
-             {**C.device_info(), "measured_bw_GBs": bw})
+    C.report(
+        "sampler",
+        rows,
+        ["batch", "rows", "arm", "ms", "GBs_logits_once", "topk_equal"],
+        {**C.device_info(), "measured_bw_GBs": bw},
+    )
 
 
 if __name__ == "__main__":

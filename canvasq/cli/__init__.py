@@ -54,10 +54,27 @@ def cli():
     """
 
 
-for _cmd in (embedded.run, queue.submit, queue.worker, queue.cancel, queue.retry, queue.reconcile,
-             reports.status, reports.runs, reports.results, reports.trace, reports.workers,
-             admin.db, admin.config_cmd, admin.pack, bench.bench, bench.calibrate, serve.serve, serve.keys,
-             testbed_cli.testbed):
+for _cmd in (
+    embedded.run,
+    queue.submit,
+    queue.worker,
+    queue.cancel,
+    queue.retry,
+    queue.reconcile,
+    reports.status,
+    reports.runs,
+    reports.results,
+    reports.trace,
+    reports.workers,
+    admin.db,
+    admin.config_cmd,
+    admin.pack,
+    bench.bench,
+    bench.calibrate,
+    serve.serve,
+    serve.keys,
+    testbed_cli.testbed,
+):
     cli.add_command(_cmd)
 cli.add_command(testbed_cli.eval_cmd, name="eval")
 

@@ -42,7 +42,9 @@ def db_upgrade(revision):
 
 @db.command("downgrade")
 @click.argument("revision")
-@click.option("--yes", is_flag=True, help="Do it without asking (a downgrade can drop tables and their rows).")
+@click.option(
+    "--yes", is_flag=True, help="Do it without asking (a downgrade can drop tables and their rows)."
+)
 def db_downgrade(revision, yes):
     """Downgrade the schema to REVISION ("base" drops every table). Asks first unless --yes; without a
     terminal to ask on, refuses unless --yes.
@@ -56,10 +58,15 @@ def db_downgrade(revision, yes):
 
     url = checked_database_url()
     if not yes:
-        what = "drops every table and every run, row and output in it" if revision == "base" else \
-            "drops what later revisions added, and the data in it"
+        what = (
+            "drops every table and every run, row and output in it"
+            if revision == "base"
+            else "drops what later revisions added, and the data in it"
+        )
         if not sys.stdin.isatty():
-            raise click.ClickException(f"downgrading {mask_url(url)} to {revision} {what}; pass --yes to do it")
+            raise click.ClickException(
+                f"downgrading {mask_url(url)} to {revision} {what}; pass --yes to do it"
+            )
         click.confirm(f"Downgrading {mask_url(url)} to {revision} {what}. Continue?", abort=True, err=True)
     downgrade(url, revision)
     click.echo(f"{mask_url(url)}: downgraded to {revision}")
@@ -78,7 +85,9 @@ def db_current():
     from canvasq.core.store import Store
 
     store = Store(checked_database_url())
-    click.echo(f"{mask_url(store.url)}: {current_revision(store.engine) or 'empty'} (code: {head_revision()})")
+    click.echo(
+        f"{mask_url(store.url)}: {current_revision(store.engine) or 'empty'} (code: {head_revision()})"
+    )
 
 
 @click.command("config")
@@ -132,11 +141,19 @@ def _calibration_for(settings):
 
 @click.command()
 @click.argument("model", metavar="MODEL")
-@click.option("--device", default=None, metavar="auto|cpu|cuda|cuda:N",
-              help="Where to pack (default: CANVASQ_DEVICE). A GPU packs in seconds per layer.")
-@click.option("--cache-dir", default=None, type=click.Path(file_okay=False),
-              help="Write the cache here (default: CANVASQ_W4_CACHE_DIR, else MODEL/canvasq_w4 when "
-                   "writable, else ~/.cache/canvasq/w4).")
+@click.option(
+    "--device",
+    default=None,
+    metavar="auto|cpu|cuda|cuda:N",
+    help="Where to pack (default: CANVASQ_DEVICE). A GPU packs in seconds per layer.",
+)
+@click.option(
+    "--cache-dir",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="Write the cache here (default: CANVASQ_W4_CACHE_DIR, else MODEL/canvasq_w4 when "
+    "writable, else ~/.cache/canvasq/w4).",
+)
 @click.option("--force", is_flag=True, help="Repack even when a cache for this checkpoint exists.")
 def pack(model, device, cache_dir, force):
     """Pack MODEL's experts to W4A16 ahead of time and write the cache that workers read at start.
@@ -175,8 +192,10 @@ def pack(model, device, cache_dir, force):
     bind_cuda_device(dev)
     t0 = time.perf_counter()
     path = pack_checkpoint(model, dev, torch.bfloat16, cache_dir)
-    click.echo(f"packed {model} on {dev} in {time.perf_counter() - t0:.1f}s: {path} "
-               f"({path.stat().st_size / 2**30:.2f} GiB)")
+    click.echo(
+        f"packed {model} on {dev} in {time.perf_counter() - t0:.1f}s: {path} "
+        f"({path.stat().st_size / 2**30:.2f} GiB)"
+    )
 
 
 def _resolve_fp8(setting: str, device: str) -> str:

@@ -24,7 +24,9 @@ def _require_sandbox(tasks: list[str]) -> None:
     help="HF directory or random:testbed (default: $CANVASQ_MODEL / models/testbed).",
 )
 @click.option(
-    "--arm", "arms", multiple=True,
+    "--arm",
+    "arms",
+    multiple=True,
     help="decoder[:key=value,...] (official, pipe, funnel, phcd, auto); repeat (default: official, pipe, funnel).",
 )
 @click.option(
@@ -123,30 +125,81 @@ def _auto_calibration(model_spec, arms):
 
 
 @click.command("calibrate")
-@click.option("--model", "model_spec", default=None,
-              help="HF directory or random:testbed (default: $CANVASQ_MODEL / models/testbed).")
-@click.option("--task", "task_names", multiple=True, type=click.Choice(["arith", "code"]),
-              help="Dev set per task family; repeatable (default: both).")
-@click.option("--n", default=100, show_default=True,
-              help="Problems per task per seed (one problem is 100/n points: keep it finer than the routing budget).")
-@click.option("--seeds", default="101", show_default=True,
-              help="Comma-separated seeds of the dev split (disjoint from eval whatever the seeds).")
-@click.option("--batch-size", default=16, show_default=True, help="Prompts per run_batch call (tok/s is at this batch).")
+@click.option(
+    "--model",
+    "model_spec",
+    default=None,
+    help="HF directory or random:testbed (default: $CANVASQ_MODEL / models/testbed).",
+)
+@click.option(
+    "--task",
+    "task_names",
+    multiple=True,
+    type=click.Choice(["arith", "code"]),
+    help="Dev set per task family; repeatable (default: both).",
+)
+@click.option(
+    "--n",
+    default=100,
+    show_default=True,
+    help="Problems per task per seed (one problem is 100/n points: keep it finer than the routing budget).",
+)
+@click.option(
+    "--seeds",
+    default="101",
+    show_default=True,
+    help="Comma-separated seeds of the dev split (disjoint from eval whatever the seeds).",
+)
+@click.option(
+    "--batch-size", default=16, show_default=True, help="Prompts per run_batch call (tok/s is at this batch)."
+)
 @click.option("--max-tokens", default=160, show_default=True)
-@click.option("--decoder", "decoders", multiple=True, type=click.Choice(["official", "pipe", "funnel"]),
-              help="Sweep only these decoders' default settings (repeatable; official's reference always runs).")
-@click.option("--arm", "arms", multiple=True,
-              help="Extra setting decoder[:key=value,...] (the bench syntax); repeatable.")
+@click.option(
+    "--decoder",
+    "decoders",
+    multiple=True,
+    type=click.Choice(["official", "pipe", "funnel"]),
+    help="Sweep only these decoders' default settings (repeatable; official's reference always runs).",
+)
+@click.option(
+    "--arm",
+    "arms",
+    multiple=True,
+    help="Extra setting decoder[:key=value,...] (the bench syntax); repeatable.",
+)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--threads", default=1, show_default=True, help="torch intra-op threads (CPU).")
 @click.option("--show", is_flag=True, help="Print the stored frontier of the model and exit (no sweep).")
 @click.option("--all", "show_all", is_flag=True, help="With --show: every point, not only the frontier.")
-@click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False),
-              help="Write a PNG: accuracy vs committed tok/s, one line per decoder.")
-@click.option("--budget", default=None, type=float,
-              help="Accuracy points auto may give up (default: CANVASQ_ROUTING_BUDGET, 2).")
-def calibrate(model_spec, task_names, n, seeds, batch_size, max_tokens, decoders, arms, device, threads, show,
-              show_all, plot_path, budget):
+@click.option(
+    "--plot",
+    "plot_path",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Write a PNG: accuracy vs committed tok/s, one line per decoder.",
+)
+@click.option(
+    "--budget",
+    default=None,
+    type=float,
+    help="Accuracy points auto may give up (default: CANVASQ_ROUTING_BUDGET, 2).",
+)
+def calibrate(
+    model_spec,
+    task_names,
+    n,
+    seeds,
+    batch_size,
+    max_tokens,
+    decoders,
+    arms,
+    device,
+    threads,
+    show,
+    show_all,
+    plot_path,
+    budget,
+):
     """Sweep each decoder's main knobs on a dev set per task family, store the frontier for this model.
 
     Measures accuracy, committed tok/s at --batch-size, forwards per request, τ (tokens per forward) and
@@ -179,12 +232,16 @@ def calibrate(model_spec, task_names, n, seeds, batch_size, max_tokens, decoders
         if show:
             cal = stored.load_for_model(store, spec)
             if cal is None:
-                raise click.ClickException(f"no calibration stored for {spec} in this database: run `canvasq calibrate`")
+                raise click.ClickException(
+                    f"no calibration stored for {spec} in this database: run `canvasq calibrate`"
+                )
             _print_calibration(cal, budget, not show_all, plot_path)
             return
         tasks = list(task_names or ("arith", "code"))
         _require_sandbox(tasks)
-        cal = _sweep(spec, _sweep_arms(decoders, arms), tasks, n, seed_list, batch_size, max_tokens, device, threads)
+        cal = _sweep(
+            spec, _sweep_arms(decoders, arms), tasks, n, seed_list, batch_size, max_tokens, device, threads
+        )
         cal_id = stored.save(store, cal)
         cal = stored.load(store, cal.model_path, cal.fingerprint)
         _print_calibration(cal, budget, False, plot_path)
@@ -220,8 +277,17 @@ def _sweep(spec, arm_list, tasks, n, seeds, batch_size, max_tokens, device, thre
 
     torch.set_num_threads(threads)
     bundle = load_bundle(spec, device=device)
-    cal, _ = cal_mod.run_sweep(bundle, arm_list, tasks, n=n, seeds=seeds, batch_size=batch_size,
-                               max_tokens=max_tokens, progress=lambda m: click.echo(m, err=True), suite=testbed_tasks)
+    cal, _ = cal_mod.run_sweep(
+        bundle,
+        arm_list,
+        tasks,
+        n=n,
+        seeds=seeds,
+        batch_size=batch_size,
+        max_tokens=max_tokens,
+        progress=lambda m: click.echo(m, err=True),
+        suite=testbed_tasks,
+    )
     return cal
 
 

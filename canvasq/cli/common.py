@@ -19,14 +19,20 @@ MAX_NAME = 200  # the store's name / queue / key columns
 
 def decoder_option(f):
     return click.option(
-        "--decoder", type=click.Choice(DECODERS), default="auto", show_default=True,
+        "--decoder",
+        type=click.Choice(DECODERS),
+        default="auto",
+        show_default=True,
         help="Decoding algorithm; auto = official (the accurate sampler) unless CANVASQ_ROUTING names a decoder for the task; hf = HF generate() (reference).",
     )(f)
 
 
 def model_option(f):
     return click.option(
-        "--model", "model", default=None, metavar="PATH|random:26b-a4b",
+        "--model",
+        "model",
+        default=None,
+        metavar="PATH|random:26b-a4b",
         help="Model spec (default: $CANVASQ_MODEL, else the repo's models/testbed).",
     )(f)
 
@@ -85,8 +91,9 @@ def check_broker(settings) -> None:
             conn.ensure_connection(max_retries=1, interval_start=0, timeout=10)
     except Exception as exc:  # noqa: BLE001 - any failure to connect is the same message
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise click.ClickException(f"cannot reach the broker CANVASQ_BROKER_URL={mask_url(settings.broker_url)}: "
-                                   f"{mask_url(first)}") from None
+        raise click.ClickException(
+            f"cannot reach the broker CANVASQ_BROKER_URL={mask_url(settings.broker_url)}: {mask_url(first)}"
+        ) from None
 
 
 def open_store(settings, *, upgrade_sqlite: bool = True):
@@ -109,8 +116,9 @@ def open_store(settings, *, upgrade_sqlite: bool = True):
         store.upgrade()
     except SQLAlchemyError as exc:
         first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or ["?"])[0]
-        raise click.ClickException(f"cannot use the database CANVASQ_DATABASE_URL={mask_url(store.url)}: "
-                                   f"{mask_url(first)}") from None
+        raise click.ClickException(
+            f"cannot use the database CANVASQ_DATABASE_URL={mask_url(store.url)}: {mask_url(first)}"
+        ) from None
     return store
 
 
@@ -132,7 +140,9 @@ class AtomicOutput:
     def __init__(self, path: str, input_path: str | None = None):
         import tempfile
 
-        target = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)  # write through links
+        target = (
+            Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
+        )  # write through links
         if input_path is not None and os.path.realpath(target) == os.path.realpath(input_path):
             raise click.ClickException(f"-o {path} is the input file; choose another output path")
         if target.exists() and not target.is_file():
@@ -147,7 +157,7 @@ class AtomicOutput:
             raise click.ClickException(f"-o {path}: cannot write in {parent}: {exc.strerror}") from None
         self.path, self.fh = target, os.fdopen(fd, "w", encoding="utf-8")
         for stale in parent.glob(f"{glob.escape(prefix)}*.tmp"):  # left by a killed process
-            pid = stale.name[len(prefix):].split(".", 1)[0]
+            pid = stale.name[len(prefix) :].split(".", 1)[0]
             if pid.isdigit() and int(pid) != os.getpid() and not pid_exists(int(pid)):
                 stale.unlink(missing_ok=True)
 
@@ -215,7 +225,9 @@ def fmt_s(x: float | None) -> str:
 def table(headers: list[str], rows: list[list]) -> str:
     cells = [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
+    lines = [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -234,26 +246,51 @@ def slot_use(occupancy: list[tuple[int, int]]) -> dict | None:
         return None
     steps = len(occupancy)
     first_short = next((i for i, (n, k) in enumerate(occupancy) if n < k), steps)
-    return {"slots": max(k for _, k in occupancy), "steps": steps,
-            "mean": sum(n for n, _ in occupancy) / sum(k for _, k in occupancy), "full_until": first_short / steps}
+    return {
+        "slots": max(k for _, k in occupancy),
+        "steps": steps,
+        "mean": sum(n for n, _ in occupancy) / sum(k for _, k in occupancy),
+        "full_until": first_short / steps,
+    }
 
 
 def summary_table(summary: dict) -> str:
     """fwd/req: model passes that served a request, averaged over requests (a pass shared by a batch
     counts for each request it served, as in `canvasq bench`); tok/fwd: tokens per such pass."""
-    rows = [[d["decoder"], d["requests"], d["tokens"], per_req(d["forwards"], d["requests"]),
-             f"{d['tokens'] / d['forwards']:.2f}" if d["forwards"] else None, f"{d['gen_s']:.1f}", fmt_tok_s(d["tok_s"])]
-            for d in summary["decoders"]]
+    rows = [
+        [
+            d["decoder"],
+            d["requests"],
+            d["tokens"],
+            per_req(d["forwards"], d["requests"]),
+            f"{d['tokens'] / d['forwards']:.2f}" if d["forwards"] else None,
+            f"{d['gen_s']:.1f}",
+            fmt_tok_s(d["tok_s"]),
+        ]
+        for d in summary["decoders"]
+    ]
     c = summary["counts"]
     done = sum(d["requests"] for d in summary["decoders"])
     gen_s = sum(d["gen_s"] for d in summary["decoders"])
-    rows.append(["total", done, summary["completion_tokens"], per_req(summary["forwards"], done),
-                 f"{summary['completion_tokens'] / summary['forwards']:.2f}" if summary["forwards"] else None,
-                 f"{gen_s:.1f}", fmt_tok_s(summary["completion_tokens"] / gen_s if gen_s else None)])
-    head = (f"run {summary['run_id']}  status {summary['status']}  model {model_name(summary['model'])}  "
-            f"requests {c['total']} (done {c['done']}, errored {c['errored']}, expired {c['expired']}, "
-            f"cancelled {c['cancelled']}, queued {c['queued']})  wall {fmt_s(summary['wall_s'])}")
-    return head + "\n" + table(["decoder", "requests", "tokens", "fwd/req", "tok/fwd", "gen s", "tok/s"], rows)
+    rows.append(
+        [
+            "total",
+            done,
+            summary["completion_tokens"],
+            per_req(summary["forwards"], done),
+            f"{summary['completion_tokens'] / summary['forwards']:.2f}" if summary["forwards"] else None,
+            f"{gen_s:.1f}",
+            fmt_tok_s(summary["completion_tokens"] / gen_s if gen_s else None),
+        ]
+    )
+    head = (
+        f"run {summary['run_id']}  status {summary['status']}  model {model_name(summary['model'])}  "
+        f"requests {c['total']} (done {c['done']}, errored {c['errored']}, expired {c['expired']}, "
+        f"cancelled {c['cancelled']}, queued {c['queued']})  wall {fmt_s(summary['wall_s'])}"
+    )
+    return (
+        head + "\n" + table(["decoder", "requests", "tokens", "fwd/req", "tok/fwd", "gen s", "tok/s"], rows)
+    )
 
 
 def status_line(s: dict) -> str:
@@ -263,13 +300,20 @@ def status_line(s: dict) -> str:
     c, width = s["counts"], 30
     total = c["total"] or 1
     gen, closed = c["done"] + c["errored"], c["cancelled"] + c["expired"]
-    cells = [int(width * gen / total), int(width * (gen + closed) / total),
-             int(width * (gen + closed + s.get("in_flight", 0)) / total)]
-    bar = "#" * cells[0] + "x" * (cells[1] - cells[0]) + ">" * (cells[2] - cells[1]) + "-" * (width - cells[2])
-    return (f"{s['run_id']} [{bar}] {gen}/{c['total']} generated  {s['status']}  done {c['done']} errored "
-            f"{c['errored']} expired {c['expired']} cancelled {c['cancelled']} queued {c['queued']} "
-            f"(in flight {s.get('in_flight', 0)})  tokens {s['completion_tokens']}  "
-            f"tok/s {fmt_tok_s(s['tok_s']) or '-'}  ETA {fmt_s(s['eta_s'])}")
+    cells = [
+        int(width * gen / total),
+        int(width * (gen + closed) / total),
+        int(width * (gen + closed + s.get("in_flight", 0)) / total),
+    ]
+    bar = (
+        "#" * cells[0] + "x" * (cells[1] - cells[0]) + ">" * (cells[2] - cells[1]) + "-" * (width - cells[2])
+    )
+    return (
+        f"{s['run_id']} [{bar}] {gen}/{c['total']} generated  {s['status']}  done {c['done']} errored "
+        f"{c['errored']} expired {c['expired']} cancelled {c['cancelled']} queued {c['queued']} "
+        f"(in flight {s.get('in_flight', 0)})  tokens {s['completion_tokens']}  "
+        f"tok/s {fmt_tok_s(s['tok_s']) or '-'}  ETA {fmt_s(s['eta_s'])}"
+    )
 
 
 MISSING_SHOWN = 20  # custom_ids of unfinished rows named in a report
@@ -281,8 +325,11 @@ def report_unfinished(store, run_id: str) -> None:
     if c["queued"]:
         missing = store.missing_rows(run_id, MISSING_SHOWN)
         more = f" and {c['queued'] - len(missing)} more" if c["queued"] > len(missing) else ""
-        click.echo(f"{c['queued']} of {c['total']} rows of {run_id} are not finished ({store.run_status(run_id)}) "
-                   f"and are not in the output: {', '.join(missing)}{more}", err=True)
+        click.echo(
+            f"{c['queued']} of {c['total']} rows of {run_id} are not finished ({store.run_status(run_id)}) "
+            f"and are not in the output: {', '.join(missing)}{more}",
+            err=True,
+        )
 
 
 def say(as_json: bool, text: str, **record) -> None:

@@ -36,15 +36,32 @@ PUBLISH_BATCH = 500  # chunk messages per publish, each batch marked published b
 @click.option("--name", default=None, callback=check_name, help="A name for the run.")
 @decoder_option
 @model_option
-@click.option("--queue", default=None, callback=check_name, help="Queue to publish to (default: canvasq.<model name>).")
-@click.option("--key", "idempotency_key", default=None, callback=check_name,
-              help="Idempotency key: submitting the same key again returns the same run, publishes nothing. "
-                   "Default: a hash of the file's bytes, the model, decoder, queue, chunk size and deadline.")
-@click.option("--chunk-size", type=click.IntRange(min=1), default=None,
-              help="Requests per chunk (default: CANVASQ_CHUNK_SIZE).")
-@click.option("--deadline", type=click.IntRange(min=1), default=None, help="Seconds until unfinished rows expire.")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print one JSON line (run id, whether it was created, requests, chunks published).")
+@click.option(
+    "--queue", default=None, callback=check_name, help="Queue to publish to (default: canvasq.<model name>)."
+)
+@click.option(
+    "--key",
+    "idempotency_key",
+    default=None,
+    callback=check_name,
+    help="Idempotency key: submitting the same key again returns the same run, publishes nothing. "
+    "Default: a hash of the file's bytes, the model, decoder, queue, chunk size and deadline.",
+)
+@click.option(
+    "--chunk-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Requests per chunk (default: CANVASQ_CHUNK_SIZE).",
+)
+@click.option(
+    "--deadline", type=click.IntRange(min=1), default=None, help="Seconds until unfinished rows expire."
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON line (run id, whether it was created, requests, chunks published).",
+)
 def submit(file, name, decoder, model, queue, idempotency_key, chunk_size, deadline, as_json):
     """Validate FILE, store the run, publish its chunks to the model's queue; print the run id.
 
@@ -76,9 +93,15 @@ def submit(file, name, decoder, model, queue, idempotency_key, chunk_size, deadl
         params = json.dumps([digest, settings.model, decoder, queue, chunk_size, deadline])
         idempotency_key = "auto:" + hashlib.sha256(params.encode()).hexdigest()[:32]
     created = store.create_run(
-        iter_jobs(file, limits), model=settings.model, queue=queue, decoder=decoder,
-        chunk_size=chunk_size, name=name or Path(file).name[:MAX_NAME],
-        idempotency_key=idempotency_key, input_path=str(Path(file).resolve()), input_sha256=digest,
+        iter_jobs(file, limits),
+        model=settings.model,
+        queue=queue,
+        decoder=decoder,
+        chunk_size=chunk_size,
+        name=name or Path(file).name[:MAX_NAME],
+        idempotency_key=idempotency_key,
+        input_path=str(Path(file).resolve()),
+        input_sha256=digest,
         deadline_s=deadline,
     )
     run_queue = queue if created.created else store.get_run(created.run_id).queue
@@ -91,36 +114,73 @@ def submit(file, name, decoder, model, queue, idempotency_key, chunk_size, deadl
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise click.ClickException(
                 f"run {created.run_id} is stored but publishing its chunks to {run_queue} failed ({mask_url(first)}); "
-                "run the same `canvasq submit` again (or `canvasq reconcile`) once the broker is back") from None
+                "run the same `canvasq submit` again (or `canvasq reconcile`) once the broker is back"
+            ) from None
         store.mark_published(part)
     existing_name = None if created.created else store.get_run(created.run_id).name
     if as_json:
-        click.echo(json.dumps({"run_id": created.run_id, "created": created.created, "requests": created.requests,
-                               "chunks": len(created.chunk_ids), "published": len(todo), "queue": run_queue,
-                               "name": name or Path(file).name[:MAX_NAME] if created.created else existing_name,
-                               "idempotency_key": idempotency_key}))
+        click.echo(
+            json.dumps(
+                {
+                    "run_id": created.run_id,
+                    "created": created.created,
+                    "requests": created.requests,
+                    "chunks": len(created.chunk_ids),
+                    "published": len(todo),
+                    "queue": run_queue,
+                    "name": name or Path(file).name[:MAX_NAME] if created.created else existing_name,
+                    "idempotency_key": idempotency_key,
+                }
+            )
+        )
         return
     if created.created:
-        click.echo(f"submitted {created.requests} requests in {len(created.chunk_ids)} chunks to {queue}", err=True)
+        click.echo(
+            f"submitted {created.requests} requests in {len(created.chunk_ids)} chunks to {queue}", err=True
+        )
     else:
-        renamed = f" (named {existing_name!r}; --name {name!r} was not applied)" if name and name != existing_name else ""
-        published = (f"published its {len(todo)} unpublished chunk(s)" if todo
-                     else "nothing published (every chunk was published before)")
-        click.echo(f"key {idempotency_key!r} already submitted as {created.run_id}: returned the existing run"
-                   f"{renamed}; {published}. A different --key submits the file again as a new run", err=True)
+        renamed = (
+            f" (named {existing_name!r}; --name {name!r} was not applied)"
+            if name and name != existing_name
+            else ""
+        )
+        published = (
+            f"published its {len(todo)} unpublished chunk(s)"
+            if todo
+            else "nothing published (every chunk was published before)"
+        )
+        click.echo(
+            f"key {idempotency_key!r} already submitted as {created.run_id}: returned the existing run"
+            f"{renamed}; {published}. A different --key submits the file again as a new run",
+            err=True,
+        )
     click.echo(created.run_id)
 
 
 @click.command()
 @model_option
 @click.option("--queue", default=None, help="Queue to consume (default: canvasq.<model name>).")
-@click.option("--concurrency", type=int, default=1, show_default=True,
-              help="Child processes; keep 1 per GPU (start one worker per CUDA_VISIBLE_DEVICES).")
+@click.option(
+    "--concurrency",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Child processes; keep 1 per GPU (start one worker per CUDA_VISIBLE_DEVICES).",
+)
 @click.option("--loglevel", default="INFO", show_default=True)
-@click.option("--pool", type=click.Choice(["prefork", "solo"]), default="prefork", show_default=True,
-              help="prefork loads the model in a child (CUDA never touches the parent).")
-@click.option("--gpu", default=None, metavar="N|auto",
-              help="Set CUDA_VISIBLE_DEVICES=N, or claim a free slot of CANVASQ_GPU_SLOTS in Redis (auto).")
+@click.option(
+    "--pool",
+    type=click.Choice(["prefork", "solo"]),
+    default="prefork",
+    show_default=True,
+    help="prefork loads the model in a child (CUDA never touches the parent).",
+)
+@click.option(
+    "--gpu",
+    default=None,
+    metavar="N|auto",
+    help="Set CUDA_VISIBLE_DEVICES=N, or claim a free slot of CANVASQ_GPU_SLOTS in Redis (auto).",
+)
 def worker(model, queue, concurrency, loglevel, pool, gpu):
     """Start a Celery worker process for one model (one per GPU).
 
@@ -155,7 +215,9 @@ def worker(model, queue, concurrency, loglevel, pool, gpu):
         if not settings.gpu_slots:
             raise click.ClickException("--gpu auto needs CANVASQ_GPU_SLOTS (GPUs on this host)")
         try:
-            slot = claim_slot(settings.broker_url, settings.gpu_host or socket.gethostname(), settings.gpu_slots)
+            slot = claim_slot(
+                settings.broker_url, settings.gpu_host or socket.gethostname(), settings.gpu_slots
+            )
         except NoFreeSlot as exc:
             raise click.ClickException(str(exc)) from None
         slot.start_refresher()
@@ -166,13 +228,29 @@ def worker(model, queue, concurrency, loglevel, pool, gpu):
     store.dispose()
     from canvasq.worker.celery_app import app
 
-    click.echo(f"worker for {settings.model} on queue {queue}; broker {mask_url(settings.broker_url)}; "
-               f"store {mask_url(settings.database_url)}", err=True)
+    click.echo(
+        f"worker for {settings.model} on queue {queue}; broker {mask_url(settings.broker_url)}; "
+        f"store {mask_url(settings.database_url)}",
+        err=True,
+    )
     try:
-        app.worker_main([
-            "worker", "-Q", queue, "-c", str(concurrency), "-P", pool, "-l", loglevel,
-            "-n", f"canvasq-{os.getpid()}@%h", "--without-gossip", "--without-mingle",
-        ])
+        app.worker_main(
+            [
+                "worker",
+                "-Q",
+                queue,
+                "-c",
+                str(concurrency),
+                "-P",
+                pool,
+                "-l",
+                loglevel,
+                "-n",
+                f"canvasq-{os.getpid()}@%h",
+                "--without-gossip",
+                "--without-mingle",
+            ]
+        )
     finally:
         if slot is not None:
             slot.release()
@@ -201,9 +279,13 @@ def cancel(run_id, as_json):
 
 @click.command()
 @click.argument("run_id", metavar="RUN")
-@click.option("--only", default="errored,expired", show_default=True,
-              help="Comma-separated request states to re-run (errored, expired, cancelled), and/or stuck: "
-                   "queued rows no live worker will finish (their worker stopped heartbeating).")
+@click.option(
+    "--only",
+    default="errored,expired",
+    show_default=True,
+    help="Comma-separated request states to re-run (errored, expired, cancelled), and/or stuck: "
+    "queued rows no live worker will finish (their worker stopped heartbeating).",
+)
 @json_option
 def retry(run_id, only, as_json):
     """Re-run RUN's rows in the given states; finished rows stay, results merge.
@@ -225,8 +307,9 @@ def retry(run_id, only, as_json):
     states = [s.strip() for s in only.split(",") if s.strip()]
     bad = [s for s in states if s not in ("errored", "expired", "cancelled", "stuck")]
     if bad or not states:
-        raise click.BadParameter(f"unknown state(s) {bad}; use errored, expired, cancelled, stuck",
-                                 param_hint="--only")
+        raise click.BadParameter(
+            f"unknown state(s) {bad}; use errored, expired, cancelled, stuck", param_hint="--only"
+        )
     settings = cli_settings()
     store = open_store(settings, upgrade_sqlite=False)
     run_row = get_run(store, run_id)
@@ -247,17 +330,34 @@ def retry(run_id, only, as_json):
     chunk_ids = store.retry_run(run_row.id, states, chunk_size, offline_before=offline_before)
     if not embedded:
         if not chunk_ids:
-            waiting = f"; {before['queued']} queued rows are held by live workers or wait in the queue" \
-                if "stuck" in states and before["queued"] else ""
-            say(as_json, f"{run_row.id}: no rows in {states}{waiting}", run_id=run_row.id, states=states,
-                 rows=0, chunks=0, queued=before["queued"])
+            waiting = (
+                f"; {before['queued']} queued rows are held by live workers or wait in the queue"
+                if "stuck" in states and before["queued"]
+                else ""
+            )
+            say(
+                as_json,
+                f"{run_row.id}: no rows in {states}{waiting}",
+                run_id=run_row.id,
+                states=states,
+                rows=0,
+                chunks=0,
+                queued=before["queued"],
+            )
             return
         from canvasq.worker.celery_app import publish_chunks
 
         publish_chunks(chunk_ids, run_row.queue, settings)
         store.mark_published(chunk_ids)
-        say(as_json, f"{run_row.id}: re-queued {n} rows in {len(chunk_ids)} chunks of up to {chunk_size}",
-             run_id=run_row.id, states=states, rows=n, chunks=len(chunk_ids), chunk_size=chunk_size)
+        say(
+            as_json,
+            f"{run_row.id}: re-queued {n} rows in {len(chunk_ids)} chunks of up to {chunk_size}",
+            run_id=run_row.id,
+            states=states,
+            rows=n,
+            chunks=len(chunk_ids),
+            chunk_size=chunk_size,
+        )
         return
     left = store.counts(run_row.id)["queued"]  # the retried rows and any an interruption left queued
     if not left:
@@ -265,8 +365,16 @@ def retry(run_id, only, as_json):
         return
     process_embedded(engine, run_row.id)
     extra = f" and {left - n} left unfinished by an interruption" if left > n else ""
-    say(as_json, f"{run_row.id}: re-ran {n} rows in {states}{extra}", run_id=run_row.id, states=states, rows=n,
-         left_by_interruption=max(0, left - n), counts=store.counts(run_row.id), status=store.run_status(run_row.id))
+    say(
+        as_json,
+        f"{run_row.id}: re-ran {n} rows in {states}{extra}",
+        run_id=run_row.id,
+        states=states,
+        rows=n,
+        left_by_interruption=max(0, left - n),
+        counts=store.counts(run_row.id),
+        status=store.run_status(run_row.id),
+    )
     report_unfinished(store, run_row.id)
 
 

@@ -54,13 +54,21 @@ def status(run_id, watch, interval, as_json):
             click.echo(status_line(s))
         if not watch or s["status"] not in ("queued", "running", "cancelling"):
             if s["status"] == "interrupted":
-                click.echo(f"{s['run_id']} was interrupted: the same `canvasq run` command continues it", err=True)
+                click.echo(
+                    f"{s['run_id']} was interrupted: the same `canvasq run` command continues it", err=True
+                )
             break
         time.sleep(interval)
 
 
 @click.command()
-@click.option("--status", "status_", type=click.Choice(RUN_STATUS_CHOICES), default=None, help="Only runs in this state.")
+@click.option(
+    "--status",
+    "status_",
+    type=click.Choice(RUN_STATUS_CHOICES),
+    default=None,
+    help="Only runs in this state.",
+)
 @click.option("--limit", type=int, default=20, show_default=True)
 @json_option
 def runs(status_, limit, as_json):
@@ -78,21 +86,66 @@ def runs(status_, limit, as_json):
     if as_json:
         click.echo(json.dumps(rows))
         return
-    click.echo(table(["run", "name", "status", "total", "done", "errored", "expired", "cancelled", "queued",
-                       "decoder", "created"],
-                      [[r["run_id"], r["name"], r["status"], r["total"], r["done"], r["errored"], r["expired"],
-                        r["cancelled"], r["queued"], r["decoder"], r["created_at"]] for r in rows]))
+    click.echo(
+        table(
+            [
+                "run",
+                "name",
+                "status",
+                "total",
+                "done",
+                "errored",
+                "expired",
+                "cancelled",
+                "queued",
+                "decoder",
+                "created",
+            ],
+            [
+                [
+                    r["run_id"],
+                    r["name"],
+                    r["status"],
+                    r["total"],
+                    r["done"],
+                    r["errored"],
+                    r["expired"],
+                    r["cancelled"],
+                    r["queued"],
+                    r["decoder"],
+                    r["created_at"],
+                ]
+                for r in rows
+            ],
+        )
+    )
 
 
 @click.command()
 @click.argument("run_id", metavar="RUN")
-@click.option("-o", "--output", "out_path", type=click.Path(dir_okay=False), default="-", show_default=True,
-              help="Where to write OpenAI batch output lines.")
-@click.option("--errors", "errors_path", type=click.Path(dir_okay=False), default=None,
-              help="Write errored / expired / cancelled rows here instead of into OUTPUT.")
+@click.option(
+    "-o",
+    "--output",
+    "out_path",
+    type=click.Path(dir_okay=False),
+    default="-",
+    show_default=True,
+    help="Where to write OpenAI batch output lines.",
+)
+@click.option(
+    "--errors",
+    "errors_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write errored / expired / cancelled rows here instead of into OUTPUT.",
+)
 @click.option("--ordered", is_flag=True, help="In input-file order (default: completion order).")
-@click.option("--json", "as_json", is_flag=True,
-              help="Report counts and unfinished rows as one JSON line (on stderr when OUTPUT is stdout).")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Report counts and unfinished rows as one JSON line (on stderr when OUTPUT is stdout).",
+)
 def results(run_id, out_path, errors_path, ordered, as_json):
     """Export RUN's finished rows as OpenAI batch output lines.
 
@@ -108,7 +161,11 @@ def results(run_id, out_path, errors_path, ordered, as_json):
     store = open_store(settings, upgrade_sqlite=False)
     run_row = get_run(store, run_id)
     reap_interrupted(store, settings)
-    if errors_path is not None and out_path != "-" and os.path.realpath(errors_path) == os.path.realpath(out_path):
+    if (
+        errors_path is not None
+        and out_path != "-"
+        and os.path.realpath(errors_path) == os.path.realpath(out_path)
+    ):
         raise click.BadParameter("is the same file as --output", param_hint="--errors")
     files, direct = [], []  # files: temporary files renamed into place when complete; direct: devices, pipes
 
@@ -137,9 +194,20 @@ def results(run_id, out_path, errors_path, ordered, as_json):
             fh.close()
     if as_json:
         c = store.counts(run_row.id)
-        click.echo(json.dumps({"run_id": run_row.id, "status": store.run_status(run_row.id), "results": n_ok,
-                               "errors": n_err, "unfinished": c["queued"], "total": c["total"],
-                               "missing": store.missing_rows(run_row.id, MISSING_SHOWN)}), err=out_path == "-")
+        click.echo(
+            json.dumps(
+                {
+                    "run_id": run_row.id,
+                    "status": store.run_status(run_row.id),
+                    "results": n_ok,
+                    "errors": n_err,
+                    "unfinished": c["queued"],
+                    "total": c["total"],
+                    "missing": store.missing_rows(run_row.id, MISSING_SHOWN),
+                }
+            ),
+            err=out_path == "-",
+        )
         return
     click.echo(f"{n_ok} results, {n_err} errors", err=True)
     report_unfinished(store, run_row.id)
@@ -148,8 +216,13 @@ def results(run_id, out_path, errors_path, ordered, as_json):
 @click.command()
 @click.argument("run_id", metavar="RUN")
 @click.argument("custom_id")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
-              help="Write a PNG: window rows (G) and commits (τ) per forward.")
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write a PNG: window rows (G) and commits (τ) per forward.",
+)
 @json_option
 def trace(run_id, custom_id, plot_path, as_json):
     """Per-forward trace of one request: rows in the window, commits, canvases live, ms.
@@ -163,22 +236,45 @@ def trace(run_id, custom_id, plot_path, as_json):
     run_row = get_run(store, run_id)
     rows = store.traces(run_row.id, custom_id)
     if not rows:
-        raise click.ClickException(f"no trace for {custom_id!r} in {run_row.id}: {_why_no_trace(store, run_row.id, custom_id)}")
-    recs = [{"forward": t.forward_index, "kind": t.kind, "rows": t.rows, "commits": t.commits,
-             "own_rows": t.own_rows, "own_commits": t.own_commits, "canvases": t.canvases,
-             "states": t.states, "ms": round(t.ms, 3)} for t in rows]
+        raise click.ClickException(
+            f"no trace for {custom_id!r} in {run_row.id}: {_why_no_trace(store, run_row.id, custom_id)}"
+        )
+    recs = [
+        {
+            "forward": t.forward_index,
+            "kind": t.kind,
+            "rows": t.rows,
+            "commits": t.commits,
+            "own_rows": t.own_rows,
+            "own_commits": t.own_commits,
+            "canvases": t.canvases,
+            "states": t.states,
+            "ms": round(t.ms, 3),
+        }
+        for t in rows
+    ]
     if as_json:
         click.echo(json.dumps(recs))
     else:
-        click.echo(table(["forward", "kind", "rows", "commits", "own rows", "own commits", "canvases", "states",
-                           "ms"], [list(r.values()) for r in recs]))
-        click.echo(f"{len(recs)} forwards, {sum(r['commits'] for r in recs)} commits, "
-                   f"{sum(r['rows'] for r in recs)} window rows, {sum(r['ms'] for r in recs):.1f} ms")
+        click.echo(
+            table(
+                ["forward", "kind", "rows", "commits", "own rows", "own commits", "canvases", "states", "ms"],
+                [list(r.values()) for r in recs],
+            )
+        )
+        click.echo(
+            f"{len(recs)} forwards, {sum(r['commits'] for r in recs)} commits, "
+            f"{sum(r['rows'] for r in recs)} window rows, {sum(r['ms'] for r in recs):.1f} ms"
+        )
     if plot_path:
         state = store.row_state(run_row.id, custom_id)
         decoder = state[1].decoder if state and state[1] is not None else None
-        plot_trace(recs, plot_path, title=f"{run_row.id} / {custom_id}  (decoder {decoder or '?'}, "
-                                          f"{len(recs)} forwards, {sum(r['ms'] for r in recs):.0f} ms)")
+        plot_trace(
+            recs,
+            plot_path,
+            title=f"{run_row.id} / {custom_id}  (decoder {decoder or '?'}, "
+            f"{len(recs)} forwards, {sum(r['ms'] for r in recs):.0f} ms)",
+        )
         click.echo(f"wrote {plot_path}", err=True)
 
 
@@ -191,8 +287,10 @@ def _why_no_trace(store, run_id: str, custom_id: str) -> str:
     if status == "queued":
         return "the row is not finished (queued); its trace is stored when it finishes"
     if out is not None and out.error_code:
-        return (f"the row ended {status} ({out.error_code}: {(out.error_message or '')[:120]}) before any forward "
-                "was stored")
+        return (
+            f"the row ended {status} ({out.error_code}: {(out.error_message or '')[:120]}) before any forward "
+            "was stored"
+        )
     if out is not None and not out.forwards:
         return f"the row is {status} but ran no forward"
     return f"the row is {status} but its decoder ({out.decoder if out else '?'}) stored no per-forward trace"
@@ -210,13 +308,24 @@ def plot_trace(recs: list[dict], path: str, title: str = "") -> None:
     colors = ["tab:blue" if r["kind"] == "decode" else "tab:gray" for r in recs]
     ax1.bar(x, [r["rows"] for r in recs], color=colors, label="window rows G (gray: encoder pass)")
     if any(r["own_rows"] is not None for r in recs):
-        ax1.step(x, [r["own_rows"] or 0 for r in recs], where="mid", color="tab:orange", label="this request's rows")
+        ax1.step(
+            x,
+            [r["own_rows"] or 0 for r in recs],
+            where="mid",
+            color="tab:orange",
+            label="this request's rows",
+        )
     ax1.set_ylabel("rows in window")
     ax1.legend(loc="upper right")
     ax2.bar(x, [r["commits"] for r in recs], color="tab:green", label="commits τ (batch)")
     if any(r["own_commits"] is not None for r in recs):
-        ax2.step(x, [r["own_commits"] or 0 for r in recs], where="mid", color="tab:orange",
-                 label="this request's commits")
+        ax2.step(
+            x,
+            [r["own_commits"] or 0 for r in recs],
+            where="mid",
+            color="tab:orange",
+            label="this request's commits",
+        )
     ax2.set_ylabel("commits")
     ax2.legend(loc="upper right")
     ax3.bar(x, [r["ms"] for r in recs], color=colors)
@@ -251,7 +360,22 @@ def workers(as_json):
     if as_json:
         click.echo(json.dumps(rows))
         return
-    click.echo(table(["worker", "state", "chunk", "device", "model", "last seen", "requests", "tokens", "tok/s"],
-                      [[r["worker"], "online" if r["online"] else "offline", r["chunk"] or "-", r["device"],
-                        model_name(r["model"]), f"{fmt_s(r['last_seen_s'])} ago", r["requests"], r["tokens"],
-                        fmt_tok_s(r["tok_s"])] for r in rows]))
+    click.echo(
+        table(
+            ["worker", "state", "chunk", "device", "model", "last seen", "requests", "tokens", "tok/s"],
+            [
+                [
+                    r["worker"],
+                    "online" if r["online"] else "offline",
+                    r["chunk"] or "-",
+                    r["device"],
+                    model_name(r["model"]),
+                    f"{fmt_s(r['last_seen_s'])} ago",
+                    r["requests"],
+                    r["tokens"],
+                    fmt_tok_s(r["tok_s"]),
+                ]
+                for r in rows
+            ],
+        )
+    )

@@ -21,10 +21,18 @@ def _store():
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=int, default=8000, show_default=True)
-@click.option("--with-worker", is_flag=True,
-              help="Also run a worker in a child process that takes this server's batches from SQL (no broker).")
-@click.option("--model", "model", default=None, metavar="PATH|random:26b-a4b",
-              help="Model spec (default: $CANVASQ_MODEL, else the repo's models/testbed).")
+@click.option(
+    "--with-worker",
+    is_flag=True,
+    help="Also run a worker in a child process that takes this server's batches from SQL (no broker).",
+)
+@click.option(
+    "--model",
+    "model",
+    default=None,
+    metavar="PATH|random:26b-a4b",
+    help="Model spec (default: $CANVASQ_MODEL, else the repo's models/testbed).",
+)
 @click.option("--log-level", default="info", show_default=True)
 def serve(host, port, with_worker, model, log_level):
     """Serve OpenAI's Files and Batches API (`/v1/files`, `/v1/batches`) over the store and queue.
@@ -58,14 +66,18 @@ def serve(host, port, with_worker, model, log_level):
         queue = local_queue(settings)
         child = _ChildWorker(queue)
         # uvicorn re-raises SIGTERM after its shutdown, so `finally` below may not run: stop it there
-        app = create_app(store, settings=settings, publish=lambda _ids, _q: None, queue=queue,
-                         on_shutdown=(child.stop,))
+        app = create_app(
+            store, settings=settings, publish=lambda _ids, _q: None, queue=queue, on_shutdown=(child.stop,)
+        )
         child.start()
     else:
         check_broker(settings)
         app = create_app(store, settings=settings)
-    click.echo(f"canvasq serve on http://{host}:{port}/v1 (model {settings.model}"
-               f"{', with a local worker' if with_worker else ', queue ' + settings.queue_for()})", err=True)
+    click.echo(
+        f"canvasq serve on http://{host}:{port}/v1 (model {settings.model}"
+        f"{', with a local worker' if with_worker else ', queue ' + settings.queue_for()})",
+        err=True,
+    )
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:
@@ -156,9 +168,22 @@ def keys_list(show_all):
     from canvasq.serve.keys import list_keys
 
     rows = list_keys(_store(), include_revoked=show_all)
-    click.echo(table(["id", "project", "name", "prefix", "created", "revoked"],
-                      [[k.id, k.project, k.name, k.prefix + "...", k.created_at.isoformat(timespec="seconds"),
-                        k.revoked_at.isoformat(timespec="seconds") if k.revoked_at else None] for k in rows]))
+    click.echo(
+        table(
+            ["id", "project", "name", "prefix", "created", "revoked"],
+            [
+                [
+                    k.id,
+                    k.project,
+                    k.name,
+                    k.prefix + "...",
+                    k.created_at.isoformat(timespec="seconds"),
+                    k.revoked_at.isoformat(timespec="seconds") if k.revoked_at else None,
+                ]
+                for k in rows
+            ],
+        )
+    )
 
 
 @keys.command("revoke")

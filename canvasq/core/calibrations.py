@@ -28,11 +28,24 @@ def save(store, cal: Calibration) -> int:
         s.add(run)
         s.flush()
         for p in cal.points:
-            s.add(CalibrationPoint(
-                calibration_id=run.id, family=p.family, task=p.task, decoder=p.decoder, knobs=dict(p.knobs),
-                label=p.label[:200], n=p.n, accuracy=p.accuracy, tok_s=p.tok_s, fwd_per_req=p.fwd_per_req,
-                tau=p.tau, g_over_tau=p.g_over_tau, frontier=p.frontier, reference=p.reference,
-            ))
+            s.add(
+                CalibrationPoint(
+                    calibration_id=run.id,
+                    family=p.family,
+                    task=p.task,
+                    decoder=p.decoder,
+                    knobs=dict(p.knobs),
+                    label=p.label[:200],
+                    n=p.n,
+                    accuracy=p.accuracy,
+                    tok_s=p.tok_s,
+                    fwd_per_req=p.fwd_per_req,
+                    tau=p.tau,
+                    g_over_tau=p.g_over_tau,
+                    frontier=p.frontier,
+                    reference=p.reference,
+                )
+            )
         return run.id
 
 
@@ -48,19 +61,40 @@ def load(store, model_path: str, fingerprint: str) -> Calibration | None:
         if run is None:
             return None
         rows = s.scalars(
-            select(CalibrationPoint).where(CalibrationPoint.calibration_id == run.id).order_by(CalibrationPoint.id)
+            select(CalibrationPoint)
+            .where(CalibrationPoint.calibration_id == run.id)
+            .order_by(CalibrationPoint.id)
         ).all()
         points = tuple(
-            Point(family=r.family, task=r.task, decoder=r.decoder, knobs=dict(r.knobs or {}), n=r.n,
-                  accuracy=r.accuracy, tok_s=r.tok_s, fwd_per_req=r.fwd_per_req, tau=r.tau,
-                  g_over_tau=r.g_over_tau, frontier=bool(r.frontier), reference=bool(r.reference))
+            Point(
+                family=r.family,
+                task=r.task,
+                decoder=r.decoder,
+                knobs=dict(r.knobs or {}),
+                n=r.n,
+                accuracy=r.accuracy,
+                tok_s=r.tok_s,
+                fwd_per_req=r.fwd_per_req,
+                tau=r.tau,
+                g_over_tau=r.g_over_tau,
+                frontier=bool(r.frontier),
+                reference=bool(r.reference),
+            )
             for r in rows
         )
         return Calibration(
-            model_path=run.model_path, fingerprint=run.fingerprint, device=run.device,
-            batch_size=run.batch_size, n=run.n, seeds=tuple(run.seeds or ()), max_tokens=run.max_tokens,
-            points=points, hardware=run.hardware or "", commit=run.commit or "",
-            created_at=run.created_at.strftime("%Y-%m-%d %H:%M UTC"), id=run.id,
+            model_path=run.model_path,
+            fingerprint=run.fingerprint,
+            device=run.device,
+            batch_size=run.batch_size,
+            n=run.n,
+            seeds=tuple(run.seeds or ()),
+            max_tokens=run.max_tokens,
+            points=points,
+            hardware=run.hardware or "",
+            commit=run.commit or "",
+            created_at=run.created_at.strftime("%Y-%m-%d %H:%M UTC"),
+            id=run.id,
         )
 
 
@@ -68,5 +102,3 @@ def load_for_model(store, spec: str) -> Calibration | None:
     """The newest calibration of the model `spec` names (its current weights), or None."""
     path, fp = model_identity(spec)
     return load(store, path, fp)
-
-

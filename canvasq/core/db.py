@@ -85,10 +85,14 @@ def database_problem(url: str) -> str | None:
     try:
         u = make_url(url)
     except ArgumentError:
-        return f"CANVASQ_DATABASE_URL={url!r} is not a database URL (sqlite:///PATH or postgresql+psycopg://...)"
+        return (
+            f"CANVASQ_DATABASE_URL={url!r} is not a database URL (sqlite:///PATH or postgresql+psycopg://...)"
+        )
     if u.get_backend_name() not in ("sqlite", "postgresql"):
-        return (f"CANVASQ_DATABASE_URL: {u.get_backend_name()!r} databases are not supported; "
-                "use sqlite:///PATH or postgresql+psycopg://USER@HOST/DB")
+        return (
+            f"CANVASQ_DATABASE_URL: {u.get_backend_name()!r} databases are not supported; "
+            "use sqlite:///PATH or postgresql+psycopg://USER@HOST/DB"
+        )
     if u.get_backend_name() == "sqlite" and u.database not in (None, "", ":memory:"):
         path = Path(u.database).absolute()
         if not path.parent.is_dir():

@@ -56,8 +56,9 @@ def model_context(spec: str) -> ModelContext:
     """
     if spec in _RANDOM_SHAPES:
         shape = _RANDOM_SHAPES[spec]
-        return ModelContext(shape.max_position_embeddings, shape.canvas_length,
-                            _block_layout(DEFAULT_MODEL_DIR))
+        return ModelContext(
+            shape.max_position_embeddings, shape.canvas_length, _block_layout(DEFAULT_MODEL_DIR)
+        )
     d = Path(spec)
     ctx: int | None = None
     canvas = 1
@@ -124,7 +125,9 @@ def model_problem(spec: str) -> str | None:
         return f"unknown random model {spec!r}; known: {', '.join(_RANDOM_SHAPES)}"
     d = Path(spec)
     if not d.is_dir():
-        return f"model directory {spec} does not exist" if not d.exists() else f"model {spec} is not a directory"
+        return (
+            f"model directory {spec} does not exist" if not d.exists() else f"model {spec} is not a directory"
+        )
     try:
         cfg = json.loads((d / "config.json").read_text())
     except OSError as exc:

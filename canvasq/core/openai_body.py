@@ -46,15 +46,22 @@ class ChatBody(BaseModel):
 # Body parameters that change nothing canvasq generates (accepted), and the values of sampling
 # parameters that ask for exactly what the decoders already do (anything else is refused).
 _BODY_NO_EFFECT = frozenset({"user", "store", "service_tier", "stream_options"})
-_BODY_NEUTRAL = {"n": 1, "top_p": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False,
-                 "stream": False, "parallel_tool_calls": None}
+_BODY_NEUTRAL = {
+    "n": 1,
+    "top_p": 1,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "logprobs": False,
+    "stream": False,
+    "parallel_tool_calls": None,
+}
 _BODY_WHY = {
     "n": "canvasq returns one choice per request; write {v} lines with their own custom_ids instead",
     "temperature": "the decoders sample on their own schedule (official: the checkpoint's temperature ramp); "
-                   "remove it",
+    "remove it",
     "top_p": "the decoders do not truncate the distribution; only top_p 1 is honoured",
     "seed": "each row draws from its own generator, seeded by CANVASQ_SEED and its custom_id (the same line "
-            "gives the same output); a per-request seed is not supported",
+    "gives the same output); a per-request seed is not supported",
 }
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 
@@ -75,8 +82,13 @@ def body_param_errors(body: ChatBody) -> list[str]:
         out.append(f"body.stop has {len(stop)} sequences; the limit is {MAX_STOP}")
     if any(not s for s in stop):
         out.append("body.stop has an empty string")
-    if body.max_tokens is not None and body.max_completion_tokens is not None \
-            and body.max_tokens != body.max_completion_tokens:
-        out.append(f"body.max_tokens ({body.max_tokens}) and body.max_completion_tokens "
-                   f"({body.max_completion_tokens}) differ; give one")
+    if (
+        body.max_tokens is not None
+        and body.max_completion_tokens is not None
+        and body.max_tokens != body.max_completion_tokens
+    ):
+        out.append(
+            f"body.max_tokens ({body.max_tokens}) and body.max_completion_tokens "
+            f"({body.max_completion_tokens}) differ; give one"
+        )
     return out

@@ -61,8 +61,14 @@ def recent_rate(finishes: Sequence[datetime], now: datetime | None = None) -> fl
     return n / span if span > 0 and n else None
 
 
-def _summary(run: Run, counts: dict[str, int], per_dec: Sequence, finishes: list[datetime], in_flight: int,
-             now: datetime) -> dict[str, Any]:
+def _summary(
+    run: Run,
+    counts: dict[str, int],
+    per_dec: Sequence,
+    finishes: list[datetime],
+    in_flight: int,
+    now: datetime,
+) -> dict[str, Any]:
     """One run's summary from its rows' aggregates (`Reports.run_summaries`)."""
     counts = {**counts, "total": sum(counts.values())}
     tokens = sum(d.tokens for d in per_dec)
@@ -75,16 +81,32 @@ def _summary(run: Run, counts: dict[str, int], per_dec: Sequence, finishes: list
     rate = recent_rate(finishes, running_at)
     eta = counts["queued"] / rate if rate and counts["queued"] and active else None
     return {
-        "run_id": run.id, "name": run.name, "status": run.status, "model": run.model, "queue": run.queue,
-        "decoder": run.decoder, "created_at": run.created_at.isoformat(timespec="seconds"),
-        "counts": counts, "in_flight": int(in_flight), "rows_per_s": rate,
-        "completion_tokens": int(tokens), "prompt_tokens": int(ptoks),
-        "forwards": int(forwards), "gen_s": float(gen_ms) / 1000, "wall_s": wall,
-        "tok_s": (tokens / wall) if wall > 0 else None, "eta_s": eta,
+        "run_id": run.id,
+        "name": run.name,
+        "status": run.status,
+        "model": run.model,
+        "queue": run.queue,
+        "decoder": run.decoder,
+        "created_at": run.created_at.isoformat(timespec="seconds"),
+        "counts": counts,
+        "in_flight": int(in_flight),
+        "rows_per_s": rate,
+        "completion_tokens": int(tokens),
+        "prompt_tokens": int(ptoks),
+        "forwards": int(forwards),
+        "gen_s": float(gen_ms) / 1000,
+        "wall_s": wall,
+        "tok_s": (tokens / wall) if wall > 0 else None,
+        "eta_s": eta,
         "decoders": [
-            {"decoder": d.decoder or "?", "requests": d.requests, "tokens": int(d.tokens),
-             "forwards": int(d.forwards), "gen_s": float(d.gen_ms) / 1000,
-             "tok_s": (d.tokens / (d.gen_ms / 1000)) if d.gen_ms else None}
+            {
+                "decoder": d.decoder or "?",
+                "requests": d.requests,
+                "tokens": int(d.tokens),
+                "forwards": int(d.forwards),
+                "gen_s": float(d.gen_ms) / 1000,
+                "tok_s": (d.tokens / (d.gen_ms / 1000)) if d.gen_ms else None,
+            }
             for d in per_dec
         ],
     }
@@ -107,8 +129,9 @@ class Reports(StoreBase):
 
     def counts(self, run_id: str) -> dict[str, int]:
         with self.Session() as s:
-            rows = s.execute(select(Request.status, func.count()).where(Request.run_id == run_id)
-                             .group_by(Request.status)).all()
+            rows = s.execute(
+                select(Request.status, func.count()).where(Request.run_id == run_id).group_by(Request.status)
+            ).all()
         out: dict[str, int] = dict.fromkeys(REQUEST_STATUSES, 0)
         out.update({st: n for st, n in rows})
         out["total"] = sum(n for _, n in rows)
@@ -123,13 +146,21 @@ class Reports(StoreBase):
     def missing_rows(self, run_id: str, limit: int = 20) -> list[str]:
         """custom_ids of the run's rows not finished yet (queued), in input order."""
         with self.Session() as s:
-            return list(s.scalars(select(Request.custom_id).where(Request.run_id == run_id, Request.status == "queued")
-                                  .order_by(Request.line_no).limit(limit)))
+            return list(
+                s.scalars(
+                    select(Request.custom_id)
+                    .where(Request.run_id == run_id, Request.status == "queued")
+                    .order_by(Request.line_no)
+                    .limit(limit)
+                )
+            )
 
     def row_state(self, run_id: str, custom_id: str) -> tuple[str, Output | None] | None:
         """(request status, its output) of one row, or None when the run has no such row."""
         with self.Session() as s:
-            st = s.scalar(select(Request.status).where(Request.run_id == run_id, Request.custom_id == custom_id))
+            st = s.scalar(
+                select(Request.status).where(Request.run_id == run_id, Request.custom_id == custom_id)
+            )
             if st is None:
                 return None
             return st, s.scalar(select(Output).where(Output.run_id == run_id, Output.custom_id == custom_id))
@@ -148,33 +179,50 @@ class Reports(StoreBase):
             return {}
         with self.Session() as s:
             counts: dict[str, dict[str, int]] = {i: dict.fromkeys(REQUEST_STATUSES, 0) for i in ids}
-            for run_id, st, n in s.execute(select(Request.run_id, Request.status, func.count())
-                                           .where(Request.run_id.in_(ids)).group_by(Request.run_id, Request.status)):
+            for run_id, st, n in s.execute(
+                select(Request.run_id, Request.status, func.count())
+                .where(Request.run_id.in_(ids))
+                .group_by(Request.run_id, Request.status)
+            ):
                 counts[run_id][st] = n
             # one GROUP BY: a run's totals are the sums of its decoders' rows
             per_dec: dict[str, list[Row[*tuple[Any, ...]]]] = {i: [] for i in ids}
             for d in s.execute(
-                select(Output.run_id, Output.decoder, func.count().label("requests"),
-                       func.coalesce(func.sum(Output.completion_tokens), 0).label("tokens"),
-                       func.coalesce(func.sum(Output.prompt_tokens), 0).label("prompt_tokens"),
-                       func.coalesce(func.sum(Output.forwards), 0).label("forwards"),
-                       func.coalesce(func.sum(Output.gen_ms), 0.0).label("gen_ms"))
+                select(
+                    Output.run_id,
+                    Output.decoder,
+                    func.count().label("requests"),
+                    func.coalesce(func.sum(Output.completion_tokens), 0).label("tokens"),
+                    func.coalesce(func.sum(Output.prompt_tokens), 0).label("prompt_tokens"),
+                    func.coalesce(func.sum(Output.forwards), 0).label("forwards"),
+                    func.coalesce(func.sum(Output.gen_ms), 0.0).label("gen_ms"),
+                )
                 .where(Output.run_id.in_(ids), Output.error_code.is_(None))
-                .group_by(Output.run_id, Output.decoder).order_by(Output.run_id, Output.decoder)
+                .group_by(Output.run_id, Output.decoder)
+                .order_by(Output.run_id, Output.decoder)
             ):
                 per_dec[d.run_id].append(d)
             finishes: dict[str, list[datetime]] = {i: [] for i in ids}
-            for run_id, at in s.execute(select(Output.run_id, Output.updated_at)
-                                        .where(Output.run_id.in_(ids), Output.error_code.is_(None))):
+            for run_id, at in s.execute(
+                select(Output.run_id, Output.updated_at).where(
+                    Output.run_id.in_(ids), Output.error_code.is_(None)
+                )
+            ):
                 finishes[run_id].append(at)
-            in_flight = dict(s.execute(select(Request.run_id, func.count()).select_from(Request)
-                                       .join(Chunk, Chunk.id == Request.chunk_id)
-                                       .where(Request.run_id.in_(ids), Request.status == "queued",
-                                              Chunk.status == "running")
-                                       .group_by(Request.run_id)).all())
+            in_flight = dict(
+                s.execute(
+                    select(Request.run_id, func.count())
+                    .select_from(Request)
+                    .join(Chunk, Chunk.id == Request.chunk_id)
+                    .where(Request.run_id.in_(ids), Request.status == "queued", Chunk.status == "running")
+                    .group_by(Request.run_id)
+                ).all()
+            )
         now = utcnow()
-        return {r.id: _summary(r, counts[r.id], per_dec[r.id], finishes[r.id], in_flight.get(r.id, 0), now)
-                for r in runs}
+        return {
+            r.id: _summary(r, counts[r.id], per_dec[r.id], finishes[r.id], in_flight.get(r.id, 0), now)
+            for r in runs
+        }
 
     def list_runs(self, status: str | None = None, limit: int = 20) -> list[dict[str, Any]]:
         with self.Session() as s:
@@ -186,23 +234,38 @@ class Reports(StoreBase):
                 return []
             ids = [r.id for r in runs]
             grouped = s.execute(
-                select(Request.run_id, func.count(),
-                       func.sum(case((Request.status == "done", 1), else_=0)),
-                       func.sum(case((Request.status == "errored", 1), else_=0)),
-                       func.sum(case((Request.status == "expired", 1), else_=0)),
-                       func.sum(case((Request.status == "cancelled", 1), else_=0)),
-                       func.sum(case((Request.status == "queued", 1), else_=0)))
-                .where(Request.run_id.in_(ids)).group_by(Request.run_id)
+                select(
+                    Request.run_id,
+                    func.count(),
+                    func.sum(case((Request.status == "done", 1), else_=0)),
+                    func.sum(case((Request.status == "errored", 1), else_=0)),
+                    func.sum(case((Request.status == "expired", 1), else_=0)),
+                    func.sum(case((Request.status == "cancelled", 1), else_=0)),
+                    func.sum(case((Request.status == "queued", 1), else_=0)),
+                )
+                .where(Request.run_id.in_(ids))
+                .group_by(Request.run_id)
             ).all()
         by_run = {g[0]: g[1:] for g in grouped}
         out = []
         for r in runs:
             total, done, errored, expired, cancelled, queued = by_run.get(r.id, (0,) * 6)
-            out.append({"run_id": r.id, "name": r.name, "status": r.status, "model": r.model,
-                        "decoder": r.decoder, "created_at": r.created_at.isoformat(timespec="seconds"),
-                        "total": int(total or 0), "done": int(done or 0), "errored": int(errored or 0),
-                        "expired": int(expired or 0), "cancelled": int(cancelled or 0),
-                        "queued": int(queued or 0)})
+            out.append(
+                {
+                    "run_id": r.id,
+                    "name": r.name,
+                    "status": r.status,
+                    "model": r.model,
+                    "decoder": r.decoder,
+                    "created_at": r.created_at.isoformat(timespec="seconds"),
+                    "total": int(total or 0),
+                    "done": int(done or 0),
+                    "errored": int(errored or 0),
+                    "expired": int(expired or 0),
+                    "cancelled": int(cancelled or 0),
+                    "queued": int(queued or 0),
+                }
+            )
         return out
 
     def iter_results(self, run_id: str, ordered: bool = False, batch: int = 1000) -> Iterator[dict[str, Any]]:
@@ -210,7 +273,9 @@ class Reports(StoreBase):
         with self.Session() as s:
             q = (
                 select(Request.custom_id, Request.status, Request.line_no, Request.stop, Output)
-                .outerjoin(Output, and_(Output.run_id == Request.run_id, Output.custom_id == Request.custom_id))
+                .outerjoin(
+                    Output, and_(Output.run_id == Request.run_id, Output.custom_id == Request.custom_id)
+                )
                 .where(Request.run_id == run_id, Request.status.in_(REQUEST_TERMINAL))
             )
             q = q.order_by(Request.line_no) if ordered else q.order_by(Output.updated_at, Request.line_no)
@@ -219,9 +284,13 @@ class Reports(StoreBase):
 
     def traces(self, run_id: str, custom_id: str) -> list[ForwardTraceRow]:
         with self.Session() as s:
-            return list(s.scalars(select(ForwardTraceRow)
-                                  .where(ForwardTraceRow.run_id == run_id, ForwardTraceRow.custom_id == custom_id)
-                                  .order_by(ForwardTraceRow.forward_index)))
+            return list(
+                s.scalars(
+                    select(ForwardTraceRow)
+                    .where(ForwardTraceRow.run_id == run_id, ForwardTraceRow.custom_id == custom_id)
+                    .order_by(ForwardTraceRow.forward_index)
+                )
+            )
 
     def worker_stats(self, offline_after_s: float | None = None) -> list[dict[str, Any]]:
         """Throughput per worker: rows, tokens and generation time from outputs; with
@@ -229,24 +298,43 @@ class Reports(StoreBase):
         `chunk` the chunk it holds a live lease on."""
         with self.Session() as s:
             rows = s.execute(
-                select(Worker.id, Worker.host, Worker.device, Worker.model, Worker.heartbeat_at,
-                       func.count(Output.id), func.coalesce(func.sum(Output.completion_tokens), 0),
-                       func.coalesce(func.sum(Output.gen_ms), 0.0))
+                select(
+                    Worker.id,
+                    Worker.host,
+                    Worker.device,
+                    Worker.model,
+                    Worker.heartbeat_at,
+                    func.count(Output.id),
+                    func.coalesce(func.sum(Output.completion_tokens), 0),
+                    func.coalesce(func.sum(Output.gen_ms), 0.0),
+                )
                 .outerjoin(Output, Output.worker_id == Worker.id)
                 .group_by(Worker.id, Worker.host, Worker.device, Worker.model, Worker.heartbeat_at)
                 .order_by(Worker.id)
             ).all()
         now = utcnow()
         with self.Session() as s:
-            held = dict(s.execute(select(Chunk.worker_id, func.min(Chunk.id))
-                                  .where(Chunk.status == "running", Chunk.lease_expires_at >= now)
-                                  .group_by(Chunk.worker_id)).all())
+            held = dict(
+                s.execute(
+                    select(Chunk.worker_id, func.min(Chunk.id))
+                    .where(Chunk.status == "running", Chunk.lease_expires_at >= now)
+                    .group_by(Chunk.worker_id)
+                ).all()
+            )
         out = []
         for w, h, d, m, hb, n, t, ms in rows:
             age = (now - hb).total_seconds()
-            rec = {"worker": w, "host": h, "device": d, "model": m, "heartbeat_at": hb.isoformat(timespec="seconds"),
-                   "last_seen_s": round(age, 1), "requests": n, "tokens": int(t),
-                   "tok_s": (t / (ms / 1000)) if ms else None}
+            rec = {
+                "worker": w,
+                "host": h,
+                "device": d,
+                "model": m,
+                "heartbeat_at": hb.isoformat(timespec="seconds"),
+                "last_seen_s": round(age, 1),
+                "requests": n,
+                "tokens": int(t),
+                "tok_s": (t / (ms / 1000)) if ms else None,
+            }
             if offline_after_s is not None:
                 rec["online"] = age <= offline_after_s
                 rec["chunk"] = held.get(w) if rec["online"] else None

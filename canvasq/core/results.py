@@ -64,11 +64,12 @@ def cut_at_stop(text: str, stop: list[str] | None, finish_reason: str | None) ->
     """OpenAI `stop`: the text ends before the earliest stop sequence, which is not included, and the
     finish reason is then "stop". The decoders generate whole canvases, so the cut is made here."""
     cuts = [i for i in (text.find(x) for x in stop or () if x) if i >= 0]
-    return (text[:min(cuts)], "stop") if cuts else (text, finish_reason)
+    return (text[: min(cuts)], "stop") if cuts else (text, finish_reason)
 
 
-def write_results(store, run, out, errors_out=None, ordered: bool = False,
-                  error_codes: dict[str, str] | None = None) -> tuple[int, int]:
+def write_results(
+    store, run, out, errors_out=None, ordered: bool = False, error_codes: dict[str, str] | None = None
+) -> tuple[int, int]:
     """Write OpenAI batch output lines; errored/expired/cancelled rows go to `errors_out` when given.
     `error_codes` renames stored error codes (the Batch API writes `expired` as `batch_expired`)."""
     n_ok = n_err = 0
@@ -78,17 +79,25 @@ def write_results(store, run, out, errors_out=None, ordered: bool = False,
         rid = uuid.uuid5(uuid.NAMESPACE_URL, f"canvasq:{run.id}:{row['custom_id']}").hex
         if row["status"] == "done" and o is not None and o.error_code is None:
             text, finish = cut_at_stop(o.text or "", row.get("stop"), o.finish_reason)
-            line = output_line(custom_id=row["custom_id"], model=name, text=text, finish_reason=finish,
-                               prompt_tokens=o.prompt_tokens, completion_tokens=o.completion_tokens,
-                               request_id=rid, created=o.updated_at.timestamp(),
-                               extra_usage={"forwards": o.forwards, "decoder": o.decoder})
+            line = output_line(
+                custom_id=row["custom_id"],
+                model=name,
+                text=text,
+                finish_reason=finish,
+                prompt_tokens=o.prompt_tokens,
+                completion_tokens=o.completion_tokens,
+                request_id=rid,
+                created=o.updated_at.timestamp(),
+                extra_usage={"forwards": o.forwards, "decoder": o.decoder},
+            )
             target, n_ok = out, n_ok + 1
         else:
-            code = (o.error_code if o is not None and o.error_code else row["status"])
+            code = o.error_code if o is not None and o.error_code else row["status"]
             code = (error_codes or {}).get(code, code)
-            msg = (o.error_message if o is not None and o.error_message else f"request {row['status']}")
-            line = output_line(custom_id=row["custom_id"], model=name, error_code=code, error_message=msg,
-                               request_id=rid)
+            msg = o.error_message if o is not None and o.error_message else f"request {row['status']}"
+            line = output_line(
+                custom_id=row["custom_id"], model=name, error_code=code, error_message=msg, request_id=rid
+            )
             target, n_err = (errors_out or out), n_err + 1
         target.write(json.dumps(line, ensure_ascii=False) + "\n")
     return n_ok, n_err

@@ -40,8 +40,11 @@ OPENAI_URLS = ("/v1/chat/completions",)
 # numbers in it (the testbed's word problems, GSM8K's). Anything else has no inferable task and goes
 # to the accurate decoder.
 _CODE_RE = re.compile(r"^\s*(async\s+)?def\s+\w+\s*\(|^\s*class\s+\w+|\"\"\"|'''|^\s*>>>|^```", re.MULTILINE)
-_MATH_ASK_RE = re.compile(r"\bhow (many|much)\b|\bwhat is\b|\bcalculate\b|\bcompute\b|\bsolve\b|"
-                          r"\bhow (old|long|far)\b|\bin total\b|\baltogether\b|[-+*/=] *\d", re.IGNORECASE)
+_MATH_ASK_RE = re.compile(
+    r"\bhow (many|much)\b|\bwhat is\b|\bcalculate\b|\bcompute\b|\bsolve\b|"
+    r"\bhow (old|long|far)\b|\bin total\b|\baltogether\b|[-+*/=] *\d",
+    re.IGNORECASE,
+)
 
 
 def infer_task(prompt: str) -> str | None:
@@ -215,7 +218,7 @@ def _pydantic_errors(exc: ValidationError) -> list[str]:
         elif kind == "extra_forbidden":
             out.append(f"unknown field '{loc}'")
         elif kind == "literal_error" and loc == "method":
-            out.append(f"method must be \"POST\", got {e.get('input')!r}")
+            out.append(f'method must be "POST", got {e.get("input")!r}')
         else:
             out.append(f"field '{loc}': {e['msg']} (got {type(e.get('input')).__name__})")
     return out
@@ -230,8 +233,10 @@ def _storable_text(name: str, value: str) -> list[str]:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        out.append(f"{name} contains a lone surrogate (\\u{ord(value[exc.start]):04x} at character {exc.start + 1}); "
-                   "not valid Unicode")
+        out.append(
+            f"{name} contains a lone surrogate (\\u{ord(value[exc.start]):04x} at character {exc.start + 1}); "
+            "not valid Unicode"
+        )
     return out
 
 
@@ -252,7 +257,9 @@ def _line_fields(line: OpenAILine | SimpleLine, errors: list[str]):
         errors.append("body.messages has no user turn")
     for i, m in enumerate(msgs):
         if m.non_text_parts():
-            errors.append(f"body.messages.{i}: only text content is supported (got {m.non_text_parts()[0]!r})")
+            errors.append(
+                f"body.messages.{i}: only text content is supported (got {m.non_text_parts()[0]!r})"
+            )
     prompt = "\n\n".join(m.text() for m in msgs)  # the conversation, in order
     max_tokens = line.body.max_tokens if line.body.max_tokens is not None else line.body.max_completion_tokens
     errors += body_param_errors(line.body)
@@ -267,8 +274,11 @@ def _checked_max_tokens(max_tokens: int | None, limits: Limits) -> tuple[int, li
     if max_tokens <= 0:
         return max_tokens, [f"max_tokens must be positive, got {max_tokens}"]
     if max_tokens > limits.max_tokens_limit:
-        why = (f"the model's context: {limits.context_tokens} tokens for prompt and answer"
-               if limits.context_tokens == limits.max_tokens_limit else "CANVASQ_MAX_TOKENS_LIMIT")
+        why = (
+            f"the model's context: {limits.context_tokens} tokens for prompt and answer"
+            if limits.context_tokens == limits.max_tokens_limit
+            else "CANVASQ_MAX_TOKENS_LIMIT"
+        )
         return max_tokens, [f"max_tokens {max_tokens} is beyond the limit {limits.max_tokens_limit} ({why})"]
     return max_tokens, []
 
@@ -348,8 +358,15 @@ def input_file_problem(path: str | Path) -> str | None:
     except OSError as exc:
         return f"{path}: cannot read: {exc.strerror}"
     if not stat.S_ISREG(st.st_mode):
-        kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode)
-                else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a file")
+        kind = (
+            "a FIFO"
+            if stat.S_ISFIFO(st.st_mode)
+            else "a directory"
+            if stat.S_ISDIR(st.st_mode)
+            else "a device"
+            if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+            else "not a file"
+        )
         return f"{path} is {kind}; the input must be a regular file (it is read twice)"
     if not os.access(path, os.R_OK):
         return f"{path}: permission denied"
@@ -431,8 +448,11 @@ def iter_validated(path: str | Path, limits: Limits, report: ValidationReport) -
             if isinstance(cid, str) and cid:
                 first = seen.get(cid)
                 if first is not None:
-                    err(line_no, f"duplicate custom_id {cid!r} (first on line {first})",
-                        LineErrorCode.duplicate_custom_id)
+                    err(
+                        line_no,
+                        f"duplicate custom_id {cid!r} (first on line {first})",
+                        LineErrorCode.duplicate_custom_id,
+                    )
                     job = None
                 else:
                     seen[cid] = line_no

@@ -231,7 +231,9 @@ def _mask_one(url: str) -> str:
     scheme, _, rest = url.partition("://")
     # The userinfo ends at the last `@` that a host follows: a password may hold an unencoded `@`,
     # `/`, `:`, `?` or `#`. When in doubt this masks too much (a host), never too little.
-    at = next((i for i in range(len(rest) - 1, -1, -1) if rest[i] == "@" and _HOST_AFTER.match(rest, i + 1)), -1)
+    at = next(
+        (i for i in range(len(rest) - 1, -1, -1) if rest[i] == "@" and _HOST_AFTER.match(rest, i + 1)), -1
+    )
     if at >= 0:
         user, colon, password = rest[:at].partition(":")
         if colon and password:

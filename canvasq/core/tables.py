@@ -42,8 +42,6 @@ NAMING_CONVENTION = {
 }
 
 
-
-
 def utcnow() -> datetime:
     return datetime.now(UTC).replace(tzinfo=None)  # naive UTC in both dialects
 
@@ -267,4 +265,6 @@ class ApiBatch(Base):
     failed_at: Mapped[datetime | None] = mapped_column(DateTime)
     cancelling_at: Mapped[datetime | None] = mapped_column(DateTime)
     finalizing_at: Mapped[datetime | None] = mapped_column(DateTime)
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime)  # output files made: completed/cancelled/expired
+    finished_at: Mapped[datetime | None] = mapped_column(
+        DateTime
+    )  # output files made: completed/cancelled/expired

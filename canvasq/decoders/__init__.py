@@ -90,7 +90,9 @@ def run_batch(
     fp8, fp8_min_rows: the FP8 path for large forwards (CANVASQ_FP8, CANVASQ_FP8_MIN_ROWS), the same way.
     """
     if decoder != "auto":
-        dec = make_decoder(decoder, bundle, overrides, cuda_graphs, experts=experts, fp8=fp8, fp8_min_rows=fp8_min_rows)
+        dec = make_decoder(
+            decoder, bundle, overrides, cuda_graphs, experts=experts, fp8=fp8, fp8_min_rows=fp8_min_rows
+        )
         return dec.decode(batch, should_stop=should_stop, interrupts=interrupts)
 
     from canvasq.decoders.routing import group_by_route
@@ -98,7 +100,9 @@ def run_batch(
     groups = group_by_route([r.task for r in batch.requests], routing, calibration, budget, overrides)
     results: list[DecodeResult | None] = [None] * len(batch.requests)
     for name, knobs, idx in groups:
-        dec = make_decoder(name, bundle, knobs, cuda_graphs, experts=experts, fp8=fp8, fp8_min_rows=fp8_min_rows)
+        dec = make_decoder(
+            name, bundle, knobs, cuda_graphs, experts=experts, fp8=fp8, fp8_min_rows=fp8_min_rows
+        )
         sub = DecodeBatch(requests=[batch.requests[i] for i in idx], seed=batch.seed)
         try:
             out = dec.decode(sub, should_stop=should_stop, interrupts=interrupts)

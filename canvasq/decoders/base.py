@@ -53,6 +53,7 @@ K = TypeVar("K")  # the key a fed request comes with and its result goes back wi
 # windows per graphed forward: a live count is padded up to the next bucket (one graph per bucket)
 WINDOW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
+
 class StepDecoder:
     """Base class: owns the loop. Subclasses implement `step(seqs)`."""
 
@@ -113,9 +114,15 @@ class StepDecoder:
             return taken
 
         try:
-            self.stream(feed, results.__setitem__, slots=max(1, len(todo)), seed=batch.seed,
-                        capacity=self.capacity_for(batch.requests), should_stop=should_stop,
-                        interrupts=interrupts)
+            self.stream(
+                feed,
+                results.__setitem__,
+                slots=max(1, len(todo)),
+                seed=batch.seed,
+                capacity=self.capacity_for(batch.requests),
+                should_stop=should_stop,
+                interrupts=interrupts,
+            )
         except Interrupted as cut:  # the caller's time limit: hand back the rows that finished
             raise Interrupted(cut.cause, [r for r in results.values() if r.error is None]) from cut.cause
         for i, req in todo:  # never fed: the run was cancelled first
@@ -233,7 +240,9 @@ class StepDecoder:
         if self.graphs is None:
             self.rt.encode_many(self.arena, items)
             return
-        spare = self._spare_slots({slot for slot, _, _ in items}, len(items), max(len(ids) for _, ids, _ in items))
+        spare = self._spare_slots(
+            {slot for slot, _, _ in items}, len(items), max(len(ids) for _, ids, _ in items)
+        )
         if spare:  # padded to a bucket of windows on free slots, which are emptied again after
             _, ids, pos = items[-1]
             items = list(items) + [(slot, torch.zeros_like(ids), pos - pos[0]) for slot in spare]
@@ -262,11 +271,21 @@ class StepDecoder:
 
         last = windows[-1]
         off = torch.zeros(last.rows, dtype=torch.bool, device=self.device)
-        pad = [Window.canvas(slot, torch.zeros_like(last.token_ids), self.arena.length[slot], self_cond=last.self_cond,
-                             self_cond_rows=off if last.self_cond is not None else None) for slot in spare]
+        pad = [
+            Window.canvas(
+                slot,
+                torch.zeros_like(last.token_ids),
+                self.arena.length[slot],
+                self_cond=last.self_cond,
+                self_cond_rows=off if last.self_cond is not None else None,
+            )
+            for slot in spare
+        ]
         out = self.graphs.decode(self.arena, list(windows) + pad, **kw)
         n = len(windows)
-        return DecodeOutput(out.logits[: out.offsets[n]], out.offsets[: n + 1], out.captured[:n] if out.captured else [])
+        return DecodeOutput(
+            out.logits[: out.offsets[n]], out.offsets[: n + 1], out.captured[:n] if out.captured else []
+        )
 
     def _spare_slots(self, used: set[int], count: int, rows: int) -> list[int]:
         """Free slots of the runner's arena that pad `count` windows of up to `rows` rows up to their
@@ -319,8 +338,10 @@ class StepDecoder:
             if not s.done and s.row in rows:
                 mine.setdefault(s.row, []).append(item)
         self._deferred = [(s, it) for s, it in self._deferred if not s.done and s.row not in rows]
-        return {r: (torch.cat([ids for _, ids, _ in its]), torch.cat([pos for _, _, pos in its]))
-                for r, its in mine.items()}
+        return {
+            r: (torch.cat([ids for _, ids, _ in its]), torch.cat([pos for _, _, pos in its]))
+            for r, its in mine.items()
+        }
 
     def defer_encode(self, s: Seq, item) -> None:
         """Leave a retired canvas's encoder pass (slot, ids, positions) to the next prefill pass, which
@@ -441,8 +462,13 @@ class _SlotPool:
             if err:
                 self.on_result(key, error_result(req, err, dec.name))
                 continue
-            s = Seq(row=self.next_row, req=req, slot=self.free.pop(), gen=dec.generator(self.seed, req.custom_id),
-                    n_canvases=-(-req.max_tokens // dec.C))
+            s = Seq(
+                row=self.next_row,
+                req=req,
+                slot=self.free.pop(),
+                gen=dec.generator(self.seed, req.custom_id),
+                n_canvases=-(-req.max_tokens // dec.C),
+            )
             self.next_row += 1
             self.keys[s.row] = key
             dec._traces[s.row] = []

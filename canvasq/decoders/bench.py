@@ -149,7 +149,9 @@ def run_bench(
         req = DecodeRequest(
             "warm", bundle.encode_prompt(warm.prompt, task_names[0]), bundle.canvas_length, task_names[0]
         )
-        run_batch(bundle, DecodeBatch([req], seed=0), decoder=a.decoder, overrides=a.overrides or None, **routed)
+        run_batch(
+            bundle, DecodeBatch([req], seed=0), decoder=a.decoder, overrides=a.overrides or None, **routed
+        )
     for task in task_names:
         for seed in seeds:
             problems = suite.generate(task, n, seed, split=split)

@@ -175,8 +175,12 @@ class Calibration:
         ref = self.reference(family)
         if ref is None:
             return None
-        ok = [p for p in self.family_points(family) if p.decoder != "hf"
-              and (p.reference or (accuracy_bound(p, ref) >= -budget - 1e-9 and does_less_work(p, ref)))]
+        ok = [
+            p
+            for p in self.family_points(family)
+            if p.decoder != "hf"
+            and (p.reference or (accuracy_bound(p, ref) >= -budget - 1e-9 and does_less_work(p, ref)))
+        ]
         return max(ok, key=lambda p: (p.tok_s * (1 + MIN_GAIN) if p.reference else p.tok_s, p.reference))
 
     def official_line(self, family: str, fwd: float) -> float | None:
@@ -184,7 +188,8 @@ class Calibration:
         between its measured step caps and the uncapped reference, the best so far past them; None
         below the smallest cap's forwards."""
         line = sorted(
-            (p.fwd_per_req, p.accuracy) for p in self.family_points(family)
+            (p.fwd_per_req, p.accuracy)
+            for p in self.family_points(family)
             if p.decoder == "official" and set(p.knobs) <= {"max_denoising_steps"}
         )
         if not line or fwd < line[0][0]:
@@ -197,8 +202,10 @@ class Calibration:
         return best
 
     def describe(self) -> str:
-        return (f"calibration #{self.id} ({self.created_at}, {self.device}, batch {self.batch_size}, "
-                f"n {self.n} x seeds {list(self.seeds)})")
+        return (
+            f"calibration #{self.id} ({self.created_at}, {self.device}, batch {self.batch_size}, "
+            f"n {self.n} x seeds {list(self.seeds)})"
+        )
 
 
 def frontier_flags(points: list[Point]) -> list[Point]:
@@ -221,7 +228,9 @@ def frontier_flags(points: list[Point]) -> list[Point]:
 def default_arms(decoders: list[str] | None = None) -> list:
     from canvasq.decoders.bench import Arm
 
-    return [Arm(knobs_label(d, k), d, dict(k)) for d in SWEEP if not decoders or d in decoders for k in SWEEP[d]]
+    return [
+        Arm(knobs_label(d, k), d, dict(k)) for d in SWEEP if not decoders or d in decoders for k in SWEEP[d]
+    ]
 
 
 def run_sweep(
@@ -244,26 +253,38 @@ def run_sweep(
         from canvasq.decoders.bench import Arm
 
         arms = [Arm("official", "official", {}), *arms]  # the reference is always measured
-    report = run_bench(bundle, arms, tasks, n=n, seeds=seeds, batch_size=batch_size, max_tokens=max_tokens,
-                       progress=progress, suite=suite, split="dev")
+    report = run_bench(
+        bundle,
+        arms,
+        tasks,
+        n=n,
+        seeds=seeds,
+        batch_size=batch_size,
+        max_tokens=max_tokens,
+        progress=progress,
+        suite=suite,
+        split="dev",
+    )
     by_label = {a.label: a for a in arms}
     points = []
     for row in report["arms"]:
         arm = by_label[row["arm"]]
         for task, t in row["per_task"].items():
-            points.append(Point(
-                family=family_of(task),
-                task=task,
-                decoder=arm.decoder,
-                knobs=dict(arm.overrides),
-                n=t["n"],
-                accuracy=t["acc"],
-                tok_s=t["tok_s"],
-                fwd_per_req=t["fwd_req"] / max(t["n"], 1),
-                tau=t["tokens"] / max(t["fwd_req"], 1),
-                g_over_tau=t.get("rows", 0) / max(t["tokens"], 1),
-                reference=arm.decoder == "official" and not arm.overrides,
-            ))
+            points.append(
+                Point(
+                    family=family_of(task),
+                    task=task,
+                    decoder=arm.decoder,
+                    knobs=dict(arm.overrides),
+                    n=t["n"],
+                    accuracy=t["acc"],
+                    tok_s=t["tok_s"],
+                    fwd_per_req=t["fwd_req"] / max(t["n"], 1),
+                    tau=t["tokens"] / max(t["fwd_req"], 1),
+                    g_over_tau=t.get("rows", 0) / max(t["tokens"], 1),
+                    reference=arm.decoder == "official" and not arm.overrides,
+                )
+            )
     path, fp = model_identity(bundle.spec)
     cal = Calibration(
         model_path=path,
@@ -284,11 +305,15 @@ def run_sweep(
 def table(cal: Calibration, budget: float, frontier_only: bool = False) -> str:
     """The frontier as a markdown table per family, with the route auto would take marked."""
     lines = [
-        (f"{cal.describe()}: {cal.model_path} (fingerprint {cal.fingerprint[:12]}), {cal.hardware}, "
-        f"commit {cal.commit or '?'}, max_tokens {cal.max_tokens}"),
+        (
+            f"{cal.describe()}: {cal.model_path} (fingerprint {cal.fingerprint[:12]}), {cal.hardware}, "
+            f"commit {cal.commit or '?'}, max_tokens {cal.max_tokens}"
+        ),
         "",
-        ("| family | setting | n | acc | Δ vs official | tok/s | × official | fwd/req | τ | G/τ | vs capped line "
-        "| frontier | auto |"),
+        (
+            "| family | setting | n | acc | Δ vs official | tok/s | × official | fwd/req | τ | G/τ | vs capped line "
+            "| frontier | auto |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for fam in cal.families():
@@ -309,11 +334,13 @@ def table(cal: Calibration, budget: float, frontier_only: bool = False) -> str:
             )
     lines += [
         "",
-        (f"auto: the fastest setting within {budget:g} points of the reference (CANVASQ_ROUTING_BUDGET; with "
-        f"95 % confidence at this n) that does less work per token (τ or G/τ {WORK_MARGIN:.0%} better) and is "
-        f"measured {MIN_GAIN:.0%} faster. "
-        "vs capped line: a step decoder's accuracy minus the capped official sampler's at equal "
-        "forwards per request (linear between its step caps; >= 0 is on or above the line)."),
+        (
+            f"auto: the fastest setting within {budget:g} points of the reference (CANVASQ_ROUTING_BUDGET; with "
+            f"95 % confidence at this n) that does less work per token (τ or G/τ {WORK_MARGIN:.0%} better) and is "
+            f"measured {MIN_GAIN:.0%} faster. "
+            "vs capped line: a step decoder's accuracy minus the capped official sampler's at equal "
+            "forwards per request (linear between its step caps; >= 0 is on or above the line)."
+        ),
     ]
     return "\n".join(lines) + "\n"
 
@@ -334,8 +361,13 @@ def plot(cal: Calibration, path: Path) -> None:
             front = [p for p in mine if p.frontier]
             (line,) = ax.plot([p.tok_s for p in front], [p.accuracy * 100 for p in front], "-o", label=dec)
             rest = [p for p in mine if not p.frontier]
-            ax.scatter([p.tok_s for p in rest], [p.accuracy * 100 for p in rest], color=line.get_color(),
-                       alpha=0.4, marker="x")
+            ax.scatter(
+                [p.tok_s for p in rest],
+                [p.accuracy * 100 for p in rest],
+                color=line.get_color(),
+                alpha=0.4,
+                marker="x",
+            )
         ref = cal.reference(fam)
         if ref:
             ax.axhline(ref.accuracy * 100, color="grey", lw=0.8, ls="--")

@@ -82,7 +82,9 @@ class FunnelDecoder(PipeDecoder):
     def new_arena(self, slots: int, capacity: int):
         if self.config.promote == "arena":
             return super().new_arena(slots, capacity)
-        return growing_kv_class()(self.rt.layer_shapes, slots, capacity, device=self.device, dtype=self.rt.dtype)
+        return growing_kv_class()(
+            self.rt.layer_shapes, slots, capacity, device=self.device, dtype=self.rt.dtype
+        )
 
     def spawn(self, s: Seq) -> Canvas:
         cv = super().spawn(s)

@@ -184,8 +184,11 @@ class _Recorder:
             (model, "forward", self._traced_decoder(model.forward)),
             (encoder, "forward", self._traced_encoder(encoder.forward)),
             (model, "_prepare_sampler", self._counting_sampler(model._prepare_sampler)),
-            (model, "_prepare_diffusion_stopping_criteria",
-             self._mirrored_stopper(model._prepare_diffusion_stopping_criteria)),
+            (
+                model,
+                "_prepare_diffusion_stopping_criteria",
+                self._mirrored_stopper(model._prepare_diffusion_stopping_criteria),
+            ),
             (model, "_finalize_canvas", self._watched_finalize(model._finalize_canvas)),
         ]
         for obj, name, fn in patches:

@@ -53,7 +53,6 @@ from canvasq.decoders.types import FinishReason
 _GROUP_BYTES = 2 << 30  # per [rows, V] fp32 temporary of the sampler statistics
 
 
-
 @dataclass
 class _Denoising:
     """A request's state within its current canvas."""
@@ -86,10 +85,16 @@ class OfficialDecoder(StepDecoder):
         # (one launch, one set of host syncs; eight groups cost ~50 ms of a 64-slot step on an H200)
         self._one_group = self.fused and k is not None and k < self.V
         # a canvas's first step under top-k SC: a zero top-k signal with every row off (read-only)
-        self._zero_sc = None if k is None or k >= self.V else (
-            (torch.zeros(self.C, k, dtype=torch.long, device=self.device),
-             torch.zeros(self.C, k, dtype=self.rt.dtype, device=self.device)),
-            torch.zeros(self.C, dtype=torch.bool, device=self.device),
+        self._zero_sc = (
+            None
+            if k is None or k >= self.V
+            else (
+                (
+                    torch.zeros(self.C, k, dtype=torch.long, device=self.device),
+                    torch.zeros(self.C, k, dtype=self.rt.dtype, device=self.device),
+                ),
+                torch.zeros(self.C, dtype=torch.bool, device=self.device),
+            )
         )
 
     # -- hooks of the base loop -------------------------------------------------------------------
@@ -168,10 +173,16 @@ class OfficialDecoder(StepDecoder):
 
             sc = (behind(sc[0]), behind(sc[1])) if isinstance(sc, tuple) else behind(sc)
         canvas = torch.arange(cv.start, cv.start + self.C, device=dev)
-        return Window(slot, torch.cat([ids, cv.tokens]), torch.cat([pos, canvas]),
-                      torch.cat([pos, torch.full_like(canvas, cv.start)]),
-                      torch.cat([pos + 1, torch.full_like(canvas, cv.start + self.C)]),
-                      self_cond=sc, self_cond_rows=rows, encoder_rows=n)
+        return Window(
+            slot,
+            torch.cat([ids, cv.tokens]),
+            torch.cat([pos, canvas]),
+            torch.cat([pos, torch.full_like(canvas, cv.start)]),
+            torch.cat([pos + 1, torch.full_like(canvas, cv.start + self.C)]),
+            self_cond=sc,
+            self_cond_rows=rows,
+            encoder_rows=n,
+        )
 
     def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The sampler on one group: logits [B, C, V] fp32 -> (accepted per request [B], stopped [B])."""
@@ -185,10 +196,13 @@ class OfficialDecoder(StepDecoder):
             temp = smp.t_min + (smp.t_max - smp.t_min) * (n / smp.steps)
         top = None
         if self.fused:  # the kernel scales as it reads
-            seeds = torch.tensor([philox_key(s.gen.initial_seed(), s.spawned, d.steps_left) for s, d in zip(seqs, dns)],
-                                 dtype=torch.long).to(self.device, non_blocking=True)
-            argmax, entropy, pick, top = draw_fused(logits, seeds, None if temp is None else 1.0 / temp,
-                                                    self.config.sc_topk, self.rt.dtype)
+            seeds = torch.tensor(
+                [philox_key(s.gen.initial_seed(), s.spawned, d.steps_left) for s, d in zip(seqs, dns)],
+                dtype=torch.long,
+            ).to(self.device, non_blocking=True)
+            argmax, entropy, pick, top = draw_fused(
+                logits, seeds, None if temp is None else 1.0 / temp, self.config.sc_topk, self.rt.dtype
+            )
         else:
             if temp is not None:
                 logits = logits.div_(temp[:, None, None])  # the forward's own copy: in place
@@ -206,8 +220,9 @@ class OfficialDecoder(StepDecoder):
             s.canvases[0].sc = sc[b] if not isinstance(sc, tuple) else (sc[0][b], sc[1][b])
         return keep.sum(dim=-1), stopped
 
-    def _stopped(self, seqs: list[Seq], dns: list[_Denoising], argmax: torch.Tensor,
-                 entropy: torch.Tensor) -> torch.Tensor:
+    def _stopped(
+        self, seqs: list[Seq], dns: list[_Denoising], argmax: torch.Tensor, entropy: torch.Tensor
+    ) -> torch.Tensor:
         """Which canvases end this step [B]: HF's StableAndConfidentStoppingCriteria (the argmax
         unchanged for `stability_threshold` steps and the mean entropy under `confidence_threshold`),
         or the step cap."""
@@ -219,9 +234,14 @@ class OfficialDecoder(StepDecoder):
             if S == 0:
                 stable = torch.ones_like(stopped)
             else:
-                hist = torch.stack([d.history if d.history is not None
-                                    else torch.full((S, self.C), -1, dtype=argmax.dtype, device=argmax.device)
-                                    for d in dns])  # [B, S, C]
+                hist = torch.stack(
+                    [
+                        d.history
+                        if d.history is not None
+                        else torch.full((S, self.C), -1, dtype=argmax.dtype, device=argmax.device)
+                        for d in dns
+                    ]
+                )  # [B, S, C]
                 stable = (hist == argmax[:, None, :]).all(dim=-1).all(dim=-1)
                 hist = torch.cat([hist[:, 1:], argmax[:, None, :]], dim=1)
                 for b, d in enumerate(dns):

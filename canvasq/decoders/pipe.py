@@ -97,8 +97,10 @@ class PipeDecoder(StepDecoder):
         if windows:
             with self.timed() as t:
                 out = self.decode_call(windows)
-            commits = {s.row: self._apply(s, parts, windows[b], out, b)
-                       for b, (s, parts) in enumerate(zip(riding, layout))}
+            commits = {
+                s.row: self._apply(s, parts, windows[b], out, b)
+                for b, (s, parts) in enumerate(zip(riding, layout))
+            }
             self.record("decode", t.ms, {s.row: w.rows for s, w in zip(riding, windows)}, commits, states)
             self.note_emitted(riding)  # before the retire pass: the front's committed prefix is final
         self._retire_all(seqs)
@@ -248,8 +250,9 @@ class PipeDecoder(StepDecoder):
                 s.stats["jacobi_restarts"] += 1
         return restart
 
-    def _renoise(self, s: Seq, cv: Canvas, idx: torch.Tensor, still: torch.Tensor, arg: torch.Tensor,
-                 restart: bool) -> None:
+    def _renoise(
+        self, s: Seq, cv: Canvas, idx: torch.Tensor, still: torch.Tensor, arg: torch.Tensor, restart: bool
+    ) -> None:
         """What is still open: argmax (the record protocol), mix, or a one-shot random restart."""
         cfg = self.config
         if bool(still.any()):

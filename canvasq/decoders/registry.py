@@ -66,7 +66,12 @@ def make_decoder(
     `cuda_graphs`, `experts`, `fp8` and `fp8_min_rows` (the service settings) apply to the decoders
     that have that option, unless `overrides` set it themselves."""
     config = make_config(name, overrides)
-    service = (("cuda_graphs", cuda_graphs), ("experts", experts), ("fp8", fp8), ("fp8_min_rows", fp8_min_rows))
+    service = (
+        ("cuda_graphs", cuda_graphs),
+        ("experts", experts),
+        ("fp8", fp8),
+        ("fp8_min_rows", fp8_min_rows),
+    )
     for key, value in service:
         if value is not None and hasattr(config, key) and key not in (overrides or {}):
             config = dataclasses.replace(config, **{key: value})

@@ -73,11 +73,18 @@ def route(
             pick = calibration.choose(key, DEFAULT_BUDGET if budget is None else budget)
             if pick is not None:
                 return Route(pick.decoder, dict(pick.knobs), "calibration")
-        _once(f"uncal:{task}", "--decoder auto: the calibration has no family for task %r; using 'official'",
-              task)
+        _once(
+            f"uncal:{task}",
+            "--decoder auto: the calibration has no family for task %r; using 'official'",
+            task,
+        )
         return DEFAULT_ROUTE
-    _once("nocal", "--decoder auto: no calibration for the loaded model (canvasq calibrate); "
-          "task %r and every other uncalibrated task go to 'official' (the accurate sampler)", task)
+    _once(
+        "nocal",
+        "--decoder auto: no calibration for the loaded model (canvasq calibrate); "
+        "task %r and every other uncalibrated task go to 'official' (the accurate sampler)",
+        task,
+    )
     return DEFAULT_ROUTE
 
 
@@ -117,10 +124,17 @@ def routing_table(
                 continue
             if (table or {}).get(fam):
                 continue  # the settings entry above wins
-            rows.append((fam, knobs_label(pick.decoder, pick.knobs),
-                         (f"{calibration.describe()}: {pick.accuracy * 100:.1f} % vs official "
-                         f"{ref.accuracy * 100:.1f} % (budget {budget:g}), {pick.tok_s:.0f} vs "
-                         f"{ref.tok_s:.0f} tok/s")))
+            rows.append(
+                (
+                    fam,
+                    knobs_label(pick.decoder, pick.knobs),
+                    (
+                        f"{calibration.describe()}: {pick.accuracy * 100:.1f} % vs official "
+                        f"{ref.accuracy * 100:.1f} % (budget {budget:g}), {pick.tok_s:.0f} vs "
+                        f"{ref.tok_s:.0f} tok/s"
+                    ),
+                )
+            )
         rows.append(("(any other)", DEFAULT_ROUTE.decoder, "default: not in the calibration"))
     else:
         rows.append(("(any other)", DEFAULT_ROUTE.decoder, "default: no calibration, the accurate sampler"))

@@ -27,5 +27,3 @@ def runtime_for(hf_model, experts: str, fp8: str = "off", fp8_min_rows: int = 0,
             install_fp8(rt, parts, fp8_min_rows)
         per_model[key] = rt
     return per_model[key]
-
-

@@ -85,8 +85,13 @@ def draw_torch(logits: torch.Tensor, gens: list[torch.Generator]) -> tuple[torch
     return argmax, entropy, pick
 
 
-def draw_fused(logits: torch.Tensor, seeds: torch.Tensor, inv_temp: torch.Tensor | None, sc_topk: int | None,
-               sc_dtype: torch.dtype):
+def draw_fused(
+    logits: torch.Tensor,
+    seeds: torch.Tensor,
+    inv_temp: torch.Tensor | None,
+    sc_topk: int | None,
+    sc_dtype: torch.dtype,
+):
     """The same statistics and draws for the whole group in one read of the logits [B, C, V] (no
     per-request softmax, multinomial or temperature pass) with a Philox key per request (`seeds` [B],
     `philox_key`: its draws do not depend on the batch), and the top-k self-conditioning in one more

@@ -26,7 +26,9 @@ def request_error(bundle, req: DecodeRequest) -> str | None:
     return token_budget_error(len(req.prompt_ids), req.max_tokens, bundle.canvas_length, limit)
 
 
-def error_result(req: DecodeRequest, error: str, decoder: str, finish_reason: str = FinishReason.error) -> DecodeResult:
+def error_result(
+    req: DecodeRequest, error: str, decoder: str, finish_reason: str = FinishReason.error
+) -> DecodeResult:
     """A request that produced nothing: refused, failed or cancelled before it finished."""
     return DecodeResult(
         custom_id=req.custom_id,
@@ -122,5 +124,3 @@ class Seq:
     @property
     def prompt_len(self) -> int:
         return len(self.req.prompt_ids)
-
-

@@ -84,8 +84,9 @@ class Interrupted(Exception):
         self.cause, self.done = cause, done
 
 
-def token_budget_error(prompt_tokens: int, max_tokens: int, canvas_length: int,
-                       context: int | None) -> str | None:
+def token_budget_error(
+    prompt_tokens: int, max_tokens: int, canvas_length: int, context: int | None
+) -> str | None:
     """Why a prompt of `prompt_tokens` ids cannot get `max_tokens` of answer within `context` positions,
     or None. The answer is generated in whole canvases, so max_tokens counts rounded up to a multiple
     of `canvas_length`. The one rule for both the validator (`core.schemas.parse_line`) and the
@@ -96,5 +97,7 @@ def token_budget_error(prompt_tokens: int, max_tokens: int, canvas_length: int,
     need = prompt_tokens + canvases * canvas_length
     if need <= context:
         return None
-    return (f"prompt ({prompt_tokens} tokens) + max_tokens {max_tokens} rounded up to {canvases} canvases of "
-            f"{canvas_length} need {need} positions; the model context is {context}")
+    return (
+        f"prompt ({prompt_tokens} tokens) + max_tokens {max_tokens} rounded up to {canvases} canvases of "
+        f"{canvas_length} need {need} positions; the model context is {context}"
+    )

@@ -223,13 +223,23 @@ def attend_launch(
 
 
 # the masked calls' kernels (flash takes no mask), in SDPA's fallback order after the preferred one
-_SDPA_KERNELS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                 "math": SDPBackend.MATH}
+_SDPA_KERNELS = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
 SDPA_BACKENDS = ("auto", *_SDPA_KERNELS)
 
 
 def attend_reference(
-    q, k_arena, v_arena, slots, lmax: int, mask=None, groups: int = 1, first: int | None = None,
+    q,
+    k_arena,
+    v_arena,
+    slots,
+    lmax: int,
+    mask=None,
+    groups: int = 1,
+    first: int | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Twin: SDPA (scale 1) on the slots' arena entries, then the transposing copy. `first`: the slots
@@ -244,7 +254,9 @@ def attend_reference(
     if backend != "auto" and mask is not None:
         # preferred, not forced: a GPU or build without that kernel falls back to SDPA's others
         preferred = _SDPA_KERNELS[backend]
-        with sdpa_kernel([preferred] + [b for b in _SDPA_KERNELS.values() if b != preferred], set_priority=True):
+        with sdpa_kernel(
+            [preferred] + [b for b in _SDPA_KERNELS.values() if b != preferred], set_priority=True
+        ):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
     else:
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)

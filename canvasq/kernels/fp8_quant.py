@@ -24,8 +24,17 @@ _K_KAPPA = 0.044715
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, dest_ptr, K, stride_x, BLOCK: tl.constexpr, COPIES: tl.constexpr,
-                       SCATTER: tl.constexpr):
+def _quant_rows_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    dest_ptr,
+    K,
+    stride_x,
+    BLOCK: tl.constexpr,
+    COPIES: tl.constexpr,
+    SCATTER: tl.constexpr,
+):
     # SCATTER: the row's COPIES quantised copies go to output rows dest[row, 0..COPIES)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -59,7 +68,9 @@ def _gelu_mul_quant_kernel(gu_ptr, q_ptr, s_ptr, I, stride_g, k_beta, k_kappa, B
     tl.store(s_ptr + row, scale)
 
 
-def quantize_rows_triton(x: torch.Tensor, dest: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_triton(
+    x: torch.Tensor, dest: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (unit column stride) -> (q [M, K] e4m3, scale [M] fp32). With `dest` [M, c] (a
     permutation of the output rows): row i's copies go to rows dest[i] of q [M*c, K] and scale
     [M*c] (the MoE's rows in expert order, without quantising first and gathering after)."""
@@ -71,8 +82,18 @@ def quantize_rows_triton(x: torch.Tensor, dest: torch.Tensor | None = None) -> t
     s = torch.empty(m * copies, dtype=torch.float32, device=x.device)
     if m:
         block = triton.next_power_of_2(k)
-        _quant_rows_kernel[(m,)](x, q, s, s if dest is None else dest, k, x.stride(0), BLOCK=block, COPIES=copies,
-                                 SCATTER=dest is not None, num_warps=4 if block <= 2048 else 8)
+        _quant_rows_kernel[(m,)](
+            x,
+            q,
+            s,
+            s if dest is None else dest,
+            k,
+            x.stride(0),
+            BLOCK=block,
+            COPIES=copies,
+            SCATTER=dest is not None,
+            num_warps=4 if block <= 2048 else 8,
+        )
     return q, s
 
 
@@ -85,6 +106,7 @@ def gelu_mul_quant_triton(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     s = torch.empty(m, dtype=torch.float32, device=gu.device)
     if m:
         block = triton.next_power_of_2(inter)
-        _gelu_mul_quant_kernel[(m,)](gu, q, s, inter, gu.stride(0), _K_BETA, _K_KAPPA, BLOCK=block,
-                                     num_warps=4 if block <= 2048 else 8)
+        _gelu_mul_quant_kernel[(m,)](
+            gu, q, s, inter, gu.stride(0), _K_BETA, _K_KAPPA, BLOCK=block, num_warps=4 if block <= 2048 else 8
+        )
     return q, s

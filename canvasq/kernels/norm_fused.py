@@ -256,7 +256,18 @@ def _add_rms_norm_kernel(
         if COMBINE:
             t = tl.program_id(0).to(tl.int64)
             c = combine_row(
-                x2_ptr, rw_ptr, ids_ptr, es_ptr, map_ptr, t, cols, cols < D, stride_ym, TOP_K, K_P2, RENORM,
+                x2_ptr,
+                rw_ptr,
+                ids_ptr,
+                es_ptr,
+                map_ptr,
+                t,
+                cols,
+                cols < D,
+                stride_ym,
+                TOP_K,
+                K_P2,
+                RENORM,
                 ROW_MAP,
             )
             x2 = _rt(c, DT)[None, :]
@@ -590,7 +601,13 @@ def compile_specs():
     add_types = {"rw_ptr": "*fp32", "ids_ptr": "*i64", "map_ptr": "*i64", "eps": "fp32"}
     for combine in (False, True):  # the end of a layer: the experts' output combined, or their rows
         c = {"HAS_X2": True, "PRE_NORM": True, "HAS_SCALE": True, "BLOCK_R": 1, "BLOCK_D": 4096}
-        c |= {"COMBINE": combine, "TOP_K": 8, "K_P2": 8, "RENORM": True, "ROW_MAP": combine}  # FP8 rows: mapped
+        c |= {
+            "COMBINE": combine,
+            "TOP_K": 8,
+            "K_P2": 8,
+            "RENORM": True,
+            "ROW_MAP": combine,
+        }  # FP8 rows: mapped
         name = "add_rms_norm" + ("_combine" if combine else "")
         yield CompileSpec(name, _add_rms_norm_kernel, c, add_types, add, num_warps=8, **hf)
     pre = frozenset({"x_ptr", "ya_ptr", "yr_ptr", "yb_ptr", "D"})

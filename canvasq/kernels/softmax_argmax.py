@@ -128,7 +128,9 @@ def _softmax_stats_partial_kernel(
         if SAMPLE:
             if RAND4:  # one Philox call gives the uniforms of 4 neighbouring columns (4x fewer rounds)
                 r0, r1, r2, r3 = tl.rand4x(seed, base4 + (start + off) // 4 + quads)
-                rnd = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (BLOCK_V,))  # column 4q + k: r_k[q]
+                rnd = tl.reshape(
+                    tl.join(tl.join(r0, r1), tl.join(r2, r3)), (BLOCK_V,)
+                )  # column 4q + k: r_k[q]
             else:
                 rnd = tl.rand(seed, base + cols)
             g = -tl.log(-tl.log(rnd))  # U = 0 gives -inf: never drawn
@@ -257,13 +259,27 @@ def softmax_argmax_launch(logits: torch.Tensor, temperature: float = 1.0, block_
 RAND4 = True  # Philox per 4 columns (`tl.rand4x`) in the draws; False: one Philox call per column
 
 
-def softmax_sample_launch(logits: torch.Tensor, inv_temp: torch.Tensor, seeds: torch.Tensor, group: int,
-                          top_k: int = 0, block_v: int = 2048, rand4: bool | None = None) -> SampleStats:
+def softmax_sample_launch(
+    logits: torch.Tensor,
+    inv_temp: torch.Tensor,
+    seeds: torch.Tensor,
+    group: int,
+    top_k: int = 0,
+    block_v: int = 2048,
+    rand4: bool | None = None,
+) -> SampleStats:
     assert logits.shape[0] == inv_temp.numel() * group == seeds.numel() * group
     assert group * logits.shape[1] + group < 2**31, "Philox counters are 32-bit"
     inv_temp = inv_temp.float().contiguous()
-    conf, arg, ent, draw, noise, lane_max = _launch(logits, inv_temp, seeds.long().contiguous(), group, block_v,
-                                                   lane_max=top_k > 0, rand4=RAND4 if rand4 is None else rand4)
+    conf, arg, ent, draw, noise, lane_max = _launch(
+        logits,
+        inv_temp,
+        seeds.long().contiguous(),
+        group,
+        block_v,
+        lane_max=top_k > 0,
+        rand4=RAND4 if rand4 is None else rand4,
+    )
     top = _top_k(logits, inv_temp, group, top_k, lane_max) if top_k > 0 else (None, None)
     return SampleStats(conf, arg, ent, draw, noise, *top)
 
@@ -290,14 +306,45 @@ def _launch(logits, inv_temp, seeds, group: int, block_v: int, lane_max: bool = 
         return conf, arg, ent, draw, noise, lm
     seed_arg = seeds if sample else arg  # an unread placeholder without sampling
     _softmax_stats_partial_kernel[(R, chunks)](
-        logits, pm, ps, pu, pi, pg, pgi, inv_temp, seed_arg, lm, V, logits.stride(0), group,
-        CHUNKS=chunks, CHUNK=chunk, BLOCK_V=block_v, SAMPLE=sample, LANE_MAX=lane_max,
+        logits,
+        pm,
+        ps,
+        pu,
+        pi,
+        pg,
+        pgi,
+        inv_temp,
+        seed_arg,
+        lm,
+        V,
+        logits.stride(0),
+        group,
+        CHUNKS=chunks,
+        CHUNK=chunk,
+        BLOCK_V=block_v,
+        SAMPLE=sample,
+        LANE_MAX=lane_max,
         RAND4=sample and rand4 and block_v >= 4,
         num_warps=8 if block_v >= 2048 else 4,
     )
     _softmax_stats_final_kernel[(R,)](
-        pm, ps, pu, pi, pg, pgi, seed_arg, conf, arg, ent, draw if sample else arg, noise if sample else arg,
-        V, group, CHUNKS=chunks, SAMPLE=sample, num_warps=1,
+        pm,
+        ps,
+        pu,
+        pi,
+        pg,
+        pgi,
+        seed_arg,
+        conf,
+        arg,
+        ent,
+        draw if sample else arg,
+        noise if sample else arg,
+        V,
+        group,
+        CHUNKS=chunks,
+        SAMPLE=sample,
+        num_warps=1,
     )
     return conf, arg, ent, draw, noise, lm
 
@@ -320,8 +367,21 @@ def _top_k(logits, inv_temp, group: int, k: int, lane_max: torch.Tensor, block_v
     count = torch.empty(R, dtype=torch.int32, device=logits.device)
     if R:
         bv = min(block_v, triton.next_power_of_2(V))
-        _gather_above_kernel[(R,)](logits, inv_temp, thresh, count, vals, ids, V, logits.stride(0), group,
-                                   CAP=cap, BLOCK_V=bv, BLOCKS=triton.cdiv(V, bv), num_warps=8)
+        _gather_above_kernel[(R,)](
+            logits,
+            inv_temp,
+            thresh,
+            count,
+            vals,
+            ids,
+            V,
+            logits.stride(0),
+            group,
+            CAP=cap,
+            BLOCK_V=bv,
+            BLOCKS=triton.cdiv(V, bv),
+            num_warps=8,
+        )
     top, pos = torch.topk(vals, k, dim=-1)
     top_ids = torch.gather(ids, 1, pos)
     over = (count > cap).nonzero().flatten()  # a host sync; empty unless logits tie at the top
@@ -354,8 +414,9 @@ def softmax_argmax(logits: torch.Tensor, temperature: float = 1.0, impl: str = "
     raise ValueError(f"unknown impl {impl!r}")
 
 
-def softmax_sample_reference(logits: torch.Tensor, inv_temp: torch.Tensor, seeds: torch.Tensor, group: int,
-                             top_k: int = 0) -> SampleStats:
+def softmax_sample_reference(
+    logits: torch.Tensor, inv_temp: torch.Tensor, seeds: torch.Tensor, group: int, top_k: int = 0
+) -> SampleStats:
     """Twin in distribution (not in draws: torch's generator is not Philox-by-counter): per group a CPU
     generator seeded with its seed draws Gumbel noise for the sample and a uniform renoise token."""
     V = logits.shape[1]
@@ -365,14 +426,21 @@ def softmax_sample_reference(logits: torch.Tensor, inv_temp: torch.Tensor, seeds
     for gi, seed in enumerate(seeds.tolist()):
         g = torch.Generator().manual_seed(int(seed) % 2**63)
         u = torch.rand(group, V, generator=g, dtype=torch.float64).clamp_min(1e-300).to(logits.device)
-        draws.append((lf[gi * group:(gi + 1) * group] - (-u.log()).log()).argmax(-1))
+        draws.append((lf[gi * group : (gi + 1) * group] - (-u.log()).log()).argmax(-1))
         noises.append(torch.randint(0, V, (group,), generator=g).to(logits.device))
     top = torch.topk(lf, top_k, dim=-1) if top_k > 0 else (None, None)
     return SampleStats(conf, arg, ent, torch.cat(draws), torch.cat(noises), *top)
 
 
-def softmax_sample(logits: torch.Tensor, inv_temp: torch.Tensor, seeds: torch.Tensor, group: int,
-                   top_k: int = 0, impl: str = "auto", rand4: bool | None = None) -> SampleStats:
+def softmax_sample(
+    logits: torch.Tensor,
+    inv_temp: torch.Tensor,
+    seeds: torch.Tensor,
+    group: int,
+    top_k: int = 0,
+    impl: str = "auto",
+    rand4: bool | None = None,
+) -> SampleStats:
     """logits [R, V]; rows in groups of `group` consecutive rows, group g at inverse temperature
     inv_temp[g] with Philox seed seeds[g] (int64) -> `SampleStats`: the statistics of
     softmax(logits * inv_temp) as `softmax_argmax`, one draw from it and one uniform renoise token per
@@ -392,13 +460,27 @@ def compile_specs():
     (benchmarks/kernels/compile_check.py)."""
     from .compile_spec import CompileSpec
 
-    partials = {"pm_ptr": "*fp32", "ps_ptr": "*fp32", "pu_ptr": "*fp32", "pi_ptr": "*i32", "pg_ptr": "*fp32",
-                "pgi_ptr": "*i32", "seed_ptr": "*i64"}
+    partials = {
+        "pm_ptr": "*fp32",
+        "ps_ptr": "*fp32",
+        "pu_ptr": "*fp32",
+        "pi_ptr": "*i32",
+        "pg_ptr": "*fp32",
+        "pgi_ptr": "*i32",
+        "seed_ptr": "*i64",
+    }
     for sample in (False, True):
         yield CompileSpec(
             "softmax_sample_partial" if sample else "softmax_partial",
             _softmax_stats_partial_kernel,
-            {"CHUNKS": 2, "CHUNK": 131072, "BLOCK_V": 2048, "SAMPLE": sample, "LANE_MAX": sample, "RAND4": sample},
+            {
+                "CHUNKS": 2,
+                "CHUNK": 131072,
+                "BLOCK_V": 2048,
+                "SAMPLE": sample,
+                "LANE_MAX": sample,
+                "RAND4": sample,
+            },
             types={**partials, "inv_temp_ptr": "*fp32", "lane_max_ptr": "*fp32"},
             divisible=frozenset({"logits_ptr", "V", "stride_r"}),
             num_warps=8,
@@ -407,16 +489,27 @@ def compile_specs():
             "softmax_sample_final" if sample else "softmax_final",
             _softmax_stats_final_kernel,
             {"CHUNKS": 2, "SAMPLE": sample},
-            types={**partials, "conf_ptr": "*fp32", "arg_ptr": "*i64", "ent_ptr": "*fp32", "draw_ptr": "*i64",
-                   "noise_ptr": "*i64"},
+            types={
+                **partials,
+                "conf_ptr": "*fp32",
+                "arg_ptr": "*i64",
+                "ent_ptr": "*fp32",
+                "draw_ptr": "*i64",
+                "noise_ptr": "*i64",
+            },
             num_warps=1,
         )
     yield CompileSpec(
         "softmax_gather_above",
         _gather_above_kernel,
         {"CAP": TOP_K_CAP, "BLOCK_V": 2048, "BLOCKS": 128},
-        types={"inv_temp_ptr": "*fp32", "thresh_ptr": "*fp32", "count_ptr": "*i32", "vals_ptr": "*fp32",
-               "ids_ptr": "*i64"},
+        types={
+            "inv_temp_ptr": "*fp32",
+            "thresh_ptr": "*fp32",
+            "count_ptr": "*i32",
+            "vals_ptr": "*fp32",
+            "ids_ptr": "*i64",
+        },
         divisible=frozenset({"logits_ptr", "V", "stride_r"}),
         num_warps=8,
     )

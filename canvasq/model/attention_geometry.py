@@ -66,7 +66,9 @@ class AttentionGeometry:
         need = max(ends)
         if lmax is None:
             lmax = need
-            if step and len(set(ends)) > 1:  # masked anyway: a context bucket, so SDPA meets shapes it has seen
+            if (
+                step and len(set(ends)) > 1
+            ):  # masked anyway: a context bucket, so SDPA meets shapes it has seen
                 lmax = min(capacity, -(-need // step) * step)
         elif lmax < need or lmax > capacity:
             raise ValueError(f"context bucket {lmax} outside [{need}, {capacity}]")
@@ -100,8 +102,20 @@ class AttentionGeometry:
         pad = torch.ones(nb, rmax, dtype=torch.bool, device=dev)
         pad[b_idx, r_idx] = False
         dense = not extra and all(r == rmax for r in sizes)  # rows are the blocks' rows, in order
-        return cls(slots=slots, first=first, sliced=n_windows if in_order else 0, b_idx=b_idx, r_idx=r_idx, rmax=rmax, lmax=lmax,
-                   dense=dense, hi=hi, lo=lo, ends=torch.tensor([e for _, e, *_ in blocks], device=dev), pad=pad)
+        return cls(
+            slots=slots,
+            first=first,
+            sliced=n_windows if in_order else 0,
+            b_idx=b_idx,
+            r_idx=r_idx,
+            rmax=rmax,
+            lmax=lmax,
+            dense=dense,
+            hi=hi,
+            lo=lo,
+            ends=torch.tensor([e for _, e, *_ in blocks], device=dev),
+            pad=pad,
+        )
 
     @property
     def contiguous(self) -> bool:
@@ -167,12 +181,43 @@ class AttentionGeometry:
         k, v = arena.k[layer], arena.v[layer]
         n = self.sliced
         if impl == "torch" and 0 < n < nb:  # the windows' blocks as a slice, the encoder blocks gathered
-            parts = [attend(q[:n], k, v, self.slots[:n], self.lmax, None if mask is None else mask[:n],
-                            groups=g, impl=impl, first=int(self.first), backend=self.backend),
-                     attend(q[n:], k, v, self.slots[n:], self.lmax, None if mask is None else mask[n:],
-                            groups=g, impl=impl, backend=self.encoder_backend)]
+            parts = [
+                attend(
+                    q[:n],
+                    k,
+                    v,
+                    self.slots[:n],
+                    self.lmax,
+                    None if mask is None else mask[:n],
+                    groups=g,
+                    impl=impl,
+                    first=int(self.first),
+                    backend=self.backend,
+                ),
+                attend(
+                    q[n:],
+                    k,
+                    v,
+                    self.slots[n:],
+                    self.lmax,
+                    None if mask is None else mask[n:],
+                    groups=g,
+                    impl=impl,
+                    backend=self.encoder_backend,
+                ),
+            ]
             o = torch.cat(parts)
         else:
-            o = attend(q, k, v, self.slots, self.lmax, mask, groups=g, impl=impl,
-                       first=int(self.first) if self.contiguous else None, backend=self.backend)
+            o = attend(
+                q,
+                k,
+                v,
+                self.slots,
+                self.lmax,
+                mask,
+                groups=g,
+                impl=impl,
+                first=int(self.first) if self.contiguous else None,
+                backend=self.backend,
+            )
         return o if self.dense else o.view(nb, self.rmax, heads * d)[self.b_idx, self.r_idx]

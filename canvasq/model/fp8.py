@@ -98,7 +98,10 @@ class FP8Experts:
         return cls.from_weights(gate_up, down)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.gate_up, self.gate_up_scale, self.down, self.down_scale))
+        return sum(
+            t.numel() * t.element_size()
+            for t in (self.gate_up, self.gate_up_scale, self.down, self.down_scale)
+        )
 
 
 def _quantize_by_expert(w: torch.Tensor, chunk: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,7 +170,10 @@ def fp8_moe(
     else:
         xq, xs = quantize_rows(x)
         src = order // k
-        xq, xs = xq.view(torch.uint8)[src].view(E4M3), xs[src]  # gathered as bytes: fp8 indexing is not on every build
+        xq, xs = (
+            xq.view(torch.uint8)[src].view(E4M3),
+            xs[src],
+        )  # gathered as bytes: fp8 indexing is not on every build
     gu = _grouped(xq, xs, ex.gate_up, ex.gate_up_scale, offs, x.dtype, kernel)
     if kernel:
         from canvasq.kernels.fp8_quant import gelu_mul_quant_triton
@@ -201,7 +207,6 @@ def _grouped(aq, a_scale, wq, w_scale, offs, dtype, kernel: bool):
     return out.to(dtype)
 
 
-
 DENSE = ("wqkv", "wo", "mlp_gate_up", "mlp_down")
 
 
@@ -216,11 +221,15 @@ def parse_parts(value: str | None, device: torch.device | str) -> tuple[str, ...
     parts = tuple(p.strip() for p in value.split(",") if p.strip())
     bad = [p for p in parts if p not in PARTS]
     if bad:
-        raise ValueError(f"CANVASQ_FP8={value!r}: unknown part(s) {', '.join(bad)}; expected auto, off or a list of "
-                         f"{', '.join(PARTS)}")
+        raise ValueError(
+            f"CANVASQ_FP8={value!r}: unknown part(s) {', '.join(bad)}; expected auto, off or a list of "
+            f"{', '.join(PARTS)}"
+        )
     if torch.device(device).type == "cuda" and not fp8_supported(device):  # the CPU keeps the twin for tests
-        raise ValueError(f"CANVASQ_FP8={value!r}: this GPU has no row-scaled FP8 grouped GEMM in torch "
-                         "(Hopper only); use auto or off")
+        raise ValueError(
+            f"CANVASQ_FP8={value!r}: this GPU has no row-scaled FP8 grouped GEMM in torch "
+            "(Hopper only); use auto or off"
+        )
     return parts
 
 
@@ -253,7 +262,9 @@ def install_fp8(rt, parts: tuple[str, ...], min_rows: int) -> int:
                     lw.gate_up.data_ptr(), lambda lw=lw: FP8Experts.from_weights(lw.gate_up, lw.down)
                 )
             elif lw.experts_packed is not None:
-                lw.fp8["experts"] = once(id(lw.experts_packed), lambda lw=lw: FP8Experts.from_w4(lw.experts_packed))
+                lw.fp8["experts"] = once(
+                    id(lw.experts_packed), lambda lw=lw: FP8Experts.from_w4(lw.experts_packed)
+                )
     rt.lm_head_fp8 = FP8Linear.from_weight(rt.lm_head) if "head" in parts else None
     if rt.lm_head_fp8 is not None:
         added += rt.lm_head_fp8.nbytes()

@@ -83,7 +83,9 @@ class ModelBundle:
             return list(ids["input_ids"] if isinstance(ids, dict) else ids)
         sep = tok.convert_tokens_to_ids("<sep>")
         if tok.bos_token_id is None or sep is None or sep == tok.unk_token_id:
-            raise RuntimeError(f"model {self.spec!r}: its tokenizer has neither a chat template nor <bos>/<sep>")
+            raise RuntimeError(
+                f"model {self.spec!r}: its tokenizer has neither a chat template nor <bos>/<sep>"
+            )
         return [tok.bos_token_id, *tok.encode(text, add_special_tokens=False), sep]
 
     def decode_text(self, ids) -> str:
@@ -104,8 +106,10 @@ class ModelBundle:
             except Exception as exc:
                 if self.experts != "w4":
                     raise
-                raise RuntimeError(f"merging the D2F adapter {self.adapter_dir} into a model with W4 experts "
-                                   f"failed ({type(exc).__name__}: {exc}); run with CANVASQ_EXPERTS=bf16") from exc
+                raise RuntimeError(
+                    f"merging the D2F adapter {self.adapter_dir} into a model with W4 experts "
+                    f"failed ({type(exc).__name__}: {exc}); run with CANVASQ_EXPERTS=bf16"
+                ) from exc
         return self._d2f if self._d2f is not None else self.hf_model
 
     @property
@@ -117,8 +121,10 @@ class ModelBundle:
         """The D2F model with phcd's repair LoRA (`<dir>/phcd_adapter/`) merged on top (cached)."""
         if self._phcd_repair is None:
             if self.phcd_adapter_dir is None:
-                raise FileNotFoundError(f"model {self.spec!r} has no {PHCD_ADAPTER_DIRNAME}/ "
-                                        "(python -m canvasq.testbed.repair trains it)")
+                raise FileNotFoundError(
+                    f"model {self.spec!r} has no {PHCD_ADAPTER_DIRNAME}/ "
+                    "(python -m canvasq.testbed.repair trains it)"
+                )
             self._phcd_repair = merge_adapter(self.d2f_model(), self.phcd_adapter_dir)
         return self._phcd_repair
 
@@ -127,8 +133,12 @@ class ModelBundle:
         from canvasq.model.graph import graph_totals
 
         packed = sum(1 for m in self.hf_model.modules() if getattr(m, "w4_experts", None) is not None)
-        return {"device": str(self.device), "experts": self.experts, "w4_modules": packed,
-                "graphs": graph_totals()}
+        return {
+            "device": str(self.device),
+            "experts": self.experts,
+            "w4_modules": packed,
+            "graphs": graph_totals(),
+        }
 
 
 def merge_adapter(hf_model, adapter_dir: Path):
@@ -161,7 +171,11 @@ def build_random(name: str, device: str, dtype):
 
 
 def load_bundle(
-    spec: str | None = None, device: str = "cpu", dtype=None, experts: str = "bf16", cache_dir: str | None = None
+    spec: str | None = None,
+    device: str = "cpu",
+    dtype=None,
+    experts: str = "bf16",
+    cache_dir: str | None = None,
 ) -> ModelBundle:
     """Load once per process. `dtype` defaults to fp32 on CPU and bf16 on CUDA. `experts="w4"` packs the
     experts at load (module docstring), caching the packs at `w4_cache_path(spec, cache_dir)`."""

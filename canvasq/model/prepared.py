@@ -45,8 +45,14 @@ class Prepared:
     dec_offsets: list[int] = field(default_factory=list)  # window i's logits: dec_offsets[i]:[i + 1]
 
 
-def prepare(rt: Runtime, arena: KVArena, windows: list[Window], encoder: bool, lmax: int | None = None,
-            capture: bool = True) -> Prepared:
+def prepare(
+    rt: Runtime,
+    arena: KVArena,
+    windows: list[Window],
+    encoder: bool,
+    lmax: int | None = None,
+    capture: bool = True,
+) -> Prepared:
     """One forward's `Prepared`: window b's rows go to entries [length_b, length_b + R_b) of its slot
     (scratch, committed only by an encoder pass), `lmax` the arena entries attended (a graph's context
     bucket; None: what the windows need)."""
@@ -65,15 +71,30 @@ def prepare(rt: Runtime, arena: KVArena, windows: list[Window], encoder: bool, l
     starts = [arena.reserve(w.slot, w.rows) for w in windows]
     row_slot = torch.cat([torch.full((r,), s, dtype=torch.long) for s, r in zip(slots, sizes)]).to(dev)
     row_col = torch.cat([torch.arange(s, s + r) for s, r in zip(starts, sizes)]).to(dev)
-    ctx = AttentionGeometry.build(windows, starts, rt.sliding_window, dev, lmax, arena.capacity,
-                                  step=rt.context_step)
+    ctx = AttentionGeometry.build(
+        windows, starts, rt.sliding_window, dev, lmax, arena.capacity, step=rt.context_step
+    )
     ctx.kernel, ctx.encoder_backend = rt.kernels, rt.encoder_sdpa_backend
     ctx.backend = rt.encoder_sdpa_backend if encoder else rt.sdpa_backend
     sc = [] if encoder else self_cond_entries(windows, offsets, dev, rt.dtype)
     cap, cap_owner = _captured_rows(windows, offsets, dev) if not encoder and capture else (None, [])
-    prep = Prepared(encoder, windows, offsets, ids, pos, row_slot, row_col, ctx, sc, cap, cap_owner, arena,
-                    cap_slot=None if cap is None else row_slot[cap], cap_col=None if cap is None else row_col[cap],
-                    dec_offsets=offsets)
+    prep = Prepared(
+        encoder,
+        windows,
+        offsets,
+        ids,
+        pos,
+        row_slot,
+        row_col,
+        ctx,
+        sc,
+        cap,
+        cap_owner,
+        arena,
+        cap_slot=None if cap is None else row_slot[cap],
+        cap_col=None if cap is None else row_col[cap],
+        dec_offsets=offsets,
+    )
     if not encoder and any(w.encoder_rows for w in windows):
         _fold_encoder_rows(rt, prep, capture)
     return prep
@@ -98,8 +119,10 @@ def _fold_encoder_rows(rt: Runtime, prep: Prepared, capture: bool) -> None:
     if capture and prep.cap_owner:
         raise ValueError("encoder rows and captured rows in one forward")
     if not rt.tied_weights:
-        raise ValueError("encoder rows in a decoder forward need the encoder's weights tied to the "
-                         "decoder's (this runtime's encoder has its own: fold_encode=false)")
+        raise ValueError(
+            "encoder rows in a decoder forward need the encoder's weights tied to the "
+            "decoder's (this runtime's encoder has its own: fold_encode=false)"
+        )
     windows, dev = prep.windows, rt.device
     prep.enc_rows = torch.cat([torch.arange(w.rows, device=dev) < w.encoder_rows for w in windows])
     prep.dec_rows = torch.nonzero(~prep.enc_rows).flatten()
@@ -118,8 +141,14 @@ def self_cond_entries(windows: list[Window], offsets: list[int], dev, dtype: tor
         rows = torch.cat([torch.arange(offsets[b], offsets[b + 1]) for b, _, _ in parts]).to(dev)
         keep = None
         if any(w.self_cond_rows is not None for _, w, _ in parts):
-            keep = torch.cat([w.self_cond_rows.to(dev) if w.self_cond_rows is not None
-                              else torch.ones(w.rows, dtype=torch.bool, device=dev) for _, w, _ in parts])
+            keep = torch.cat(
+                [
+                    w.self_cond_rows.to(dev)
+                    if w.self_cond_rows is not None
+                    else torch.ones(w.rows, dtype=torch.bool, device=dev)
+                    for _, w, _ in parts
+                ]
+            )
             keep = keep.to(dtype)[:, None]
         tops = [sc for _, _, sc in parts if isinstance(sc, tuple)]  # every one: `ks` holds no None
         payload = tuple(torch.cat([sc[i].to(dev) for sc in tops]) for i in (0, 1))

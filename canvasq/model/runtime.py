@@ -92,6 +92,7 @@ if TYPE_CHECKING:
 # "reference" / "grouped": force one of those; "w4": canvasq.kernels' packed W4A16 MoE.
 EXPERT_IMPLS = ("bf16", "reference", "grouped", "w4")
 
+
 def _rope_tables(rot) -> tuple[dict[bool, torch.Tensor], dict[bool, float]]:
     """HF's rotary module's inverse frequencies (fp32) and attention scaling, keyed by sliding?"""
     inv_freq, rope_scaling = {}, {}
@@ -141,8 +142,10 @@ class Runtime:
             torch.equal(e.layer_scalar, d.layer_scalar) for e, d in zip(enc_layers, dec_layers)
         )
         # encoder rows can ride in a decoder forward (`Window.encoder_rows`) only on the same weights
-        self.tied_weights = all(e.wqkv is d.wqkv and e.wo is d.wo and e.mlp_gate_up is d.mlp_gate_up
-                                and e.mlp_down is d.mlp_down for e, d in zip(enc_layers, dec_layers))
+        self.tied_weights = all(
+            e.wqkv is d.wqkv and e.wo is d.wo and e.mlp_gate_up is d.mlp_gate_up and e.mlp_down is d.mlp_down
+            for e, d in zip(enc_layers, dec_layers)
+        )
         self.prefix_attention = True  # mask-free SDPA when the mask is all-visible (eager forwards)
         # Masked eager forwards on CUDA: SDPA picks cuDNN, which builds a plan for every new shape
         # (~25 ms of host time each), so decoder steps read a context rounded up to a multiple of
@@ -157,7 +160,9 @@ class Runtime:
         # (ragged contexts, a sliding band that clips, padded rows); graphed forwards always mask
         self.attention_paths = {"maskfree": 0, "masked": 0}
         self.scope: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
-        self.graph_runner: GraphRunner | None = None  # `model.graph.graph_runner(self)`: the decode loop's CUDA graphs
+        self.graph_runner: GraphRunner | None = (
+            None  # `model.graph.graph_runner(self)`: the decode loop's CUDA graphs
+        )
         # FP8 copies (`fp8.install_fp8`) for forwards of at least `fp8_min_rows` rows, where the forward
         # is compute-bound; smaller forwards keep the model-dtype / W4 path
         self.fp8_parts: tuple[str, ...] = ()
@@ -170,7 +175,9 @@ class Runtime:
         of ~6-8) or HF's op order (the torch twins) elsewhere."""
         if experts == "w4":
             self._moe: Callable = self._moe_w4
-        elif experts == "grouped" or (experts == "bf16" and self.device.type == "cuda" and grouped_mm_available()):
+        elif experts == "grouped" or (
+            experts == "bf16" and self.device.type == "cuda" and grouped_mm_available()
+        ):
             self._moe = self._moe_grouped
         else:
             self._moe = self._moe_reference
@@ -186,8 +193,9 @@ class Runtime:
 
     # --- construction ------------------------------------------------------------------------------
     @classmethod
-    def from_hf(cls, hf_model, experts: str = "bf16", kernels: bool | None = None,
-                encoder_model=None) -> Runtime:
+    def from_hf(
+        cls, hf_model, experts: str = "bf16", kernels: bool | None = None, encoder_model=None
+    ) -> Runtime:
         """Take the weights of a `DiffusionGemmaForBlockDiffusion` (testbed, real, or random).
 
         Encoder and decoder layers are read from their own modules: HF ties their weights (same
@@ -209,15 +217,23 @@ class Runtime:
         dec_layers = [layer_weights(layer) for layer in dec.layers]
         enc_layers = [layer_weights(layer) for layer in enc.layers]
         if encoder_model is not None:
-            enc_layers = [replace(e, gate_up=d.gate_up, down=d.down, experts_packed=d.experts_packed)
-                          for e, d in zip(enc_layers, dec_layers)]
+            enc_layers = [
+                replace(e, gate_up=d.gate_up, down=d.down, experts_packed=d.experts_packed)
+                for e, d in zip(enc_layers, dec_layers)
+            ]
         if experts != "w4" and any(lw.gate_up is None for lw in enc_layers + dec_layers):
-            raise ValueError(f"experts={experts!r} needs the BF16 experts, but this model's were packed to W4 "
-                             "at load and freed (CANVASQ_EXPERTS=w4); load it with CANVASQ_EXPERTS=bf16")
+            raise ValueError(
+                f"experts={experts!r} needs the BF16 experts, but this model's were packed to W4 "
+                "at load and freed (CANVASQ_EXPERTS=w4); load it with CANVASQ_EXPERTS=bf16"
+            )
         inv_freq, rope_scaling = _rope_tables(dec.rotary_emb)
         sc_mod = dec.self_conditioning
-        sc = {"pre_norm": sc_mod.pre_norm.weight, "gate": sc_mod.gate_proj.weight, "up": sc_mod.up_proj.weight,
-              "down": sc_mod.down_proj.weight}
+        sc = {
+            "pre_norm": sc_mod.pre_norm.weight,
+            "gate": sc_mod.gate_proj.weight,
+            "up": sc_mod.up_proj.weight,
+            "down": sc_mod.down_proj.weight,
+        }
         rt = cls(
             enc_layers,
             dec_layers,
@@ -316,8 +332,14 @@ class Runtime:
         offsets = prep.offsets if prep.enc_rows is None else prep.dec_offsets
         return DecodeOutput(logits, offsets, self._split_captured(prep, cap_k, cap_v))
 
-    def _prepare(self, arena: KVArena, windows: list[Window], encoder: bool, lmax: int | None = None,
-                 capture: bool = True) -> Prepared:
+    def _prepare(
+        self,
+        arena: KVArena,
+        windows: list[Window],
+        encoder: bool,
+        lmax: int | None = None,
+        capture: bool = True,
+    ) -> Prepared:
         """The forward's host side (`model.prepared.prepare`): what `_run` reads."""
         return prepare(self, arena, windows, encoder, lmax, capture)
 
@@ -475,7 +497,12 @@ class Runtime:
     def _moe_fp8(self, x, topk_ids, topk_p, lw: LayerWeights):
         # with the fused norms, the combine happens in the end-of-layer norm (`ExpertRows`), as for W4
         return fp8_moe(
-            x, topk_ids, topk_p, lw.fp8["experts"], expert_scale=lw.per_expert_scale, defer_combine=self.kernels
+            x,
+            topk_ids,
+            topk_p,
+            lw.fp8["experts"],
+            expert_scale=lw.per_expert_scale,
+            defer_combine=self.kernels,
         )
 
     def _moe_reference(self, x, topk_ids, topk_p, lw: LayerWeights):

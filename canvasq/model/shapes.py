@@ -72,7 +72,10 @@ class ModelShape:
 
     def layer_types(self) -> list[str]:
         p = self.full_every
-        return ["full_attention" if (i + 1) % p == 0 else "sliding_attention" for i in range(self.num_hidden_layers)]
+        return [
+            "full_attention" if (i + 1) % p == 0 else "sliding_attention"
+            for i in range(self.num_hidden_layers)
+        ]
 
     def param_counts(self) -> dict[str, int]:
         """Text-stack parameters (embeddings counted once: tied)."""
@@ -102,17 +105,42 @@ class ModelShape:
 
 
 TESTBED = ModelShape(
-    vocab_size=768, hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=64, global_head_dim=128, num_global_key_value_heads=1, sliding_window=64,
-    num_experts=16, top_k_experts=4, moe_intermediate_size=64, canvas_length=32, max_position_embeddings=1024,
+    vocab_size=768,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    global_head_dim=128,
+    num_global_key_value_heads=1,
+    sliding_window=64,
+    num_experts=16,
+    top_k_experts=4,
+    moe_intermediate_size=64,
+    canvas_length=32,
+    max_position_embeddings=1024,
     full_every=3,
 )
 
 REAL_26B_A4B = ModelShape(
-    vocab_size=262_144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
-    num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=2, sliding_window=1024,
-    num_experts=128, top_k_experts=8, moe_intermediate_size=704, canvas_length=256,
-    max_position_embeddings=262_144, full_every=6, real_rope=True,
+    vocab_size=262_144,
+    hidden_size=2816,
+    intermediate_size=2112,
+    num_hidden_layers=30,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=256,
+    global_head_dim=512,
+    num_global_key_value_heads=2,
+    sliding_window=1024,
+    num_experts=128,
+    top_k_experts=8,
+    moe_intermediate_size=704,
+    canvas_length=256,
+    max_position_embeddings=262_144,
+    full_every=6,
+    real_rope=True,
 )
 
 SHAPES = {"testbed": TESTBED, "26b-a4b": REAL_26B_A4B}
@@ -122,9 +150,20 @@ def toy_shape(**overrides) -> ModelShape:
     """Every structural feature at toy size: sliding window 16 is shorter than a prompt plus two
     canvases of 8."""
     toy = TESTBED.replace(
-        vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
-        sliding_window=16, num_experts=8, top_k_experts=3, moe_intermediate_size=24, canvas_length=8,
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        sliding_window=16,
+        num_experts=8,
+        top_k_experts=3,
+        moe_intermediate_size=24,
+        canvas_length=8,
         max_position_embeddings=512,
     )
     return toy.replace(**overrides)

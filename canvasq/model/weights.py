@@ -43,10 +43,14 @@ class LayerWeights:
     gate_up: torch.Tensor | None  # [E, 2I, H] (None: freed when the model's experts were packed at load)
     down: torch.Tensor | None  # [E, H, I]
     layer_scalar: torch.Tensor  # [1]
-    experts_packed: W4Experts | None = None  # W4Experts when experts="w4" (or installed by `pack_model_experts`)
+    experts_packed: W4Experts | None = (
+        None  # W4Experts when experts="w4" (or installed by `pack_model_experts`)
+    )
     wqkv: torch.Tensor | None = None  # [(h + kv [+ kv]) * d, H]: q, k (and v) in one GEMM
     mlp_gate_up: torch.Tensor | None = None  # [2 * Id, H]: the dense MLP's gate and up in one GEMM
-    fp8: dict = field(default_factory=dict)  # {"wqkv" | "wo" | "mlp_gate_up" | "mlp_down" | "experts": FP8 copy}
+    fp8: dict = field(
+        default_factory=dict
+    )  # {"wqkv" | "wo" | "mlp_gate_up" | "mlp_down" | "experts": FP8 copy}
 
 
 def fuse_projections(layers: list[LayerWeights]) -> None:

@@ -48,11 +48,20 @@ class BatchCreate(BaseModel):
     completion_window: str = "24h"
     metadata: dict[str, str] | None = None
     output_expires_after: dict | None = None  # accepted; outputs live until deleted
-    decoder: str | None = Field(None, description=f"canvasq: decoder for the batch (or metadata {DECODER_METADATA_KEY})")
+    decoder: str | None = Field(
+        None, description=f"canvasq: decoder for the batch (or metadata {DECODER_METADATA_KEY})"
+    )
 
 
-def create_app(store, *, settings: Settings | None = None, serve: ServeSettings | None = None,
-               publish=None, queue: str | None = None, on_shutdown=()) -> FastAPI:
+def create_app(
+    store,
+    *,
+    settings: Settings | None = None,
+    serve: ServeSettings | None = None,
+    publish=None,
+    queue: str | None = None,
+    on_shutdown=(),
+) -> FastAPI:
     """The app over `store`. `publish(chunk_ids, queue)` sends a new run's chunks (default: Celery,
     to the model's queue); `canvasq serve --with-worker` passes one that leaves them to its worker."""
     settings = settings or get_settings()
@@ -65,6 +74,7 @@ def create_app(store, *, settings: Settings | None = None, serve: ServeSettings 
 
     files = FileStore(store, serve.files_dir)
     batches = Batches(store, files, settings, serve, publish, queue or settings.queue_for())
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         finalizer = Finalizer(batches, serve.finalize_every_s).start()  # ended batches' files; GETs only read
@@ -73,8 +83,12 @@ def create_app(store, *, settings: Settings | None = None, serve: ServeSettings 
         for fn in on_shutdown:
             fn()
 
-    app = FastAPI(title="canvasq", version="1", summary="OpenAI-compatible Files and Batches API for canvasq runs",
-                  lifespan=lifespan)
+    app = FastAPI(
+        title="canvasq",
+        version="1",
+        summary="OpenAI-compatible Files and Batches API for canvasq runs",
+        lifespan=lifespan,
+    )
     app.state.store, app.state.files, app.state.batches = store, files, batches
     registry, http_counter = server_registry(store, settings, batches.queue)
     app.add_middleware(HttpMetrics, counter=http_counter)
@@ -100,8 +114,11 @@ def _error_handlers(app: FastAPI) -> None:
     def _invalid(_req, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
-        err = ApiError(400, f"{'.'.join(loc) or 'request'}: {first.get('msg', 'invalid request')}",
-                       param=".".join(loc) or None)
+        err = ApiError(
+            400,
+            f"{'.'.join(loc) or 'request'}: {first.get('msg', 'invalid request')}",
+            param=".".join(loc) or None,
+        )
         return JSONResponse(err.body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -122,43 +139,78 @@ def _service_routes(app: FastAPI, registry) -> None:
 
 
 def _file_routes(app: FastAPI, files: FileStore, settings: Settings, serve: ServeSettings) -> None:
-    upload_body = {"required": True, "content": {"multipart/form-data": {"schema": {
-        "type": "object", "required": ["file", "purpose"],
-        "properties": {"file": {"type": "string", "format": "binary"}, "purpose": {"type": "string", "enum": ["batch"]}},
-    }}}}
+    upload_body = {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file", "purpose"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "purpose": {"type": "string", "enum": ["batch"]},
+                    },
+                }
+            }
+        },
+    }
 
-    @app.post("/v1/files", summary="Upload a file (multipart: file, purpose=batch)", response_model=FileObject,
-              openapi_extra={"requestBody": upload_body})
+    @app.post(
+        "/v1/files",
+        summary="Upload a file (multipart: file, purpose=batch)",
+        response_model=FileObject,
+        openapi_extra={"requestBody": upload_body},
+    )
     async def upload_file(request: Request, who: Who):
         import anyio
 
         check_declared_length(request.headers.get("content-length"), serve.max_upload_bytes)
-        sink = UploadSink(boundary_of(request.headers.get("content-type", "")), files.tmp_path(),
-                          serve.max_upload_bytes, serve.max_upload_lines, settings.max_line_bytes)
+        sink = UploadSink(
+            boundary_of(request.headers.get("content-type", "")),
+            files.tmp_path(),
+            serve.max_upload_bytes,
+            serve.max_upload_lines,
+            settings.max_line_bytes,
+        )
         try:
             async for chunk in request.stream():  # parsed and written off the event loop
                 await anyio.to_thread.run_sync(sink.write, chunk)
             sink.finish()
             purpose = sink.fields.get("purpose")
             if purpose != "batch":
-                raise ApiError(400, f"purpose {purpose!r} is not supported; canvasq stores purpose 'batch' files",
-                               param="purpose")
+                raise ApiError(
+                    400,
+                    f"purpose {purpose!r} is not supported; canvasq stores purpose 'batch' files",
+                    param="purpose",
+                )
             if sink.bytes == 0:
                 raise ApiError(400, "the file is empty", param="file")
             filename = sink.filename
             assert filename is not None  # finish() refuses an upload without a `file` part
-            row = await anyio.to_thread.run_sync(lambda: files.add(
-                who.project, sink.tmp_path, filename=filename, purpose="batch", nbytes=sink.bytes,
-                lines=sink.lines, sha256=sink.sha.hexdigest()))
+            row = await anyio.to_thread.run_sync(
+                lambda: files.add(
+                    who.project,
+                    sink.tmp_path,
+                    filename=filename,
+                    purpose="batch",
+                    nbytes=sink.bytes,
+                    lines=sink.lines,
+                    sha256=sink.sha.hexdigest(),
+                )
+            )
         except BaseException:
             sink.abort()
             raise
         return file_object(row)
 
     @app.get("/v1/files", summary="List files", response_model=Page[FileObject])
-    def list_files(who: Who, after: str | None = None,
-                   limit: Annotated[int, Query(ge=1, le=10_000)] = serve.default_page_limit,
-                   order: Literal["asc", "desc"] = "desc", purpose: str | None = None):
+    def list_files(
+        who: Who,
+        after: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = serve.default_page_limit,
+        order: Literal["asc", "desc"] = "desc",
+        purpose: str | None = None,
+    ):
         rows, more = files.list(who.project, after=after, limit=limit, order=order, purpose=purpose)
         return Page[FileObject].of([file_object(f) for f in rows], more)
 
@@ -187,13 +239,21 @@ def _file_routes(app: FastAPI, files: FileStore, settings: Settings, serve: Serv
 def _batch_routes(app: FastAPI, batches: Batches, serve: ServeSettings) -> None:
     @app.post("/v1/batches", summary="Create a batch from an uploaded file", response_model=Batch)
     def create_batch(body: BatchCreate, who: Who):
-        return batches.create(who.project, input_file_id=body.input_file_id, endpoint=body.endpoint,
-                              completion_window=body.completion_window, metadata=body.metadata,
-                              decoder=body.decoder)
+        return batches.create(
+            who.project,
+            input_file_id=body.input_file_id,
+            endpoint=body.endpoint,
+            completion_window=body.completion_window,
+            metadata=body.metadata,
+            decoder=body.decoder,
+        )
 
     @app.get("/v1/batches", summary="List batches, newest first", response_model=Page[Batch])
-    def list_batches(who: Who, after: str | None = None,
-                     limit: Annotated[int, Query(ge=1, le=100)] = serve.default_page_limit):
+    def list_batches(
+        who: Who,
+        after: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=100)] = serve.default_page_limit,
+    ):
         data, more = batches.list(who.project, after=after, limit=limit)
         return Page[Batch].of(data, more)
 
@@ -201,7 +261,10 @@ def _batch_routes(app: FastAPI, batches: Batches, serve: ServeSettings) -> None:
     def retrieve_batch(batch_id: str, who: Who):
         return batches.get(who.project, batch_id)
 
-    @app.post("/v1/batches/{batch_id}/cancel", summary="Cancel a batch (finished rows are kept)",
-              response_model=Batch)
+    @app.post(
+        "/v1/batches/{batch_id}/cancel",
+        summary="Cancel a batch (finished rows are kept)",
+        response_model=Batch,
+    )
     def cancel_batch(batch_id: str, who: Who):
         return batches.cancel(who.project, batch_id)

@@ -15,8 +15,12 @@ def _principal(request: Request) -> Principal:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if not header:
-        raise ApiError(401, "You didn't provide an API key: send `Authorization: Bearer <key>` "
-                            "(create one with `canvasq keys create`).", code="missing_api_key")
+        raise ApiError(
+            401,
+            "You didn't provide an API key: send `Authorization: Bearer <key>` "
+            "(create one with `canvasq keys create`).",
+            code="missing_api_key",
+        )
     p = authenticate(request.app.state.store, token.strip()) if scheme.lower() == "bearer" else None
     if p is None:
         raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")

@@ -55,12 +55,18 @@ DECODER_METADATA_KEY = "canvasq_decoder"
 def window_seconds(window: str, max_s: int) -> int:
     m = _WINDOW.fullmatch(window or "")
     if not m or int(m[1]) == 0:
-        raise ApiError(400, f"completion_window {window!r}: expected a duration such as 24h (also s, m, d)",
-                       param="completion_window")
+        raise ApiError(
+            400,
+            f"completion_window {window!r}: expected a duration such as 24h (also s, m, d)",
+            param="completion_window",
+        )
     secs = int(m[1]) * _UNIT_S[m[2]]
     if secs > max_s:
-        raise ApiError(400, f"completion_window {window!r} is longer than the limit of {max_s} s",
-                       param="completion_window")
+        raise ApiError(
+            400,
+            f"completion_window {window!r} is longer than the limit of {max_s} s",
+            param="completion_window",
+        )
     return secs
 
 
@@ -71,34 +77,64 @@ def check_metadata(meta: dict | None) -> dict | None:
         raise ApiError(400, "metadata has more than 16 keys", param="metadata")
     for k, v in meta.items():
         if not isinstance(k, str) or not isinstance(v, str) or len(k) > 64 or len(v) > 512:
-            raise ApiError(400, "metadata keys are strings of at most 64 characters, values strings of at most 512",
-                           param="metadata")
+            raise ApiError(
+                400,
+                "metadata keys are strings of at most 64 characters, values strings of at most 512",
+                param="metadata",
+            )
     return meta
 
 
 def report_errors(report: ValidationReport) -> list[dict]:
-    out = [{"code": str(e.code), "line": e.line or None, "message": e.message, "param": None} for e in report.errors]
+    out = [
+        {"code": str(e.code), "line": e.line or None, "message": e.message, "param": None}
+        for e in report.errors
+    ]
     if report.errors_dropped:
-        out.append({"code": "too_many_errors", "line": None, "param": None,
-                    "message": f"... and {report.errors_dropped} more errors"})
+        out.append(
+            {
+                "code": "too_many_errors",
+                "line": None,
+                "param": None,
+                "message": f"... and {report.errors_dropped} more errors",
+            }
+        )
     return out
 
 
 class Batches:
     """Create, read, list, cancel and finalise batches of one store."""
 
-    def __init__(self, store, files: FileStore, settings: Settings, serve: ServeSettings,
-                 publish: Callable[[list[str], str], None], queue: str):
+    def __init__(
+        self,
+        store,
+        files: FileStore,
+        settings: Settings,
+        serve: ServeSettings,
+        publish: Callable[[list[str], str], None],
+        queue: str,
+    ):
         self.store, self.files, self.settings, self.serve = store, files, settings, serve
         self.publish, self.queue = publish, queue
         self.limits = Limits.for_model(settings)
 
     # -- create ------------------------------------------------------------------------------------
-    def create(self, project: str, *, input_file_id: str, endpoint: str, completion_window: str,
-               metadata: dict | None, decoder: str | None) -> Batch:
+    def create(
+        self,
+        project: str,
+        *,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str,
+        metadata: dict | None,
+        decoder: str | None,
+    ) -> Batch:
         if endpoint not in OPENAI_URLS:
-            raise ApiError(400, f"endpoint {endpoint!r} is not supported; supported: {', '.join(OPENAI_URLS)}",
-                           param="endpoint")
+            raise ApiError(
+                400,
+                f"endpoint {endpoint!r} is not supported; supported: {', '.join(OPENAI_URLS)}",
+                param="endpoint",
+            )
         window_s = window_seconds(completion_window, self.serve.max_completion_window_s)
         metadata = check_metadata(metadata)
         decoder = decoder or (metadata or {}).get(DECODER_METADATA_KEY) or "auto"
@@ -108,25 +144,46 @@ class Batches:
         if f is None:
             raise ApiError(404, f"No such File object: {input_file_id}", param="input_file_id")
         if f.purpose != "batch":
-            raise ApiError(400, f"file {input_file_id} has purpose {f.purpose!r}; a batch needs purpose 'batch'",
-                           param="input_file_id")
+            raise ApiError(
+                400,
+                f"file {input_file_id} has purpose {f.purpose!r}; a batch needs purpose 'batch'",
+                param="input_file_id",
+            )
         now = utcnow()
         batch_id = "batch_" + uuid.uuid4().hex[:24]
         with self.store.Session.begin() as s:  # `validating` while the file is checked
-            s.add(ApiBatch(id=batch_id, project=project, input_file_id=f.id, endpoint=endpoint,
-                           completion_window=completion_window, meta=metadata, created_at=now,
-                           expires_at=now + timedelta(seconds=window_s)))
+            s.add(
+                ApiBatch(
+                    id=batch_id,
+                    project=project,
+                    input_file_id=f.id,
+                    endpoint=endpoint,
+                    completion_window=completion_window,
+                    meta=metadata,
+                    created_at=now,
+                    expires_at=now + timedelta(seconds=window_s),
+                )
+            )
         path = self.files.path_of(f)
         report = validate_file(path, self.limits)  # the same checks, line for line, as `canvasq submit`
         if not report.ok:
             with self.store.Session.begin() as s:
-                s.execute(update(ApiBatch).where(ApiBatch.id == batch_id)
-                          .values(errors=report_errors(report), failed_at=utcnow()))
+                s.execute(
+                    update(ApiBatch)
+                    .where(ApiBatch.id == batch_id)
+                    .values(errors=report_errors(report), failed_at=utcnow())
+                )
             return self.get(project, batch_id)
         created = self.store.create_run(
-            iter_jobs(path, self.limits), model=self.settings.model, queue=self.queue, decoder=decoder,
-            chunk_size=self.settings.chunk_size, name=f"{batch_id} ({f.filename})"[:200],
-            idempotency_key=f"api:{batch_id}", input_path=f"file:{f.id}", input_sha256=f.sha256,
+            iter_jobs(path, self.limits),
+            model=self.settings.model,
+            queue=self.queue,
+            decoder=decoder,
+            chunk_size=self.settings.chunk_size,
+            name=f"{batch_id} ({f.filename})"[:200],
+            idempotency_key=f"api:{batch_id}",
+            input_path=f"file:{f.id}",
+            input_sha256=f.sha256,
             deadline_s=window_s,
         )
         with self.store.Session.begin() as s:
@@ -135,14 +192,19 @@ class Batches:
             self.publish(created.chunk_ids, self.queue)
             self.store.mark_published(created.chunk_ids)
         except Exception as exc:  # noqa: BLE001 - the batch exists; the workers' reconcile publishes it
-            log.warning("batch %s: publishing its chunks failed (%s); reconcile will publish them", batch_id, exc)
+            log.warning(
+                "batch %s: publishing its chunks failed (%s); reconcile will publish them", batch_id, exc
+            )
         return self.get(project, batch_id)
 
     # -- read --------------------------------------------------------------------------------------
     def _row(self, project: str, batch_id: str) -> tuple[ApiBatch, Run | None]:
         with self.store.Session() as s:
-            row = s.execute(select(ApiBatch, Run).outerjoin(Run, Run.id == ApiBatch.run_id)
-                            .where(ApiBatch.id == batch_id, ApiBatch.project == project)).first()
+            row = s.execute(
+                select(ApiBatch, Run)
+                .outerjoin(Run, Run.id == ApiBatch.run_id)
+                .where(ApiBatch.id == batch_id, ApiBatch.project == project)
+            ).first()
         if row is None:
             raise ApiError(404, f"No such Batch object: {batch_id}", param="batch_id")
         return row[0], row[1]
@@ -153,7 +215,11 @@ class Batches:
     def list(self, project: str, *, after: str | None, limit: int) -> tuple[list[Batch], bool]:
         """A page, newest first, in a fixed number of queries however long the page."""
         with self.store.Session() as s:
-            q = select(ApiBatch, Run).outerjoin(Run, Run.id == ApiBatch.run_id).where(ApiBatch.project == project)
+            q = (
+                select(ApiBatch, Run)
+                .outerjoin(Run, Run.id == ApiBatch.run_id)
+                .where(ApiBatch.project == project)
+            )
             if after:
                 seq = s.scalar(select(ApiBatch.seq).where(ApiBatch.id == after, ApiBatch.project == project))
                 if seq is None:
@@ -176,8 +242,11 @@ class Batches:
                 return obj
             raise ApiError(409, f"Cannot cancel a batch with status {obj.status!r}", param="batch_id")
         with self.store.Session.begin() as s:
-            s.execute(update(ApiBatch).where(ApiBatch.id == batch_id, ApiBatch.cancelling_at.is_(None))
-                      .values(cancelling_at=utcnow()))
+            s.execute(
+                update(ApiBatch)
+                .where(ApiBatch.id == batch_id, ApiBatch.cancelling_at.is_(None))
+                .values(cancelling_at=utcnow())
+            )
         self.store.cancel_run(run.id)  # queued chunks now, running ones between decoder steps
         b, run = self._row(project, batch_id)
         assert run is not None  # the batch's run, found above
@@ -189,9 +258,12 @@ class Batches:
     def finalize_ended(self) -> int:
         """Write the files of every batch whose run has ended (every project); returns how many."""
         with self.store.Session() as s:
-            rows = s.execute(select(ApiBatch, Run).join(Run, Run.id == ApiBatch.run_id)
-                             .where(Run.status.in_(RUN_ENDED), ApiBatch.finished_at.is_(None))
-                             .order_by(ApiBatch.seq)).all()
+            rows = s.execute(
+                select(ApiBatch, Run)
+                .join(Run, Run.id == ApiBatch.run_id)
+                .where(Run.status.in_(RUN_ENDED), ApiBatch.finished_at.is_(None))
+                .order_by(ApiBatch.seq)
+            ).all()
         for b, run in rows:
             self.finalize(b, run)
         return len(rows)
@@ -201,8 +273,11 @@ class Batches:
         from canvasq.core.results import write_results  # the lines `canvasq results` writes
 
         with self.store.Session.begin() as s:
-            s.execute(update(ApiBatch).where(ApiBatch.id == b.id, ApiBatch.finalizing_at.is_(None))
-                      .values(finalizing_at=utcnow()))
+            s.execute(
+                update(ApiBatch)
+                .where(ApiBatch.id == b.id, ApiBatch.finalizing_at.is_(None))
+                .values(finalizing_at=utcnow())
+            )
         tmp_out, tmp_err = self.files.tmp_path(), self.files.tmp_path()
         try:
             with open(tmp_out, "w", encoding="utf-8") as out, open(tmp_err, "w", encoding="utf-8") as err:
@@ -210,15 +285,29 @@ class Batches:
             out_id = new_file_id() if n_ok else None
             err_id = new_file_id() if n_err else None
             with self.store.Session.begin() as s:
-                res = s.execute(update(ApiBatch).where(ApiBatch.id == b.id, ApiBatch.finished_at.is_(None))
-                                .values(output_file_id=out_id, error_file_id=err_id, finished_at=utcnow()))
+                res = s.execute(
+                    update(ApiBatch)
+                    .where(ApiBatch.id == b.id, ApiBatch.finished_at.is_(None))
+                    .values(output_file_id=out_id, error_file_id=err_id, finished_at=utcnow())
+                )
                 if res.rowcount != 1:  # another process finalised it first
                     return
-                for fid, tmp, n, kind in ((out_id, tmp_out, n_ok, "output"), (err_id, tmp_err, n_err, "error")):
+                for fid, tmp, n, kind in (
+                    (out_id, tmp_out, n_ok, "output"),
+                    (err_id, tmp_err, n_err, "error"),
+                ):
                     if fid:
-                        self.files.add(b.project, tmp, filename=f"{b.id}_{kind}.jsonl", purpose="batch_output",
-                                       nbytes=tmp.stat().st_size, lines=n, sha256=_sha256(tmp), file_id=fid,
-                                       session=s)
+                        self.files.add(
+                            b.project,
+                            tmp,
+                            filename=f"{b.id}_{kind}.jsonl",
+                            purpose="batch_output",
+                            nbytes=tmp.stat().st_size,
+                            lines=n,
+                            sha256=_sha256(tmp),
+                            file_id=fid,
+                            session=s,
+                        )
         finally:
             tmp_out.unlink(missing_ok=True)
             tmp_err.unlink(missing_ok=True)
@@ -244,21 +333,43 @@ class Batches:
         if summary is not None:
             assert run is not None  # a summary is its run's
             c = summary["counts"]
-            counts = BatchRequestCounts(total=c["total"], completed=c["done"],
-                                        failed=c["errored"] + c["expired"] + c["cancelled"])
-            usage = BatchUsage(input_tokens=summary["prompt_tokens"], output_tokens=summary["completion_tokens"],
-                               total_tokens=summary["prompt_tokens"] + summary["completion_tokens"])
-            extension = CanvasqBatch(run_id=run.id, run_status=run.status, decoder=run.decoder, counts=c,
-                                     progress=RunProgress.model_validate(summary))
+            counts = BatchRequestCounts(
+                total=c["total"], completed=c["done"], failed=c["errored"] + c["expired"] + c["cancelled"]
+            )
+            usage = BatchUsage(
+                input_tokens=summary["prompt_tokens"],
+                output_tokens=summary["completion_tokens"],
+                total_tokens=summary["prompt_tokens"] + summary["completion_tokens"],
+            )
+            extension = CanvasqBatch(
+                run_id=run.id,
+                run_status=run.status,
+                decoder=run.decoder,
+                counts=c,
+                progress=RunProgress.model_validate(summary),
+            )
         return Batch(
-            id=b.id, endpoint=b.endpoint, model=model_name(run.model) if run else None,
+            id=b.id,
+            endpoint=b.endpoint,
+            model=model_name(run.model) if run else None,
             errors=BatchErrors(data=b.errors) if b.errors else None,
-            input_file_id=b.input_file_id, completion_window=b.completion_window, status=status,
-            output_file_id=b.output_file_id, error_file_id=b.error_file_id,
-            created_at=unix_ts(b.created_at), in_progress_at=unix_ts(run.created_at) if run is not None else None,
-            expires_at=unix_ts(b.expires_at), finalizing_at=unix_ts(b.finalizing_at), completed_at=ended_at["completed"],
-            failed_at=unix_ts(b.failed_at), expired_at=ended_at["expired"], cancelling_at=unix_ts(b.cancelling_at),
-            cancelled_at=ended_at["cancelled"], request_counts=counts, metadata=b.meta, usage=usage,
+            input_file_id=b.input_file_id,
+            completion_window=b.completion_window,
+            status=status,
+            output_file_id=b.output_file_id,
+            error_file_id=b.error_file_id,
+            created_at=unix_ts(b.created_at),
+            in_progress_at=unix_ts(run.created_at) if run is not None else None,
+            expires_at=unix_ts(b.expires_at),
+            finalizing_at=unix_ts(b.finalizing_at),
+            completed_at=ended_at["completed"],
+            failed_at=unix_ts(b.failed_at),
+            expired_at=ended_at["expired"],
+            cancelling_at=unix_ts(b.cancelling_at),
+            cancelled_at=ended_at["cancelled"],
+            request_counts=counts,
+            metadata=b.meta,
+            usage=usage,
             canvasq=extension,
         )
 
@@ -293,5 +404,3 @@ def _sha256(path) -> str:
     from canvasq.core.db import file_sha256
 
     return file_sha256(path)
-
-

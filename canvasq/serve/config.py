@@ -14,7 +14,9 @@ class ServeSettings(BaseSettings):
     files_dir: str = "canvasq-files"
     # an upload is refused as soon as it passes either limit, before the rest is read (OpenAI's
     # batch limits: 200 MB, 50,000 requests)
-    max_upload_bytes: int = Field(200 * 1000 * 1000, ge=1024, le=2**31 - 1)  # api_files.bytes is a 32-bit column
+    max_upload_bytes: int = Field(
+        200 * 1000 * 1000, ge=1024, le=2**31 - 1
+    )  # api_files.bytes is a 32-bit column
     max_upload_lines: int = Field(50_000, ge=1)
     # the longest completion_window accepted (OpenAI accepts only 24h; shorter ones are canvasq's)
     max_completion_window_s: int = Field(7 * 24 * 3600, ge=1)

@@ -58,24 +58,53 @@ def register(app: FastAPI, store, batches) -> None:
         if run is None:
             return {"throughput": [], "errors": [], "custom_ids": []}
         with store.Session() as s:
-            done = s.execute(select(Output.updated_at, Output.completion_tokens)
-                             .where(Output.run_id == run.id, Output.error_code.is_(None))
-                             .order_by(Output.updated_at)).all()
-            errors = s.execute(select(Output.error_code, func.count(), func.min(Output.error_message))
-                               .where(Output.run_id == run.id, Output.error_code.is_not(None))
-                               .group_by(Output.error_code).order_by(func.count().desc())).all()
-            ids = list(s.scalars(select(Output.custom_id).where(Output.run_id == run.id, Output.error_code.is_(None))
-                                 .order_by(Output.updated_at).limit(50)))
-        return {"run_id": run.id, "throughput": throughput(done, run.started_at or run.created_at),
-                "errors": [{"code": c, "count": n, "example": m} for c, n, m in errors], "custom_ids": ids}
+            done = s.execute(
+                select(Output.updated_at, Output.completion_tokens)
+                .where(Output.run_id == run.id, Output.error_code.is_(None))
+                .order_by(Output.updated_at)
+            ).all()
+            errors = s.execute(
+                select(Output.error_code, func.count(), func.min(Output.error_message))
+                .where(Output.run_id == run.id, Output.error_code.is_not(None))
+                .group_by(Output.error_code)
+                .order_by(func.count().desc())
+            ).all()
+            ids = list(
+                s.scalars(
+                    select(Output.custom_id)
+                    .where(Output.run_id == run.id, Output.error_code.is_(None))
+                    .order_by(Output.updated_at)
+                    .limit(50)
+                )
+            )
+        return {
+            "run_id": run.id,
+            "throughput": throughput(done, run.started_at or run.created_at),
+            "errors": [{"code": c, "count": n, "example": m} for c, n, m in errors],
+            "custom_ids": ids,
+        }
 
-    @app.get("/v1/dashboard/batches/{batch_id}/trace/{custom_id}",
-             summary="canvasq: one row's forwards (window rows, commits, this row's share)")
+    @app.get(
+        "/v1/dashboard/batches/{batch_id}/trace/{custom_id}",
+        summary="canvasq: one row's forwards (window rows, commits, this row's share)",
+    )
     def trace(batch_id: str, custom_id: str, who: Who):
         run = run_of(who, batch_id)
         recs = store.traces(run.id, custom_id) if run is not None else []
         if not recs:
             raise ApiError(404, f"no trace for {custom_id!r} in {batch_id}", param="custom_id")
-        return {"custom_id": custom_id, "forwards": [
-            {"forward": t.forward_index, "rows": t.rows, "commits": t.commits, "own_rows": t.own_rows,
-             "own_commits": t.own_commits, "kind": t.kind, "ms": t.ms} for t in recs]}
+        return {
+            "custom_id": custom_id,
+            "forwards": [
+                {
+                    "forward": t.forward_index,
+                    "rows": t.rows,
+                    "commits": t.commits,
+                    "own_rows": t.own_rows,
+                    "own_commits": t.own_commits,
+                    "kind": t.kind,
+                    "ms": t.ms,
+                }
+                for t in recs
+            ],
+        }

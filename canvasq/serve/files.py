@@ -31,8 +31,15 @@ MAX_FIELD_BYTES = 4096  # `purpose` and any other non-file field
 class ApiError(Exception):
     """An error answered as OpenAI's `{"error": {message, type, param, code}}` with `status`."""
 
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
-                 type: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.code, self.param, self.type = status, message, code, param, type
 
@@ -55,7 +62,12 @@ class UploadSink:
     """Receives the multipart body chunk by chunk; the `file` part goes to `tmp_path`."""
 
     def __init__(self, boundary: bytes, tmp_path: Path, max_bytes: int, max_lines: int, max_line_bytes: int):
-        self.tmp_path, self.max_bytes, self.max_lines, self.max_line_bytes = tmp_path, max_bytes, max_lines, max_line_bytes
+        self.tmp_path, self.max_bytes, self.max_lines, self.max_line_bytes = (
+            tmp_path,
+            max_bytes,
+            max_lines,
+            max_line_bytes,
+        )
         self.fields: dict[str, str] = {}
         self.filename: str | None = None
         self.bytes = 0
@@ -67,11 +79,18 @@ class UploadSink:
         self._hname = bytearray()
         self._hvalue = bytearray()
         self._headers: dict[bytes, bytes] = {}
-        self.parser = MultipartParser(boundary, {
-            "on_part_begin": self._begin, "on_header_field": self._hfield, "on_header_value": self._hval,
-            "on_header_end": self._hend, "on_headers_finished": self._headers_done, "on_part_data": self._data,
-            "on_part_end": self._end,
-        })
+        self.parser = MultipartParser(
+            boundary,
+            {
+                "on_part_begin": self._begin,
+                "on_header_field": self._hfield,
+                "on_header_value": self._hval,
+                "on_header_end": self._hend,
+                "on_headers_finished": self._headers_done,
+                "on_part_data": self._data,
+                "on_part_end": self._end,
+            },
+        )
 
     # -- parser callbacks --------------------------------------------------------------------------
     def _begin(self) -> None:
@@ -105,13 +124,20 @@ class UploadSink:
         if self._part.name != "file":
             self._part.data += chunk
             if len(self._part.data) > MAX_FIELD_BYTES:
-                raise ApiError(400, f"form field {self._part.name!r} is longer than {MAX_FIELD_BYTES} bytes",
-                               param=self._part.name)
+                raise ApiError(
+                    400,
+                    f"form field {self._part.name!r} is longer than {MAX_FIELD_BYTES} bytes",
+                    param=self._part.name,
+                )
             return
         self.bytes += len(chunk)
         if self.bytes > self.max_bytes:
-            raise ApiError(413, f"file is larger than the limit of {self.max_bytes} bytes", code="file_too_large",
-                           param="file")
+            raise ApiError(
+                413,
+                f"file is larger than the limit of {self.max_bytes} bytes",
+                code="file_too_large",
+                param="file",
+            )
         self._count_lines(chunk)
         self.sha.update(chunk)
         assert self._fh is not None  # opened with the `file` part's headers
@@ -124,14 +150,20 @@ class UploadSink:
             seg = (nl if nl >= 0 else len(chunk)) - pos
             self.line_len += seg
             if self.line_len > self.max_line_bytes + 1:  # + 1: a CR before the newline
-                raise ApiError(400, f"line {self.lines + 1} is longer than {self.max_line_bytes} bytes",
-                               code="line_too_long", param="file")
+                raise ApiError(
+                    400,
+                    f"line {self.lines + 1} is longer than {self.max_line_bytes} bytes",
+                    code="line_too_long",
+                    param="file",
+                )
             if nl < 0:
                 break
             self.lines += 1
             self.line_len = 0
             if self.lines > self.max_lines:
-                raise ApiError(413, f"file has more than {self.max_lines} lines", code="too_many_lines", param="file")
+                raise ApiError(
+                    413, f"file has more than {self.max_lines} lines", code="too_many_lines", param="file"
+                )
             pos = nl + 1
 
     def _end(self) -> None:
@@ -151,7 +183,9 @@ class UploadSink:
         if self.line_len:  # a last line without a newline
             self.lines += 1
             if self.lines > self.max_lines:
-                raise ApiError(413, f"file has more than {self.max_lines} lines", code="too_many_lines", param="file")
+                raise ApiError(
+                    413, f"file has more than {self.max_lines} lines", code="too_many_lines", param="file"
+                )
 
     def abort(self) -> None:
         if self._fh is not None:
@@ -176,8 +210,12 @@ def check_declared_length(content_length: str | None, max_bytes: int) -> None:
     except ValueError:
         raise ApiError(400, "bad Content-Length header") from None
     if n > max_bytes + MULTIPART_OVERHEAD:
-        raise ApiError(413, f"upload of {n} bytes is larger than the limit of {max_bytes} bytes",
-                       code="file_too_large", param="file")
+        raise ApiError(
+            413,
+            f"upload of {n} bytes is larger than the limit of {max_bytes} bytes",
+            code="file_too_large",
+            param="file",
+        )
 
 
 # ---------------------------------------------------------------------------------------- rows
@@ -198,14 +236,34 @@ class FileStore:
     def path_of(self, f: ApiFile) -> Path:
         return self.root / f.path
 
-    def add(self, project: str, tmp: Path, *, filename: str, purpose: FilePurpose, nbytes: int, lines: int,
-            sha256: str, file_id: str | None = None, session=None) -> ApiFile:
+    def add(
+        self,
+        project: str,
+        tmp: Path,
+        *,
+        filename: str,
+        purpose: FilePurpose,
+        nbytes: int,
+        lines: int,
+        sha256: str,
+        file_id: str | None = None,
+        session=None,
+    ) -> ApiFile:
         """Move `tmp` into place and insert its row (in `session` when given, else its own)."""
         file_id = file_id or new_file_id()
         rel = f"{file_id}.jsonl"
         os.replace(tmp, self.root / rel)
-        row = ApiFile(id=file_id, project=project, filename=filename, purpose=purpose, bytes=nbytes, lines=lines,
-                      sha256=sha256, path=rel, created_at=utcnow())
+        row = ApiFile(
+            id=file_id,
+            project=project,
+            filename=filename,
+            purpose=purpose,
+            bytes=nbytes,
+            lines=lines,
+            sha256=sha256,
+            path=rel,
+            created_at=utcnow(),
+        )
         if session is not None:
             session.add(row)
             return row
@@ -217,8 +275,9 @@ class FileStore:
         with self.store.Session() as s:
             return s.scalar(select(ApiFile).where(ApiFile.id == file_id, ApiFile.project == project))
 
-    def list(self, project: str, *, after: str | None, limit: int, order: str, purpose: str | None
-             ) -> tuple[list[ApiFile], bool]:
+    def list(
+        self, project: str, *, after: str | None, limit: int, order: str, purpose: str | None
+    ) -> tuple[list[ApiFile], bool]:
         with self.store.Session() as s:
             q = select(ApiFile).where(ApiFile.project == project)
             if purpose:
@@ -243,8 +302,13 @@ class FileStore:
 
 
 def file_object(f: ApiFile) -> FileObject:
-    return FileObject(id=f.id, bytes=f.bytes, created_at=unix_ts(f.created_at), filename=f.filename,
-                      purpose=cast(FilePurpose, f.purpose))  # the column holds only what `add` was given
+    return FileObject(
+        id=f.id,
+        bytes=f.bytes,
+        created_at=unix_ts(f.created_at),
+        filename=f.filename,
+        purpose=cast(FilePurpose, f.purpose),
+    )  # the column holds only what `add` was given
 
 
 @overload

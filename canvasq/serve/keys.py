@@ -31,15 +31,24 @@ def create_key(store, project: str, name: str | None = None) -> tuple[str, str]:
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     key_id = "key_" + uuid.uuid4().hex[:16]
     with store.Session.begin() as s:
-        s.add(ApiKey(id=key_id, project=project, name=name, prefix=token[:10], key_hash=hash_token(token),
-                     created_at=utcnow()))
+        s.add(
+            ApiKey(
+                id=key_id,
+                project=project,
+                name=name,
+                prefix=token[:10],
+                key_hash=hash_token(token),
+                created_at=utcnow(),
+            )
+        )
     return key_id, token
 
 
 def revoke_key(store, key_id: str) -> bool:
     with store.Session.begin() as s:
-        res = s.execute(update(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None))
-                        .values(revoked_at=utcnow()))
+        res = s.execute(
+            update(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None)).values(revoked_at=utcnow())
+        )
         return res.rowcount == 1
 
 
@@ -56,6 +65,9 @@ def authenticate(store, token: str | None) -> Principal | None:
     if not token:
         return None
     with store.Session() as s:
-        row = s.execute(select(ApiKey.id, ApiKey.project)
-                        .where(ApiKey.key_hash == hash_token(token), ApiKey.revoked_at.is_(None))).first()
+        row = s.execute(
+            select(ApiKey.id, ApiKey.project).where(
+                ApiKey.key_hash == hash_token(token), ApiKey.revoked_at.is_(None)
+            )
+        ).first()
     return Principal(row[0], row[1]) if row else None

@@ -42,28 +42,51 @@ class StoreCollector:
 
         with self.store.Session() as s:
             runs = dict(s.execute(select(Run.status, func.count()).group_by(Run.status)).all())
-            depth = s.scalar(select(func.count()).select_from(Request).join(Run, Run.id == Request.run_id)
-                             .where(Run.status.in_(RUN_ACTIVE), Request.status == "queued")) or 0
-            finished = dict(s.execute(select(Request.status, func.count()).where(Request.status.in_(REQUEST_TERMINAL))
-                                      .group_by(Request.status)).all())
-            tokens, forwards = s.execute(select(func.coalesce(func.sum(Output.completion_tokens), 0),
-                                                func.coalesce(func.sum(Output.forwards), 0))
-                                         .where(Output.error_code.is_(None))).one()
+            depth = (
+                s.scalar(
+                    select(func.count())
+                    .select_from(Request)
+                    .join(Run, Run.id == Request.run_id)
+                    .where(Run.status.in_(RUN_ACTIVE), Request.status == "queued")
+                )
+                or 0
+            )
+            finished = dict(
+                s.execute(
+                    select(Request.status, func.count())
+                    .where(Request.status.in_(REQUEST_TERMINAL))
+                    .group_by(Request.status)
+                ).all()
+            )
+            tokens, forwards = s.execute(
+                select(
+                    func.coalesce(func.sum(Output.completion_tokens), 0),
+                    func.coalesce(func.sum(Output.forwards), 0),
+                ).where(Output.error_code.is_(None))
+            ).one()
             cutoff = utcnow().timestamp() - self.settings.offline_after_s
             beats = list(s.scalars(select(Worker.heartbeat_at)))
         g = GaugeMetricFamily("canvasq_runs", "Runs per status", labels=["status"])
         for st in ("queued", "running", "completed", "cancelling", "cancelled", "expired", "interrupted"):
             g.add_metric([st], runs.get(st, 0))
         yield g
-        yield GaugeMetricFamily("canvasq_queue_depth_requests", "Request rows queued in active runs", value=depth)
-        g = GaugeMetricFamily("canvasq_requests_finished", "Terminal request rows per status", labels=["status"])
+        yield GaugeMetricFamily(
+            "canvasq_queue_depth_requests", "Request rows queued in active runs", value=depth
+        )
+        g = GaugeMetricFamily(
+            "canvasq_requests_finished", "Terminal request rows per status", labels=["status"]
+        )
         for st in REQUEST_TERMINAL:
             g.add_metric([st], finished.get(st, 0))
         yield g
-        yield CounterMetricFamily("canvasq_committed_tokens", "Completion tokens of every stored output",
-                                  value=int(tokens))
-        yield CounterMetricFamily("canvasq_forwards", "Model passes that served a request, summed over requests",
-                                  value=int(forwards))
+        yield CounterMetricFamily(
+            "canvasq_committed_tokens", "Completion tokens of every stored output", value=int(tokens)
+        )
+        yield CounterMetricFamily(
+            "canvasq_forwards",
+            "Model passes that served a request, summed over requests",
+            value=int(forwards),
+        )
         from datetime import UTC
 
         online = sum(1 for hb in beats if hb.replace(tzinfo=UTC).timestamp() >= cutoff)
@@ -77,8 +100,9 @@ class StoreCollector:
                     n = int(r.llen(self.queue))
                 finally:
                     r.close()
-                g = GaugeMetricFamily("canvasq_broker_queue_messages", "Chunk messages waiting in the broker",
-                                      labels=["queue"])
+                g = GaugeMetricFamily(
+                    "canvasq_broker_queue_messages", "Chunk messages waiting in the broker", labels=["queue"]
+                )
                 g.add_metric([self.queue], n)
                 yield g
             except Exception as exc:  # noqa: BLE001 a broker that does not answer leaves the metric out
@@ -87,8 +111,12 @@ class StoreCollector:
 
 def server_registry(store, settings, queue: str | None) -> tuple[CollectorRegistry, Counter]:
     reg = CollectorRegistry()
-    http = Counter("canvasq_http_requests", "HTTP requests answered by canvasq serve",
-                   ["method", "route", "status"], registry=reg)
+    http = Counter(
+        "canvasq_http_requests",
+        "HTTP requests answered by canvasq serve",
+        ["method", "route", "status"],
+        registry=reg,
+    )
     reg.register(StoreCollector(store, settings, queue))
     return reg, http
 

@@ -9,8 +9,9 @@ from typing import Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
-BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
-                      "cancelled"]
+BatchStatus = Literal[
+    "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
+]
 FilePurpose = Literal["batch", "batch_output"]
 
 
@@ -137,5 +138,9 @@ class Page(BaseModel, Generic[T]):
 
     @classmethod
     def of(cls, data: list[T], has_more: bool) -> Page[T]:
-        return cls(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
-                   has_more=has_more)
+        return cls(
+            data=data,
+            first_id=data[0].id if data else None,
+            last_id=data[-1].id if data else None,
+            has_more=has_more,
+        )

@@ -8,14 +8,29 @@ import click
 
 
 @click.command("eval")
-@click.option("--task", type=click.Choice(["arith", "code", "long"]), required=True,
-              help="Task family (long: arith's variant whose answers span 6+ canvases).")
+@click.option(
+    "--task",
+    type=click.Choice(["arith", "code", "long"]),
+    required=True,
+    help="Task family (long: arith's variant whose answers span 6+ canvases).",
+)
 @click.option("--n", "n", type=int, default=200, show_default=True, help="Fresh problems to draw.")
 @click.option("--seed", type=int, default=1, show_default=True, help="Problem and sampling seed.")
-@click.option("--decoder", default="official", show_default=True, help="official, pipe, funnel, phcd or auto.")
-@click.option("--model", "model_spec", default=None, help="Model directory (default: $CANVASQ_MODEL or the testbed).")
-@click.option("--batch", "batch_size", type=int, default=16, show_default=True, help="Prompts decoded together.")
-@click.option("--entropy-bound", type=float, default=None, help="Official sampler's entropy bound (default: checkpoint's).")
+@click.option(
+    "--decoder", default="official", show_default=True, help="official, pipe, funnel, phcd or auto."
+)
+@click.option(
+    "--model", "model_spec", default=None, help="Model directory (default: $CANVASQ_MODEL or the testbed)."
+)
+@click.option(
+    "--batch", "batch_size", type=int, default=16, show_default=True, help="Prompts decoded together."
+)
+@click.option(
+    "--entropy-bound",
+    type=float,
+    default=None,
+    help="Official sampler's entropy bound (default: checkpoint's).",
+)
 @click.option("--json", "as_json", is_flag=True, help="End with one JSON line.")
 def eval_cmd(task, n, seed, decoder, model_spec, batch_size, entropy_bound, as_json):
     """Accuracy, tokens, forwards and tok/s of a decoder on fresh testbed problems.

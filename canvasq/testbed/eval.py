@@ -31,8 +31,16 @@ class EvalReport:
         return asdict(self)
 
 
-def evaluate(bundle, task: str, n: int, seed: int, decoder: str = "official", batch_size: int = 16,
-             max_tokens: int | None = None, overrides: dict | None = None) -> EvalReport:
+def evaluate(
+    bundle,
+    task: str,
+    n: int,
+    seed: int,
+    decoder: str = "official",
+    batch_size: int = 16,
+    max_tokens: int | None = None,
+    overrides: dict | None = None,
+) -> EvalReport:
     """Every decoder through `canvasq.decoders.run_batch` (the official arm is HF `generate()`
     unchanged; its entropy bound is the override `{"entropy_bound": b}`). `forwards` sums, over the
     chunks, the passes the chunk's slowest request needed (prefill and encoder passes included)."""
@@ -40,7 +48,9 @@ def evaluate(bundle, task: str, n: int, seed: int, decoder: str = "official", ba
     from canvasq.decoders.types import DecodeBatch, DecodeRequest
 
     problems = tasks.generate(task, n, seed)
-    max_tokens = max_tokens or tasks.ANSWER_CANVASES[tasks.TASK_ALIASES.get(task, task)] * bundle.canvas_length
+    max_tokens = (
+        max_tokens or tasks.ANSWER_CANVASES[tasks.TASK_ALIASES.get(task, task)] * bundle.canvas_length
+    )
     correct = tokens = forwards = 0
     t0 = time.perf_counter()
     for start in range(0, n, batch_size):
@@ -54,9 +64,17 @@ def evaluate(bundle, task: str, n: int, seed: int, decoder: str = "official", ba
         correct += sum(tasks.verify(p, r.text) for p, r in zip(chunk, results))
     secs = time.perf_counter() - t0
     return EvalReport(
-        task=task, decoder=decoder, n=n, seed=seed, accuracy=correct / n, tokens=tokens,
-        mean_tokens=tokens / n, forwards=forwards, tok_per_forward=tokens / max(forwards, 1),
-        seconds=round(secs, 2), tok_per_s=tokens / secs,
+        task=task,
+        decoder=decoder,
+        n=n,
+        seed=seed,
+        accuracy=correct / n,
+        tokens=tokens,
+        mean_tokens=tokens / n,
+        forwards=forwards,
+        tok_per_forward=tokens / max(forwards, 1),
+        seconds=round(secs, 2),
+        tok_per_s=tokens / secs,
     )
 
 
@@ -91,7 +109,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     bundle = load_bundle(args.model, device="cuda" if torch.cuda.is_available() else "cpu")
     for task in tasks.TASKS:
-        print(json.dumps(evaluate(bundle, task, args.n, args.seed, batch_size=args.batch).as_dict()), flush=True)
+        print(
+            json.dumps(evaluate(bundle, task, args.n, args.seed, batch_size=args.batch).as_dict()), flush=True
+        )
     for bound in (float(b) for b in args.bounds.split(",") if b):
         for task in tasks.TASKS:
             over = {"entropy_bound": bound}

@@ -45,7 +45,9 @@ REPAIR_DIRNAME = "phcd_adapter"
 LORA_TARGETS = r".*decoder\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
 
 
-def repair_loss(model, batches, batch: int, gen, *, n_future: int, token_weight, future_weight: float, parts: dict):
+def repair_loss(
+    model, batches, batch: int, gen, *, n_future: int, token_weight, future_weight: float, parts: dict
+):
     """One step's loss over the three objectives (module docstring); `parts` accumulates their CE."""
     import torch
     from transformers import DynamicCache
@@ -67,7 +69,10 @@ def repair_loss(model, batches, batch: int, gen, *, n_future: int, token_weight,
     tc = model.config.text_config
     pos = torch.arange(L, device=dev)[None].expand(B, -1)
     enc = model.model.encoder(
-        input_ids=ctx, attention_mask=ctx_mask.long(), position_ids=pos, past_key_values=DynamicCache(config=tc)
+        input_ids=ctx,
+        attention_mask=ctx_mask.long(),
+        position_ids=pos,
+        past_key_values=DynamicCache(config=tc),
     )
     cache = _cache_of(enc)
     dpos = torch.arange(L, L + K * C, device=dev)[None].expand(B, -1)
@@ -75,8 +80,12 @@ def repair_loss(model, batches, batch: int, gen, *, n_future: int, token_weight,
 
     def run(ids, sc=None, sc_mask=None):
         return model(
-            past_key_values=cache, decoder_input_ids=ids, decoder_attention_mask=dmask, decoder_position_ids=dpos,
-            self_conditioning_logits=sc, self_conditioning_mask=sc_mask,
+            past_key_values=cache,
+            decoder_input_ids=ids,
+            decoder_attention_mask=dmask,
+            decoder_position_ids=dpos,
+            self_conditioning_logits=sc,
+            self_conditioning_mask=sc_mask,
         ).logits
 
     win_t, fut_t = target[:, :C], target[:, C:]
@@ -131,7 +140,10 @@ def tie_encoder(model) -> list:
     puts back before saving (the adapter is saved under the decoder's module names only)."""
     saved = []
     for el, dl in zip(model.model.encoder.language_model.layers, model.model.decoder.layers):
-        for part, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj"))):
+        for part, names in (
+            ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+            ("mlp", ("gate_proj", "up_proj", "down_proj")),
+        ):
             ep, dp = getattr(el, part), getattr(dl, part)
             for n in names:
                 saved.append((ep, n, getattr(ep, n)))
@@ -146,19 +158,26 @@ def untie_encoder(saved: list) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="the testbed directory (base + d2f_adapter/); the adapter goes here")
+    ap.add_argument(
+        "--out", required=True, help="the testbed directory (base + d2f_adapter/); the adapter goes here"
+    )
     ap.add_argument("--minutes", type=float, default=15.0)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--rank", type=int, default=8)
-    ap.add_argument("--future", type=int, default=3, help="future canvases behind the window (phcd: windows - 1)")
+    ap.add_argument(
+        "--future", type=int, default=3, help="future canvases behind the window (phcd: windows - 1)"
+    )
     ap.add_argument("--future-weight", type=float, default=0.5)
     ap.add_argument("--digit-weight", type=float, default=4.0)
     ap.add_argument("--n-per-task", type=int, default=20_000)
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--decoder-only", action="store_true",
-                    help="train with the LoRA on the decoder's forward only (v1; the merged weights still change the encoder)")
+    ap.add_argument(
+        "--decoder-only",
+        action="store_true",
+        help="train with the LoRA on the decoder's forward only (v1; the merged weights still change the encoder)",
+    )
     return ap
 
 
@@ -176,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     out = Path(args.out)
+
     def log(msg):
         print(msg, flush=True)
         with open(out / "train_log_phcd_repair.txt", "a") as f:
@@ -204,22 +224,41 @@ def main(argv: list[str] | None = None) -> None:
 
     def loss_fn(m, batch, g):
         return repair_loss(
-            m, batches, batch, g, n_future=args.future, token_weight=token_weight,
-            future_weight=args.future_weight, parts=parts,
+            m,
+            batches,
+            batch,
+            g,
+            n_future=args.future,
+            token_weight=token_weight,
+            future_weight=args.future_weight,
+            parts=parts,
         )
 
     def log_parts(msg):
         log(msg + ("  [" + " ".join(f"{k} {v:.4f}" for k, v in parts.items()) + "]" if parts else ""))
 
     report = train_phase(
-        inner, params, batches, minutes=args.minutes, batch=args.batch, lr=args.lr, n_canvases=1 + args.future,
-        canvas=C, sc_prob=0.9, gen=gen, log=log_parts, tag="phcd-repair", loss_fn=loss_fn,
+        inner,
+        params,
+        batches,
+        minutes=args.minutes,
+        batch=args.batch,
+        lr=args.lr,
+        n_canvases=1 + args.future,
+        canvas=C,
+        sc_prob=0.9,
+        gen=gen,
+        log=log_parts,
+        tag="phcd-repair",
+        loss_fn=loss_fn,
     )
     untie_encoder(tied)
     peft_model.save_pretrained(str(out / REPAIR_DIRNAME))
     (out / REPAIR_DIRNAME / "README.md").unlink(missing_ok=True)  # peft's empty model card
     report = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} vCPU, shared)",
+        "device": torch.cuda.get_device_name()
+        if device == "cuda"
+        else f"cpu ({os.cpu_count()} vCPU, shared)",
         "torch": torch.__version__,
         "threads": args.threads,
         "machine": platform.machine(),

@@ -43,7 +43,7 @@ from functools import lru_cache
 
 NOBODY = 65534  # present on every Linux system; owns nothing we care about
 
-_GUARD = r'''
+_GUARD = r"""
 import sys
 _DENY = ("socket.", "subprocess.", "os.fork", "os.forkpty", "os.exec", "os.posix_spawn",
          "os.spawn", "os.system", "os.kill", "pty.spawn", "ctypes.")
@@ -55,7 +55,7 @@ del _hook
 with open("/sandbox/main.py", encoding="utf-8") as _f:
     _src = _f.read()
 exec(compile(_src, "<program>", "exec"), {"__name__": "__main__"})
-'''
+"""
 
 # Runs as root: `python -I -S -c _LAUNCHER CONFIG_JSON`. Plain libc calls through ctypes (os.unshare
 # only exists from Python 3.12). Any failure before exec is reported on the status fd and the
@@ -171,7 +171,11 @@ def _read_only_paths() -> list[str]:
     paths = ["/usr", "/bin", "/lib", "/lib64", "/lib32", "/libx32", "/etc/ld.so.cache"]
     paths += [f"/dev/{d}" for d in ("null", "zero", "full", "random", "urandom")]
     exe = os.path.realpath(sys.executable)
-    for extra in (os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix), os.path.dirname(exe)):
+    for extra in (
+        os.path.realpath(sys.base_prefix),
+        os.path.realpath(sys.base_exec_prefix),
+        os.path.dirname(exe),
+    ):
         if not any(extra == p or extra.startswith(p + "/") for p in paths if not os.path.islink(p)):
             paths.append(extra)
     return paths
@@ -201,8 +205,10 @@ def unavailable_reason() -> str | None:
     if sys.platform != "linux":
         return "the code sandbox needs Linux namespaces; refusing to run model-written code"
     if os.geteuid() != 0:
-        return ("the code sandbox needs root (mount/network/PID namespaces, chroot, a drop to uid "
-                f"{NOBODY}); refusing to run model-written code as uid {os.geteuid()} unconfined")
+        return (
+            "the code sandbox needs root (mount/network/PID namespaces, chroot, a drop to uid "
+            f"{NOBODY}); refusing to run model-written code as uid {os.geteuid()} unconfined"
+        )
     try:
         r = _run("import os; print(os.getuid())", 10.0, 256 << 20, 1 << 20, 1 << 20, 4096, 4096)
     except SandboxUnavailable as exc:
@@ -223,27 +229,41 @@ def _run(code, timeout_s, mem_bytes, file_bytes, disk_bytes, output_bytes, resul
         res_r, res_w = os.pipe()
         st_r, st_w = os.pipe()
         cfg = {
-            "root": os.path.join(tmp, "root"), "program": program, "python": os.path.realpath(sys.executable),
-            "guard": _GUARD, "ro_paths": _read_only_paths(), "uid": NOBODY, "timeout": timeout_s,
-            "disk_bytes": disk_bytes, "status_fd": st_w, "result_fd": res_w,
+            "root": os.path.join(tmp, "root"),
+            "program": program,
+            "python": os.path.realpath(sys.executable),
+            "guard": _GUARD,
+            "ro_paths": _read_only_paths(),
+            "uid": NOBODY,
+            "timeout": timeout_s,
+            "disk_bytes": disk_bytes,
+            "status_fd": st_w,
+            "result_fd": res_w,
             "rlimits": {
-                "RLIMIT_CPU": cpu_s, "RLIMIT_AS": mem_bytes, "RLIMIT_FSIZE": file_bytes,
-                "RLIMIT_NOFILE": 32, "RLIMIT_CORE": 0, "RLIMIT_NPROC": 16,
+                "RLIMIT_CPU": cpu_s,
+                "RLIMIT_AS": mem_bytes,
+                "RLIMIT_FSIZE": file_bytes,
+                "RLIMIT_NOFILE": 32,
+                "RLIMIT_CORE": 0,
+                "RLIMIT_NPROC": 16,
             },
         }
         try:
             proc = subprocess.Popen(
                 [os.path.realpath(sys.executable), "-I", "-S", "-B", "-c", _LAUNCHER, json.dumps(cfg)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=(res_w, st_w), start_new_session=True, env={"LANG": "C.UTF-8"},
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(res_w, st_w),
+                start_new_session=True,
+                env={"LANG": "C.UTF-8"},
             )
         finally:
             os.close(res_w)
             os.close(st_w)
         assert proc.stdout is not None and proc.stderr is not None  # both PIPE
         out, err = proc.stdout.fileno(), proc.stderr.fileno()
-        caps = {out: output_bytes, err: output_bytes,
-                res_r: result_bytes, st_r: 64 * 1024}
+        caps = {out: output_bytes, err: output_bytes, res_r: result_bytes, st_r: 64 * 1024}
         bufs, over = _drain(caps, deadline=time.monotonic() + timeout_s + 15.0)
         if proc.poll() is None:  # the launcher enforces the timeout; this is the backstop
             os.killpg(proc.pid, signal.SIGKILL)
@@ -259,9 +279,13 @@ def _run(code, timeout_s, mem_bytes, file_bytes, disk_bytes, output_bytes, resul
     final = status[-1] if status else {"returncode": None, "timed_out": True}
     rc, timed_out = final.get("returncode"), bool(final.get("timed_out"))
     return SandboxResult(
-        ok=rc == 0 and not timed_out, returncode=None if timed_out else rc,
-        stdout=bufs[out].decode(errors="replace"), stderr=bufs[err].decode(errors="replace"),
-        timed_out=timed_out, result=bufs[res_r], truncated=bool(over),
+        ok=rc == 0 and not timed_out,
+        returncode=None if timed_out else rc,
+        stdout=bufs[out].decode(errors="replace"),
+        stderr=bufs[err].decode(errors="replace"),
+        timed_out=timed_out,
+        result=bufs[res_r],
+        truncated=bool(over),
     )
 
 

@@ -54,17 +54,73 @@ class Problem:
 # --------------------------------------------------------------------------------------- arith
 
 NAMES = [
-    "Ann", "Ben", "Cara", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jill", "Kofi", "Lena", "Max",
-    "Nora", "Omar", "Pia", "Quinn", "Rosa", "Sam", "Tara", "Uma", "Vic", "Wes", "Xena", "Yuri", "Zoe",
-    "Mia", "Leo", "Ava", "Raj", "Ines", "Tom", "Lia", "Noah", "Ida", "Kai", "Ola", "Ravi", "Sia", "Ted",
+    "Ann",
+    "Ben",
+    "Cara",
+    "Dev",
+    "Eli",
+    "Fay",
+    "Gus",
+    "Hana",
+    "Ivan",
+    "Jill",
+    "Kofi",
+    "Lena",
+    "Max",
+    "Nora",
+    "Omar",
+    "Pia",
+    "Quinn",
+    "Rosa",
+    "Sam",
+    "Tara",
+    "Uma",
+    "Vic",
+    "Wes",
+    "Xena",
+    "Yuri",
+    "Zoe",
+    "Mia",
+    "Leo",
+    "Ava",
+    "Raj",
+    "Ines",
+    "Tom",
+    "Lia",
+    "Noah",
+    "Ida",
+    "Kai",
+    "Ola",
+    "Ravi",
+    "Sia",
+    "Ted",
 ]
 ITEMS = [
-    ("apples", "bags"), ("pencils", "packs"), ("stickers", "sheets"), ("marbles", "jars"),
-    ("cookies", "boxes"), ("cards", "decks"), ("stamps", "books"), ("shells", "buckets"),
-    ("beads", "strings"), ("coins", "rolls"), ("eggs", "cartons"), ("books", "crates"),
-    ("toys", "bins"), ("pens", "cases"), ("balls", "nets"), ("candles", "sets"), ("cups", "trays"),
-    ("rocks", "sacks"), ("nails", "tins"), ("seeds", "packets"), ("bricks", "piles"),
-    ("buttons", "bags"), ("ribbons", "rolls"), ("plums", "baskets"), ("blocks", "tubs"),
+    ("apples", "bags"),
+    ("pencils", "packs"),
+    ("stickers", "sheets"),
+    ("marbles", "jars"),
+    ("cookies", "boxes"),
+    ("cards", "decks"),
+    ("stamps", "books"),
+    ("shells", "buckets"),
+    ("beads", "strings"),
+    ("coins", "rolls"),
+    ("eggs", "cartons"),
+    ("books", "crates"),
+    ("toys", "bins"),
+    ("pens", "cases"),
+    ("balls", "nets"),
+    ("candles", "sets"),
+    ("cups", "trays"),
+    ("rocks", "sacks"),
+    ("nails", "tins"),
+    ("seeds", "packets"),
+    ("bricks", "piles"),
+    ("buttons", "bags"),
+    ("ribbons", "rolls"),
+    ("plums", "baskets"),
+    ("blocks", "tubs"),
 ]
 
 
@@ -111,8 +167,16 @@ def make_arith(rng: random.Random, uid: str, ops: tuple[int, int] = (2, 3), task
     used_buy = False
     for _ in range(rng.randint(*ops)):
         room = 99 - total
-        kinds = [k for k, ok in (("buy", not used_buy and room >= 4), ("find", room >= 2), ("give", total > 3),
-                                 ("lose", total > 3)) if ok]
+        kinds = [
+            k
+            for k, ok in (
+                ("buy", not used_buy and room >= 4),
+                ("find", room >= 2),
+                ("give", total > 3),
+                ("lose", total > 3),
+            )
+            if ok
+        ]
         kind = rng.choice(kinds)
         if kind == "buy":
             used_buy = True
@@ -209,8 +273,7 @@ def _filtered_map(rng: random.Random, name: str, arg: str):
     k1 = rng.randint(2, 9)
     k2 = rng.randint(2, 9) if "%" in pred_py else rng.randint(0, 12)
     doc = (
-        f"Return a list of the numbers in {arg} that are {pred_doc.format(k=k2)}, "
-        f"each {t_doc.format(k=k1)}."
+        f"Return a list of the numbers in {arg} that are {pred_doc.format(k=k2)}, each {t_doc.format(k=k1)}."
     )
     body = (
         "    out = []\n"
@@ -334,7 +397,9 @@ def verify(problem: Problem, completion: str, timeout_s: float = 5.0) -> bool:
 
     cases = code_cases(problem)
     assert problem.entry is not None  # code_cases found calls to it
-    r = run_python(_harness(problem.prompt + completion, problem.entry, [a for a, _ in cases]), timeout_s=timeout_s)
+    r = run_python(
+        _harness(problem.prompt + completion, problem.entry, [a for a, _ in cases]), timeout_s=timeout_s
+    )
     values = _parse_values(r.result, len(cases)) if not r.truncated else None
     if values is None:
         return False
@@ -352,9 +417,15 @@ def code_cases(problem: Problem) -> list[tuple[str, object]]:
         node = ast.parse(test, mode="exec").body[0]
         cmp = node.test if isinstance(node, ast.Assert) else None
         call = cmp.left if isinstance(cmp, ast.Compare) else None
-        if not (isinstance(cmp, ast.Compare) and isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
-                and call.func.id == problem.entry
-                and not call.keywords and len(cmp.ops) == 1 and isinstance(cmp.ops[0], ast.Eq)):
+        if not (
+            isinstance(cmp, ast.Compare)
+            and isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Name)
+            and call.func.id == problem.entry
+            and not call.keywords
+            and len(cmp.ops) == 1
+            and isinstance(cmp.ops[0], ast.Eq)
+        ):
             raise ValueError(f"{problem.uid}: unsupported hidden test {test!r}")
         args = tuple(ast.literal_eval(a) for a in call.args)
         cases.append((repr(args), ast.literal_eval(cmp.comparators[0])))
@@ -396,8 +467,13 @@ def _parse_values(raw: bytes, n: int) -> list | None:
     values = []
     for item in items:
         value = _MISSING
-        if (isinstance(item, list) and len(item) == 2 and item[0] == "value" and isinstance(item[1], str)
-                and len(item[1]) <= _MAX_REPR):
+        if (
+            isinstance(item, list)
+            and len(item) == 2
+            and item[0] == "value"
+            and isinstance(item[1], str)
+            and len(item[1]) <= _MAX_REPR
+        ):
             try:
                 value = ast.literal_eval(item[1])
             except Exception:  # noqa: BLE001 - not a literal (an object's default repr, ...)

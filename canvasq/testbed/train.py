@@ -115,7 +115,9 @@ class Batches:
         ctx = torch.where(ctx_mask, self.seq[idx[:, None], src.clamp(min=0)], PAD_ID)
         tgt_pos = ctx_len[:, None] + torch.arange(n_canvases * C, device=self.device)[None, :]
         in_range = tgt_pos < self.seq.shape[1]
-        target = torch.where(in_range, self.seq[idx[:, None], tgt_pos.clamp(max=self.seq.shape[1] - 1)], PAD_ID)
+        target = torch.where(
+            in_range, self.seq[idx[:, None], tgt_pos.clamp(max=self.seq.shape[1] - 1)], PAD_ID
+        )
         # Noise level per canvas: increasing along the K canvases (D2F schedule), uniform for K = 1.
         base = torch.rand(batch, 1, device=self.device, generator=gen)
         if n_canvases > 1:
@@ -173,7 +175,14 @@ def block_causal_masks(model, ctx_mask, n_canvases: int, canvas: int, cache):
 
 
 def denoise_loss(
-    model, batch, n_canvases: int, canvas: int, sc_prob: float, gen, token_weight=None, draft_rounds: int = 0,
+    model,
+    batch,
+    n_canvases: int,
+    canvas: int,
+    sc_prob: float,
+    gen,
+    token_weight=None,
+    draft_rounds: int = 0,
     commit_tau: tuple[float, float] | None = None,
 ):
     """Cross-entropy of the decoder's prediction of the clean canvases (optionally with SC).
@@ -195,7 +204,10 @@ def denoise_loss(
     tc = model.config.text_config
     pos = torch.arange(L, device=ctx.device)[None].expand(B, -1)
     enc = model.model.encoder(
-        input_ids=ctx, attention_mask=ctx_mask.long(), position_ids=pos, past_key_values=DynamicCache(config=tc)
+        input_ids=ctx,
+        attention_mask=ctx_mask.long(),
+        position_ids=pos,
+        past_key_values=DynamicCache(config=tc),
     )
     cache = _cache_of(enc)
     dpos = torch.arange(L, L + n_canvases * canvas, device=ctx.device)[None].expand(B, -1)
@@ -203,7 +215,12 @@ def denoise_loss(
         dmask = torch.nn.functional.pad(ctx_mask, (0, canvas), value=True).long()
     else:
         dmask = block_causal_masks(model, ctx_mask, n_canvases, canvas, cache)
-    kw = {"past_key_values": cache, "decoder_input_ids": noisy, "decoder_attention_mask": dmask, "decoder_position_ids": dpos}
+    kw = {
+        "past_key_values": cache,
+        "decoder_input_ids": noisy,
+        "decoder_attention_mask": dmask,
+        "decoder_position_ids": dpos,
+    }
     sc_logits, sc_mask = None, None
     rounds = 0
     if draft_rounds:
@@ -248,8 +265,25 @@ def denoise_loss(
 # ---------------------------------------------------------------------------------- phases
 
 
-def train_phase(model, params, batches, *, minutes, batch, lr, n_canvases, canvas, sc_prob, gen, log, tag,
-                token_weight=None, draft_rounds=0, commit_tau=None, loss_fn=None):
+def train_phase(
+    model,
+    params,
+    batches,
+    *,
+    minutes,
+    batch,
+    lr,
+    n_canvases,
+    canvas,
+    sc_prob,
+    gen,
+    log,
+    tag,
+    token_weight=None,
+    draft_rounds=0,
+    commit_tau=None,
+    loss_fn=None,
+):
     """AdamW with warm-up and cosine decay for `minutes` of wall time. `loss_fn(model, batch_size, gen)`
     replaces the sample + `denoise_loss` step (canvasq/testbed/repair.py's objectives)."""
     import torch
@@ -308,11 +342,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--digit-weight", type=float, default=4.0)
     ap.add_argument("--d2f-init", default=None, help="continue training this D2F adapter directory")
     ap.add_argument(
-        "--d2f-commit-tau", default=None,
+        "--d2f-commit-tau",
+        default=None,
         help="LO,HI: draft passes commit (and freeze) positions at a bar drawn in [LO, HI]; loss on open ones",
     )
     ap.add_argument(
-        "--d2f-draft-rounds", type=int, default=2,
+        "--d2f-draft-rounds",
+        type=int,
+        default=2,
         help="D2F adapter: up to this many gradient-free argmax-draft passes before the trained one (0: uniform noise only)",
     )
     return ap
@@ -338,7 +375,9 @@ def main(argv=None):
 
     shape = TESTBED
     t0 = time.time()
-    seq, plen, ncan = build_pool(args.n_per_task, args.seed, str(TOKENIZER_DIR), shape.canvas_length, args.workers)
+    seq, plen, ncan = build_pool(
+        args.n_per_task, args.seed, str(TOKENIZER_DIR), shape.canvas_length, args.workers
+    )
     log(f"data: {seq.shape[0]} problems, max row {seq.shape[1]} tokens, built in {time.time() - t0:.0f}s")
     batches = Batches(seq, plen, ncan, shape.canvas_length, shape.vocab_size, device)
 
@@ -358,9 +397,19 @@ def main(argv=None):
     token_weight[[tok.convert_tokens_to_ids(str(d)) for d in range(10)]] = args.digit_weight
     if args.minutes > 0:
         report["base"] = train_phase(
-            model, [p for p in model.parameters() if p.requires_grad], batches,
-            minutes=args.minutes, batch=args.batch, lr=args.lr, n_canvases=1,
-            canvas=shape.canvas_length, sc_prob=0.5, gen=gen, log=log, tag="base", token_weight=token_weight,
+            model,
+            [p for p in model.parameters() if p.requires_grad],
+            batches,
+            minutes=args.minutes,
+            batch=args.batch,
+            lr=args.lr,
+            n_canvases=1,
+            canvas=shape.canvas_length,
+            sc_prob=0.5,
+            gen=gen,
+            log=log,
+            tag="base",
+            token_weight=token_weight,
         )
     model.eval()
     if args.minutes > 0:  # --minutes 0 --init DIR: train only the adapter against DIR's base
@@ -378,7 +427,9 @@ def _train_adapter(model, batches, args, shape, gen, log, token_weight, out: Pat
     from peft import LoraConfig, get_peft_model
 
     lora = LoraConfig(
-        r=16, lora_alpha=32, lora_dropout=0.0,
+        r=16,
+        lora_alpha=32,
+        lora_dropout=0.0,
         # Decoder modules only: encoder and decoder share weight tensors, so merging the LoRA
         # into the decoder's weights updates the encoder too (adding it to both would double it).
         target_modules=r".*decoder\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)",
@@ -391,10 +442,20 @@ def _train_adapter(model, batches, args, shape, gen, log, token_weight, out: Pat
         peft_model = get_peft_model(model, lora)
     peft_model.train()
     report = train_phase(
-        peft_model.base_model.model, [p for p in peft_model.parameters() if p.requires_grad], batches,
-        minutes=args.d2f_minutes, batch=max(64, args.batch // 2), lr=args.lr / 2,
-        n_canvases=args.d2f_canvases, canvas=shape.canvas_length, sc_prob=0.5, gen=gen, log=log, tag="d2f",
-        token_weight=token_weight, draft_rounds=args.d2f_draft_rounds,
+        peft_model.base_model.model,
+        [p for p in peft_model.parameters() if p.requires_grad],
+        batches,
+        minutes=args.d2f_minutes,
+        batch=max(64, args.batch // 2),
+        lr=args.lr / 2,
+        n_canvases=args.d2f_canvases,
+        canvas=shape.canvas_length,
+        sc_prob=0.5,
+        gen=gen,
+        log=log,
+        tag="d2f",
+        token_weight=token_weight,
+        draft_rounds=args.d2f_draft_rounds,
         commit_tau=_pair(args.d2f_commit_tau),
     )
     peft_model.save_pretrained(str(out / "d2f_adapter"))

@@ -35,8 +35,9 @@ MAX_RELEASED = 4  # chunks a stream may give back (other route, longer rows) bef
 class AheadFeeder:
     """Claims and tracks the chunks one decode stream takes ahead of their messages."""
 
-    def __init__(self, engine: Engine, run_id: str, route: tuple[str, dict], need, capacity: int,
-                 deadline: float):
+    def __init__(
+        self, engine: Engine, run_id: str, route: tuple[str, dict], need, capacity: int, deadline: float
+    ):
         self.engine, self.run_id, self.route = engine, run_id, route
         self.need, self.capacity, self.deadline = need, capacity, deadline
         self.pending: dict[str, set[str]] = {}  # chunk id -> custom_ids fed and not yet written
@@ -52,8 +53,11 @@ class AheadFeeder:
             if time.monotonic() > self.deadline:  # leave the rest to their own deliveries
                 self.stopped = True
                 return
-            claim = retry_transient(lambda: engine.store.claim_ahead(self.run_id, engine.worker_id, s.lease_s,
-                                                                  s.max_attempts, self.released))
+            claim = retry_transient(
+                lambda: engine.store.claim_ahead(
+                    self.run_id, engine.worker_id, s.lease_s, s.max_attempts, self.released
+                )
+            )
             if claim is None:
                 self.stopped = True
                 return
@@ -71,7 +75,9 @@ class AheadFeeder:
         """The claimed chunk's rows for this stream, or None (chunk released) if any row needs
         another route or more arena than the stream has."""
         engine, cid = self.engine, claim.chunk_id
-        parts = [p for decoder, rows in engine.by_decoder(claim).items() for p in engine.routed(decoder, rows)]
+        parts = [
+            p for decoder, rows in engine.by_decoder(claim).items() for p in engine.routed(decoder, rows)
+        ]
         if len(parts) != 1 or (parts[0][0], parts[0][1]) != self.route:
             self._release(cid, "rows for another decoder route")
             return None
@@ -118,8 +124,16 @@ class AheadFeeder:
         reconcile re-publishes it."""
         for cid in list(self.pending):
             if cancelled_status is not None:
-                retry_transient(partial(self.engine.store.close_chunk_rows, cid, self.run_id, cancelled_status,
-                                        cancelled_status, f"run {cancelled_status}"))
+                retry_transient(
+                    partial(
+                        self.engine.store.close_chunk_rows,
+                        cid,
+                        self.run_id,
+                        cancelled_status,
+                        cancelled_status,
+                        f"run {cancelled_status}",
+                    )
+                )
                 self._finish(cid)
             else:
                 self.engine.ahead_chunks.discard(cid)

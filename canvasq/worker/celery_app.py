@@ -33,9 +33,11 @@ def celery_config(settings: Settings) -> dict:
         # Must exceed the hard limit or Redis hands a running chunk to a second worker (celery#5935).
         # kombu sweeps for expired unacked messages only every interval × throttle seconds (10 × 10
         # by default): a chunk of a SIGKILLed worker came back up to 100 s after its visibility timeout.
-        "broker_transport_options": {"visibility_timeout": settings.visibility_timeout,
-                                  "unacked_restore_interval": max(1, min(10, settings.visibility_timeout // 10)),
-                                  "unacked_restore_throttle": 1},
+        "broker_transport_options": {
+            "visibility_timeout": settings.visibility_timeout,
+            "unacked_restore_interval": max(1, min(10, settings.visibility_timeout // 10)),
+            "unacked_restore_throttle": 1,
+        },
         "task_default_queue": settings.queue_for(),
         "task_serializer": "json",
         "accept_content": ["json"],
@@ -52,8 +54,9 @@ def celery_config(settings: Settings) -> dict:
 
 def make_app(settings: Settings | None = None, set_as_current: bool = True) -> Celery:
     settings = settings or get_settings()
-    app = Celery("canvasq", broker=settings.broker_url, include=["canvasq.worker.tasks"],
-                 set_as_current=set_as_current)
+    app = Celery(
+        "canvasq", broker=settings.broker_url, include=["canvasq.worker.tasks"], set_as_current=set_as_current
+    )
     app.conf.update(celery_config(settings))
     return app
 

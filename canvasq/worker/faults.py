@@ -72,7 +72,9 @@ def install_replay() -> int:
 
     root = Path(__file__).resolve().parents[2]
     if not (root / "benchmarks" / "replay.py").is_file():
-        raise RuntimeError(f"CANVASQ_TEST_REPLAY needs the repository's benchmarks/replay.py (not found under {root})")
+        raise RuntimeError(
+            f"CANVASQ_TEST_REPLAY needs the repository's benchmarks/replay.py (not found under {root})"
+        )
     sys.path.insert(0, str(root))
     from benchmarks import replay
 

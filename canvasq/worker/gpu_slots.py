@@ -51,7 +51,9 @@ class GpuSlot:
 
     def release(self) -> None:
         self._stop.set()
-        script = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+        script = (
+            "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+        )
         try:
             self.client.eval(script, 1, self.key, self.token)
         except Exception as exc:  # noqa: BLE001 the slot's TTL frees it anyway

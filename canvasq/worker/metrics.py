@@ -25,26 +25,46 @@ log = logging.getLogger(__name__)
 class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         reg = self.registry = registry or CollectorRegistry()
-        self.requests = Counter("canvasq_worker_requests", "Rows this worker wrote, by status", ["status"],
-                                registry=reg)
-        self.tokens = Counter("canvasq_worker_committed_tokens", "Completion tokens this worker wrote", registry=reg)
-        self.forwards = Counter("canvasq_worker_forwards", "Model passes that served a row, summed over rows",
-                                registry=reg)
-        self.gen_s = Counter("canvasq_worker_generation_seconds", "Rows' shares of decode wall time", registry=reg)
-        self.chunks = Counter("canvasq_worker_chunks", "Chunks processed, by claim state", ["state"], registry=reg)
-        self.steps = Counter("canvasq_worker_decode_steps", "Decode steps of the continuous-batching loop",
-                             registry=reg)
-        self.busy = Counter("canvasq_worker_slot_steps_busy", "Sum over steps of the slots holding a row",
-                            registry=reg)
-        self.slot_steps = Counter("canvasq_worker_slot_steps", "Sum over steps of the decode slots", registry=reg)
+        self.requests = Counter(
+            "canvasq_worker_requests", "Rows this worker wrote, by status", ["status"], registry=reg
+        )
+        self.tokens = Counter(
+            "canvasq_worker_committed_tokens", "Completion tokens this worker wrote", registry=reg
+        )
+        self.forwards = Counter(
+            "canvasq_worker_forwards", "Model passes that served a row, summed over rows", registry=reg
+        )
+        self.gen_s = Counter(
+            "canvasq_worker_generation_seconds", "Rows' shares of decode wall time", registry=reg
+        )
+        self.chunks = Counter(
+            "canvasq_worker_chunks", "Chunks processed, by claim state", ["state"], registry=reg
+        )
+        self.steps = Counter(
+            "canvasq_worker_decode_steps", "Decode steps of the continuous-batching loop", registry=reg
+        )
+        self.busy = Counter(
+            "canvasq_worker_slot_steps_busy", "Sum over steps of the slots holding a row", registry=reg
+        )
+        self.slot_steps = Counter(
+            "canvasq_worker_slot_steps", "Sum over steps of the decode slots", registry=reg
+        )
         self.slots = Gauge("canvasq_worker_decode_slots", "Decode slots of the last step", registry=reg)
-        self.load_s = Gauge("canvasq_worker_model_load_seconds", "Time to load (and pack) the model at start",
-                            registry=reg)
-        self.window_rows = Counter("canvasq_worker_window_rows", "Window rows of the passes that served a row, "
-                                   "each row's own share (rows per forward = its rate / decode steps' rate)",
-                                   registry=reg)
-        self.info = Gauge("canvasq_worker_info", "This worker (value 1): its device and model", ["device", "model"],
-                          registry=reg)
+        self.load_s = Gauge(
+            "canvasq_worker_model_load_seconds", "Time to load (and pack) the model at start", registry=reg
+        )
+        self.window_rows = Counter(
+            "canvasq_worker_window_rows",
+            "Window rows of the passes that served a row, "
+            "each row's own share (rows per forward = its rate / decode steps' rate)",
+            registry=reg,
+        )
+        self.info = Gauge(
+            "canvasq_worker_info",
+            "This worker (value 1): its device and model",
+            ["device", "model"],
+            registry=reg,
+        )
 
     def instrument(self, engine) -> None:
         """Count what `engine` writes and processes (wraps its store's write_results and its

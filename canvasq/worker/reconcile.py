@@ -65,9 +65,16 @@ def requeue_stale(store: QueueStore, chunk_ids: Sequence[str], older_than) -> li
         for cid in chunk_ids:
             res = s.execute(
                 update(Chunk)
-                .where(Chunk.id == cid, Chunk.status == ChunkStatus.running, Chunk.lease_expires_at < older_than)
-                .values(status=ChunkStatus.queued, lease_expires_at=None, published_at=None, claimed_ahead=False,
-                        updated_at=now)
+                .where(
+                    Chunk.id == cid, Chunk.status == ChunkStatus.running, Chunk.lease_expires_at < older_than
+                )
+                .values(
+                    status=ChunkStatus.queued,
+                    lease_expires_at=None,
+                    published_at=None,
+                    claimed_ahead=False,
+                    updated_at=now,
+                )
             )
             if rowcount(res) == 1:
                 done.append(cid)
@@ -80,8 +87,9 @@ def requeue_stale(store: QueueStore, chunk_ids: Sequence[str], older_than) -> li
 OUTBOX_GRACE_S = 60.0
 
 
-def reconcile_once(store: QueueStore, settings: Settings, publish: Publish | None = None,
-                   outbox_grace_s: float = 0.0) -> ReconcileReport:
+def reconcile_once(
+    store: QueueStore, settings: Settings, publish: Publish | None = None, outbox_grace_s: float = 0.0
+) -> ReconcileReport:
     """One pass. `outbox_grace_s`: publish only unpublished chunks stored at least that long ago
     (0 for a pass by hand, which publishes every one; OUTBOX_GRACE_S for the periodic ones)."""
     if publish is None:
@@ -108,7 +116,9 @@ def reconcile_once(store: QueueStore, settings: Settings, publish: Publish | Non
     for q, ids in stale.items():
         ids = requeue_stale(store, ids, cutoff)
         if ids:  # published_at stays NULL until the publish succeeds: a failed one is retried as outbox
-            log.warning("re-publishing %d chunk(s) whose worker stopped renewing the lease: %s", len(ids), ids)
+            log.warning(
+                "re-publishing %d chunk(s) whose worker stopped renewing the lease: %s", len(ids), ids
+            )
             publish(ids, q, settings)
             store.mark_published(ids)
             republished += len(ids)
@@ -129,8 +139,9 @@ def _take_lock(client, key: str, owner: str, ttl_s: float) -> bool:
     return bool(client.set(key, owner, nx=True, px=max(100, int(ttl_s * 900))))
 
 
-def reconcile_loop(store: QueueStore, settings: Settings, stop: threading.Event, owner: str,
-                   publish: Publish | None = None) -> None:
+def reconcile_loop(
+    store: QueueStore, settings: Settings, stop: threading.Event, owner: str, publish: Publish | None = None
+) -> None:
     """Every settings.reconcile_s until `stop`: take the fleet's lock, run one pass. Failures are
     logged and the loop goes on (the store or the broker may be briefly down)."""
     client = None

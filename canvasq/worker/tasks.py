@@ -25,8 +25,11 @@ class ChunkTask(app.Task):
 
             engine = Engine(worker_id=f"main:{os.getpid()}")  # not get_engine(): children fork from here
             try:
-                engine.abandon_chunk(args[0], "timeout",
-                                     f"hard time limit ({engine.settings.hard_time_limit}s) exceeded; process replaced")
+                engine.abandon_chunk(
+                    args[0],
+                    "timeout",
+                    f"hard time limit ({engine.settings.hard_time_limit}s) exceeded; process replaced",
+                )
             finally:
                 engine.store.dispose()
 
@@ -51,5 +54,7 @@ def process_chunk(self, chunk_id: str) -> dict:
     try:
         return asdict(engine.run_chunk(chunk_id))
     except SoftTimeLimitExceeded:
-        engine.abandon_chunk(chunk_id, "timeout", f"soft time limit ({engine.settings.soft_time_limit}s) exceeded")
+        engine.abandon_chunk(
+            chunk_id, "timeout", f"soft time limit ({engine.settings.soft_time_limit}s) exceeded"
+        )
         return {"chunk": chunk_id, "state": "timeout"}

@@ -52,7 +52,9 @@ def test_bad_input_rejected_with_line_numbers_and_nothing_enqueued(name, service
     reported = re.findall(r"^  line (\d+): (.*)$", err, flags=re.MULTILINE)
     reported += [("0", m) for m in re.findall(r"^  (file is empty.*)$", err, flags=re.MULTILINE)]
     for line, sub in spec["errors"]:
-        assert any(int(n) == line and sub in msg for n, msg in reported), f"missing line {line}: {sub!r} in\n{err}"
+        assert any(int(n) == line and sub in msg for n, msg in reported), (
+            f"missing line {line}: {sub!r} in\n{err}"
+        )
     assert len(reported) == len(spec["errors"]), f"unexpected extra errors:\n{err}"
     assert "nothing was enqueued" in err
     assert queue_length(service_env["queue"]) == 0
@@ -62,8 +64,15 @@ def test_bad_input_rejected_with_line_numbers_and_nothing_enqueued(name, service
 def test_control_good_file_is_stored_and_enqueued(service_env):
     """The same path with a valid file does store a run and publish messages."""
     res = CliRunner().invoke(
-        cli, ["submit", str(REPO_ROOT / "examples" / "prompts.jsonl"), "--queue", service_env["queue"],
-              "--chunk-size", "5"]
+        cli,
+        [
+            "submit",
+            str(REPO_ROOT / "examples" / "prompts.jsonl"),
+            "--queue",
+            service_env["queue"],
+            "--chunk-size",
+            "5",
+        ],
     )
     assert res.exit_code == 0, res.output + res.stderr
     assert res.stdout.strip().startswith("run_")
@@ -77,8 +86,13 @@ def _write_big_file(path: Path, n: int, bad_lines: dict[int, str]) -> None:
             if i in bad_lines:
                 fh.write(bad_lines[i] + "\n")
             else:
-                prompt = f"Ann has {i} apples. She finds 3 more apples. How many apples does Ann have now? " * 4
-                fh.write(json.dumps({"custom_id": f"r{i}", "prompt": prompt, "task": "math", "max_tokens": 64}) + "\n")
+                prompt = (
+                    f"Ann has {i} apples. She finds 3 more apples. How many apples does Ann have now? " * 4
+                )
+                fh.write(
+                    json.dumps({"custom_id": f"r{i}", "prompt": prompt, "task": "math", "max_tokens": 64})
+                    + "\n"
+                )
 
 
 def test_100k_line_file_streams_in_bounded_memory(tmp_path):
@@ -86,7 +100,9 @@ def test_100k_line_file_streams_in_bounded_memory(tmp_path):
     custom_ids and one line) stays below half the file size, and errors near the end are still
     found with their line numbers. Reading the whole file at once would exceed the bound."""
     path = tmp_path / "big.jsonl"
-    _write_big_file(path, 100_000, {99_999: "{broken", 100_000: json.dumps({"custom_id": "r5", "prompt": "x"})})
+    _write_big_file(
+        path, 100_000, {99_999: "{broken", 100_000: json.dumps({"custom_id": "r5", "prompt": "x"})}
+    )
     size = path.stat().st_size
     assert size > 35_000_000
     limits = Limits.for_model(Settings())
@@ -98,7 +114,9 @@ def test_100k_line_file_streams_in_bounded_memory(tmp_path):
         tracemalloc.stop()
     assert report.lines == 100_000
     assert [(e.line, e.message.split(":")[0]) for e in report.errors] == [
-        (99_999, "malformed JSON"), (100_000, "duplicate custom_id 'r5' (first on line 5)")]
+        (99_999, "malformed JSON"),
+        (100_000, "duplicate custom_id 'r5' (first on line 5)"),
+    ]
     assert peak < size / 2, f"peak {peak} bytes for a {size}-byte file"
 
 

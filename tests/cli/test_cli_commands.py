@@ -55,9 +55,14 @@ def test_embedded_run_then_queries(small_file, service_env, monkeypatch, tmp_pat
     assert json.loads(invoke("runs", "--json", "--status", "running").stdout) == []
     st = json.loads(invoke("status", run_id, "--json").stdout)
     assert st["counts"]["done"] == 4 and st["completion_tokens"] == sum(
-        x["response"]["body"]["usage"]["completion_tokens"] for x in lines)
-    assert "4/4 generated  completed" in invoke("status", run_id, "--watch", "--interval", "0.1").stdout  # ends at once
-    assert [json.loads(x)["custom_id"] for x in invoke("results", run_id, "--ordered").stdout.splitlines()] == ids
+        x["response"]["body"]["usage"]["completion_tokens"] for x in lines
+    )
+    assert (
+        "4/4 generated  completed" in invoke("status", run_id, "--watch", "--interval", "0.1").stdout
+    )  # ends at once
+    assert [
+        json.loads(x)["custom_id"] for x in invoke("results", run_id, "--ordered").stdout.splitlines()
+    ] == ids
 
     png = tmp_path / "t.png"
     tr = invoke("trace", run_id, ids[0], "--plot", str(png))
@@ -73,8 +78,11 @@ def test_embedded_run_then_queries(small_file, service_env, monkeypatch, tmp_pat
 
         from canvasq.core.tables import Request
 
-        s.execute(update(Request).where(Request.run_id == run_id, Request.custom_id == ids[1])
-                  .values(status="errored"))
+        s.execute(
+            update(Request)
+            .where(Request.run_id == run_id, Request.custom_id == ids[1])
+            .values(status="errored")
+        )
     invoke("retry", run_id, "--only", "errored")
     assert store.counts(run_id)["done"] == 4 and store.run_status(run_id) == "completed"
     store.dispose()
@@ -101,18 +109,30 @@ def test_cancel_retry_reconcile_on_the_queue(service_env):
 
         from canvasq.core.tables import Chunk
 
-        s.execute(update(Chunk).where(Chunk.id == run.chunk_ids[0])
-                  .values(lease_expires_at=utcnow() - timedelta(seconds=get_settings().visibility_timeout + 5)))
+        s.execute(
+            update(Chunk)
+            .where(Chunk.id == run.chunk_ids[0])
+            .values(lease_expires_at=utcnow() - timedelta(seconds=get_settings().visibility_timeout + 5))
+        )
     invoke("reconcile")
     assert queue_length(q) == 4
 
-    store.write_results(run.run_id, [ResultRecord("c0", text="x", completion_tokens=1),
-                                     ResultRecord("c1", status="errored", error_code="decode_error")], "w")
+    store.write_results(
+        run.run_id,
+        [
+            ResultRecord("c0", text="x", completion_tokens=1),
+            ResultRecord("c1", status="errored", error_code="decode_error"),
+        ],
+        "w",
+    )
     res = json.loads(invoke("cancel", run.run_id, "--json").stdout)
     assert res["status"] == "cancelled"  # chunks no worker held are cancelled at once
     c = store.counts(run.run_id)
-    assert (c["done"], c["errored"], c["cancelled"]) == (1, 1, 4) == tuple(res["counts"][k] for k in
-                                                                           ("done", "errored", "cancelled"))
+    assert (
+        (c["done"], c["errored"], c["cancelled"])
+        == (1, 1, 4)
+        == tuple(res["counts"][k] for k in ("done", "errored", "cancelled"))
+    )
     listed = json.loads(invoke("runs", "--json").stdout)[0]
     assert (listed["cancelled"], listed["expired"]) == (4, 0)
     assert "cancelled" in invoke("runs").stdout.splitlines()[0]
@@ -131,8 +151,16 @@ def test_cancel_retry_reconcile_on_the_queue(service_env):
 def test_submit_same_key_twice_is_one_run(service_env):
     """T14: the same file and key submitted twice → the same run id, one set of chunk messages."""
     q = service_env["queue"]
-    args = ["submit", str(REPO_ROOT / "examples" / "prompts.jsonl"), "--queue", q, "--key", "nightly-7",
-            "--chunk-size", "8"]
+    args = [
+        "submit",
+        str(REPO_ROOT / "examples" / "prompts.jsonl"),
+        "--queue",
+        q,
+        "--key",
+        "nightly-7",
+        "--chunk-size",
+        "8",
+    ]
     first = invoke(*args).stdout.strip().splitlines()[-1]
     assert queue_length(q) == 3
     second = invoke(*args)

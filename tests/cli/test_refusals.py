@@ -73,14 +73,25 @@ def _one_error_line(err: str) -> str:
 # ---------------------------------------------------------------------------------------- input lines
 
 
-@pytest.mark.parametrize("bad_line, expected", [
-    ('{"custom_id": "d", "prompt": ' + "[" * 10_000 + "]" * 10_000 + "}", "JSON nested too deeply"),
-    ('{"custom_id": "x\\ud800", "prompt": "hi"}', "custom_id contains a lone surrogate (\\ud800"),
-    ('{"custom_id": "s", "prompt": "hi \\udfff there"}', "prompt contains a lone surrogate (\\udfff"),
-    (('{"custom_id": "s", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": '
-      '[{"role": "user", "content": "a\\ud800"}]}}'), "prompt contains a lone surrogate"),
-    ('{"custom_id": "n", "prompt": "a\\u0000b"}', "prompt contains a NUL character (\\u0000 at character 2)"),
-])
+@pytest.mark.parametrize(
+    "bad_line, expected",
+    [
+        ('{"custom_id": "d", "prompt": ' + "[" * 10_000 + "]" * 10_000 + "}", "JSON nested too deeply"),
+        ('{"custom_id": "x\\ud800", "prompt": "hi"}', "custom_id contains a lone surrogate (\\ud800"),
+        ('{"custom_id": "s", "prompt": "hi \\udfff there"}', "prompt contains a lone surrogate (\\udfff"),
+        (
+            (
+                '{"custom_id": "s", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": '
+                '[{"role": "user", "content": "a\\ud800"}]}}'
+            ),
+            "prompt contains a lone surrogate",
+        ),
+        (
+            '{"custom_id": "n", "prompt": "a\\u0000b"}',
+            "prompt contains a NUL character (\\u0000 at character 2)",
+        ),
+    ],
+)
 def test_bad_line_named_with_its_number_nothing_stored(env, bad_line, expected):
     path = env["tmp"] / "in.jsonl"
     path.write_text(_good("a") + "\n" + bad_line + "\n" + _good("c") + "\n")
@@ -92,7 +103,9 @@ def test_bad_line_named_with_its_number_nothing_stored(env, bad_line, expected):
 
 def test_raw_nul_reported_on_its_own_line(env):
     path = env["tmp"] / "in.jsonl"
-    path.write_bytes((_good("a") + "\n" + _good("b") + "\n").encode() + b'{"custom_id": "c", "prompt": "x\0y"}\n')
+    path.write_bytes(
+        (_good("a") + "\n" + _good("b") + "\n").encode() + b'{"custom_id": "c", "prompt": "x\0y"}\n'
+    )
     err = refused(["run", str(path), "-o", str(env["out"])], code=2)
     assert "line 3: binary data (NUL byte" in err and "line 1" not in err
     assert _runs(env["db"]) == 0 and env["out"].read_text() == OLD
@@ -112,8 +125,13 @@ def test_escaped_nul_and_surrogate_refused_on_postgresql(env):
         env["mp"].setenv("CANVASQ_DATABASE_URL", url)
         Store(url).upgrade()
         path = env["tmp"] / "in.jsonl"
-        path.write_text(_good("a") + "\n" + json.dumps({"custom_id": "b\u0000", "prompt": "x"}) + "\n"
-                        + '{"custom_id": "c", "prompt": "secret prompt \\u0000"}\n')
+        path.write_text(
+            _good("a")
+            + "\n"
+            + json.dumps({"custom_id": "b\u0000", "prompt": "x"})
+            + "\n"
+            + '{"custom_id": "c", "prompt": "secret prompt \\u0000"}\n'
+        )
         err = refused(["submit", str(path), "--queue", "canvasq.test.never"], code=2)
         assert "line 2: custom_id contains a NUL" in err and "line 3: prompt contains a NUL" in err
         assert "secret prompt" not in err  # the prompt is never echoed
@@ -168,11 +186,26 @@ def _corrupt_model(tmp: Path, how: str) -> Path:
     return d
 
 
-@pytest.mark.parametrize("case", [
-    "missing_model", "config", "truncated", "garbage", "chunk_size", "routing", "routing_decoder",
-    "mysql", "pg_closed_port", "pg_missing_host", "sqlite_missing_dir", "out_missing_dir", "dev_full",
-    "proc", "out_is_input",
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing_model",
+        "config",
+        "truncated",
+        "garbage",
+        "chunk_size",
+        "routing",
+        "routing_decoder",
+        "mysql",
+        "pg_closed_port",
+        "pg_missing_host",
+        "sqlite_missing_dir",
+        "out_missing_dir",
+        "dev_full",
+        "proc",
+        "out_is_input",
+    ],
+)
 def test_misconfiguration_one_line_before_generation(env, case):
     path = env["tmp"] / "in.jsonl"
     path.write_text(_good() + "\n")
@@ -246,8 +279,11 @@ def test_model_that_fails_to_load_leaves_no_run(env):
 
 @pytest.mark.parametrize("broker", ["closed_port", "missing_host"])
 def test_submit_with_broker_down_stores_nothing(env, broker):
-    url = (f"redis://:secret@127.0.0.1:{free_port()}/0" if broker == "closed_port"
-           else "redis://:secret@no-such-host.invalid:6379/0")
+    url = (
+        f"redis://:secret@127.0.0.1:{free_port()}/0"
+        if broker == "closed_port"
+        else "redis://:secret@no-such-host.invalid:6379/0"
+    )
     env["mp"].setenv("CANVASQ_BROKER_URL", url)
     path = env["tmp"] / "in.jsonl"
     path.write_text(_good() + "\n")

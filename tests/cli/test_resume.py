@@ -35,8 +35,15 @@ OLD = "old results\n"
 
 def _write_input(path: Path, n: int = N) -> list[str]:
     ids = [f"q{i:02d}" for i in range(n)]
-    path.write_text("".join(json.dumps({"custom_id": c, "prompt": f"What is {i} plus {i + 3}?", "task": "math",
-                                        "max_tokens": 8}) + "\n" for i, c in enumerate(ids)))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {"custom_id": c, "prompt": f"What is {i} plus {i + 3}?", "task": "math", "max_tokens": 8}
+            )
+            + "\n"
+            for i, c in enumerate(ids)
+        )
+    )
     return ids
 
 
@@ -45,9 +52,11 @@ def _done_ids(url: str) -> dict[str, object]:
     st = Store(url)
     try:
         with st.Session() as s:
-            rows = s.execute(select(Request.custom_id, Output.updated_at)
-                             .join(Output, (Output.run_id == Request.run_id) & (Output.custom_id == Request.custom_id))
-                             .where(Request.status == "done")).all()
+            rows = s.execute(
+                select(Request.custom_id, Output.updated_at)
+                .join(Output, (Output.run_id == Request.run_id) & (Output.custom_id == Request.custom_id))
+                .where(Request.status == "done")
+            ).all()
         return dict(rows)
     except Exception:  # noqa: BLE001 - tables not created yet
         return {}
@@ -56,8 +65,14 @@ def _done_ids(url: str) -> dict[str, object]:
 
 
 def _start(env: dict, args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "canvasq.cli", *args], env=env, cwd=REPO_ROOT,
-                            stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "canvasq.cli", *args],
+        env=env,
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=open(log, "w"),
+        text=True,
+    )
 
 
 def _wait_done(proc: subprocess.Popen, url: str, at_least: int, log: Path, timeout_s: float = 60) -> None:
@@ -84,8 +99,14 @@ def test_sigint_then_sigkill_then_rerun_every_id_once_and_work_reused(tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text(OLD)
     work = tmp_path / "work.log"
-    env = {**os.environ, "CANVASQ_DATABASE_URL": url, "CANVASQ_MODEL": model_for_tests(),
-           "CANVASQ_TORCH_THREADS": "1", "CANVASQ_TEST_WORK_LOG": str(work), "CANVASQ_TEST_DELAY_S": "0.3"}
+    env = {
+        **os.environ,
+        "CANVASQ_DATABASE_URL": url,
+        "CANVASQ_MODEL": model_for_tests(),
+        "CANVASQ_TORCH_THREADS": "1",
+        "CANVASQ_TEST_WORK_LOG": str(work),
+        "CANVASQ_TEST_DELAY_S": "0.3",
+    }
     args = ["run", str(src), "-o", str(out), "--decoder", "funnel", "--chunk-size", "2"]
 
     # 1. Ctrl-C after a few rows: exit 130, run `interrupted`, output untouched
@@ -138,7 +159,9 @@ def test_sigint_then_sigkill_then_rerun_every_id_once_and_work_reused(tmp_path):
     assert not set(last) & set(done_at_kill), "the rerun decoded rows finished before the kill"
     assert set(last) == set(ids) - set(done_at_kill)
     assert len(st.list_runs()) == 1 and st.list_runs()[0]["status"] == "completed"
-    assert not [x for x in tmp_path.iterdir() if x.name.endswith(".tmp")]  # the killed run's temp file is gone
+    assert not [
+        x for x in tmp_path.iterdir() if x.name.endswith(".tmp")
+    ]  # the killed run's temp file is gone
     st.dispose()
 
 
@@ -175,12 +198,19 @@ def test_cancel_then_retry_reruns_every_cancelled_row_of_an_interrupted_run(env)
     st = Store(env["url"])
     st.upgrade()
     jobs = [Job(f"r{i}", f"What is {i} plus 1?", "math", 8, None, i + 1) for i in range(6)]
-    created = st.create_run(jobs, model=model_for_tests(), queue="embedded", decoder="funnel", chunk_size=2,
-                            mode="embedded")
+    created = st.create_run(
+        jobs, model=model_for_tests(), queue="embedded", decoder="funnel", chunk_size=2, mode="embedded"
+    )
     run_id = created.run_id
     owner = f"embedded:{socket.gethostname()}:{_dead_pid()}"
-    st.register_worker(owner, socket.gethostname(), int(owner.rsplit(":", 1)[1]), "cpu", model_for_tests(),
-                       f"embedded:{run_id}")
+    st.register_worker(
+        owner,
+        socket.gethostname(),
+        int(owner.rsplit(":", 1)[1]),
+        "cpu",
+        model_for_tests(),
+        f"embedded:{run_id}",
+    )
     claim = st.claim_chunk(created.chunk_ids[0], owner, 3600, 3)
     assert claim.state == "work" and len(claim.requests) == 2
     st.write_results(run_id, [ResultRecord("r0", text="1", completion_tokens=1, decoder="funnel")], owner)
@@ -208,12 +238,15 @@ def test_retry_of_an_interrupted_run_also_runs_rows_left_queued(env):
     st = Store(env["url"])
     st.upgrade()
     jobs = [Job(f"r{i}", f"What is {i} plus 2?", "math", 8, None, i + 1) for i in range(4)]
-    created = st.create_run(jobs, model=model_for_tests(), queue="embedded", decoder="funnel", chunk_size=2,
-                            mode="embedded")
+    created = st.create_run(
+        jobs, model=model_for_tests(), queue="embedded", decoder="funnel", chunk_size=2, mode="embedded"
+    )
     run_id = created.run_id
     owner = f"embedded:{socket.gethostname()}:{_dead_pid()}"
     st.claim_chunk(created.chunk_ids[0], owner, 3600, 3)
-    st.write_results(run_id, [ResultRecord("r0", status="errored", error_code="decode_error", error_message="x")])
+    st.write_results(
+        run_id, [ResultRecord("r0", status="errored", error_code="decode_error", error_message="x")]
+    )
     res = invoke("retry", run_id, "--only", "errored")
     assert "re-ran 1 rows in ['errored'] and 3 left unfinished by an interruption" in res.stdout
     assert st.counts(run_id)["done"] == 4
@@ -234,7 +267,9 @@ def test_rerun_while_the_first_is_alive_is_refused(env):
         s.execute(update(Request).where(Request.custom_id == "q00").values(status="queued"))
     owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "canvasq"])
     try:
-        st.register_worker("embedded:other", socket.gethostname(), owner.pid, "cpu", "m", f"embedded:{run['run_id']}")
+        st.register_worker(
+            "embedded:other", socket.gethostname(), owner.pid, "cpu", "m", f"embedded:{run['run_id']}"
+        )
         get_settings.cache_clear()
         res = CliRunner().invoke(cli, ["run", str(src), "-o", "b.jsonl", "--decoder", "funnel"])
         assert res.exit_code == 1 and "is being generated by process" in res.stderr, res.stderr
@@ -279,8 +314,10 @@ def test_submit_after_publish_failure_publishes_the_unpublished_chunks(env, monk
         get_settings.cache_clear()
         res = CliRunner().invoke(cli, ["submit", str(src), "--queue", queue, "--chunk-size", "5"])
         assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.stderr
-        assert "is stored but publishing its chunks" in res.stderr and "run the same `canvasq submit` again" \
-            in res.stderr
+        assert (
+            "is stored but publishing its chunks" in res.stderr
+            and "run the same `canvasq submit` again" in res.stderr
+        )
         st = Store(env["url"])
         (run,) = st.list_runs()
         assert len(st.unpublished_chunks(run["run_id"])) == 5 and queue_length(queue) == 0
@@ -292,7 +329,9 @@ def test_submit_after_publish_failure_publishes_the_unpublished_chunks(env, monk
         assert "published its 5 unpublished chunk(s)" in res.stderr
         assert queue_length(queue) == 5 and st.unpublished_chunks(run["run_id"]) == []
         res = invoke("submit", str(src), "--queue", queue, "--chunk-size", "5")
-        assert "nothing published (every chunk was published before)" in res.stderr and queue_length(queue) == 5
+        assert (
+            "nothing published (every chunk was published before)" in res.stderr and queue_length(queue) == 5
+        )
         st.dispose()
     finally:
         proxy.refuse() if proxy._listener else None

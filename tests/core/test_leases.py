@@ -77,7 +77,15 @@ def test_stuck_rows_are_the_ones_no_live_worker_will_finish(store):
 
     new = store.retry_run(run.run_id, ["stuck"], 16, offline_before=offline_before)
     assert len(new) == 1 and store.unpublished_chunks(run.run_id)[0][0] == new[0]
-    assert store.stuck_rows(run.run_id, offline_before) == ["q2", "q3", "q4", "q5", "q7", "q10", "q11"]  # unpublished
+    assert store.stuck_rows(run.run_id, offline_before) == [
+        "q2",
+        "q3",
+        "q4",
+        "q5",
+        "q7",
+        "q10",
+        "q11",
+    ]  # unpublished
     store.mark_published(new)
     assert store.stuck_rows(run.run_id, offline_before) == []
     assert store.counts(run.run_id)["queued"] == 11 and store.run_status(run.run_id) == "running"

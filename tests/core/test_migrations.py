@@ -9,8 +9,19 @@ from canvasq.core.db import current_revision, downgrade, head_revision, upgrade
 from canvasq.core.store import Store
 from tests.harness.backends import fresh_pg_database
 
-TABLES = {"runs", "requests", "outputs", "forward_traces", "chunks", "workers", "calibrations",
-          "calibration_points", "api_keys", "api_files", "api_batches"}
+TABLES = {
+    "runs",
+    "requests",
+    "outputs",
+    "forward_traces",
+    "chunks",
+    "workers",
+    "calibrations",
+    "calibration_points",
+    "api_keys",
+    "api_files",
+    "api_batches",
+}
 API_TABLES = {"api_keys", "api_files", "api_batches"}
 
 
@@ -36,12 +47,24 @@ def _populate(url: str) -> str:
     from canvasq.core.schemas import Job
 
     st = Store(url)
-    run = st.create_run([Job(f"c{i}", "p", None, 8, None, i + 1) for i in range(5)], model="m", queue="q",
-                        chunk_size=2)
+    run = st.create_run(
+        [Job(f"c{i}", "p", None, 8, None, i + 1) for i in range(5)], model="m", queue="q", chunk_size=2
+    )
     st.claim_chunk(run.chunk_ids[0], "w", 60, 3)
-    st.write_results(run.run_id, [ResultRecord("c0", text="t", completion_tokens=3,
-                                               traces=[{"forward_index": 0, "rows": 8, "commits": 3, "canvases": 1,
-                                                            "states": "full", "ms": 1.0}])], "w")
+    st.write_results(
+        run.run_id,
+        [
+            ResultRecord(
+                "c0",
+                text="t",
+                completion_tokens=3,
+                traces=[
+                    {"forward_index": 0, "rows": 8, "commits": 3, "canvases": 1, "states": "full", "ms": 1.0}
+                ],
+            )
+        ],
+        "w",
+    )
     st.dispose()
     return run.run_id
 

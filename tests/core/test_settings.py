@@ -55,12 +55,19 @@ def test_bad_routing_rejected(monkeypatch):
         ("postgresql://u:pa?ss@h/db", "postgresql://u:***@h/db"),
         # secrets in query parameters
         ("redis://redis:6379/0?password=hunter2", "redis://redis:6379/0?password=***"),
-        ("postgresql://u@h/db?sslmode=verify-full&sslpassword=kk&application_name=a@b",
-         "postgresql://u@h/db?sslmode=verify-full&sslpassword=***&application_name=a@b"),
-        ("rediss://:pw@h:6380/0?ssl_cert_reqs=required&token=t0k", "rediss://:***@h:6380/0?ssl_cert_reqs=required&token=***"),
+        (
+            "postgresql://u@h/db?sslmode=verify-full&sslpassword=kk&application_name=a@b",
+            "postgresql://u@h/db?sslmode=verify-full&sslpassword=***&application_name=a@b",
+        ),
+        (
+            "rediss://:pw@h:6380/0?ssl_cert_reqs=required&token=t0k",
+            "rediss://:***@h:6380/0?ssl_cert_reqs=required&token=***",
+        ),
         # URLs inside an error line, each masked; a username alone is not a secret
-        ("Error 111 connecting to redis://:s3@cr3t@h:1/0; db postgresql://u:pw@h/d.",
-         "Error 111 connecting to redis://:***@h:1/0; db postgresql://u:***@h/d."),
+        (
+            "Error 111 connecting to redis://:s3@cr3t@h:1/0; db postgresql://u:pw@h/d.",
+            "Error 111 connecting to redis://:***@h:1/0; db postgresql://u:***@h/d.",
+        ),
         ("postgresql://canvasq@postgres:5432/canvasq", "postgresql://canvasq@postgres:5432/canvasq"),
     ],
 )
@@ -75,7 +82,10 @@ def test_mask_url_never_leaves_the_password(secret):
         urls.append(f"redis://h:6379/0?password={secret}&db=1")
     for url in urls:
         out = mask_url(url)
-        assert "***" in out and not any(part in out for part in re.findall(r"[A-Za-z0-9]+", secret)), (url, out)
+        assert "***" in out and not any(part in out for part in re.findall(r"[A-Za-z0-9]+", secret)), (
+            url,
+            out,
+        )
 
 
 def test_lease_must_outlive_a_missed_heartbeat():
@@ -102,8 +112,9 @@ def test_queue_per_model():
 
 def test_config_command_masks_password():
     env = {**os.environ, "CANVASQ_DATABASE_URL": "postgresql+psycopg://u:topsecret@h/db"}
-    out = subprocess.run([sys.executable, "-m", "canvasq.cli", "config"], env=env, capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "canvasq.cli", "config"], env=env, capture_output=True, text=True, check=True
+    ).stdout
     assert "topsecret" not in out and "u:***@h/db" in out
 
 
@@ -134,14 +145,42 @@ def test_run_identity_holds_what_changes_tokens_only():
 
     base = Settings(model="random:testbed")
     ident = run_identity(base)
-    assert {"model", "seed", "routing", "routing_budget", "default_max_tokens", "device", "experts", "fp8",
-            "fp8_min_rows", "decode_slots", "decode_batch_size", "cuda_graphs"} <= set(ident)
-    for name, value in [("lease_s", 90), ("reconcile_s", 5.0), ("heartbeat_s", 3.0), ("database_url", "sqlite://"),
-                        ("broker_url", "redis://x:1/0"), ("torch_threads", 3), ("max_attempts", 7),
-                        ("max_tokens_limit", 99), ("w4_cache_dir", "/tmp/w4"), ("chunk_size", 3)]:
+    assert {
+        "model",
+        "seed",
+        "routing",
+        "routing_budget",
+        "default_max_tokens",
+        "device",
+        "experts",
+        "fp8",
+        "fp8_min_rows",
+        "decode_slots",
+        "decode_batch_size",
+        "cuda_graphs",
+    } <= set(ident)
+    for name, value in [
+        ("lease_s", 90),
+        ("reconcile_s", 5.0),
+        ("heartbeat_s", 3.0),
+        ("database_url", "sqlite://"),
+        ("broker_url", "redis://x:1/0"),
+        ("torch_threads", 3),
+        ("max_attempts", 7),
+        ("max_tokens_limit", 99),
+        ("w4_cache_dir", "/tmp/w4"),
+        ("chunk_size", 3),
+    ]:
         assert run_identity(base.model_copy(update={name: value})) == ident, name
-    for name, value in [("seed", 1), ("fp8", "off"), ("experts", "w4"), ("default_max_tokens", 9),
-                        ("routing", {"math": "pipe"}), ("cuda_graphs", "off"), ("decode_slots", 4)]:
+    for name, value in [
+        ("seed", 1),
+        ("fp8", "off"),
+        ("experts", "w4"),
+        ("default_max_tokens", 9),
+        ("routing", {"math": "pipe"}),
+        ("cuda_graphs", "off"),
+        ("decode_slots", 4),
+    ]:
         assert run_identity(base.model_copy(update={name: value})) != ident, name
 
 

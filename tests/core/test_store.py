@@ -24,11 +24,31 @@ def make_run(store: Store, n: int = 10, chunk_size: int = 4, **kw):
 
 
 def done(cid: str, tokens: int = 5, decoder: str = "official", **kw) -> ResultRecord:
-    traces = [{"forward_index": i, "rows": 32, "commits": 2, "canvases": 1, "states": "full", "ms": 1.5, "kind": "decode"}
-              for i in range(3)]
-    return ResultRecord(cid, text=f"answer {cid}", token_ids=list(range(tokens)), finish_reason="stop",
-                        prompt_tokens=7, completion_tokens=tokens, forwards=3, decoder=decoder, gen_ms=100.0,
-                        traces=traces, **kw)
+    traces = [
+        {
+            "forward_index": i,
+            "rows": 32,
+            "commits": 2,
+            "canvases": 1,
+            "states": "full",
+            "ms": 1.5,
+            "kind": "decode",
+        }
+        for i in range(3)
+    ]
+    return ResultRecord(
+        cid,
+        text=f"answer {cid}",
+        token_ids=list(range(tokens)),
+        finish_reason="stop",
+        prompt_tokens=7,
+        completion_tokens=tokens,
+        forwards=3,
+        decoder=decoder,
+        gen_ms=100.0,
+        traces=traces,
+        **kw,
+    )
 
 
 def test_create_run_chunks_and_counts(store):
@@ -56,11 +76,24 @@ def test_create_run_inserts_chunks_in_bulk(store):
     # big: the run, its chunks, its requests; small: the run, then chunks + requests for each of
     # four batches of ≤ 3 rows (a batch starting inside a chunk opened by the previous one adds none)
     assert statements[:3] == ["runs", "chunks", "requests"]
-    assert statements[3:] == ["runs", "chunks", "requests", "chunks", "requests", "chunks", "requests", "requests"]
+    assert statements[3:] == [
+        "runs",
+        "chunks",
+        "requests",
+        "chunks",
+        "requests",
+        "chunks",
+        "requests",
+        "requests",
+    ]
     with store.Session() as s:
         for run in (big, small):
-            got = s.execute(select(Request.chunk_id, func.count()).where(Request.run_id == run.run_id)
-                            .group_by(Request.chunk_id).order_by(Request.chunk_id)).all()
+            got = s.execute(
+                select(Request.chunk_id, func.count())
+                .where(Request.run_id == run.run_id)
+                .group_by(Request.chunk_id)
+                .order_by(Request.chunk_id)
+            ).all()
             sizes = [4] * (run.requests // 4) + ([run.requests % 4] if run.requests % 4 else [])
             assert got == list(zip(run.chunk_ids, sizes))
 
@@ -78,8 +111,11 @@ def test_duplicate_results_write_once(store):
     assert store.write_results(run.run_id, [done("q0"), done("q1")], "w1") == 2
     assert store.write_results(run.run_id, [done("q0", tokens=9), done("q1")], "w2") == 0
     with store.Session() as s:
-        rows = s.execute(select(Output.custom_id, Output.completion_tokens, Output.worker_id)
-                         .where(Output.run_id == run.run_id).order_by(Output.custom_id)).all()
+        rows = s.execute(
+            select(Output.custom_id, Output.completion_tokens, Output.worker_id)
+            .where(Output.run_id == run.run_id)
+            .order_by(Output.custom_id)
+        ).all()
         n_traces = s.scalar(text("select count(*) from forward_traces where run_id = :r"), {"r": run.run_id})
     assert rows == [("q0", 5, "w1"), ("q1", 5, "w1")]
     assert n_traces == 6
@@ -100,7 +136,9 @@ def test_claim_skips_done_rows_and_caps_attempts(store):
     assert c["done"] == 1 and c["errored"] == 3 and c["queued"] == 0
     assert store.finalize_run(run.run_id) == "completed"
     with store.Session() as s:
-        codes = s.scalars(select(Output.error_code).where(Output.run_id == run.run_id, Output.error_code.is_not(None)))
+        codes = s.scalars(
+            select(Output.error_code).where(Output.run_id == run.run_id, Output.error_code.is_not(None))
+        )
         assert set(codes) == {"worker_lost"}
 
 
@@ -130,22 +168,33 @@ def test_duplicates_of_a_finished_chunk_are_not_counted(store):
 def test_summary_counts_come_from_rows(store):
     run = make_run(store, 6, 3)
     store.claim_chunk(run.chunk_ids[0], "w1", 60, 3)
-    store.write_results(run.run_id, [done("q0", 10), done("q1", 20, decoder="funnel"),
-                                     ResultRecord("q2", status="errored", error_code="decode_error",
-                                                  error_message="boom")], "w1")
+    store.write_results(
+        run.run_id,
+        [
+            done("q0", 10),
+            done("q1", 20, decoder="funnel"),
+            ResultRecord("q2", status="errored", error_code="decode_error", error_message="boom"),
+        ],
+        "w1",
+    )
     s = store.run_summary(run.run_id)
     assert s["counts"] == {"queued": 3, "done": 2, "errored": 1, "expired": 0, "cancelled": 0, "total": 6}
     assert s["completion_tokens"] == 30 and s["forwards"] == 6
     assert s["prompt_tokens"] == 14 and s["gen_s"] == pytest.approx(0.2)  # the errored row counts nowhere
     assert [(d["decoder"], d["requests"], d["tokens"], d["forwards"]) for d in s["decoders"]] == [
-        ("funnel", 1, 20, 3), ("official", 1, 10, 3)]
+        ("funnel", 1, 20, 3),
+        ("official", 1, 10, 3),
+    ]
     assert s["decoders"][0]["tok_s"] == pytest.approx(200.0)  # 20 tokens in 100 ms
     assert s["status"] == "running"
     listed = store.list_runs()[0]
     assert (listed["total"], listed["done"], listed["errored"], listed["queued"]) == (6, 2, 1, 3)
     with store.Session() as sess:  # the migration's view agrees with the ORM query
-        view = dict(sess.execute(text("select decoder, tokens from run_throughput where run_id = :r"),
-                                 {"r": run.run_id}).all())
+        view = dict(
+            sess.execute(
+                text("select decoder, tokens from run_throughput where run_id = :r"), {"r": run.run_id}
+            ).all()
+        )
     assert view == {"official": 10, "funnel": 20}
 
 
@@ -176,7 +225,10 @@ def test_expire_and_retry(store):
     assert [r.custom_id for r in claim.requests] == ["q1"]
     assert store.write_results(run.run_id, [done("q1")], "w2") == 1  # overwrites the errored output
     with store.Session() as s:
-        assert s.scalar(select(Output.error_code).where(Output.run_id == run.run_id, Output.custom_id == "q1")) is None
+        assert (
+            s.scalar(select(Output.error_code).where(Output.run_id == run.run_id, Output.custom_id == "q1"))
+            is None
+        )
         assert s.scalar(select(func.count()).select_from(Output).where(Output.run_id == run.run_id)) == 6
 
 
@@ -215,7 +267,9 @@ def test_foreign_keys_enforced(store):
     from sqlalchemy.exc import IntegrityError
 
     with pytest.raises(IntegrityError), store.Session.begin() as s:
-        s.add(Request(run_id="run_missing", custom_id="x", line_no=1, prompt="p", max_tokens=1, status="queued"))
+        s.add(
+            Request(run_id="run_missing", custom_id="x", line_no=1, prompt="p", max_tokens=1, status="queued")
+        )
 
 
 def _writer(url: str, run_id: str, ids: list[str], q) -> None:
@@ -235,7 +289,10 @@ def test_concurrent_sqlite_writers_do_not_lock(tmp_path):
     ids = [f"q{i}" for i in range(200)]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_writer, args=(url, run.run_id, ids[i::4] + ids[(i + 1) % 4::4], q)) for i in range(4)]
+    procs = [
+        ctx.Process(target=_writer, args=(url, run.run_id, ids[i::4] + ids[(i + 1) % 4 :: 4], q))
+        for i in range(4)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -250,8 +307,15 @@ def test_embedded_interrupt_resume_and_orphan_cancel(store):
     delivery; pending_chunks lists chunks still holding queued rows; a cancel of a run no process
     holds closes the running chunk's rows too, so nothing stays queued."""
     rows = [Job(f"r{i}", "p", "math", 8, None, i + 1) for i in range(5)]
-    created = store.create_run(rows, model="m", queue="embedded", decoder="funnel", chunk_size=2, mode="embedded",
-                               idempotency_key="embedded:k")
+    created = store.create_run(
+        rows,
+        model="m",
+        queue="embedded",
+        decoder="funnel",
+        chunk_size=2,
+        mode="embedded",
+        idempotency_key="embedded:k",
+    )
     rid = created.run_id
     assert store.run_by_key("embedded:k") == rid and store.pending_chunks(rid) == created.chunk_ids
     store.claim_chunk(created.chunk_ids[0], "w", 60, 3)
@@ -269,9 +333,14 @@ def test_embedded_interrupt_resume_and_orphan_cancel(store):
     assert store.cancel_run(rid, close_running=True) == "cancelled"
     c = store.counts(rid)
     assert (c["done"], c["cancelled"], c["queued"]) == (1, 4, 0)
-    again = store.create_run(rows, model="m", queue="embedded", chunk_size=2, idempotency_key="embedded:k",
-                             replace_key=True)
-    assert again.created and store.run_by_key("embedded:k") == again.run_id and store.get_run(rid).idempotency_key is None
+    again = store.create_run(
+        rows, model="m", queue="embedded", chunk_size=2, idempotency_key="embedded:k", replace_key=True
+    )
+    assert (
+        again.created
+        and store.run_by_key("embedded:k") == again.run_id
+        and store.get_run(rid).idempotency_key is None
+    )
 
 
 def test_a_periodic_reconcile_leaves_a_submit_publishing_alone(store):
@@ -293,8 +362,11 @@ def test_a_periodic_reconcile_leaves_a_submit_publishing_alone(store):
     settings = Settings(database_url="sqlite://")
     assert reconcile_once(store, settings, publish, OUTBOX_GRACE_S).published == 0 and sent == []
     with store.Session.begin() as s:  # the submit crashed a grace period ago without publishing
-        s.execute(update(Chunk).where(Chunk.run_id == run.run_id)
-                  .values(updated_at=utcnow() - timedelta(seconds=OUTBOX_GRACE_S + 1)))
+        s.execute(
+            update(Chunk)
+            .where(Chunk.run_id == run.run_id)
+            .values(updated_at=utcnow() - timedelta(seconds=OUTBOX_GRACE_S + 1))
+        )
     assert reconcile_once(store, settings, publish, OUTBOX_GRACE_S).published == 2
     assert sorted(sent) == sorted(run.chunk_ids)
     assert reconcile_once(store, settings, publish).published == 0 and len(sent) == 2
@@ -325,8 +397,11 @@ def test_claim_ahead_and_the_late_message(store):
     again = store.claim_ahead(run.run_id, "w1", 60, 3)
     assert again.chunk_id == run.chunk_ids[1]
     with store.Session.begin() as s:  # its holder died: the lease lapsed
-        s.execute(update(Chunk).where(Chunk.id == again.chunk_id)
-                  .values(lease_expires_at=utcnow() - timedelta(seconds=1)))
+        s.execute(
+            update(Chunk)
+            .where(Chunk.id == again.chunk_id)
+            .values(lease_expires_at=utcnow() - timedelta(seconds=1))
+        )
     taken = store.claim_chunk(again.chunk_id, "w2", 60, 3)
     assert (taken.state, taken.attempts, [r.custom_id for r in taken.requests]) == ("work", 2, ["q2", "q3"])
     with store.Session() as s:

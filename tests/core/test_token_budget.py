@@ -32,14 +32,24 @@ def test_rule_rounds_max_tokens_up_to_whole_canvases():
     assert token_budget_error(992, 1, 32, 1024) is None
     assert token_budget_error(993, 32, 32, 1024) == (
         "prompt (993 tokens) + max_tokens 32 rounded up to 1 canvases of 32 need 1025 positions; "
-        "the model context is 1024")
+        "the model context is 1024"
+    )
     assert "rounded up to 2 canvases of 32 need 1056" in token_budget_error(992, 33, 32, 1024)
     assert token_budget_error(10**6, 10**6, 32, None) is None  # context unknown: nothing to check
 
 
-@pytest.mark.parametrize("text", ["What is 3 plus 4?", "", "  spaces  and\ttabs\n\nnewlines ", "ünïcødé ✓ 数学 🙂",
-                                  "a <sep> and <bos> and <eos> inside", "def f(x):\n    return x * 12345\n",
-                                  "9" * 300])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "What is 3 plus 4?",
+        "",
+        "  spaces  and\ttabs\n\nnewlines ",
+        "ünïcødé ✓ 数学 🙂",
+        "a <sep> and <bos> and <eos> inside",
+        "def f(x):\n    return x * 12345\n",
+        "9" * 300,
+    ],
+)
 def test_validator_counts_prompt_ids_as_the_decoder_does(bundle, text):
     counter = Limits.for_model(Settings(model=bundle.spec)).prompt_tokens
     ids = bundle.encode_prompt(text, None)
@@ -53,7 +63,9 @@ def test_context_and_canvas_length_are_the_models(bundle):
     assert ctx.canvas_length == bundle.canvas_length
     random_ctx = model_context("random:testbed")  # load_bundle gives random weights the testbed's tokenizer
     assert (random_ctx.positions, random_ctx.canvas_length) == (ctx.positions, ctx.canvas_length)
-    assert random_ctx.prompt_tokens.count("What is 3 plus 4?") == len(bundle.encode_prompt("What is 3 plus 4?"))
+    assert random_ctx.prompt_tokens.count("What is 3 plus 4?") == len(
+        bundle.encode_prompt("What is 3 plus 4?")
+    )
 
 
 def _prompt_of(counter, n_ids: int) -> str:
@@ -73,20 +85,33 @@ def test_a_line_at_the_edge_passes_and_decodes_one_token_more_is_refused_at_its_
         {"custom_id": "edge", "prompt": edge, "max_tokens": C},
         {"custom_id": "longer-prompt", "prompt": longer, "max_tokens": C},
         {"custom_id": "more-tokens", "prompt": edge, "max_tokens": C + 1},
-        {"custom_id": "openai", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"messages": [{"role": "user", "content": longer}], "max_tokens": 1}},
+        {
+            "custom_id": "openai",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": longer}], "max_tokens": 1},
+        },
     ]
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     report = validate_file(src, limits)
     assert report.jobs == 1
     assert report.errors == [
-        LineError(2, f"prompt ({ctx - C + 1} tokens) + max_tokens {C} rounded up to 1 canvases of {C} need "
-                     f"{ctx + 1} positions; the model context is {ctx}"),
-        LineError(3, f"prompt ({ctx - C} tokens) + max_tokens {C + 1} rounded up to 2 canvases of {C} need "
-                     f"{ctx + C} positions; the model context is {ctx}"),
-        LineError(4, f"prompt ({ctx - C + 1} tokens) + max_tokens 1 rounded up to 1 canvases of {C} need "
-                     f"{ctx + 1} positions; the model context is {ctx}"),
+        LineError(
+            2,
+            f"prompt ({ctx - C + 1} tokens) + max_tokens {C} rounded up to 1 canvases of {C} need "
+            f"{ctx + 1} positions; the model context is {ctx}",
+        ),
+        LineError(
+            3,
+            f"prompt ({ctx - C} tokens) + max_tokens {C + 1} rounded up to 2 canvases of {C} need "
+            f"{ctx + C} positions; the model context is {ctx}",
+        ),
+        LineError(
+            4,
+            f"prompt ({ctx - C + 1} tokens) + max_tokens 1 rounded up to 1 canvases of {C} need "
+            f"{ctx + 1} positions; the model context is {ctx}",
+        ),
     ]
 
     # the decoder refuses exactly those, with the same words, and decodes the edge line

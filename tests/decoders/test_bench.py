@@ -76,6 +76,8 @@ def test_record_and_replay_schedule():
         res = mod.replay(runtime_for(b.hf_model, "bf16"), sched, canvas_length=16, device="cpu", reps=1)
         assert res["label"] == "replayed" and res["scale"] == 2.0 and res["tok_s_replayed"] > 0
         # the same passes through DecodeGraphs (prepared-forward path on CPU): same rows, some buckets
-        g = mod.replay(runtime_for(b.hf_model, "bf16"), sched, canvas_length=16, device="cpu", reps=1, graphs=True)
+        g = mod.replay(
+            runtime_for(b.hf_model, "bf16"), sched, canvas_length=16, device="cpu", reps=1, graphs=True
+        )
         assert g["rows_per_pass"] == res["rows_per_pass"] and g["forward"].startswith("CUDA graphs (")
         assert int(g["forward"].split("(")[1].split()[0]) >= 1

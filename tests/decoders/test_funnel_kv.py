@@ -110,7 +110,9 @@ def _hf_reference_logits(model, arena, slot, window, sliding_window):
 def test_band_masks_match_reference_attention():
     b = tiny_bundle(peak=3.0)
     W = b.config.get_text_config().sliding_window
-    dec = make_decoder("funnel", b, {"tau_conf": 0.8, "max_canvases": 5, "self_conditioning": False, "draft_only": False})
+    dec = make_decoder(
+        "funnel", b, {"tau_conf": 0.8, "max_canvases": 5, "self_conditioning": False, "draft_only": False}
+    )
     rt = dec.rt
     seen = []
     real_decode = rt.decode

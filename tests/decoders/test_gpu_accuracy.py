@@ -25,10 +25,16 @@ def test_default_gpu_path_does_hf_generates_work_at_its_accuracy():
 
     bundle = load_bundle(device="cuda")
     arms = [bench.parse_arm("hf"), bench.parse_arm("official")]
-    rows = {r["arm"]: r for r in bench.run_bench(bundle, arms, ["arith", "code"], n=200, seeds=[977],
-                                                  batch_size=16, max_tokens=128, suite=tasks)["arms"]}
+    rows = {
+        r["arm"]: r
+        for r in bench.run_bench(
+            bundle, arms, ["arith", "code"], n=200, seeds=[977], batch_size=16, max_tokens=128, suite=tasks
+        )["arms"]
+    }
     hf, ours = rows["hf"], rows["official"]
-    print(f"hf {hf['acc']:.3f} at {hf['fwd_per_req']:.2f} fwd/req; official {ours['acc']:.3f} at "
-          f"{ours['fwd_per_req']:.2f}")
+    print(
+        f"hf {hf['acc']:.3f} at {hf['fwd_per_req']:.2f} fwd/req; official {ours['acc']:.3f} at "
+        f"{ours['fwd_per_req']:.2f}"
+    )
     assert abs(ours["fwd_per_req"] / hf["fwd_per_req"] - 1) <= 0.10
     assert ours["acc"] >= hf["acc"] - 0.07

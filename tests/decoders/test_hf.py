@@ -15,7 +15,6 @@ def run_hf(*args, **kw):
     return run_batch(*args, decoder="hf", **kw)
 
 
-
 def _batch(seed=0):
     return DecodeBatch(
         [

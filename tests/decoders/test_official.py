@@ -88,8 +88,10 @@ def test_batched_equals_unbatched_per_row(testbed, sampler):
     """Row seeds (the default): a request's tokens do not depend on which requests share its batch,
     whose canvases end at different steps (rows leave the forward as they stop). The fused draws
     (one launch for the batch, keyed per request) keep that."""
-    reqs = [DecodeRequest(f"q{i}", testbed.encode_prompt(p.prompt, p.task), 64, p.task)
-            for i, p in enumerate(_problems(3, 2, seed=5))]
+    reqs = [
+        DecodeRequest(f"q{i}", testbed.encode_prompt(p.prompt, p.task), 64, p.task)
+        for i, p in enumerate(_problems(3, 2, seed=5))
+    ]
     knobs = {"sampler": sampler}
     together = run_batch(testbed, DecodeBatch(reqs, seed=3), "official", overrides=knobs)
     for req, res in zip(reqs, together):
@@ -102,12 +104,18 @@ def test_fused_draws_answer_like_the_torch_draws(testbed):
     forwards stay near the per-request torch draws' (the GPU guard in BENCHMARKS.md is the claim), and
     the two samplers do draw differently."""
     probs = tasks.generate("arith", 40, 7)
-    reqs = [DecodeRequest(f"a{i}", testbed.encode_prompt(p.prompt, p.task), 128, p.task) for i, p in enumerate(probs)]
+    reqs = [
+        DecodeRequest(f"a{i}", testbed.encode_prompt(p.prompt, p.task), 128, p.task)
+        for i, p in enumerate(probs)
+    ]
     arms = {}
     for sampler in ("torch", "fused"):
         res = run_batch(testbed, DecodeBatch(reqs, seed=7), "official", overrides={"sampler": sampler})
-        arms[sampler] = (sum(bool(tasks.verify(p, r.text)) for p, r in zip(probs, res)) / len(probs),
-                         sum(r.forwards for r in res) / len(res), [r.token_ids for r in res])
+        arms[sampler] = (
+            sum(bool(tasks.verify(p, r.text)) for p, r in zip(probs, res)) / len(probs),
+            sum(r.forwards for r in res) / len(res),
+            [r.token_ids for r in res],
+        )
     (acc_t, fwd_t, tok_t), (acc_f, fwd_f, tok_f) = arms["torch"], arms["fused"]
     assert abs(acc_t - acc_f) <= 0.15 and acc_f >= 0.6, arms
     assert abs(fwd_t - fwd_f) <= 0.2 * fwd_t
@@ -117,8 +125,11 @@ def test_fused_draws_answer_like_the_torch_draws(testbed):
 def test_step_cap_max_tokens_and_traces():
     b = tiny_bundle()
     C = b.canvas_length
-    reqs = [DecodeRequest("a", [2, 5, 6, 7, 8, 9, 4], 13), DecodeRequest("b", [2, 9, 4], 8),
-            DecodeRequest("c", [2, 11, 12, 13, 4], 16)]
+    reqs = [
+        DecodeRequest("a", [2, 5, 6, 7, 8, 9, 4], 13),
+        DecodeRequest("b", [2, 9, 4], 8),
+        DecodeRequest("c", [2, 11, 12, 13, 4], 16),
+    ]
     res = run_batch(b, DecodeBatch(reqs, seed=0), "official", overrides={"max_denoising_steps": 3})
     for req, r in zip(reqs, res):
         assert r.error is None and r.decoder == "official"
@@ -223,8 +234,13 @@ def test_graphed_forwards_pad_windows_to_a_bucket_on_free_slots(testbed):
 
     wins = []
     for slot in range(5):
-        cv = Canvas(0, lengths[slot], torch.randint(0, dec.V, (dec.C,), generator=g), torch.zeros(dec.C, dtype=torch.bool),
-                    "full")
+        cv = Canvas(
+            0,
+            lengths[slot],
+            torch.randint(0, dec.V, (dec.C,), generator=g),
+            torch.zeros(dec.C, dtype=torch.bool),
+            "full",
+        )
         wins.append(dec._window(slot, cv))
     padded = dec.forward(wins)
     assert padded.logits.shape[0] == 5 * dec.C and len(padded.offsets) == 6
@@ -241,8 +257,10 @@ def test_steps_run_in_slot_order_with_the_same_tokens(testbed):
     order gives (rows draw from their own generators)."""
     from canvasq.decoders.registry import make_decoder
 
-    reqs = [DecodeRequest(f"s{i}", testbed.encode_prompt(p.prompt, p.task), 96, p.task)
-            for i, p in enumerate(_problems(6, 3, seed=7))]
+    reqs = [
+        DecodeRequest(f"s{i}", testbed.encode_prompt(p.prompt, p.task), 96, p.task)
+        for i, p in enumerate(_problems(6, 3, seed=7))
+    ]
     arms = {}
     for ordered in (False, True):
         dec = make_decoder("official", testbed, {"slot_order": ordered})
@@ -270,8 +288,10 @@ def test_folded_encoder_passes_give_the_same_tokens_in_fewer_forwards(testbed64)
 
     testbed = testbed64
 
-    reqs = [DecodeRequest(f"f{i}", testbed.encode_prompt(p.prompt, p.task), 128, p.task)
-            for i, p in enumerate(_problems(6, 6, seed=11))]
+    reqs = [
+        DecodeRequest(f"f{i}", testbed.encode_prompt(p.prompt, p.task), 128, p.task)
+        for i, p in enumerate(_problems(6, 6, seed=11))
+    ]
     C = testbed.canvas_length
     for r in reqs[::3]:
         r.prompt_ids = r.prompt_ids[-C:]  # short prompts ride too
@@ -283,8 +303,12 @@ def test_folded_encoder_passes_give_the_same_tokens_in_fewer_forwards(testbed64)
         res = _drain(dec, reqs)
         assert all(r.error is None for r in res)
         encodes = [t for r in res for t in r.traces if t.kind == "encode"]
-        arms[fold] = ([r.token_ids for r in res], len({t.index for r in res for t in r.traces}),
-                      sum(t.own_rows for t in encodes), {t.states for t in encodes})
+        arms[fold] = (
+            [r.token_ids for r in res],
+            len({t.index for r in res for t in r.traces}),
+            sum(t.own_rows for t in encodes),
+            {t.states for t in encodes},
+        )
     assert arms[True][0] == arms[False][0]
     assert arms[True][1] < arms[False][1]
     assert arms[True][3] == set() and arms[False][3] == {"prefill", "commit"}
@@ -296,8 +320,10 @@ def test_deferred_commits_share_the_prefill_pass(testbed):
     next prefill pass: fewer model passes, the same tokens (the row's next step still sees its cache)."""
     from canvasq.decoders.registry import make_decoder
 
-    reqs = [DecodeRequest(f"q{i}", testbed.encode_prompt(p.prompt, p.task), 128, p.task)
-            for i, p in enumerate(_problems(12, 4, seed=5))]
+    reqs = [
+        DecodeRequest(f"q{i}", testbed.encode_prompt(p.prompt, p.task), 128, p.task)
+        for i, p in enumerate(_problems(12, 4, seed=5))
+    ]
     arms = {}
     for defer in (False, True):
         dec = make_decoder("official", testbed, {"defer_commits": defer})

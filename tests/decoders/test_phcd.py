@@ -184,13 +184,27 @@ def test_canvasq_run_with_phcd(tmp_path, monkeypatch):
     from canvasq.core.settings import get_settings
 
     src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps({"custom_id": f"r{i}", "prompt": f"What is {i} plus {i + 3}?", "task": "math",
-                                       "max_tokens": 16}) + "\n" for i in range(3)))
+    src.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "custom_id": f"r{i}",
+                    "prompt": f"What is {i} plus {i + 3}?",
+                    "task": "math",
+                    "max_tokens": 16,
+                }
+            )
+            + "\n"
+            for i in range(3)
+        )
+    )
     monkeypatch.setenv("CANVASQ_DATABASE_URL", f"sqlite:///{tmp_path / 'cq.sqlite'}")
     monkeypatch.setenv("CANVASQ_MODEL", str(TESTBED_DIR))
     get_settings.cache_clear()
     try:
-        res = CliRunner().invoke(cli, ["run", str(src), "-o", str(tmp_path / "out.jsonl"), "--decoder", "phcd"])
+        res = CliRunner().invoke(
+            cli, ["run", str(src), "-o", str(tmp_path / "out.jsonl"), "--decoder", "phcd"]
+        )
     finally:
         get_settings.cache_clear()
     assert res.exit_code == 0, res.output
@@ -201,7 +215,8 @@ def test_canvasq_run_with_phcd(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(
-    not (TESTBED_DIR / "phcd_adapter").is_dir(), reason="needs the repair adapter (models/testbed/phcd_adapter)"
+    not (TESTBED_DIR / "phcd_adapter").is_dir(),
+    reason="needs the repair adapter (models/testbed/phcd_adapter)",
 )
 def test_repair_adapter_knob_loads_and_decodes_both_families(bundle):
     """`phcd:adapter=repair` merges models/testbed/phcd_adapter over the D2F model (a third copy,

@@ -44,7 +44,10 @@ def _steps_per_canvas(result) -> list[int]:
 
 def test_official_replays_its_recorded_steps_and_canvases(testbed, installed):
     probs = tasks.generate("arith", 2, 3)
-    reqs = [DecodeRequest(f"r{i}", testbed.encode_prompt(p.prompt, p.task), 96, p.task) for i, p in enumerate(probs)]
+    reqs = [
+        DecodeRequest(f"r{i}", testbed.encode_prompt(p.prompt, p.task), 96, p.task)
+        for i, p in enumerate(probs)
+    ]
     installed.OFFICIAL["r0"] = [2, 5]  # two canvases: stop after 2, then 5 steps, whatever the stopper says
     assert registry.decoder_class("official") is replay.ReplayedOfficial
     got = run_batch(testbed, DecodeBatch(reqs, seed=1), "official", overrides={"cuda_graphs": "off"})

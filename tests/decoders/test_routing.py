@@ -60,8 +60,13 @@ def test_auto_splits_the_batch_by_task_and_keeps_order():
     assert [r.custom_id for r in res] == ["m1", "c1", "m2"]
     assert [r.decoder for r in res] == ["funnel", "pipe", "funnel"]
     # per-request overrides apply on top of the routed knobs
-    res = run_batch(b, DecodeBatch(reqs[:1], seed=0), decoder="auto", routing={"math": "funnel"},
-                    overrides={"max_canvases": 1})
+    res = run_batch(
+        b,
+        DecodeBatch(reqs[:1], seed=0),
+        decoder="auto",
+        routing={"math": "funnel"},
+        overrides={"max_canvases": 1},
+    )
     assert all("," not in t.states for t in res[0].traces)
 
 

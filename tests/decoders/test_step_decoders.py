@@ -232,8 +232,14 @@ def test_time_limit_in_a_later_sub_batch_keeps_the_earlier_ones(bundle):
     assert [r.decoder for r in full] == ["funnel", "pipe"]
     calls.update(limit_at=calls["n"], n=0)
     with pytest.raises(Interrupted) as info:
-        run_batch(bundle, batch, decoder="auto", should_stop=should_stop, interrupts=(SoftTimeLimitExceeded,),
-                  routing=table)
+        run_batch(
+            bundle,
+            batch,
+            decoder="auto",
+            should_stop=should_stop,
+            interrupts=(SoftTimeLimitExceeded,),
+            routing=table,
+        )
     assert [(r.custom_id, r.token_ids) for r in info.value.done] == [("m", full[0].token_ids)]
 
 

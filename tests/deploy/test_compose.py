@@ -39,7 +39,8 @@ def test_workers_reserve_gpus_and_claim_one_each():
     assert "replicas" not in w.get("deploy", {}), "replica count comes from --scale"
     env = w["environment"]
     assert int(env["CANVASQ_VISIBILITY_TIMEOUT"].split("-")[-1].rstrip("}")) > int(
-        env["CANVASQ_HARD_TIME_LIMIT"].split("-")[-1].rstrip("}"))
+        env["CANVASQ_HARD_TIME_LIMIT"].split("-")[-1].rstrip("}")
+    )
 
 
 # ------------------------------------------------------------------------ secure by default (issue 19)
@@ -95,7 +96,9 @@ def test_services_are_published_on_localhost_unless_told_otherwise():
     for ports in published.values():
         assert all(p.startswith("127.0.0.1:") for p in ports), published
     wide = resolved(PASSWORDS | {"REDIS_BIND": "10.0.0.5", "POSTGRES_BIND": "10.0.0.5"})["services"]
-    assert wide["redis"]["ports"] == ["10.0.0.5:6379:6379"] and wide["postgres"]["ports"] == ["10.0.0.5:5432:5432"]
+    assert wide["redis"]["ports"] == ["10.0.0.5:6379:6379"] and wide["postgres"]["ports"] == [
+        "10.0.0.5:5432:5432"
+    ]
 
 
 def test_services_use_the_passwords_and_workers_reconcile():
@@ -120,15 +123,21 @@ def test_redis_command_requires_the_password_and_hides_it(tmp_path):
     shim = tmp_path / "bin"
     shim.mkdir()
     (shim / "docker-entrypoint.sh").write_text(
-        f'#!/bin/sh\nexec "$@" --port {port} --bind 127.0.0.1 --dir {tmp_path} --save ""\n')
+        f'#!/bin/sh\nexec "$@" --port {port} --bind 127.0.0.1 --dir {tmp_path} --save ""\n'
+    )
     (shim / "docker-entrypoint.sh").chmod(0o755)
     cmd = [c.replace("$$", "$") for c in resolved(PASSWORDS)["services"]["redis"]["command"]]
     base = {"PATH": f"{shim}:{os.environ['PATH']}"}
-    refused = subprocess.run(cmd, env=base | {"REDIS_PASSWORD": ""}, capture_output=True, text=True, timeout=30,
-                             check=False)
+    refused = subprocess.run(
+        cmd, env=base | {"REDIS_PASSWORD": ""}, capture_output=True, text=True, timeout=30, check=False
+    )
     assert refused.returncode != 0 and "REDIS_PASSWORD must be set" in refused.stderr
-    proc = subprocess.Popen(cmd, env=base | {"REDIS_PASSWORD": PASSWORDS["REDIS_PASSWORD"]},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        cmd,
+        env=base | {"REDIS_PASSWORD": PASSWORDS["REDIS_PASSWORD"]},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         import redis
 
@@ -141,7 +150,8 @@ def test_redis_command_requires_the_password_and_hides_it(tmp_path):
         assert redis.Redis(port=port, password=PASSWORDS["REDIS_PASSWORD"]).ping()
         assert PASSWORDS["REDIS_PASSWORD"].encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
         assert redis.Redis(port=port, password=PASSWORDS["REDIS_PASSWORD"]).config_get("appendonly") == {
-            "appendonly": "yes"}
+            "appendonly": "yes"
+        }
     finally:
         proc.terminate()
         proc.wait(10)

@@ -16,8 +16,9 @@ from canvasq.core.settings import REPO_ROOT, Settings, reload_settings
 from tests.harness.services import free_port
 from tests.harness.waiting import wait_for
 
-pytestmark = pytest.mark.skipif(not (shutil.which("redis-server") and shutil.which("openssl")),
-                                reason="needs redis-server and openssl")
+pytestmark = pytest.mark.skipif(
+    not (shutil.which("redis-server") and shutil.which("openssl")), reason="needs redis-server and openssl"
+)
 PASSWORD = "0f1e2d3c4b5a69788796a5b4"
 
 
@@ -27,19 +28,85 @@ def _openssl(*args, cwd):
 
 @pytest.fixture
 def tls_redis(tmp_path):
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
-             "-subj", "/CN=canvasq test CA", cwd=tmp_path)
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
-             "-subj", "/CN=localhost", cwd=tmp_path)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=canvasq test CA",
+        cwd=tmp_path,
+    )
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=localhost",
+        cwd=tmp_path,
+    )
     (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-             "-out", "server.pem", "-days", "1", "-extfile", "san.ext", cwd=tmp_path)
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "1",
+        "-extfile",
+        "san.ext",
+        cwd=tmp_path,
+    )
     port = free_port()
     proc = subprocess.Popen(
-        ["redis-server", "-", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
-         "--tls-cert-file", "server.pem", "--tls-key-file", "server.key", "--tls-ca-cert-file", "ca.pem",
-         "--tls-auth-clients", "no", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
-        cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            "redis-server",
+            "-",
+            "--port",
+            "0",
+            "--tls-port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--tls-cert-file",
+            "server.pem",
+            "--tls-key-file",
+            "server.key",
+            "--tls-ca-cert-file",
+            "ca.pem",
+            "--tls-auth-clients",
+            "no",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     proc.stdin.write(f'requirepass "{PASSWORD}"\n'.encode())
     proc.stdin.close()
     ca = tmp_path / "ca.pem"
@@ -61,8 +128,18 @@ def test_submit_and_reconcile_lock_over_tls_with_a_password(tls_redis, tmp_path,
     monkeypatch.chdir(tmp_path)
     reload_settings()
     try:
-        res = CliRunner().invoke(cli, ["submit", str(REPO_ROOT / "examples" / "prompts.jsonl"), "--queue", "q.tls",
-                                       "--chunk-size", "8"], catch_exceptions=False)
+        res = CliRunner().invoke(
+            cli,
+            [
+                "submit",
+                str(REPO_ROOT / "examples" / "prompts.jsonl"),
+                "--queue",
+                "q.tls",
+                "--chunk-size",
+                "8",
+            ],
+            catch_exceptions=False,
+        )
         assert res.exit_code == 0, res.output
         assert PASSWORD not in res.output
         client = redis.Redis.from_url(url)
@@ -70,7 +147,9 @@ def test_submit_and_reconcile_lock_over_tls_with_a_password(tls_redis, tmp_path,
         from canvasq.worker.reconcile import _take_lock, lock_key
 
         settings = Settings()
-        assert _take_lock(client, lock_key(settings), "w1", 5) and not _take_lock(client, lock_key(settings), "w2", 5)
+        assert _take_lock(client, lock_key(settings), "w1", 5) and not _take_lock(
+            client, lock_key(settings), "w2", 5
+        )
         client.close()
     finally:
         monkeypatch.undo()

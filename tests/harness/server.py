@@ -43,15 +43,23 @@ def rss_bytes(pid: int) -> int:
 
 def cli(env: dict[str, str], *args: str, check: bool = True) -> subprocess.CompletedProcess:
     """`canvasq ARGS` in a subprocess (stdout, stderr captured as text)."""
-    res = subprocess.run([sys.executable, "-m", "canvasq.cli", *args], env=env, capture_output=True, text=True,
-                         timeout=120, check=False)
+    res = subprocess.run(
+        [sys.executable, "-m", "canvasq.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     if check and res.returncode != 0:
         raise AssertionError(f"canvasq {' '.join(args)} exited {res.returncode}\n{res.stdout}\n{res.stderr}")
     return res
 
 
 class ServerProcess:
-    def __init__(self, env: dict[str, str], log_path: str | Path, with_worker: bool = False, port: int | None = None):
+    def __init__(
+        self, env: dict[str, str], log_path: str | Path, with_worker: bool = False, port: int | None = None
+    ):
         self.env, self.log_path, self.with_worker = env, Path(log_path), with_worker
         self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
@@ -67,11 +75,21 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         self._log = open(self.log_path, "a")  # noqa: SIM115 - closed in stop
-        args = [sys.executable, "-m", "canvasq.cli", "serve", "--port", str(self.port), "--log-level", "warning"]
+        args = [
+            sys.executable,
+            "-m",
+            "canvasq.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+        ]
         if self.with_worker:
             args.append("--with-worker")
-        self.proc = subprocess.Popen(args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         return self
 
     def log(self, tail: int = 6000) -> str:
@@ -88,10 +106,13 @@ class ServerProcess:
         """The API answers; with --with-worker also its child has loaded the model."""
         from canvasq.serve.local_worker import READY_MARK
 
-        wait_for(lambda: self._healthy() and (not self.with_worker or READY_MARK in self.log(10**7)),
-                 f"canvasq serve on {self.port}", deadline_s,
-                 fail_if=lambda: None if self.proc.poll() is None else f"server exited rc={self.proc.returncode}",
-                 diagnose=self.log)
+        wait_for(
+            lambda: self._healthy() and (not self.with_worker or READY_MARK in self.log(10**7)),
+            f"canvasq serve on {self.port}",
+            deadline_s,
+            fail_if=lambda: None if self.proc.poll() is None else f"server exited rc={self.proc.returncode}",
+            diagnose=self.log,
+        )
 
     @property
     def pid(self) -> int:
@@ -127,11 +148,25 @@ TERMINAL = ("completed", "failed", "cancelled", "expired")
 
 
 def batch_lines(prefix: str, n: int, max_tokens: int = 8) -> bytes:
-    rows = [{"custom_id": f"{prefix}-{i}", "method": "POST", "url": ENDPOINT,
-             "body": {"model": "testbed", "max_tokens": max_tokens,
-                      "messages": [{"role": "user", "content": f"Tom has {i} apples and buys {i % 7 + 2} more. "
-                                                               "How many apples does he have?"}]}}
-            for i in range(n)]
+    rows = [
+        {
+            "custom_id": f"{prefix}-{i}",
+            "method": "POST",
+            "url": ENDPOINT,
+            "body": {
+                "model": "testbed",
+                "max_tokens": max_tokens,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": f"Tom has {i} apples and buys {i % 7 + 2} more. "
+                        "How many apples does he have?",
+                    }
+                ],
+            },
+        }
+        for i in range(n)
+    ]
     return "".join(json.dumps(r) + "\n" for r in rows).encode()
 
 
@@ -146,6 +181,8 @@ def poll(client: OpenAI, batch_id: str, until=TERMINAL, deadline_s: float = 300,
         if b.status in until:
             return b
         if time.monotonic() > end:
-            raise AssertionError(f"batch {batch_id} still {b.status} ({b.request_counts}) after {deadline_s}s\n"
-                                 f"{server.log() if server else ''}")
+            raise AssertionError(
+                f"batch {batch_id} still {b.status} ({b.request_counts}) after {deadline_s}s\n"
+                f"{server.log() if server else ''}"
+            )
         time.sleep(0.5)

@@ -35,12 +35,38 @@ def test_official_service_bench_dry_run(tmp_path):
 
     script = BENCH.parent / "official_service.py"
     out, trace = tmp_path / "service.json", tmp_path / "trace"
-    cmd = [sys.executable, str(script), "--target", "random:testbed", "--device", "cpu", "--batches", "3",
-           "--n", "6", "--fp8", "off", "--warm", "partial",
-           "--arms", "official;official:slot_order=false@context_step=64",
-           "--out", str(out), "--trace", str(trace), "--trace-steps", "2,2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False,
-                          env={**__import__("os").environ, "CANVASQ_COMMIT": "test"})
+    cmd = [
+        sys.executable,
+        str(script),
+        "--target",
+        "random:testbed",
+        "--device",
+        "cpu",
+        "--batches",
+        "3",
+        "--n",
+        "6",
+        "--fp8",
+        "off",
+        "--warm",
+        "partial",
+        "--arms",
+        "official;official:slot_order=false@context_step=64",
+        "--out",
+        str(out),
+        "--trace",
+        str(trace),
+        "--trace-steps",
+        "2,2",
+    ]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env={**__import__("os").environ, "CANVASQ_COMMIT": "test"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert [r["arm"] for r in report["service"]] == ["official", "official:slot_order=false@context_step=64"]

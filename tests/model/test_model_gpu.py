@@ -86,8 +86,12 @@ def test_real_shape_bf16_matches_hf(real_model):
         errs[backend] = _rel(out.logits, ref)
     try:
         m.set_attn_implementation("eager")
-        eager1 = m(decoder_input_ids=canvas, past_key_values=hf_cache(m, prompts), decoder_position_ids=pos,
-                   self_conditioning_logits=sc).logits.reshape(b * r, v)
+        eager1 = m(
+            decoder_input_ids=canvas,
+            past_key_values=hf_cache(m, prompts),
+            decoder_position_ids=pos,
+            self_conditioning_logits=sc,
+        ).logits.reshape(b * r, v)
     finally:
         m.set_attn_implementation("sdpa")
     spread1 = _rel(eager1, ref)

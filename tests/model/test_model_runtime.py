@@ -536,9 +536,14 @@ def test_encoder_rows_ride_in_a_decoder_forward(model):
     rt.encode(arena, 0, done, torch.arange(p, p + c))  # slot 0: the separate encoder pass
     separate = rt.decode(arena, [Window.canvas(0, canvas, p + c)])
     pos, cpos = torch.arange(p, p + c), torch.arange(p + c, p + 2 * c)
-    riding = Window(1, torch.cat([done, canvas]), torch.cat([pos, cpos]),
-                    torch.cat([pos, torch.full_like(cpos, p + c)]), torch.cat([pos + 1, torch.full_like(cpos, p + 2 * c)]),
-                    encoder_rows=c)
+    riding = Window(
+        1,
+        torch.cat([done, canvas]),
+        torch.cat([pos, cpos]),
+        torch.cat([pos, torch.full_like(cpos, p + c)]),
+        torch.cat([pos + 1, torch.full_like(cpos, p + 2 * c)]),
+        encoder_rows=c,
+    )
     out = rt.decode(arena, [Window.canvas(0, canvas, p + c), riding])
     assert out.offsets == [0, c, 2 * c] and out.logits.shape[0] == 2 * c
     assert rel_err(out.window_logits(1), separate.logits) <= TOL
@@ -553,9 +558,14 @@ def _riding(slot, enc_ids, enc_start, canvas):
     """A window whose leading rows are an encoder pass of `enc_ids` at `enc_start`, then `canvas`."""
     e, c = enc_ids.numel(), canvas.numel()
     pos, cpos = torch.arange(enc_start, enc_start + e), torch.arange(enc_start + e, enc_start + e + c)
-    return Window(slot, torch.cat([enc_ids, canvas]), torch.cat([pos, cpos]),
-                  torch.cat([pos, torch.full_like(cpos, enc_start + e)]),
-                  torch.cat([pos + 1, torch.full_like(cpos, enc_start + e + c)]), encoder_rows=e)
+    return Window(
+        slot,
+        torch.cat([enc_ids, canvas]),
+        torch.cat([pos, cpos]),
+        torch.cat([pos, torch.full_like(cpos, enc_start + e)]),
+        torch.cat([pos + 1, torch.full_like(cpos, enc_start + e + c)]),
+        encoder_rows=e,
+    )
 
 
 @pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1)], ids=["slot-order", "any-order"])
@@ -583,8 +593,12 @@ def test_riding_encoder_rows_of_any_length_keep_each_window_exact(model, order):
     for slot in (0, 1):
         rt.encode(arena, slot, prompt, torch.arange(p))
     rt.encode(arena, 0, done, torch.arange(p, p + c))
-    windows = {0: Window.canvas(0, canvas, p + c), 1: _riding(1, done, p, canvas), 2: _riding(2, prompt, 0, canvas),
-               3: _riding(3, long, 0, canvas)}
+    windows = {
+        0: Window.canvas(0, canvas, p + c),
+        1: _riding(1, done, p, canvas),
+        2: _riding(2, prompt, 0, canvas),
+        3: _riding(3, long, 0, canvas),
+    }
     order = order + (3,)
     out = rt.decode(arena, [windows[k] for k in order])
     prep = rt._prepare(arena, [windows[k] for k in order], encoder=False)
@@ -634,8 +648,10 @@ def test_encoder_model_keeps_a_decoder_only_change_out_of_the_encoder_passes():
             w = layer.self_attn.q_proj.weight
             w.add_(0.1 * torch.randn(w.shape, generator=torch.Generator().manual_seed(1)))
             layer.mlp.down_proj.weight.add_(0.01)
-    assert torch.equal(changed.model.encoder.language_model.layers[0].self_attn.q_proj.weight,
-                       changed.model.decoder.layers[0].self_attn.q_proj.weight)  # tied: the merge reaches both
+    assert torch.equal(
+        changed.model.encoder.language_model.layers[0].self_attn.q_proj.weight,
+        changed.model.decoder.layers[0].self_attn.q_proj.weight,
+    )  # tied: the merge reaches both
     rt_base, rt_changed = Runtime.from_hf(base), Runtime.from_hf(changed)
     rt = Runtime.from_hf(changed, encoder_model=base)
     assert rt_base.tied_weights and rt_changed.tied_weights and not rt.tied_weights
@@ -658,8 +674,13 @@ def test_encoder_model_keeps_a_decoder_only_change_out_of_the_encoder_passes():
     mixed = rt.decode(arenas["mixed"], win).logits
     torch.testing.assert_close(mixed, rt_changed.decode(arenas["mixed"], win).logits, rtol=0, atol=0)
     assert rel_err(mixed, rt_changed.decode(arenas["changed"], win).logits) > TOL
-    riding = Window(0, torch.cat([canvas, canvas]), torch.arange(p, p + 2 * c),
-                    torch.cat([torch.arange(p, p + c), torch.full((c,), p + c)]),
-                    torch.cat([torch.arange(p + 1, p + c + 1), torch.full((c,), p + 2 * c)]), encoder_rows=c)
+    riding = Window(
+        0,
+        torch.cat([canvas, canvas]),
+        torch.arange(p, p + 2 * c),
+        torch.cat([torch.arange(p, p + c), torch.full((c,), p + c)]),
+        torch.cat([torch.arange(p + 1, p + c + 1), torch.full((c,), p + 2 * c)]),
+        encoder_rows=c,
+    )
     with pytest.raises(ValueError, match="fold_encode=false"):
         rt.decode(arenas["mixed"], [riding])

@@ -89,7 +89,9 @@ def test_d2f_copy_shares_the_packs(packed):
 
 @pytest.mark.parametrize("decoder", ["official", "pipe", "funnel"])
 def test_every_decoder_runs_on_a_packed_model(packed, decoder):
-    prompt = packed.encode_prompt("Ann has 12 apples. She finds 3 more apples. How many apples does Ann have now?")
+    prompt = packed.encode_prompt(
+        "Ann has 12 apples. She finds 3 more apples. How many apples does Ann have now?"
+    )
     batch = DecodeBatch([DecodeRequest("a", prompt, 16, "math")], seed=0)
     (res,) = run_batch(packed, batch, decoder, experts="w4")
     assert res.error is None and res.token_ids and res.forwards > 0

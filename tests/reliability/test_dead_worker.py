@@ -28,8 +28,10 @@ from tests.harness.waiting import wait_for
 from tests.harness.workers import alive
 
 DEFAULTS = Settings.model_fields
-DEFAULT_LIMITS = {k: DEFAULTS[k].default
-                  for k in ("soft_time_limit", "hard_time_limit", "visibility_timeout", "max_attempts")}
+DEFAULT_LIMITS = {
+    k: DEFAULTS[k].default
+    for k in ("soft_time_limit", "hard_time_limit", "visibility_timeout", "max_attempts")
+}
 
 
 def _default_env(sc, **extra):
@@ -41,8 +43,12 @@ def _default_env(sc, **extra):
 
 
 def test_sigkill_of_worker_main_process_reruns_its_chunk_elsewhere_within_two_minutes(scenario):
-    assert (DEFAULT_LIMITS["visibility_timeout"], DEFAULTS["lease_s"].default, DEFAULTS["heartbeat_s"].default,
-            DEFAULTS["reconcile_s"].default) == (3600, 60, 15.0, 15.0)
+    assert (
+        DEFAULT_LIMITS["visibility_timeout"],
+        DEFAULTS["lease_s"].default,
+        DEFAULTS["heartbeat_s"].default,
+        DEFAULTS["reconcile_s"].default,
+    ) == (3600, 60, 15.0, 15.0)
     with scenario(db="postgresql", chunk_size=4, decode_batch_size=2, **DEFAULT_LIMITS) as sc:
         ids = sc.write_input(8)  # two chunks: one for each worker
         work = sc.tmp / "work.log"
@@ -72,15 +78,21 @@ def test_sigkill_of_worker_main_process_reruns_its_chunk_elsewhere_within_two_mi
         done_then = {c for c, st in rows_then.items() if st != "queued"}
         left_then = set(rows_then) - done_then
         assert done_then and left_then, rows_then
-        wait_for(lambda: not alive(a_child), "A's Celery child to die with its main process", 30,
-                 diagnose=sc.logs)
+        wait_for(
+            lambda: not alive(a_child), "A's Celery child to die with its main process", 30, diagnose=sc.logs
+        )
 
         # the rows A left are decoded again, by B, within 2 minutes of the kill
         def rerun_by_b():
             return {c for pid, c in probes.work_log(work) if pid == b_child and c in left_then}
 
-        wait_for(lambda: rerun_by_b(), "B running the dead worker's rows", 120 - (time.monotonic() - killed_at),
-                 every_s=0.5, diagnose=lambda: sc.progress(run) + "\n" + sc.logs())
+        wait_for(
+            lambda: rerun_by_b(),
+            "B running the dead worker's rows",
+            120 - (time.monotonic() - killed_at),
+            every_s=0.5,
+            diagnose=lambda: sc.progress(run) + "\n" + sc.logs(),
+        )
         took = time.monotonic() - killed_at
         assert took < 120, took
 
@@ -89,8 +101,13 @@ def test_sigkill_of_worker_main_process_reruns_its_chunk_elsewhere_within_two_mi
             rows = json.loads(sc.cli("workers", "--json", env=env).stdout.splitlines()[-1])
             return {r["worker"]: r["online"] for r in rows}
 
-        wait_for(lambda: states().get(a_id) is False, "A shown offline", 120 - (time.monotonic() - killed_at),
-                 every_s=2, diagnose=lambda: str(states()))
+        wait_for(
+            lambda: states().get(a_id) is False,
+            "A shown offline",
+            120 - (time.monotonic() - killed_at),
+            every_s=2,
+            diagnose=lambda: str(states()),
+        )
         assert states()[b_id] is True
         table = sc.cli("workers", env=env).stdout
         assert any(a_id in line and "offline" in line for line in table.splitlines()), table
@@ -116,8 +133,12 @@ def test_a_live_worker_slower_than_its_lease_keeps_its_chunk(scenario):
     set: CANVASQ_LEASE_S=9, CANVASQ_HEARTBEAT_S=2, CANVASQ_RECONCILE_S=1."""
     with scenario(db="sqlite", chunk_size=3, decode_batch_size=1, max_attempts=2) as sc:
         ids = sc.write_input(6)
-        extra = {"CANVASQ_LEASE_S": "9", "CANVASQ_HEARTBEAT_S": "2", "CANVASQ_RECONCILE_S": "1",
-                 "CANVASQ_TEST_DELAY_S": "8"}
+        extra = {
+            "CANVASQ_LEASE_S": "9",
+            "CANVASQ_HEARTBEAT_S": "2",
+            "CANVASQ_RECONCILE_S": "1",
+            "CANVASQ_TEST_DELAY_S": "8",
+        }
         a, b = sc.worker(extra=extra), sc.worker(extra=extra)
         a.wait_ready()
         b.wait_ready()

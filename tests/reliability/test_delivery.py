@@ -72,16 +72,17 @@ def test_t14_idempotent_submit_t6_refusing_worker_t5_duplicate_delivery(scenario
 
         publish_chunks(chunk_ids, sc.queue, Settings(broker_url=sc.redis.url, database_url=sc.db_url))
         wait_for(
-            lambda: (
-                sc.redis.queue_length(sc.queue) == 0
-                and probes.unacked(sc.redis.client()) == 0
-            ),
+            lambda: sc.redis.queue_length(sc.queue) == 0 and probes.unacked(sc.redis.client()) == 0,
             "both duplicates consumed",
             120,
             diagnose=sc.logs,
         )
-        wait_for(lambda: w.log().count("'state': 'empty'") == 2, "both duplicates found nothing to do", 60,
-                 diagnose=sc.logs)
+        wait_for(
+            lambda: w.log().count("'state': 'empty'") == 2,
+            "both duplicates found nothing to do",
+            60,
+            diagnose=sc.logs,
+        )
         assert probes.outputs_snapshot(sc.store, run) == before
         assert set(probes.chunk_attempts(sc.store, run).values()) == {1}  # duplicates are not deliveries
         sc.check(run, ids, run_status="completed", statuses={"done": 8})

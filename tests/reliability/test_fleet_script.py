@@ -13,10 +13,35 @@ from canvasq.core.settings import REPO_ROOT
 def test_fleet_dry_run_two_cpu_workers_one_killed(tmp_path):
     out = tmp_path / "fleet.json"
     res = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "scripts" / "fleet.py"), "--cpu", "2", "--requests", "24", "--max-tokens",
-         "64", "--chunk-size", "2", "--scaling", "2", "--kill-one", "--lease-s", "10", "--visibility-timeout", "300",
-         "--deadline-s", "400", "--claim-ahead", "on", "--json-out", str(out)],
-        capture_output=True, text=True, timeout=900, check=False,
+        [
+            sys.executable,
+            str(REPO_ROOT / "scripts" / "fleet.py"),
+            "--cpu",
+            "2",
+            "--requests",
+            "24",
+            "--max-tokens",
+            "64",
+            "--chunk-size",
+            "2",
+            "--scaling",
+            "2",
+            "--kill-one",
+            "--lease-s",
+            "10",
+            "--visibility-timeout",
+            "300",
+            "--deadline-s",
+            "400",
+            "--claim-ahead",
+            "on",
+            "--json-out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     rep = json.loads(out.read_text())

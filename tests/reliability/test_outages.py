@@ -35,8 +35,17 @@ def test_t10_redis_down_30s_mid_run_nothing_lost_outbox_publishes_later(scenario
         sc.redis.stop()
         ids2 = write_input(sc.tmp / "second.jsonl", 8, prefix="s")
         args = ["--chunk-size", "4", "--name", "during-outage"]
-        sub = sc.cli("submit", str(sc.tmp / "second.jsonl"), "--queue", sc.queue, "--decoder", "official", *args,
-                     check=False, timeout=200)
+        sub = sc.cli(
+            "submit",
+            str(sc.tmp / "second.jsonl"),
+            "--queue",
+            sc.queue,
+            "--decoder",
+            "official",
+            *args,
+            check=False,
+            timeout=200,
+        )
         assert sub.returncode == 1 and "cannot reach the broker" in sub.stderr, sub.stdout + sub.stderr
         assert "Traceback" not in sub.stderr
         with sc.store.Session() as s:
@@ -89,7 +98,14 @@ def _writer(url: str, run_id: str, chunk_ids: list[str], worker: str, rounds: in
                             text=f"{worker}:{r}",
                             completion_tokens=3,
                             traces=[
-                                {"forward_index": 0, "rows": 4, "commits": 3, "canvases": 1, "states": "full", "ms": 1.0}
+                                {
+                                    "forward_index": 0,
+                                    "rows": 4,
+                                    "commits": 3,
+                                    "canvases": 1,
+                                    "states": "full",
+                                    "ms": 1.0,
+                                }
                             ],
                         )
                         for x in claim.requests

@@ -26,7 +26,9 @@ from tests.harness.workers import worker_env
 
 def _expire(store: Store, chunk_id: str) -> None:
     with store.Session.begin() as s:
-        s.execute(update(Chunk).where(Chunk.id == chunk_id).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
+        s.execute(
+            update(Chunk).where(Chunk.id == chunk_id).values(lease_expires_at=utcnow() - timedelta(seconds=1))
+        )
 
 
 def test_reconcile_republishes_an_expired_lease_once(tmp_path):
@@ -86,7 +88,9 @@ def test_reconcile_republishes_an_expired_lease_once(tmp_path):
             store.claim_chunk(c1, "ghost:2", 60, 3)
             from canvasq.core.queue import ResultRecord
 
-            store.write_results(run, [ResultRecord(c, text="x") for c in probes.chunk_rows(store, c1)], "ghost:2")
+            store.write_results(
+                run, [ResultRecord(c, text="x") for c in probes.chunk_rows(store, c1)], "ghost:2"
+            )
             _expire(store, c1)
             assert "0 with expired leases" in cli("reconcile")
         finally:
@@ -103,8 +107,12 @@ def test_workers_reconcile_loop_runs_one_pass_per_interval_across_the_fleet(tmp_
         store.upgrade()
         from canvasq.core.schemas import Job
 
-        run = store.create_run([Job(f"j{i}", "p", "math", 8, None, i + 1) for i in range(4)], model="m",
-                               queue="q.loop", chunk_size=2)
+        run = store.create_run(
+            [Job(f"j{i}", "p", "math", 8, None, i + 1) for i in range(4)],
+            model="m",
+            queue="q.loop",
+            chunk_size=2,
+        )
         store.mark_published(run.chunk_ids)
         store.claim_chunk(run.chunk_ids[0], "dead:1", 60, 3)
         _expire(store, run.chunk_ids[0])
@@ -126,14 +134,22 @@ def test_workers_reconcile_loop_runs_one_pass_per_interval_across_the_fleet(tmp_
 
         monkeypatch.setattr(rec, "reconcile_once", counted)
         stop = threading.Event()
-        other = Settings(database_url=f"sqlite:///{tmp_path / 'other.sqlite'}", broker_url=redis.url,
-                         reconcile_s=1.0)
+        other = Settings(
+            database_url=f"sqlite:///{tmp_path / 'other.sqlite'}", broker_url=redis.url, reconcile_s=1.0
+        )
         other_store = Store(other.database_url)
         other_store.upgrade()
-        threads = [threading.Thread(target=reconcile_loop, args=(store, settings, stop, f"w{i}", publish),
-                                    name=f"w{i}") for i in range(3)]
-        threads.append(threading.Thread(target=reconcile_loop, args=(other_store, other, stop, "x", publish),
-                                        name="other"))
+        threads = [
+            threading.Thread(
+                target=reconcile_loop, args=(store, settings, stop, f"w{i}", publish), name=f"w{i}"
+            )
+            for i in range(3)
+        ]
+        threads.append(
+            threading.Thread(
+                target=reconcile_loop, args=(other_store, other, stop, "x", publish), name="other"
+            )
+        )
         for th in threads:
             th.start()
         time.sleep(5.5)

@@ -38,6 +38,8 @@ def test_soak_small():
     report = json.loads(res.stdout.strip().splitlines()[-1])
     assert res.returncode == 0, res.stderr[-3000:]
     assert report["lost"] == 0 and report["duplicated"] == 0 and report["run_status"] == "completed"
-    assert report["kills"] >= 1 and report["redis_restarts"] == 1, report  # it did kill (Redis with a password)
+    assert report["kills"] >= 1 and report["redis_restarts"] == 1, (
+        report
+    )  # it did kill (Redis with a password)
     # T19: memory bounded: long-lived worker children stop growing once the model is loaded
     assert report["rss_growth_max"] is None or report["rss_growth_max"] <= 1.25, report

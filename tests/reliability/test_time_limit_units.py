@@ -25,8 +25,17 @@ class _Bundle:  # the runtime only tokenises through the bundle; decoding is the
 def _decoder_hit_by_soft_limit():
     calls = {"n": 0}
 
-    def decode(bundle, batch, decoder, should_stop=None, routing=None, interrupts=(), cuda_graphs=None,
-               experts=None, **_service):
+    def decode(
+        bundle,
+        batch,
+        decoder,
+        should_stop=None,
+        routing=None,
+        interrupts=(),
+        cuda_graphs=None,
+        experts=None,
+        **_service,
+    ):
         calls["n"] += 1
         ok = [
             DecodeResult(r.custom_id, [9, 9], "ok", "length", 3, 2, decoder="official")

@@ -68,7 +68,10 @@ def test_t2_t16_whole_worker_killed_second_worker_takes_over_after_visibility_ti
     (no goodbye to Redis) → its chunk comes back after the test-sized visibility timeout and the
     other worker completes it."""
     kw = {
-        "soft_time_limit": 20, "hard_time_limit": 24, "visibility_timeout": 28, "extra": {"CANVASQ_TEST_DELAY_S": DELAY}
+        "soft_time_limit": 20,
+        "hard_time_limit": 24,
+        "visibility_timeout": 28,
+        "extra": {"CANVASQ_TEST_DELAY_S": DELAY},
     }
     with scenario(db="postgresql", **kw) as sc:
         ids = sc.write_input(20)

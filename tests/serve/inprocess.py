@@ -30,15 +30,21 @@ class Api:
         return self.client.app.state.batches
 
     def upload(self, data: bytes) -> str:
-        res = self.client.post("/v1/files", headers=self.headers, data={"purpose": "batch"},
-                               files={"file": ("in.jsonl", io.BytesIO(data), "application/jsonl")})
+        res = self.client.post(
+            "/v1/files",
+            headers=self.headers,
+            data={"purpose": "batch"},
+            files={"file": ("in.jsonl", io.BytesIO(data), "application/jsonl")},
+        )
         assert res.status_code == 200, res.text
         return res.json()["id"]
 
     def create(self, data: bytes) -> dict:
-        res = self.client.post("/v1/batches", headers=self.headers,
-                               json={"input_file_id": self.upload(data), "endpoint": ENDPOINT,
-                                     "completion_window": "24h"})
+        res = self.client.post(
+            "/v1/batches",
+            headers=self.headers,
+            json={"input_file_id": self.upload(data), "endpoint": ENDPOINT, "completion_window": "24h"},
+        )
         assert res.status_code == 200, res.text
         return res.json()
 
@@ -49,8 +55,13 @@ class Api:
 def in_process_api(store, tmp_path: Path, project: str = "alpha") -> Api:
     files_dir = tmp_path / "files"
     settings = Settings(model=model_for_tests(), database_url=store.url, chunk_size=4)
-    app = create_app(store, settings=settings, serve=ServeSettings(files_dir=str(files_dir)),
-                     publish=lambda _ids, _queue: None, queue="canvasq.test.inprocess")
+    app = create_app(
+        store,
+        settings=settings,
+        serve=ServeSettings(files_dir=str(files_dir)),
+        publish=lambda _ids, _queue: None,
+        queue="canvasq.test.inprocess",
+    )
     _, token = create_key(store, project)
     return Api(TestClient(app), {"Authorization": f"Bearer {token}"}, files_dir)
 
@@ -64,13 +75,39 @@ def finish_run(store, run_id: str, errored: int = 0) -> None:
         for r in claim.requests:
             if errored > 0:
                 errored -= 1
-                records.append(ResultRecord(r.custom_id, status="errored", error_code="decode_error",
-                                            error_message="boom", decoder="official"))
+                records.append(
+                    ResultRecord(
+                        r.custom_id,
+                        status="errored",
+                        error_code="decode_error",
+                        error_message="boom",
+                        decoder="official",
+                    )
+                )
             else:
-                records.append(ResultRecord(r.custom_id, text="4", token_ids=[7], finish_reason="stop",
-                                            prompt_tokens=12, completion_tokens=1, forwards=3, decoder="official",
-                                            traces=[{"forward_index": 0, "rows": 1, "commits": 1, "canvases": 1,
-                                                     "states": "full", "ms": 1.0, "kind": "decode"}]))
+                records.append(
+                    ResultRecord(
+                        r.custom_id,
+                        text="4",
+                        token_ids=[7],
+                        finish_reason="stop",
+                        prompt_tokens=12,
+                        completion_tokens=1,
+                        forwards=3,
+                        decoder="official",
+                        traces=[
+                            {
+                                "forward_index": 0,
+                                "rows": 1,
+                                "commits": 1,
+                                "canvases": 1,
+                                "states": "full",
+                                "ms": 1.0,
+                                "kind": "decode",
+                            }
+                        ],
+                    )
+                )
         store.write_results(run_id, records, worker)
         store.finish_chunk(cid)
     assert store.finalize_run(run_id) == "completed"

@@ -15,10 +15,17 @@ from canvasq.serve import objects
 from tests.harness.server import batch_lines
 from tests.serve.inprocess import finish_run, in_process_api
 
-PAIRS = [(objects.Batch, oa.Batch), (objects.FileObject, oa.FileObject), (objects.FileDeleted, oa.FileDeleted),
-         (objects.BatchRequestCounts, oa.BatchRequestCounts), (objects.BatchUsage, oa.BatchUsage),
-         (objects.BatchError, oa.BatchError), (objects.BatchErrors, Errors),
-         (objects.InputTokensDetails, InputTokensDetails), (objects.OutputTokensDetails, OutputTokensDetails)]
+PAIRS = [
+    (objects.Batch, oa.Batch),
+    (objects.FileObject, oa.FileObject),
+    (objects.FileDeleted, oa.FileDeleted),
+    (objects.BatchRequestCounts, oa.BatchRequestCounts),
+    (objects.BatchUsage, oa.BatchUsage),
+    (objects.BatchError, oa.BatchError),
+    (objects.BatchErrors, Errors),
+    (objects.InputTokensDetails, InputTokensDetails),
+    (objects.OutputTokensDetails, OutputTokensDetails),
+]
 
 
 def test_every_field_the_client_reads_is_declared():
@@ -26,8 +33,11 @@ def test_every_field_the_client_reads_is_declared():
         missing = set(theirs.model_fields) - set(ours.model_fields)
         assert not missing, f"{ours.__name__} lacks {missing}"
         for name, field in theirs.model_fields.items():  # a field the client requires is always answered
-            assert not field.is_required() or ours.model_fields[name].is_required() or \
-                ours.model_fields[name].default is not None, (ours.__name__, name)
+            assert (
+                not field.is_required()
+                or ours.model_fields[name].is_required()
+                or ours.model_fields[name].default is not None
+            ), (ours.__name__, name)
     assert set(objects.BatchStatus.__args__) == set(oa.Batch.model_fields["status"].annotation.__args__)
     assert set(objects.Page.model_fields) >= set(SyncCursorPage.model_fields)
 
@@ -35,12 +45,16 @@ def test_every_field_the_client_reads_is_declared():
 def test_routes_declare_their_objects_and_answer_the_clients_types(store, tmp_path):
     api = in_process_api(store, tmp_path)
     routes = {(m, r.path): r for r in api.client.app.routes if isinstance(r, APIRoute) for m in r.methods}
-    declared = {("POST", "/v1/files"): objects.FileObject, ("GET", "/v1/files"): objects.Page[objects.FileObject],
-                ("GET", "/v1/files/{file_id}"): objects.FileObject,
-                ("DELETE", "/v1/files/{file_id}"): objects.FileDeleted,
-                ("POST", "/v1/batches"): objects.Batch, ("GET", "/v1/batches"): objects.Page[objects.Batch],
-                ("GET", "/v1/batches/{batch_id}"): objects.Batch,
-                ("POST", "/v1/batches/{batch_id}/cancel"): objects.Batch}
+    declared = {
+        ("POST", "/v1/files"): objects.FileObject,
+        ("GET", "/v1/files"): objects.Page[objects.FileObject],
+        ("GET", "/v1/files/{file_id}"): objects.FileObject,
+        ("DELETE", "/v1/files/{file_id}"): objects.FileDeleted,
+        ("POST", "/v1/batches"): objects.Batch,
+        ("GET", "/v1/batches"): objects.Page[objects.Batch],
+        ("GET", "/v1/batches/{batch_id}"): objects.Batch,
+        ("POST", "/v1/batches/{batch_id}/cancel"): objects.Batch,
+    }
     for key, model in declared.items():
         assert routes[key].response_model is model, key
 
@@ -64,7 +78,11 @@ def test_routes_declare_their_objects_and_answer_the_clients_types(store, tmp_pa
     assert c.usage.output_tokens == 3 and c.usage.input_tokens_details.cached_tokens == 0 and c.completed_at
     assert c.model_extra["canvasq"]["progress"]["completion_tokens"] == 3
     f = by_status["failed"]
-    assert f.errors.object == "list" and f.errors.data[0].line == 1 and f.errors.data[0].code == "invalid_request"
+    assert (
+        f.errors.object == "list"
+        and f.errors.data[0].line == 1
+        and f.errors.data[0].code == "invalid_request"
+    )
     assert f.usage is None and f.model_extra["canvasq"] is None
 
     files = api.get("/v1/files").json()
@@ -73,5 +91,8 @@ def test_routes_declare_their_objects_and_answer_the_clients_types(store, tmp_pa
     one = oa.FileObject.model_validate(api.get(f"/v1/files/{c.output_file_id}").json())
     assert (one.object, one.status, one.filename) == ("file", "processed", f"{c.id}_output.jsonl")
     gone = api.client.delete(f"/v1/files/{c.output_file_id}", headers=api.headers).json()
-    assert oa.FileDeleted.model_validate(gone).deleted and gone == {"id": c.output_file_id, "object": "file",
-                                                                    "deleted": True}
+    assert oa.FileDeleted.model_validate(gone).deleted and gone == {
+        "id": c.output_file_id,
+        "object": "file",
+        "deleted": True,
+    }

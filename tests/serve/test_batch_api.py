@@ -81,8 +81,15 @@ def check_metrics(server, worker_port: int, during: float) -> None:
     assert metric(worker, "canvasq_worker_info", device="cpu") == 1
     assert metric(worker, "canvasq_worker_forwards_total") > after  # several passes per committed token
     assert metric(server.url + "/metrics", "canvasq_committed_tokens_total") >= after
-    assert metric(server.url + "/metrics", "canvasq_http_requests_total", route="/v1/batches/{batch_id}",
-                  status="200") > 0
+    assert (
+        metric(
+            server.url + "/metrics",
+            "canvasq_http_requests_total",
+            route="/v1/batches/{batch_id}",
+            status="200",
+        )
+        > 0
+    )
     assert metric(server.url + "/metrics", "canvasq_workers_online") >= 1
 
 
@@ -93,8 +100,9 @@ def full_flow(client: OpenAI, server, n: int, worker_port: int | None = None) ->
     assert (f.object, f.purpose, f.bytes) == ("file", "batch", len(batch_lines("main", n)))
     assert client.files.retrieve(f.id).id == f.id
     assert client.files.content(f.id).content == batch_lines("main", n)
-    b = client.batches.create(input_file_id=f.id, endpoint=ENDPOINT, completion_window="24h",
-                              metadata={"purpose": "test"})
+    b = client.batches.create(
+        input_file_id=f.id, endpoint=ENDPOINT, completion_window="24h", metadata={"purpose": "test"}
+    )
     assert b.status in ("in_progress", "validating") and b.request_counts.total == n
     assert b.metadata == {"purpose": "test"} and b.in_progress_at and b.expires_at
     end = time.monotonic() + 180
@@ -141,14 +149,21 @@ def test_fleet_postgresql_redis(tmp_path):
     queue = f"{prefix}.{'testbed'}"
     with fresh_pg_database() as url:
         port = free_port()
-        env = worker_env(db_url=url, broker_url=REDIS_URL, decode_batch_size=16, chunk_size=16,
-                         extra={"CANVASQ_QUEUE_PREFIX": prefix, "CANVASQ_FILES_DIR": str(tmp_path / "files")})
+        env = worker_env(
+            db_url=url,
+            broker_url=REDIS_URL,
+            decode_batch_size=16,
+            chunk_size=16,
+            extra={"CANVASQ_QUEUE_PREFIX": prefix, "CANVASQ_FILES_DIR": str(tmp_path / "files")},
+        )
         worker_env_ = {**env, "CANVASQ_METRICS_PORT": str(port)}
         cli(env, "db", "upgrade")
         key = new_key(env, "alpha")
         try:
-            with WorkerProcess(worker_env_, queue, tmp_path / "worker.log") as w, \
-                    ServerProcess(env, tmp_path / "serve.log") as srv:
+            with (
+                WorkerProcess(worker_env_, queue, tmp_path / "worker.log") as w,
+                ServerProcess(env, tmp_path / "serve.log") as srv,
+            ):
                 srv.wait_ready()
                 w.wait_ready()
                 full_flow(OpenAI(base_url=srv.base_url, api_key=key, max_retries=0), srv, N_LINES, port)
@@ -159,9 +174,13 @@ def test_fleet_postgresql_redis(tmp_path):
 def test_with_worker_sqlite(tmp_path):
     """`canvasq serve --with-worker` on SQLite (no broker used): the same flow, and an expired batch."""
     port = free_port()
-    env = worker_env(db_url=f"sqlite:///{tmp_path / 'canvasq.sqlite'}", broker_url="redis://127.0.0.1:1/0",
-                     decode_batch_size=16, chunk_size=16,
-                     extra={"CANVASQ_FILES_DIR": str(tmp_path / "files"), "CANVASQ_METRICS_PORT": str(port)})
+    env = worker_env(
+        db_url=f"sqlite:///{tmp_path / 'canvasq.sqlite'}",
+        broker_url="redis://127.0.0.1:1/0",
+        decode_batch_size=16,
+        chunk_size=16,
+        extra={"CANVASQ_FILES_DIR": str(tmp_path / "files"), "CANVASQ_METRICS_PORT": str(port)},
+    )
     key = new_key(env, "alpha")
     with ServerProcess(env, tmp_path / "serve.log", with_worker=True) as srv:
         srv.wait_ready(deadline_s=180)
@@ -169,8 +188,9 @@ def test_with_worker_sqlite(tmp_path):
         full_flow(client, srv, N_LINES, port)
         # a window shorter than the work: rows not done in time are batch_expired
         n = 64
-        b = client.batches.create(input_file_id=upload(client, batch_lines("ex", n)).id, endpoint=ENDPOINT,
-                                  completion_window="3s")
+        b = client.batches.create(
+            input_file_id=upload(client, batch_lines("ex", n)).id, endpoint=ENDPOINT, completion_window="3s"
+        )
         b = poll(client, b.id, deadline_s=120, server=srv)
         assert b.status == "expired" and b.expired_at, b
         out, err = joined(client, b, [f"ex-{i}" for i in range(n)])
@@ -185,10 +205,17 @@ def test_with_worker_sqlite(tmp_path):
 def api(tmp_path):
     """A server on SQLite that publishes to a Redis queue nobody consumes; two projects' keys."""
     queue_prefix = unique_queue("cqapi")
-    env = worker_env(db_url=f"sqlite:///{tmp_path / 'canvasq.sqlite'}", broker_url=REDIS_URL,
-                     extra={"CANVASQ_QUEUE_PREFIX": queue_prefix, "CANVASQ_FILES_DIR": str(tmp_path / "files"),
-                            "CANVASQ_MAX_UPLOAD_BYTES": str(1 << 20), "CANVASQ_MAX_UPLOAD_LINES": "300",
-                            "CANVASQ_MAX_LINE_BYTES": "4096"})
+    env = worker_env(
+        db_url=f"sqlite:///{tmp_path / 'canvasq.sqlite'}",
+        broker_url=REDIS_URL,
+        extra={
+            "CANVASQ_QUEUE_PREFIX": queue_prefix,
+            "CANVASQ_FILES_DIR": str(tmp_path / "files"),
+            "CANVASQ_MAX_UPLOAD_BYTES": str(1 << 20),
+            "CANVASQ_MAX_UPLOAD_LINES": "300",
+            "CANVASQ_MAX_LINE_BYTES": "4096",
+        },
+    )
     keys = {p: new_key(env, p) for p in ("alpha", "beta")}
     with ServerProcess(env, tmp_path / "serve.log") as srv:
         srv.wait_ready()
@@ -203,9 +230,14 @@ def test_keys_projects_401_404(api):
     f = upload(a, batch_lines("k", 4))
     batch = a.batches.create(input_file_id=f.id, endpoint=ENDPOINT, completion_window="24h")
     # another project's ids do not exist for it
-    for call in (lambda: b.files.retrieve(f.id), lambda: b.files.content(f.id), lambda: b.files.delete(f.id),
-                 lambda: b.batches.retrieve(batch.id), lambda: b.batches.cancel(batch.id),
-                 lambda: b.batches.create(input_file_id=f.id, endpoint=ENDPOINT, completion_window="24h")):
+    for call in (
+        lambda: b.files.retrieve(f.id),
+        lambda: b.files.content(f.id),
+        lambda: b.files.delete(f.id),
+        lambda: b.batches.retrieve(batch.id),
+        lambda: b.batches.cancel(batch.id),
+        lambda: b.batches.create(input_file_id=f.id, endpoint=ENDPOINT, completion_window="24h"),
+    ):
         with pytest.raises(openai.NotFoundError):
             call()
     assert list(b.batches.list()) == [] and list(b.files.list()) == []
@@ -213,7 +245,11 @@ def test_keys_projects_401_404(api):
     # no key, a wrong key, a revoked key: 401
     import httpx2 as httpx
 
-    for headers in ({}, {"Authorization": "Bearer cq-not-a-key"}, {"Authorization": f"Basic {keys['alpha']}"}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer cq-not-a-key"},
+        {"Authorization": f"Basic {keys['alpha']}"},
+    ):
         r = httpx.get(f"{srv.base_url}/batches", headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] in ("missing_api_key", "invalid_api_key")
     with pytest.raises(openai.AuthenticationError):
@@ -222,7 +258,9 @@ def test_keys_projects_401_404(api):
     cli(env, "keys", "revoke", key_id)
     with pytest.raises(openai.AuthenticationError):
         b.files.list()
-    assert "beta" not in cli(env, "keys", "list").stdout and "beta" in cli(env, "keys", "list", "--all").stdout
+    assert (
+        "beta" not in cli(env, "keys", "list").stdout and "beta" in cli(env, "keys", "list", "--all").stdout
+    )
     # keys are stored hashed: the token appears nowhere in the store
     raw = (api[3] / "canvasq.sqlite").read_bytes() + (api[3] / "canvasq.sqlite-wal").read_bytes()
     assert keys["alpha"].encode() not in raw and keys["alpha"][3:].encode() not in raw
@@ -236,7 +274,10 @@ def test_validation_errors_name_the_line(api):
     srv, _, keys, _ = api
     a = OpenAI(base_url=srv.base_url, api_key=keys["alpha"], max_retries=0)
     good = batch_lines("v", 2).decode().splitlines()
-    bad = "\n".join([good[0], "{not json", good[1], good[0], json.dumps({"custom_id": "z", "prompt": ""})]) + "\n"
+    bad = (
+        "\n".join([good[0], "{not json", good[1], good[0], json.dumps({"custom_id": "z", "prompt": ""})])
+        + "\n"
+    )
     b = a.batches.create(input_file_id=upload(a, bad.encode()).id, endpoint=ENDPOINT, completion_window="24h")
     assert b.status == "failed" and b.failed_at and b.output_file_id is None
     by_line = {e.line: e for e in b.errors.data}
@@ -245,18 +286,27 @@ def test_validation_errors_name_the_line(api):
     assert "prompt is empty" in by_line[5].message
     assert a.batches.retrieve(b.id).status == "failed"
     with pytest.raises(openai.BadRequestError, match="endpoint"):
-        a.batches.create(input_file_id=upload(a, batch_lines("w", 1)).id, endpoint="/v1/embeddings",
-                         completion_window="24h")
+        a.batches.create(
+            input_file_id=upload(a, batch_lines("w", 1)).id,
+            endpoint="/v1/embeddings",
+            completion_window="24h",
+        )
     with pytest.raises(openai.BadRequestError, match="decoder"):
-        a.batches.create(input_file_id=upload(a, batch_lines("w", 1)).id, endpoint=ENDPOINT,
-                         completion_window="24h", extra_body={"decoder": "nope"})
+        a.batches.create(
+            input_file_id=upload(a, batch_lines("w", 1)).id,
+            endpoint=ENDPOINT,
+            completion_window="24h",
+            extra_body={"decoder": "nope"},
+        )
 
 
 def test_list_paginates(api):
     srv, _, keys, _ = api
     a = OpenAI(base_url=srv.base_url, api_key=keys["alpha"], max_retries=0)
     f = upload(a, batch_lines("p", 2))
-    made = [a.batches.create(input_file_id=f.id, endpoint=ENDPOINT, completion_window="24h").id for _ in range(5)]
+    made = [
+        a.batches.create(input_file_id=f.id, endpoint=ENDPOINT, completion_window="24h").id for _ in range(5)
+    ]
     page = a.batches.list(limit=2)
     assert [x.id for x in page.data] == made[::-1][:2] and page.has_more
     assert [x.id for x in a.batches.list(limit=2, after=made[3]).data] == [made[2], made[1]]
@@ -271,11 +321,15 @@ def _raw_upload(port: int, head_extra: str, body_chunks, read_timeout_s: float =
     or closes; returns (the response head, bytes sent)."""
     s = socket.create_connection(("127.0.0.1", port))
     boundary = "cqboundary"
-    pre = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
-           f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"big.jsonl\"\r\n"
-           "Content-Type: application/jsonl\r\n\r\n").encode()
-    head = (f"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1\r\n{head_extra}"
-            f"Content-Type: multipart/form-data; boundary={boundary}\r\n\r\n").encode()
+    pre = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n'
+        "Content-Type: application/jsonl\r\n\r\n"
+    ).encode()
+    head = (
+        f"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1\r\n{head_extra}"
+        f"Content-Type: multipart/form-data; boundary={boundary}\r\n\r\n"
+    ).encode()
     sent = [0]
     stop = threading.Event()
 
@@ -330,6 +384,7 @@ def test_upload_limits_while_streaming(api):
     # a declared 2 GB body: refused before any of it is read
     got, sent = _raw_upload(srv.port, f"{auth}Content-Length: {two_gb}\r\n", body)
     assert got.startswith(b"HTTP/1.1 413"), got[:200]
+
     # a chunked body (no length): refused at the first chunk past the 1 MiB limit
     def chunked(pre):
         for c in body(pre):

@@ -33,8 +33,12 @@ def invoke(*args, ok: bool = True):
 
 
 def openai(cid: str, content: str, **body) -> dict:
-    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "testbed", "messages": [{"role": "user", "content": content}], **body}}
+    return {
+        "custom_id": cid,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "testbed", "messages": [{"role": "user", "content": content}], **body},
+    }
 
 
 def write(path, lines) -> str:
@@ -77,25 +81,34 @@ def test_unhonourable_parameters_refused_with_line_numbers(service_env, tmp_path
     """n > 1, temperature, top_p < 1, seed and parameters canvasq has no use for are refused at
     validation, each with its line; nothing is stored. n = 1, top_p = 1, user, metadata pass."""
     q = "Ann has 5 pens. How many pens?"
-    f = write(tmp_path / "params.jsonl", [
-        openai("ok", q, n=1, top_p=1, user="u", metadata={"k": "v"}, stop=["\n"], max_completion_tokens=8),
-        openai("n3", q, n=3),
-        openai("temp", q, temperature=0.2),
-        openai("topp", q, top_p=0.5),
-        openai("seed", q, seed=7),
-        openai("bias", q, logit_bias={"5": 10}),
-        openai("stops", q, stop=["a", "b", "c", "d", "e"]),
-        openai("mt", q, max_tokens=99999),
-    ])
+    f = write(
+        tmp_path / "params.jsonl",
+        [
+            openai(
+                "ok", q, n=1, top_p=1, user="u", metadata={"k": "v"}, stop=["\n"], max_completion_tokens=8
+            ),
+            openai("n3", q, n=3),
+            openai("temp", q, temperature=0.2),
+            openai("topp", q, top_p=0.5),
+            openai("seed", q, seed=7),
+            openai("bias", q, logit_bias={"5": 10}),
+            openai("stops", q, stop=["a", "b", "c", "d", "e"]),
+            openai("mt", q, max_tokens=99999),
+        ],
+    )
     res = invoke("run", f, "-o", str(tmp_path / "o.jsonl"), ok=False)
     assert res.exit_code == 2
     err = res.stderr
     assert "line 1" not in err
-    for line_no, needle in ((2, "body.n=3: canvasq returns one choice per request"),
-                            (3, "body.temperature=0.2"), (4, "body.top_p=0.5"),
-                            (5, "body.seed=7: each row draws from its own generator"),
-                            (6, "body.logit_bias="), (7, "body.stop has 5 sequences; the limit is 4"),
-                            (8, "max_tokens 99999 is beyond the limit 1024 (the model's context: 1024 tokens")):
+    for line_no, needle in (
+        (2, "body.n=3: canvasq returns one choice per request"),
+        (3, "body.temperature=0.2"),
+        (4, "body.top_p=0.5"),
+        (5, "body.seed=7: each row draws from its own generator"),
+        (6, "body.logit_bias="),
+        (7, "body.stop has 5 sequences; the limit is 4"),
+        (8, "max_tokens 99999 is beyond the limit 1024 (the model's context: 1024 tokens"),
+    ):
         assert f"line {line_no}: {needle}" in err, err
     assert not (tmp_path / "o.jsonl").exists()
 
@@ -116,11 +129,14 @@ def test_standard_openai_file_routed_by_content(service_env, tmp_path, monkeypat
     monkeypatch.setattr(cli_mod, "PROGRESS_EVERY_S", 0.0)
     reload_settings()
     math, code = generate("arith", 1, 3)[0], generate("code", 1, 3)[0]
-    f = write(tmp_path / "std.jsonl", [
-        openai("m", math.prompt, max_tokens=32, stop=" starts"),
-        openai("c", code.prompt, max_tokens=32),
-        openai("p", "Say hello.", max_tokens=8),
-    ])
+    f = write(
+        tmp_path / "std.jsonl",
+        [
+            openai("m", math.prompt, max_tokens=32, stop=" starts"),
+            openai("c", code.prompt, max_tokens=32),
+            openai("p", "Say hello.", max_tokens=8),
+        ],
+    )
     out = tmp_path / "out.jsonl"
     res = invoke("run", f, "-o", str(out), "--model", model_for_tests())
     assert "generating: 3 rows" in res.stderr and "generating: 3/3 rows (100 %)" in res.stderr, res.stderr
@@ -131,7 +147,11 @@ def test_standard_openai_file_routed_by_content(service_env, tmp_path, monkeypat
     assert m["finish_reason"] == "stop" and " starts" not in m["message"]["content"]
     store = Store(service_env["url"])
     with store.Session() as s:
-        assert dict(s.execute(select(Request.custom_id, Request.task)).all()) == {"m": "math", "c": "code", "p": None}
+        assert dict(s.execute(select(Request.custom_id, Request.task)).all()) == {
+            "m": "math",
+            "c": "code",
+            "p": None,
+        }
     store.dispose()
 
 
@@ -145,7 +165,9 @@ def test_active_wall_and_rate():
     # retried a day later: the idle day is not active time, so tok/s does not collapse or restart
     later = [t0 + timedelta(days=1, seconds=s) for s in (10, 20)]
     assert active_wall(t0, at + later) == 40
-    assert active_wall(t0, at, now=at[-1] + timedelta(seconds=5)) == 35  # running: the time since the last row
+    assert (
+        active_wall(t0, at, now=at[-1] + timedelta(seconds=5)) == 35
+    )  # running: the time since the last row
     assert recent_rate(at) == pytest.approx(0.1)
     assert recent_rate(at[:1]) is None
 
@@ -158,10 +180,16 @@ def test_status_counts_in_flight_and_results_name_what_is_missing(service_env):
 
     store = Store(service_env["url"])
     store.upgrade()
-    run = store.create_run([Job(f"r{i}", "p", "math", 8, None, i + 1) for i in range(4)], model="m",
-                           queue=service_env["queue"], chunk_size=2)
+    run = store.create_run(
+        [Job(f"r{i}", "p", "math", 8, None, i + 1) for i in range(4)],
+        model="m",
+        queue=service_env["queue"],
+        chunk_size=2,
+    )
     store.claim_chunk(run.chunk_ids[0], "w", 60, 3)
-    store.write_results(run.run_id, [ResultRecord("r0", text="x", completion_tokens=3, forwards=2, decoder="hf")], "w")
+    store.write_results(
+        run.run_id, [ResultRecord("r0", text="x", completion_tokens=3, forwards=2, decoder="hf")], "w"
+    )
     st = json.loads(invoke("status", run.run_id, "--json").stdout)
     assert st["in_flight"] == 1 and st["counts"]["done"] == 1
     assert "(in flight 1)" in invoke("status", run.run_id).stdout
@@ -205,14 +233,42 @@ def test_pipe_run_prints_no_future_warning(tmp_path):
     import subprocess
     import sys
 
-    path = write(tmp_path / "p.jsonl", [{"custom_id": "a", "prompt": "Ann has 5 pens. She buys 3 more. How many "
-                                         "pens does Ann have now?", "task": "math", "max_tokens": 32}])
+    path = write(
+        tmp_path / "p.jsonl",
+        [
+            {
+                "custom_id": "a",
+                "prompt": "Ann has 5 pens. She buys 3 more. How many pens does Ann have now?",
+                "task": "math",
+                "max_tokens": 32,
+            }
+        ],
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("CANVASQ_")}
-    env.update(CANVASQ_MODEL=model_for_tests(), CANVASQ_DATABASE_URL=f"sqlite:///{tmp_path / 'w.sqlite'}",
-               PYTHONWARNINGS="default")
-    proc = subprocess.run([sys.executable, "-m", "canvasq.cli", "run", path, "-o", str(tmp_path / "o.jsonl"),
-                           "--decoder", "pipe"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
+    env.update(
+        CANVASQ_MODEL=model_for_tests(),
+        CANVASQ_DATABASE_URL=f"sqlite:///{tmp_path / 'w.sqlite'}",
+        PYTHONWARNINGS="default",
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "canvasq.cli",
+            "run",
+            path,
+            "-o",
+            str(tmp_path / "o.jsonl"),
+            "--decoder",
+            "pipe",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "wrote 1 results and 0 errors" in proc.stdout
     assert "FutureWarning" not in proc.stderr, proc.stderr[-2000:]

@@ -23,17 +23,26 @@ def test_dashboard_shows_progress_errors_and_trace(tmp_path):
 
     art = Path(os.environ.get("CANVASQ_TEST_ARTIFACTS") or tmp_path)
     art.mkdir(parents=True, exist_ok=True)
-    env = worker_env(db_url=f"sqlite:///{tmp_path / 'canvasq.sqlite'}", broker_url="redis://127.0.0.1:1/0",
-                     decode_batch_size=16, chunk_size=16, extra={"CANVASQ_FILES_DIR": str(tmp_path / "files")})
+    env = worker_env(
+        db_url=f"sqlite:///{tmp_path / 'canvasq.sqlite'}",
+        broker_url="redis://127.0.0.1:1/0",
+        decode_batch_size=16,
+        chunk_size=16,
+        extra={"CANVASQ_FILES_DIR": str(tmp_path / "files")},
+    )
     key = cli(env, "keys", "create", "--project", "alpha").stdout.strip()
     other = cli(env, "keys", "create", "--project", "beta").stdout.strip()
     with ServerProcess(env, tmp_path / "serve.log", with_worker=True) as srv:
         srv.wait_ready(deadline_s=180)
         client = OpenAI(base_url=srv.base_url, api_key=key, max_retries=0)
-        b = client.batches.create(input_file_id=upload(client, batch_lines("d", 32)).id, endpoint=ENDPOINT,
-                                  completion_window="24h")
-        late = client.batches.create(input_file_id=upload(client, batch_lines("late", 16)).id, endpoint=ENDPOINT,
-                                     completion_window="1s")  # behind the first: it expires
+        b = client.batches.create(
+            input_file_id=upload(client, batch_lines("d", 32)).id, endpoint=ENDPOINT, completion_window="24h"
+        )
+        late = client.batches.create(
+            input_file_id=upload(client, batch_lines("late", 16)).id,
+            endpoint=ENDPOINT,
+            completion_window="1s",
+        )  # behind the first: it expires
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
@@ -48,8 +57,11 @@ def test_dashboard_shows_progress_errors_and_trace(tmp_path):
             expect(row.locator(".status")).to_have_text("completed", timeout=180_000)
             expect(row.locator(".progress")).to_have_text("32/32")
             row.click()
-            page.wait_for_function("() => { const p = document.querySelector('#trace polyline.series-rows');"
-                                   " return p && Number(p.dataset.n) > 1; }", timeout=30_000)
+            page.wait_for_function(
+                "() => { const p = document.querySelector('#trace polyline.series-rows');"
+                " return p && Number(p.dataset.n) > 1; }",
+                timeout=30_000,
+            )
             assert int(page.locator("#trace polyline.series-commits").get_attribute("data-n")) > 1
             assert int(page.locator("#tokps polyline.series-tok_s").get_attribute("data-n")) >= 1
             page.screenshot(path=str(art / "dashboard-trace.png"), full_page=True)

@@ -12,17 +12,33 @@ from canvasq.serve.batches import report_errors
 
 def test_each_error_carries_its_code(tmp_path):
     ok = {"custom_id": "a", "prompt": "What is 2 plus 2?"}
-    lines = [json.dumps(ok), "{not json", "[1, 2]", json.dumps(ok),
-             json.dumps({"custom_id": "b", "prompt": "x", "task": "duplicate custom_id"}),
-             json.dumps({"custom_id": "c", "prompt": "x", "task": "malformed JSON"}),
-             json.dumps({"custom_id": "d", "prompt": ""})]
+    lines = [
+        json.dumps(ok),
+        "{not json",
+        "[1, 2]",
+        json.dumps(ok),
+        json.dumps({"custom_id": "b", "prompt": "x", "task": "duplicate custom_id"}),
+        json.dumps({"custom_id": "c", "prompt": "x", "task": "malformed JSON"}),
+        json.dumps({"custom_id": "d", "prompt": ""}),
+    ]
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(lines) + "\n")
     codes = {e["line"]: e["code"] for e in report_errors(validate_file(src, Limits(max_errors=3)))}
-    assert codes == {2: "invalid_json_line", 3: "invalid_json_line", 4: "duplicate_custom_id", None: "too_many_errors"}
+    assert codes == {
+        2: "invalid_json_line",
+        3: "invalid_json_line",
+        4: "duplicate_custom_id",
+        None: "too_many_errors",
+    }
     codes = {e["line"]: e["code"] for e in report_errors(validate_file(src, Limits()))}
-    assert codes == {2: "invalid_json_line", 3: "invalid_json_line", 4: "duplicate_custom_id",
-                     5: "invalid_request", 6: "invalid_request", 7: "invalid_request"}
+    assert codes == {
+        2: "invalid_json_line",
+        3: "invalid_json_line",
+        4: "duplicate_custom_id",
+        5: "invalid_request",
+        6: "invalid_request",
+        7: "invalid_request",
+    }
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")

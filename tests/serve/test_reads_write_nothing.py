@@ -18,12 +18,18 @@ from tests.serve.inprocess import finish_run, in_process_api
 
 def _tables(store) -> dict[str, list[str]]:
     with store.Session() as s:
-        return {t.name: sorted(repr(tuple(row)) for row in s.execute(select(t))) for t in Base.metadata.sorted_tables}
+        return {
+            t.name: sorted(repr(tuple(row)) for row in s.execute(select(t)))
+            for t in Base.metadata.sorted_tables
+        }
 
 
 def _files(root) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_every_get_route_leaves_store_and_files_unchanged(store, tmp_path):
@@ -42,7 +48,12 @@ def test_every_get_route_leaves_store_and_files_unchanged(store, tmp_path):
     batch_ids = [late["id"], done["id"], running["id"], failed["id"]]
     file_ids = [f["id"] for f in api.get("/v1/files").json()["data"]]
     assert {done["output_file_id"], done["error_file_id"]} <= set(file_ids)
-    values = {"batch_id": batch_ids, "file_id": file_ids, "custom_id": ["done-1", "nobody"], "name": [*ASSETS, "x"]}
+    values = {
+        "batch_id": batch_ids,
+        "file_id": file_ids,
+        "custom_id": ["done-1", "nobody"],
+        "name": [*ASSETS, "x"],
+    }
     routes = [r for r in api.client.app.routes if isinstance(r, APIRoute) and "GET" in r.methods]
     assert len(routes) >= 10
 

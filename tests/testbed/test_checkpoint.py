@@ -23,8 +23,9 @@ def test_loads_offline_with_from_pretrained():
         "print(type(m).__name__, m.config.canvas_length, len(t))\n"
     )
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                         check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     name, canvas, vocab = out.stdout.split()[-3:]
     assert name == "DiffusionGemmaForBlockDiffusion" and int(canvas) == TESTBED.canvas_length
@@ -51,7 +52,11 @@ def test_tokenizer_round_trips_and_special_ids_agree():
     tok = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
     assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (tb.PAD_ID, tb.EOS_ID, tb.BOS_ID)
     cfg = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())["text_config"]
-    assert (cfg["pad_token_id"], cfg["eos_token_id"], cfg["bos_token_id"]) == (tb.PAD_ID, tb.EOS_ID, tb.BOS_ID)
+    assert (cfg["pad_token_id"], cfg["eos_token_id"], cfg["bos_token_id"]) == (
+        tb.PAD_ID,
+        tb.EOS_ID,
+        tb.BOS_ID,
+    )
     for task in tasks.TASKS:
         for p in tasks.generate(task, 50, seed=2):
             for text in (p.prompt, p.answer):
@@ -69,5 +74,7 @@ def test_answers_span_several_canvases():
 
     tok = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
     canvas = TESTBED.canvas_length
-    lengths = [len(tok.encode(p.answer, add_special_tokens=False)) + 1 for p in tasks.generate("arith", 200, 4)]
+    lengths = [
+        len(tok.encode(p.answer, add_special_tokens=False)) + 1 for p in tasks.generate("arith", 200, 4)
+    ]
     assert mean(lengths) / canvas >= 2

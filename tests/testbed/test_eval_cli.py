@@ -25,5 +25,7 @@ def test_eval_official_and_entropy_bound():
 def test_eval_step_decoder_and_bad_flag():
     d = _eval("--task", "code", "--n", "2", "--seed", "3", "--decoder", "funnel", "--batch", "2")
     assert d["decoder"] == "funnel" and 0.0 <= d["accuracy"] <= 1.0 and d["forwards"] > 0
-    res = CliRunner().invoke(cli, ["eval", "--task", "code", "--n", "1", "--decoder", "pipe", "--entropy-bound", "1"])
+    res = CliRunner().invoke(
+        cli, ["eval", "--task", "code", "--n", "1", "--decoder", "pipe", "--entropy-bound", "1"]
+    )
     assert res.exit_code != 0 and "official decoder only" in res.output

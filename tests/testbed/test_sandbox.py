@@ -36,7 +36,8 @@ def test_large_allocation_fails():
 
 def test_network_is_refused():
     r = run_python(
-        "import socket\ns = socket.socket()\ns.connect(('127.0.0.1', 6379))\nprint('connected')\n", timeout_s=5
+        "import socket\ns = socket.socket()\ns.connect(('127.0.0.1', 6379))\nprint('connected')\n",
+        timeout_s=5,
     )
     assert not r.ok and "connected" not in r.stdout
     assert "not allowed" in r.stderr
@@ -88,7 +89,9 @@ def _no_connection(srv) -> bool:
 
 def test_hook_switched_off_still_no_network_or_shell(listener):
     port = listener.getsockname()[1]
-    r = run_python(UNHOOK + f"""
+    r = run_python(
+        UNHOOK
+        + f"""
 import os, socket
 print("system", os.system("echo > /dev/tcp/127.0.0.1/{port} || true"))
 for port in ({port}, 6379, 5432):
@@ -97,7 +100,8 @@ for port in ({port}, 6379, 5432):
         print("connected", port)
     except OSError as e:
         print("refused", port, e.errno)
-""")
+"""
+    )
     assert r.ok, r.stderr
     assert "connected" not in r.stdout and r.stdout.count("refused") == 3
     assert _no_connection(listener)
@@ -123,7 +127,9 @@ print("started", pid > 0, os.waitpid(pid, 0)[1])
 
 
 def test_runs_as_nobody_without_root_powers():
-    r = run_python(UNHOOK + """
+    r = run_python(
+        UNHOOK
+        + """
 import os
 print("ids", os.getuid(), os.geteuid(), os.getgid(), os.getgroups())
 for attempt in (lambda: os.setuid(0), lambda: os.chroot("/"), lambda: os.chown("/sandbox", 0, 0)):
@@ -132,7 +138,8 @@ for attempt in (lambda: os.setuid(0), lambda: os.chroot("/"), lambda: os.chown("
         print("ALLOWED")
     except PermissionError:
         print("denied")
-""")
+"""
+    )
     assert r.ok, r.stderr
     assert "ids 65534 65534 65534 []" in r.stdout
     assert r.stdout.count("denied") == 3 and "ALLOWED" not in r.stdout
@@ -146,9 +153,18 @@ def test_host_files_are_not_there(tmp_path, monkeypatch):
     store.write_bytes(b"SQLite format 3\x00secret-row")
     os.chmod(tmp_path, 0o755)
     os.chmod(store, 0o666)
-    paths = ["/etc/shadow", "/etc/passwd", f"/proc/{os.getpid()}/environ", "/proc/1/environ", str(store),
-             os.path.abspath(__file__), "/root/.bashrc"]
-    r = run_python(UNHOOK + f"""
+    paths = [
+        "/etc/shadow",
+        "/etc/passwd",
+        f"/proc/{os.getpid()}/environ",
+        "/proc/1/environ",
+        str(store),
+        os.path.abspath(__file__),
+        "/root/.bashrc",
+    ]
+    r = run_python(
+        UNHOOK
+        + f"""
 import os
 for p in {paths!r}:
     try:
@@ -156,7 +172,8 @@ for p in {paths!r}:
     except OSError as e:
         print("no", p, type(e).__name__)
 print("root has", sorted(os.listdir("/")))
-""")
+"""
+    )
     assert r.ok, r.stderr
     assert "READ" not in r.stdout and "hunter2" not in r.stdout and "secret-row" not in r.stdout
     assert r.stdout.count("no ") == len(paths)
@@ -168,9 +185,18 @@ def test_writes_stay_in_the_sandbox(tmp_path):
     target.mkdir()
     os.chmod(tmp_path, 0o777)
     os.chmod(target, 0o777)  # writable by anyone who can reach it
-    victims = [str(target / "x"), "/tmp/canvasq-sbx-escape", "/dev/shm/canvasq-sbx-escape",
-               "/var/tmp/canvasq-sbx-escape", "/sandbox/../escape", "/usr/escape", "/etc/escape"]
-    r = run_python(UNHOOK + f"""
+    victims = [
+        str(target / "x"),
+        "/tmp/canvasq-sbx-escape",
+        "/dev/shm/canvasq-sbx-escape",
+        "/var/tmp/canvasq-sbx-escape",
+        "/sandbox/../escape",
+        "/usr/escape",
+        "/etc/escape",
+    ]
+    r = run_python(
+        UNHOOK
+        + f"""
 for p in {victims!r}:
     try:
         open(p, "w").write("x")
@@ -179,7 +205,8 @@ for p in {victims!r}:
         print("no", p, type(e).__name__)
 open("/sandbox/inside", "w").write("fine")
 print("inside ok")
-""")
+"""
+    )
     assert r.ok, r.stderr
     assert "WROTE" not in r.stdout and "inside ok" in r.stdout
     assert not any(os.path.exists(v) for v in victims)
@@ -203,7 +230,9 @@ def test_detached_grandchild_dies_with_the_sandbox(parent):
     marker = f"3{os.getpid() % 1000}.{len(parent)}17"  # a unique `sleep` argument to look for
     tail = "" if parent == "exits at once" else "while True:\n    pass\n"
     t0 = time.monotonic()
-    r = run_python(UNHOOK + f"""
+    r = run_python(
+        UNHOOK
+        + f"""
 import os, time
 if os.fork() == 0:
     os.setsid()
@@ -211,7 +240,10 @@ if os.fork() == 0:
         os.execv("/bin/sleep", ["sleep", "{marker}"])
     os._exit(0)
 time.sleep(0.3)
-""" + tail, timeout_s=2)
+"""
+        + tail,
+        timeout_s=2,
+    )
     assert time.monotonic() - t0 < 10
     assert r.timed_out == (parent != "exits at once")
     deadline = time.monotonic() + 2
@@ -221,7 +253,9 @@ time.sleep(0.3)
 
 
 def test_fork_bomb_is_capped_without_the_hook():
-    r = run_python(UNHOOK + """
+    r = run_python(
+        UNHOOK
+        + """
 import os, time
 n = 0
 for _ in range(200):
@@ -233,21 +267,28 @@ for _ in range(200):
     except OSError:
         break
 print("forked", n)
-""", timeout_s=3)
+""",
+        timeout_s=3,
+    )
     assert "forked" in r.stdout, r.stderr
     assert int(r.stdout.split("forked")[1].split()[0]) < 16
 
 
 def test_hostile_output_is_bounded():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
-    r = run_python("""
+    r = run_python(
+        """
 import os, sys
 chunk = b"x" * (1 << 20)
 for _ in range(300):
     sys.stdout.buffer.write(chunk)
     sys.stderr.buffer.write(chunk)
     os.write(3, chunk)
-""", timeout_s=20, output_bytes=64 * 1024, result_bytes=1 << 20)
+""",
+        timeout_s=20,
+        output_bytes=64 * 1024,
+        result_bytes=1 << 20,
+    )
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert r.truncated
     assert len(r.stdout) <= 64 * 1024 and len(r.stderr) <= 64 * 1024 and len(r.result) <= 1 << 20
@@ -255,7 +296,8 @@ for _ in range(300):
 
 
 def test_disk_use_is_capped_and_vanishes():
-    r = run_python("""
+    r = run_python(
+        """
 n = 0
 try:
     for i in range(100):
@@ -263,7 +305,9 @@ try:
         n += 1
 except OSError as e:
     print("stopped", n, e.errno)
-""", disk_bytes=4 * 1024 * 1024)
+""",
+        disk_bytes=4 * 1024 * 1024,
+    )
     assert "stopped" in r.stdout, r.stderr
     assert int(r.stdout.split()[1]) <= 8
 
@@ -302,4 +346,6 @@ def test_bench_and_calibrate_refuse_code_with_one_line(monkeypatch, command):
     monkeypatch.setattr(sandbox, "unavailable_reason", lambda: "the code sandbox needs root")
     res = CliRunner().invoke(cli, [command, "--task", "code", "--n", "1"])
     assert res.exit_code != 0
-    assert res.output.strip() == "Error: --task code needs the verifier's sandbox: the code sandbox needs root"
+    assert (
+        res.output.strip() == "Error: --task code needs the verifier's sandbox: the code sandbox needs root"
+    )

@@ -38,8 +38,16 @@ def test_objectives_run_and_on_policy_trains_only_open_positions():
     # from the generator) the two losses differ
     differ = 0
     for seed in range(6):
-        never = denoise_loss(model, batch, 2, C, 0.5, torch.Generator().manual_seed(seed),
-                             draft_rounds=1, commit_tau=(1.5, 1.5))
+        never = denoise_loss(
+            model,
+            batch,
+            2,
+            C,
+            0.5,
+            torch.Generator().manual_seed(seed),
+            draft_rounds=1,
+            commit_tau=(1.5, 1.5),
+        )
         drafts = denoise_loss(model, batch, 2, C, 0.5, torch.Generator().manual_seed(seed), draft_rounds=1)
         assert torch.isfinite(never) and torch.isfinite(drafts)
         differ += int(not torch.equal(never, drafts))

@@ -29,5 +29,10 @@ def wstore(tmp_path):
 
 @pytest.fixture
 def wsettings(tmp_path):
-    return Settings(database_url=f"sqlite:///{tmp_path / 'w.sqlite'}", model=model_for_tests(),
-                    decode_batch_size=4, max_attempts=3, device="cpu")
+    return Settings(
+        database_url=f"sqlite:///{tmp_path / 'w.sqlite'}",
+        model=model_for_tests(),
+        decode_batch_size=4,
+        max_attempts=3,
+        device="cpu",
+    )

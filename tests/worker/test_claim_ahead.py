@@ -24,13 +24,22 @@ def _run(store, n: int, chunk: int, decoders=None):
 
 def _chunks(store, run_id):
     with store.Session() as s:
-        return {c.seq: (c.status, c.attempts, c.claimed_ahead)
-                for c in s.scalars(select(Chunk).where(Chunk.run_id == run_id))}
+        return {
+            c.seq: (c.status, c.attempts, c.claimed_ahead)
+            for c in s.scalars(select(Chunk).where(Chunk.run_id == run_id))
+        }
 
 
 def _engine(tmp_path, store, bundle, mode: str, worker: str = "test:1") -> Engine:
-    settings = Settings(database_url=f"sqlite:///{tmp_path / 'w.sqlite'}", model=str(bundle.spec), device="cpu",
-                        decode_batch_size=4, decode_slots=4, max_attempts=3, claim_ahead=mode)
+    settings = Settings(
+        database_url=f"sqlite:///{tmp_path / 'w.sqlite'}",
+        model=str(bundle.spec),
+        device="cpu",
+        decode_batch_size=4,
+        decode_slots=4,
+        max_attempts=3,
+        claim_ahead=mode,
+    )
     return Engine(settings=settings, store=store, bundle=bundle, worker_id=worker, queue="q")
 
 
@@ -43,7 +52,10 @@ def test_one_delivery_drains_the_run_through_one_stream(tmp_path, wstore, bundle
     out = _engine(tmp_path, wstore, bundle, "on").process_chunk(run.chunk_ids[0])
     assert out.written == 10 and out.claimed_ahead == 4
     assert wstore.run_status(run.run_id) == "completed" and wstore.counts(run.run_id)["done"] == 10
-    assert _chunks(wstore, run.run_id) == {0: ("done", 1, False), **{k: ("done", 1, True) for k in range(1, 5)}}
+    assert _chunks(wstore, run.run_id) == {
+        0: ("done", 1, False),
+        **{k: ("done", 1, True) for k in range(1, 5)},
+    }
     # the messages of the chunks taken ahead: dropped, not counted as deliveries
     other = _engine(tmp_path, wstore, bundle, "on", worker="test:2")
     for cid in run.chunk_ids[1:]:
@@ -66,10 +78,17 @@ def test_a_chunk_for_another_route_is_given_back(tmp_path, wstore, bundle):
     run = _run(wstore, 6, 2, decoders={2: "pipe", 3: "pipe"})
     out = _engine(tmp_path, wstore, bundle, "on").process_chunk(run.chunk_ids[0])
     assert out.written == 4 and out.claimed_ahead == 1
-    assert _chunks(wstore, run.run_id) == {0: ("done", 1, False), 1: ("queued", 0, False), 2: ("done", 1, True)}
+    assert _chunks(wstore, run.run_id) == {
+        0: ("done", 1, False),
+        1: ("queued", 0, False),
+        2: ("done", 1, True),
+    }
     with wstore.Session() as s:
-        left = set(s.scalars(select(Request.custom_id).where(Request.run_id == run.run_id,
-                                                              Request.status == "queued")))
+        left = set(
+            s.scalars(
+                select(Request.custom_id).where(Request.run_id == run.run_id, Request.status == "queued")
+            )
+        )
     assert left == {"r2", "r3"}
 
 

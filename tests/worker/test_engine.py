@@ -32,10 +32,14 @@ def test_chunk_done_once_and_redelivery_writes_nothing(wsettings, wstore, bundle
     assert first.state == "work" and first.written == 5
     assert wstore.run_status(run.run_id) == "completed"
     with wstore.Session() as s:
-        outs = s.execute(select(Output.custom_id, Output.completion_tokens, Output.forwards, Output.decoder,
-                                Output.error_code).where(Output.run_id == run.run_id)).all()
-        n_traces = s.scalar(select(func.count()).select_from(ForwardTraceRow)
-                            .where(ForwardTraceRow.run_id == run.run_id))
+        outs = s.execute(
+            select(
+                Output.custom_id, Output.completion_tokens, Output.forwards, Output.decoder, Output.error_code
+            ).where(Output.run_id == run.run_id)
+        ).all()
+        n_traces = s.scalar(
+            select(func.count()).select_from(ForwardTraceRow).where(ForwardTraceRow.run_id == run.run_id)
+        )
     assert sorted(o[0] for o in outs) == [f"r{i}" for i in range(5)]
     assert all(o.error_code is None and 0 < o.completion_tokens <= 32 and o.forwards > 0 for o in outs)
     assert {o.decoder for o in outs} == {"official"}
@@ -54,12 +58,20 @@ def test_redelivery_after_partial_progress_skips_done_rows(wsettings, wstore, bu
     assert claim.state == "work"
     from canvasq.core.queue import ResultRecord
 
-    wstore.write_results(run.run_id, [ResultRecord("r0", text="kept", completion_tokens=1),
-                                      ResultRecord("r1", text="kept", completion_tokens=1)], "dead:1")
+    wstore.write_results(
+        run.run_id,
+        [
+            ResultRecord("r0", text="kept", completion_tokens=1),
+            ResultRecord("r1", text="kept", completion_tokens=1),
+        ],
+        "dead:1",
+    )
     out = engine.process_chunk(run.chunk_ids[0])
     assert out.written == 2
     with wstore.Session() as s:
-        rows = dict(s.execute(select(Output.custom_id, Output.worker_id).where(Output.run_id == run.run_id)).all())
+        rows = dict(
+            s.execute(select(Output.custom_id, Output.worker_id).where(Output.run_id == run.run_id)).all()
+        )
     assert rows == {"r0": "dead:1", "r1": "dead:1", "r2": "test:1", "r3": "test:1"}
 
 
@@ -88,7 +100,9 @@ def test_one_bad_row_errors_alone(wsettings, wstore, bundle):
     c = wstore.counts(run.run_id)
     assert (c["done"], c["errored"], c["queued"]) == (2, 2, 0)
     with wstore.Session() as s:
-        codes = dict(s.execute(select(Output.custom_id, Output.error_code).where(Output.run_id == run.run_id)).all())
+        codes = dict(
+            s.execute(select(Output.custom_id, Output.error_code).where(Output.run_id == run.run_id)).all()
+        )
     assert codes == {"r0": None, "bad-tok": "tokenizer_error", "too-long": "decode_error", "r3": None}
 
 
@@ -144,8 +158,10 @@ def test_seeded_output_is_reproducible(wsettings, wstore, bundle, decoder):
     engine.process_chunk(a.chunk_ids[0])
     engine.process_chunk(b.chunk_ids[0])
     with wstore.Session() as s:
-        texts = [dict(s.execute(select(Output.custom_id, Output.token_ids).where(Output.run_id == r.run_id)).all())
-                 for r in (a, b)]
+        texts = [
+            dict(s.execute(select(Output.custom_id, Output.token_ids).where(Output.run_id == r.run_id)).all())
+            for r in (a, b)
+        ]
     assert texts[0] == texts[1]
 
 
@@ -238,15 +254,17 @@ def test_experts_setting_reaches_the_decoders(wsettings, wstore, bundle):
 
     for setting, want in (("auto", "bf16"), ("w4", "w4")):
         settings = wsettings.model_copy(update={"experts": setting})
-        run = wstore.create_run(jobs(1, max_tokens=8), model=settings.model, queue="q", decoder="pipe",
-                                chunk_size=1)
+        run = wstore.create_run(
+            jobs(1, max_tokens=8), model=settings.model, queue="q", decoder="pipe", chunk_size=1
+        )
         out = engine_for(settings, wstore, bundle, decode_fn=recording).process_chunk(run.chunk_ids[0])
         assert out.written == 1 and seen[-1] == want
     assert seen == ["bf16", "w4"]
 
 
-def test_continuous_batching_keeps_slots_full_and_matches_rows_decoded_alone(wsettings, wstore, bundle, tmp_path,
-                                                                           monkeypatch):
+def test_continuous_batching_keeps_slots_full_and_matches_rows_decoded_alone(
+    wsettings, wstore, bundle, tmp_path, monkeypatch
+):
     """A chunk of mixed max_tokens through 3 decode slots: rows are admitted largest max_tokens first,
     a finished row's slot is refilled before the next step (full until the chunk runs out of rows),
     every row is stored once, and each row's answer is what it gets decoded alone (the official
@@ -262,7 +280,17 @@ def test_continuous_batching_keeps_slots_full_and_matches_rows_decoded_alone(wse
     out = engine_for(settings, wstore, bundle).process_chunk(run.chunk_ids[0])
     assert out.written == len(js) and wstore.run_status(run.run_id) == "completed"
     fed = [line.split()[1] for line in work.read_text().splitlines()]
-    assert fed == ["r3", "r6", "r1", "r8", "r5", "r2", "r0", "r4", "r7"]  # 64, 48, 40, 32, 24, 16, then 8s in order
+    assert fed == [
+        "r3",
+        "r6",
+        "r1",
+        "r8",
+        "r5",
+        "r2",
+        "r0",
+        "r4",
+        "r7",
+    ]  # 64, 48, 40, 32, 24, 16, then 8s in order
     occ = out.occupancy
     assert all(slots == 3 for _, slots in occ)
     # full while rows were waiting: the first step that runs below 3 is after the last row was fed,
@@ -304,7 +332,9 @@ def test_engine_starts_once_then_takes_chunks(wsettings, wstore, bundle):
     settings = wsettings.model_copy(update={"cuda_graphs": "on", "heartbeat_s": 0.05, "decode_slots": 4})
     run = wstore.create_run(jobs(4), model=settings.model, queue="q", decoder="official", chunk_size=4)
     with engine_for(settings, wstore, bundle).start() as engine:
-        runner = runtime_for(bundle.hf_model, engine.experts, settings.fp8, settings.fp8_min_rows).graph_runner
+        runner = runtime_for(
+            bundle.hf_model, engine.experts, settings.fp8, settings.fp8_min_rows
+        ).graph_runner
         assert runner is not None and runner.store is not None and runner.store.slots >= 4
         arena, built = runner.store, runner.stats["built"]
         assert built > 0  # the warm-up's forwards were prepared at start

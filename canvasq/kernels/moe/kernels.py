@@ -280,8 +280,9 @@ def _combine_kernel(
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < H
-    acc = combine_row(y_tk_ptr, w_ptr, ids_ptr, scale_ptr, ids_ptr, t, offs, mask, stride_ym, TOP_K, K_P2, RENORM,
-                      False)
+    acc = combine_row(
+        y_tk_ptr, w_ptr, ids_ptr, scale_ptr, ids_ptr, t, offs, mask, stride_ym, TOP_K, K_P2, RENORM, False
+    )
     tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -2,7 +2,8 @@
 
 The worker needs only `core.queue.QueueStore`; anything that reports opens `Store`. Modules:
 db (engine, migrations, shared helpers), queue (the protocol and the records that cross rooms),
-reports (read-only queries), tables (SQL tables, status enums), calibrations (stored calibrations).
+reports (read-only queries), tables (SQL tables, status enums), calibrations (stored calibrations);
+the queue protocol's faces: records (what crosses rooms), runs (whole-run control), workers (liveness).
 """
 
 from __future__ import annotations

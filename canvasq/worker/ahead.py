@@ -21,7 +21,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from canvasq.core.db import retry_transient
-from canvasq.core.queue import ClaimState
+from canvasq.core.records import ClaimState
 
 if TYPE_CHECKING:
     from canvasq.decoders.types import DecodeRequest

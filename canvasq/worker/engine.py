@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Self
 
 from canvasq.core.db import retry_transient
-from canvasq.core.queue import ClaimedRequest, ClaimState, QueueStore
+from canvasq.core.queue import QueueStore
+from canvasq.core.records import ClaimedRequest, ClaimState
 from canvasq.core.settings import Settings, get_settings, mask_url, model_name, resolve_experts
 from canvasq.core.statuses import RequestStatus, RunStatus
 from canvasq.decoders.types import DecodeResult

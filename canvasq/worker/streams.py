@@ -16,7 +16,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from canvasq.core.db import retry_transient
-from canvasq.core.queue import ClaimedRequest, ResultRecord
+from canvasq.core.records import ClaimedRequest, ResultRecord
 from canvasq.core.statuses import RequestStatus
 from canvasq.decoders.types import (
     CANCELLED,

@@ -102,7 +102,7 @@ def config_cmd():
     s = get_settings()
     view = s.model_dump()
     view.update(s.describe())
-    from canvasq.worker.engine import resolve_device
+    from canvasq.worker.devices import resolve_device
 
     try:
         device = resolve_device(s.device)
@@ -168,7 +168,7 @@ def pack(model, device, cache_dir, force):
         CANVASQ_W4_CACHE_DIR=/scratch/w4 canvasq pack /models/diffusiongemma --device cuda:1
     """
     from canvasq.model.loading import pack_checkpoint, w4_cache_path
-    from canvasq.worker.engine import bind_cuda_device, resolve_device
+    from canvasq.worker.devices import bind_cuda_device, resolve_device
 
     s = get_settings()
     if model.startswith("random:"):

@@ -19,12 +19,13 @@ prefix (`emitted`) first held one token / one canvas (a row that ends shorter: i
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from canvasq.decoders import runtimes
+from canvasq.decoders.slots import SlotPool
 from canvasq.decoders.state import (
     Cancelled,
     Canvas,
@@ -32,7 +33,6 @@ from canvasq.decoders.state import (
     error_result,
     first_stop,
     poll,
-    request_error,
     row_generator,
 )
 from canvasq.decoders.types import (
@@ -78,7 +78,7 @@ class StepDecoder:
         self._traces: dict[int, list[ForwardTrace]] = {}
         self._pass_index = 0
         self._deferred: list[tuple[Seq, tuple]] = []  # (row, encoder item) for the next prefill pass
-        self.pool: _SlotPool | None = None  # the stream's slots (set by `stream`)
+        self.pool: SlotPool | None = None  # the stream's slots (set by `stream`)
         self.arena: KVArena | None = None  # the stream's KV cache (set by `stream`)
         self.graphs = self.graph_runner()
 
@@ -153,7 +153,7 @@ class StepDecoder:
         self._pass_index = 0
         self._deferred = []
         self.arena = self.new_arena(slots, capacity) if capacity else None
-        pool = self.pool = _SlotPool(self, slots, seed, capacity or 0, on_result)
+        pool = self.pool = SlotPool(self, slots, seed, capacity or 0, on_result)
         self.last_seqs = pool.seen
         exhausted = False
         try:
@@ -188,7 +188,7 @@ class StepDecoder:
             pool.deliver_done()
             raise Interrupted(exc, []) from exc
 
-    def _step_all(self, pool: _SlotPool, interrupts: tuple[type[BaseException], ...]) -> None:
+    def _step_all(self, pool: SlotPool, interrupts: tuple[type[BaseException], ...]) -> None:
         """One decoder step over every live row (in slot order when `slot_order`: a full step then
         reads the arena as a slice), then the liveness guard: a row past its step budget errors."""
         live = pool.live
@@ -439,59 +439,6 @@ class StepDecoder:
             decoder=self.name,
             stats=dict(s.stats),
         )
-
-
-class _SlotPool:
-    """The slots of one stream: which request holds which arena slot, admission and delivery."""
-
-    def __init__(self, dec: StepDecoder, slots: int, seed: int, capacity: int, on_result):
-        self.dec, self.seed, self.capacity, self.on_result = dec, seed, capacity, on_result
-        self.free = list(range(slots - 1, -1, -1))
-        self.live: list[Seq] = []
-        self.seen: list[Seq] = []  # every admitted request, for inspection (tests, schedules)
-        self.keys: dict[int, object] = {}
-        self.next_row = 0
-
-    def admit(self, new: Sequence[tuple[object, DecodeRequest]]) -> list[Seq]:
-        """Fed requests take free slots; one that cannot be decoded is answered at once, alone."""
-        dec, fresh = self.dec, []
-        for key, req in new:
-            err = request_error(dec.bundle, req)
-            if err is None and dec.need(req) > self.capacity:
-                err = f"needs {dec.need(req)} cache entries per slot; this stream holds {self.capacity}"
-            if err:
-                self.on_result(key, error_result(req, err, dec.name))
-                continue
-            s = Seq(
-                row=self.next_row,
-                req=req,
-                slot=self.free.pop(),
-                gen=dec.generator(self.seed, req.custom_id),
-                n_canvases=-(-req.max_tokens // dec.C),
-            )
-            self.next_row += 1
-            self.keys[s.row] = key
-            dec._traces[s.row] = []
-            assert dec.arena is not None  # admitted: it fits the stream's capacity, so there is one
-            dec.arena.reset(s.slot)
-            fresh.append(s)
-        self.live += fresh
-        self.seen += fresh
-        return fresh
-
-    def deliver_done(self) -> None:
-        """Hand every finished row to `on_result` and free its slot."""
-        dec = self.dec
-        for s in self.live:
-            if not s.done:
-                continue
-            self.on_result(self.keys.pop(s.row), dec._result(s))
-            dec._traces.pop(s.row, None)
-            if dec.graphs is not None:  # a free slot may pad graphed forwards: keep it empty
-                assert dec.arena is not None  # rows were admitted
-                dec.arena.reset(s.slot)
-            self.free.append(s.slot)
-        self.live = [s for s in self.live if not s.done]
 
 
 class _Timer:

@@ -202,7 +202,7 @@ def test_a_worker_pinned_to_cuda_n_selects_that_device(monkeypatch):
     device's stream, so the worker must make N current before loading; cpu selects nothing."""
     import torch
 
-    from canvasq.worker.engine import bind_cuda_device
+    from canvasq.worker.devices import bind_cuda_device
 
     chosen = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(torch.device(d)))
@@ -215,7 +215,7 @@ def test_a_worker_pinned_to_cuda_n_selects_that_device(monkeypatch):
 def test_device_setting_resolves_to_an_indexed_device():
     """auto / cuda take the current device's index (torch.cuda.set_device needs one); cuda:N must be
     visible; every refusal is one line naming CANVASQ_DEVICE."""
-    from canvasq.worker.engine import resolve_device
+    from canvasq.worker.devices import resolve_device
 
     assert resolve_device("cpu") == "cpu"
     assert resolve_device("auto", visible=0, current=0) == "cpu"
@@ -231,7 +231,7 @@ def test_device_setting_resolves_to_an_indexed_device():
 def test_bare_cuda_binds_the_current_device(monkeypatch):
     import torch
 
-    from canvasq.worker.engine import bind_cuda_device
+    from canvasq.worker.devices import bind_cuda_device
 
     chosen = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(torch.device(d)))

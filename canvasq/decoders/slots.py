@@ -1,0 +1,67 @@
+"""The slots of one decode stream: which request holds which arena slot, admission (a request that
+cannot be decoded is answered at once, alone) and delivery (a finished row handed back and its slot
+freed, emptied where graphed forwards may pad onto it)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from canvasq.decoders.state import Seq, error_result, request_error
+from canvasq.decoders.types import DecodeRequest
+
+if TYPE_CHECKING:
+    from canvasq.decoders.base import StepDecoder
+
+
+class SlotPool:
+    """The slots of one stream: which request holds which arena slot, admission and delivery."""
+
+    def __init__(self, dec: StepDecoder, slots: int, seed: int, capacity: int, on_result):
+        self.dec, self.seed, self.capacity, self.on_result = dec, seed, capacity, on_result
+        self.free = list(range(slots - 1, -1, -1))
+        self.live: list[Seq] = []
+        self.seen: list[Seq] = []  # every admitted request, for inspection (tests, schedules)
+        self.keys: dict[int, object] = {}
+        self.next_row = 0
+
+    def admit(self, new: Sequence[tuple[object, DecodeRequest]]) -> list[Seq]:
+        """Fed requests take free slots; one that cannot be decoded is answered at once, alone."""
+        dec, fresh = self.dec, []
+        for key, req in new:
+            err = request_error(dec.bundle, req)
+            if err is None and dec.need(req) > self.capacity:
+                err = f"needs {dec.need(req)} cache entries per slot; this stream holds {self.capacity}"
+            if err:
+                self.on_result(key, error_result(req, err, dec.name))
+                continue
+            s = Seq(
+                row=self.next_row,
+                req=req,
+                slot=self.free.pop(),
+                gen=dec.generator(self.seed, req.custom_id),
+                n_canvases=-(-req.max_tokens // dec.C),
+            )
+            self.next_row += 1
+            self.keys[s.row] = key
+            dec._traces[s.row] = []
+            assert dec.arena is not None  # admitted: it fits the stream's capacity, so there is one
+            dec.arena.reset(s.slot)
+            fresh.append(s)
+        self.live += fresh
+        self.seen += fresh
+        return fresh
+
+    def deliver_done(self) -> None:
+        """Hand every finished row to `on_result` and free its slot."""
+        dec = self.dec
+        for s in self.live:
+            if not s.done:
+                continue
+            self.on_result(self.keys.pop(s.row), dec._result(s))
+            dec._traces.pop(s.row, None)
+            if dec.graphs is not None:  # a free slot may pad graphed forwards: keep it empty
+                assert dec.arena is not None  # rows were admitted
+                dec.arena.reset(s.slot)
+            self.free.append(s.slot)
+        self.live = [s for s in self.live if not s.done]

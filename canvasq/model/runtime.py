@@ -74,7 +74,8 @@ from canvasq.kernels.rmsnorm import rms_norm as rms_norm_any
 from canvasq.kernels.router import router_topk
 from canvasq.kernels.softcap import softcap_logits
 from canvasq.model.arena import Captured, KVArena
-from canvasq.model.experts import gelu_tanh, grouped_mm_available, moe_grouped, moe_reference
+from canvasq.model.embedding import embed, rope
+from canvasq.model.experts import grouped_mm_available, moe_grouped, moe_reference
 from canvasq.model.fp8 import fp8_linear, fp8_moe
 from canvasq.model.prepared import Prepared, prepare
 from canvasq.model.weights import LayerWeights, fuse_projections, layer_weights
@@ -352,9 +353,9 @@ class Runtime:
         if not prep.static:
             self.attention_paths["maskfree" if prep.ctx.maskfree[False] else "masked"] += 1
         prep.cos_sin = {
-            sl: self._rope(prep.pos, inv, self.rope_scaling[sl]) for sl, inv in self.inv_freq.items()
+            sl: rope(prep.pos, inv, self.rope_scaling[sl], self.dtype) for sl, inv in self.inv_freq.items()
         }
-        h = self._embed(prep)
+        h = embed(self, prep)
         cap_k: list[torch.Tensor] = []
         cap_v: list[torch.Tensor] = []
         last = len(layers) - 1
@@ -385,47 +386,6 @@ class Runtime:
             out[b] = Captured([k[sl] for k in cap_k], [v[sl] for v in cap_v], prep.pos[prep.capture[sl]])
             start += count
         return out
-
-    def _embed(self, prep: Prepared) -> torch.Tensor:
-        scale = self.embed_scale.to(self.dtype)
-        h = F.embedding(prep.ids, self.embed) * scale  # [N, H]
-        if prep.encoder:
-            return h
-        # Self-conditioning: post_norm(h + MLP(pre_norm(soft))); rows without SC get soft = 0, whose
-        # MLP output is exactly 0 (HF's "no logits" case), so they need no special path.
-        if prep.sc:
-            with self.scope("self_cond"):
-                softs, rows = [], []
-                for r, keep, payload in prep.sc:
-                    s = self._soft_embedding(payload) * scale  # [R, H]
-                    softs.append(s if keep is None else s * keep)
-                    rows.append(r)
-                soft = torch.cat(softs) if len(softs) > 1 else softs[0]
-                r = torch.cat(rows) if len(rows) > 1 else rows[0]
-                x = self._norm(soft, self.sc["pre_norm"], self.eps)
-                sig = F.linear(
-                    gelu_tanh(F.linear(x, self.sc["gate"])) * F.linear(x, self.sc["up"]), self.sc["down"]
-                )
-                h = h.index_add(0, r, sig)
-        if prep.enc_rows is not None:  # the encoder's rows enter without the decoder's input norm
-            return torch.where(prep.enc_rows[:, None], h, self._norm(h, None, self.eps))
-        return self._norm(h, None, self.eps)
-
-    def _soft_embedding(self, sc) -> torch.Tensor:
-        """Expected embedding under the previous step's prediction. Full: [R, V] logits;
-        top-k: (ids [R, k], logits [R, k]) renormalised over the k entries."""
-        if isinstance(sc, tuple):
-            tid, tlog = sc
-            p = torch.softmax(tlog.to(self.device).float(), dim=-1).to(self.dtype)  # [R, k]
-            # Σ_k p_k · E[id_k] in one kernel: the k rows are read, never stored as [R, k, H]
-            return F.embedding_bag(tid.to(self.device), self.embed, per_sample_weights=p, mode="sum")
-        p = torch.softmax(sc.to(self.device).float(), dim=-1).to(self.dtype)  # [R, V]
-        return p @ self.embed
-
-    def _rope(self, pos: torch.Tensor, inv_freq: torch.Tensor, scaling: float):
-        freqs = pos[:, None].float() * inv_freq.to(pos.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * scaling).to(self.dtype), (emb.sin() * scaling).to(self.dtype)
 
     def _layer(self, i, lw: LayerWeights, h, cos, sin, prep: Prepared, cap_k, cap_v, kv_only: bool):
         eps = self.eps

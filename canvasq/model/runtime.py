@@ -104,6 +104,18 @@ def _rope_tables(rot) -> tuple[dict[bool, torch.Tensor], dict[bool, float]]:
     return inv_freq, rope_scaling
 
 
+def _checked_text_config(hf_model, experts: str):
+    """The model's text config, after what this runtime does not implement is refused by name."""
+    if experts not in EXPERT_IMPLS:
+        raise ValueError(f"unknown experts implementation {experts!r}; known: {', '.join(EXPERT_IMPLS)}")
+    tc = hf_model.config.get_text_config()
+    if tc.hidden_activation != "gelu_pytorch_tanh":
+        raise ValueError(f"unsupported activation {tc.hidden_activation!r}")
+    if getattr(tc, "attn_logit_softcapping", None):
+        raise ValueError("attention logit softcapping is not implemented")
+    return tc
+
+
 class Runtime:
     """DiffusionGemma encoder + decoder over a `KVArena`; see the module docstring."""
 
@@ -147,28 +159,29 @@ class Runtime:
             e.wqkv is d.wqkv and e.wo is d.wo and e.mlp_gate_up is d.mlp_gate_up and e.mlp_down is d.mlp_down
             for e, d in zip(enc_layers, dec_layers)
         )
-        self.prefix_attention = True  # mask-free SDPA when the mask is all-visible (eager forwards)
-        # Masked eager forwards on CUDA: SDPA picks cuDNN, which builds a plan for every new shape
-        # (~25 ms of host time each), so decoder steps read a context rounded up to a multiple of
-        # `context_step` entries (shapes repeat; 0: exact) and encoder passes, whose batch and rows
-        # vary pass to pass, take the mem-efficient kernel (`encoder_sdpa_backend`; see
-        # `kernels.attention.SDPA_BACKENDS`). Measured: BENCHMARKS.md, "Service throughput".
+        self._attention_defaults()
+        self.scope: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
+        self.graph_runner: GraphRunner | None = None  # `model.graph.graph_runner(self)`: the loop's graphs
+        # FP8 copies (`fp8.install_fp8`) for forwards of at least `fp8_min_rows` rows, where the forward
+        # is compute-bound; smaller forwards keep the model-dtype / W4 path
+        self.fp8_parts: tuple[str, ...] = ()
+        self.fp8_min_rows = 0
+        self.lm_head_fp8 = None
+
+    def _attention_defaults(self) -> None:
+        """Masked eager forwards on CUDA: SDPA picks cuDNN, which builds a plan for every new shape
+        (~25 ms of host time each), so decoder steps read a context rounded up to a multiple of
+        `context_step` entries (shapes repeat; 0: exact) and encoder passes, whose batch and rows vary
+        pass to pass, take the mem-efficient kernel (`encoder_sdpa_backend`; see
+        `kernels.attention.SDPA_BACKENDS`). Measured: BENCHMARKS.md, "Service throughput"."""
         cuda = self.device.type == "cuda"
+        self.prefix_attention = True  # mask-free SDPA when the mask is all-visible (eager forwards)
         self.sdpa_backend = "auto"
         self.encoder_sdpa_backend = "efficient" if cuda else "auto"
         self.context_step = 256 if cuda else 0
         # eager forwards by attention path: "maskfree" (all-visible, SDPA without a mask) or "masked"
         # (ragged contexts, a sliding band that clips, padded rows); graphed forwards always mask
         self.attention_paths = {"maskfree": 0, "masked": 0}
-        self.scope: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
-        self.graph_runner: GraphRunner | None = (
-            None  # `model.graph.graph_runner(self)`: the decode loop's CUDA graphs
-        )
-        # FP8 copies (`fp8.install_fp8`) for forwards of at least `fp8_min_rows` rows, where the forward
-        # is compute-bound; smaller forwards keep the model-dtype / W4 path
-        self.fp8_parts: tuple[str, ...] = ()
-        self.fp8_min_rows = 0
-        self.lm_head_fp8 = None
 
     def _bind_ops(self, experts: str, kernels: bool) -> None:
         """The experts' implementation (`EXPERT_IMPLS`: "bf16" is grouped GEMMs on CUDA, the loop
@@ -206,13 +219,7 @@ class Runtime:
         on decoder passes; merged, it rewrites the tied encoder too). Its experts are taken from
         `hf_model`'s layers, so the expert weights and W4 packs stay one copy: only for a pair that
         differs outside the experts (the adapters' `target_modules` exclude them)."""
-        if experts not in EXPERT_IMPLS:
-            raise ValueError(f"unknown experts implementation {experts!r}; known: {', '.join(EXPERT_IMPLS)}")
-        tc = hf_model.config.get_text_config()
-        if tc.hidden_activation != "gelu_pytorch_tanh":
-            raise ValueError(f"unsupported activation {tc.hidden_activation!r}")
-        if getattr(tc, "attn_logit_softcapping", None):
-            raise ValueError("attention logit softcapping is not implemented")
+        tc = _checked_text_config(hf_model, experts)
         enc = (encoder_model if encoder_model is not None else hf_model).model.encoder.language_model
         dec = hf_model.model.decoder
         dec_layers = [layer_weights(layer) for layer in dec.layers]

@@ -228,16 +228,17 @@ def stream_and_store(
     except Exception as exc:  # deterministic failure → the rows not yet stored error, never a retry storm
         log.exception("decode stream failed for run %s", run_id)
         stream.fail(exc)
-    if occupancy:
-        summary.occupancy.extend(occupancy)
-        log.info(
-            "decode stream %s: %d rows, %d steps, slots %.0f%% full",
-            decoder,
-            len(reqs),
-            len(occupancy),
-            100 * sum(n for n, _ in occupancy) / sum(n for _, n in occupancy),
-        )
+    _note_occupancy(summary, decoder, len(reqs), occupancy)
     return written + stream.written
+
+
+def _note_occupancy(summary: ChunkSummary, decoder: str, rows: int, occupancy: list[tuple[int, int]]) -> None:
+    """The stream's (live rows, slots) per decoder step into the chunk's summary, and one log line."""
+    if not occupancy:
+        return
+    summary.occupancy.extend(occupancy)
+    full = 100 * sum(n for n, _ in occupancy) / sum(n for _, n in occupancy)
+    log.info("decode stream %s: %d rows, %d steps, slots %.0f%% full", decoder, rows, len(occupancy), full)
 
 
 def decode_and_store(

@@ -136,22 +136,13 @@ def run_bench(
     `split`: "eval", or "dev" for a calibration."""
     import torch
 
-    from canvasq.decoders import run_batch
-    from canvasq.decoders.types import DecodeBatch, DecodeRequest
+    from canvasq.decoders.types import DecodeRequest
 
     stats = {a.label: ArmStats(a.label, flops_row=model_flops_per_row(bundle.hf_model)) for a in arms}
     order_log = []
     block = 0
-    # warm-up outside the clock: first-call allocations and lazy merges (d2f_model, W4 packing)
-    warm = suite.generate(task_names[0], 1, 10_000, split=split)[0]
     routed = {"calibration": calibration, "budget": budget}
-    for a in arms:
-        req = DecodeRequest(
-            "warm", bundle.encode_prompt(warm.prompt, task_names[0]), bundle.canvas_length, task_names[0]
-        )
-        run_batch(
-            bundle, DecodeBatch([req], seed=0), decoder=a.decoder, overrides=a.overrides or None, **routed
-        )
+    _warm(bundle, arms, suite.generate(task_names[0], 1, 10_000, split=split)[0], task_names[0], routed)
     for task in task_names:
         for seed in seeds:
             problems = suite.generate(task, n, seed, split=split)
@@ -182,6 +173,19 @@ def run_bench(
         "order": order_log,
         "arms": [stats[a.label].row() for a in arms],
     }
+
+
+def _warm(bundle, arms: list[Arm], problem, task: str, routed: dict) -> None:
+    """One request per arm outside the clock: first-call allocations and lazy merges (d2f_model, W4
+    packing, graph captures)."""
+    from canvasq.decoders import run_batch
+    from canvasq.decoders.types import DecodeBatch, DecodeRequest
+
+    req = DecodeRequest("warm", bundle.encode_prompt(problem.prompt, task), bundle.canvas_length, task)
+    for a in arms:
+        run_batch(
+            bundle, DecodeBatch([req], seed=0), decoder=a.decoder, overrides=a.overrides or None, **routed
+        )
 
 
 def _run_arm(bundle, arm: Arm, reqs: list, seed: int, batch_size: int, routed: dict) -> tuple[list, int]:

@@ -230,12 +230,7 @@ def calibrate(
     store = open_store(settings)
     try:
         if show:
-            cal = stored.load_for_model(store, spec)
-            if cal is None:
-                raise click.ClickException(
-                    f"no calibration stored for {spec} in this database: run `canvasq calibrate`"
-                )
-            _print_calibration(cal, budget, not show_all, plot_path)
+            _show_stored(store, spec, budget, show_all, plot_path)
             return
         tasks = list(task_names or ("arith", "code"))
         _require_sandbox(tasks)
@@ -248,6 +243,18 @@ def calibrate(
         click.echo(f"stored calibration #{cal_id} for {cal.model_path}")
     finally:
         store.dispose()
+
+
+def _show_stored(store, spec: str, budget: float, show_all: bool, plot_path: str | None) -> None:
+    """`calibrate --show`: the stored frontier of `spec` (every point with --all), or one line why not."""
+    from canvasq.core import calibrations as stored
+
+    cal = stored.load_for_model(store, spec)
+    if cal is None:
+        raise click.ClickException(
+            f"no calibration stored for {spec} in this database: run `canvasq calibrate`"
+        )
+    _print_calibration(cal, budget, not show_all, plot_path)
 
 
 def _checked_sweep(spec: str, seeds: str, n: int, batch_size: int) -> list[int]:

@@ -138,8 +138,10 @@ def _service_routes(app: FastAPI, registry) -> None:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _file_routes(app: FastAPI, files: FileStore, settings: Settings, serve: ServeSettings) -> None:
-    upload_body = {
+def _upload_request_body() -> dict:
+    """The upload's multipart schema for OpenAPI: the handler reads the raw stream, so FastAPI cannot
+    infer the body from its signature."""
+    return {
         "required": True,
         "content": {
             "multipart/form-data": {
@@ -155,11 +157,31 @@ def _file_routes(app: FastAPI, files: FileStore, settings: Settings, serve: Serv
         },
     }
 
+
+def _check_upload(sink: UploadSink) -> str:
+    """Refuse what a batch could never use, before the file is stored; its filename when accepted."""
+    purpose = sink.fields.get("purpose")
+    if purpose != "batch":
+        raise ApiError(
+            400,
+            f"purpose {purpose!r} is not supported; canvasq stores purpose 'batch' files",
+            param="purpose",
+        )
+    if sink.bytes == 0:
+        raise ApiError(400, "the file is empty", param="file")
+    filename = sink.filename
+    assert filename is not None  # finish() refuses an upload without a `file` part
+    return filename
+
+
+def _upload_route(app: FastAPI, files: FileStore, settings: Settings, serve: ServeSettings) -> None:
+    """POST /v1/files: streamed to a temporary file so an oversized upload is refused early."""
+
     @app.post(
         "/v1/files",
         summary="Upload a file (multipart: file, purpose=batch)",
         response_model=FileObject,
-        openapi_extra={"requestBody": upload_body},
+        openapi_extra={"requestBody": _upload_request_body()},
     )
     async def upload_file(request: Request, who: Who):
         import anyio
@@ -176,17 +198,7 @@ def _file_routes(app: FastAPI, files: FileStore, settings: Settings, serve: Serv
             async for chunk in request.stream():  # parsed and written off the event loop
                 await anyio.to_thread.run_sync(sink.write, chunk)
             sink.finish()
-            purpose = sink.fields.get("purpose")
-            if purpose != "batch":
-                raise ApiError(
-                    400,
-                    f"purpose {purpose!r} is not supported; canvasq stores purpose 'batch' files",
-                    param="purpose",
-                )
-            if sink.bytes == 0:
-                raise ApiError(400, "the file is empty", param="file")
-            filename = sink.filename
-            assert filename is not None  # finish() refuses an upload without a `file` part
+            filename = _check_upload(sink)
             row = await anyio.to_thread.run_sync(
                 lambda: files.add(
                     who.project,
@@ -202,6 +214,11 @@ def _file_routes(app: FastAPI, files: FileStore, settings: Settings, serve: Serv
             sink.abort()
             raise
         return file_object(row)
+
+
+def _file_routes(app: FastAPI, files: FileStore, settings: Settings, serve: ServeSettings) -> None:
+    """The Files routes; the upload is registered first, so routes and schema keep their order."""
+    _upload_route(app, files, settings, serve)
 
     @app.get("/v1/files", summary="List files", response_model=Page[FileObject])
     def list_files(

@@ -24,13 +24,14 @@ import threading
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import cast
 
 from sqlalchemy import select, update
 
 from canvasq.core.schemas import OPENAI_URLS, Limits, ValidationReport, iter_jobs, validate_file
 from canvasq.core.settings import DECODERS, Settings, model_name
-from canvasq.core.tables import ApiBatch, Run, utcnow
+from canvasq.core.tables import ApiBatch, ApiFile, Run, utcnow
 from canvasq.serve.config import ServeSettings
 from canvasq.serve.files import ApiError, FileStore, new_file_id, unix_ts
 from canvasq.serve.objects import (
@@ -102,6 +103,25 @@ def report_errors(report: ValidationReport) -> list[dict]:
     return out
 
 
+def check_request(
+    endpoint: str, completion_window: str, metadata: dict | None, decoder: str | None, max_window_s: int
+) -> tuple[int, dict | None, str]:
+    """A create request's fields checked before any file is read: (window_s, metadata, decoder), the
+    decoder from the body, else metadata `canvasq_decoder`, else auto."""
+    if endpoint not in OPENAI_URLS:
+        raise ApiError(
+            400,
+            f"endpoint {endpoint!r} is not supported; supported: {', '.join(OPENAI_URLS)}",
+            param="endpoint",
+        )
+    window_s = window_seconds(completion_window, max_window_s)
+    metadata = check_metadata(metadata)
+    decoder = decoder or (metadata or {}).get(DECODER_METADATA_KEY) or "auto"
+    if decoder not in DECODERS:
+        raise ApiError(400, f"unknown decoder {decoder!r}; known: {', '.join(DECODERS)}", param="decoder")
+    return window_s, metadata, decoder
+
+
 class Batches:
     """Create, read, list, cancel and finalise batches of one store."""
 
@@ -129,17 +149,22 @@ class Batches:
         metadata: dict | None,
         decoder: str | None,
     ) -> Batch:
-        if endpoint not in OPENAI_URLS:
-            raise ApiError(
-                400,
-                f"endpoint {endpoint!r} is not supported; supported: {', '.join(OPENAI_URLS)}",
-                param="endpoint",
-            )
-        window_s = window_seconds(completion_window, self.serve.max_completion_window_s)
-        metadata = check_metadata(metadata)
-        decoder = decoder or (metadata or {}).get(DECODER_METADATA_KEY) or "auto"
-        if decoder not in DECODERS:
-            raise ApiError(400, f"unknown decoder {decoder!r}; known: {', '.join(DECODERS)}", param="decoder")
+        """POST /v1/batches: the request checked, a `validating` row, then its run or `failed`."""
+        window_s, metadata, decoder = check_request(
+            endpoint, completion_window, metadata, decoder, self.serve.max_completion_window_s
+        )
+        f = self._input_file(project, input_file_id)
+        batch_id = self._insert_validating(project, f, endpoint, completion_window, metadata, window_s)
+        path = self.files.path_of(f)
+        report = validate_file(path, self.limits)  # the same checks, line for line, as `canvasq submit`
+        if not report.ok:
+            self._mark_invalid(batch_id, report)
+        else:
+            self._start_run(batch_id, f, path, decoder, window_s)
+        return self.get(project, batch_id)
+
+    def _input_file(self, project: str, input_file_id: str) -> ApiFile:
+        """The project's batch file, or 404 as if another project's file did not exist."""
         f = self.files.get(project, input_file_id)
         if f is None:
             raise ApiError(404, f"No such File object: {input_file_id}", param="input_file_id")
@@ -149,9 +174,21 @@ class Batches:
                 f"file {input_file_id} has purpose {f.purpose!r}; a batch needs purpose 'batch'",
                 param="input_file_id",
             )
+        return f
+
+    def _insert_validating(
+        self,
+        project: str,
+        f: ApiFile,
+        endpoint: str,
+        completion_window: str,
+        metadata: dict | None,
+        window_s: int,
+    ) -> str:
+        """The batch row, committed before its file is checked so a GET meanwhile says `validating`."""
         now = utcnow()
         batch_id = "batch_" + uuid.uuid4().hex[:24]
-        with self.store.Session.begin() as s:  # `validating` while the file is checked
+        with self.store.Session.begin() as s:
             s.add(
                 ApiBatch(
                     id=batch_id,
@@ -164,16 +201,19 @@ class Batches:
                     expires_at=now + timedelta(seconds=window_s),
                 )
             )
-        path = self.files.path_of(f)
-        report = validate_file(path, self.limits)  # the same checks, line for line, as `canvasq submit`
-        if not report.ok:
-            with self.store.Session.begin() as s:
-                s.execute(
-                    update(ApiBatch)
-                    .where(ApiBatch.id == batch_id)
-                    .values(errors=report_errors(report), failed_at=utcnow())
-                )
-            return self.get(project, batch_id)
+        return batch_id
+
+    def _mark_invalid(self, batch_id: str, report: ValidationReport) -> None:
+        """A batch whose input had errors is `failed` with them, and never gets a run."""
+        with self.store.Session.begin() as s:
+            s.execute(
+                update(ApiBatch)
+                .where(ApiBatch.id == batch_id)
+                .values(errors=report_errors(report), failed_at=utcnow())
+            )
+
+    def _start_run(self, batch_id: str, f: ApiFile, path: Path, decoder: str, window_s: int) -> None:
+        """The batch's run, linked to its row, then its chunks published."""
         created = self.store.create_run(
             iter_jobs(path, self.limits),
             model=self.settings.model,
@@ -195,7 +235,6 @@ class Batches:
             log.warning(
                 "batch %s: publishing its chunks failed (%s); reconcile will publish them", batch_id, exc
             )
-        return self.get(project, batch_id)
 
     # -- read --------------------------------------------------------------------------------------
     def _row(self, project: str, batch_id: str) -> tuple[ApiBatch, Run | None]:

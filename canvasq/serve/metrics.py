@@ -18,6 +18,7 @@ The worker's own metrics are `canvasq.worker.metrics`.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -28,6 +29,18 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------- server
 
 
+@dataclass(frozen=True)
+class _StoreFigures:
+    """One scrape's reads from the store, taken in one session."""
+
+    runs: dict[str, int]
+    depth: int
+    finished: dict[str, int]
+    tokens: int
+    forwards: int
+    online: int
+
+
 class StoreCollector:
     """Fleet-wide figures read from SQL (and the broker's queue length) at scrape time."""
 
@@ -35,6 +48,39 @@ class StoreCollector:
         self.store, self.settings, self.queue = store, settings, queue
 
     def collect(self):
+        from canvasq.core.statuses import REQUEST_TERMINAL
+
+        f = self._read_store()
+        g = GaugeMetricFamily("canvasq_runs", "Runs per status", labels=["status"])
+        for st in ("queued", "running", "completed", "cancelling", "cancelled", "expired", "interrupted"):
+            g.add_metric([st], f.runs.get(st, 0))
+        yield g
+        yield GaugeMetricFamily(
+            "canvasq_queue_depth_requests", "Request rows queued in active runs", value=f.depth
+        )
+        g = GaugeMetricFamily(
+            "canvasq_requests_finished", "Terminal request rows per status", labels=["status"]
+        )
+        for st in REQUEST_TERMINAL:
+            g.add_metric([st], f.finished.get(st, 0))
+        yield g
+        yield CounterMetricFamily(
+            "canvasq_committed_tokens", "Completion tokens of every stored output", value=f.tokens
+        )
+        yield CounterMetricFamily(
+            "canvasq_forwards",
+            "Model passes that served a request, summed over requests",
+            value=f.forwards,
+        )
+        yield GaugeMetricFamily("canvasq_workers_online", "Workers with a recent heartbeat", value=f.online)
+        broker = self._broker_queue()
+        if broker is not None:
+            yield broker
+
+    def _read_store(self) -> _StoreFigures:
+        """Every SQL figure of a scrape, read in one session so they describe the same moment."""
+        from datetime import UTC
+
         from sqlalchemy import func, select
 
         from canvasq.core.statuses import REQUEST_TERMINAL, RUN_ACTIVE
@@ -66,47 +112,29 @@ class StoreCollector:
             ).one()
             cutoff = utcnow().timestamp() - self.settings.offline_after_s
             beats = list(s.scalars(select(Worker.heartbeat_at)))
-        g = GaugeMetricFamily("canvasq_runs", "Runs per status", labels=["status"])
-        for st in ("queued", "running", "completed", "cancelling", "cancelled", "expired", "interrupted"):
-            g.add_metric([st], runs.get(st, 0))
-        yield g
-        yield GaugeMetricFamily(
-            "canvasq_queue_depth_requests", "Request rows queued in active runs", value=depth
-        )
-        g = GaugeMetricFamily(
-            "canvasq_requests_finished", "Terminal request rows per status", labels=["status"]
-        )
-        for st in REQUEST_TERMINAL:
-            g.add_metric([st], finished.get(st, 0))
-        yield g
-        yield CounterMetricFamily(
-            "canvasq_committed_tokens", "Completion tokens of every stored output", value=int(tokens)
-        )
-        yield CounterMetricFamily(
-            "canvasq_forwards",
-            "Model passes that served a request, summed over requests",
-            value=int(forwards),
-        )
-        from datetime import UTC
-
         online = sum(1 for hb in beats if hb.replace(tzinfo=UTC).timestamp() >= cutoff)
-        yield GaugeMetricFamily("canvasq_workers_online", "Workers with a recent heartbeat", value=online)
-        if self.queue and not self.queue.startswith("local:"):
-            try:
-                import redis
+        return _StoreFigures(runs, depth, finished, int(tokens), int(forwards), online)
 
-                r = redis.Redis.from_url(self.settings.broker_url, socket_timeout=2)
-                try:
-                    n = int(r.llen(self.queue))
-                finally:
-                    r.close()
-                g = GaugeMetricFamily(
-                    "canvasq_broker_queue_messages", "Chunk messages waiting in the broker", labels=["queue"]
-                )
-                g.add_metric([self.queue], n)
-                yield g
-            except Exception as exc:  # noqa: BLE001 a broker that does not answer leaves the metric out
-                log.debug("broker queue length: %s", exc)
+    def _broker_queue(self) -> GaugeMetricFamily | None:
+        """Chunk messages waiting in Redis (fleet mode only); None when the broker does not answer."""
+        if not self.queue or self.queue.startswith("local:"):
+            return None
+        try:
+            import redis
+
+            r = redis.Redis.from_url(self.settings.broker_url, socket_timeout=2)
+            try:
+                n = int(r.llen(self.queue))
+            finally:
+                r.close()
+            g = GaugeMetricFamily(
+                "canvasq_broker_queue_messages", "Chunk messages waiting in the broker", labels=["queue"]
+            )
+            g.add_metric([self.queue], n)
+            return g
+        except Exception as exc:  # noqa: BLE001 a broker that does not answer leaves the metric out
+            log.debug("broker queue length: %s", exc)
+            return None
 
 
 def server_registry(store, settings, queue: str | None) -> tuple[CollectorRegistry, Counter]:

@@ -37,7 +37,56 @@ def throughput(rows: list[tuple], start, bucket_s: float | None = None) -> list[
     return [{"t": round(i * bucket_s, 3), "tok_s": tokens[i] / bucket_s} for i in range(n)]
 
 
+def batch_detail(store, run) -> dict:
+    """A run's tok/s over time, its errors by code (most frequent first, one example message each) and
+    the first finished custom_ids, for the page to pick a trace from."""
+    with store.Session() as s:
+        done = s.execute(
+            select(Output.updated_at, Output.completion_tokens)
+            .where(Output.run_id == run.id, Output.error_code.is_(None))
+            .order_by(Output.updated_at)
+        ).all()
+        errors = s.execute(
+            select(Output.error_code, func.count(), func.min(Output.error_message))
+            .where(Output.run_id == run.id, Output.error_code.is_not(None))
+            .group_by(Output.error_code)
+            .order_by(func.count().desc())
+        ).all()
+        ids = list(
+            s.scalars(
+                select(Output.custom_id)
+                .where(Output.run_id == run.id, Output.error_code.is_(None))
+                .order_by(Output.updated_at)
+                .limit(50)
+            )
+        )
+    return {
+        "run_id": run.id,
+        "throughput": throughput(done, run.started_at or run.created_at),
+        "errors": [{"code": c, "count": n, "example": m} for c, n, m in errors],
+        "custom_ids": ids,
+    }
+
+
+def trace_forwards(recs) -> list[dict]:
+    """One row's trace records as the page's chart reads them, one dict per forward."""
+    return [
+        {
+            "forward": t.forward_index,
+            "rows": t.rows,
+            "commits": t.commits,
+            "own_rows": t.own_rows,
+            "own_commits": t.own_commits,
+            "kind": t.kind,
+            "ms": t.ms,
+        }
+        for t in recs
+    ]
+
+
 def register(app: FastAPI, store, batches) -> None:
+    """The page, its assets and its two read-only routes, on the Batch API's keys."""
+
     @app.get("/dashboard", include_in_schema=False)
     def page():
         return FileResponse(STATIC / "dashboard.html", media_type="text/html")
@@ -57,32 +106,7 @@ def register(app: FastAPI, store, batches) -> None:
         run = run_of(who, batch_id)
         if run is None:
             return {"throughput": [], "errors": [], "custom_ids": []}
-        with store.Session() as s:
-            done = s.execute(
-                select(Output.updated_at, Output.completion_tokens)
-                .where(Output.run_id == run.id, Output.error_code.is_(None))
-                .order_by(Output.updated_at)
-            ).all()
-            errors = s.execute(
-                select(Output.error_code, func.count(), func.min(Output.error_message))
-                .where(Output.run_id == run.id, Output.error_code.is_not(None))
-                .group_by(Output.error_code)
-                .order_by(func.count().desc())
-            ).all()
-            ids = list(
-                s.scalars(
-                    select(Output.custom_id)
-                    .where(Output.run_id == run.id, Output.error_code.is_(None))
-                    .order_by(Output.updated_at)
-                    .limit(50)
-                )
-            )
-        return {
-            "run_id": run.id,
-            "throughput": throughput(done, run.started_at or run.created_at),
-            "errors": [{"code": c, "count": n, "example": m} for c, n, m in errors],
-            "custom_ids": ids,
-        }
+        return batch_detail(store, run)
 
     @app.get(
         "/v1/dashboard/batches/{batch_id}/trace/{custom_id}",
@@ -93,18 +117,4 @@ def register(app: FastAPI, store, batches) -> None:
         recs = store.traces(run.id, custom_id) if run is not None else []
         if not recs:
             raise ApiError(404, f"no trace for {custom_id!r} in {batch_id}", param="custom_id")
-        return {
-            "custom_id": custom_id,
-            "forwards": [
-                {
-                    "forward": t.forward_index,
-                    "rows": t.rows,
-                    "commits": t.commits,
-                    "own_rows": t.own_rows,
-                    "own_commits": t.own_commits,
-                    "kind": t.kind,
-                    "ms": t.ms,
-                }
-                for t in recs
-            ],
-        }
+        return {"custom_id": custom_id, "forwards": trace_forwards(recs)}

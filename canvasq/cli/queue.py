@@ -79,12 +79,7 @@ def submit(file, name, decoder, model, queue, idempotency_key, chunk_size, deadl
     from canvasq.core.schemas import iter_jobs
     from canvasq.worker.celery_app import publish_chunks
 
-    settings = cli_settings(model)
-    limits, _ = validate_input(file, settings)
-    if Path(settings.model).is_dir() or settings.model.startswith("random:"):
-        check_model(settings)  # a model that lives only on the workers is theirs to check
-    store = open_store(settings)
-    check_broker(settings)
+    settings, limits, store = _submit_checks(file, model)
     queue = queue or settings.queue_for()
     chunk_size = chunk_size or settings.chunk_size
     deadline = deadline or settings.run_deadline_s
@@ -104,19 +99,7 @@ def submit(file, name, decoder, model, queue, idempotency_key, chunk_size, deadl
         input_sha256=digest,
         deadline_s=deadline,
     )
-    run_queue = queue if created.created else store.get_run(created.run_id).queue
-    todo = created.chunk_ids if created.created else [c for c, _ in store.unpublished_chunks(created.run_id)]
-    for i in range(0, len(todo), PUBLISH_BATCH):  # marked batch by batch: a crash re-publishes little
-        part = todo[i : i + PUBLISH_BATCH]
-        try:
-            publish_chunks(part, run_queue, settings)
-        except Exception as exc:  # noqa: BLE001 - the rows are stored; say how to finish the job
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise click.ClickException(
-                f"run {created.run_id} is stored but publishing its chunks to {run_queue} failed ({mask_url(first)}); "
-                "run the same `canvasq submit` again (or `canvasq reconcile`) once the broker is back"
-            ) from None
-        store.mark_published(part)
+    run_queue, todo = _publish_submitted(store, settings, created, queue, publish_chunks)
     existing_name = None if created.created else store.get_run(created.run_id).name
     if as_json:
         click.echo(
@@ -134,27 +117,63 @@ def submit(file, name, decoder, model, queue, idempotency_key, chunk_size, deadl
             )
         )
         return
+    _say_submitted(created, queue, todo, name, existing_name, idempotency_key)
+    click.echo(created.run_id)
+
+
+def _submit_checks(file, model):
+    """(settings, limits, store) once the file, the model, the store and the broker all pass: nothing
+    is stored when any of them would fail."""
+    settings = cli_settings(model)
+    limits, _ = validate_input(file, settings)
+    if Path(settings.model).is_dir() or settings.model.startswith("random:"):
+        check_model(settings)  # a model that lives only on the workers is theirs to check
+    store = open_store(settings)
+    check_broker(settings)
+    return settings, limits, store
+
+
+def _publish_submitted(store, settings, created, queue: str, publish_chunks) -> tuple[str, list[str]]:
+    """Publish a new run's chunks, or what an earlier submit of the same key left unpublished, to the
+    run's own queue; (that queue, the chunk ids published)."""
+    run_queue = queue if created.created else store.get_run(created.run_id).queue
+    todo = created.chunk_ids if created.created else [c for c, _ in store.unpublished_chunks(created.run_id)]
+    for i in range(0, len(todo), PUBLISH_BATCH):  # marked batch by batch: a crash re-publishes little
+        part = todo[i : i + PUBLISH_BATCH]
+        try:
+            publish_chunks(part, run_queue, settings)
+        except Exception as exc:  # noqa: BLE001 - the rows are stored; say how to finish the job
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise click.ClickException(
+                f"run {created.run_id} is stored but publishing its chunks to {run_queue} failed ({mask_url(first)}); "
+                "run the same `canvasq submit` again (or `canvasq reconcile`) once the broker is back"
+            ) from None
+        store.mark_published(part)
+    return run_queue, todo
+
+
+def _say_submitted(created, queue: str, todo: list[str], name, existing_name, idempotency_key: str) -> None:
+    """The stderr line: what was submitted, or which run the key already names and what was published."""
     if created.created:
         click.echo(
             f"submitted {created.requests} requests in {len(created.chunk_ids)} chunks to {queue}", err=True
         )
-    else:
-        renamed = (
-            f" (named {existing_name!r}; --name {name!r} was not applied)"
-            if name and name != existing_name
-            else ""
-        )
-        published = (
-            f"published its {len(todo)} unpublished chunk(s)"
-            if todo
-            else "nothing published (every chunk was published before)"
-        )
-        click.echo(
-            f"key {idempotency_key!r} already submitted as {created.run_id}: returned the existing run"
-            f"{renamed}; {published}. A different --key submits the file again as a new run",
-            err=True,
-        )
-    click.echo(created.run_id)
+        return
+    renamed = (
+        f" (named {existing_name!r}; --name {name!r} was not applied)"
+        if name and name != existing_name
+        else ""
+    )
+    published = (
+        f"published its {len(todo)} unpublished chunk(s)"
+        if todo
+        else "nothing published (every chunk was published before)"
+    )
+    click.echo(
+        f"key {idempotency_key!r} already submitted as {created.run_id}: returned the existing run"
+        f"{renamed}; {published}. A different --key submits the file again as a new run",
+        err=True,
+    )
 
 
 @click.command()
@@ -194,36 +213,10 @@ def worker(model, queue, concurrency, loglevel, pool, gpu):
         CUDA_VISIBLE_DEVICES=1 canvasq worker --model /models/diffusiongemma &
         CANVASQ_GPU_SLOTS=8 canvasq worker --gpu auto    # containers that see all GPUs
     """
-    from canvasq.core.settings import reload_settings
-
-    if model:
-        os.environ["CANVASQ_MODEL"] = model
-    settings = reload_settings()
-    try:
-        settings.check_time_limits()
-    except ValueError as exc:
-        raise click.ClickException(f"refusing to start: {exc}") from None
-    check_model(settings)  # the child loads it: a missing or corrupt model fails here, not per chunk
+    settings = _worker_settings(model)
     queue = queue or settings.queue_for()
     os.environ["CANVASQ_WORKER_QUEUE"] = queue
-    slot = None
-    if gpu == "auto":
-        import socket
-
-        from canvasq.worker.gpu_slots import NoFreeSlot, claim_slot
-
-        if not settings.gpu_slots:
-            raise click.ClickException("--gpu auto needs CANVASQ_GPU_SLOTS (GPUs on this host)")
-        try:
-            slot = claim_slot(
-                settings.broker_url, settings.gpu_host or socket.gethostname(), settings.gpu_slots
-            )
-        except NoFreeSlot as exc:
-            raise click.ClickException(str(exc)) from None
-        slot.start_refresher()
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(slot.slot)
-    elif gpu is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    slot = _bind_gpu(gpu, settings)
     store = open_store(settings, upgrade_sqlite=False)
     store.dispose()
     from canvasq.worker.celery_app import app
@@ -254,6 +247,46 @@ def worker(model, queue, concurrency, loglevel, pool, gpu):
     finally:
         if slot is not None:
             slot.release()
+
+
+def _worker_settings(model):
+    """The worker's settings, from the environment the child inherits, refused before any GPU is
+    claimed when the time limits disagree or the model would not load."""
+    from canvasq.core.settings import reload_settings
+
+    if model:
+        os.environ["CANVASQ_MODEL"] = model
+    settings = reload_settings()
+    try:
+        settings.check_time_limits()
+    except ValueError as exc:
+        raise click.ClickException(f"refusing to start: {exc}") from None
+    check_model(settings)  # the child loads it: a missing or corrupt model fails here, not per chunk
+    return settings
+
+
+def _bind_gpu(gpu, settings):
+    """Point CUDA_VISIBLE_DEVICES (inherited by the child) at --gpu N, or at a slot claimed in Redis
+    for --gpu auto; that slot, kept alive by its refresher until released, or None."""
+    slot = None
+    if gpu == "auto":
+        import socket
+
+        from canvasq.worker.gpu_slots import NoFreeSlot, claim_slot
+
+        if not settings.gpu_slots:
+            raise click.ClickException("--gpu auto needs CANVASQ_GPU_SLOTS (GPUs on this host)")
+        try:
+            slot = claim_slot(
+                settings.broker_url, settings.gpu_host or socket.gethostname(), settings.gpu_slots
+            )
+        except NoFreeSlot as exc:
+            raise click.ClickException(str(exc)) from None
+        slot.start_refresher()
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(slot.slot)
+    elif gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    return slot
 
 
 @click.command()
@@ -304,21 +337,14 @@ def retry(run_id, only, as_json):
 
     from canvasq.core.tables import utcnow
 
-    states = [s.strip() for s in only.split(",") if s.strip()]
-    bad = [s for s in states if s not in ("errored", "expired", "cancelled", "stuck")]
-    if bad or not states:
-        raise click.BadParameter(
-            f"unknown state(s) {bad}; use errored, expired, cancelled, stuck", param_hint="--only"
-        )
+    states = _retry_states(only)
     settings = cli_settings()
     store = open_store(settings, upgrade_sqlite=False)
     run_row = get_run(store, run_id)
     embedded = run_row.mode == "embedded"
+    engine = None
     if embedded:  # load the model before any row changes state
-        refuse_if_owned(store, settings, run_row.id)
-        run_settings = settings.model_copy(update={"model": run_row.model})
-        check_model(run_settings)
-        engine = embedded_engine(store, run_settings)
+        engine = _retry_engine(store, settings, run_row)
     else:
         check_broker(settings)
     before = store.counts(run_row.id)
@@ -329,36 +355,66 @@ def retry(run_id, only, as_json):
     chunk_size = run_row.chunk_size or store.largest_chunk(run_row.id) or settings.chunk_size
     chunk_ids = store.retry_run(run_row.id, states, chunk_size, offline_before=offline_before)
     if not embedded:
-        if not chunk_ids:
-            waiting = (
-                f"; {before['queued']} queued rows are held by live workers or wait in the queue"
-                if "stuck" in states and before["queued"]
-                else ""
-            )
-            say(
-                as_json,
-                f"{run_row.id}: no rows in {states}{waiting}",
-                run_id=run_row.id,
-                states=states,
-                rows=0,
-                chunks=0,
-                queued=before["queued"],
-            )
-            return
-        from canvasq.worker.celery_app import publish_chunks
+        _publish_retried(store, settings, run_row, states, chunk_ids, before, n, chunk_size, as_json)
+        return
+    _rerun_embedded(store, engine, run_row, states, n, as_json)
 
-        publish_chunks(chunk_ids, run_row.queue, settings)
-        store.mark_published(chunk_ids)
+
+def _retry_states(only: str) -> list[str]:
+    """--only as a list of states, refused when empty or naming an unknown state."""
+    states = [s.strip() for s in only.split(",") if s.strip()]
+    bad = [s for s in states if s not in ("errored", "expired", "cancelled", "stuck")]
+    if bad or not states:
+        raise click.BadParameter(
+            f"unknown state(s) {bad}; use errored, expired, cancelled, stuck", param_hint="--only"
+        )
+    return states
+
+
+def _retry_engine(store, settings, run_row):
+    """An embedded run's engine with its model loaded, refused while another process owns the run."""
+    refuse_if_owned(store, settings, run_row.id)
+    run_settings = settings.model_copy(update={"model": run_row.model})
+    check_model(run_settings)
+    return embedded_engine(store, run_settings)
+
+
+def _publish_retried(store, settings, run_row, states, chunk_ids, before, n, chunk_size, as_json) -> None:
+    """A queued run's retried rows go to its queue in their new chunks; with none, say why the queued
+    rows (if any) were left alone."""
+    if not chunk_ids:
+        waiting = (
+            f"; {before['queued']} queued rows are held by live workers or wait in the queue"
+            if "stuck" in states and before["queued"]
+            else ""
+        )
         say(
             as_json,
-            f"{run_row.id}: re-queued {n} rows in {len(chunk_ids)} chunks of up to {chunk_size}",
+            f"{run_row.id}: no rows in {states}{waiting}",
             run_id=run_row.id,
             states=states,
-            rows=n,
-            chunks=len(chunk_ids),
-            chunk_size=chunk_size,
+            rows=0,
+            chunks=0,
+            queued=before["queued"],
         )
         return
+    from canvasq.worker.celery_app import publish_chunks
+
+    publish_chunks(chunk_ids, run_row.queue, settings)
+    store.mark_published(chunk_ids)
+    say(
+        as_json,
+        f"{run_row.id}: re-queued {n} rows in {len(chunk_ids)} chunks of up to {chunk_size}",
+        run_id=run_row.id,
+        states=states,
+        rows=n,
+        chunks=len(chunk_ids),
+        chunk_size=chunk_size,
+    )
+
+
+def _rerun_embedded(store, engine, run_row, states, n, as_json) -> None:
+    """An embedded run's queued rows are decoded here and now, with any an interruption left queued."""
     left = store.counts(run_row.id)["queued"]  # the retried rows and any an interruption left queued
     if not left:
         say(as_json, f"{run_row.id}: no rows in {states}", run_id=run_row.id, states=states, rows=0, chunks=0)

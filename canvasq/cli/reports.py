@@ -167,6 +167,31 @@ def results(run_id, out_path, errors_path, ordered, as_json):
         and os.path.realpath(errors_path) == os.path.realpath(out_path)
     ):
         raise click.BadParameter("is the same file as --output", param_hint="--errors")
+    n_ok, n_err = _export_results(store, run_row, out_path, errors_path, ordered)
+    if as_json:
+        c = store.counts(run_row.id)
+        click.echo(
+            json.dumps(
+                {
+                    "run_id": run_row.id,
+                    "status": store.run_status(run_row.id),
+                    "results": n_ok,
+                    "errors": n_err,
+                    "unfinished": c["queued"],
+                    "total": c["total"],
+                    "missing": store.missing_rows(run_row.id, MISSING_SHOWN),
+                }
+            ),
+            err=out_path == "-",
+        )
+        return
+    click.echo(f"{n_ok} results, {n_err} errors", err=True)
+    report_unfinished(store, run_row.id)
+
+
+def _export_results(store, run_row, out_path, errors_path, ordered: bool) -> tuple[int, int]:
+    """Write the run's rows to OUTPUT and --errors; (results, errors) written. Files appear whole or
+    not at all; devices and pipes are written as the rows come."""
     files, direct = [], []  # files: temporary files renamed into place when complete; direct: devices, pipes
 
     def open_target(path):
@@ -192,25 +217,7 @@ def results(run_id, out_path, errors_path, ordered, as_json):
     finally:
         for fh in direct:
             fh.close()
-    if as_json:
-        c = store.counts(run_row.id)
-        click.echo(
-            json.dumps(
-                {
-                    "run_id": run_row.id,
-                    "status": store.run_status(run_row.id),
-                    "results": n_ok,
-                    "errors": n_err,
-                    "unfinished": c["queued"],
-                    "total": c["total"],
-                    "missing": store.missing_rows(run_row.id, MISSING_SHOWN),
-                }
-            ),
-            err=out_path == "-",
-        )
-        return
-    click.echo(f"{n_ok} results, {n_err} errors", err=True)
-    report_unfinished(store, run_row.id)
+    return n_ok, n_err
 
 
 @click.command()

@@ -31,7 +31,7 @@ if [[ $what == *" tests "* ]]; then
   for f in tests/model/test_model_gpu.py tests/decoders/test_gpu_accuracy.py tests/kernels/test_*.py; do
     log="$OUT/pytest_$(basename "$f" .py).txt"
     ( timeout "${TESTS_TIMEOUT:-300}" python -m pytest -q -p no:cacheprovider \
-        -m "(gpu or not gpu) and not slow and not soak" "$f" > "$log" 2>&1
+        -m "(gpu or not gpu) and not soak" "$f" > "$log" 2>&1
       rc=$?; printf '\nrc=%s\n' "$rc" >> "$log" ) &
     pids+=($!)
   done

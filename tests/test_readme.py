@@ -44,3 +44,12 @@ def test_example_file_is_the_eval_split_draw_the_readme_names():
     assert (ROOT / "examples" / "prompts.jsonl").read_text() == want, "run: python scripts/example_prompts.py"
     text = (ROOT / "README.md").read_text()
     assert 'generate("arith" | "code", 12, seed=2026)' in text and "scripts/example_prompts.py" in text
+
+
+def test_ci_runs_the_gates_before_the_tests():
+    """Lint, format and type gates run in CI, before the README's test command (issue 33)."""
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    tests_at = ci.index(readme_commands()[1])
+    for gate in ("ruff check", "ruff format --check", "mypy"):
+        at = [i for i, line in enumerate(ci) if line.startswith("python3 -m " + gate)]
+        assert at and at[0] < tests_at, gate

@@ -45,36 +45,39 @@ REPAIR_DIRNAME = "phcd_adapter"
 LORA_TARGETS = r".*decoder\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
 
 
+class _Draws:
+    """A step's random draws, all from its generator, so a seed replays the step."""
+
+    def __init__(self, gen, device, vocab: int):
+        self.gen, self.device, self.vocab = gen, device, vocab
+
+    def rand(self, *shape):
+        import torch
+
+        return torch.rand(*shape, device=self.device, generator=self.gen)
+
+    def noise(self, shape):
+        """Uniform-random vocabulary ids: the uniform-state corruption."""
+        import torch
+
+        return torch.randint(0, self.vocab, shape, device=self.device, generator=self.gen)
+
+
 def repair_loss(
     model, batches, batch: int, gen, *, n_future: int, token_weight, future_weight: float, parts: dict
 ):
     """One step's loss over the three objectives (module docstring); `parts` accumulates their CE."""
     import torch
-    from transformers import DynamicCache
 
-    from canvasq.testbed.train import _cache_of, block_causal_masks
+    from canvasq.testbed.train import block_causal_masks, encode_context
 
     C, V = batches.C, batches.V
     K = 1 + n_future
     ctx, ctx_mask, target, _ = batches.sample(batch, K, gen, shift=True)
     B, L = ctx.shape
     dev = ctx.device
-
-    def rand(*shape):
-        return torch.rand(*shape, device=dev, generator=gen)
-
-    def noise(shape):
-        return torch.randint(0, V, shape, device=dev, generator=gen)
-
-    tc = model.config.text_config
-    pos = torch.arange(L, device=dev)[None].expand(B, -1)
-    enc = model.model.encoder(
-        input_ids=ctx,
-        attention_mask=ctx_mask.long(),
-        position_ids=pos,
-        past_key_values=DynamicCache(config=tc),
-    )
-    cache = _cache_of(enc)
+    draws = _Draws(gen, dev, V)
+    cache = encode_context(model, ctx, ctx_mask)
     dpos = torch.arange(L, L + K * C, device=dev)[None].expand(B, -1)
     dmask = block_causal_masks(model, ctx_mask, K, C, cache)
 
@@ -89,27 +92,9 @@ def repair_loss(
         ).logits
 
     win_t, fut_t = target[:, :C], target[:, C:]
-    # window: (a) local refinement at uniform noise, or (b) a slid window, front refined, back fresh
-    commit_mode = rand(B, 1) < 0.5
-    frac = torch.arange(C, device=dev)[None].float() / max(1, C - 1)
-    front, back = 0.3 * rand(B, 1), 0.5 + 0.5 * rand(B, 1)
-    level = torch.where(commit_mode, front + (back - front) * frac, rand(B, 1).expand(B, C))
-    win_in = torch.where(rand(B, C) < level, noise((B, C)), win_t)
-    with torch.no_grad():
-        # (c) the stale plan: drafted before the window was known, then (half) misaligned by ±1-2
-        fut_level = 0.5 + 0.5 * rand(B, 1)
-        fut_noisy = torch.where(rand(fut_t.shape) < fut_level, noise(fut_t.shape), fut_t)
-        first = run(torch.cat([noise((B, C)), fut_noisy], dim=1))
-        drafts, draft_sc = first[:, C:].argmax(-1), first[:, C:]
-        offs = torch.tensor([-2, -1, 1, 2], device=dev)[torch.randint(0, 4, (B,), device=dev, generator=gen)]
-        offs = torch.where(rand(B) < 0.5, offs, 0)
-        src = (torch.arange(n_future * C, device=dev)[None] + offs[:, None]).clamp(0, n_future * C - 1)
-        drafts = drafts.gather(1, src)
-        draft_sc = draft_sc.gather(1, src[..., None].expand(-1, -1, draft_sc.shape[-1]))
-        inp = torch.cat([win_in, drafts], dim=1)
-        # the window's self-conditioning: the previous fine step on (nearly) the same input
-        sc = torch.cat([run(inp)[:, :C], draft_sc], dim=1).to(model.dtype)
-    sc_mask = rand(B) < 0.9
+    commit_mode, frac, win_in = _window_input(draws, win_t)
+    inp, sc = _stale_plan_input(run, draws, win_in, fut_t, n_future, model.dtype)
+    sc_mask = draws.rand(B) < 0.9
     logits = run(inp, sc, sc_mask)
     ce = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), reduction="none"
@@ -120,6 +105,53 @@ def repair_loss(
     row_w[:, C:] = future_weight
     w = tw * row_w
     loss = (ce * w).sum() / w.sum()
+    _track_parts(parts, ce, commit_mode, C)
+    return loss
+
+
+def _window_input(draws: _Draws, win_t):
+    """The window's corrupted input: (a) local refinement at uniform noise, or (b) a slid window, front
+    refined, back fresh. Returns (commit_mode [B, 1], row fraction [1, C], the window's ids [B, C])."""
+    import torch
+
+    B, C = win_t.shape
+    commit_mode = draws.rand(B, 1) < 0.5
+    frac = torch.arange(C, device=win_t.device)[None].float() / max(1, C - 1)
+    front, back = 0.3 * draws.rand(B, 1), 0.5 + 0.5 * draws.rand(B, 1)
+    level = torch.where(commit_mode, front + (back - front) * frac, draws.rand(B, 1).expand(B, C))
+    win_in = torch.where(draws.rand(B, C) < level, draws.noise((B, C)), win_t)
+    return commit_mode, frac, win_in
+
+
+def _stale_plan_input(run, draws: _Draws, win_in, fut_t, n_future: int, dtype):
+    """(c) The trained pass's input and self-conditioning, gradient-free: the future holds a stale plan
+    drafted before the window was known, then (half the rows) misaligned by ±1-2."""
+    import torch
+
+    B, C = win_in.shape
+    dev = win_in.device
+    with torch.no_grad():
+        fut_level = 0.5 + 0.5 * draws.rand(B, 1)
+        fut_noisy = torch.where(draws.rand(fut_t.shape) < fut_level, draws.noise(fut_t.shape), fut_t)
+        first = run(torch.cat([draws.noise((B, C)), fut_noisy], dim=1))
+        drafts, draft_sc = first[:, C:].argmax(-1), first[:, C:]
+        offs = torch.tensor([-2, -1, 1, 2], device=dev)[
+            torch.randint(0, 4, (B,), device=dev, generator=draws.gen)
+        ]
+        offs = torch.where(draws.rand(B) < 0.5, offs, 0)
+        src = (torch.arange(n_future * C, device=dev)[None] + offs[:, None]).clamp(0, n_future * C - 1)
+        drafts = drafts.gather(1, src)
+        draft_sc = draft_sc.gather(1, src[..., None].expand(-1, -1, draft_sc.shape[-1]))
+        inp = torch.cat([win_in, drafts], dim=1)
+        # the window's self-conditioning: the previous fine step on (nearly) the same input
+        sc = torch.cat([run(inp)[:, :C], draft_sc], dim=1).to(dtype)
+    return inp, sc
+
+
+def _track_parts(parts: dict, ce, commit_mode, C: int) -> None:
+    """Fold this step's per-objective CE into `parts`' moving averages (for the log, not the loss)."""
+    import torch
+
     with torch.no_grad():
         win_ce = ce[:, :C].mean(1)
         for name, val in (
@@ -130,7 +162,6 @@ def repair_loss(
             if val.numel():
                 prev = parts.get(name)
                 parts[name] = float(val.mean()) if prev is None else 0.95 * prev + 0.05 * float(val.mean())
-    return loss
 
 
 def tie_encoder(model) -> list:
@@ -185,41 +216,25 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
 
     import torch
-    from peft import LoraConfig, get_peft_model
 
-    from canvasq.model.loading import ADAPTER_DIRNAME, load_bundle, merge_adapter
-    from canvasq.testbed.train import Batches, build_pool, train_phase
+    from canvasq.model.loading import load_bundle
+    from canvasq.testbed.train import Batches, build_pool, digit_weights, train_phase
 
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     out = Path(args.out)
-
-    def log(msg):
-        print(msg, flush=True)
-        with open(out / "train_log_phcd_repair.txt", "a") as f:
-            f.write(msg + "\n")
-
+    log = _repair_log(out / "train_log_phcd_repair.txt")
     t0 = time.time()
     bundle = load_bundle(str(out), device="cpu")
     C, V = bundle.canvas_length, int(bundle.config.text_config.vocab_size)
     seq, plen, ncan = build_pool(args.n_per_task, args.seed, str(out), C, workers=1)
     log(f"data: {seq.shape[0]} problems, max row {seq.shape[1]} tokens, built in {time.time() - t0:.0f}s")
     batches = Batches(seq, plen, ncan, C, V, device)
-
-    model = merge_adapter(bundle.hf_model, out / ADAPTER_DIRNAME).to(device)  # what phcd decodes with
-    lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=LORA_TARGETS)
-    peft_model = get_peft_model(model, lora)
-    peft_model.train()
-    inner = peft_model.base_model.model
-    tied = [] if args.decoder_only else tie_encoder(inner)
-    params = [p for p in peft_model.parameters() if p.requires_grad]
+    peft_model, tied, params = _repair_lora(bundle, out, args, device)
     log(f"repair LoRA r={args.rank}: {sum(p.numel() for p in params)} trainable parameters on {device}")
-
-    token_weight = torch.ones(V, device=device)
-    tok = bundle.tokenizer
-    token_weight[[tok.convert_tokens_to_ids(str(d)) for d in range(10)]] = args.digit_weight
+    token_weight = digit_weights(bundle.tokenizer, V, args.digit_weight, device)
     parts: dict = {}
 
     def loss_fn(m, batch, g):
@@ -238,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         log(msg + ("  [" + " ".join(f"{k} {v:.4f}" for k, v in parts.items()) + "]" if parts else ""))
 
     report = train_phase(
-        inner,
+        peft_model.base_model.model,
         params,
         batches,
         minutes=args.minutes,
@@ -255,7 +270,47 @@ def main(argv: list[str] | None = None) -> None:
     untie_encoder(tied)
     peft_model.save_pretrained(str(out / REPAIR_DIRNAME))
     (out / REPAIR_DIRNAME / "README.md").unlink(missing_ok=True)  # peft's empty model card
-    report = {
+    report = _repair_report(args, argv, device, report, parts, t0)
+    (out / "train_report_phcd_repair.json").write_text(json.dumps(report, indent=2))
+    log(json.dumps(report))
+
+
+def _repair_log(path: Path):
+    """A log function printing each line and appending it to `path` (reopened per line: a killed run
+    keeps every line it logged)."""
+
+    def log(msg):
+        print(msg, flush=True)
+        with open(path, "a") as f:
+            f.write(msg + "\n")
+
+    return log
+
+
+def _repair_lora(bundle, out: Path, args, device):
+    """The repair LoRA over the D2F-merged model (what phcd decodes with), in train mode, with the encoder
+    tied to it unless --decoder-only. Returns (peft model, what `untie_encoder` puts back, trainable
+    parameters)."""
+    from peft import LoraConfig, get_peft_model
+
+    from canvasq.model.loading import ADAPTER_DIRNAME, merge_adapter
+
+    model = merge_adapter(bundle.hf_model, out / ADAPTER_DIRNAME).to(device)  # what phcd decodes with
+    lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=LORA_TARGETS)
+    peft_model = get_peft_model(model, lora)
+    peft_model.train()
+    inner = peft_model.base_model.model
+    tied = [] if args.decoder_only else tie_encoder(inner)
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    return peft_model, tied, params
+
+
+def _repair_report(args, argv, device: str, phase: dict, parts: dict, t0: float) -> dict:
+    """train_report_phcd_repair.json: the machine, the objectives, the phase's report, the final CE per
+    objective and the command that reproduces the run."""
+    import torch
+
+    return {
         "device": torch.cuda.get_device_name()
         if device == "cuda"
         else f"cpu ({os.cpu_count()} vCPU, shared)",
@@ -264,15 +319,13 @@ def main(argv: list[str] | None = None) -> None:
         "machine": platform.machine(),
         "objectives": ["local refinement", "commit consistency", "future repair"],
         "lora_in_encoder_forward": not args.decoder_only,
-        "repair": report,
+        "repair": phase,
         "final_ce": {k: round(v, 4) for k, v in parts.items()},
-        "cpu_minutes": round(report["seconds"] / 60, 2),
+        "cpu_minutes": round(phase["seconds"] / 60, 2),
         "args": vars(args),
         "command": "python -m canvasq.testbed.repair " + " ".join(sys.argv[1:] if argv is None else argv),
         "total_seconds": round(time.time() - t0, 1),
     }
-    (out / "train_report_phcd_repair.json").write_text(json.dumps(report, indent=2))
-    log(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -174,6 +174,24 @@ def block_causal_masks(model, ctx_mask, n_canvases: int, canvas: int, cache):
     return masks
 
 
+def encode_context(model, ctx, ctx_mask):
+    """The context (left-padded prompt ‖ earlier canvases) through the encoder once; its KV cache is what
+    every decoder pass of the step attends to."""
+    import torch
+    from transformers import DynamicCache
+
+    B, L = ctx.shape
+    tc = model.config.text_config
+    pos = torch.arange(L, device=ctx.device)[None].expand(B, -1)
+    enc = model.model.encoder(
+        input_ids=ctx,
+        attention_mask=ctx_mask.long(),
+        position_ids=pos,
+        past_key_values=DynamicCache(config=tc),
+    )
+    return _cache_of(enc)
+
+
 def denoise_loss(
     model,
     batch,
@@ -197,61 +215,21 @@ def denoise_loss(
     right or wrong, as the pipe commits them), and the loss covers only the positions still open —
     the ones whose confidence the next commit decision reads."""
     import torch
-    from transformers import DynamicCache
 
     ctx, ctx_mask, target, noisy = batch
-    B, L = ctx.shape
-    tc = model.config.text_config
-    pos = torch.arange(L, device=ctx.device)[None].expand(B, -1)
-    enc = model.model.encoder(
-        input_ids=ctx,
-        attention_mask=ctx_mask.long(),
-        position_ids=pos,
-        past_key_values=DynamicCache(config=tc),
-    )
-    cache = _cache_of(enc)
-    dpos = torch.arange(L, L + n_canvases * canvas, device=ctx.device)[None].expand(B, -1)
-    if n_canvases == 1:
-        dmask = torch.nn.functional.pad(ctx_mask, (0, canvas), value=True).long()
-    else:
-        dmask = block_causal_masks(model, ctx_mask, n_canvases, canvas, cache)
-    kw = {
-        "past_key_values": cache,
-        "decoder_input_ids": noisy,
-        "decoder_attention_mask": dmask,
-        "decoder_position_ids": dpos,
-    }
+    B = ctx.shape[0]
+    cache = encode_context(model, ctx, ctx_mask)
+    kw = _decoder_kwargs(model, ctx_mask, noisy, cache, n_canvases, canvas)
     sc_logits, sc_mask = None, None
     rounds = 0
     if draft_rounds:
         rounds = int(torch.randint(0, draft_rounds + 1, (1,), device=ctx.device, generator=gen))
     open_ = None
     if rounds:
-        corrupt = noisy != target
-        if commit_tau is not None:
-            lo, hi = commit_tau
-            tau = lo
-            if hi > lo:
-                tau = lo + (hi - lo) * float(torch.rand(1, device=ctx.device, generator=gen))
-            open_ = corrupt.clone()
-        with torch.no_grad():
-            for _ in range(rounds):
-                first = model(**kw, self_conditioning_logits=sc_logits).logits
-                if open_ is None:
-                    kw["decoder_input_ids"] = torch.where(corrupt, first.argmax(-1), target)
-                else:  # committed positions keep the id they were committed with
-                    conf, arg = torch.softmax(first.float(), dim=-1).max(dim=-1)
-                    kw["decoder_input_ids"] = torch.where(open_, arg, kw["decoder_input_ids"])
-                    open_ &= conf < tau
-                sc_logits = first.to(model.dtype)  # the decoders feed raw logits back
+        sc_logits, open_ = _draft_passes(model, kw, noisy, target, rounds, commit_tau, gen)
         sc_mask = torch.rand(B, device=ctx.device, generator=gen) < max(sc_prob, 0.9)
     elif sc_prob > 0:
-        with torch.no_grad():
-            first = model(**kw).logits
-        # The official sampler feeds temperature-scaled logits (t from 0.8 down to 0.4) back as SC.
-        temp = 0.4 + 0.4 * torch.rand(B, 1, 1, device=ctx.device, generator=gen)
-        sc_logits = (first / temp).to(model.dtype)
-        sc_mask = torch.rand(B, device=ctx.device, generator=gen) < sc_prob
+        sc_logits, sc_mask = _self_conditioning(model, kw, B, sc_prob, gen)
     logits = model(**kw, self_conditioning_logits=sc_logits, self_conditioning_mask=sc_mask).logits
     ce = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), reduction="none"
@@ -260,6 +238,67 @@ def denoise_loss(
     if open_ is not None and bool(open_.any()):
         w = w * open_.reshape(-1)
     return (ce * w).sum() / w.sum()
+
+
+def _decoder_kwargs(model, ctx_mask, noisy, cache, n_canvases: int, canvas: int) -> dict:
+    """The decoder's inputs after the cached context: positions continue the context's, and K > 1
+    canvases see each other block-causally (one canvas needs only the context's padding mask)."""
+    import torch
+
+    B, L = ctx_mask.shape
+    dpos = torch.arange(L, L + n_canvases * canvas, device=ctx_mask.device)[None].expand(B, -1)
+    if n_canvases == 1:
+        dmask = torch.nn.functional.pad(ctx_mask, (0, canvas), value=True).long()
+    else:
+        dmask = block_causal_masks(model, ctx_mask, n_canvases, canvas, cache)
+    return {
+        "past_key_values": cache,
+        "decoder_input_ids": noisy,
+        "decoder_attention_mask": dmask,
+        "decoder_position_ids": dpos,
+    }
+
+
+def _draft_passes(model, kw: dict, noisy, target, rounds: int, commit_tau, gen):
+    """`rounds` gradient-free argmax-draft passes (denoise_loss's docstring); `kw["decoder_input_ids"]`
+    ends as the last drafts. Returns (the last pass's logits as SC, the positions still open or None
+    without `commit_tau`)."""
+    import torch
+
+    corrupt = noisy != target
+    open_ = None
+    if commit_tau is not None:
+        lo, hi = commit_tau
+        tau = lo
+        if hi > lo:
+            tau = lo + (hi - lo) * float(torch.rand(1, device=noisy.device, generator=gen))
+        open_ = corrupt.clone()
+    sc_logits = None
+    with torch.no_grad():
+        for _ in range(rounds):
+            first = model(**kw, self_conditioning_logits=sc_logits).logits
+            if open_ is None:
+                kw["decoder_input_ids"] = torch.where(corrupt, first.argmax(-1), target)
+            else:  # committed positions keep the id they were committed with
+                conf, arg = torch.softmax(first.float(), dim=-1).max(dim=-1)
+                kw["decoder_input_ids"] = torch.where(open_, arg, kw["decoder_input_ids"])
+                open_ &= conf < tau
+            sc_logits = first.to(model.dtype)  # the decoders feed raw logits back
+    return sc_logits, open_
+
+
+def _self_conditioning(model, kw: dict, B: int, sc_prob: float, gen):
+    """(SC logits, per-row mask) from a gradient-free pass on the same input, for a `sc_prob` share of
+    the rows."""
+    import torch
+
+    with torch.no_grad():
+        first = model(**kw).logits
+    # The official sampler feeds temperature-scaled logits (t from 0.8 down to 0.4) back as SC.
+    temp = 0.4 + 0.4 * torch.rand(B, 1, 1, device=first.device, generator=gen)
+    sc_logits = (first / temp).to(model.dtype)
+    sc_mask = torch.rand(B, device=first.device, generator=gen) < sc_prob
+    return sc_logits, sc_mask
 
 
 # ---------------------------------------------------------------------------------- phases
@@ -359,20 +398,13 @@ def main(argv=None):
     args = _parser().parse_args(argv)
 
     import torch
-    from transformers import DiffusionGemmaForBlockDiffusion
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    logf = open(out / "train_log.txt", "a")  # noqa: SIM115 - the run's log, open for the whole run
-
-    def log(msg):
-        print(msg, flush=True)
-        logf.write(msg + "\n")
-        logf.flush()
-
+    log = _run_log(out / "train_log.txt")
     shape = TESTBED
     t0 = time.time()
     seq, plen, ncan = build_pool(
@@ -381,20 +413,15 @@ def main(argv=None):
     log(f"data: {seq.shape[0]} problems, max row {seq.shape[1]} tokens, built in {time.time() - t0:.0f}s")
     batches = Batches(seq, plen, ncan, shape.canvas_length, shape.vocab_size, device)
 
-    if args.init:
-        model = DiffusionGemmaForBlockDiffusion.from_pretrained(args.init, dtype=torch.float32).to(device)
-    else:
-        model = DiffusionGemmaForBlockDiffusion(build_config(shape)).to(device)
-    model.train()
+    model = _base_model(args.init, shape, device)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: {n_params / 1e6:.2f} M parameters on {device}")
     report = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "params": n_params}
-    # Digits carry the arithmetic: they are a few percent of answer tokens but all of its difficulty.
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
-    token_weight = torch.ones(shape.vocab_size, device=device)
-    token_weight[[tok.convert_tokens_to_ids(str(d)) for d in range(10)]] = args.digit_weight
+    token_weight = digit_weights(
+        AutoTokenizer.from_pretrained(str(TOKENIZER_DIR)), shape.vocab_size, args.digit_weight, device
+    )
     if args.minutes > 0:
         report["base"] = train_phase(
             model,
@@ -420,6 +447,43 @@ def main(argv=None):
     report["total_seconds"] = round(time.time() - t0, 1)
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
     log(json.dumps(report))
+
+
+def _run_log(path: Path):
+    """A log function printing each line and appending it to `path`, flushed as it goes so a killed run
+    keeps its log."""
+    logf = open(path, "a")  # noqa: SIM115 - the run's log, open for the whole run
+
+    def log(msg):
+        print(msg, flush=True)
+        logf.write(msg + "\n")
+        logf.flush()
+
+    return log
+
+
+def _base_model(init: str | None, shape, device):
+    """The model to train, in train mode: continued from `init`'s checkpoint, else freshly initialised
+    from the global seed."""
+    import torch
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    if init:
+        model = DiffusionGemmaForBlockDiffusion.from_pretrained(init, dtype=torch.float32).to(device)
+    else:
+        model = DiffusionGemmaForBlockDiffusion(build_config(shape)).to(device)
+    model.train()
+    return model
+
+
+def digit_weights(tok, vocab: int, weight: float, device):
+    """Per-token CE weights: `weight` on the digits 0-9, 1 elsewhere. Digits carry the arithmetic: they
+    are a few percent of answer tokens but all of its difficulty."""
+    import torch
+
+    token_weight = torch.ones(vocab, device=device)
+    token_weight[[tok.convert_tokens_to_ids(str(d)) for d in range(10)]] = weight
+    return token_weight
 
 
 def _train_adapter(model, batches, args, shape, gen, log, token_weight, out: Path) -> dict:

@@ -18,8 +18,10 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
+from typing import Self
 
 from tests.harness.waiting import wait_for
 
@@ -100,7 +102,7 @@ class RedisServer:
                 return bool(c.ping())
             finally:
                 c.close()
-        except Exception:
+        except (redis.RedisError, OSError):
             return False
 
     def client(self):
@@ -129,7 +131,7 @@ class RedisServer:
         finally:
             c.close()
 
-    def __enter__(self) -> RedisServer:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -159,7 +161,12 @@ class PostgresServer:
         if bindir is None:
             raise RuntimeError("PostgreSQL binaries (initdb, pg_ctl) not found")
         self.bin = bindir
-        self.dir = Path(workdir) / f"pg-{os.getpid()}-{id(self):x}"
+        self.workdir = Path(workdir)
+        # The cluster lives in a short directory of its own under /tmp, not in the test's tmp_path: the
+        # `postgres` user must traverse every parent, and pytest sets its tmp root back to 0700 whenever
+        # a session first asks for a tmp dir (under pytest-xdist each worker does, at any time, and a
+        # running server then lost its data directory); and a Unix socket path is at most 107 bytes.
+        self.dir = Path(tempfile.mkdtemp(prefix="cq-pg-"))
         self.data = self.dir / "data"
         self.port = port or free_port()
         self.user = user
@@ -261,7 +268,7 @@ class PostgresServer:
     def running(self) -> bool:
         return port_open(self.port)
 
-    def __enter__(self) -> PostgresServer:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -352,7 +359,7 @@ class TcpProxy:
             with contextlib.suppress(OSError):
                 s.close()
 
-    def __enter__(self) -> TcpProxy:
+    def __enter__(self) -> Self:
         self.accept()
         return self
 

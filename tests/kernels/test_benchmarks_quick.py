@@ -25,8 +25,7 @@ def test_packed_memory_real_shape():
     assert p.nbytes() == packed_bytes(2, 256, 88)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
+@pytest.mark.parametrize(  # tiny shapes: seconds each, so in the default run (the GPU checks run them too)
     "script,args",
     [
         ("moe_w4.py", ["--quick"]),
@@ -59,7 +58,6 @@ def test_benchmark_quick(script, args, tmp_path):
 PROBES = Path(__file__).resolve().parents[2] / "benchmarks" / "probes"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "probe",
     [

@@ -121,9 +121,16 @@ def test_routing_invariants(T, K, E, impl):
 @pytest.mark.parametrize(
     "T,K,E",
     [
-        (60, 8, 64),
-        (2000, 8, 128),  # 16,000 assignments: 63 chunks of 256, each ranked in 2 one-hot tiles
-        (9000, 8, 128),  # 72,000: chunks of 2,048 (the histogram bound), 64 one-hot tiles each
+        (60, 8, 64),  # one one-hot tile per chunk, 15 chunks: one step of the histogram sum
+        # 4,104 assignments: 33 chunks of 128 (3 steps of 16 histogram rows), each ranked in 4 one-hot
+        # tiles (2 at block_m 64); the last chunk holds 8 (a part-filled tile, then empty ones); more
+        # align programs than chunks (the rest write padding only). The paths of the two large cases
+        # below at a quarter of the smaller one's work (the interpreter's time grows with it).
+        (513, 8, 128),
+        # 16,000: 63 chunks of 256 (4 histogram steps), 8 one-hot tiles each (4 at block_m 64)
+        pytest.param(2000, 8, 128, marks=pytest.mark.slow),
+        # 72,000: chunks of 2,048 (the histogram bound), 64 one-hot tiles each (32 at block_m 64)
+        pytest.param(9000, 8, 128, marks=pytest.mark.slow),
         (50, 3, 300),  # E past 256: narrower one-hot tiles
     ],
 )

@@ -193,55 +193,72 @@ class RunControl(StoreBase):
                     select(Request.chunk_id).where(Request.run_id == run_id, Request.custom_id.in_(ids))
                 )
             )
-            base = (s.scalar(select(func.max(Chunk.seq)).where(Chunk.run_id == run_id)) or 0) + 1
-            chunk_ids = []
-            for i in range(0, len(ids), chunk_size):
-                seq = base + i // chunk_size
-                cid = f"{run_id}-{seq:05d}"
-                s.execute(
-                    insert(Chunk).values(
-                        id=cid, run_id=run_id, seq=seq, status=ChunkStatus.queued, attempts=0, updated_at=now
-                    )
-                )
-                s.execute(
-                    update(Request)
-                    .where(Request.run_id == run_id, Request.custom_id.in_(ids[i : i + chunk_size]))
-                    .values(status=RequestStatus.queued, chunk_id=cid, updated_at=now)
-                )
-                chunk_ids.append(cid)
-            # a stuck chunk whose rows all moved is over: neither reconcile nor its dead owner's
-            # late renewal has anything left in it
-            s.execute(
-                update(Chunk)
-                .where(
-                    Chunk.id.in_([c for c in old_chunks if c]),
-                    Chunk.status.in_((ChunkStatus.queued, ChunkStatus.running)),
-                    ~select(Request.id)
-                    .where(Request.chunk_id == Chunk.id, Request.status == RequestStatus.queued)
-                    .exists(),
-                )
-                .values(
-                    status=ChunkStatus.done,
-                    lease_expires_at=None,
-                    published_at=func.coalesce(Chunk.published_at, now),
-                    updated_at=now,
-                )
-            )
-            run = s.get(Run, run_id)
-            # A retry gets a fresh deadline of the original length; the old, passed one would make the
-            # next reconcile pass expire the retried rows again at once.
-            deadline = now + (run.deadline_at - run.created_at) if run and run.deadline_at else None
-            s.execute(
-                update(Run)
-                .where(Run.id == run_id)  # a run still being worked on stays `running`
-                .values(
-                    status=case((Run.status == RunStatus.running, RunStatus.running), else_=RunStatus.queued),
-                    finished_at=None,
-                    updated_at=now,
-                    deadline_at=deadline,
-                )
-            )
+            chunk_ids = self._rechunk_rows(s, run_id, ids, chunk_size, now)
+            self._close_emptied_chunks(s, [c for c in old_chunks if c], now)
+            self._requeue_run(s, run_id, now)
             return chunk_ids
+
+    def _rechunk_rows(
+        self, s: Session, run_id: str, ids: list[str], chunk_size: int, now: datetime
+    ) -> list[str]:
+        """Queue `ids` into new chunks of `chunk_size` after the run's last; returns their ids."""
+        base = (s.scalar(select(func.max(Chunk.seq)).where(Chunk.run_id == run_id)) or 0) + 1
+        chunk_ids = []
+        for i in range(0, len(ids), chunk_size):
+            seq = base + i // chunk_size
+            cid = f"{run_id}-{seq:05d}"
+            s.execute(
+                insert(Chunk).values(
+                    id=cid, run_id=run_id, seq=seq, status=ChunkStatus.queued, attempts=0, updated_at=now
+                )
+            )
+            s.execute(
+                update(Request)
+                .where(Request.run_id == run_id, Request.custom_id.in_(ids[i : i + chunk_size]))
+                .values(status=RequestStatus.queued, chunk_id=cid, updated_at=now)
+            )
+            chunk_ids.append(cid)
+        return chunk_ids
+
+    @staticmethod
+    def _close_emptied_chunks(s: Session, chunk_ids: list[str], now: datetime) -> None:
+        """Mark `done` the queued or running chunks among `chunk_ids` that have no queued row left."""
+        # a stuck chunk whose rows all moved is over: neither reconcile nor its dead owner's
+        # late renewal has anything left in it
+        s.execute(
+            update(Chunk)
+            .where(
+                Chunk.id.in_(chunk_ids),
+                Chunk.status.in_((ChunkStatus.queued, ChunkStatus.running)),
+                ~select(Request.id)
+                .where(Request.chunk_id == Chunk.id, Request.status == RequestStatus.queued)
+                .exists(),
+            )
+            .values(
+                status=ChunkStatus.done,
+                lease_expires_at=None,
+                published_at=func.coalesce(Chunk.published_at, now),
+                updated_at=now,
+            )
+        )
+
+    @staticmethod
+    def _requeue_run(s: Session, run_id: str, now: datetime) -> None:
+        """Reopen a retried run: `queued` unless still `running`, with a fresh deadline."""
+        run = s.get(Run, run_id)
+        # A retry gets a fresh deadline of the original length; the old, passed one would make the
+        # next reconcile pass expire the retried rows again at once.
+        deadline = now + (run.deadline_at - run.created_at) if run and run.deadline_at else None
+        s.execute(
+            update(Run)
+            .where(Run.id == run_id)  # a run still being worked on stays `running`
+            .values(
+                status=case((Run.status == RunStatus.running, RunStatus.running), else_=RunStatus.queued),
+                finished_at=None,
+                updated_at=now,
+                deadline_at=deadline,
+            )
+        )
 
     def expire_overdue(self, now: datetime | None = None) -> list[str]:
         """Runs past their deadline: unfinished rows `expired` (finished rows stay), run `expired`."""

@@ -265,6 +265,25 @@ def run_sweep(
         suite=suite,
         split="dev",
     )
+    points = _points(report, arms)
+    path, fp = model_identity(bundle.spec)
+    cal = Calibration(
+        model_path=path,
+        fingerprint=fp,
+        device=str(bundle.device),
+        batch_size=batch_size,
+        n=n,
+        seeds=tuple(seeds),
+        max_tokens=max_tokens,
+        points=tuple(frontier_flags(points)),
+        hardware=report.get("hardware", ""),
+        commit=report.get("commit", ""),
+    )
+    return cal, report
+
+
+def _points(report: dict, arms: list) -> list[Point]:
+    """One Point per arm and task of a bench report."""
     by_label = {a.label: a for a in arms}
     points = []
     for row in report["arms"]:
@@ -285,20 +304,7 @@ def run_sweep(
                     reference=arm.decoder == "official" and not arm.overrides,
                 )
             )
-    path, fp = model_identity(bundle.spec)
-    cal = Calibration(
-        model_path=path,
-        fingerprint=fp,
-        device=str(bundle.device),
-        batch_size=batch_size,
-        n=n,
-        seeds=tuple(seeds),
-        max_tokens=max_tokens,
-        points=tuple(frontier_flags(points)),
-        hardware=report.get("hardware", ""),
-        commit=report.get("commit", ""),
-    )
-    return cal, report
+    return points
 
 
 # -- reports ---------------------------------------------------------------------------------------

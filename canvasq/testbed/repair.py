@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from canvasq.model.loading import load_bundle
-    from canvasq.testbed.train import Batches, build_pool, digit_weights, train_phase
+    from canvasq.testbed.train import Batches, build_pool, digit_weights
 
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -235,6 +235,21 @@ def main(argv: list[str] | None = None) -> None:
     peft_model, tied, params = _repair_lora(bundle, out, args, device)
     log(f"repair LoRA r={args.rank}: {sum(p.numel() for p in params)} trainable parameters on {device}")
     token_weight = digit_weights(bundle.tokenizer, V, args.digit_weight, device)
+    report, parts = _train_repair(peft_model, params, batches, token_weight, C, gen, log, args)
+    untie_encoder(tied)
+    peft_model.save_pretrained(str(out / REPAIR_DIRNAME))
+    (out / REPAIR_DIRNAME / "README.md").unlink(missing_ok=True)  # peft's empty model card
+    report = _repair_report(args, argv, device, report, parts, t0)
+    (out / "train_report_phcd_repair.json").write_text(json.dumps(report, indent=2))
+    log(json.dumps(report))
+
+
+def _train_repair(
+    peft_model, params, batches, token_weight, canvas: int, gen, log, args
+) -> tuple[dict, dict]:
+    """Train the repair LoRA for --minutes on `repair_loss`; the phase report and the last loss parts."""
+    from canvasq.testbed.train import train_phase
+
     parts: dict = {}
 
     def loss_fn(m, batch, g):
@@ -260,19 +275,14 @@ def main(argv: list[str] | None = None) -> None:
         batch=args.batch,
         lr=args.lr,
         n_canvases=1 + args.future,
-        canvas=C,
+        canvas=canvas,
         sc_prob=0.9,
         gen=gen,
         log=log_parts,
         tag="phcd-repair",
         loss_fn=loss_fn,
     )
-    untie_encoder(tied)
-    peft_model.save_pretrained(str(out / REPAIR_DIRNAME))
-    (out / REPAIR_DIRNAME / "README.md").unlink(missing_ok=True)  # peft's empty model card
-    report = _repair_report(args, argv, device, report, parts, t0)
-    (out / "train_report_phcd_repair.json").write_text(json.dumps(report, indent=2))
-    log(json.dumps(report))
+    return report, parts
 
 
 def _repair_log(path: Path):

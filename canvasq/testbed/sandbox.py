@@ -219,7 +219,6 @@ def unavailable_reason() -> str | None:
 
 
 def _run(code, timeout_s, mem_bytes, file_bytes, disk_bytes, output_bytes, result_bytes) -> SandboxResult:
-    cpu_s = max(1, int(timeout_s) + 1)
     with tempfile.TemporaryDirectory(prefix="canvasq-sbx-") as tmp:
         os.chmod(tmp, 0o700)
         program = os.path.join(tmp, "main.py")
@@ -228,26 +227,7 @@ def _run(code, timeout_s, mem_bytes, file_bytes, disk_bytes, output_bytes, resul
         os.mkdir(os.path.join(tmp, "root"))
         res_r, res_w = os.pipe()
         st_r, st_w = os.pipe()
-        cfg = {
-            "root": os.path.join(tmp, "root"),
-            "program": program,
-            "python": os.path.realpath(sys.executable),
-            "guard": _GUARD,
-            "ro_paths": _read_only_paths(),
-            "uid": NOBODY,
-            "timeout": timeout_s,
-            "disk_bytes": disk_bytes,
-            "status_fd": st_w,
-            "result_fd": res_w,
-            "rlimits": {
-                "RLIMIT_CPU": cpu_s,
-                "RLIMIT_AS": mem_bytes,
-                "RLIMIT_FSIZE": file_bytes,
-                "RLIMIT_NOFILE": 32,
-                "RLIMIT_CORE": 0,
-                "RLIMIT_NPROC": 16,
-            },
-        }
+        cfg = _launcher_config(tmp, program, timeout_s, mem_bytes, file_bytes, disk_bytes, st_w, res_w)
         try:
             proc = subprocess.Popen(
                 [os.path.realpath(sys.executable), "-I", "-S", "-B", "-c", _LAUNCHER, json.dumps(cfg)],
@@ -272,7 +252,39 @@ def _run(code, timeout_s, mem_bytes, file_bytes, disk_bytes, output_bytes, resul
             os.close(fd)
         proc.stdout.close()
         proc.stderr.close()
-    status = [json.loads(line) for line in bufs[st_r].decode(errors="replace").splitlines() if line.strip()]
+    return _result(bufs[st_r], bufs[out], bufs[err], bufs[res_r], truncated=bool(over))
+
+
+def _launcher_config(
+    tmp: str, program: str, timeout_s, mem_bytes, file_bytes, disk_bytes, status_fd: int, result_fd: int
+) -> dict:
+    """The launcher's config: its root under `tmp`, the program, the guard, the uid, the limits, the pipes."""
+    cpu_s = max(1, int(timeout_s) + 1)
+    return {
+        "root": os.path.join(tmp, "root"),
+        "program": program,
+        "python": os.path.realpath(sys.executable),
+        "guard": _GUARD,
+        "ro_paths": _read_only_paths(),
+        "uid": NOBODY,
+        "timeout": timeout_s,
+        "disk_bytes": disk_bytes,
+        "status_fd": status_fd,
+        "result_fd": result_fd,
+        "rlimits": {
+            "RLIMIT_CPU": cpu_s,
+            "RLIMIT_AS": mem_bytes,
+            "RLIMIT_FSIZE": file_bytes,
+            "RLIMIT_NOFILE": 32,
+            "RLIMIT_CORE": 0,
+            "RLIMIT_NPROC": 16,
+        },
+    }
+
+
+def _result(status_raw: bytes, stdout: bytes, stderr: bytes, result: bytes, truncated: bool) -> SandboxResult:
+    """The run's result from the launcher's status lines (none: timed out); a setup error raises."""
+    status = [json.loads(line) for line in status_raw.decode(errors="replace").splitlines() if line.strip()]
     for s in status:
         if "setup_error" in s:
             raise SandboxUnavailable(f"the code sandbox could not be set up: {s['setup_error']}")
@@ -281,11 +293,11 @@ def _run(code, timeout_s, mem_bytes, file_bytes, disk_bytes, output_bytes, resul
     return SandboxResult(
         ok=rc == 0 and not timed_out,
         returncode=None if timed_out else rc,
-        stdout=bufs[out].decode(errors="replace"),
-        stderr=bufs[err].decode(errors="replace"),
+        stdout=stdout.decode(errors="replace"),
+        stderr=stderr.decode(errors="replace"),
         timed_out=timed_out,
-        result=bufs[res_r],
-        truncated=bool(over),
+        result=result,
+        truncated=truncated,
     )
 
 

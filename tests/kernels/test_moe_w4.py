@@ -128,9 +128,9 @@ def test_routing_invariants(T, K, E, impl):
         # below at a quarter of the smaller one's work (the interpreter's time grows with it).
         (513, 8, 128),
         # 16,000: 63 chunks of 256 (4 histogram steps), 8 one-hot tiles each (4 at block_m 64)
-        pytest.param(2000, 8, 128, marks=pytest.mark.slow),
+        pytest.param(2000, 8, 128, marks=pytest.mark.large),
         # 72,000: chunks of 2,048 (the histogram bound), 64 one-hot tiles each (32 at block_m 64)
-        pytest.param(9000, 8, 128, marks=pytest.mark.slow),
+        pytest.param(9000, 8, 128, marks=pytest.mark.large),
         (50, 3, 300),  # E past 256: narrower one-hot tiles
     ],
 )

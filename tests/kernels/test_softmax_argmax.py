@@ -58,7 +58,7 @@ def test_real_vocab_bf16():
 @pytest.mark.parametrize("rand4", [True, False])
 @pytest.mark.parametrize(
     "C",  # draws per group: one program per row under the interpreter, so 320 takes minutes on CPU
-    [64, pytest.param(320, marks=pytest.mark.slow)],
+    [64, pytest.param(320, marks=pytest.mark.large)],
 )
 def test_sample_draws_follow_the_softmax_and_ignore_the_batch(rand4, C):
     """Per group: the draws' frequencies match softmax(logits * inv_temp) (fixed seeds: deterministic;

@@ -63,33 +63,11 @@ class AttentionGeometry:
         anyway), the context is rounded up to a multiple of `step`."""
         sizes = [w.rows for w in windows]
         ends = [s + r for s, r in zip(starts, sizes)]  # visible entries per slot: committed + window
-        need = max(ends)
-        if lmax is None:
-            lmax = need
-            if (
-                step and len(set(ends)) > 1
-            ):  # masked anyway: a context bucket, so SDPA meets shapes it has seen
-                lmax = min(capacity, -(-need // step) * step)
-        elif lmax < need or lmax > capacity:
-            raise ValueError(f"context bucket {lmax} outside [{need}, {capacity}]")
-        # (slot, visible entries, first row in the forward, rows) per query block; encoder rows in
-        # chunks of at most the windows' largest block (a long prompt is several causal blocks)
-        chunk = max([w.rows - w.encoder_rows for w in windows if w.rows > w.encoder_rows] or [max(sizes)])
-        blocks, extra, row0 = [], [], 0
-        for w, end in zip(windows, ends):
-            e = w.encoder_rows
-            extra += [(w.slot, end, row0 + c, min(chunk, e - c)) for c in range(0, e, chunk)]
-            if w.rows > e:
-                blocks.append((w.slot, end, row0 + e, w.rows - e))
-            row0 += w.rows
-        n_windows = len(blocks)
-        blocks += extra
+        lmax = _context_bucket(ends, lmax, capacity, step)
+        blocks, n_windows, row0 = _query_blocks(windows, ends)
+        extra = len(blocks) > n_windows
         rmax = max(n for *_, n in blocks)
-        b_idx = torch.empty(row0, dtype=torch.long)
-        r_idx = torch.empty(row0, dtype=torch.long)
-        for b, (_, _, r0, n) in enumerate(blocks):
-            b_idx[r0 : r0 + n] = b
-            r_idx[r0 : r0 + n] = torch.arange(n)
+        b_idx, r_idx = _row_index(blocks, row0)
         b_idx, r_idx = b_idx.to(dev), r_idx.to(dev)
         nb = len(blocks)
         slots = torch.tensor([s for s, *_ in blocks], dtype=torch.long, device=dev)
@@ -221,3 +199,42 @@ class AttentionGeometry:
                 backend=self.backend,
             )
         return o if self.dense else o.view(nb, self.rmax, heads * d)[self.b_idx, self.r_idx]
+
+
+def _context_bucket(ends: list[int], lmax: int | None, capacity: int, step: int) -> int:
+    """Arena entries attended: the given bucket (checked), else the most visible, rounded up to `step`
+    when masked anyway."""
+    need = max(ends)
+    if lmax is None:
+        lmax = need
+        if step and len(set(ends)) > 1:  # masked anyway: a context bucket, so SDPA meets shapes it has seen
+            lmax = min(capacity, -(-need // step) * step)
+    elif lmax < need or lmax > capacity:
+        raise ValueError(f"context bucket {lmax} outside [{need}, {capacity}]")
+    return lmax
+
+
+def _query_blocks(windows: list[Window], ends: list[int]) -> tuple[list[tuple[int, int, int, int]], int, int]:
+    """The query blocks (windows' blocks, then encoder blocks), how many are windows' and the rows."""
+    # (slot, visible entries, first row in the forward, rows) per query block; encoder rows in
+    # chunks of at most the windows' largest block (a long prompt is several causal blocks)
+    sizes = [w.rows for w in windows]
+    chunk = max([w.rows - w.encoder_rows for w in windows if w.rows > w.encoder_rows] or [max(sizes)])
+    blocks, extra, row0 = [], [], 0
+    for w, end in zip(windows, ends):
+        e = w.encoder_rows
+        extra += [(w.slot, end, row0 + c, min(chunk, e - c)) for c in range(0, e, chunk)]
+        if w.rows > e:
+            blocks.append((w.slot, end, row0 + e, w.rows - e))
+        row0 += w.rows
+    return blocks + extra, len(blocks), row0
+
+
+def _row_index(blocks: list[tuple[int, int, int, int]], rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block of each row and row within its block (host tensors of `rows`)."""
+    b_idx = torch.empty(rows, dtype=torch.long)
+    r_idx = torch.empty(rows, dtype=torch.long)
+    for b, (_, _, r0, n) in enumerate(blocks):
+        b_idx[r0 : r0 + n] = b
+        r_idx[r0 : r0 + n] = torch.arange(n)
+    return b_idx, r_idx

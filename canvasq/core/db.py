@@ -6,12 +6,12 @@ and the reports (`core.reports.Reports`) are its two faces, and `core.store.Stor
 from __future__ import annotations
 
 import hashlib
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self, cast
+from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
 
+import tenacity
 from sqlalchemy import CursorResult, Engine, Result, create_engine, event
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from sqlalchemy.dialects.sqlite import Insert as SqliteInsert
 
 MIGRATIONS_DIR = REPO_ROOT / "migrations"
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 # ---------------------------------------------------------------------------------------- engine
@@ -178,17 +179,26 @@ def rowcount(result: Result[*tuple[Any, ...]]) -> int:
     return cast(CursorResult[Any], result).rowcount
 
 
-def retry_transient(fn: Callable[[], Any], attempts: int = 6, base_s: float = 0.5) -> Any:
-    """Retry a persistence call on connection-level errors with exponential backoff (a database
-    that refuses connections briefly); deterministic errors are raised at once."""
-    for i in range(attempts):
-        try:
-            return fn()
-        except (OperationalError, DBAPIError) as exc:
-            if i == attempts - 1 or not (isinstance(exc, OperationalError) or exc.connection_invalidated):
-                raise
-            time.sleep(base_s * (2**i))
-    return None  # unreachable
+def _transient(exc: BaseException) -> bool:
+    """A connection-level failure worth another try (the database refused or dropped the connection);
+    a deterministic error (constraint, syntax, data) is not."""
+    return isinstance(exc, OperationalError) or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
+
+
+def transient(fn: F) -> F:
+    """The store protocol's one retry rule, as a decorator on each call a worker makes: up to 6 tries
+    with exponential backoff (0.5, 1, 2, 4, 8 s) on connection-level errors (a database that refuses
+    connections briefly), deterministic errors raised at once. Every decorated call is one transaction
+    that is safe to run again (a claim, a write keyed by custom_id, a state change)."""
+    return cast(
+        F,
+        tenacity.retry(
+            retry=tenacity.retry_if_exception(_transient),
+            stop=tenacity.stop_after_attempt(6),
+            wait=tenacity.wait_exponential(multiplier=0.5),
+            reraise=True,
+        )(fn),
+    )
 
 
 def file_sha256(path: str | Path) -> str:

@@ -19,7 +19,7 @@ from typing import cast
 from sqlalchemy import Table, delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
-from canvasq.core.db import new_run_id, rowcount, upsert
+from canvasq.core.db import new_run_id, rowcount, transient, upsert
 from canvasq.core.records import ClaimedChunk, ClaimedRequest, ClaimState, ResultRecord, RunCreated
 from canvasq.core.runs import RunControl
 from canvasq.core.schemas import Job
@@ -187,6 +187,7 @@ class QueueStore(RunControl, WorkerLiveness):
             return [(r[0], r[1]) for r in s.execute(q.order_by(Chunk.id))]
 
     # -- worker side ------------------------------------------------------------------------------
+    @transient
     def claim_chunk(self, chunk_id: str, worker_id: str, lease_s: int, max_attempts: int) -> ClaimedChunk:
         """Count this delivery (attempts in SQL: Celery does not cap redelivery, celery#9082) and
         return the chunk's unfinished rows. Past `max_attempts` the rows become errored/worker_lost.
@@ -260,6 +261,7 @@ class QueueStore(RunControl, WorkerLiveness):
             return True
         return False
 
+    @transient
     def max_queued_tokens(self, run_id: str) -> int:
         """The largest max_tokens among the run's queued rows (0 when none is queued)."""
         with self.Session() as s:
@@ -272,6 +274,7 @@ class QueueStore(RunControl, WorkerLiveness):
                 or 0
             )
 
+    @transient
     def claim_ahead(
         self, run_id: str, worker_id: str, lease_s: int, max_attempts: int, skip: Sequence[str] = ()
     ) -> ClaimedChunk | None:
@@ -329,6 +332,7 @@ class QueueStore(RunControl, WorkerLiveness):
                 [ClaimedRequest(*r) for r in reqs],
             )
 
+    @transient
     def release_ahead(self, chunk_id: str, worker_id: str) -> None:
         """Give back a chunk claimed ahead and not fed (its rows need another stream): queued again,
         that claim uncounted; its message, still in the broker, is then an ordinary delivery."""
@@ -351,10 +355,12 @@ class QueueStore(RunControl, WorkerLiveness):
                 )
             )
 
+    @transient
     def close_chunk_rows(self, chunk_id: str, run_id: str, status: str, code: str, message: str) -> int:
         with self.Session.begin() as s:
             return self._close_rows(s, chunk_id, run_id, status, code, message)
 
+    @transient
     def record_chunk_error(self, chunk_id: str, message: str) -> None:
         with self.Session.begin() as s:
             s.execute(
@@ -404,6 +410,7 @@ class QueueStore(RunControl, WorkerLiveness):
         )
         return len(ids)
 
+    @transient
     def write_results(
         self, run_id: str, records: Sequence[ResultRecord], worker_id: str | None = None
     ) -> int:
@@ -461,6 +468,7 @@ class QueueStore(RunControl, WorkerLiveness):
                     )
         return written
 
+    @transient
     def finish_chunk(self, chunk_id: str) -> None:
         with self.Session.begin() as s:
             s.execute(
@@ -471,6 +479,7 @@ class QueueStore(RunControl, WorkerLiveness):
         with self.Session() as s:
             return s.scalar(select(Run.status).where(Run.id == run_id))
 
+    @transient
     def finalize_run(self, run_id: str) -> str | None:
         """If no row is left queued: cancelling → cancelled, queued/running → completed."""
         now = utcnow()

@@ -8,7 +8,7 @@ from datetime import timedelta
 
 from sqlalchemy import update
 
-from canvasq.core.db import StoreBase, rowcount, upsert
+from canvasq.core.db import StoreBase, rowcount, transient, upsert
 from canvasq.core.statuses import ChunkStatus
 from canvasq.core.tables import Chunk, Worker, utcnow
 
@@ -16,6 +16,7 @@ from canvasq.core.tables import Chunk, Worker, utcnow
 class WorkerLiveness(StoreBase):
     """The worker rows and their heartbeats (a face of `core.queue.QueueStore`)."""
 
+    @transient
     def register_worker(
         self, worker_id: str, host: str, pid: int, device: str, model: str, queue: str | None
     ) -> None:

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import logging
 import time
-from functools import partial
 from typing import TYPE_CHECKING
 
-from canvasq.core.db import retry_transient
 from canvasq.core.records import ClaimState
 
 if TYPE_CHECKING:
@@ -53,16 +51,14 @@ class AheadFeeder:
             if time.monotonic() > self.deadline:  # leave the rest to their own deliveries
                 self.stopped = True
                 return
-            claim = retry_transient(
-                lambda: engine.store.claim_ahead(
-                    self.run_id, engine.worker_id, s.lease_s, s.max_attempts, self.released
-                )
+            claim = engine.store.claim_ahead(
+                self.run_id, engine.worker_id, s.lease_s, s.max_attempts, self.released
             )
             if claim is None:
                 self.stopped = True
                 return
             if claim.state != ClaimState.work:  # every row already terminal
-                retry_transient(partial(engine.store.finish_chunk, claim.chunk_id))
+                engine.store.finish_chunk(claim.chunk_id)
                 continue
             reqs = self._take(claim)
             if reqs is None:  # given back; a few in a row: the rest of the run is not for this stream
@@ -87,7 +83,7 @@ class AheadFeeder:
             return None
         engine.ahead_chunks.add(cid)  # renewed by the heartbeat from here on
         if records:  # rows the tokenizer refused: errored now
-            retry_transient(lambda: engine.store.write_results(self.run_id, records, engine.worker_id))
+            engine.store.write_results(self.run_id, records, engine.worker_id)
         self.pending[cid] = {q.custom_id for q in reqs}
         for q in reqs:
             self.chunk_of[q.custom_id] = cid
@@ -100,7 +96,7 @@ class AheadFeeder:
     def _release(self, cid: str, why: str) -> None:
         log.info("chunk %s released, not fed ahead: %s", cid, why)
         self.released.append(cid)
-        retry_transient(lambda: self.engine.store.release_ahead(cid, self.engine.worker_id))
+        self.engine.store.release_ahead(cid, self.engine.worker_id)
 
     def written(self, custom_id: str) -> None:
         """A fed row was stored: finish its chunk once all of the chunk's rows are."""
@@ -113,7 +109,7 @@ class AheadFeeder:
             self._finish(cid)
 
     def _finish(self, cid: str) -> None:
-        retry_transient(lambda: self.engine.store.finish_chunk(cid))
+        self.engine.store.finish_chunk(cid)
         self.pending.pop(cid, None)
         self.engine.ahead_chunks.discard(cid)
 
@@ -124,15 +120,8 @@ class AheadFeeder:
         reconcile re-publishes it."""
         for cid in list(self.pending):
             if cancelled_status is not None:
-                retry_transient(
-                    partial(
-                        self.engine.store.close_chunk_rows,
-                        cid,
-                        self.run_id,
-                        cancelled_status,
-                        cancelled_status,
-                        f"run {cancelled_status}",
-                    )
+                self.engine.store.close_chunk_rows(
+                    cid, self.run_id, cancelled_status, cancelled_status, f"run {cancelled_status}"
                 )
                 self._finish(cid)
             else:

@@ -29,7 +29,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Self
 
-from canvasq.core.db import retry_transient
 from canvasq.core.queue import QueueStore
 from canvasq.core.records import ClaimedRequest, ClaimState
 from canvasq.core.settings import Settings, get_settings, mask_url, model_name, resolve_experts
@@ -136,15 +135,13 @@ class Engine:
         return self._decode_fn
 
     def register(self) -> None:
-        retry_transient(
-            lambda: self.store.register_worker(
-                self.worker_id,
-                socket.gethostname(),
-                os.getpid(),
-                self.device,
-                self.settings.model,
-                self.queue,
-            )
+        self.store.register_worker(
+            self.worker_id,
+            socket.gethostname(),
+            os.getpid(),
+            self.device,
+            self.settings.model,
+            self.queue,
         )
 
     def start_heartbeat(self) -> None:
@@ -277,9 +274,7 @@ class Engine:
 
     def process_chunk(self, chunk_id: str) -> ChunkSummary:
         s = self.settings
-        claim = retry_transient(
-            lambda: self.store.claim_chunk(chunk_id, self.worker_id, s.lease_s, s.max_attempts)
-        )
+        claim = self.store.claim_chunk(chunk_id, self.worker_id, s.lease_s, s.max_attempts)
         summary = ChunkSummary(chunk_id, claim.state, claim.attempts)
         if claim.state == ClaimState.missing:
             log.warning("chunk %s not in the store; dropping the message", chunk_id)
@@ -293,15 +288,15 @@ class Engine:
             return summary
         if claim.state != ClaimState.work:
             if claim.state != ClaimState.exhausted:
-                retry_transient(lambda: self.store.finish_chunk(chunk_id))
-            retry_transient(lambda: self.store.finalize_run(run_id))
+                self.store.finish_chunk(chunk_id)
+            self.store.finalize_run(run_id)
             return summary
         if model_name(claim.model or "") != model_name(s.model):
             log.warning("chunk %s is for model %s; this worker serves %s", chunk_id, claim.model, s.model)
 
         self._decode_chunk(claim, summary)
-        retry_transient(lambda: self.store.finish_chunk(chunk_id))
-        retry_transient(lambda: self.store.finalize_run(run_id))
+        self.store.finish_chunk(chunk_id)
+        self.store.finalize_run(run_id)
         return summary
 
     def _decode_chunk(self, claim, summary: ChunkSummary) -> None:
@@ -340,9 +335,7 @@ class Engine:
         if should_stop():
             status = self.store.run_status(run_id)
             code = RequestStatus.expired if status == RunStatus.expired else RequestStatus.cancelled
-            retry_transient(
-                lambda: self.store.close_chunk_rows(chunk_id, run_id, code, code, f"run {status}")
-            )
+            self.store.close_chunk_rows(chunk_id, run_id, code, code, f"run {status}")
         for feeder in feeders:
             feeder.close(code)
             summary.claimed_ahead += feeder.claimed
@@ -422,12 +415,10 @@ class Engine:
     def abandon_chunk(self, chunk_id: str, code: str, message: str) -> None:
         """Soft time limit: rows done so far stay, the rest become errored(`code`); no redelivery."""
         run_id = chunk_id.rsplit("-", 1)[0]
-        retry_transient(
-            lambda: self.store.close_chunk_rows(chunk_id, run_id, RequestStatus.errored, code, message)
-        )
-        retry_transient(lambda: self.store.record_chunk_error(chunk_id, message))
-        retry_transient(lambda: self.store.finish_chunk(chunk_id))
-        retry_transient(lambda: self.store.finalize_run(run_id))
+        self.store.close_chunk_rows(chunk_id, run_id, RequestStatus.errored, code, message)
+        self.store.record_chunk_error(chunk_id, message)
+        self.store.finish_chunk(chunk_id)
+        self.store.finalize_run(run_id)
 
 
 # ---------------------------------------------------------------------------------------- per process

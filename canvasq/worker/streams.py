@@ -15,7 +15,6 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from canvasq.core.db import retry_transient
 from canvasq.core.records import ClaimedRequest, ResultRecord
 from canvasq.core.statuses import RequestStatus
 from canvasq.decoders.types import (
@@ -106,11 +105,7 @@ def tokenize(
 
 
 def _write(engine: Engine, run_id: str, records: list[ResultRecord]) -> int:
-    return (
-        retry_transient(lambda: engine.store.write_results(run_id, records, engine.worker_id))
-        if records
-        else 0
-    )
+    return engine.store.write_results(run_id, records, engine.worker_id) if records else 0
 
 
 class _RowStream:
@@ -171,7 +166,7 @@ def _ahead(
     from canvasq.worker.ahead import AheadFeeder
 
     prompt = max(len(q.prompt_ids) for q in reqs) * 3 // 2
-    run_max = retry_transient(lambda: engine.store.max_queued_tokens(run_id))
+    run_max = engine.store.max_queued_tokens(run_id)
     longest = DecodeRequest("", [0] * prompt, max(run_max, *(q.max_tokens for q in reqs)))
     capacity = max(dec.capacity_for(reqs), dec.need(longest))
     return capacity, AheadFeeder(engine, run_id, route, dec.need, capacity, deadline)

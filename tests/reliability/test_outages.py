@@ -167,15 +167,14 @@ def test_t17_four_processes_write_one_sqlite_file_without_lock_errors(tmp_path):
 
 def test_t11_store_retries_through_a_proxy_that_refuses_then_accepts(tmp_path):
     """T11, store level, on the shared PostgreSQL (left running): the connection goes through a TCP
-    proxy that drops live connections and refuses new ones for ~2 s. A write issued meanwhile
-    (`retry_transient`, as the worker wraps every store call) lands once the proxy accepts again,
-    exactly once; without the retry the same call fails."""
+    proxy that drops live connections and refuses new ones for ~2 s. A worker's write issued meanwhile
+    (`write_results`: the queue protocol's calls carry `core.db.transient`, the one retry rule) lands
+    once the proxy accepts again, exactly once; a call without the rule (`counts`) fails at once."""
     import threading
 
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import OperationalError
 
-    from canvasq.core.db import retry_transient
     from tests.harness.backends import fresh_pg_database
     from tests.harness.services import TcpProxy
 
@@ -200,7 +199,7 @@ def test_t11_store_retries_through_a_proxy_that_refuses_then_accepts(tmp_path):
                     pass
                 threading.Timer(2.0, proxy.accept).start()
                 recs = [ResultRecord(r.custom_id, text="ok", completion_tokens=1) for r in claim.requests]
-                written = retry_transient(lambda: st.write_results(created.run_id, recs, "w"), base_s=0.5)
+                written = st.write_results(created.run_id, recs, "w")
                 assert written == 4
                 st.finalize_run(created.run_id)
                 assert_exactly_once(

@@ -23,12 +23,8 @@ import _common as C  # first: on a machine without a GPU it makes the kernels in
 import torch
 
 from canvasq.kernels.moe.launch import ExpertRows, combine_rows
-from canvasq.kernels.norm_fused import (
-    Scatter,
-    add_rms_norm_launch,
-    qkv_norm_rope_launch,
-    rms_norm_rope_launch,
-)
+from canvasq.kernels.norm_residual import add_rms_norm_launch
+from canvasq.kernels.norm_rope import Scatter, qkv_norm_rope_launch, rms_norm_rope_launch
 
 
 def time_ms(fn) -> float:

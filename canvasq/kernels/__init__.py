@@ -5,7 +5,7 @@
 - `rms_norm(x, weight, eps)`: DiffusionGemma RMSNorm (`weight=None` for the with_scale=False norm).
 - `rms_norm_rope(x, weight, cos, sin)` / `add_rms_norm(x, weight, residual, x2, scale, pre)` /
   `pre_ffn_norms(x, wa, post, scalar, wb)`: the q/k norm + RoPE, the residual-update norms and the
-  three pre-FFN norms of a layer, one launch each (`norm_fused.py`).
+  three pre-FFN norms of a layer, one launch each (`norm_rope.py`, `norm_residual.py`).
 - `gelu_mul(gu)`: the dense MLP's gelu_tanh(gate) * up over the fused gate/up output (`gelu_mul.py`).
 - `router_topk(logits, k)`: the MoE router's fp32 softmax + top-k in one launch (`router.py`).
 - `softcap_logits(x, cap)`: the LM head's fp32 cast + final soft cap in one pass (`softcap.py`).
@@ -32,14 +32,8 @@ from .moe import (
     w4_moe,
     w4_moe_reference,
 )
-from .norm_fused import (
-    add_rms_norm,
-    add_rms_norm_reference,
-    pre_ffn_norms,
-    pre_ffn_norms_reference,
-    rms_norm_rope,
-    rms_norm_rope_reference,
-)
+from .norm_residual import add_rms_norm, add_rms_norm_reference, pre_ffn_norms, pre_ffn_norms_reference
+from .norm_rope import rms_norm_rope, rms_norm_rope_reference
 from .qkv import FusedQKV, fuse_attention_module, fuse_qkv_weights, qkv_proj, qkv_proj_reference
 from .rmsnorm import rms_norm, rms_norm_reference
 from .router import router_topk, router_topk_reference

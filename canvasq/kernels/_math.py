@@ -29,3 +29,9 @@ def pdl_enter(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def rt(v, DT: tl.constexpr):
+    """Round an fp32 value to the model dtype and back (what HF's dtype-level op would store)."""
+    return v.to(DT).to(tl.float32)

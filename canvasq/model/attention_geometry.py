@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from canvasq.kernels.attention import SHORT_WINDOW, attend
-from canvasq.kernels.norm_fused import Scatter
+from canvasq.kernels.norm_rope import Scatter
 from canvasq.model.arena import KVArena
 from canvasq.model.windows import Window
 

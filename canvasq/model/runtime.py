@@ -39,7 +39,7 @@ kernel HF's default `grouped_mm` uses; no host sync) and as a sorted-by-expert l
 (`"grouped"` / `"reference"` force one); `experts="w4"` packs the experts once (shared by encoder and
 decoder; on CUDA in the Gluon kernels' tiled order) and calls `canvasq.kernels.moe.w4_moe`.
 `kernels=True` (default on CUDA) uses the Triton RMSNorm of `canvasq.kernels` and its fused epilogues
-(`norm_fused`: the q/k/v head norms and q/k RoPE in one launch, residual-update norms with the layer scalar), which round
+(`norm_rope`, `norm_residual`: the q/k/v head norms and q/k RoPE in one launch, residual-update norms with the layer scalar), which round
 where HF's modules round, and the router's softmax + top-k in one launch (`router_topk`); q/k/v and the
 dense gate/up always run as one GEMM each over weights concatenated once at construction (an extra
 copy of those weights, ~2.8 GB bf16 at the real shape). Each expert combine is a fixed-order fp32
@@ -69,7 +69,8 @@ import torch.nn.functional as F
 
 from canvasq.kernels.gelu_mul import gelu_mul
 from canvasq.kernels.moe.reference import route_weights
-from canvasq.kernels.norm_fused import Scatter, add_rms_norm, pre_ffn_norms, qkv_norm_rope
+from canvasq.kernels.norm_residual import add_rms_norm, pre_ffn_norms
+from canvasq.kernels.norm_rope import Scatter, qkv_norm_rope
 from canvasq.kernels.rmsnorm import rms_norm as rms_norm_any
 from canvasq.kernels.router import router_topk
 from canvasq.kernels.softcap import softcap_logits

@@ -4,13 +4,15 @@ import pytest
 import torch
 from kernel_testutil import DEVICE, DTYPES, poison, rel_err
 
-from canvasq.kernels.norm_fused import (
-    Scatter,
+from canvasq.kernels.norm_residual import (
     add_rms_norm,
     add_rms_norm_launch,
     add_rms_norm_reference,
     pre_ffn_norms,
     pre_ffn_norms_reference,
+)
+from canvasq.kernels.norm_rope import (
+    Scatter,
     qkv_norm_rope,
     rms_norm_rope,
     rms_norm_rope_launch,
@@ -69,7 +71,7 @@ def test_rms_norm_rope_scatter_writes_rows_where_told(dtype, rope):
 
 
 def test_rms_norm_rope_twin_is_the_runtime_formula():
-    from canvasq.kernels.norm_fused import rope_reference
+    from canvasq.kernels.norm_rope import rope_reference
     from canvasq.kernels.rmsnorm import rms_norm_reference
 
     x = torch.randn(5, 2, 64)

@@ -296,7 +296,7 @@ def combine_row(
     (DiffusionGemma's router epilogue, otherwise three torch ops per layer): w are
     the raw top-k probabilities, used as w[t, k] / sum_k w[t, k] * scale[ids[t, k]] (correctly rounded
     divide). Shared by `_combine_kernel` and the end-of-layer norm that takes the rows unreduced
-    (`norm_fused.add_rms_norm` with `ExpertRows`)."""
+    (`norm_residual.add_rms_norm` with `ExpertRows`)."""
     if RENORM:
         ks = tl.arange(0, K_P2)
         total = tl.sum(tl.load(w_ptr + t * TOP_K + ks, mask=ks < TOP_K, other=0.0).to(tl.float32), 0)

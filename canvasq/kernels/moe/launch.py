@@ -34,7 +34,7 @@ class RoutingMeta:
 class ExpertRows:
     """The routed experts' output before its combine (`w4_moe(..., defer_combine=True)`): the
     per-assignment rows and the routing that weights them. The end-of-layer norm reads these directly
-    (`norm_fused.add_rms_norm`), one launch and one [T, H] round trip fewer than combining first;
+    (`norm_residual.add_rms_norm`), one launch and one [T, H] round trip fewer than combining first;
     `combined()` is the combine in torch (`reference.combine_reference`)."""
 
     y_tk: torch.Tensor  # [T*K, H], row t*K + k: expert ids[t, k]'s output for token t (unweighted)

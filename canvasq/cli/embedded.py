@@ -58,17 +58,15 @@ def owner_alive(owner, settings) -> bool:
     if owner.host == socket.gethostname():
         if owner.pid == os.getpid():
             return False
+        import psutil
+
         try:
-            return b"canvasq" in Path(f"/proc/{owner.pid}/cmdline").read_bytes()  # empty for a zombie
-        except OSError:
-            pass
-        try:
-            os.kill(owner.pid, 0)
-        except ProcessLookupError:
+            proc = psutil.Process(owner.pid)
+            return proc.status() != psutil.STATUS_ZOMBIE and any("canvasq" in a for a in proc.cmdline())
+        except psutil.NoSuchProcess:  # gone (a zombie too)
             return False
-        except PermissionError:
+        except psutil.AccessDenied:  # someone else's process: alive, whether ours or not
             return True
-        return True
     return (utcnow() - owner.heartbeat_at).total_seconds() < 3 * settings.heartbeat_s + 10
 
 

@@ -132,11 +132,13 @@ def lock_key(settings: Settings) -> str:
 
 
 def _take_lock(client, key: str, owner: str, ttl_s: float) -> bool:
-    """SET NX with a TTL a little under the interval: at most one pass per interval across the
-    fleet, and a holder that dies frees it by itself. No Redis client (another broker): always."""
+    """The fleet's reconcile turn: a redis-py `Lock` taken without blocking and never released, its
+    TTL a little under the interval, so at most one pass runs per interval across the fleet and a
+    holder that dies frees it by itself. No Redis client (another broker): always."""
     if client is None:
         return True
-    return bool(client.set(key, owner, nx=True, px=max(100, int(ttl_s * 900))))
+    lock = client.lock(key, timeout=max(0.1, ttl_s * 0.9), thread_local=False)
+    return bool(lock.acquire(blocking=False, token=owner))
 
 
 def reconcile_loop(

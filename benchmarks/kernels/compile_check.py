@@ -50,6 +50,7 @@ MODULES = (
     "attention",
     "gelu_mul",
     "softmax_argmax",
+    "softmax_topk",
     "router",
 )
 TARGET = GPUTarget("cuda", 90, 32)

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import auto_triton
+from .softmax_topk import top_k_scaled
 
 
 class SampleStats(NamedTuple):
@@ -204,43 +205,6 @@ def _softmax_stats_final_kernel(
     tl.store(ent_ptr + row, tl.log(s) - u / s)
 
 
-@triton.jit
-def _gather_above_kernel(
-    logits_ptr,
-    inv_temp_ptr,
-    thresh_ptr,
-    count_ptr,
-    vals_ptr,
-    ids_ptr,
-    V,
-    stride_r,
-    GROUP,
-    CAP: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCKS: tl.constexpr,  # cdiv(V, BLOCK_V): a constant trip count (the interpreter cannot loop to V)
-):
-    # one program per row, in vocabulary order (deterministic): every scaled logit >= the row's
-    # threshold goes to the row's first CAP candidate slots; the count is stored even past CAP
-    row = tl.program_id(0).to(tl.int64)
-    inv_temp = tl.load(inv_temp_ptr + row // GROUP)
-    t = tl.load(thresh_ptr + row)
-    lanes = tl.arange(0, BLOCK_V)
-    n = 0
-    for blk in range(BLOCKS):
-        cols = blk * BLOCK_V + lanes
-        l = tl.load(logits_ptr + row * stride_r + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-        l = l * inv_temp
-        keep = (l >= t) & (cols < V)
-        found = tl.sum(keep.to(tl.int32), axis=0)
-        if found > 0:  # most blocks hold no candidate: they cost only their read (no scan, no stores)
-            pos = n + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-            ok = keep & (pos < CAP)
-            tl.store(vals_ptr + row * CAP + pos, l, mask=ok)
-            tl.store(ids_ptr + row * CAP + pos, cols.to(tl.int64), mask=ok)
-        n += found
-    tl.store(count_ptr + row, n)
-
-
 def _num_chunks(rows: int, vocab: int, block_v: int) -> int:
     # enough programs to fill the GPU (~4 per SM on an H200) when rows are few; powers of two only so
     # the number of compiled variants stays small
@@ -280,11 +244,12 @@ def softmax_sample_launch(
         lane_max=top_k > 0,
         rand4=RAND4 if rand4 is None else rand4,
     )
-    top = _top_k(logits, inv_temp, group, top_k, lane_max) if top_k > 0 else (None, None)
+    top = top_k_scaled(logits, inv_temp, group, top_k, lane_max) if top_k > 0 else (None, None)
     return SampleStats(conf, arg, ent, draw, noise, *top)
 
 
 def _launch(logits, inv_temp, seeds, group: int, block_v: int, lane_max: bool = False, rand4: bool = False):
+    """Both passes: per-(row, slice) partials, then their merge per row; the outputs and the lane maxima."""
     assert logits.dim() == 2 and logits.stride(-1) == 1
     assert logits.dtype in (torch.float32, torch.float16, torch.bfloat16)
     R, V = logits.shape
@@ -292,27 +257,14 @@ def _launch(logits, inv_temp, seeds, group: int, block_v: int, lane_max: bool = 
     block_v = min(block_v, triton.next_power_of_2(V))
     chunks = _num_chunks(R, V, block_v)
     chunk = triton.cdiv(triton.cdiv(V, chunks), block_v) * block_v
-    dev = logits.device
-    pm = torch.empty(R, chunks, dtype=torch.float32, device=dev)
-    ps, pu = torch.empty_like(pm), torch.empty_like(pm)
-    pi = torch.empty(R, chunks, dtype=torch.int32, device=dev)
-    pg, pgi = (torch.empty_like(pm), torch.empty_like(pi)) if sample else (pm, pi)
-    lm = torch.empty(R, chunks * block_v, dtype=torch.float32, device=dev) if lane_max else pm
-    conf = torch.empty(R, dtype=torch.float32, device=dev)
-    ent = torch.empty_like(conf)
-    arg = torch.empty(R, dtype=torch.int64, device=dev)
-    draw, noise = (torch.empty_like(arg), torch.empty_like(arg)) if sample else (None, None)
+    parts, lm = _partials(R, chunks, block_v, logits.device, sample, lane_max)
+    conf, arg, ent, draw, noise = _outputs(R, logits.device, sample)
     if R == 0:
         return conf, arg, ent, draw, noise, lm
     seed_arg = seeds if sample else arg  # an unread placeholder without sampling
     _softmax_stats_partial_kernel[(R, chunks)](
         logits,
-        pm,
-        ps,
-        pu,
-        pi,
-        pg,
-        pgi,
+        *parts,
         inv_temp,
         seed_arg,
         lm,
@@ -328,12 +280,7 @@ def _launch(logits, inv_temp, seeds, group: int, block_v: int, lane_max: bool = 
         num_warps=8 if block_v >= 2048 else 4,
     )
     _softmax_stats_final_kernel[(R,)](
-        pm,
-        ps,
-        pu,
-        pi,
-        pg,
-        pgi,
+        *parts,
         seed_arg,
         conf,
         arg,
@@ -349,47 +296,23 @@ def _launch(logits, inv_temp, seeds, group: int, block_v: int, lane_max: bool = 
     return conf, arg, ent, draw, noise, lm
 
 
-TOP_K_CAP = 512  # candidate slots per row; a row with more candidates falls back to torch.topk
+def _partials(R: int, chunks: int, block_v: int, dev, sample: bool, lane_max: bool):
+    """Stage 1's (max, sum, u, argmax[, draw max, draw index]) per (row, slice) and the lane maxima."""
+    pm = torch.empty(R, chunks, dtype=torch.float32, device=dev)
+    ps, pu = torch.empty_like(pm), torch.empty_like(pm)
+    pi = torch.empty(R, chunks, dtype=torch.int32, device=dev)
+    pg, pgi = (torch.empty_like(pm), torch.empty_like(pi)) if sample else (pm, pi)
+    lm = torch.empty(R, chunks * block_v, dtype=torch.float32, device=dev) if lane_max else pm
+    return (pm, ps, pu, pi, pg, pgi), lm
 
 
-def _top_k(logits, inv_temp, group: int, k: int, lane_max: torch.Tensor, block_v: int = 2048):
-    """The k largest scaled logits per row without sorting the vocabulary. Each lane's maximum is a
-    logit of its own, so the k-th largest lane maximum t has at least k logits >= t above it: the
-    row's top k are among the logits >= t, which one more read gathers (few, past the peak)."""
-    R, V = logits.shape
-    if lane_max.shape[1] < k:  # fewer lanes than k: every logit is a candidate
-        thresh = torch.full((R,), float("-inf"), device=logits.device)
-    else:
-        thresh = torch.topk(lane_max, k, dim=-1).values[:, -1].contiguous()
-    cap = max(TOP_K_CAP, triton.next_power_of_2(k))
-    vals = torch.full((R, cap), float("-inf"), device=logits.device)
-    ids = torch.zeros(R, cap, dtype=torch.long, device=logits.device)
-    count = torch.empty(R, dtype=torch.int32, device=logits.device)
-    if R:
-        bv = min(block_v, triton.next_power_of_2(V))
-        _gather_above_kernel[(R,)](
-            logits,
-            inv_temp,
-            thresh,
-            count,
-            vals,
-            ids,
-            V,
-            logits.stride(0),
-            group,
-            CAP=cap,
-            BLOCK_V=bv,
-            BLOCKS=triton.cdiv(V, bv),
-            num_warps=8,
-        )
-    top, pos = torch.topk(vals, k, dim=-1)
-    top_ids = torch.gather(ids, 1, pos)
-    over = (count > cap).nonzero().flatten()  # a host sync; empty unless logits tie at the top
-    if over.numel():
-        scale = inv_temp.repeat_interleave(group)[over, None]
-        v2, i2 = torch.topk(logits[over].float() * scale, k, dim=-1)
-        top[over], top_ids[over] = v2, i2
-    return top, top_ids
+def _outputs(R: int, dev, sample: bool):
+    """conf, argmax, entropy [R] and, when sampling, draw and renoise [R]."""
+    conf = torch.empty(R, dtype=torch.float32, device=dev)
+    ent = torch.empty_like(conf)
+    arg = torch.empty(R, dtype=torch.int64, device=dev)
+    draw, noise = (torch.empty_like(arg), torch.empty_like(arg)) if sample else (None, None)
+    return conf, arg, ent, draw, noise
 
 
 def softmax_argmax_reference(logits: torch.Tensor, temperature: float = 1.0):
@@ -499,17 +422,3 @@ def compile_specs():
             },
             num_warps=1,
         )
-    yield CompileSpec(
-        "softmax_gather_above",
-        _gather_above_kernel,
-        {"CAP": TOP_K_CAP, "BLOCK_V": 2048, "BLOCKS": 128},
-        types={
-            "inv_temp_ptr": "*fp32",
-            "thresh_ptr": "*fp32",
-            "count_ptr": "*i32",
-            "vals_ptr": "*fp32",
-            "ids_ptr": "*i64",
-        },
-        divisible=frozenset({"logits_ptr", "V", "stride_r"}),
-        num_warps=8,
-    )

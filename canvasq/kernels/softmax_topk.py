@@ -1,0 +1,109 @@
+"""The k largest scaled logits per row (`softmax_sample`'s `top_k`, self-conditioning's input) from
+stage 1's lane maxima (`softmax_argmax`, `LANE_MAX`): a threshold, one gather of the logits at or
+above it into TOP_K_CAP candidate slots per row, torch.topk over those slots only."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gather_above_kernel(
+    logits_ptr,
+    inv_temp_ptr,
+    thresh_ptr,
+    count_ptr,
+    vals_ptr,
+    ids_ptr,
+    V,
+    stride_r,
+    GROUP,
+    CAP: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCKS: tl.constexpr,  # cdiv(V, BLOCK_V): a constant trip count (the interpreter cannot loop to V)
+):
+    # one program per row, in vocabulary order (deterministic): every scaled logit >= the row's
+    # threshold goes to the row's first CAP candidate slots; the count is stored even past CAP
+    row = tl.program_id(0).to(tl.int64)
+    inv_temp = tl.load(inv_temp_ptr + row // GROUP)
+    t = tl.load(thresh_ptr + row)
+    lanes = tl.arange(0, BLOCK_V)
+    n = 0
+    for blk in range(BLOCKS):
+        cols = blk * BLOCK_V + lanes
+        l = tl.load(logits_ptr + row * stride_r + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        l = l * inv_temp
+        keep = (l >= t) & (cols < V)
+        found = tl.sum(keep.to(tl.int32), axis=0)
+        if found > 0:  # most blocks hold no candidate: they cost only their read (no scan, no stores)
+            pos = n + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+            ok = keep & (pos < CAP)
+            tl.store(vals_ptr + row * CAP + pos, l, mask=ok)
+            tl.store(ids_ptr + row * CAP + pos, cols.to(tl.int64), mask=ok)
+        n += found
+    tl.store(count_ptr + row, n)
+
+
+TOP_K_CAP = 512  # candidate slots per row; a row with more candidates falls back to torch.topk
+
+
+def top_k_scaled(logits, inv_temp, group: int, k: int, lane_max: torch.Tensor, block_v: int = 2048):
+    """The k largest scaled logits per row without sorting the vocabulary. Each lane's maximum is a
+    logit of its own, so the k-th largest lane maximum t has at least k logits >= t above it: the
+    row's top k are among the logits >= t, which one more read gathers (few, past the peak)."""
+    R, V = logits.shape
+    if lane_max.shape[1] < k:  # fewer lanes than k: every logit is a candidate
+        thresh = torch.full((R,), float("-inf"), device=logits.device)
+    else:
+        thresh = torch.topk(lane_max, k, dim=-1).values[:, -1].contiguous()
+    cap = max(TOP_K_CAP, triton.next_power_of_2(k))
+    vals = torch.full((R, cap), float("-inf"), device=logits.device)
+    ids = torch.zeros(R, cap, dtype=torch.long, device=logits.device)
+    count = torch.empty(R, dtype=torch.int32, device=logits.device)
+    if R:
+        bv = min(block_v, triton.next_power_of_2(V))
+        _gather_above_kernel[(R,)](
+            logits,
+            inv_temp,
+            thresh,
+            count,
+            vals,
+            ids,
+            V,
+            logits.stride(0),
+            group,
+            CAP=cap,
+            BLOCK_V=bv,
+            BLOCKS=triton.cdiv(V, bv),
+            num_warps=8,
+        )
+    top, pos = torch.topk(vals, k, dim=-1)
+    top_ids = torch.gather(ids, 1, pos)
+    over = (count > cap).nonzero().flatten()  # a host sync; empty unless logits tie at the top
+    if over.numel():
+        scale = inv_temp.repeat_interleave(group)[over, None]
+        v2, i2 = torch.topk(logits[over].float() * scale, k, dim=-1)
+        top[over], top_ids[over] = v2, i2
+    return top, top_ids
+
+
+def compile_specs():
+    """The gather over bf16 logits at the real vocabulary (benchmarks/kernels/compile_check.py)."""
+    from .compile_spec import CompileSpec
+
+    yield CompileSpec(
+        "softmax_gather_above",
+        _gather_above_kernel,
+        {"CAP": TOP_K_CAP, "BLOCK_V": 2048, "BLOCKS": 128},
+        types={
+            "inv_temp_ptr": "*fp32",
+            "thresh_ptr": "*fp32",
+            "count_ptr": "*i32",
+            "vals_ptr": "*fp32",
+            "ids_ptr": "*i64",
+        },
+        divisible=frozenset({"logits_ptr", "V", "stride_r"}),
+        num_warps=8,
+    )

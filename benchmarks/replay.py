@@ -25,18 +25,21 @@ PHCD: dict[str, list[int]] = {}  # custom_id -> commit sizes, one per forward (0
 
 
 class ReplayedOfficial(OfficialDecoder):
-    def _stopped(self, seqs, dns, argmax, entropy):
-        stopped = super()._stopped(seqs, dns, argmax, entropy)
-        for b, s in enumerate(seqs):
-            plan = OFFICIAL.get(s.req.custom_id)
-            if plan is not None:  # the recorded schedule decides, not the stopper
-                stopped[b] = self.sampler.steps - dns[b].steps_left + 1 >= plan[s.spawned - 1]
-        return stopped
+    def _stopped(self, seqs, idx, argmax, entropy):
+        stopped = super()._stopped(seqs, idx, argmax, entropy)
+        plans = [OFFICIAL.get(s.req.custom_id) for s in seqs]
+        if all(p is None for p in plans):
+            return stopped
+        taken = self.sampler.steps - self.slots.left[idx] + 1  # this canvas's steps, this one included
+        want = [p[s.spawned - 1] if p is not None else 0 for p, s in zip(plans, seqs)]
+        listed = torch.tensor([p is not None for p in plans], device=stopped.device)
+        # the recorded schedule decides, not the stopper
+        return torch.where(listed, taken >= torch.tensor(want, device=stopped.device), stopped)
 
-    def _answer_ends(self, s, toks):
+    def answer_ends(self, s, toks):
         plan = OFFICIAL.get(s.req.custom_id)
         if plan is None:
-            return super()._answer_ends(s, toks)
+            return super().answer_ends(s, toks)
         return FinishReason.length if s.spawned >= len(plan) else None
 
 

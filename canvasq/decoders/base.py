@@ -1,6 +1,8 @@
 """The loop every step-based decoder shares: batch state, prefill, cancellation, per-row errors,
-traces. A strategy (pipe, funnel) implements `step()`: one decoder forward for every live sequence
-of the batch, its commit rules, retires and spawns.
+traces, the encoder passes of retired canvases (at once, deferred to the next prefill pass or folded
+into the next decoder forward: `windows.canvas_window`) and where an answer ends. A strategy
+(official, pipe, funnel, phcd) implements `step()`: one decoder forward for every live sequence of the
+batch, its commit rules, retires (`retire_canvases` where a canvas ends whole) and spawns.
 
 Flow: DecodeBatch → `Seq` per request (arena slot, RNG, live canvases) → `step()` builds
 the forward's windows (one `Window` per live sequence) → `Runtime.decode` → commits → DecodeResult.
@@ -154,6 +156,7 @@ class StepDecoder:
         self._deferred = []
         self.arena = self.new_arena(slots, capacity) if capacity else None
         pool = self.pool = SlotPool(self, slots, seed, capacity or 0, on_result)
+        self.new_stream(slots)
         self.last_seqs = pool.seen
         exhausted = False
         try:
@@ -228,6 +231,9 @@ class StepDecoder:
         return 2 * max(s.n_canvases for s in seqs) * self.C + 16
 
     # -- hooks ----------------------------------------------------------------------------------
+    def new_stream(self, slots: int) -> None:
+        """A stream starts over `slots` slots (the pool and arena are set): per-slot state goes here."""
+
     def new_arena(self, slots: int, capacity: int) -> KVArena:
         if self.graphs is not None:  # graphs read one arena for the life of the process
             arena = self.graphs.arena(slots, capacity)
@@ -352,7 +358,62 @@ class StepDecoder:
     def step(self, seqs: list[Seq]) -> None:
         raise NotImplementedError
 
+    # -- a canvas ends whole ----------------------------------------------------------------------
+    def answer_ends(self, s: Seq, toks: list[int]) -> str | None:
+        """Whether the answer ends with the canvas just retired (`toks`, already in `s.out`): its finish
+        reason, or None. EOS (or PAD) in it ends it; so do its last canvas and max_tokens."""
+        if any(t in self.stop_ids for t in toks):
+            return FinishReason.stop
+        if s.spawned >= s.n_canvases or len(s.out) >= s.req.max_tokens:
+            return FinishReason.length
+        return None
+
+    def retire_canvases(self, seqs: list[Seq], tokens: list[list[int]]) -> None:
+        """Each row's front canvas ends with its final `tokens`: they join the answer and the canvas is
+        retired; the answer ends (`answer_ends`), or the canvas is written to the cache
+        (`encode_commits`) and the next one spawned (its x_T draw needs no model pass)."""
+        for s, toks in zip(seqs, tokens):
+            s.out.extend(toks)
+        self.note_emitted(seqs)  # the canvas is final at its last decoder step, before its encoder pass
+        encodes = []
+        for s, toks in zip(seqs, tokens):
+            cv = s.canvases.pop(0)
+            cv.tokens = torch.tensor(toks, dtype=torch.long, device=self.device)
+            cv.committed[:] = True
+            s.retired.append(cv)
+            ended = self.answer_ends(s, toks)
+            if ended is not None:
+                s.done, s.finish_reason = True, ended
+                continue
+            encodes.append((s, (s.slot, cv.tokens, torch.arange(cv.start, cv.end, device=self.device))))
+        self.encode_commits(encodes)
+        for s, _ in encodes:
+            self.spawn(s)
+
+    def encode_commits(self, encodes: list[tuple[Seq, tuple]]) -> None:
+        """The encoder pass of retired rows, (row, (slot, ids, positions)) each: left to the next prefill
+        pass (`defer_commits`) or to the next decoder forward (`folds`), else one pass now."""
+        if not encodes:
+            return
+        if getattr(self.config, "defer_commits", False) or self.folds:  # before the row's next step
+            for s, item in encodes:
+                self.defer_encode(s, item)
+            return
+        with self.timed() as t:
+            self.encode([item for _, item in encodes])
+        self.record(
+            "encode",
+            t.ms,
+            {s.row: int(item[1].numel()) for s, item in encodes},
+            {},
+            {s.row: "commit" for s, _ in encodes},
+        )
+
     # -- shared helpers -------------------------------------------------------------------------
+    def slot_index(self, seqs: list[Seq]) -> torch.Tensor:
+        """[B] long on the device: the rows' slots, to gather and scatter per-slot state."""
+        return torch.tensor([s.slot for s in seqs], dtype=torch.long).to(self.device, non_blocking=True)
+
     def generator(self, seed: int, custom_id: str) -> torch.Generator:
         """The request's RNG (a CPU one: its draws are moved to the device)."""
         return row_generator(seed, custom_id)

@@ -23,17 +23,19 @@ exactly what `torch.manual_seed(seed); model.generate(...)` draws, so the tokens
 parity test). `sc_topk=k` self-conditions on the top-k of the previous logits instead of the full
 vocabulary (runtime's top-k projection).
 
-Sampler statistics run batched over the live requests, in groups whose [rows, V] fp32 temporaries stay
-under `_GROUP_BYTES` (the fused sampler with top-k self-conditioning has none: one group); with the
-torch sampler the generator draws (multinomial, renoise) are per request, with the fused one
-(`sampler`, the default on CUDA) they are one launch for the group. One host sync per step reads
-which requests stopped and how many positions each accepted; the fused top-k self-conditioning adds
-one that looks for rows past its candidate slots.
+The strategy over the shared loop (`base.StepDecoder`, which folds encoder rows into windows, retires
+a stopped canvas, ends the answer and encodes the commit): it spawns canvases, gives each window its
+inputs, commits from the logits (`sampling`'s pieces) and decides when a canvas stops. Its
+per-request state is tensors indexed by arena slot (`sampling.SlotState`), gathered and scattered with the live
+rows' slot index. The sampler runs over the live requests in groups whose [rows, V] fp32 temporaries
+stay under `_GROUP_BYTES` (the fused sampler with top-k self-conditioning has none: one group); with
+the torch sampler the generator draws (multinomial, renoise) are per request, with the fused one
+(`sampler`, the default on CUDA) one launch for the group. One host sync per step reads which
+requests stopped and how many positions each accepted (and, when canvases end, their tokens); the
+fused top-k self-conditioning adds one that looks for rows past its candidate slots.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -41,30 +43,19 @@ from canvasq.decoders.base import StepDecoder
 from canvasq.decoders.configs import OfficialConfig
 from canvasq.decoders.sampling import (
     SamplerSettings,
+    SlotState,
     draw_fused,
     draw_torch,
     entropy_bound_keep,
-    philox_key,
+    philox_keys,
     self_conditioning,
+    stable_and_confident,
+    temperatures,
 )
-from canvasq.decoders.state import Seq, row_generator
-from canvasq.decoders.types import FinishReason
+from canvasq.decoders.state import Canvas, Seq, row_generator
+from canvasq.decoders.windows import canvas_window
 
 _GROUP_BYTES = 2 << 30  # per [rows, V] fp32 temporary of the sampler statistics
-
-
-@dataclass
-class _Denoising:
-    """A request's state within its current canvas."""
-
-    steps_left: int  # HF's cur_step: N on the first step of a canvas, 1 on the last
-    argmax: torch.Tensor | None = None  # [C]: the canvas's tokens once it stops
-    history: torch.Tensor | None = None  # [S, C]: the last S argmax canvases (stability test)
-
-    def final(self) -> torch.Tensor:
-        """[C]: the canvas's tokens, once a step has stopped it (its last argmax)."""
-        assert self.argmax is not None
-        return self.argmax
 
 
 class OfficialDecoder(StepDecoder):
@@ -75,27 +66,23 @@ class OfficialDecoder(StepDecoder):
         super().__init__(bundle, config)
         self.sampler = SamplerSettings.resolve(self.model, self.config)
         self.V = self.rt.vocab_size
-        self._dn: dict[int, _Denoising] = {}
         sampler = self.config.sampler
         if sampler == "auto":
             sampler = "fused" if self.device.type == "cuda" and self.config.seed_mode == "row" else "torch"
         self.fused = sampler == "fused"
         k = self.config.sc_topk
+        self._k = k if k is not None and k < self.V else None
         # the fused draws with top-k SC hold no [rows, V] temporaries: the whole step is one group
         # (one launch, one set of host syncs; eight groups cost ~50 ms of a 64-slot step on an H200)
-        self._one_group = self.fused and k is not None and k < self.V
+        self._one_group = self.fused and self._k is not None
         # a canvas's first step under top-k SC: a zero top-k signal with every row off (read-only)
-        self._zero_sc = (
-            None
-            if k is None or k >= self.V
-            else (
-                (
-                    torch.zeros(self.C, k, dtype=torch.long, device=self.device),
-                    torch.zeros(self.C, k, dtype=self.rt.dtype, device=self.device),
-                ),
-                torch.zeros(self.C, dtype=torch.bool, device=self.device),
-            )
-        )
+        self._zero_sc = None
+        if self._k is not None:
+            ids = torch.zeros(self.C, self._k, dtype=torch.long, device=self.device)
+            off = torch.zeros(self.C, dtype=torch.bool, device=self.device)
+            self._zero_sc = ((ids, ids.to(self.rt.dtype)), off)
+        self._slots: SlotState | None = None
+        self._spawned: list[tuple[Seq, Canvas]] = []  # canvases whose slot state is reset next step
 
     # -- hooks of the base loop -------------------------------------------------------------------
     def generator(self, seed: int, custom_id: str) -> torch.Generator:
@@ -112,187 +99,95 @@ class OfficialDecoder(StepDecoder):
         """Each canvas ends after at most N steps and one encoder pass."""
         return max(s.n_canvases for s in seqs) * (self.sampler.steps + 1) + 16
 
-    def spawn(self, s: Seq):
-        """A new canvas x_T ~ U(V) from the request's generator (HF: `initialize_canvas`), its
-        denoising state reset."""
+    @property
+    def slots(self) -> SlotState:
+        assert self._slots is not None, "no stream"  # set by `new_stream`
+        return self._slots
+
+    def new_stream(self, slots: int) -> None:
+        S = self.sampler.stability_threshold or 0
+        self._slots = SlotState(slots, self.C, S, self._k, self.V, self.rt.dtype, self.device)
+        self._spawned = []
+
+    def spawn(self, s: Seq) -> Canvas:
+        """A new canvas x_T ~ U(V) from the request's generator (HF: `initialize_canvas`); its slot's
+        denoising state is reset at the next step (`_begin`)."""
         cv = super().spawn(s)
-        self._dn[s.row] = _Denoising(steps_left=self.sampler.steps)
+        self._spawned.append((s, cv))
         return cv
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self, seqs: list[Seq]) -> None:
+        fresh = self._begin()
         enc = self.take_deferred(seqs) if self.folds else {}  # encoder rows riding in this forward
         windows = [self._window(s.slot, s.canvases[0], enc.get(s.row)) for s in seqs]
         with self.timed() as t:
             out = self.forward(windows)
-        logits = out.logits.view(len(seqs), self.C, self.V)
-
-        accepted, stopped = [], []
+        logits, idx = out.logits.view(len(seqs), self.C, self.V), self.slot_index(seqs)
         group = len(seqs) if self._one_group else max(1, _GROUP_BYTES // (4 * self.C * self.V))
-        for g0 in range(0, len(seqs), group):
-            part = seqs[g0 : g0 + group]
-            a, st = self._sample(part, logits[g0 : g0 + group])
-            accepted.append(a)
-            stopped.append(st)
+        parts = [
+            self._sample(seqs[g : g + group], idx[g : g + group], logits[g : g + group])
+            for g in range(0, len(seqs), group)
+        ]
         # the step's one host sync: how many positions each request accepted, which ones stopped
-        counts = torch.cat(accepted).tolist()
-        done = torch.cat(stopped).tolist()
+        counts, done = torch.cat(parts, dim=1).tolist()
+        for s, cv in fresh:  # their first step has written the slot's self-conditioning
+            cv.sc = self.slots.sc_at(s.slot)
+        rows = {s.row: w.rows for s, w in zip(seqs, windows)}
         self.record(
-            "decode",
-            t.ms,
-            {s.row: self.C + (enc[s.row][0].numel() if s.row in enc else 0) for s in seqs},
-            {s.row: c for s, c in zip(seqs, counts)},
-            {s.row: "full" for s in seqs},
+            "decode", t.ms, rows, {s.row: c for s, c in zip(seqs, counts)}, dict.fromkeys(rows, "full")
         )
         finished = [s for s, d in zip(seqs, done) if d]
-        if finished:
-            self._finish_canvases(finished)
+        if finished:  # the canvases' tokens: their last argmax
+            self.retire_canvases(finished, self.slots.argmax[self.slot_index(finished)].tolist())
 
-    def _window(self, slot: int, cv, enc: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def _begin(self) -> list[tuple[Seq, Canvas]]:
+        """The canvases spawned since the last step: their slots' state reset (one scatter each)."""
+        fresh = {s.slot: (s, cv) for s, cv in self._spawned if not s.done}  # a slot's latest
+        self._spawned = []
+        rows = list(fresh.values())
+        if rows:
+            seeds, numbers = [s.gen.initial_seed() for s, _ in rows], [s.spawned for s, _ in rows]
+            self.slots.reset(list(fresh), seeds, numbers, self.sampler.steps, [cv for _, cv in rows])
+        return rows
+
+    def _window(self, slot: int, cv: Canvas, enc: tuple[torch.Tensor, torch.Tensor] | None = None):
         """The canvas's decoder window. A canvas's first step has no self-conditioning; with top-k SC it
         still carries a zero top-k signal (`self_cond_rows` all off, exactly HF's "no logits"), so
-        every window of a forward has the same kind and graphed forwards share one capture. `enc`
-        (ids, positions): an encoder pass of the slot's (`fold_encode`) in front, as causal rows
-        with no self-conditioning."""
-        from canvasq.model.runtime import Window
+        every window of a forward has the same kind and graphed forwards share one capture."""
+        sc, rows = (cv.sc, None) if cv.sc is not None or self._zero_sc is None else self._zero_sc
+        return canvas_window(slot, cv.tokens, cv.start, sc, rows, enc)
 
-        if cv.sc is None and self._zero_sc is not None:
-            sc, rows = self._zero_sc
-        else:
-            sc, rows = cv.sc, None
-        if enc is None:
-            return Window.canvas(slot, cv.tokens, cv.start, self_cond=sc, self_cond_rows=rows)
-        ids, pos = enc
-        n, dev = ids.numel(), self.device
-        if sc is not None:
-            on = torch.ones(self.C, dtype=torch.bool, device=dev) if rows is None else rows
-            rows = torch.cat([torch.zeros(n, dtype=torch.bool, device=dev), on])
-
-            def behind(t: torch.Tensor) -> torch.Tensor:  # no signal for the encoder rows in front
-                return torch.cat([t.new_zeros((n, *t.shape[1:])), t])
-
-            sc = (behind(sc[0]), behind(sc[1])) if isinstance(sc, tuple) else behind(sc)
-        canvas = torch.arange(cv.start, cv.start + self.C, device=dev)
-        return Window(
-            slot,
-            torch.cat([ids, cv.tokens]),
-            torch.cat([pos, canvas]),
-            torch.cat([pos, torch.full_like(canvas, cv.start)]),
-            torch.cat([pos + 1, torch.full_like(canvas, cv.start + self.C)]),
-            self_cond=sc,
-            self_cond_rows=rows,
-            encoder_rows=n,
-        )
-
-    def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sampler on one group: logits [B, C, V] fp32 -> (accepted per request [B], stopped [B])."""
-        smp = self.sampler
-        dns = [self._dn[s.row] for s in seqs]
-        temp = None
-        if smp.t_min is not None:
-            # HF's LinearTemperatureScheduleLogitsProcessor, same dtype path (int32 step / N in fp32)
-            n = torch.tensor([d.steps_left for d in dns], dtype=torch.int32, device=logits.device)
-            assert smp.t_max is not None  # set with t_min (`SamplerSettings.resolve`)
-            temp = smp.t_min + (smp.t_max - smp.t_min) * (n / smp.steps)
-        top = None
+    def _sample(self, seqs: list[Seq], idx: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The sampler on one group (slots `idx`): logits [B, C, V] fp32 -> [2, B] (positions accepted,
+        stopped); the slots' next inputs, self-conditioning, argmax and steps left written."""
+        smp, st = self.sampler, self.slots
+        left = st.left[idx]
+        temp, top = temperatures(left, smp), None
         if self.fused:  # the kernel scales as it reads
-            seeds = torch.tensor(
-                [philox_key(s.gen.initial_seed(), s.spawned, d.steps_left) for s, d in zip(seqs, dns)],
-                dtype=torch.long,
-            ).to(self.device, non_blocking=True)
-            argmax, entropy, pick, top = draw_fused(
-                logits, seeds, None if temp is None else 1.0 / temp, self.config.sc_topk, self.rt.dtype
-            )
+            keys = philox_keys(st.seed[idx], st.canvas[idx], left.long())
+            inv = None if temp is None else 1.0 / temp
+            argmax, entropy, pick, top = draw_fused(logits, keys, inv, self.config.sc_topk, self.rt.dtype)
         else:
             if temp is not None:
                 logits = logits.div_(temp[:, None, None])  # the forward's own copy: in place
             argmax, entropy, pick = draw_torch(logits, [s.gen for s in seqs])
         keep = entropy_bound_keep(entropy, smp.entropy_bound)
-        for s, tokens in zip(seqs, pick(keep)):
-            cv = s.canvases[0]
-            cv.tokens = tokens
-            cv.age += 1
-        stopped = self._stopped(seqs, dns, argmax, entropy)
-        sc = top if top is not None else self_conditioning(logits, self.config.sc_topk, self.rt.dtype)
-        for b, (s, d) in enumerate(zip(seqs, dns)):
-            d.argmax = argmax[b]
-            d.steps_left -= 1
-            s.canvases[0].sc = sc[b] if not isinstance(sc, tuple) else (sc[0][b], sc[1][b])
-        return keep.sum(dim=-1), stopped
+        st.tokens[idx] = pick(keep)
+        stopped = self._stopped(seqs, idx, argmax, entropy)
+        st.put_sc(idx, top if top is not None else self_conditioning(logits, self._k, self.rt.dtype))
+        st.argmax[idx], st.left[idx] = argmax, left - 1
+        return torch.stack([keep.sum(dim=-1), stopped.long()])
 
-    def _stopped(
-        self, seqs: list[Seq], dns: list[_Denoising], argmax: torch.Tensor, entropy: torch.Tensor
-    ) -> torch.Tensor:
-        """Which canvases end this step [B]: HF's StableAndConfidentStoppingCriteria (the argmax
-        unchanged for `stability_threshold` steps and the mean entropy under `confidence_threshold`),
-        or the step cap."""
-        smp = self.sampler
-        stopped = torch.zeros(len(seqs), dtype=torch.bool, device=argmax.device)
-        if smp.stability_threshold is not None:
-            S, confidence = smp.stability_threshold, smp.confidence_threshold
-            assert confidence is not None  # set with stability_threshold (`SamplerSettings.resolve`)
-            if S == 0:
-                stable = torch.ones_like(stopped)
-            else:
-                hist = torch.stack(
-                    [
-                        d.history
-                        if d.history is not None
-                        else torch.full((S, self.C), -1, dtype=argmax.dtype, device=argmax.device)
-                        for d in dns
-                    ]
-                )  # [B, S, C]
-                stable = (hist == argmax[:, None, :]).all(dim=-1).all(dim=-1)
-                hist = torch.cat([hist[:, 1:], argmax[:, None, :]], dim=1)
-                for b, d in enumerate(dns):
-                    d.history = hist[b]
-            stopped = stable & (entropy.mean(dim=-1) < confidence)
-        last = torch.tensor([d.steps_left <= 1 for d in dns], device=argmax.device)
-        return stopped | last
-
-    # -- a canvas ends ----------------------------------------------------------------------------
-    def _answer_ends(self, s: Seq, toks: list[int]) -> str | None:
-        """Whether the answer ends with the canvas just finished (`toks`): its finish reason, or None.
-        EOS (or PAD) in it ends it; so do its last canvas and max_tokens."""
-        if any(t in self.stop_ids for t in toks):
-            return FinishReason.stop
-        if s.spawned >= s.n_canvases or len(s.out) >= s.req.max_tokens:
-            return FinishReason.length
-        return None
-
-    def _finish_canvases(self, seqs: list[Seq]) -> None:
-        """Append each finished canvas's argmax; end the answer at EOS / PAD or max_tokens, else write
-        the canvas to the cache (one encoder pass for all of them, with the next prompts unless
-        `defer_commits` is off) and start the next one."""
-        tokens = torch.stack([self._dn[s.row].final() for s in seqs]).tolist()
-        encodes = []
-        for s, toks in zip(seqs, tokens):
-            s.out.extend(toks)
-        self.note_emitted(seqs)  # the canvas is final at its last decoder step, before its encoder pass
-        for s, toks in zip(seqs, tokens):
-            cv = s.canvases[0]
-            cv.tokens = torch.tensor(toks, dtype=torch.long, device=self.device)
-            cv.committed[:] = True
-            s.retired.append(cv)
-            s.canvases = []
-            ended = self._answer_ends(s, toks)
-            if ended is not None:
-                s.done, s.finish_reason = True, ended
-                self._dn.pop(s.row, None)
-                continue
-            encodes.append((s, (s.slot, cv.tokens, torch.arange(cv.start, cv.end, device=self.device))))
-        if encodes and (self.config.defer_commits or self.folds):  # before the row's next step
-            for s, item in encodes:
-                self.defer_encode(s, item)
-        elif encodes:
-            with self.timed() as t:
-                self.encode([item for _, item in encodes])
-            self.record(
-                "encode",
-                t.ms,
-                {s.row: self.C for s, _ in encodes},
-                {},
-                {s.row: "commit" for s, _ in encodes},
-            )
-        for s, _ in encodes:  # the next canvas's x_T draw (no model pass: its predecessor's need not be done)
-            self.spawn(s)
+    def _stopped(self, seqs: list[Seq], idx: torch.Tensor, argmax: torch.Tensor, entropy: torch.Tensor):
+        """Which canvases end this step [B]: HF's StableAndConfidentStoppingCriteria
+        (`stable_and_confident`, on the slots' argmax history) or the step cap."""
+        smp, st = self.sampler, self.slots
+        capped = st.left[idx] <= 1
+        if smp.stability_threshold is None:
+            return capped
+        assert smp.confidence_threshold is not None  # set with stability_threshold (`resolve`)
+        stopped, st.history[idx] = stable_and_confident(
+            st.history[idx], argmax, entropy, smp.confidence_threshold
+        )
+        return stopped | capped

@@ -1,26 +1,55 @@
 """The native sampler's pieces (HF `generate()`'s DiffusionGemma sampler), batched over a group of
-requests' canvases: its settings as `generate()` resolves them, the draws (HF's own ops per request,
-or one fused kernel for the group), the entropy-bounded acceptance and the next step's
-self-conditioning. `decoders.official` runs them in its decode loop."""
+requests' canvases: its settings as `generate()` resolves them, the temperature ramp, the draws (HF's
+own ops per request, or one fused kernel for the group keyed by `philox_keys`), the entropy-bounded
+acceptance, the stopping rule and the next step's self-conditioning. `decoders.official` runs them
+over its slot-indexed state."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from canvasq.decoders.configs import OfficialConfig
 
-Pick = Callable[[torch.Tensor], Sequence[torch.Tensor]]  # keep [B, C] -> each request's next input [C]
+Pick = Callable[[torch.Tensor], torch.Tensor]  # keep [B, C] -> the requests' next inputs [B, C]
+
+_M64 = 0xFFFFFFFFFFFFFFFF
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def philox_key(seed: int, canvas: int, step: int) -> int:
     """A 63-bit Philox key per (request seed, canvas, step): splitmix64 over the three."""
-    x = (seed ^ (canvas * 0x9E3779B97F4A7C15) ^ (step * 0xBF58476D1CE4E5B9)) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    x = (seed ^ (canvas * _GOLDEN) ^ (step * _MIX1)) & _M64
+    x = ((x ^ (x >> 30)) * _MIX1) & _M64
+    x = ((x ^ (x >> 27)) * _MIX2) & _M64
     return (x ^ (x >> 31)) >> 1
+
+
+def philox_keys(seed: torch.Tensor, canvas: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """`philox_key` over int64 tensors [B] on their device (no host round trip): int64 products wrap
+    modulo 2**64 like the masked ones, and the right shifts are made logical by masking."""
+
+    def i64(c: int) -> int:  # the constant's two's-complement int64 value
+        return c - (1 << 64) if c >= 1 << 63 else c
+
+    def shr(x: torch.Tensor, k: int) -> torch.Tensor:
+        return (x >> k) & ((1 << (64 - k)) - 1)
+
+    x = seed ^ (canvas * i64(_GOLDEN)) ^ (step * i64(_MIX1))
+    x = (x ^ shr(x, 30)) * i64(_MIX1)
+    x = (x ^ shr(x, 27)) * i64(_MIX2)
+    return shr(x ^ shr(x, 31), 1)
+
+
+def temperatures(steps_left: torch.Tensor, smp: SamplerSettings) -> torch.Tensor | None:
+    """[B] fp32: HF's LinearTemperatureScheduleLogitsProcessor at each request's step (`steps_left`
+    int32, N on a canvas's first step: the same dtype path, int32 / N in fp32), or None."""
+    if smp.t_min is None:
+        return None
+    assert smp.t_max is not None  # set with t_min (`SamplerSettings.resolve`)
+    return smp.t_min + (smp.t_max - smp.t_min) * (steps_left / smp.steps)
 
 
 @dataclass(frozen=True)
@@ -59,6 +88,50 @@ class SamplerSettings:
         )
 
 
+class SlotState:
+    """The sampler's state of every request in a stream, [slots, ...] on the model's device and a
+    request's at its arena slot (gathered and scattered with the live rows' slot index): steps left
+    (HF's cur_step), the Philox key's parts, the canvas's next input, the last argmax and the
+    argmax history of the stability test, the self-conditioning of the next step."""
+
+    def __init__(self, slots: int, C: int, S: int, sc_k: int | None, V: int, dtype, device):
+        def zeros(*shape, dt=torch.long):
+            return torch.zeros(slots, *shape, dtype=dt, device=device)
+
+        self.left = zeros(dt=torch.int32)  # HF's cur_step: N on a canvas's first step, 1 on its last
+        self.seed, self.canvas = zeros(), zeros()  # the Philox key's request seed and canvas number
+        self.tokens = zeros(C)  # the canvas's next input (its `Canvas.tokens` is a view)
+        self.argmax = zeros(C)  # the last step's argmax: the canvas's tokens once it stops
+        self.history = zeros(S, C) - 1  # the last S argmax canvases (the stability test)
+        self.sc = (zeros(C, sc_k), zeros(C, sc_k, dt=dtype)) if sc_k is not None else zeros(C, V, dt=dtype)
+
+    def reset(self, slots: list[int], seeds: list[int], canvases: list[int], steps: int, fresh) -> None:
+        """New canvases (`fresh`, `Canvas`es with their x_T) at `slots` (distinct): their state starts
+        over, and each canvas's `tokens` becomes a view of its slot's input."""
+        dev = self.left.device
+        at = torch.tensor(slots, device=dev)
+        self.seed[at] = torch.tensor(
+            [x - (1 << 64) if x >> 63 else x for x in seeds], device=dev
+        )  # int64 bits
+        self.canvas[at] = torch.tensor(canvases, device=dev)
+        self.left[at] = steps
+        self.history[at] = -1
+        self.tokens[at] = torch.stack([cv.tokens for cv in fresh])
+        for slot, cv in zip(slots, fresh):
+            cv.tokens = self.tokens[slot]
+
+    def put_sc(self, idx: torch.Tensor, sc) -> None:
+        """The next step's self-conditioning of slots `idx` (`self_conditioning`'s form)."""
+        if isinstance(self.sc, tuple):
+            self.sc[0][idx], self.sc[1][idx] = sc
+        else:
+            self.sc[idx] = sc
+
+    def sc_at(self, slot: int):
+        """The slot's self-conditioning for its next window (views, written by each step)."""
+        return (self.sc[0][slot], self.sc[1][slot]) if isinstance(self.sc, tuple) else self.sc[slot]
+
+
 def draw_torch(logits: torch.Tensor, gens: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor, Pick]:
     """logits [B, C, V] (temperature-scaled) -> argmax [B, C], entropy [B, C] and pick(keep [B, C]):
     each request's next input, the draw where kept and the renoise elsewhere, drawn per request on its
@@ -73,14 +146,14 @@ def draw_torch(logits: torch.Tensor, gens: list[torch.Generator]) -> tuple[torch
         argmax = logits.argmax(dim=-1)
         entropy = torch.distributions.Categorical(logits=logits, validate_args=False).entropy()
 
-    def pick(keep: torch.Tensor) -> list[torch.Tensor]:
+    def pick(keep: torch.Tensor) -> torch.Tensor:
         rows = []
         for b, gen in enumerate(gens):
             probs = torch.softmax(logits[b], dim=-1, dtype=torch.float32)
             sample = torch.multinomial(probs, num_samples=1, generator=gen).squeeze(-1)
             noise = torch.randint(0, V, (C,), generator=gen, device=logits.device)
             rows.append(torch.where(keep[b], sample, noise))
-        return rows
+        return torch.stack(rows)
 
     return argmax, entropy, pick
 
@@ -113,8 +186,8 @@ def draw_fused(
     elif scaled:  # full-vocabulary SC reads the scaled logits
         logits.mul_(inv_temp[:, None, None])
 
-    def pick(keep: torch.Tensor) -> tuple[torch.Tensor, ...]:  # one launch for the group
-        return torch.where(keep, draw, noise).unbind(0)
+    def pick(keep: torch.Tensor) -> torch.Tensor:  # one launch for the group
+        return torch.where(keep, draw, noise)
 
     return out.argmax.view(B, C), out.entropy.view(B, C), pick, top
 
@@ -125,6 +198,18 @@ def entropy_bound_keep(entropy: torch.Tensor, bound: float) -> torch.Tensor:
     sorted_h, order = torch.sort(entropy, dim=-1)
     keep_sorted = torch.cumsum(sorted_h, dim=-1) - sorted_h <= bound
     return torch.scatter(torch.zeros_like(keep_sorted), -1, order, keep_sorted)
+
+
+def stable_and_confident(
+    history: torch.Tensor, argmax: torch.Tensor, entropy: torch.Tensor, confidence: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's StableAndConfidentStoppingCriteria over a group: the argmax [B, C] equal to each of the last
+    S argmax canvases (`history` [B, S, C], -1 before a canvas's first steps) and the mean entropy
+    under `confidence` -> (stopped [B], the history with this argmax shifted in)."""
+    stable = (history == argmax[:, None, :]).all(dim=-1).all(dim=-1)
+    if history.shape[1]:
+        history = torch.cat([history[:, 1:], argmax[:, None, :]], dim=1)
+    return stable & (entropy.mean(dim=-1) < confidence), history
 
 
 def self_conditioning(logits: torch.Tensor, sc_topk: int | None, dtype: torch.dtype):

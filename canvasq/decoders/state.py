@@ -81,10 +81,11 @@ class Canvas:
     committed: torch.Tensor  # bool
     state: str  # "full" | "semi" | "draft"
     pending: torch.Tensor | None = None  # bool, funnel: committed, rides once more, then promoted
-    age: int = 0  # decoder forwards this canvas has ridden
+    age: int = 0  # decoder forwards this canvas has ridden (pipe, funnel; official: `SlotState.left`)
     streak: int = 0  # consecutive committing steps with ≤ jacobi_max_commits commits
     # self-conditioning for its next forward, in the decoder's own form: official keeps the window's
-    # input (None | [C, V] | ([C, k], [C, k])); pipe keeps (that input, [C] bool rows that have it)
+    # input (None | [C, V] | ([C, k], [C, k]), views of its slot's); pipe keeps (that input, [C] bool
+    # rows that have it)
     sc: Any = None
     prev_eos: torch.Tensor | None = None  # bool: argmax was EOS on the previous step (EOS streak)
 

@@ -362,7 +362,7 @@ def test_packed_scale_zero_words(dtype):
     """`pack_scale_zero`: the low half is the scale's bits, the high half -(magic + zero) in the same
     dtype (what the PTX adds to magic + q), exactly; `unpack_scale_zero` inverts it, and a tiled pack
     carries the words of its own scales and zeros."""
-    from canvasq.kernels.moe.gluon_w4 import MAGIC, pack_scale_zero, unpack_scale_zero
+    from canvasq.kernels.moe.gluon_pack import MAGIC, pack_scale_zero, unpack_scale_zero
 
     g = torch.Generator().manual_seed(3)
     scale = (torch.rand(2, 3, 40, generator=g) * 0.1 + 1e-4).to(dtype)
@@ -489,7 +489,7 @@ def test_nibble_ptx_gives_the_magic_values(dtype, magic):
 def test_gluon_tiling_round_trips_and_orders_k():
     """`tile_q` is a permutation of the K-contiguous bytes (untile inverts it), and each tiled word
     holds the 8 logical k its lane's MMA registers take (real k by `mma_k`), in `NIBBLE_K` order."""
-    from canvasq.kernels.moe.gluon_w4 import NIBBLE_K, mma_k, tile_q, untile_q
+    from canvasq.kernels.moe.gluon_pack import NIBBLE_K, mma_k, tile_q, untile_q
 
     g = torch.Generator().manual_seed(0)
     for group in (64, 128):
@@ -517,9 +517,9 @@ def test_gluon_tiling_round_trips_and_orders_k():
 
 @pytest.mark.parametrize("dtype,magic", [(torch.bfloat16, 128.0), (torch.float16, 1024.0)])
 def test_word_ptx_gives_weights_in_pair_order(dtype, magic):
-    """The Gluon kernels' dequantisation (gluon_w4 `_WORD_PTX`) read instruction by instruction: a word
+    """The Gluon kernels' dequantisation (gluon_pack `_WORD_PTX`) read instruction by instruction: a word
     of 8 nibbles and a row's -(magic + zero) pair give $i = (k 2i, k 2i + 1) of q - zero, exactly."""
-    from canvasq.kernels.moe.gluon_w4 import NIBBLE_K, WORD_PTX_BF16, WORD_PTX_FP16
+    from canvasq.kernels.moe.gluon_pack import NIBBLE_K, WORD_PTX_BF16, WORD_PTX_FP16
 
     program = WORD_PTX_BF16 if dtype == torch.bfloat16 else WORD_PTX_FP16
     g = torch.Generator().manual_seed(0)

@@ -1,5 +1,6 @@
 """Grouped W4A16 MoE: packing (`quant`), Triton kernels on K-contiguous packs (`kernels`), Gluon kernels
-on tiled packs, the CUDA default (`gluon_w4`), launchers + `w4_moe` (`launch`), torch twins (`reference`),
+on tiled packs, the CUDA default (`gluon_w4`; the tiled order `gluon_pack`, the tiles' register layouts
+`gluon_layouts`), launchers + `w4_moe` (`launch`), torch twins (`reference`),
 safetensors cache and HF model patching (`store`), launch configs and the tuned files (`config`,
 `configs/`)."""
 

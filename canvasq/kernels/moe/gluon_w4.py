@@ -10,13 +10,14 @@ moves and 42 `prmt` per iteration. Here the layouts are spelled out:
   the activations its B operand (the BLOCK_M sorted rows of one expert, 8 per MMA column tile);
 - both operands use `DotOperandLayout(k_width=8)`, whose logical k are assigned to real k (`mma_k`) so
   that each MMA's two activation registers are adjacent pairs in memory: one 16-byte load gives them;
-- the packed bytes are re-tiled (`tile_q`, a permutation of `quant.py`'s bytes) so that one 32-bit
-  word holds the 8 logical k of one lane's A registers and a warp's load is contiguous; one PTX block
-  per word gives those registers with the zero point subtracted;
+- the packed bytes are re-tiled (`gluon_pack.tile_q`, a permutation of `quant.py`'s bytes) so that
+  one 32-bit word holds the 8 logical k of one lane's A registers and a warp's load is contiguous; one
+  PTX block per word gives those registers with the zero point subtracted (the tiles' register
+  layouts: `gluon_layouts.py`);
 - two main loops: the next group's tiles wait in registers (STAGES = 0, `_loop_registers`), or come
   in by cp.async through STAGES shared-memory buffers (`_loop_staged`);
-- each group's scale and zero are one int32 word per row (`pack_scale_zero`), loaded two groups
-  before their use: loaded right before it, they stall every group on DRAM.
+- each group's scale and zero are one int32 word per row (`gluon_pack.pack_scale_zero`), loaded two
+  groups before their use: loaded right before it, they stall every group on DRAM.
 
 On CUDA the runtime keeps the experts in the tiled order only (`W4Experts.to_tiled`,
 `launch.prefer_tiled`), so these kernels are what a GPU worker runs; the Triton ones serve K-contiguous
@@ -34,79 +35,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-TILE_ROWS = 16  # rows of one mma.m16n8k16 A operand
+from .gluon_layouts import act_layout, act_load_layout, word_layout
+from .gluon_pack import WORD_PTX_BF16, WORD_PTX_FP16
 
-# One 32-bit word holds 8 consecutive k of a row; nibble n (bits 4n..4n+3) is k = 2n for n < 4 and
-# k = 2(n - 4) + 1 for n >= 4, so `(w >> 4i) & 0x000F000F` is the pair (k 2i, k 2i + 1) in the low and
-# high halves: or-ing in the magic exponent makes it (magic + q) twice, and one fma with 1.0 subtracts
-# the row's (magic + zero) ($5, both halves) exactly: q - zero is a small integer.
-_WORD_PTX = """
-{
-.reg .b32 one, s1, s2, s3, t0, t1, t2, t3;
-mov.b32 one, ONE;
-shr.u32 s1, $4, 4;
-shr.u32 s2, $4, 8;
-shr.u32 s3, $4, 12;
-lop3.b32 t0, $4, 0x000F000F, MAGIC, 0xEA;
-lop3.b32 t1, s1, 0x000F000F, MAGIC, 0xEA;
-lop3.b32 t2, s2, 0x000F000F, MAGIC, 0xEA;
-lop3.b32 t3, s3, 0x000F000F, MAGIC, 0xEA;
-fma.rn.TY $0, t0, one, $5;
-fma.rn.TY $1, t1, one, $5;
-fma.rn.TY $2, t2, one, $5;
-fma.rn.TY $3, t3, one, $5;
-}
-"""
-WORD_PTX_BF16 = _WORD_PTX.replace("MAGIC", "0x43004300").replace("TY", "bf16x2").replace("ONE", "0x3F803F80")
-WORD_PTX_FP16 = _WORD_PTX.replace("MAGIC", "0x64006400").replace("TY", "f16x2").replace("ONE", "0x3C003C00")
 _WORD_PTX_BF16: gl.constexpr = gl.constexpr(WORD_PTX_BF16)
 _WORD_PTX_FP16: gl.constexpr = gl.constexpr(WORD_PTX_FP16)
-NIBBLE_K = (0, 2, 4, 6, 1, 3, 5, 7)  # k within the word of nibble n
-
-
-def mma_k(group: int) -> torch.Tensor:
-    """The real k (activation column within a group) behind each of the MMA's logical k. The
-    operands' logical k are in Triton's k_width = 8 order, where one `mma.m16n8k16` takes each lane's
-    activation pairs 4c + i and 16 + 4c + i of a 64-k block; giving those two logical pairs the
-    adjacent real pairs 8c + 2i and 8c + 2i + 1 lets a lane's 16-byte shared-memory load be the MMA's
-    B registers as they are (no moves). Logical pair L = 32b + 16h + 4c + i <-> real pair
-    m = 32b + 8c + 2i + h; `_act_tile` applies the same map to the activations."""
-    L = torch.arange(group // 2)
-    b, h, c, i = L // 32, (L // 16) % 2, (L // 4) % 4, L % 4
-    m = 32 * b + 8 * c + 2 * i + h
-    return torch.stack([2 * m, 2 * m + 1], dim=-1).reshape(group)
-
-
-def tile_q(q: torch.Tensor, group: int) -> torch.Tensor:
-    """K-contiguous packed bytes [E, N, Kp/2] (`quant.py`) -> int32 words [E, N/16, Kp/G, 2G], the
-    order the Gluon kernels' lanes load. Word p = c*NH + h (NH = G/32) of row r = 8rr + g holds logical
-    k = 32h + 8c .. + 7 of the group (real k: `mma_k`; nibbles as `NIBBLE_K`) and sits at
-    32*NH*rr + NH*(4g + c) + h of its 16-row tile's group: a lane's NH words of a row are one vector
-    load, and a warp's load is contiguous."""
-    E, N, KB = q.shape
-    hb = group // 2
-    assert N % TILE_ROWS == 0 and KB % hb == 0 and group % 64 == 0, (q.shape, group)
-    ng, nh = KB // hb, group // 32
-    b = q.reshape(E, N, ng, hb).to(torch.int32)
-    nib = torch.cat([b & 0xF, b >> 4], dim=-1)  # [E, N, ng, G]: real k = j (low nibble), HB + j (high)
-    nib = nib[..., mma_k(group).to(q.device)].reshape(E, N, ng, nh, 4, 8)  # logical k = 32h + 8c + kin
-    word = torch.zeros(E, N, ng, nh, 4, dtype=torch.int32, device=q.device)
-    for n, kin in enumerate(NIBBLE_K):
-        word |= nib[..., kin] << (4 * n)
-    word = word.reshape(E, N // TILE_ROWS, 2, 8, ng, nh, 4)  # E, tile, rr, g, group, h, c
-    return word.permute(0, 1, 4, 2, 3, 6, 5).contiguous().reshape(E, N // TILE_ROWS, ng, 2 * group)
-
-
-def untile_q(qt: torch.Tensor, group: int) -> torch.Tensor:
-    """Inverse of `tile_q` (tests)."""
-    E, T, ng, _ = qt.shape
-    nh, hb = group // 32, group // 2
-    word = qt.reshape(E, T, ng, 2, 8, 4, nh).permute(0, 1, 3, 4, 2, 6, 5)  # E, tile, rr, g, group, h, c
-    nib = torch.stack([(word >> (4 * n)) & 0xF for n in range(8)], dim=-1)  # [..., h, c, n]
-    logical = nib[..., [NIBBLE_K.index(k) for k in range(8)]].reshape(E, T * TILE_ROWS, ng, 2 * hb)
-    nib = torch.empty_like(logical)
-    nib[..., mma_k(group).to(qt.device)] = logical
-    return (nib[..., :hb] | (nib[..., hb:] << 4)).to(torch.uint8).reshape(E, T * TILE_ROWS, ng * hb)
 
 
 @gluon.jit
@@ -119,21 +52,6 @@ def _pdl_enter(PDL: gl.constexpr):
         gl.inline_asm_elementwise(
             "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
         )
-
-
-@gluon.constexpr_function
-def _word_layout(BN, G, NW):
-    """Layout of a [BN, G/8] int32 tile of packed words: lane 4g + c holds words c*NH .. c*NH + NH - 1
-    of rows g and g + 8 (one vector load each); warps stacked along rows, then further row tiles."""
-    nh = G // 32
-    reg = [[0, 1 << i] for i in range(nh.bit_length() - 1)] + [[8, 0]]
-    rows = 16 * NW
-    while rows < BN:
-        reg.append([rows, 0])
-        rows *= 2
-    lanes = [[0, nh], [0, 2 * nh], [1, 0], [2, 0], [4, 0]]
-    warps = [[16 << i, 0] for i in range(NW.bit_length() - 1)]
-    return gl.DistributedLinearLayout(reg, lanes, warps, [], [BN, G // 8])
 
 
 @gluon.jit
@@ -151,21 +69,6 @@ def _halves(p, DT: gl.constexpr):
     """int32 [BN, W] of DT pairs -> DT [BN, 2W] (low half first)."""
     h = gl.join(p.to(gl.int16), (p >> 16).to(gl.int16))
     return gl.reshape(h, [p.shape[0], 2 * p.shape[1]]).to(DT, bitcast=True)
-
-
-@gluon.constexpr_function
-def _act_layout(BM, G, NW):
-    """Layout of a [BM, G/2] int32 tile of activation pairs (real order) that `_act_tile` turns into
-    the MMA's B operand [G, BM] with register renaming only: lane 4g + c holds real pairs 8c .. 8c + 7
-    of each 64-k block of token g (two 16-byte loads)."""
-    reg = [[0, 1], [0, 2], [0, 4]] + ([[0, 32]] if G == 128 else [])
-    rows = 8
-    while rows < BM:
-        reg.append([rows, 0])
-        rows *= 2
-    lanes = [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]]
-    warps = [[0, 0]] * (NW.bit_length() - 1)
-    return gl.DistributedLinearLayout(reg, lanes, warps, [], [BM, G // 2])
 
 
 @gluon.jit
@@ -200,37 +103,10 @@ def _dequant(qw, nz, DT: gl.constexpr, A8: gl.constexpr):
     return gl.convert_layout(w, A8, assert_trivial=True)
 
 
-MAGIC = {torch.bfloat16: 128.0, torch.float16: 1024.0}  # the magic float the nibbles are or-ed into
-
-
-def pack_scale_zero(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """scale, zero [E, ng, N] (fp16/bf16, zero integer-valued) -> int32 words [E, ng, N]: the scale's bits
-    in the low half and -(magic + zero)'s in the high half, both in the scale dtype (exact: magic + 15
-    has 8 significant bits). One load gives a row's scale and the PTX's zero operand (`_group_mma`)."""
-    lo = scale.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
-    nz = (-(zero.float() + MAGIC[scale.dtype])).to(scale.dtype).view(torch.int16).to(torch.int64) & 0xFFFF
-    word = lo | (nz << 16)
-    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
-
-
-def unpack_scale_zero(sz: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of `pack_scale_zero` (tests)."""
-    w = sz.to(torch.int64) & 0xFFFFFFFF
-    half = lambda v: torch.where(v >= 2**15, v - 2**16, v).to(torch.int16).view(dtype)
-    scale, nz = half(w & 0xFFFF), half(w >> 16)
-    return scale, (-nz.float() - MAGIC[dtype]).to(dtype)
-
-
 @gluon.jit
 def _load_sz(sz_e, srow, rz):
     """The packed scale/zero words [BN] of rows rz (offsets of this matrix's rows) in one group."""
     return gl.load(sz_e + srow + rz)
-
-
-@gluon.constexpr_function
-def _copy_layout(BM, G, NW):
-    """A coalesced layout for copying the [BM, G/2] int32 activation tile: 16 bytes a lane."""
-    return gl.BlockedLayout([1, 4], [32 * 4 // (G // 2), G // 2 // 4], [NW, 1], [1, 0])
 
 
 @gluon.jit
@@ -255,13 +131,6 @@ def _group_mma(acc, qw, xb, sz, DT: gl.constexpr, A8: gl.constexpr):
         sc = (sz & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
     sc = gl.convert_layout(sc, gl.SliceLayout(1, acc.type.layout), assert_trivial=True)
     return acc + p * sc[:, None]
-
-
-@gluon.constexpr_function
-def _act_load_layout(BM, G, NW, STAGES):
-    """Where the activation offsets live: the MMA-ready layout when each lane loads its own pairs
-    (STAGES = 0), the coalesced copy layout when cp.async stages them through shared memory."""
-    return _copy_layout(BM, G, NW) if STAGES else _act_layout(BM, G, NW)
 
 
 @gluon.jit
@@ -371,8 +240,8 @@ def _loop_staged(
     """The main loop with the weight and activation tiles brought in by cp.async through STAGES
     shared-memory buffers: only the current group is held in registers (and the scale/zero words of
     the next two, loaded ahead as in `_loop_registers`)."""
-    LW: gl.constexpr = _word_layout(BN, GROUP, NW)
-    LX: gl.constexpr = _act_layout(BLOCK_M, GROUP, NW)
+    LW: gl.constexpr = word_layout(BN, GROUP, NW)
+    LX: gl.constexpr = act_layout(BLOCK_M, GROUP, NW)
     SW: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 1, [1, 0])  # lanes read 512 contiguous bytes
     SX: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])  # 16-byte vectors xor-ed by row
     if NMAT == 2:
@@ -469,8 +338,8 @@ def _gl_w4_gate_up_kernel(
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
     A8: gl.constexpr = gl.DotOperandLayout(0, mma, 8)
     B8: gl.constexpr = gl.DotOperandLayout(1, mma, 8)
-    LW: gl.constexpr = _word_layout(BN, GROUP, NW)
-    LA: gl.constexpr = _act_load_layout(BLOCK_M, GROUP, NW, STAGES)
+    LW: gl.constexpr = word_layout(BN, GROUP, NW)
+    LA: gl.constexpr = act_load_layout(BLOCK_M, GROUP, NW, STAGES)
     pid_m = gl.program_id(0)
     n0 = gl.program_id(1) * BN
     if pid_m * BLOCK_M >= gl.load(num_padded_ptr):
@@ -529,8 +398,8 @@ def _gl_w4_down_kernel(
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
     A8: gl.constexpr = gl.DotOperandLayout(0, mma, 8)
     B8: gl.constexpr = gl.DotOperandLayout(1, mma, 8)
-    LW: gl.constexpr = _word_layout(BN, GROUP, NW)
-    LA: gl.constexpr = _act_load_layout(BLOCK_M, GROUP, NW, STAGES)
+    LW: gl.constexpr = word_layout(BN, GROUP, NW)
+    LA: gl.constexpr = act_load_layout(BLOCK_M, GROUP, NW, STAGES)
     pid_m = gl.program_id(0)
     n0 = gl.program_id(1) * BN
     if pid_m * BLOCK_M >= gl.load(num_padded_ptr):

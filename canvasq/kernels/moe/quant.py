@@ -24,7 +24,7 @@ separate K = G/2 operands of `tl.dot` against the two contiguous halves of the a
 register shuffle to interleave them. K is zero-padded to Kp (704 = 11 x 64 and 2816 = 22 x 128 need no
 padding at the real shape; odd test widths do).
 
-On CUDA the runtime keeps the bytes in another order instead (`to_tiled`, `gluon_w4.tile_q`): the
+On CUDA the runtime keeps the bytes in another order instead (`to_tiled`, `gluon_pack.tile_q`): the
 same nibbles as int32 words [E, N/16, Kp/G, 2G], the order the Gluon kernels' lanes load; `tiled` says
 which one a W4Experts holds. Only the Gluon kernels read the tiled order; the torch twin untiles it.
 
@@ -72,7 +72,7 @@ class W4Experts:
     config: W4Config = field(default_factory=W4Config)
     tiled: bool = False  # q in the Gluon kernels' order (`to_tiled`), not the K-contiguous one
     # tiled packs: each group's scale and -(magic + zero) as one int32 word per row [E, ng, N]
-    # (`gluon_w4.pack_scale_zero`), what the Gluon kernels load; scale/zero above stay for the twin
+    # (`gluon_pack.pack_scale_zero`), what the Gluon kernels load; scale/zero above stay for the twin
     gate_up_sz: torch.Tensor | None = None
     down_sz: torch.Tensor | None = None
 
@@ -122,7 +122,7 @@ class W4Experts:
         """(gate_up_q, down_q) in the K-contiguous order, untiling a tiled pack (a copy)."""
         if not self.tiled:
             return self.gate_up_q, self.down_q
-        from .gluon_w4 import untile_q
+        from .gluon_pack import untile_q
 
         return untile_q(self.gate_up_q, self.config.group_gate_up), untile_q(
             self.down_q, self.config.group_down
@@ -147,7 +147,7 @@ class W4Experts:
         to free them. fp16/bf16 scales only."""
         if self.tiled:
             return self
-        from .gluon_w4 import pack_scale_zero, tile_q
+        from .gluon_pack import pack_scale_zero, tile_q
 
         problem = self.tiling_problem()
         if problem:

@@ -26,11 +26,11 @@ FILTER_PATH = Path(__file__).with_name("legacy_train.bloom")
 _HEADER = struct.Struct("<8sQIQ32s")  # magic, bits m, hashes k, distinct prompts n, sha256 of the list
 _MAGIC = b"CQBLOOM1"
 _MASK = (1 << 64) - 1
-_CHUNK = 5000  # train.build_pool's problems per stream
+_CHUNK = 5000  # train_data.build_pool's problems per stream
 
 
 def _pool(seed: int, n_per_task: int) -> tuple[tuple[str, int, int], ...]:
-    """The streams `train.build_pool(n_per_task, seed)` drew from: 5,000 problems per stream seed
+    """The streams `train_data.build_pool(n_per_task, seed)` drew from: 5,000 problems per stream seed
     `seed * 1_000_003 + i`, per task."""
     return tuple(
         (task, seed * 1_000_003 + i, min(_CHUNK, n_per_task - i * _CHUNK))

@@ -26,7 +26,7 @@ merges it over the D2F model (`ModelBundle.phcd_repair_model`).
 
 What produced the committed adapter (v2; v1 was the same with --decoder-only and --minutes 18):
     python -m canvasq.testbed.repair --out models/testbed --minutes 11 --batch 16 --future 1 --n-per-task 10000 --seed 5
-Its data came from the legacy unpartitioned streams (`ledger.LEGACY_TRAINING`); `train.build_pool` now
+Its data came from the legacy unpartitioned streams (`ledger.LEGACY_TRAINING`); `train_data.build_pool` now
 draws the train split (`tasks.generate(..., split="train")`), so re-running this trains on other
 problems than the committed adapter saw, and never on dev or eval ones.
 """
@@ -69,7 +69,7 @@ def repair_loss(
     """One step's loss over the three objectives (module docstring); `parts` accumulates their CE."""
     import torch
 
-    from canvasq.testbed.train import block_causal_masks, encode_context
+    from canvasq.testbed.train_loss import block_causal_masks, encode_context
 
     C, V = batches.C, batches.V
     K = 1 + n_future
@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from canvasq.model.loading import load_bundle
-    from canvasq.testbed.train import Batches, build_pool, digit_weights
+    from canvasq.testbed.train_data import Batches, build_pool
+    from canvasq.testbed.train_loss import digit_weights
 
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"

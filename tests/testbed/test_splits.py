@@ -73,7 +73,7 @@ def test_filter_holds_every_prompt_of_legacy_training_streams(entry):
 
 
 def test_legacy_list_holds_the_committed_rounds():
-    """train.build_pool's streams (seed × 1,000,003 + i, 5,000 per stream) of rounds 1-4 at 300,000 per
+    """train_data.build_pool's streams (seed × 1,000,003 + i, 5,000 per stream) of rounds 1-4 at 300,000 per
     task, the repair's at 20,000, and the tokenizer's corpus."""
     listed = set(ledger.LEGACY_TRAINING)
     for task in tasks.TASKS:

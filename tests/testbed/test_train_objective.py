@@ -3,7 +3,7 @@
 import torch
 
 from canvasq.model.shapes import build_config, toy_shape
-from canvasq.testbed.train import denoise_loss
+from canvasq.testbed.train_loss import denoise_loss
 
 
 def _toy():

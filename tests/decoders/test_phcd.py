@@ -11,6 +11,7 @@ from helpers import TESTBED_DIR, trained_testbed
 
 from canvasq.decoders import DecodeBatch, DecodeRequest, run_batch
 from canvasq.decoders.phcd import PhcdDecoder
+from canvasq.decoders.phcd_plan import commit_sizes
 from canvasq.decoders.registry import make_config
 from canvasq.decoders.routing import route
 
@@ -73,8 +74,9 @@ class _Recording(PhcdDecoder):
 
 def test_commits_are_safe_prefixes_of_the_task_size(bundle):
     dec = _Recording(bundle, make_config("phcd"))
-    assert dec.commit_sizes("math") == (1, 2) and dec.commit_sizes("code") == (1, 4)  # 4-16, 8-32 of 256
-    assert dec.commit_sizes(None) == (4, 16)  # text 32-128 of 256 on a 32-token canvas
+    sizes = {task: commit_sizes(dec.config, task, dec.C) for task in ("math", "long", "code", None)}
+    assert sizes["math"] == sizes["long"] == (1, 2) and sizes["code"] == (1, 4)  # 4-16, 8-32 of 256
+    assert sizes[None] == (4, 16)  # text 32-128 of 256 on a 32-token canvas
     for task in ("arith", "code"):
         dec.decode(_batch(bundle, task, n=2)[1])
     assert dec.decisions and any(n for _, n, *_ in dec.decisions)

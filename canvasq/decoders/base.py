@@ -16,6 +16,13 @@ recorded per request it carried; a row's `forwards` counts the passes that carri
 τ (commits) are recorded per pass and per row. Latency marks: `stats["first_token_pass"]` /
 `stats["first_window_pass"]` are how many of the row's passes had run when its final, streamable
 prefix (`emitted`) first held one token / one canvas (a row that ends shorter: its last pass).
+
+Timing: a pass is timed with `timed()`: CUDA events on CUDA (no device synchronisation per pass),
+perf_counter on the CPU. Reading `ms` waits for the pass's end event, which costs nothing after the
+step's host sync: the decoder passes of official, pipe and phcd are recorded after theirs. An encoder
+pass recorded at once (`encode_commits` with no deferral, pipe's and phcd's commit passes) waits for
+its own end event. `record` also takes the timer itself and fills the traces' `ms` after the next
+step (`_settle`): the prefill's encoder pass is never waited for on its own.
 """
 
 from __future__ import annotations
@@ -80,6 +87,7 @@ class StepDecoder:
         self._traces: dict[int, list[ForwardTrace]] = {}
         self._pass_index = 0
         self._deferred: list[tuple[Seq, tuple]] = []  # (row, encoder item) for the next prefill pass
+        self._untimed: list[tuple[_Timer, list[ForwardTrace]]] = []  # traces whose pass time is pending
         self.pool: SlotPool | None = None  # the stream's slots (set by `stream`)
         self.arena: KVArena | None = None  # the stream's KV cache (set by `stream`)
         self.graphs = self.graph_runner()
@@ -154,6 +162,7 @@ class StepDecoder:
         self._traces = {}
         self._pass_index = 0
         self._deferred = []
+        self._untimed = []
         self.arena = self.new_arena(slots, capacity) if capacity else None
         pool = self.pool = SlotPool(self, slots, seed, capacity or 0, on_result)
         self.new_stream(slots)
@@ -198,6 +207,7 @@ class StepDecoder:
         if getattr(self.config, "slot_order", False):
             live = sorted(live, key=lambda s: s.slot)
         self._guarded(self.step, pool.live, live, interrupts + (Cancelled,))
+        self._settle()
         self.note_emitted(pool.live)
         for s in pool.live:
             s.steps += 1
@@ -331,7 +341,7 @@ class StepDecoder:
         if items:
             with self.timed() as t:
                 self.encode(items)
-            self.record("encode", t.ms, rows, {}, states)
+            self.record("encode", t, rows, {}, states)  # its time is read after the next step
         for s in seqs:
             self.spawn(s)
 
@@ -392,7 +402,8 @@ class StepDecoder:
 
     def encode_commits(self, encodes: list[tuple[Seq, tuple]]) -> None:
         """The encoder pass of retired rows, (row, (slot, ids, positions)) each: left to the next prefill
-        pass (`defer_commits`) or to the next decoder forward (`folds`), else one pass now."""
+        pass (`defer_commits`) or to the next decoder forward (`folds`), else one pass now. Its time is
+        read at once (`record` gets `ms`): this pass waits for its end event on CUDA."""
         if not encodes:
             return
         if getattr(self.config, "defer_commits", False) or self.folds:  # before the row's next step
@@ -436,25 +447,37 @@ class StepDecoder:
         s.stats["spawned"] += 1
         return cv
 
-    def record(self, kind, ms, rows, commits, states) -> None:
-        """One model pass: a trace for each request it carried (G and τ batch-wide and its own)."""
+    def record(self, kind, ms: float | _Timer, rows, commits, states) -> None:
+        """One model pass: a trace for each request it carried (G and τ batch-wide and its own). `ms`:
+        the pass's time, or its timer, read once the next step has synced (`_settle`)."""
         total_rows, total_commits = sum(rows.values()), sum(commits.values())
         canvases = sum(len(v.split(",")) for v in states.values())
-        for row, own in rows.items():
-            self._traces[row].append(
-                ForwardTrace(
-                    index=self._pass_index,
-                    rows=total_rows,
-                    commits=total_commits,
-                    canvases=canvases,
-                    states=states.get(row, ""),
-                    ms=ms,
-                    kind=kind,
-                    own_rows=own,
-                    own_commits=commits.get(row, 0),
-                )
+        traces = [
+            ForwardTrace(
+                index=self._pass_index,
+                rows=total_rows,
+                commits=total_commits,
+                canvases=canvases,
+                states=states.get(row, ""),
+                ms=0.0 if isinstance(ms, _Timer) else ms,
+                kind=kind,
+                own_rows=own,
+                own_commits=commits.get(row, 0),
             )
+            for row, own in rows.items()
+        ]
+        for row, trace in zip(rows, traces):
+            self._traces[row].append(trace)
+        if isinstance(ms, _Timer):
+            self._untimed.append((ms, traces))
         self._pass_index += 1
+
+    def _settle(self) -> None:
+        """The pending passes' times into their traces (after a step's host sync: no wait)."""
+        for timer, traces in self._untimed:
+            for trace in traces:
+                trace.ms = timer.ms
+        self._untimed = []
 
     def timed(self):
         return _Timer(self.device)
@@ -478,6 +501,7 @@ class StepDecoder:
 
     # -- results --------------------------------------------------------------------------------
     def _result(self, s: Seq) -> DecodeResult:
+        self._settle()
         traces = self._traces.get(s.row, [])
         for mark in ("first_token_pass", "first_window_pass"):  # ended shorter: its last pass
             s.stats.setdefault(mark, len(traces))
@@ -503,18 +527,36 @@ class StepDecoder:
 
 
 class _Timer:
-    def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-        self.ms = 0.0
+    """One pass's time in ms. On CUDA two events on the device's current stream (what the GPU spent
+    from the pass's first launch to its last; nothing is synchronised): `ms` waits for the end event
+    the first time it is read (no wait after a host sync that follows the pass). On the CPU the
+    wall time of the block (perf_counter)."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self._ms = 0.0
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
     def __enter__(self):
         if self.cuda:
-            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(torch.cuda.current_stream(self.device))
+            self._events = (start, end)
         self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.ms = (time.perf_counter() - self.t0) * 1e3
+        if self._events is not None:
+            self._events[1].record(torch.cuda.current_stream(self.device))
+        else:
+            self._ms = (time.perf_counter() - self.t0) * 1e3
         return False
+
+    @property
+    def ms(self) -> float:
+        if self._events is not None:
+            start, end = self._events
+            end.synchronize()
+            self._ms, self._events = start.elapsed_time(end), None
+        return self._ms

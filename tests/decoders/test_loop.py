@@ -1,15 +1,17 @@
 """The shared decode loop's pieces (`decoders.base`, `decoders.windows`) and the sampler's batched
-helpers (`decoders.sampling`): a folded window's layout, where an answer ends, the Philox keys on
-the device and the slot state's reset."""
+helpers (`decoders.sampling`): a folded window's layout, the pass timer and its lazily read times,
+where an answer ends, the Philox keys on the device and the slot state's reset."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from helpers import tiny_bundle
 
-from canvasq.decoders import DecodeRequest
+from canvasq.decoders import DecodeBatch, DecodeRequest, run_batch
+from canvasq.decoders.base import _Timer
 from canvasq.decoders.registry import make_decoder
 from canvasq.decoders.sampling import SlotState, philox_key, philox_keys, stable_and_confident
 from canvasq.decoders.state import Canvas, Seq
@@ -33,6 +35,31 @@ def test_folded_window_puts_the_encoder_rows_in_front():
     assert w.self_cond[0][:2].eq(0).all() and torch.equal(w.self_cond[1][2:], sc[1])
     bare = canvas_window(5, toks, 22, None, None, (ids, pos))
     assert bare.self_cond is None and bare.self_cond_rows is None
+
+
+def test_timer_reads_later_and_pending_traces_settle():
+    """On the CPU a pass's time is the block's wall time; `record` also takes the timer itself and
+    fills the traces' ms when the loop settles (after the next step, or at the result)."""
+    with _Timer("cpu") as t:
+        torch.randn(64, 64) @ torch.randn(64, 64)
+    assert t.ms > 0
+    b = tiny_bundle()
+    res = run_batch(b, DecodeBatch([DecodeRequest("a", [2, 5, 6], 16)], seed=0), "official")[0]
+    assert res.traces[0].kind == "encode" and all(tr.ms > 0 for tr in res.traces)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events")
+def test_cuda_timer_does_not_synchronise_the_pass():
+    """The CUDA timer records events on the current stream: leaving the block does not wait for the
+    work (the event is still pending), reading `ms` does, and the time is the GPU's."""
+    x = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    with _Timer(x.device) as t:
+        for _ in range(20):
+            x = x @ x
+            x = x / x.norm()
+    assert t._events is not None and not t._events[1].query()
+    assert t.ms > 1.0 and t._events is None and t.ms == t.ms
 
 
 def test_answer_ends_at_stop_last_canvas_or_max_tokens():

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from canvasq.decoders.canvases import CanvasOut
 from canvasq.decoders.configs import FunnelConfig, canvas_rows
 from canvasq.decoders.pipe import PipeDecoder
 from canvasq.decoders.state import Canvas, Seq
@@ -104,19 +105,18 @@ class FunnelDecoder(PipeDecoder):
             return _pending(cv)[idx].clone()  # rows riding with their final id
         return ~cv.committed[idx]  # decision time: capture every open row, keep the ones that commit
 
-    def after_forward(
-        self, s: Seq, cv: Canvas, idx: torch.Tensor, captured, newly: torch.Tensor, win_off: int
-    ) -> None:
+    def after_forward(self, s: Seq, co: CanvasOut, newly: torch.Tensor) -> None:
         if not self.config.shrink:
             return
+        cv, idx = co.part.cv, co.part.idx
         # rows whose K/V join the cache now: the ones that rode with their final id (promote one
         # step late), or — decision-time mode, the bug the rule prevents — the ones just committed
         pending = _pending(cv)
         done_now = pending[idx].clone() if self.promote_late else newly
         if self.config.promote == "arena":
-            self._promote_rows.extend((win_off + torch.nonzero(done_now).flatten()).tolist())
-        elif captured is not None and bool(done_now.any()):
-            cap, off, mask = captured  # GrowingKV: concatenate the captured rows
+            self._promote_rows.extend((co.part.off + torch.nonzero(done_now).flatten()).tolist())
+        elif co.captured is not None and bool(done_now.any()):
+            cap, off, mask = co.captured  # GrowingKV: concatenate the captured rows
             rank = torch.cumsum(mask.long(), 0) - 1
             assert self.arena is not None  # the stream's
             self.arena.promote(s.slot, cap, rows=(rank[done_now] + off).tolist())

@@ -119,11 +119,7 @@ class PhcdDecoder(StepDecoder):
         states = {s.row: "local,coarse" if lay[2] else "local" for s, (_, lay) in zip(seqs, built)}
         self.record("decode", t.ms, {s.row: w.rows for s, w in zip(seqs, windows)}, commits, states)
         self.note_emitted(seqs)
-        if encodes:  # promote="encode": the committed rows of every request in one causal pass
-            with self.timed() as t:
-                self.encode([item for _, item in encodes])
-            rows = {s.row: int(item[1].numel()) for s, item in encodes}
-            self.record("encode", t.ms, rows, {}, {s.row: "commit" for s, _ in encodes})
+        self.encode_commits(encodes)  # promote="encode": every request's committed rows in one causal pass
         for s in seqs:
             if s.done:
                 self._plans.pop(s.row, None)

@@ -23,16 +23,17 @@ exactly what `torch.manual_seed(seed); model.generate(...)` draws, so the tokens
 parity test). `sc_topk=k` self-conditions on the top-k of the previous logits instead of the full
 vocabulary (runtime's top-k projection).
 
-The strategy over the shared loop (`base.StepDecoder`, which folds encoder rows into windows, retires
-a stopped canvas, ends the answer and encodes the commit): it spawns canvases, gives each window its
-inputs, commits from the logits (`sampling`'s pieces) and decides when a canvas stops. Its
-per-request state is tensors indexed by arena slot (`sampling.SlotState`), gathered and scattered with the live
-rows' slot index. The sampler runs over the live requests in groups whose [rows, V] fp32 temporaries
-stay under `_GROUP_BYTES` (the fused sampler with top-k self-conditioning has none: one group); with
-the torch sampler the generator draws (multinomial, renoise) are per request, with the fused one
-(`sampler`, the default on CUDA) one launch for the group. One host sync per step reads which
-requests stopped and how many positions each accepted (and, when canvases end, their tokens); the
-fused top-k self-conditioning adds one that looks for rows past its candidate slots.
+The strategy over the shared loop (`base.StepDecoder`: encoder rows folded in front of a window, a
+stopped canvas's retirement, the answer-end rule, the commit's encoder pass): it spawns canvases,
+gives each window its inputs, commits from the logits (`sampling`'s pieces) and decides when a
+canvas stops. Its per-request state is tensors indexed by arena slot (`sampling.SlotState`),
+gathered and scattered with the live rows' slot index. The sampler runs over the live requests in
+groups whose [rows, V] fp32 temporaries stay under `_GROUP_BYTES` (the fused sampler with top-k
+self-conditioning has none: one group); with the torch sampler the generator draws (multinomial,
+renoise) are per request, with the fused one (`sampler`, the default on CUDA) one launch for the
+group. One host sync per step reads which requests stopped and how many positions each accepted
+(and, when canvases end, their tokens); the fused top-k self-conditioning adds one that looks for
+rows past its candidate slots.
 """
 
 from __future__ import annotations

@@ -110,9 +110,8 @@ class SlotState:
         over, and each canvas's `tokens` becomes a view of its slot's input."""
         dev = self.left.device
         at = torch.tensor(slots, device=dev)
-        self.seed[at] = torch.tensor(
-            [x - (1 << 64) if x >> 63 else x for x in seeds], device=dev
-        )  # int64 bits
+        bits = [x - (1 << 64) if x >> 63 else x for x in seeds]  # uint64 seeds as int64 bits
+        self.seed[at] = torch.tensor(bits, device=dev)
         self.canvas[at] = torch.tensor(canvases, device=dev)
         self.left[at] = steps
         self.history[at] = -1

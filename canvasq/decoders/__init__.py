@@ -9,21 +9,27 @@ task (`routing.route`), so one batch may be split into sub-batches, one per (dec
 results come back in request order. A failing request returns a result with `error` set.
 
 Where each mechanism lives (config field in parentheses):
-    official.py   HF generate() unchanged, traced from outside; W4 experts arm (experts="w4")
-    base.py       loop, prefill, per-row RNG, cancellation, per-row errors, traces, liveness budget,
-                  CUDA-graph forwards over a persistent arena (cuda_graphs → model.graph.GraphRunner)
+    base.py       the loop: slots (slots.py), prefill, per-row RNG, cancellation, per-row errors,
+                  liveness budget, a canvas's retirement and commit encode, CUDA-graph forwards over
+                  a persistent arena (cuda_graphs → model.graph.GraphRunner); traces.py the pass log
+                  and its CUDA-event timer; state.py a row's state; windows.py a folded window
+    official.py   the native sampler (HF generate()'s algorithm) as a strategy over the loop, its
+                  per-request state batched by slot (sampling.py: SlotState, draws, acceptance,
+                  stopping rule); hf.py HF generate() itself, traced from outside
     pipe.py       multi-canvas D2F scheduling (max_canvases), full/semi/draft, τ_add / τ_act, draft
                   spawn (draft_spawn, spawn_margin), τ_conf, argmax / mix renoise (renoise,
                   mix_fraction), Jacobi restart (jacobi_window, jacobi_max_commits), forced accept,
                   τ_eos + EOS streak, self-conditioning (self_conditioning, sc_topk), encoder pass
-                  on retire, D2F adapter (adapter)
+                  on retire, D2F adapter (adapter); the canvas pipeline's mechanics (window,
+                  self-conditioning store, renoise, entropy cap, turnover) in canvases.py
     funnel.py     shrinking window (shrink), promote one step late, arena / simple promotion
                   (promote), free front retire (retire_refresh), prefix attention, τ_decay,
                   early spawn, commit-agree (agree), top-k self-conditioning (sc_topk=64)
     phcd.py       PHCD: global canvas of N windows (windows), coarse passes (coarse_every), native-
                   sampler fine steps on the local window, safe-prefix commits per task family
                   (math_commit / code_commit / text_commit, commit_scale), future kept across commits,
-                  weights (adapter: D2F, base, or "repair", the repair-trained LoRA)
+                  weights (adapter: D2F, base, or "repair", the repair-trained LoRA); its global
+                  canvas, native-sampler pieces and commit sizes in phcd_plan.py
     routing.py    --decoder auto (settings table, then the model's calibration, then official)
     calibration.py  `canvasq calibrate`: dev-set sweep, frontier, SQL per model identity
     registry.py names;  configs.py typed configs with the defaults

@@ -11,23 +11,15 @@ Continuous batching: `stream(feed, on_result, slots)` keeps up to `slots` reques
 ones from `feed` as rows finish (their prompts encoded in one pass, then they join the next step) and
 hands each finished row to `on_result` at once; `decode(batch)` is a stream over one batch.
 
-Accounting: every model pass (the prefill encode, each decoder forward, each encoder commit pass) is
-recorded per request it carried; a row's `forwards` counts the passes that carried its rows. G (rows) and
-τ (commits) are recorded per pass and per row. Latency marks: `stats["first_token_pass"]` /
-`stats["first_window_pass"]` are how many of the row's passes had run when its final, streamable
-prefix (`emitted`) first held one token / one canvas (a row that ends shorter: its last pass).
-
-Timing: a pass is timed with `timed()`: CUDA events on CUDA (no device synchronisation per pass),
-perf_counter on the CPU. Reading `ms` waits for the pass's end event, which costs nothing after the
-step's host sync: the decoder passes of official, pipe and phcd are recorded after theirs. An encoder
-pass recorded at once (`encode_commits` with no deferral, pipe's and phcd's commit passes) waits for
-its own end event. `record` also takes the timer itself and fills the traces' `ms` after the next
-step (`_settle`): the prefill's encoder pass is never waited for on its own.
+Accounting and timing: every model pass is recorded per request it carried (`traces.PassLog`) and
+timed with `timed()` (`traces.PassTimer`: CUDA events on CUDA, read lazily). Latency marks:
+`stats["first_token_pass"]` / `stats["first_window_pass"]` are how many of the row's passes had run
+when its final, streamable prefix (`emitted`) first held one token / one canvas (a row that ends
+shorter: its last pass).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
@@ -44,13 +36,13 @@ from canvasq.decoders.state import (
     poll,
     row_generator,
 )
+from canvasq.decoders.traces import PassLog, PassTimer
 from canvasq.decoders.types import (
     CANCELLED,
     DecodeBatch,
     DecodeRequest,
     DecodeResult,
     FinishReason,
-    ForwardTrace,
     Interrupted,
 )
 
@@ -84,10 +76,8 @@ class StepDecoder:
         self.eos_id = bundle.eos_id
         self.stop_ids = frozenset({bundle.eos_id, bundle.pad_id})
         self.device = self.rt.device
-        self._traces: dict[int, list[ForwardTrace]] = {}
-        self._pass_index = 0
+        self.log = PassLog()  # the stream's traces (set by `stream`)
         self._deferred: list[tuple[Seq, tuple]] = []  # (row, encoder item) for the next prefill pass
-        self._untimed: list[tuple[_Timer, list[ForwardTrace]]] = []  # traces whose pass time is pending
         self.pool: SlotPool | None = None  # the stream's slots (set by `stream`)
         self.arena: KVArena | None = None  # the stream's KV cache (set by `stream`)
         self.graphs = self.graph_runner()
@@ -159,10 +149,8 @@ class StepDecoder:
         receives (live rows, slots) per decoder step. Cancellation stops feeding and ends the rows in
         flight as CANCELLED; one of `interrupts` raises `Interrupted` (rows already handed to
         `on_result` are not repeated)."""
-        self._traces = {}
-        self._pass_index = 0
+        self.log = PassLog()
         self._deferred = []
-        self._untimed = []
         self.arena = self.new_arena(slots, capacity) if capacity else None
         pool = self.pool = SlotPool(self, slots, seed, capacity or 0, on_result)
         self.new_stream(slots)
@@ -207,7 +195,7 @@ class StepDecoder:
         if getattr(self.config, "slot_order", False):
             live = sorted(live, key=lambda s: s.slot)
         self._guarded(self.step, pool.live, live, interrupts + (Cancelled,))
-        self._settle()
+        self.log.settle()
         self.note_emitted(pool.live)
         for s in pool.live:
             s.steps += 1
@@ -447,40 +435,12 @@ class StepDecoder:
         s.stats["spawned"] += 1
         return cv
 
-    def record(self, kind, ms: float | _Timer, rows, commits, states) -> None:
-        """One model pass: a trace for each request it carried (G and τ batch-wide and its own). `ms`:
-        the pass's time, or its timer, read once the next step has synced (`_settle`)."""
-        total_rows, total_commits = sum(rows.values()), sum(commits.values())
-        canvases = sum(len(v.split(",")) for v in states.values())
-        traces = [
-            ForwardTrace(
-                index=self._pass_index,
-                rows=total_rows,
-                commits=total_commits,
-                canvases=canvases,
-                states=states.get(row, ""),
-                ms=0.0 if isinstance(ms, _Timer) else ms,
-                kind=kind,
-                own_rows=own,
-                own_commits=commits.get(row, 0),
-            )
-            for row, own in rows.items()
-        ]
-        for row, trace in zip(rows, traces):
-            self._traces[row].append(trace)
-        if isinstance(ms, _Timer):
-            self._untimed.append((ms, traces))
-        self._pass_index += 1
+    def record(self, kind, ms: float | PassTimer, rows, commits, states) -> None:
+        """One model pass, per request it carried (`PassLog.record`)."""
+        self.log.record(kind, ms, rows, commits, states)
 
-    def _settle(self) -> None:
-        """The pending passes' times into their traces (after a step's host sync: no wait)."""
-        for timer, traces in self._untimed:
-            for trace in traces:
-                trace.ms = timer.ms
-        self._untimed = []
-
-    def timed(self):
-        return _Timer(self.device)
+    def timed(self) -> PassTimer:
+        return PassTimer(self.device)
 
     # -- latency marks ----------------------------------------------------------------------------
     def emitted(self, s: Seq) -> int:
@@ -493,7 +453,7 @@ class StepDecoder:
         for s in seqs:
             if "first_window_pass" in s.stats:
                 continue
-            n, k = self.emitted(s), len(self._traces.get(s.row, ()))
+            n, k = self.emitted(s), len(self.log.of(s.row))
             if n >= 1:
                 s.stats.setdefault("first_token_pass", k)
             if n >= self.C:
@@ -501,8 +461,8 @@ class StepDecoder:
 
     # -- results --------------------------------------------------------------------------------
     def _result(self, s: Seq) -> DecodeResult:
-        self._settle()
-        traces = self._traces.get(s.row, [])
+        self.log.settle()
+        traces = self.log.of(s.row)
         for mark in ("first_token_pass", "first_window_pass"):  # ended shorter: its last pass
             s.stats.setdefault(mark, len(traces))
         tokens = s.out[: s.req.max_tokens] if s.error is None else []
@@ -524,39 +484,3 @@ class StepDecoder:
             decoder=self.name,
             stats=dict(s.stats),
         )
-
-
-class _Timer:
-    """One pass's time in ms. On CUDA two events on the device's current stream (what the GPU spent
-    from the pass's first launch to its last; nothing is synchronised): `ms` waits for the end event
-    the first time it is read (no wait after a host sync that follows the pass). On the CPU the
-    wall time of the block (perf_counter)."""
-
-    def __init__(self, device: torch.device | str) -> None:
-        self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
-        self._ms = 0.0
-        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-
-    def __enter__(self):
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(torch.cuda.current_stream(self.device))
-            self._events = (start, end)
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if self._events is not None:
-            self._events[1].record(torch.cuda.current_stream(self.device))
-        else:
-            self._ms = (time.perf_counter() - self.t0) * 1e3
-        return False
-
-    @property
-    def ms(self) -> float:
-        if self._events is not None:
-            start, end = self._events
-            end.synchronize()
-            self._ms, self._events = start.elapsed_time(end), None
-        return self._ms

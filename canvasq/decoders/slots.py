@@ -44,7 +44,7 @@ class SlotPool:
             )
             self.next_row += 1
             self.keys[s.row] = key
-            dec._traces[s.row] = []
+            dec.log.open(s.row)
             assert dec.arena is not None  # admitted: it fits the stream's capacity, so there is one
             dec.arena.reset(s.slot)
             fresh.append(s)
@@ -59,7 +59,7 @@ class SlotPool:
             if not s.done:
                 continue
             self.on_result(self.keys.pop(s.row), dec._result(s))
-            dec._traces.pop(s.row, None)
+            dec.log.close(s.row)
             if dec.graphs is not None:  # a free slot may pad graphed forwards: keep it empty
                 assert dec.arena is not None  # rows were admitted
                 dec.arena.reset(s.slot)

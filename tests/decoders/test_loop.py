@@ -11,10 +11,10 @@ import torch
 from helpers import tiny_bundle
 
 from canvasq.decoders import DecodeBatch, DecodeRequest, run_batch
-from canvasq.decoders.base import _Timer
 from canvasq.decoders.registry import make_decoder
 from canvasq.decoders.sampling import SlotState, philox_key, philox_keys, stable_and_confident
 from canvasq.decoders.state import Canvas, Seq
+from canvasq.decoders.traces import PassTimer
 from canvasq.decoders.windows import canvas_window
 
 
@@ -40,7 +40,7 @@ def test_folded_window_puts_the_encoder_rows_in_front():
 def test_timer_reads_later_and_pending_traces_settle():
     """On the CPU a pass's time is the block's wall time; `record` also takes the timer itself and
     fills the traces' ms when the loop settles (after the next step, or at the result)."""
-    with _Timer("cpu") as t:
+    with PassTimer("cpu") as t:
         torch.randn(64, 64) @ torch.randn(64, 64)
     assert t.ms > 0
     b = tiny_bundle()
@@ -54,7 +54,7 @@ def test_cuda_timer_does_not_synchronise_the_pass():
     work (the event is still pending), reading `ms` does, and the time is the GPU's."""
     x = torch.randn(4096, 4096, device="cuda")
     torch.cuda.synchronize()
-    with _Timer(x.device) as t:
+    with PassTimer(x.device) as t:
         for _ in range(20):
             x = x @ x
             x = x / x.norm()

@@ -15,7 +15,8 @@ Where each mechanism lives (config field in parentheses):
                   and its CUDA-event timer; state.py a row's state; windows.py a folded window
     official.py   the native sampler (HF generate()'s algorithm) as a strategy over the loop, its
                   per-request state batched by slot (sampling.py: SlotState, draws, acceptance,
-                  stopping rule); hf.py HF generate() itself, traced from outside
+                  stopping rule); hf.py HF generate() itself, traced from
+                  outside (hf_trace.py)
     pipe.py       multi-canvas D2F scheduling (max_canvases), full/semi/draft, τ_add / τ_act, draft
                   spawn (draft_spawn, spawn_margin), τ_conf, argmax / mix renoise (renoise,
                   mix_fraction), Jacobi restart (jacobi_window, jacobi_max_commits), forced accept,

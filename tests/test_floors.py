@@ -127,3 +127,98 @@ def test_importing_a_room_loads_no_room_above_it(room):
     assert room in loaded
     above = sorted(r for r in loaded if not _allowed(room, r))
     assert not above, f"importing canvasq.{room} loads {above}, on its floor or above"
+
+
+def _module_name(path: Path, package_dir: Path = PACKAGE) -> str:
+    return ".".join(path.relative_to(package_dir.parent).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _edges(node: ast.AST, name: str, package: list[str], paths: dict, edges: dict[str, int]) -> None:
+    """Collect `name`'s imports below `node` into `edges` (module -> first line), skipping the bodies
+    of `if TYPE_CHECKING:`."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            for other in child.orelse:
+                _edges(other, name, package, paths, edges)
+            continue
+        targets: list[str] = []
+        if isinstance(child, ast.Import):
+            targets = [a.name for a in child.names]
+        elif isinstance(child, ast.ImportFrom):
+            base = child.module or ""
+            if child.level:
+                base = ".".join(package[: len(package) - child.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in child.names]
+        for t in targets:
+            if t in paths and t != name:
+                edges.setdefault(t, child.lineno)
+        _edges(child, name, package, paths, edges)
+
+
+def _module_graph(package_dir: Path = PACKAGE) -> dict[str, dict[str, int]]:
+    """module -> {module it imports: line}, inside the package, lazy imports included, imports under
+    `if TYPE_CHECKING:` left out (they run for the type checker only). `from pkg import name` is an edge
+    to `pkg.name` when that is a module, else to `pkg`."""
+    paths = {_module_name(p, package_dir): p for p in package_dir.rglob("*.py")}
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in paths.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        graph[name] = {}
+        _edges(ast.parse(path.read_text(), str(path)), name, package, paths, graph[name])
+    return graph
+
+
+def _circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def test_no_import_circles_between_modules():
+    """No module reaches itself through imports, lazy ones included (a function-level import that
+    closes a circle still ties the two modules' order of loading to the call)."""
+    graph = _module_graph()
+    report = [
+        " ; ".join(f"{a}:{graph[a][b]} -> {b}" for a in circle for b in graph[a] if b in circle)
+        for circle in _circles(graph)
+    ]
+    assert not report, "import circles:\n" + "\n".join(report)
+
+
+def test_the_circle_scan_sees_a_lazy_circle(tmp_path):
+    pkg = tmp_path / "canvasq" / "room"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from canvasq.room import b\n")
+    (pkg / "b.py").write_text("def f():\n    from . import a\n")
+    (pkg / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from canvasq.room import a\n"
+    )
+    graph = _module_graph(tmp_path / "canvasq")
+    assert _circles(graph) == [["canvasq.room.a", "canvasq.room.b"]]

@@ -22,6 +22,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from canvasq.decoders.configs import knobs_label
+
 # Dev seeds: distinct from the eval seeds of BENCHMARKS.md's accuracy tables (1-3, 21-23, 31-33).
 DEV_SEEDS = (101,)
 DEV_N = 40
@@ -82,15 +84,6 @@ def family_of(task: str) -> str:
     from canvasq.decoders.routing import task_kind
 
     return task_kind(task) or task
-
-
-def knobs_label(decoder: str, knobs: dict) -> str:
-    """`funnel:draft_only=true,tau_conf=0.9` (the `--arm` syntax of bench and calibrate)."""
-    import json
-
-    if not knobs:
-        return decoder
-    return decoder + ":" + ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(knobs.items()))
 
 
 MIN_GAIN = 0.10  # measured tok/s a setting needs above the reference's to be routed to

@@ -282,3 +282,12 @@ def _check_fp8(value: str, min_rows: int) -> None:
     parse_parts(value, "cpu")  # raises with the setting's name on a bad list
     if not isinstance(min_rows, int) or min_rows < 0:
         raise ValueError(f"fp8_min_rows={min_rows!r}: expected a whole number >= 0")
+
+
+def knobs_label(decoder: str, knobs: dict) -> str:
+    """`funnel:draft_only=true,tau_conf=0.9` (the `--arm` syntax of bench and calibrate)."""
+    import json
+
+    if not knobs:
+        return decoder
+    return decoder + ":" + ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(knobs.items()))

@@ -113,7 +113,7 @@ def routing_table(
 ) -> list[tuple[str, str, str]]:
     """(task, decoder, source) rows for `canvasq config`: the settings entries, the calibration's
     picks per family, then the default."""
-    from canvasq.decoders.calibration import knobs_label
+    from canvasq.decoders.configs import knobs_label
 
     budget = DEFAULT_BUDGET if budget is None else budget
     rows = [(task, dec, "CANVASQ_ROUTING") for task, dec in sorted((table or {}).items())]

@@ -94,17 +94,3 @@ def _check_at_start(**_kw):
         get_settings().check_time_limits()  # time limits out of order: ValueError
     except ValueError as exc:
         raise SystemExit(f"canvasq worker refusing to start: {exc}") from None
-
-
-@signals.worker_process_init.connect
-def _child_start(**_kw):
-    from canvasq.worker.engine import start_process
-
-    start_process()
-
-
-@signals.worker_process_shutdown.connect
-def _child_stop(**_kw):
-    from canvasq.worker.engine import stop_process
-
-    stop_process()

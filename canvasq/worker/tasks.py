@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from celery import signals
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 from redis.exceptions import ConnectionError as RedisConnectionError
 from sqlalchemy.exc import OperationalError
@@ -58,3 +59,20 @@ def process_chunk(self, chunk_id: str) -> dict:
             chunk_id, "timeout", f"soft time limit ({engine.settings.soft_time_limit}s) exceeded"
         )
         return {"chunk": chunk_id, "state": "timeout"}
+
+
+# A pool child's engine: started when the child starts (after the fork: no CUDA in the parent), stopped
+# when it ends. Here, not in celery_app, so the app (which producers import) knows nothing of the
+# engine; the worker imports this module (the app's `include`) before it forks its children.
+@signals.worker_process_init.connect
+def _child_start(**_kw):
+    from canvasq.worker.engine import start_process
+
+    start_process()
+
+
+@signals.worker_process_shutdown.connect
+def _child_stop(**_kw):
+    from canvasq.worker.engine import stop_process
+
+    stop_process()

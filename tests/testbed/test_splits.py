@@ -1,12 +1,12 @@
 """Splits by purpose: train, dev and eval disjoint by construction, and dev / eval free of the data the
 committed weights were trained on (the legacy streams, `ledger`). The full check of the committed
-filter (2.5 M problems drawn again, ~2 minutes) is `python -m canvasq.testbed.ledger check`."""
+filter (2.5 M problems drawn again, ~2 minutes) is `python -m canvasq.testbed.ledger_build check`."""
 
 import re
 
 import pytest
 
-from canvasq.testbed import ledger, tasks
+from canvasq.testbed import ledger, ledger_build, tasks
 
 FAMILIES = (*tasks.TASKS, *tasks.VARIANTS)
 # Legacy streams evaluation used to draw (seeds 1, 7, 21-23, ...): round 1's training streams.
@@ -135,11 +135,11 @@ def test_filter_built_from_a_list_holds_exactly_that_list(tmp_path):
     """build's vectorised probes and the lookup's agree; check finds nothing missing."""
     entries = (("arith", 424242, 3000), ("code", 424242, 200))
     path = tmp_path / "small.bloom"
-    bloom = ledger.build(path, workers=1, entries=entries)
+    bloom = ledger_build.build(path, workers=1, entries=entries)
     assert bloom.k == 7 and bloom.n >= 3100
-    report = ledger.check(path, workers=1, n_probes=20_000, entries=entries)
+    report = ledger_build.check(path, workers=1, n_probes=20_000, entries=entries)
     assert report["missing"] == 0 and report["list_matches"]
     assert report["false_positive_rate"] < 0.02
     loaded = ledger.Bloom.from_bytes(path.read_bytes())
-    assert all(x in loaded for x in ledger.legacy_training_prompts(entries))
-    assert not ledger.check(path, workers=1, n_probes=10, entries=entries[:1])["list_matches"]
+    assert all(x in loaded for x in ledger_build.legacy_training_prompts(entries))
+    assert not ledger_build.check(path, workers=1, n_probes=10, entries=entries[:1])["list_matches"]

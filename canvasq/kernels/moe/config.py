@@ -91,3 +91,29 @@ def get_config(num_tokens: int, top_k: int, packed: W4Experts, dtype: torch.dtyp
         return MoeLaunchConfig()
     above = [t for t in table if t >= num_tokens]
     return table[min(above)] if above else table[max(table)]
+
+
+def triton_constexprs(
+    which: str, cfg: MoeLaunchConfig, group: int, num_groups: int, k_width: int, dtype: torch.dtype,
+    compiled: bool,
+) -> dict:  # fmt: skip
+    """The constexprs `launch_matmul` gives kernels.py's `_w4_<which>_kernel` (also its compile spec)."""
+    return {
+        "GROUP": group,
+        "NUM_GROUPS": num_groups,
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": getattr(cfg, f"{which}_block_n"),
+        "DOT_PREC": "ieee" if dtype == torch.float32 else "tf32",
+        "DEQUANT": _dequant_mode(dtype, compiled),
+        "EVEN_K": k_width % group == 0,
+    }
+
+
+def _dequant_mode(dtype: torch.dtype, compiled: bool) -> int:
+    """kernels.py's DEQUANT for `dtype` operands: the magic-float OR, in inline PTX when compiled for a
+    GPU (fp16/bf16; the interpreter runs no PTX)."""
+    return _PTX_MODE[dtype] if compiled and dtype in _PTX_MODE else _MAGIC_MODE[dtype]
+
+
+_MAGIC_MODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+_PTX_MODE = {torch.float16: 4, torch.bfloat16: 5}

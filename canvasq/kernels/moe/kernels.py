@@ -423,8 +423,7 @@ def compile_specs(cfg=None, hidden: int = 2816, inter: int = 704):
     import torch
 
     from ..compile_spec import CompileSpec, pointers_and_strides
-    from .config import MoeLaunchConfig
-    from .launch import triton_constexprs
+    from .config import MoeLaunchConfig, triton_constexprs
 
     cfg = cfg or MoeLaunchConfig()
     routing = {"sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32"}

@@ -14,7 +14,7 @@ import triton
 
 from .._dispatch import auto_triton, can_launch, interpreted, pdl_kwargs
 from . import kernels as _k
-from .config import MoeLaunchConfig, get_config
+from .config import MoeLaunchConfig, get_config, triton_constexprs
 from .quant import W4Experts
 
 
@@ -151,16 +151,6 @@ def align_routing_reference(topk_ids: torch.Tensor, num_experts: int, block_m: i
     )
 
 
-def _dequant_mode(dtype: torch.dtype, compiled: bool) -> int:
-    """kernels.py's DEQUANT for `dtype` operands: the magic-float OR, in inline PTX when compiled for a
-    GPU (fp16/bf16; the interpreter runs no PTX)."""
-    return _PTX_MODE[dtype] if compiled and dtype in _PTX_MODE else _MAGIC_MODE[dtype]
-
-
-_MAGIC_MODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
-_PTX_MODE = {torch.float16: 4, torch.bfloat16: 5}
-
-
 @dataclass(frozen=True)
 class _Matmul:
     """What tells the two W4 matmuls apart for their launchers. `name` prefixes the pack's tensors
@@ -181,22 +171,6 @@ MATMULS = {
 def _out_shape(mm: _Matmul, meta: RoutingMeta, packed: W4Experts) -> tuple[int, int]:
     rows = meta.sorted_ids.numel() if mm.by_token else meta.num_assign
     return (rows, getattr(packed, mm.n_width))
-
-
-def triton_constexprs(
-    which: str, cfg: MoeLaunchConfig, group: int, num_groups: int, k_width: int, dtype: torch.dtype,
-    compiled: bool,
-) -> dict:  # fmt: skip
-    """The constexprs `launch_matmul` gives kernels.py's `_w4_<which>_kernel` (also its compile spec)."""
-    return {
-        "GROUP": group,
-        "NUM_GROUPS": num_groups,
-        "BLOCK_M": cfg.block_m,
-        "BLOCK_N": getattr(cfg, f"{which}_block_n"),
-        "DOT_PREC": "ieee" if dtype == torch.float32 else "tf32",
-        "DEQUANT": _dequant_mode(dtype, compiled),
-        "EVEN_K": k_width % group == 0,
-    }
 
 
 def _launch_triton(

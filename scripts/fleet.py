@@ -156,7 +156,7 @@ def one_count(
                     f"fleet: k={k} SIGKILLed worker 0 at {c['total'] - c['queued']}/{c['total']}",
                     file=sys.stderr,
                 )
-            time.sleep(0.5)
+            time.sleep(0.1)  # a small run can end within a few polls: a slower one missed the third
         wall = time.monotonic() - t_submit
         rep = collect(sc.store, run, ids)
         per_worker = tokens_by_worker(sc.store, run)

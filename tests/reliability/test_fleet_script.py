@@ -19,7 +19,7 @@ def test_fleet_dry_run_two_cpu_workers_one_killed(tmp_path):
             "--cpu",
             "2",
             "--requests",
-            "24",
+            "48",
             "--max-tokens",
             "64",
             "--chunk-size",
@@ -48,5 +48,5 @@ def test_fleet_dry_run_two_cpu_workers_one_killed(tmp_path):
     (run,) = rep["runs"]
     assert rep["device"] == "cpu" and run["workers"] == 2 and len(run["ready_s"]) == 2
     assert run["killed_at_s"] is not None, run  # the kill happened mid-run
-    assert run["ok"] and run["lost"] == run["duplicated"] == 0 and run["statuses"] == {"done": 24}, run
+    assert run["ok"] and run["lost"] == run["duplicated"] == 0 and run["statuses"] == {"done": 48}, run
     assert run["tokens"] > 0 and sum(run["tok_s_per_worker"].values()) > 0

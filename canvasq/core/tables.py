@@ -241,6 +241,8 @@ class ApiFile(Base):
     sha256: Mapped[str] = mapped_column(String(64))
     path: Mapped[str] = mapped_column(String(255))  # relative to the files directory
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    # past it the file is gone: no route finds it, and the server's finalizer deletes row and bytes
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime, index=True)
 
 
 class ApiBatch(Base):
@@ -257,6 +259,8 @@ class ApiBatch(Base):
     endpoint: Mapped[str] = mapped_column(String(64))
     completion_window: Mapped[str] = mapped_column(String(16))
     meta: Mapped[dict | None] = mapped_column(JSON)  # the batch's `metadata`
+    # `output_expires_after.seconds`: the output and error files expire that long after they are made
+    output_expires_s: Mapped[int | None] = mapped_column(Integer)
     errors: Mapped[list | None] = mapped_column(JSON)  # validation errors: [{code, line, message, param}]
     output_file_id: Mapped[str | None] = mapped_column(String(40))
     error_file_id: Mapped[str | None] = mapped_column(String(40))

@@ -29,6 +29,7 @@ from canvasq.serve.files import (
     UploadSink,
     boundary_of,
     check_declared_length,
+    expires_seconds,
     file_object,
 )
 from canvasq.serve.keys import Principal
@@ -47,7 +48,7 @@ class BatchCreate(BaseModel):
     endpoint: str
     completion_window: str = "24h"
     metadata: dict[str, str] | None = None
-    output_expires_after: dict | None = None  # accepted; outputs live until deleted
+    output_expires_after: dict | None = None  # {anchor: created_at, seconds}: the output files expire
     decoder: str | None = Field(
         None, description=f"canvasq: decoder for the batch (or metadata {DECODER_METADATA_KEY})"
     )
@@ -174,6 +175,14 @@ def _check_upload(sink: UploadSink) -> str:
     return filename
 
 
+def _upload_expiry(sink: UploadSink) -> int | None:
+    """The upload's `expires_after` policy (form fields `expires_after[anchor]`, `[seconds]`), or None."""
+    anchor, seconds = sink.fields.get("expires_after[anchor]"), sink.fields.get("expires_after[seconds]")
+    if anchor is None and seconds is None:
+        return None
+    return expires_seconds(anchor, seconds, "expires_after")
+
+
 def _upload_route(app: FastAPI, files: FileStore, settings: Settings, serve: ServeSettings) -> None:
     """POST /v1/files: streamed to a temporary file so an oversized upload is refused early."""
 
@@ -199,6 +208,7 @@ def _upload_route(app: FastAPI, files: FileStore, settings: Settings, serve: Ser
                 await anyio.to_thread.run_sync(sink.write, chunk)
             sink.finish()
             filename = _check_upload(sink)
+            expires_s = _upload_expiry(sink)
             row = await anyio.to_thread.run_sync(
                 lambda: files.add(
                     who.project,
@@ -208,6 +218,7 @@ def _upload_route(app: FastAPI, files: FileStore, settings: Settings, serve: Ser
                     nbytes=sink.bytes,
                     lines=sink.lines,
                     sha256=sink.sha.hexdigest(),
+                    expires_s=expires_s,
                 )
             )
         except BaseException:
@@ -256,6 +267,12 @@ def _file_routes(app: FastAPI, files: FileStore, settings: Settings, serve: Serv
 def _batch_routes(app: FastAPI, batches: Batches, serve: ServeSettings) -> None:
     @app.post("/v1/batches", summary="Create a batch from an uploaded file", response_model=Batch)
     def create_batch(body: BatchCreate, who: Who):
+        after = body.output_expires_after
+        expires_s = (
+            None
+            if after is None
+            else expires_seconds(after.get("anchor"), after.get("seconds"), "output_expires_after")
+        )
         return batches.create(
             who.project,
             input_file_id=body.input_file_id,
@@ -263,6 +280,7 @@ def _batch_routes(app: FastAPI, batches: Batches, serve: ServeSettings) -> None:
             completion_window=body.completion_window,
             metadata=body.metadata,
             decoder=body.decoder,
+            output_expires_s=expires_s,
         )
 
     @app.get("/v1/batches", summary="List batches, newest first", response_model=Page[Batch])

@@ -148,13 +148,17 @@ class Batches:
         completion_window: str,
         metadata: dict | None,
         decoder: str | None,
+        output_expires_s: int | None = None,
     ) -> Batch:
-        """POST /v1/batches: the request checked, a `validating` row, then its run or `failed`."""
+        """POST /v1/batches: the request checked, a `validating` row, then its run or `failed`;
+        `output_expires_s`: its output and error files expire that long after they are written."""
         window_s, metadata, decoder = check_request(
             endpoint, completion_window, metadata, decoder, self.serve.max_completion_window_s
         )
         f = self._input_file(project, input_file_id)
-        batch_id = self._insert_validating(project, f, endpoint, completion_window, metadata, window_s)
+        batch_id = self._insert_validating(
+            project, f, endpoint, completion_window, metadata, window_s, output_expires_s
+        )
         path = self.files.path_of(f)
         report = validate_file(path, self.limits)  # the same checks, line for line, as `canvasq submit`
         if not report.ok:
@@ -184,6 +188,7 @@ class Batches:
         completion_window: str,
         metadata: dict | None,
         window_s: int,
+        output_expires_s: int | None = None,
     ) -> str:
         """The batch row, committed before its file is checked so a GET meanwhile says `validating`."""
         now = utcnow()
@@ -199,6 +204,7 @@ class Batches:
                     meta=metadata,
                     created_at=now,
                     expires_at=now + timedelta(seconds=window_s),
+                    output_expires_s=output_expires_s,
                 )
             )
         return batch_id
@@ -346,6 +352,7 @@ class Batches:
                             sha256=_sha256(tmp),
                             file_id=fid,
                             session=s,
+                            expires_s=b.output_expires_s,
                         )
         finally:
             tmp_out.unlink(missing_ok=True)
@@ -415,7 +422,8 @@ class Batches:
 
 class Finalizer:
     """The server's writer of ended batches' files: a thread that runs `Batches.finalize_ended` at start
-    and every `every_s` seconds, so that no read has to write."""
+    and every `every_s` seconds, so that no read has to write; each pass also deletes the files past
+    their `expires_at` (`FileStore.delete_expired`)."""
 
     def __init__(self, batches: Batches, every_s: float):
         self.batches, self.every_s = batches, every_s
@@ -434,6 +442,7 @@ class Finalizer:
         while not self._stop.is_set():
             try:
                 self.batches.finalize_ended()
+                self.batches.files.delete_expired()
             except Exception as exc:  # noqa: BLE001 - a store or disk outage: the next pass tries again
                 log.warning("finalizing ended batches failed (%s); retrying in %.1f s", exc, self.every_s)
             self._stop.wait(self.every_s)

@@ -14,18 +14,19 @@ import hashlib
 import os
 import uuid
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import IO, cast, overload
 
 from python_multipart.multipart import MultipartParser, parse_options_header
-from sqlalchemy import delete, select
+from sqlalchemy import delete, or_, select
 
 from canvasq.core.tables import ApiFile, utcnow
 from canvasq.serve.objects import FileObject, FilePurpose
 
 MULTIPART_OVERHEAD = 64 * 1024  # boundaries, part headers and the small fields beside the file
 MAX_FIELD_BYTES = 4096  # `purpose` and any other non-file field
+MIN_EXPIRES_S, MAX_EXPIRES_S = 3600, 30 * 86400  # OpenAI's bounds of an `expires_after` policy
 
 
 class ApiError(Exception):
@@ -248,11 +249,14 @@ class FileStore:
         sha256: str,
         file_id: str | None = None,
         session=None,
+        expires_s: int | None = None,
     ) -> ApiFile:
-        """Move `tmp` into place and insert its row (in `session` when given, else its own)."""
+        """Move `tmp` into place and insert its row (in `session` when given, else its own); with
+        `expires_s`, the file expires that many seconds after it is made."""
         file_id = file_id or new_file_id()
         rel = f"{file_id}.jsonl"
         os.replace(tmp, self.root / rel)
+        now = utcnow()
         row = ApiFile(
             id=file_id,
             project=project,
@@ -262,7 +266,8 @@ class FileStore:
             lines=lines,
             sha256=sha256,
             path=rel,
-            created_at=utcnow(),
+            created_at=now,
+            expires_at=now + timedelta(seconds=expires_s) if expires_s is not None else None,
         )
         if session is not None:
             session.add(row)
@@ -273,13 +278,13 @@ class FileStore:
 
     def get(self, project: str, file_id: str) -> ApiFile | None:
         with self.store.Session() as s:
-            return s.scalar(select(ApiFile).where(ApiFile.id == file_id, ApiFile.project == project))
+            return s.scalar(select(ApiFile).where(ApiFile.id == file_id, ApiFile.project == project, _live()))
 
     def list(
         self, project: str, *, after: str | None, limit: int, order: str, purpose: str | None
     ) -> tuple[list[ApiFile], bool]:
         with self.store.Session() as s:
-            q = select(ApiFile).where(ApiFile.project == project)
+            q = select(ApiFile).where(ApiFile.project == project, _live())
             if purpose:
                 q = q.where(ApiFile.purpose == purpose)
             if after:
@@ -300,6 +305,38 @@ class FileStore:
         (self.root / row.path).unlink(missing_ok=True)
         return True
 
+    def delete_expired(self) -> int:
+        """Delete every file (any project) past its `expires_at`, row and bytes; returns how many."""
+        with self.store.Session.begin() as s:
+            rows = list(s.scalars(select(ApiFile).where(ApiFile.expires_at <= utcnow())))
+            if rows:
+                s.execute(delete(ApiFile).where(ApiFile.seq.in_([r.seq for r in rows])))
+        for row in rows:
+            (self.root / row.path).unlink(missing_ok=True)
+        return len(rows)
+
+
+def _live():
+    """The files not yet expired (an expired file is gone for every route, deleted or not yet)."""
+    return or_(ApiFile.expires_at.is_(None), ApiFile.expires_at > utcnow())
+
+
+def expires_seconds(anchor: object, seconds: object, param: str) -> int:
+    """An `expires_after` policy ({anchor: "created_at", seconds: 3600 .. 2592000}) checked: its seconds."""
+    if anchor != "created_at":
+        raise ApiError(400, f"{param}.anchor must be 'created_at', got {anchor!r}", param=f"{param}.anchor")
+    try:
+        secs = int(str(seconds))
+    except ValueError:
+        secs = -1
+    if not MIN_EXPIRES_S <= secs <= MAX_EXPIRES_S:
+        raise ApiError(
+            400,
+            f"{param}.seconds must be an integer from {MIN_EXPIRES_S} to {MAX_EXPIRES_S}, got {seconds!r}",
+            param=f"{param}.seconds",
+        )
+    return secs
+
 
 def file_object(f: ApiFile) -> FileObject:
     return FileObject(
@@ -308,6 +345,7 @@ def file_object(f: ApiFile) -> FileObject:
         created_at=unix_ts(f.created_at),
         filename=f.filename,
         purpose=cast(FilePurpose, f.purpose),
+        expires_at=unix_ts(f.expires_at),
     )  # the column holds only what `add` was given
 
 

@@ -37,7 +37,14 @@ def _require_sandbox(tasks: list[str]) -> None:
     help="Repeatable (default: arith and code; long: arith's 6+ canvas variant, give it --max-tokens 384).",
 )
 @click.option("--n", default=20, show_default=True, help="Problems per task per seed.")
-@click.option("--seeds", default="1", show_default=True, help="Comma-separated seeds (eval split).")
+@click.option("--seeds", default="1", show_default=True, help="Comma-separated seeds (of --split).")
+@click.option(
+    "--split",
+    type=click.Choice(["eval", "dev"]),
+    default="eval",
+    show_default=True,
+    help="The testbed's problem split: eval to report, dev to tune on.",
+)
 @click.option("--batch-size", default=8, show_default=True, help="Prompts per run_batch call.")
 @click.option("--max-tokens", default=128, show_default=True)
 @click.option("--baseline", default=None, help="Arm label the ratios refer to (default: the first arm).")
@@ -51,6 +58,7 @@ def bench(
     task_names,
     n,
     seeds,
+    split,
     batch_size,
     max_tokens,
     baseline,
@@ -97,6 +105,7 @@ def bench(
         calibration=calibration,
         budget=budget,
         suite=testbed_tasks,
+        split=split,
     )
     md, png = B.save(report, Path(out_dir), baseline)
     click.echo(md.read_text())

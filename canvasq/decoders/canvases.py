@@ -237,7 +237,8 @@ def turnover(dec: PipeDecoder, s: Seq) -> list[tuple]:
         if not s.canvases:
             dec.spawn(s)
         elif len(s.canvases) < cfg.max_canvases:
-            warm = s.canvases[-1].decoded >= cfg.spawn_threshold
+            last = s.canvases[-1]  # a revising front's share of confident positions counts (front.py)
+            warm = max(last.decoded, last.settled) >= cfg.spawn_threshold
             if warm or dec.early_spawn(s):
                 s.stats["early_spawns"] += int(not warm)
                 dec.spawn(s)

@@ -13,6 +13,7 @@ from typing import Any
 EXPERTS = ("bf16", "w4")
 RENOISE = ("argmax", "mix")
 PROMOTE = ("arena", "simple")
+FRONT = ("commit", "revise")
 GRAPHS = ("auto", "on", "off")
 
 # Row counts below (early_spawn_rows, commit_window) are the seeds' values for DiffusionGemma's
@@ -134,6 +135,13 @@ class PipeConfig:
     # predecessor; off, they graduate to semi at τ_add and full at τ_act as in the seed (whose
     # 256-token canvases an answer rarely crosses; the testbed's 32-token ones it crosses 3-4 times).
     draft_only: bool = True
+    # The front canvas's commits (issue 35): "commit" (D2F's: a position that clears τ_conf is final,
+    # forced accept on a stalled front); "revise" (the native sampler's way: every position of the front
+    # is re-decided each step and the canvas is accepted whole once every position clears τ_conf with
+    # its argmax unchanged from the step before, or after `front_wait` steps as the front; the canvases
+    # behind stay drafts, so pipelining only warms the next canvas). decoders/front.py
+    front: str = "commit"
+    front_wait: int = 16  # "revise": steps as the front after which its argmax is accepted as it is
     self_conditioning: bool = True
     sc_topk: int | None = None  # top-k self-conditioning projection; None = full vocabulary
     adapter: bool = True  # decode with the D2F LoRA merged (`bundle.d2f_model()`)
@@ -172,6 +180,11 @@ class PipeConfig:
             raise ValueError(f"sc_topk must be ≥ 1 or None, got {self.sc_topk}")
         if self.jacobi_window < 1:
             raise ValueError("jacobi_window must be ≥ 1")
+        _check_choice("front", self.front, FRONT)
+        if self.front_wait < 1:
+            raise ValueError(f"front_wait must be ≥ 1, got {self.front_wait}")
+        if self.front == "revise" and not self.draft_only:
+            raise ValueError("front='revise' needs draft_only=True: a canvas behind the front never commits")
 
     @property
     def spawn_threshold(self) -> float:

@@ -18,8 +18,9 @@ front), argmax renoise of the rest (or mix mode; Jacobi random restart after 8 s
 commit), self-conditioning for the next step, then retire (a finished front canvas is written to
 the cache by an encoder pass — one more forward — unless the answer ends there), then spawn.
 
-Committed tokens never change (D2F commits are final). The answer ends at the first committed EOS
-whose prefix is committed, or when the committed prefix covers max_tokens.
+Committed tokens never change (D2F commits are final). With `front="revise"` the front commits
+nothing until it is accepted whole, the native sampler's way (decoders/front.py). The answer ends at
+the first committed EOS whose prefix is committed, or when the committed prefix covers max_tokens.
 
 This module is the strategy: which rows commit (`_commits`), renoise and restart (`_update_canvas`,
 `_jacobi_restart`) and the hooks the funnel overrides. The canvas pipeline's mechanics — the
@@ -35,6 +36,7 @@ from canvasq.decoders import canvases
 from canvasq.decoders.base import StepDecoder
 from canvasq.decoders.canvases import CanvasOut, Part
 from canvasq.decoders.configs import PipeConfig, canvas_rows
+from canvasq.decoders.front import accept, extra_steps, revising
 from canvasq.decoders.state import Canvas, Seq
 
 
@@ -90,6 +92,9 @@ class PipeDecoder(StepDecoder):
     def early_spawn(self, s: Seq) -> bool:
         return False
 
+    def step_budget(self, seqs: list[Seq]) -> int:
+        return super().step_budget(seqs) + extra_steps(self, seqs)
+
     # -- one step ---------------------------------------------------------------------------------
     def step(self, seqs: list[Seq]) -> None:
         """One forward over every sequence's live canvases, each canvas updated from its logits, then
@@ -132,7 +137,11 @@ class PipeDecoder(StepDecoder):
         open_ = ~cv.committed[idx]
         if cv.pending is not None:
             open_ &= ~cv.pending[idx]
-        newly = self._commits(s, co, open_) if cv.state != "draft" else torch.zeros_like(open_)
+        front = revising(self, s, cv)  # front="revise": decoders/front.py
+        if front:
+            newly = accept(self, s, co, open_)
+        else:
+            newly = self._commits(s, co, open_) if cv.state != "draft" else torch.zeros_like(open_)
         if cfg.tau_eos is not None and cfg.eos_streak:  # this step's argmax-EOS, for the next step
             if cv.prev_eos is None:
                 cv.prev_eos = torch.zeros(cv.length, dtype=torch.bool, device=self.device)
@@ -141,7 +150,7 @@ class PipeDecoder(StepDecoder):
         cv.tokens[idx[newly]] = co.arg[newly]
         n_new = int(newly.sum())
         s.stats["commits"] += n_new
-        restart = self._jacobi_restart(s, cv, n_new)
+        restart = not front and self._jacobi_restart(s, cv, n_new)
         still = open_ & ~newly
         mix = cfg.mix_fraction if cfg.renoise == "mix" else None
         canvases.renoise(cv, idx[still], co.arg[still], s.gen, self.rt.vocab_size, mix, restart)

@@ -88,6 +88,11 @@ class Canvas:
     # rows that have it)
     sc: Any = None
     prev_eos: torch.Tensor | None = None  # bool: argmax was EOS on the previous step (EOS streak)
+    # a revising front (pipe / funnel `front="revise"`): its steps as the front, the share of its
+    # positions that cleared τ_conf on the last one, and which ones (decoders/front.py)
+    front_steps: int = 0
+    settled: float = 0.0
+    sure: torch.Tensor | None = None
 
     @property
     def length(self) -> int:

@@ -16,9 +16,10 @@ one. Under `front="revise"` the front canvas finishes the way the native sampler
   when the share of the front's positions that cleared τ_conf on its last step (`Canvas.settled`)
   reaches the spawn threshold, as a committing front's decode fraction does.
 
-The front is the first canvas of a sequence with an open position: with Funnel an accepted canvas
-rides one more step to promote its rows (promote one step late), and the canvas behind it is the
-front for that step already. An accepted canvas's commits are ordinary commits from then on (the
+The front is the first canvas of a sequence with an open position, decided as the step's canvases
+are updated in order: the canvas behind one accepted on this step is the front for this step's logits
+already (they saw the accepted canvas's input, its final tokens when the rule accepted it), and with
+Funnel, whose accepted canvas rides one more step to promote its rows, for that step too. An accepted canvas's commits are ordinary commits from then on (the
 pipe's retire pass, Funnel's promotion and free retire).
 
 Counters (`DecodeResult.stats`): `front_accepts` (canvases accepted by the rule), `front_timeouts`
@@ -40,14 +41,13 @@ if TYPE_CHECKING:
 
 
 def revising(dec: PipeDecoder, s: Seq, cv: Canvas) -> bool:
-    """Whether `cv` is a revising front: `front="revise"` and every canvas before it fully committed."""
+    """Whether `cv` is a revising front: `front="revise"`, every canvas before it fully committed and
+    `cv` not (Funnel's accepted canvas rides one more step, to promote)."""
     if dec.config.front != "revise":
         return False
     for c in s.canvases:
-        if c is cv:
-            return True
         if not bool(c.committed.all()):
-            return False
+            return c is cv
     return False
 
 

@@ -5,7 +5,7 @@ token limit, stop sequences, and every other parameter honoured or refused by na
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
@@ -41,6 +41,7 @@ class ChatBody(BaseModel):
     max_completion_tokens: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     metadata: dict[str, StrictStr] | None = None
+    response_format: Any = None  # judged by `core.response_format.line_response_format`
 
 
 # Body parameters that change nothing canvasq generates (accepted), and the values of sampling

@@ -27,6 +27,16 @@ from canvasq.core.submission import Submission
 from canvasq.core.tables import Chunk, ForwardTraceRow, Output, Request, Run, utcnow
 from canvasq.core.workers import WorkerLiveness
 
+# a claimed row's columns, in `ClaimedRequest`'s field order
+CLAIMED_COLUMNS = (
+    Request.custom_id,
+    Request.prompt,
+    Request.task,
+    Request.max_tokens,
+    Request.decoder,
+    Request.response_format,
+)
+
 
 def _not_a_delivery(s: Session, chunk: Chunk, run: Run, worker_id: str, now: datetime) -> ClaimedChunk | None:
     """A message that is not a delivery, so nothing is counted or changed: a finished chunk's duplicate
@@ -97,7 +107,7 @@ class QueueStore(Submission, RunControl, WorkerLiveness):
                     .values(status=RunStatus.running, started_at=now, updated_at=now)
                 )
             reqs = s.execute(
-                select(Request.custom_id, Request.prompt, Request.task, Request.max_tokens, Request.decoder)
+                select(*CLAIMED_COLUMNS)
                 .where(Request.chunk_id == chunk_id, Request.status == RequestStatus.queued)
                 .order_by(Request.line_no)
             ).all()
@@ -185,7 +195,7 @@ class QueueStore(Submission, RunControl, WorkerLiveness):
             if rowcount(res) != 1:  # claimed by another worker between the read and the write
                 return None
             reqs = s.execute(
-                select(Request.custom_id, Request.prompt, Request.task, Request.max_tokens, Request.decoder)
+                select(*CLAIMED_COLUMNS)
                 .where(Request.chunk_id == cid, Request.status == RequestStatus.queued)
                 .order_by(Request.line_no)
             ).all()

@@ -58,6 +58,7 @@ class ClaimedRequest:
     task: str | None
     max_tokens: int
     decoder: str | None
+    response_format: dict | None = None  # the JSON schema the output must follow (None: free text)
 
 
 @dataclass

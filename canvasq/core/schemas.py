@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationErro
 
 from canvasq.core.models import PromptTokens, model_context
 from canvasq.core.openai_body import MAX_STOP, ChatBody, body_param_errors
+from canvasq.core.response_format import line_response_format, schema_min_tokens
 from canvasq.core.settings import DECODERS, RANDOM_MODELS, TASKS, Settings, model_name
 from canvasq.decoders.types import token_budget_error
 
@@ -82,6 +83,7 @@ class SimpleLine(BaseModel):
     decoder: StrictStr | None = None
     model: StrictStr | None = None
     stop: StrictStr | list[StrictStr] | None = None
+    response_format: Any = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ class Job:
     decoder: str | None  # None: the run's decoder
     line_no: int
     stop: tuple[str, ...] = ()  # stop sequences: the text is cut before the first (finish_reason "stop")
+    response_format: dict | None = None  # the JSON schema the output must follow (core.response_format)
 
 
 # ---------------------------------------------------------------------------------------- validation
@@ -165,6 +168,7 @@ class Limits:
     canvas_length: int = 1  # the answer is generated in canvases: max_tokens counts rounded up to them
     prompt_tokens: PromptTokens | None = None  # None: the prompt's share of the context is not checked
     model_aliases: frozenset[str] = frozenset()  # accepted values of a line's "model" (empty: any)
+    schema_tokens: Callable[[dict], int] | None = None  # a schema's shortest document in tokens, EOS included
 
     @classmethod
     def for_model(cls, settings: Settings, model: str | None = None) -> Limits:
@@ -182,6 +186,7 @@ class Limits:
             canvas_length=ctx.canvas_length,
             prompt_tokens=ctx.prompt_tokens,
             model_aliases=frozenset(aliases),
+            schema_tokens=schema_min_tokens(spec),
         )
 
 
@@ -319,6 +324,10 @@ def parse_line(obj: Any, line_no: int, limits: Limits) -> tuple[Job | None, list
 
     max_tokens, max_tokens_errors = _checked_max_tokens(max_tokens, limits)
     errors += max_tokens_errors
+    fmt = line.response_format if isinstance(line, SimpleLine) else line.body.response_format
+    counter = None if max_tokens_errors else limits.schema_tokens
+    schema, decoder, fmt_errors = line_response_format(fmt, line.decoder, max_tokens, counter)
+    errors += fmt_errors
     if not prompt_errors and not max_tokens_errors:  # what the decoder will see: does it fit its context?
         budget = prompt_budget_error(prompt, max_tokens, limits)
         errors += [budget] if budget else []
@@ -326,7 +335,7 @@ def parse_line(obj: Any, line_no: int, limits: Limits) -> tuple[Job | None, list
         return None, errors
     if task is None:
         task = infer_task(prompt)
-    return Job(cid, prompt, task, max_tokens, line.decoder, line_no, stops), []
+    return Job(cid, prompt, task, max_tokens, decoder, line_no, stops, schema), []
 
 
 def _read_lines(fh, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:

@@ -57,6 +57,7 @@ def _insert_rows(
                 "max_tokens": job.max_tokens,
                 "decoder": job.decoder,
                 "stop": list(job.stop) or None,
+                "response_format": job.response_format,
                 "chunk_id": chunk_ids[seq],
                 "status": RequestStatus.queued,
                 "updated_at": now,

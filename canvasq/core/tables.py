@@ -98,6 +98,9 @@ class Request(Base):
     max_tokens: Mapped[int] = mapped_column(Integer)
     decoder: Mapped[str | None] = mapped_column(String(32))
     stop: Mapped[list | None] = mapped_column(JSON)  # stop sequences, applied to the text on export
+    response_format: Mapped[dict | None] = mapped_column(
+        JSON
+    )  # the JSON schema of the output (migration 0008)
     chunk_id: Mapped[str | None] = mapped_column(ForeignKey("chunks.id", ondelete="SET NULL"), index=True)
     status: Mapped[str] = mapped_column(String(16), default="queued")
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)

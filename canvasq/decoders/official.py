@@ -42,6 +42,7 @@ import torch
 
 from canvasq.decoders.base import StepDecoder
 from canvasq.decoders.configs import OfficialConfig
+from canvasq.decoders.constrained import CanvasConstraints
 from canvasq.decoders.sampling import (
     SamplerSettings,
     SlotState,
@@ -84,6 +85,9 @@ class OfficialDecoder(StepDecoder):
             self._zero_sc = ((ids, ids.to(self.rt.dtype)), off)
         self._slots: SlotState | None = None
         self._spawned: list[tuple[Seq, Canvas]] = []  # canvases whose slot state is reset next step
+        self.constraints = CanvasConstraints(
+            bundle, self.C, self.V, self.device
+        )  # rows with a response_format
 
     # -- hooks of the base loop -------------------------------------------------------------------
     def generator(self, seed: int, custom_id: str) -> torch.Generator:
@@ -109,13 +113,18 @@ class OfficialDecoder(StepDecoder):
         S = self.sampler.stability_threshold or 0
         self._slots = SlotState(slots, self.C, S, self._k, self.V, self.rt.dtype, self.device)
         self._spawned = []
+        self.constraints.reset()
 
     def spawn(self, s: Seq) -> Canvas:
         """A new canvas x_T ~ U(V) from the request's generator (HF: `initialize_canvas`); its slot's
         denoising state is reset at the next step (`_begin`)."""
         cv = super().spawn(s)
         self._spawned.append((s, cv))
+        self.constraints.begin(s, cv)
         return cv
+
+    def _result(self, s: Seq):
+        return self.constraints.checked(s, super()._result(s))
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self, seqs: list[Seq]) -> None:
@@ -125,6 +134,7 @@ class OfficialDecoder(StepDecoder):
         with self.timed() as t:
             out = self.forward(windows)
         logits, idx = out.logits.view(len(seqs), self.C, self.V), self.slot_index(seqs)
+        self.constraints.mask(seqs, logits)
         group = len(seqs) if self._one_group else max(1, _GROUP_BYTES // (4 * self.C * self.V))
         parts = [
             self._sample(seqs[g : g + group], idx[g : g + group], logits[g : g + group])
@@ -138,9 +148,11 @@ class OfficialDecoder(StepDecoder):
         self.record(
             "decode", t.ms, rows, {s.row: c for s, c in zip(seqs, counts)}, dict.fromkeys(rows, "full")
         )
-        finished = [s for s, d in zip(seqs, done) if d]
-        if finished:  # the canvases' tokens: their last argmax
-            self.retire_canvases(finished, self.slots.argmax[self.slot_index(finished)].tolist())
+        at = [b for b, d in enumerate(done) if d]
+        if at:  # the canvases' tokens: their last argmax (a constrained row's: its best valid path)
+            finished = [seqs[b] for b in at]
+            tokens = self.slots.argmax[self.slot_index(finished)].tolist()
+            self.retire_canvases(finished, self.constraints.final(finished, logits, at, tokens))
 
     def _begin(self) -> list[tuple[Seq, Canvas]]:
         """The canvases spawned since the last step: their slots' state reset (one scatter each)."""

@@ -28,6 +28,7 @@ class DecodeRequest:
     prompt_ids: list[int]
     max_tokens: int
     task: str | None = None  # "math" / "code" / None: used by routing only
+    response_format: dict | None = None  # the JSON schema the answer must follow (official only)
 
 
 @dataclass
@@ -70,6 +71,7 @@ class DecodeResult:
     decoder: str = ""  # the strategy that produced it ("official", "pipe", "funnel")
     # mechanism counters of step decoders (forced_accepts, jacobi_restarts, eos_priority, ...)
     stats: dict[str, int] = field(default_factory=dict)
+    error_code: str | None = None  # the error's code where it is not a plain decode error
 
 
 CANCELLED = FinishReason.cancelled  # `error` and `finish_reason` of rows stopped by `should_stop`

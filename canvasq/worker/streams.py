@@ -49,7 +49,7 @@ def result_record(res: DecodeResult, gen_ms: float, decoder: str) -> ResultRecor
     if res.error == CANCELLED:
         status, code = RequestStatus.cancelled, "cancelled"
     elif res.error:
-        status, code = RequestStatus.errored, "decode_error"
+        status, code = RequestStatus.errored, res.error_code or "decode_error"
     else:
         status, code = RequestStatus.done, None
     traces = [
@@ -86,9 +86,20 @@ def tokenize(
     """DecodeRequests, and an errored record for each row the tokenizer fails on (that row only)."""
     bundle, reqs, records = engine.bundle, [], []
     for r in rows:
+        if r.response_format is not None and decoder != "official":  # validation sends them to official
+            records.append(
+                ResultRecord(
+                    r.custom_id,
+                    status=RequestStatus.errored,
+                    error_code="unsupported_response_format",
+                    error_message=f"response_format is supported by the official decoder only, not {decoder!r}",
+                    decoder=decoder,
+                )
+            )
+            continue
         try:
             ids = bundle.encode_prompt(r.prompt, r.task)
-            reqs.append(DecodeRequest(r.custom_id, list(ids), r.max_tokens, r.task))
+            reqs.append(DecodeRequest(r.custom_id, list(ids), r.max_tokens, r.task, r.response_format))
         except engine.interrupts:
             raise
         except Exception as exc:  # noqa: BLE001 - a row the tokenizer refuses errors alone

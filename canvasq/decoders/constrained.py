@@ -1,0 +1,136 @@
+"""`official`'s structured output: the rows with a `response_format` schema held to it, canvas by canvas
+(`decoders.structured` has the method). The decoder calls four hooks:
+
+- `begin(s, cv)` when a row's canvas is spawned: the canvas's token masks from the automaton state its
+  committed answer reached and the answer tokens left (`Grammar.plan`), put on the device;
+- `mask(seqs, logits)` after each decoder forward: every constrained row's logits outside its masks set
+  to `NEG` in place, so the sampler's draws, argmax, entropies (the acceptance and stopping rules) and
+  self-conditioning all see only tokens some valid completion allows (scaffold positions have one
+  token: entropy 0, accepted at the first step);
+- `final(finished, logits, tokens)` when canvases stop: a constrained row's tokens are the best
+  completable path under its last logits (`Grammar.best`), not the per-position argmax;
+- `checked(s, result)` for every finished row: its text parsed and validated against the schema
+  (jsonschema); a row that fails is an error with code `invalid_structured_output` (it cannot happen
+  by construction; the check makes sure), never a done row with invalid JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from canvasq.decoders.state import Canvas, Seq
+from canvasq.decoders.structured import (
+    Grammar,
+    TokenTexts,
+    Unfinishable,
+    cached_grammar,
+    output_problem,
+    token_texts,
+)
+from canvasq.decoders.types import DecodeResult, FinishReason
+
+NEG = -1.0e9  # a masked logit: no probability, finite through temperature and entropy arithmetic
+UNFINISHABLE = "structured_output_unfinishable"
+INVALID = "invalid_structured_output"
+
+
+@dataclass
+class RowGrammar:
+    grammar: Grammar
+    state: int  # the automaton's state after the committed answer
+    masks: torch.Tensor | None = None  # [C, V] bool on the device: the front canvas's allowed tokens
+
+
+def bundle_texts(bundle) -> TokenTexts:
+    """The bundle's token texts (its directory's `tokenizer.json`; the testbed's for random weights)."""
+    from canvasq.model.loading import DEFAULT_MODEL_DIR
+
+    path = Path(bundle.spec) / "tokenizer.json"
+    if not path.is_file():
+        path = DEFAULT_MODEL_DIR / "tokenizer.json"
+    return token_texts(str(path), bundle.eos_id, bundle.pad_id)
+
+
+class CanvasConstraints:
+    """Per-row automata of one decoder's stream (keyed by `Seq.row`)."""
+
+    def __init__(self, bundle, C: int, V: int, device: torch.device):
+        self.bundle, self.C, self.V, self.device = bundle, C, V, device
+        self._texts: TokenTexts | None = None
+        self.rows: dict[int, RowGrammar] = {}
+
+    def texts(self) -> TokenTexts:
+        if self._texts is None:
+            self._texts = bundle_texts(self.bundle)
+        return self._texts
+
+    def reset(self) -> None:
+        self.rows = {}
+
+    def begin(self, s: Seq, cv: Canvas) -> None:
+        schema = s.req.response_format
+        if schema is None or s.done:
+            return
+        row = self.rows.get(s.row)
+        if row is None:
+            row = self.rows[s.row] = RowGrammar(cached_grammar(schema, self.texts()), 0)
+            row.state = row.grammar.start
+        budget = s.req.max_tokens - cv.index * self.C
+        try:
+            plan = row.grammar.plan(row.state, self.C, budget)
+        except Unfinishable as exc:
+            s.error, s.done = f"{UNFINISHABLE}: {exc}", True
+            return
+        masks = np.zeros(
+            (self.C, self.V), dtype=bool
+        )  # the model's vocabulary may be padded past the tokenizer's
+        masks[:, : plan.shape[1]] = plan
+        row.masks = torch.from_numpy(masks).to(self.device)
+
+    def mask(self, seqs: list[Seq], logits: torch.Tensor) -> None:
+        """logits [B, C, V] of `seqs`' front canvases, masked in place for the constrained rows."""
+        for b, s in enumerate(seqs):
+            row = self.rows.get(s.row)
+            if row is not None and row.masks is not None:
+                logits[b].masked_fill_(~row.masks, NEG)
+
+    def final(self, finished: list[Seq], logits: torch.Tensor, rows: list[int], tokens: list[list[int]]):
+        """The stopped canvases' tokens (`rows`: each one's index in `logits` [B, C, V]), the
+        constrained rows' replaced by their best completable path."""
+        out = []
+        for s, b, toks in zip(finished, rows, tokens):
+            row = self.rows.get(s.row)
+            if row is None:
+                out.append(toks)
+                continue
+            logp = torch.log_softmax(logits[b].float(), dim=-1).cpu().numpy()
+            budget = s.req.max_tokens - s.canvases[0].index * self.C
+            try:
+                best, row.state = row.grammar.best(row.state, logp.astype(np.float64), budget)
+            except Unfinishable as exc:  # begin's plan said otherwise: a bug, the row ends in error
+                s.error, s.done = f"{UNFINISHABLE}: {exc}", True
+                best = toks
+            s.stats["constrained_canvases"] += 1
+            s.stats["constrained_changed"] += sum(a != b for a, b in zip(best, toks))
+            out.append(best)
+        return out
+
+    def checked(self, s: Seq, res: DecodeResult) -> DecodeResult:
+        """`res` of a finished row; a constrained one validated against its schema."""
+        self.rows.pop(s.row, None)
+        schema = s.req.response_format
+        if schema is None:
+            return res
+        if res.error is not None:
+            if res.error.startswith(UNFINISHABLE):
+                res.error_code = UNFINISHABLE
+            return res
+        problem = output_problem(res.text, schema)
+        if problem is not None or res.finish_reason != FinishReason.stop:
+            res.error = f"{INVALID}: {problem or 'the document did not end'}"
+            res.error_code, res.finish_reason = INVALID, FinishReason.error
+        return res

@@ -1,0 +1,150 @@
+"""Structured output on canvases (issue 36): a schema's token automaton over the testbed's tokenizer,
+the per-canvas masks (`Grammar.plan`) and the best completable path (`Grammar.best`), chained canvas by
+canvas as `official` chains them; then `official` itself on the trained testbed with schemas: every
+finished row parses and validates."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from canvasq.decoders import DecodeBatch, DecodeRequest, run_batch
+from canvasq.decoders.constrained import INVALID, CanvasConstraints
+from canvasq.decoders.structured import Unfinishable, compile_grammar, token_texts
+from canvasq.decoders.types import DecodeResult
+from canvasq.model.loading import load_bundle
+from canvasq.testbed import tasks
+from tests.decoders.helpers import TESTBED_DIR
+
+TOKENIZER = str(TESTBED_DIR / "tokenizer.json")
+C = 32
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"type": "integer"}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+SIGN = {
+    "type": "object",
+    "properties": {"sign": {"enum": ["up", "down", "same"]}, "ok": {"type": "boolean"}},
+    "required": ["sign", "ok"],
+    "additionalProperties": False,
+}
+NESTED = {
+    "type": "object",
+    "properties": {
+        "steps": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"op": {"enum": ["+", "-"]}, "n": {"type": "integer"}},
+                "required": ["op", "n"],
+                "additionalProperties": False,
+            },
+            "maxItems": 4,
+        },
+        "note": {"type": "string", "maxLength": 12},
+    },
+    "required": ["steps", "note"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def texts():
+    return token_texts(TOKENIZER)
+
+
+def _chain(grammar, logprobs: np.ndarray, budget: int) -> list[int]:
+    """Canvases of C positions chained as `official` chains them: plan, best, next state."""
+    state, out = grammar.start, []
+    for k in range(0, logprobs.shape[0], C):
+        masks = grammar.plan(state, C, budget - k)
+        toks, state = grammar.best(state, logprobs[k : k + C], budget - k)
+        assert all(masks[i, t] for i, t in enumerate(toks))  # the path keeps to the masks
+        out += toks
+    return out
+
+
+def _text(ids: list[int], texts) -> str:
+    end = ids.index(texts.eos)
+    assert all(t in (texts.eos, texts.pad) for t in ids[end:])
+    return Tokenizer.from_file(TOKENIZER).decode(ids[:end])
+
+
+@pytest.mark.parametrize("schema", [ANSWER, SIGN, NESTED], ids=["integer", "enum", "nested"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_any_logits_give_a_valid_document_within_the_budget(texts, schema, seed):
+    g = compile_grammar(schema, texts)
+    budget = max(3 * C, g.min_tokens)
+    rng = np.random.default_rng(seed)
+    logprobs = np.log(rng.dirichlet(np.full(len(texts.texts), 0.05), size=-(-budget // C) * C) + 1e-30)
+    ids = _chain(g, logprobs, budget)
+    assert texts.eos in ids[:budget]
+    jsonschema.validate(json.loads(_text(ids, texts)), schema)
+
+
+def test_the_most_likely_valid_document_is_chosen(texts):
+    """Log-probs peaked on a valid document (one near-tie digit the other way) give exactly it."""
+    g = compile_grammar(ANSWER, texts)
+    tk = Tokenizer.from_file(TOKENIZER)
+    want = tk.encode('{"answer":36}', add_special_tokens=False).ids + [texts.eos]
+    logprobs = np.full((C, len(texts.texts)), -20.0)
+    for i, t in enumerate(want):
+        logprobs[i, t] = -0.1
+    logprobs[len(want) :, texts.pad] = -0.1
+    logprobs[len(want) - 2, tk.token_to_id("7")] = -0.05  # a digit where '}' must come: argmax breaks it
+    argmax = logprobs.argmax(axis=1).tolist()
+    assert tk.decode(argmax[: argmax.index(texts.eos)]) == '{"answer":367'  # not JSON
+    ids, end = g.best(g.start, logprobs, 64)
+    assert end == g.done and _text(ids, texts) == '{"answer":36}'
+
+
+def test_no_room_is_unfinishable(texts):
+    g = compile_grammar(ANSWER, texts)
+    assert g.min_tokens < len('{"answer":0}') + 1  # multi-character tokens ("an", "sw", "er"), and EOS
+    with pytest.raises(Unfinishable):
+        g.plan(g.start, C, g.min_tokens - 1)
+    with pytest.raises(Unfinishable):
+        g.best(g.start, np.zeros((C, len(texts.texts))), g.min_tokens - 1)
+    ids, _ = g.best(g.start, np.zeros((C, len(texts.texts))), g.min_tokens)  # exactly enough
+    assert ids.index(texts.eos) == g.min_tokens - 1 and json.loads(_text(ids, texts)) == {"answer": 0}
+
+
+@pytest.fixture(scope="module")
+def testbed():
+    return load_bundle()
+
+
+def test_official_rows_follow_their_schemas(testbed):
+    problems = tasks.generate("arith", 3, 5, split="eval")
+    schemas = [ANSWER, SIGN, None]
+    reqs = [
+        DecodeRequest(p.uid, testbed.encode_prompt(p.prompt, "arith"), 2 * C, "arith", schema)
+        for p, schema in zip(problems, schemas)
+    ]
+    res = run_batch(testbed, DecodeBatch(reqs, seed=1), decoder="official", overrides={"cuda_graphs": "off"})
+    for r, schema in zip(res, schemas):
+        assert r.error is None, r
+        if schema is not None:
+            assert r.finish_reason == "stop", r
+            jsonschema.validate(json.loads(r.text), schema)
+            assert r.stats["constrained_canvases"] >= 1
+        else:  # its neighbours' constraints leave it alone
+            assert "constrained_canvases" not in r.stats and not r.text.startswith("{")
+
+
+def test_an_invalid_document_is_an_error_not_a_done_row(testbed):
+    checks = CanvasConstraints(testbed, C, len(token_texts(TOKENIZER).texts), testbed.hf_model.device)
+
+    class Row:
+        row, req = 0, DecodeRequest("x", [1], C, None, ANSWER)
+
+    bad = checks.checked(Row(), DecodeResult("x", [5], '{"answer":"4"}', "stop", 3, 4))  # type: ignore[arg-type]
+    assert bad.error_code == INVALID and bad.finish_reason == "error" and "does not match" in bad.error
+    good = checks.checked(Row(), DecodeResult("x", [5], '{"answer":4}', "stop", 3, 4))  # type: ignore[arg-type]
+    assert good.error is None and good.finish_reason == "stop"

@@ -84,7 +84,10 @@ def test_unsupported_features_refused_with_the_line(service_env, tmp_path):
         (5, "body.response_format.json_schema.schema: additionalProperties must be false"),
         (6, "body.response_format.json_schema.schema: the root must be an object"),
         (7, "body.response_format.type 'xml'"),
-        (8, "body.response_format: the shortest valid document takes 11 tokens with its end, more than max_tokens 4"),
+        (
+            8,
+            "body.response_format: the shortest valid document takes 11 tokens with its end, more than max_tokens 4",
+        ),
         (9, "body.response_format is supported by the official decoder only, not 'pipe'"),
     ):
         assert sum(f"line {line_no}: " in x for x in err.splitlines()) == 1, err

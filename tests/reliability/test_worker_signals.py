@@ -74,7 +74,9 @@ def test_t2_t16_whole_worker_killed_second_worker_takes_over_after_visibility_ti
         "extra": {"CANVASQ_TEST_DELAY_S": DELAY},
     }
     with scenario(db="postgresql", **kw) as sc:
-        ids = sc.write_input(20)
+        # 20 chunks: worker A alone must still hold a backlog after B's model load (18 s on a busy
+        # 2-core CI box, while A finishes a chunk every ~3 s); 10 chunks ran dry there once.
+        ids = sc.write_input(40)
         a = sc.worker()
         a.wait_ready()
         run = sc.submit("--chunk-size", "2")
@@ -126,7 +128,7 @@ def test_t2_t16_whole_worker_killed_second_worker_takes_over_after_visibility_ti
         a.kill_all()
         assert probes.unacked(r) >= 1  # A's chunk is still owed by Redis
         sc.wait_terminal(run, deadline_s=300)
-        rep = sc.check(run, ids, run_status="completed", statuses={"done": 20})
+        rep = sc.check(run, ids, run_status="completed", statuses={"done": 40})
         assert rep.attempts[cid] >= 2, rep.attempts
         by_worker = probes.outputs_by_worker(sc.store, run)
         assert by_worker.get(a_id, 0) > 0 and by_worker.get(b_id, 0) > 0, by_worker

@@ -87,6 +87,10 @@ class OfficialConfig:
     # the decoder step's cost in every layer, which ate the saved passes (BENCHMARKS.md "Service
     # throughput": a tie at 64 slots on an H200)
     fold_encode: bool = False
+    # Structured output (decoders/constrained.py): a constrained canvas whose best valid path has not
+    # changed for this many steps is pinned to it (its logits one-hot), so the stopping rule ends it
+    # without waiting for a confidence the model may never reach on the schema's values. None: off
+    constraint_settle: int | None = 2
     cuda_graphs: str = "auto"
 
     def __post_init__(self):

@@ -6,16 +6,20 @@
 - `mask(seqs, logits)` after each decoder forward: every constrained row's logits outside its masks set
   to `NEG` in place, so the sampler's draws, argmax, entropies (the acceptance and stopping rules) and
   self-conditioning all see only tokens some valid completion allows (scaffold positions have one
-  token: entropy 0, accepted at the first step);
+  token: entropy 0, accepted at the first step); with `settle` (OfficialConfig.constraint_settle), a
+  canvas whose best valid path has held that many steps is pinned to it (`_settle`);
 - `final(finished, logits, tokens)` when canvases stop: a constrained row's tokens are the best
   completable path under its last logits (`Grammar.best`), not the per-position argmax;
 - `checked(s, result)` for every finished row: its text parsed and validated against the schema
   (jsonschema); a row that fails is an error with code `invalid_structured_output` (it cannot happen
   by construction; the check makes sure), never a done row with invalid JSON.
+
+Each row's `stats["constraint_host_us"]` sums the host time these hooks spent on it.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +47,8 @@ class RowGrammar:
     grammar: Grammar
     state: int  # the automaton's state after the committed answer
     masks: torch.Tensor | None = None  # [C, V] bool on the device: the front canvas's allowed tokens
+    path: list[int] | None = None  # the front canvas's best valid path at the last step
+    same: int = 0  # steps that path has not changed
 
 
 def bundle_texts(bundle) -> TokenTexts:
@@ -58,8 +64,8 @@ def bundle_texts(bundle) -> TokenTexts:
 class CanvasConstraints:
     """Per-row automata of one decoder's stream (keyed by `Seq.row`)."""
 
-    def __init__(self, bundle, C: int, V: int, device: torch.device):
-        self.bundle, self.C, self.V, self.device = bundle, C, V, device
+    def __init__(self, bundle, C: int, V: int, device: torch.device, settle: int | None = None):
+        self.bundle, self.C, self.V, self.device, self.settle = bundle, C, V, device, settle
         self._texts: TokenTexts | None = None
         self.rows: dict[int, RowGrammar] = {}
 
@@ -75,6 +81,7 @@ class CanvasConstraints:
         schema = s.req.response_format
         if schema is None or s.done:
             return
+        t0 = time.perf_counter()
         row = self.rows.get(s.row)
         if row is None:
             row = self.rows[s.row] = RowGrammar(cached_grammar(schema, self.texts()), 0)
@@ -90,13 +97,34 @@ class CanvasConstraints:
         )  # the model's vocabulary may be padded past the tokenizer's
         masks[:, : plan.shape[1]] = plan
         row.masks = torch.from_numpy(masks).to(self.device)
+        row.path, row.same = None, 0
+        s.stats["constraint_host_us"] += int(1e6 * (time.perf_counter() - t0))
 
     def mask(self, seqs: list[Seq], logits: torch.Tensor) -> None:
         """logits [B, C, V] of `seqs`' front canvases, masked in place for the constrained rows."""
         for b, s in enumerate(seqs):
             row = self.rows.get(s.row)
             if row is not None and row.masks is not None:
+                t0 = time.perf_counter()
                 logits[b].masked_fill_(~row.masks, NEG)
+                if self.settle is not None:
+                    self._settle(s, row, logits[b])
+                s.stats["constraint_host_us"] += int(1e6 * (time.perf_counter() - t0))
+
+    def _settle(self, s: Seq, row: RowGrammar, logits: torch.Tensor) -> None:
+        """Pin the canvas (logits [C, V], masked) to its best valid path once that path has held for
+        `settle` steps: one-hot logits, so the argmax is the path, every entropy 0 and the stopping rule
+        ends the canvas at its next check."""
+        assert self.settle is not None
+        budget = s.req.max_tokens - s.canvases[0].index * self.C
+        logp = torch.log_softmax(logits.float(), dim=-1).cpu().numpy().astype(np.float64)
+        path, _ = row.grammar.best(row.state, logp, budget)
+        row.same = row.same + 1 if path == row.path else 0
+        row.path = path
+        if row.same >= self.settle:
+            logits.fill_(NEG)
+            logits[torch.arange(self.C, device=logits.device), torch.tensor(path, device=logits.device)] = 0.0
+            s.stats["constraint_pinned_steps"] += 1
 
     def final(self, finished: list[Seq], logits: torch.Tensor, rows: list[int], tokens: list[list[int]]):
         """The stopped canvases' tokens (`rows`: each one's index in `logits` [B, C, V]), the
@@ -107,6 +135,7 @@ class CanvasConstraints:
             if row is None:
                 out.append(toks)
                 continue
+            t0 = time.perf_counter()
             logp = torch.log_softmax(logits[b].float(), dim=-1).cpu().numpy()
             budget = s.req.max_tokens - s.canvases[0].index * self.C
             try:
@@ -116,6 +145,7 @@ class CanvasConstraints:
                 best = toks
             s.stats["constrained_canvases"] += 1
             s.stats["constrained_changed"] += sum(a != b for a, b in zip(best, toks))
+            s.stats["constraint_host_us"] += int(1e6 * (time.perf_counter() - t0))
             out.append(best)
         return out
 

@@ -85,9 +85,10 @@ class OfficialDecoder(StepDecoder):
             self._zero_sc = ((ids, ids.to(self.rt.dtype)), off)
         self._slots: SlotState | None = None
         self._spawned: list[tuple[Seq, Canvas]] = []  # canvases whose slot state is reset next step
+        # the rows with a response_format (decoders/constrained.py)
         self.constraints = CanvasConstraints(
-            bundle, self.C, self.V, self.device
-        )  # rows with a response_format
+            bundle, self.C, self.V, self.device, self.config.constraint_settle
+        )
 
     # -- hooks of the base loop -------------------------------------------------------------------
     def generator(self, seed: int, custom_id: str) -> torch.Generator:

@@ -138,6 +138,20 @@ def test_official_rows_follow_their_schemas(testbed):
             assert "constrained_canvases" not in r.stats and not r.text.startswith("{")
 
 
+def test_a_settled_canvas_is_pinned_and_stays_valid(testbed):
+    """constraint_settle pins a canvas whose best valid path holds; off, the canvas runs its own course."""
+    problems = tasks.generate("arith", 2, 6, split="eval")
+    reqs = [
+        DecodeRequest(p.uid, testbed.encode_prompt(p.prompt, "arith"), C, "arith", SIGN) for p in problems
+    ]
+    for settle in (2, None):
+        overrides = {"cuda_graphs": "off", "constraint_settle": settle}
+        for r in run_batch(testbed, DecodeBatch(reqs, seed=2), decoder="official", overrides=overrides):
+            assert r.error is None and r.finish_reason == "stop", r
+            jsonschema.validate(json.loads(r.text), SIGN)
+            assert (r.stats.get("constraint_pinned_steps", 0) > 0) == (settle is not None), r.stats
+
+
 def test_an_invalid_document_is_an_error_not_a_done_row(testbed):
     checks = CanvasConstraints(testbed, C, len(token_texts(TOKENIZER).texts), testbed.hf_model.device)
 

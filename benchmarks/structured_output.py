@@ -1,0 +1,149 @@
+"""Issue 36, item 3: structured output on the testbed. The same eval arith prompts decoded by `official`
+free (the reference: its final `#### N` answer) and under three JSON schemas, each asked of the answer:
+
+    answer   {"answer": integer}                              correct: the integer is the target
+    change   {"change": "gained" | "lost" | "same"}            correct: the target against the start
+    totals   {"totals": [integer, ...] (at most 6)}            correct: its last element is the target
+
+Per arm: rows, rows done, done rows that parse and validate (jsonschema), accuracy over all rows
+(errored or invalid rows count as wrong), forwards per request, wall seconds, committed tokens per
+second, the constraint's host time; the reference's accuracy is given for each schema's question.
+
+    nice -n 10 python3 benchmarks/structured_output.py --n 48 --seeds 1 --batch 16 --out report.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from canvasq.decoders import DecodeBatch, DecodeRequest, run_batch
+from canvasq.decoders.structured import output_problem
+from canvasq.model.loading import load_bundle
+from canvasq.provenance import git_commit
+from canvasq.testbed import tasks
+
+
+def _object(props: dict) -> dict:
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+SCHEMAS = {
+    "answer": _object({"answer": {"type": "integer"}}),
+    "change": _object({"change": {"enum": ["gained", "lost", "same"]}}),
+    "totals": _object({"totals": {"type": "array", "items": {"type": "integer"}, "maxItems": 6}}),
+}
+_START = re.compile(r"has (\d+)")
+
+
+def change_of(start: int, end: int | None) -> str | None:
+    if end is None:
+        return None
+    return "gained" if end > start else "lost" if end < start else "same"
+
+
+def truth(schema: str, p) -> object:
+    start = int(_START.search(p.prompt).group(1))
+    return p.target if schema != "change" else change_of(start, p.target)
+
+
+def asked(schema: str, p, doc: dict | None, free_answer: int | None = None) -> object:
+    """What the row says to the schema's question: from its document, or (reference) its final answer."""
+    start = int(_START.search(p.prompt).group(1))
+    if doc is None:
+        return free_answer if schema != "change" else change_of(start, free_answer)
+    if schema == "answer":
+        return doc["answer"]
+    if schema == "change":
+        return doc["change"]
+    return doc["totals"][-1] if doc["totals"] else None
+
+
+def decode(bundle, problems, schema: dict | None, max_tokens: int, batch: int, seed: int):
+    """Results and wall seconds, in batches of `batch` (one `run_batch` each)."""
+    out, t0 = [], time.perf_counter()
+    for i in range(0, len(problems), batch):
+        reqs = [
+            DecodeRequest(p.uid, bundle.encode_prompt(p.prompt, "arith"), max_tokens, "arith", schema)
+            for p in problems[i : i + batch]
+        ]
+        out += run_batch(bundle, DecodeBatch(reqs, seed=seed), decoder="official")
+    return out, time.perf_counter() - t0
+
+
+def arm_report(name: str, results, wall: float, problems, correct: list[bool], schema: dict | None) -> dict:
+    done = [r for r in results if r.error is None]
+    valid = [r for r in done if schema is None or output_problem(r.text, schema) is None]
+    tokens = sum(len(r.token_ids) for r in done)
+    return {
+        "arm": name,
+        "rows": len(results),
+        "done": len(done),
+        "valid": len(valid),
+        "errors": sorted({r.error_code or "decode_error" for r in results if r.error}),
+        "correct": sum(correct),
+        "accuracy": sum(correct) / len(results),
+        "fwd_req": sum(r.forwards for r in results) / len(results),
+        "wall_s": wall,
+        "tok_s": tokens / wall,
+        "tokens_req": tokens / max(1, len(done)),
+        "constraint_host_ms_req": sum(r.stats.get("constraint_host_us", 0) for r in results)
+        / 1e3
+        / len(results),
+        "rewritten_tokens_req": sum(r.stats.get("constrained_changed", 0) for r in results) / len(results),
+    }
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads)
+    bundle = load_bundle(args.model)
+    C = bundle.canvas_length
+    report: dict = {
+        "commit": git_commit(),
+        "hardware": args.hardware,
+        "n": args.n,
+        "seeds": args.seeds,
+        "batch": args.batch,
+        "arms": [],
+    }
+    for seed in args.seeds:
+        problems = tasks.generate("arith", args.n, seed, split="eval")
+        free, wall = decode(bundle, problems, None, tasks.ANSWER_CANVASES["arith"] * C, args.batch, seed)
+        answers = [tasks.arith_answer(r.text) for r in free]
+        for name in args.schemas:
+            ok = [asked(name, p, None, a) == truth(name, p) for p, a in zip(problems, answers)]
+            report["arms"].append(arm_report(f"free/{name}/seed{seed}", free, wall, problems, ok, None))
+            res, cwall = decode(bundle, problems, SCHEMAS[name], args.max_tokens, args.batch, seed)
+            ok = []
+            for p, r in zip(problems, res):
+                doc = json.loads(r.text) if r.error is None else None
+                ok.append(doc is not None and asked(name, p, doc) == truth(name, p))
+            report["arms"].append(arm_report(f"{name}/seed{seed}", res, cwall, problems, ok, SCHEMAS[name]))
+            print(json.dumps(report["arms"][-2:]), flush=True)
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=48, help="eval arith problems per seed")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=32, help="of a constrained row (one testbed canvas)")
+    ap.add_argument("--schemas", nargs="+", default=list(SCHEMAS), choices=list(SCHEMAS))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--hardware", default="CPU, 2 cores")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    report = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

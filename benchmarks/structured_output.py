@@ -64,7 +64,7 @@ def asked(schema: str, p, doc: dict | None, free_answer: int | None = None) -> o
     return doc["totals"][-1] if doc["totals"] else None
 
 
-def decode(bundle, problems, schema: dict | None, max_tokens: int, batch: int, seed: int):
+def decode(bundle, problems, schema: dict | None, max_tokens: int, batch: int, seed: int, overrides=None):
     """Results and wall seconds, in batches of `batch` (one `run_batch` each)."""
     out, t0 = [], time.perf_counter()
     for i in range(0, len(problems), batch):
@@ -72,7 +72,7 @@ def decode(bundle, problems, schema: dict | None, max_tokens: int, batch: int, s
             DecodeRequest(p.uid, bundle.encode_prompt(p.prompt, "arith"), max_tokens, "arith", schema)
             for p in problems[i : i + batch]
         ]
-        out += run_batch(bundle, DecodeBatch(reqs, seed=seed), decoder="official")
+        out += run_batch(bundle, DecodeBatch(reqs, seed=seed), decoder="official", overrides=overrides)
     return out, time.perf_counter() - t0
 
 
@@ -101,7 +101,7 @@ def arm_report(name: str, results, wall: float, problems, correct: list[bool], s
 
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
-    bundle = load_bundle(args.model)
+    bundle = load_bundle(args.model, device=args.device)
     C = bundle.canvas_length
     report: dict = {
         "commit": git_commit(),
@@ -109,6 +109,8 @@ def run(args) -> dict:
         "n": args.n,
         "seeds": args.seeds,
         "batch": args.batch,
+        "constraint_settle": None if args.settle < 0 else args.settle,
+        "device": args.device,
         "arms": [],
     }
     for seed in args.seeds:
@@ -118,7 +120,8 @@ def run(args) -> dict:
         for name in args.schemas:
             ok = [asked(name, p, None, a) == truth(name, p) for p, a in zip(problems, answers)]
             report["arms"].append(arm_report(f"free/{name}/seed{seed}", free, wall, problems, ok, None))
-            res, cwall = decode(bundle, problems, SCHEMAS[name], args.max_tokens, args.batch, seed)
+            settle = {"constraint_settle": None if args.settle < 0 else args.settle}
+            res, cwall = decode(bundle, problems, SCHEMAS[name], args.max_tokens, args.batch, seed, settle)
             ok = []
             for p, r in zip(problems, res):
                 doc = json.loads(r.text) if r.error is None else None
@@ -136,6 +139,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32, help="of a constrained row (one testbed canvas)")
     ap.add_argument("--schemas", nargs="+", default=list(SCHEMAS), choices=list(SCHEMAS))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--settle", type=int, default=2, help="OfficialConfig.constraint_settle (-1: off)")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", default=None)
     ap.add_argument("--hardware", default="CPU, 2 cores")
     ap.add_argument("--out", type=Path, required=True)

@@ -101,30 +101,43 @@ class CanvasConstraints:
         s.stats["constraint_host_us"] += int(1e6 * (time.perf_counter() - t0))
 
     def mask(self, seqs: list[Seq], logits: torch.Tensor) -> None:
-        """logits [B, C, V] of `seqs`' front canvases, masked in place for the constrained rows."""
-        for b, s in enumerate(seqs):
-            row = self.rows.get(s.row)
-            if row is not None and row.masks is not None:
-                t0 = time.perf_counter()
-                logits[b].masked_fill_(~row.masks, NEG)
-                if self.settle is not None:
-                    self._settle(s, row, logits[b])
-                s.stats["constraint_host_us"] += int(1e6 * (time.perf_counter() - t0))
+        """logits [B, C, V] of `seqs`' front canvases, masked in place for the constrained rows (one
+        gather and scatter for all of them)."""
+        at = [(b, s, self.rows[s.row]) for b, s in enumerate(seqs) if s.row in self.rows]
+        at = [(b, s, row) for b, s, row in at if row.masks is not None]
+        if not at:
+            return
+        t0 = time.perf_counter()
+        idx = torch.tensor([b for b, _, _ in at], device=logits.device)
+        allowed = torch.stack([row.masks for _, _, row in at if row.masks is not None])
+        logits[idx] = logits[idx].masked_fill(~allowed, NEG)
+        if self.settle is not None:
+            self._settle(at, logits, idx)
+        share = int(1e6 * (time.perf_counter() - t0) / len(at))
+        for _, s, _ in at:
+            s.stats["constraint_host_us"] += share
 
-    def _settle(self, s: Seq, row: RowGrammar, logits: torch.Tensor) -> None:
-        """Pin the canvas (logits [C, V], masked) to its best valid path once that path has held for
-        `settle` steps: one-hot logits, so the argmax is the path, every entropy 0 and the stopping rule
-        ends the canvas at its next check."""
+    def _settle(self, at: list[tuple[int, Seq, RowGrammar]], logits: torch.Tensor, idx: torch.Tensor) -> None:
+        """Pin each canvas (its row of logits [B, C, V], masked) to its best valid path once that path
+        has held for `settle` steps: one-hot logits, so the argmax is the path, every entropy 0 and the
+        stopping rule ends the canvas at its next check. The rows' log-probs come to the host in one
+        copy ([rows, C, V]: at the real vocabulary a device-side Viterbi would be needed)."""
         assert self.settle is not None
-        budget = s.req.max_tokens - s.canvases[0].index * self.C
-        logp = torch.log_softmax(logits.float(), dim=-1).cpu().numpy().astype(np.float64)
-        path, _ = row.grammar.best(row.state, logp, budget)
-        row.same = row.same + 1 if path == row.path else 0
-        row.path = path
-        if row.same >= self.settle:
-            logits.fill_(NEG)
-            logits[torch.arange(self.C, device=logits.device), torch.tensor(path, device=logits.device)] = 0.0
-            s.stats["constraint_pinned_steps"] += 1
+        logp = torch.log_softmax(logits[idx].float(), dim=-1).cpu().numpy().astype(np.float64)
+        pinned: list[tuple[int, list[int]]] = []
+        for k, (b, s, row) in enumerate(at):
+            budget = s.req.max_tokens - s.canvases[0].index * self.C
+            path, _ = row.grammar.best(row.state, logp[k], budget)
+            row.same = row.same + 1 if path == row.path else 0
+            row.path = path
+            if row.same >= self.settle:
+                pinned.append((b, path))
+                s.stats["constraint_pinned_steps"] += 1
+        if pinned:
+            at_b = torch.tensor([b for b, _ in pinned], device=logits.device)
+            paths = torch.tensor([p for _, p in pinned], device=logits.device)
+            one_hot = torch.full_like(logits[at_b], NEG)
+            logits[at_b] = one_hot.scatter_(2, paths[..., None], 0.0)
 
     def final(self, finished: list[Seq], logits: torch.Tensor, rows: list[int], tokens: list[list[int]]):
         """The stopped canvases' tokens (`rows`: each one's index in `logits` [B, C, V]), the

@@ -42,14 +42,17 @@ def test_service_overhead(tmp_path):
 
 
 def test_claim_ahead_on_the_bundled_example(tmp_path):
-    """Plain and OpenAI batch lines alike (the bundled example has both); both arms write every row."""
+    """Plain and OpenAI batch lines alike (the bundled example alternates them); both arms write every
+    row. Its four code lines (two canvases each; the arith lines' five made this CI's slowest test)."""
     lines = (ROOT / "examples" / "prompts.jsonl").read_text().splitlines()
     src = tmp_path / "p.jsonl"
-    src.write_text("\n".join(lines[:3] + lines[-3:]) + "\n")
+    src.write_text("\n".join(lines[1:9:2]) + "\n")  # code-01 .. code-04: plain, OpenAI, plain, OpenAI
     arms = _json_lines(
-        _run(tmp_path, "claim_ahead.py", str(src), "--chunk", "2", "--slots", "4", "--reps", "1")
+        _run(
+            tmp_path, "claim_ahead.py", str(src), "--chunk", "2", "--slots", "4", "--reps", "1", "--threads", "1"
+        )
     )
-    assert [a["arm"] for a in arms] == ["off", "on"] and all(a["rows"] == 6 and a["tokens"] > 0 for a in arms)
+    assert [a["arm"] for a in arms] == ["off", "on"] and all(a["rows"] == 4 and a["tokens"] > 0 for a in arms)
 
 
 def test_phcd_counters(tmp_path):

@@ -45,7 +45,7 @@ def test_official_service_bench_dry_run(tmp_path):
         "--batches",
         "3",
         "--n",
-        "6",
+        "4",
         "--fp8",
         "off",
         "--warm",
@@ -70,7 +70,7 @@ def test_official_service_bench_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert [r["arm"] for r in report["service"]] == ["official", "official:slot_order=false@context_step=64"]
-    assert all(r["written"] == 6 and r["tokens_replayed"] > 0 for r in report["service"])
+    assert all(r["written"] == 4 and r["tokens_replayed"] > 0 for r in report["service"])
     assert report["schedule"] == "replayed" and report["commit"] == "test" and len(report["bare"]) == 1
     events = json.loads(Path(f"{trace}.json").read_text())["traceEvents"]
     assert {"decoder_step", "encoder_pass"} <= {e.get("name") for e in events}

@@ -75,7 +75,7 @@ def _start(env: dict, args: list[str], log: Path) -> subprocess.Popen:
     )
 
 
-def _wait_done(proc: subprocess.Popen, url: str, at_least: int, log: Path, timeout_s: float = 60) -> None:
+def _wait_done(proc: subprocess.Popen, url: str, at_least: int, log: Path, timeout_s: float = 240) -> None:
     end = time.monotonic() + timeout_s
     while len(_done_ids(url)) < at_least:
         assert proc.poll() is None, f"run ended early: rc {proc.returncode}\n{log.read_text()[-3000:]}"

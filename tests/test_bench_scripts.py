@@ -49,7 +49,17 @@ def test_claim_ahead_on_the_bundled_example(tmp_path):
     src.write_text("\n".join(lines[1:9:2]) + "\n")  # code-01 .. code-04: plain, OpenAI, plain, OpenAI
     arms = _json_lines(
         _run(
-            tmp_path, "claim_ahead.py", str(src), "--chunk", "2", "--slots", "4", "--reps", "1", "--threads", "1"
+            tmp_path,
+            "claim_ahead.py",
+            str(src),
+            "--chunk",
+            "2",
+            "--slots",
+            "4",
+            "--reps",
+            "1",
+            "--threads",
+            "1",
         )
     )
     assert [a["arm"] for a in arms] == ["off", "on"] and all(a["rows"] == 4 and a["tokens"] > 0 for a in arms)

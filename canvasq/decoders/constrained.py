@@ -92,9 +92,8 @@ class CanvasConstraints:
         except Unfinishable as exc:
             s.error, s.done = f"{UNFINISHABLE}: {exc}", True
             return
-        masks = np.zeros(
-            (self.C, self.V), dtype=bool
-        )  # the model's vocabulary may be padded past the tokenizer's
+        # the model's vocabulary may be padded past the tokenizer's: those ids stay masked
+        masks = np.zeros((self.C, self.V), dtype=bool)
         masks[:, : plan.shape[1]] = plan
         row.masks = torch.from_numpy(masks).to(self.device)
         row.path, row.same = None, 0

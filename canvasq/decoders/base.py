@@ -139,11 +139,14 @@ class StepDecoder:
         should_stop=None,
         interrupts: tuple[type[BaseException], ...] = (),
         occupancy: list | None = None,
+        flush: Callable[[], None] | None = None,
     ) -> None:
         """Continuous batching: keep up to `slots` requests in flight, refilled as rows finish.
 
         `feed(n)` returns up to n new (key, request) pairs; an empty list means nothing more will come.
-        `on_result(key, result)` receives each row the moment it ends (done, failed or cancelled).
+        `on_result(key, result)` receives each row the moment it ends (done, failed or cancelled);
+        `flush()`, if given, follows the rows handed over at one point of the loop (an admission, a
+        step's end), before the next forward: a caller that stores rows writes them there together.
         `capacity`: arena entries per slot, fixed for the stream (callers pass `capacity_for` of every
         request they may feed); a fed request that needs more fails alone. `occupancy`, if given,
         receives (live rows, slots) per decoder step. Cancellation stops feeding and ends the rows in
@@ -152,7 +155,7 @@ class StepDecoder:
         self.log = PassLog()
         self._deferred = []
         self.arena = self.new_arena(slots, capacity) if capacity else None
-        pool = self.pool = SlotPool(self, slots, seed, capacity or 0, on_result)
+        pool = self.pool = SlotPool(self, slots, seed, capacity or 0, on_result, flush)
         self.new_stream(slots)
         self.last_seqs = pool.seen
         exhausted = False

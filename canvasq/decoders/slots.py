@@ -1,10 +1,12 @@
 """The slots of one decode stream: which request holds which arena slot, admission (a request that
 cannot be decoded is answered at once, alone) and delivery (a finished row handed back and its slot
-freed, emptied where graphed forwards may pad onto it)."""
+freed, emptied where graphed forwards may pad onto it). The rows handed back at one point of the
+loop (an admission, the end of a step) are followed by one `flush`: a caller that stores rows writes
+them together, before the next forward."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from canvasq.decoders.state import Seq, error_result, request_error
@@ -17,8 +19,9 @@ if TYPE_CHECKING:
 class SlotPool:
     """The slots of one stream: which request holds which arena slot, admission and delivery."""
 
-    def __init__(self, dec: StepDecoder, slots: int, seed: int, capacity: int, on_result):
+    def __init__(self, dec: StepDecoder, slots: int, seed: int, capacity: int, on_result, flush=None):
         self.dec, self.seed, self.capacity, self.on_result = dec, seed, capacity, on_result
+        self.flush: Callable[[], None] = flush or (lambda: None)
         self.free = list(range(slots - 1, -1, -1))
         self.live: list[Seq] = []
         self.seen: list[Seq] = []  # every admitted request, for inspection (tests, schedules)
@@ -27,13 +30,14 @@ class SlotPool:
 
     def admit(self, new: Sequence[tuple[object, DecodeRequest]]) -> list[Seq]:
         """Fed requests take free slots; one that cannot be decoded is answered at once, alone."""
-        dec, fresh = self.dec, []
+        dec, fresh, answered = self.dec, [], False
         for key, req in new:
             err = request_error(dec.bundle, req)
             if err is None and dec.need(req) > self.capacity:
                 err = f"needs {dec.need(req)} cache entries per slot; this stream holds {self.capacity}"
             if err:
                 self.on_result(key, error_result(req, err, dec.name))
+                answered = True
                 continue
             s = Seq(
                 row=self.next_row,
@@ -50,18 +54,23 @@ class SlotPool:
             fresh.append(s)
         self.live += fresh
         self.seen += fresh
+        if answered:
+            self.flush()
         return fresh
 
     def deliver_done(self) -> None:
         """Hand every finished row to `on_result` and free its slot."""
-        dec = self.dec
+        dec, delivered = self.dec, False
         for s in self.live:
             if not s.done:
                 continue
             self.on_result(self.keys.pop(s.row), dec._result(s))
+            delivered = True
             dec.log.close(s.row)
             if dec.graphs is not None:  # a free slot may pad graphed forwards: keep it empty
                 assert dec.arena is not None  # rows were admitted
                 dec.arena.reset(s.slot)
             self.free.append(s.slot)
         self.live = [s for s in self.live if not s.done]
+        if delivered:
+            self.flush()

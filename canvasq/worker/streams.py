@@ -1,5 +1,5 @@
 """A claimed chunk's rows through a decoder and into the store: tokenise, decode (a continuous-batching
-stream, or `run_batch` for the decoders without one), and write each row the moment it ends.
+stream, or `run_batch` for the decoders without one), and write the rows that end in a step together at its end.
 
 Flow: ClaimedRequest rows → `tokenize` (DecodeRequests; a row the tokenizer refuses is errored alone)
 → `stream_and_store` (the production path: `decode_slots` requests in flight, a free slot refilled at
@@ -121,7 +121,8 @@ def _write(engine: Engine, run_id: str, records: list[ResultRecord]) -> int:
 
 class _RowStream:
     """One decode stream's rows: those still to feed (longest first, topped up from chunks claimed
-    ahead), those fed, and each finished row written the moment it ends."""
+    ahead), those fed, and the finished rows written at the step they end in: the rows of one step
+    in one store write (`flush`, before the next forward), not one write each."""
 
     def __init__(
         self,
@@ -136,6 +137,7 @@ class _RowStream:
         self.should_stop, self.feeder = should_stop, feeder
         self.todo, self.written = longest_first(reqs), 0
         self.fed: list[DecodeRequest] = []
+        self.pending: list[tuple[str, ResultRecord]] = []  # finished this step, not yet written
 
     def feed(self, n: int) -> list[tuple[str, DecodeRequest]]:
         todo = self.todo
@@ -152,15 +154,25 @@ class _RowStream:
         # its share of each pass that carried it (rows in flight share the wall; a sum over rows
         # of their time in flight would count it once per slot)
         ms = sum(t.ms * (t.own_rows or 0) / t.rows for t in res.traces if t.rows)
-        self.written += _write(self.engine, self.run_id, [result_record(res, ms, self.decoder)])
-        if self.feeder is not None:
-            self.feeder.written(str(key))
-        if self.engine.on_row is not None:
-            self.engine.on_row()
+        self.pending.append((str(key), result_record(res, ms, self.decoder)))
+
+    def flush(self) -> None:
+        """The rows finished since the last flush, in one write (idempotent per custom_id)."""
+        done, self.pending = self.pending, []
+        if not done:
+            return
+        self.written += _write(self.engine, self.run_id, [rec for _, rec in done])
+        for key, _ in done:
+            if self.feeder is not None:
+                self.feeder.written(key)
+            if self.engine.on_row is not None:
+                self.engine.on_row()
 
     def fail(self, exc: BaseException) -> None:
-        """The stream failed: every row not yet stored errors (stored ones are skipped by the store),
-        the chunk's own and any claimed ahead, fed or not."""
+        """The stream failed: the rows finished before it are written as they ended; every other row
+        not yet stored errors (stored ones are skipped by the store), the chunk's own and any claimed
+        ahead, fed or not."""
+        self.flush()
         left = [*self.fed, *self.todo]
         self.written += _write(self.engine, self.run_id, [failed_record(q, exc, self.decoder) for q in left])
         if self.feeder is not None:
@@ -195,7 +207,7 @@ def stream_and_store(
     feeders: list[AheadFeeder] | None = None,
 ) -> int:
     """Continuous batching over `rows`: `decode_slots` requests in flight, a free slot refilled at
-    once, each finished row written to the store the moment it ends. With `ahead_until` (a monotonic
+    once, the rows that end in a step written to the store together at its end. With `ahead_until` (a monotonic
     time), once `rows` are all in flight the run's next chunks are claimed ahead into the same stream
     (`worker.ahead`). Returns the rows written."""
     from canvasq.decoders.registry import make_decoder
@@ -226,6 +238,7 @@ def stream_and_store(
             should_stop=should_stop,
             interrupts=engine.interrupts,
             occupancy=occupancy,
+            flush=stream.flush,
         )
     except Interrupted as cut:  # finished rows are already stored; the task abandons the rest
         raise cut.cause from None

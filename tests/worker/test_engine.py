@@ -346,3 +346,70 @@ def test_engine_starts_once_then_takes_chunks(wsettings, wstore, bundle):
         out = engine.run_chunk(run.chunk_ids[0])
         assert out.state == "work" and out.written == 4 and runner.store is arena
     assert wstore.run_status(run.run_id) == "completed"
+
+
+def _recording_writes(wstore, monkeypatch) -> list[list[str]]:
+    """The custom_ids of each `write_results` call on `wstore`, in order."""
+    calls: list[list[str]] = []
+    real = wstore.write_results
+
+    def write_results(run_id, records, worker_id=None):
+        calls.append([r.custom_id for r in records])
+        return real(run_id, records, worker_id)
+
+    monkeypatch.setattr(wstore, "write_results", write_results)
+    return calls
+
+
+def test_rows_that_end_in_one_step_are_written_in_one_call(wsettings, wstore, bundle, monkeypatch):
+    """8 rows admitted together into 8 slots: the rows that end at the same decoder step (the same
+    number of passes) reach the store in one write at that step's end, each row exactly once."""
+    settings = wsettings.model_copy(update={"decode_slots": 8})
+    run = wstore.create_run(jobs(8), model=settings.model, queue="q", decoder="official", chunk_size=8)
+    calls = _recording_writes(wstore, monkeypatch)
+    out = engine_for(settings, wstore, bundle).process_chunk(run.chunk_ids[0])
+    assert out.written == 8 and wstore.run_status(run.run_id) == "completed"
+    with wstore.Session() as s:
+        forwards = dict(
+            s.execute(select(Output.custom_id, Output.forwards).where(Output.run_id == run.run_id)).all()
+        )
+    by_step: dict[int, set[str]] = {}
+    for cid, f in forwards.items():
+        by_step.setdefault(f, set()).add(cid)
+    assert sorted(map(sorted, calls)) == sorted(map(sorted, by_step.values()))
+    assert len(calls) < 8  # the seeded rows end in fewer distinct steps than rows: some share a write
+
+
+def test_a_stream_that_fails_mid_delivery_stores_the_rows_finished_before(
+    wsettings, wstore, bundle, monkeypatch
+):
+    """A failure while a step's finished rows are handed over (here: building the second arith row's
+    record raises; the four arith rows end in one step) still writes the row handed over before it in
+    that step as done, never as errored; the failing row and the rows not finished error."""
+    from canvasq.worker import streams
+
+    settings = wsettings.model_copy(update={"decode_slots": 8})
+    run = wstore.create_run(jobs(8), model=settings.model, queue="q", decoder="official", chunk_size=8)
+    real, built, failing = streams.result_record, [], []
+
+    def result_record(res, gen_ms, decoder):
+        arith = int(res.custom_id[1:]) % 2 == 0  # jobs(): even rows are the arith prompt
+        if arith and res.error is None:
+            if built:
+                failing.append(res.custom_id)
+                raise RuntimeError(f"record of {res.custom_id}")
+            built.append(res.custom_id)
+        return real(res, gen_ms, decoder)
+
+    monkeypatch.setattr(streams, "result_record", result_record)
+    calls = _recording_writes(wstore, monkeypatch)
+    engine_for(settings, wstore, bundle).process_chunk(run.chunk_ids[0])
+    with wstore.Session() as s:
+        st = dict(
+            s.execute(select(Output.custom_id, Output.error_code).where(Output.run_id == run.run_id)).all()
+        )
+    done = {c for c, code in st.items() if code is None}
+    assert len(st) == 8 and len(built) == 1 and len(failing) == 1
+    assert built[0] in done and failing[0] not in done  # the pending row was flushed by the failure
+    # the failure's flush is the write before the failed records (which name every row left)
+    assert calls[-2] == built and set(st) - done <= set(calls[-1])

@@ -106,3 +106,21 @@ def test_slot_occupancy_replays_longest_first_from_the_input(tmp_path):
     )
     text = _run(tmp_path, "slot_occupancy.py", str(out), "--input", str(src), "--slots", "2", "--chunks", "0")
     assert "| 2 | all | 70% | 10 | 88% | 8 |" in text
+
+
+def test_store_writes(tmp_path):
+    text = _run(
+        tmp_path,
+        "store_writes.py",
+        "--rows",
+        "8",
+        "--per",
+        "4",
+        "--traces",
+        "2",
+        "--reps",
+        "1",
+        "--db",
+        "sqlite",
+    )
+    assert "SQLite: 1 row(s) per write: median" in text and "SQLite: 4 row(s) per write: median" in text

@@ -64,6 +64,13 @@ def _done_ids(url: str) -> dict[str, object]:
         st.dispose()
 
 
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default, so Python installs its Ctrl-C handler.
+    A suite started as a background job without job control (`cmd &` in a script) inherits SIGINT
+    ignored, and Python then keeps ignoring it: the run would finish instead of stopping."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(env: dict, args: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "canvasq.cli", *args],
@@ -72,6 +79,7 @@ def _start(env: dict, args: list[str], log: Path) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=open(log, "w"),
         text=True,
+        preexec_fn=_default_sigint,  # noqa: PLW1509 - no threads touch the child before exec
     )
 
 

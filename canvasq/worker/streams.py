@@ -87,15 +87,8 @@ def tokenize(
     bundle, reqs, records = engine.bundle, [], []
     for r in rows:
         if r.response_format is not None and decoder != "official":  # validation sends them to official
-            records.append(
-                ResultRecord(
-                    r.custom_id,
-                    status=RequestStatus.errored,
-                    error_code="unsupported_response_format",
-                    error_message=f"response_format is supported by the official decoder only, not {decoder!r}",
-                    decoder=decoder,
-                )
-            )
+            msg = f"response_format is supported by the official decoder only, not {decoder!r}"
+            records.append(_errored(r.custom_id, "unsupported_response_format", msg, decoder))
             continue
         try:
             ids = bundle.encode_prompt(r.prompt, r.task)
@@ -103,16 +96,15 @@ def tokenize(
         except engine.interrupts:
             raise
         except Exception as exc:  # noqa: BLE001 - a row the tokenizer refuses errors alone
-            records.append(
-                ResultRecord(
-                    r.custom_id,
-                    status=RequestStatus.errored,
-                    error_code="tokenizer_error",
-                    error_message=f"{type(exc).__name__}: {exc}",
-                    decoder=decoder,
-                )
-            )
+            records.append(_errored(r.custom_id, "tokenizer_error", f"{type(exc).__name__}: {exc}", decoder))
     return reqs, records
+
+
+def _errored(custom_id: str, code: str, message: str, decoder: str) -> ResultRecord:
+    """A row that errors alone before decoding (never retried)."""
+    return ResultRecord(
+        custom_id, status=RequestStatus.errored, error_code=code, error_message=message, decoder=decoder
+    )
 
 
 def _write(engine: Engine, run_id: str, records: list[ResultRecord]) -> int:

@@ -114,7 +114,7 @@ def test_sigint_then_sigkill_then_rerun_every_id_once_and_work_reused(tmp_path):
         "CANVASQ_TORCH_THREADS": "1",
         "CANVASQ_TEST_WORK_LOG": str(work),
         # each fed batch sleeps 1 s first: the interrupts land mid-run even when this test process is
-        # starved on a loaded 2-core box (at 0.3 s the run once finished before its SIGINT arrived)
+        # starved on a loaded 2-core box
         "CANVASQ_TEST_DELAY_S": "1.0",
     }
     args = ["run", str(src), "-o", str(out), "--decoder", "funnel", "--chunk-size", "2"]

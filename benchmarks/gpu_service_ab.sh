@@ -28,7 +28,7 @@ for arm in $TREES; do
     ln -sfn "$PWD/models" "$tree/models"
   fi
   echo "## arm $i $label ($tree)" >> "$log"
-  ( cd "$tree" && CANVASQ_COMMIT=$label PYTHONPATH="$tree" timeout "${ARM_TIMEOUT:-300}" \
+  ( cd "$tree" && CANVASQ_COMMIT=$label PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" timeout "${ARM_TIMEOUT:-300}" \
       python benchmarks/official_service.py $ARGS --out "$OUT/service_${i}_${label}.json" ) >> "$log" 2>&1
   echo "rc=$?" >> "$log"
 done

@@ -152,6 +152,8 @@ def replay(
     graphs = _graph_stats(bundle)
     paths = _attention_paths(bundle)
     _sync()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     prof = (
         cProfile.Profile() if PROFILE == (batch, arm, arena_gib) else None
     )  # the profiler slows the host side
@@ -203,6 +205,7 @@ def replay(
         "graphs_after": after,
         "ms_per_step": 1000 * wall / max(1, steps),
         "eager_attention_paths": paths,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
         **extra,
     }
 
@@ -436,6 +439,23 @@ TRACE_STEPS = (24, 4)  # decoder steps the trace waits, then records (`--trace-s
 PROFILES: list[str] = []
 
 
+def _live_blocks(title: str, top: int = 30) -> str:
+    """The largest live CUDA blocks at an out-of-memory, each with the frames (ours first) that
+    allocated it: what a 64-slot step holds when it runs out (needs `--mem-history`)."""
+    snap = torch.cuda.memory._snapshot()
+    blocks = [b for seg in snap["segments"] for b in seg["blocks"] if b["state"] == "active_allocated"]
+    blocks.sort(key=lambda b: -b["size"])
+    total = sum(b["size"] for b in blocks)
+    lines = [f"# {title}: {len(blocks)} live blocks, {total / 2**30:.2f} GiB"]
+    for b in blocks[:top]:
+        frames = [
+            f for f in b.get("frames", []) if "canvasq" in f["filename"] or "benchmarks" in f["filename"]
+        ]
+        where = " < ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in frames[:6])
+        lines.append(f"{b['size'] / 2**30:8.3f} GiB  {where}")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -477,6 +497,12 @@ def main() -> None:
         help="torch.profiler over a few steady decoder steps of the last "
         "batch's last arm: writes TRACE.json (Chrome trace) and TRACE.txt (device time by kernel)",
     )
+    ap.add_argument(
+        "--mem-history",
+        default=None,
+        help="record CUDA allocations; on out of memory write the largest live blocks, each with "
+        "the Python frames that allocated it, to this text file",
+    )
     args = ap.parse_args()
     global WARM, PROFILE, PROFILE_ARM, TRACE, TRACE_STEPS
     WARM = args.warm
@@ -492,6 +518,8 @@ def main() -> None:
             ["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True
         ).stdout.strip()
     )
+    if args.mem_history and torch.cuda.is_available():
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
     rows, acc = record(args.device, args.n, args.seed, args.max_tokens)
     print(f"recorded {len(rows)} testbed schedules; accuracy {acc}", flush=True)
     report = {
@@ -529,6 +557,8 @@ def main() -> None:
             except torch.OutOfMemoryError as exc:
                 print(f"batch {b} fp8={fp8}: out of memory: {exc}", flush=True)
                 report["service"].append({"batch": b, "fp8": fp8, "error": "out of memory"})
+                if args.mem_history:
+                    Path(args.mem_history).write_text(_live_blocks(f"batch {b} fp8={fp8} arm {arm}"))
                 torch.cuda.empty_cache()
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))

@@ -134,13 +134,26 @@ class OfficialDecoder(StepDecoder):
         windows = [self._window(s.slot, s.canvases[0], enc.get(s.row)) for s in seqs]
         with self.timed() as t:
             out = self.forward(windows)
-        logits, idx = out.logits.view(len(seqs), self.C, self.V), self.slot_index(seqs)
-        self.constraints.mask(seqs, logits)
-        group = len(seqs) if self._one_group else max(1, _GROUP_BYTES // (4 * self.C * self.V))
-        parts = [
-            self._sample(seqs[g : g + group], idx[g : g + group], logits[g : g + group])
-            for g in range(0, len(seqs), group)
-        ]
+        idx, B, R = self.slot_index(seqs), len(seqs), self.C
+        if out.deferred and not self.constraints.rows:  # the LM head by row group: no [B·C, V] buffer
+            group = max(1, self.rt.defer_head_bytes // (4 * R * self.V))
+            logits = None
+            parts = [
+                self._sample(
+                    seqs[g : g + group],
+                    idx[g : g + group],
+                    out.rows_logits(g * R, min(B, g + group) * R).view(-1, R, self.V),
+                )
+                for g in range(0, B, group)
+            ]
+        else:
+            logits = out.logits.view(B, R, self.V)
+            self.constraints.mask(seqs, logits)
+            group = B if self._one_group else max(1, _GROUP_BYTES // (4 * R * self.V))
+            parts = [
+                self._sample(seqs[g : g + group], idx[g : g + group], logits[g : g + group])
+                for g in range(0, B, group)
+            ]
         # the step's one host sync: how many positions each request accepted, which ones stopped
         counts, done = torch.cat(parts, dim=1).tolist()
         for s, cv in fresh:  # their first step has written the slot's self-conditioning
@@ -153,7 +166,9 @@ class OfficialDecoder(StepDecoder):
         if at:  # the canvases' tokens: their last argmax (a constrained row's: its best valid path)
             finished = [seqs[b] for b in at]
             tokens = self.slots.argmax[self.slot_index(finished)].tolist()
-            self.retire_canvases(finished, self.constraints.final(finished, logits, at, tokens))
+            if logits is not None:  # a constrained row's canvas ends on its best valid path
+                tokens = self.constraints.final(finished, logits, at, tokens)
+            self.retire_canvases(finished, tokens)
 
     def _begin(self) -> list[tuple[Seq, Canvas]]:
         """The canvases spawned since the last step: their slots' state reset (one scatter each)."""

@@ -43,6 +43,7 @@ class Prepared:
     enc_rows: torch.Tensor | None = None  # [N] bool: encoder rows riding in a decoder forward
     dec_rows: torch.Tensor | None = None  # [N_dec] the other rows' indices (the LM head's rows)
     dec_offsets: list[int] = field(default_factory=list)  # window i's logits: dec_offsets[i]:[i + 1]
+    defer_head: bool = False  # `_run` stops at the final-normed hidden state (`DecodeOutput.head`)
 
 
 def prepare(

@@ -168,6 +168,9 @@ class Runtime:
         self.fp8_parts: tuple[str, ...] = ()
         self.fp8_min_rows = 0
         self.lm_head_fp8 = None
+        # an eager decoder forward whose fp32 logits would exceed this defers its LM head: the decoder
+        # reads logits by row group (`DecodeOutput.rows_logits`); 0: never
+        self.defer_head_bytes = 4 << 30
 
     def _attention_defaults(self) -> None:
         """Masked eager forwards on CUDA: SDPA picks cuDNN, which builds a plan for every new shape
@@ -335,11 +338,19 @@ class Runtime:
         prep = self._prepare(arena, windows, encoder)
         if prefix_attention is not None:
             prep.prefix_attention = prefix_attention
-        logits, cap_k, cap_v = self._run(prep)
+        offsets = prep.offsets if prep.enc_rows is None else prep.dec_offsets
+        rows = offsets[-1]
+        prep.defer_head = not encoder and 0 < self.defer_head_bytes < 4 * rows * self.vocab_size
+        out, cap_k, cap_v = self._run(prep)
         if encoder:
             return None
-        offsets = prep.offsets if prep.enc_rows is None else prep.dec_offsets
-        return DecodeOutput(logits, offsets, self._split_captured(prep, cap_k, cap_v))
+        captured = self._split_captured(prep, cap_k, cap_v)
+        if prep.defer_head:  # `out` is the final-normed hidden state: logits as the decoder reads them
+            fp8 = self.lm_head_fp8 is not None and rows >= self.fp8_min_rows  # by the whole forward
+            return DecodeOutput(
+                None, offsets, captured, hidden=out, head=functools.partial(self.head_logits, fp8=fp8)
+            )
+        return DecodeOutput(out, offsets, captured)
 
     def _prepare(
         self,
@@ -372,17 +383,22 @@ class Runtime:
             h = self._layer(i, lw, h, cos, sin, prep, cap_k, cap_v, kv_only=prep.encoder and i == last)
         if prep.encoder:
             return None, cap_k, cap_v
-        with self.scope("lm_head"):
+        with self.scope("final_norm"):
             if prep.dec_rows is not None:  # encoder rows that rode along need no logits
                 h = h.index_select(0, prep.dec_rows)
             h = self._norm(h, self.final_norm, self.eps)
-            # [N, V] fp32, like HF
-            if self.lm_head_fp8 is not None and h.shape[0] >= self.fp8_min_rows:
-                head = fp8_linear(h, self.lm_head_fp8)  # bf16 out; the softcap writes the fp32 logits
-            else:
-                head = F.linear(h, self.lm_head)
-            logits = self._softcap(head, self.softcap, out=prep.logits_out)
-        return logits, cap_k, cap_v
+        if prep.defer_head:
+            return h, cap_k, cap_v
+        fp8 = self.lm_head_fp8 is not None and h.shape[0] >= self.fp8_min_rows
+        return self.head_logits(h, fp8, out=prep.logits_out), cap_k, cap_v
+
+    def head_logits(self, h: torch.Tensor, fp8: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden rows [n, H] -> fp32 softcapped logits [n, V], like HF (the FP8 head's
+        bf16 output, or the model-dtype one's, softcapped into fp32)."""
+        with self.scope("lm_head"):
+            fp8_head = self.lm_head_fp8 if fp8 else None
+            head = F.linear(h, self.lm_head) if fp8_head is None else fp8_linear(h, fp8_head)
+            return self._softcap(head, self.softcap, out=out)
 
     def _split_captured(self, prep: Prepared, cap_k, cap_v) -> list[Captured | None]:
         out: list[Captured | None] = [None] * len(prep.windows)

@@ -4,6 +4,7 @@ an encoder pass, and `DecodeOutput` (what comes back). Decoders build these; `Ru
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -85,9 +86,38 @@ def encoder_windows(items: list[tuple[int, torch.Tensor, torch.Tensor]]) -> list
 
 @dataclass
 class DecodeOutput:
-    logits: torch.Tensor  # [N, V] fp32, softcapped; window i is rows offsets[i]:offsets[i+1]
+    """A decoder forward's result: fp32 softcapped logits [N, V] (window i is rows
+    offsets[i]:offsets[i+1]) and each window's captured K/V.
+
+    A large eager forward defers its LM head (`Runtime.defer_head_bytes`): it keeps the final hidden
+    state [N, H] and `head` turns rows of it into logits when read, so a decoder that reads them in
+    row groups (`rows_logits`) never holds the whole [N, V] buffer (16 GiB at 64 x 256 rows of a
+    262k vocabulary). Reading `logits` computes them all once."""
+
+    _logits: torch.Tensor | None
     offsets: list[int]
     captured: list[Captured | None] = field(default_factory=list)
+    hidden: torch.Tensor | None = None  # [N, H], final-normed: set when the head is deferred
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None  # hidden rows -> their logits
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the logits are still to compute (read them in row groups to bound memory)."""
+        return self._logits is None
+
+    @property
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            assert self.hidden is not None and self.head is not None  # a deferred head has both
+            self._logits, self.hidden = self.head(self.hidden), None
+        return self._logits
+
+    def rows_logits(self, start: int, stop: int) -> torch.Tensor:
+        """Logits of rows start:stop, computed for those rows alone when the head is deferred."""
+        if self._logits is not None:
+            return self._logits[start:stop]
+        assert self.hidden is not None and self.head is not None
+        return self.head(self.hidden[start:stop])
 
     def window_logits(self, i: int) -> torch.Tensor:
         return self.logits[self.offsets[i] : self.offsets[i + 1]]

@@ -335,3 +335,44 @@ def test_deferred_commits_share_the_prefill_pass(testbed):
     assert arms[True][0] == arms[False][0]
     assert arms[True][2] < arms[False][2] and arms[True][1] < arms[False][1]
     assert arms[True][3] == {"prefill", "commit"}
+
+
+def test_deferred_lm_head_reads_logits_by_row_group_with_the_same_tokens(testbed):
+    """A forward whose fp32 logits would pass `Runtime.defer_head_bytes` keeps its final hidden state;
+    official then computes logits for two windows at a time (`DecodeOutput.rows_logits`), never the
+    whole step's [rows, V], and every row's tokens are the eager head's (3 slots, 9 requests)."""
+    from canvasq.decoders.registry import make_decoder
+
+    reqs = [
+        DecodeRequest(f"h{i}", testbed.encode_prompt(p.prompt, p.task), 96, p.task)
+        for i, p in enumerate(_problems(6, 3, seed=5))
+    ]
+    arms = {}
+    for defer in (False, True):
+        dec = make_decoder("official", testbed, {})
+        C, V, saved = dec.C, dec.rt.vocab_size, dec.rt.defer_head_bytes
+        dec.rt.defer_head_bytes = 2 * 4 * C * V if defer else 0  # more than two windows defer
+        seen, heads = [], []
+        forward, head = dec.forward, dec.rt.head_logits
+
+        def spy(windows, forward=forward, seen=seen, **kw):
+            out = forward(windows, **kw)
+            seen.append((len(windows), out.deferred))
+            return out
+
+        def head_spy(h, fp8, out=None, head=head, heads=heads):
+            heads.append(h.shape[0])
+            return head(h, fp8, out=out)
+
+        dec.forward, dec.rt.head_logits = spy, head_spy
+        try:
+            arms[defer] = [r.token_ids for r in _drain(dec, reqs, slots=3, seed=4)]
+        finally:
+            dec.rt.defer_head_bytes = saved
+            del dec.rt.head_logits
+        assert all(d == (defer and n > 2) for n, d in seen)
+        if defer:
+            assert any(n == 3 for n, _ in seen) and max(heads) <= 2 * C
+        else:
+            assert max(heads) == 3 * C
+    assert arms[True] == arms[False]

@@ -1,15 +1,21 @@
 """Issue 36, item 3: structured output on the testbed. The same eval arith prompts decoded by `official`
-free (the reference: its final `#### N` answer) and under three JSON schemas, each asked of the answer:
+free (the reference: its final `#### N` answer) and under JSON schemas, each asked of the answer:
 
-    answer   {"answer": integer}                              correct: the integer is the target
-    change   {"change": "gained" | "lost" | "same"}            correct: the target against the start
-    totals   {"totals": [integer, ...] (at most 6)}            correct: its last element is the target
+    answer         {"answer": integer}                               correct: the integer is the target
+    change         {"change": "gained" | "lost" | "same"}             correct: the target against the start
+    totals         {"totals": [integer, ...] (at most 6)}             correct: its last element is the target
+    worked         {"reasoning": string, "answer": integer}          correct: the integer is the target
+    worked_change  {"reasoning": string, "change": "gained" | ...}   correct: as change
 
 Per arm: rows, rows done, done rows that parse and validate (jsonschema), accuracy over all rows
 (errored or invalid rows count as wrong), forwards per request, wall seconds, committed tokens per
 second, the constraint's host time; the reference's accuracy is given for each schema's question.
+`--adapter DIR` merges a LoRA (`python -m canvasq.testbed.json_adapter`) into the model first: both
+the free and the constrained arms then run the same weights. The report is rewritten after every arm.
 
     nice -n 10 python3 benchmarks/structured_output.py --n 48 --seeds 1 --batch 16 --out report.json
+    nice -n 10 python3 benchmarks/structured_output.py --adapter models/testbed/json_adapter \
+        --schemas worked worked_change answer --n 200 --seeds 61 62 63 --threads 1 --out report.json
 """
 
 from __future__ import annotations
@@ -37,7 +43,15 @@ SCHEMAS = {
     "answer": _object({"answer": {"type": "integer"}}),
     "change": _object({"change": {"enum": ["gained", "lost", "same"]}}),
     "totals": _object({"totals": {"type": "array", "items": {"type": "integer"}, "maxItems": 6}}),
+    "worked": _object({"reasoning": {"type": "string"}, "answer": {"type": "integer"}}),
+    "worked_change": _object(
+        {"reasoning": {"type": "string"}, "change": {"enum": ["gained", "lost", "same"]}}
+    ),
 }
+# max_tokens of a constrained row: one canvas for a bare value, six for a document with the working
+# (a free answer is at most ~140 tokens; the keys and quotes add ~20)
+MAX_CANVASES = {"answer": 1, "change": 1, "totals": 1, "worked": 6, "worked_change": 6}
+QUESTION = {"worked": "answer", "worked_change": "change"}  # the question a schema asks, where it differs
 _START = re.compile(r"has (\d+)")
 
 
@@ -48,6 +62,7 @@ def change_of(start: int, end: int | None) -> str | None:
 
 
 def truth(schema: str, p) -> object:
+    schema = QUESTION.get(schema, schema)
     start = int(_START.search(p.prompt).group(1))
     return p.target if schema != "change" else change_of(start, p.target)
 
@@ -55,12 +70,11 @@ def truth(schema: str, p) -> object:
 def asked(schema: str, p, doc: dict | None, free_answer: int | None = None) -> object:
     """What the row says to the schema's question: from its document, or (reference) its final answer."""
     start = int(_START.search(p.prompt).group(1))
+    field = QUESTION.get(schema, schema)
     if doc is None:
-        return free_answer if schema != "change" else change_of(start, free_answer)
-    if schema == "answer":
-        return doc["answer"]
-    if schema == "change":
-        return doc["change"]
+        return free_answer if field != "change" else change_of(start, free_answer)
+    if field in ("answer", "change"):
+        return doc[field]
     return doc["totals"][-1] if doc["totals"] else None
 
 
@@ -102,6 +116,10 @@ def arm_report(name: str, results, wall: float, problems, correct: list[bool], s
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     bundle = load_bundle(args.model, device=args.device)
+    if args.adapter:
+        from canvasq.testbed.json_adapter import apply_adapter
+
+        apply_adapter(bundle, args.adapter)
     C = bundle.canvas_length
     report: dict = {
         "commit": git_commit(),
@@ -109,6 +127,8 @@ def run(args) -> dict:
         "n": args.n,
         "seeds": args.seeds,
         "batch": args.batch,
+        "threads": args.threads,
+        "adapter": args.adapter,
         "constraint_settle": None if args.settle < 0 else args.settle,
         "device": args.device,
         "arms": [],
@@ -121,33 +141,63 @@ def run(args) -> dict:
             ok = [asked(name, p, None, a) == truth(name, p) for p, a in zip(problems, answers)]
             report["arms"].append(arm_report(f"free/{name}/seed{seed}", free, wall, problems, ok, None))
             settle = {"constraint_settle": None if args.settle < 0 else args.settle}
-            res, cwall = decode(bundle, problems, SCHEMAS[name], args.max_tokens, args.batch, seed, settle)
+            max_tokens = args.max_tokens or MAX_CANVASES[name] * C
+            res, cwall = decode(bundle, problems, SCHEMAS[name], max_tokens, args.batch, seed, settle)
             ok = []
             for p, r in zip(problems, res):
                 doc = json.loads(r.text) if r.error is None else None
                 ok.append(doc is not None and asked(name, p, doc) == truth(name, p))
-            report["arms"].append(arm_report(f"{name}/seed{seed}", res, cwall, problems, ok, SCHEMAS[name]))
+            arm = arm_report(f"{name}/seed{seed}", res, cwall, problems, ok, SCHEMAS[name])
+            arm["max_tokens"] = max_tokens
+            report["arms"].append(arm)
             print(json.dumps(report["arms"][-2:]), flush=True)
+            _write(args.out, report)
+            if args.samples:
+                _write_samples(args.out, f"{name}/seed{seed}", problems, free, res)
     return report
 
 
+def _write(path: Path, report: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def _write_samples(path: Path, arm: str, problems, free, res) -> None:
+    """Every row's free and constrained text beside the report (`<out>.samples.jsonl`)."""
+    with open(path.with_suffix(".samples.jsonl"), "a") as f:
+        for p, a, b in zip(problems, free, res):
+            row = {
+                "arm": arm,
+                "uid": p.uid,
+                "target": p.target,
+                "free": a.text,
+                "doc": b.text,
+                "error": b.error,
+            }
+            f.write(json.dumps(row) + "\n")
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--n", type=int, default=48, help="eval arith problems per seed")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[1])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1], help="eval streams (problems and draws)")
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=32, help="of a constrained row (one testbed canvas)")
-    ap.add_argument("--schemas", nargs="+", default=list(SCHEMAS), choices=list(SCHEMAS))
+    ap.add_argument(
+        "--max-tokens", type=int, default=None, help="of a constrained row (default: MAX_CANVASES canvases)"
+    )
+    ap.add_argument("--schemas", nargs="+", default=["answer", "change", "totals"], choices=list(SCHEMAS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--settle", type=int, default=2, help="OfficialConfig.constraint_settle (-1: off)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--adapter", default=None, help="a LoRA merged into the model for every arm")
+    ap.add_argument("--samples", action="store_true", help="also write <out>.samples.jsonl (texts)")
     ap.add_argument("--hardware", default="CPU, 2 cores")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    report = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    _write(args.out, run(args))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,260 @@
+"""The testbed's JSON adapter: a LoRA that teaches the 9M testbed to answer arith problems as JSON
+documents, so `response_format` rows on it measure the constraint rather than a model that never saw
+JSON (issue 36; BENCHMARKS.md, "Structured output").
+
+The testbed was trained to write its working column by column and end with `#### N`. Held to a schema,
+it has to put that answer inside a document it never saw. This adapter is trained, with the base
+checkpoint's own objective (`train_loss.denoise_loss`, one canvas, self-conditioning), on train-split
+problems only (`tasks.generate(..., split="train")`: never a dev or eval problem), each answer written
+in one of these forms (`FORMS`, drawn by `--weights`):
+
+    free           the checkpoint's own answer (working, then `#### N`): keeps the free format
+    worked         {"reasoning":"<the working>","answer":N}
+    worked_change  {"reasoning":"<the working>","change":"gained"|"lost"|"same"}
+    answer         {"answer":N}              (no working: what the model can do without it)
+    change         {"change":"gained"|"lost"|"same"}
+
+plus `--code-share` of code problems in their own free form, so code answers are not forgotten. The
+documents are compact (no whitespace), keys in this order: the text `decoders.structured` holds
+canvases to. The prompt is the plain problem in every form; the schema's scaffold (`{"reasoning":"`,
+the first tokens of a constrained canvas, fixed by the automaton) is what selects the form.
+
+The adapter is a LoRA on the decoder's attention and MLP projections (as `d2f_adapter`), merged into
+the weights for use: `merge` writes a model directory with it merged (serve it with
+`CANVASQ_MODEL=DIR` or `--model DIR`), and `apply_adapter` merges it into a loaded bundle (what
+`benchmarks/structured_output.py --adapter` does for both its free and its constrained arms).
+
+    python -m canvasq.testbed.json_adapter train --out models/testbed/json_adapter --minutes 20
+    python -m canvasq.testbed.json_adapter merge --adapter models/testbed/json_adapter --out /tmp/tb-json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import re
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from canvasq.testbed import tasks
+from canvasq.testbed.config import BOS_ID, EOS_ID, PAD_ID, SEP_ID
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "testbed"
+_START = re.compile(r" has (\d+) ")
+# the same modules as d2f_adapter: the decoder's (its weights are the encoder's too: one merge)
+TARGETS = r".*decoder\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+
+
+def compact(doc: dict) -> str:
+    """A document as constrained decoding writes it: no whitespace, keys in the dict's order."""
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def working(p: tasks.Problem) -> str:
+    """An arith answer's working: the reference answer without its final `#### N` line."""
+    return p.answer.rsplit("\n####", 1)[0]
+
+
+def change(p: tasks.Problem) -> str:
+    """Whether the story ends with more, fewer or as many items as it started with."""
+    m = _START.search(p.prompt)
+    if m is None or p.target is None:
+        raise ValueError(f"{p.uid}: not an arith story")
+    start = int(m.group(1))
+    return "gained" if p.target > start else "lost" if p.target < start else "same"
+
+
+FORMS: dict[str, Callable[[tasks.Problem], str]] = {
+    "free": lambda p: p.answer,
+    "worked": lambda p: compact({"reasoning": working(p), "answer": p.target}),
+    "worked_change": lambda p: compact({"reasoning": working(p), "change": change(p)}),
+    "answer": lambda p: compact({"answer": p.target}),
+    "change": lambda p: compact({"change": change(p)}),
+}
+DEFAULT_WEIGHTS = "free=0.4,worked=0.3,worked_change=0.1,answer=0.1,change=0.1"
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """'free=0.4,worked=0.3' -> {form: share}, normalised to sum 1 (unknown forms are an error)."""
+    weights: dict[str, float] = {}
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        name, _, value = part.partition("=")
+        if name not in FORMS:
+            raise ValueError(f"unknown form {name!r}; known: {', '.join(FORMS)}")
+        weights[name] = float(value)
+    total = sum(weights.values())
+    if not weights or total <= 0 or any(v < 0 for v in weights.values()):
+        raise ValueError(f"--weights {text!r}: give non-negative shares with a positive sum")
+    return {k: v / total for k, v in weights.items()}
+
+
+def training_texts(
+    n_arith: int, n_code: int, seed: int, weights: dict[str, float]
+) -> list[tuple[str, str, str]]:
+    """(prompt, answer text, form) for `n_arith` train-split arith problems, each in a form drawn by
+    `weights`, and `n_code` train-split code problems in their free form."""
+    rng = random.Random(f"json-adapter:{seed}")
+    names, shares = list(weights), list(weights.values())
+    rows = []
+    for p in tasks.generate("arith", n_arith, seed, split="train"):
+        form = rng.choices(names, shares)[0]
+        rows.append((p.prompt, FORMS[form](p), form))
+    rows += [(p.prompt, p.answer, "code") for p in tasks.generate("code", n_code, seed, split="train")]
+    return rows
+
+
+def build_pool(rows: list[tuple[str, str, str]], tokenizer, canvas: int):
+    """`train_data.build_pool`'s matrix for these rows: `<bos> prompt <sep>` ‖ answer `<eos>`, padded
+    to whole canvases (seq, prompt lengths, answer canvases)."""
+    prompts = tokenizer([r[0] for r in rows], add_special_tokens=False)["input_ids"]
+    answers = tokenizer([r[1] for r in rows], add_special_tokens=False)["input_ids"]
+    pairs = [([BOS_ID, *p, SEP_ID], [*a, EOS_ID]) for p, a in zip(prompts, answers)]
+    max_p = max(len(p) for p, _ in pairs)
+    max_c = max(math.ceil(len(a) / canvas) for _, a in pairs)
+    seq = np.full((len(pairs), max_p + max_c * canvas), PAD_ID, dtype=np.int64)
+    plen = np.zeros(len(pairs), dtype=np.int64)
+    ncan = np.zeros(len(pairs), dtype=np.int64)
+    for i, (p, a) in enumerate(pairs):
+        seq[i, : len(p)] = p
+        seq[i, len(p) : len(p) + len(a)] = a
+        plen[i], ncan[i] = len(p), math.ceil(len(a) / canvas)
+    return seq, plen, ncan
+
+
+def train(args) -> dict:
+    """Train the LoRA over `args.model`'s checkpoint; saved to `args.out` with a `train_report.json`."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoTokenizer, DiffusionGemmaForBlockDiffusion
+
+    from canvasq.testbed.train import _run_log, train_phase
+    from canvasq.testbed.train_data import Batches
+    from canvasq.testbed.train_loss import digit_weights
+
+    torch.set_num_threads(args.threads)
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    torch.manual_seed(args.seed)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = _run_log(out / "train_log.txt")
+    weights = parse_weights(args.weights)
+    t0 = time.time()
+    tok = AutoTokenizer.from_pretrained(args.model)
+    rows = training_texts(args.n_arith, args.n_code, args.seed, weights)
+    model: Any = DiffusionGemmaForBlockDiffusion.from_pretrained(args.model, dtype=torch.float32)
+    model = model.to(device)
+    if device == "cpu":  # grouped_mm experts take ~10x eager's time on the CPU
+        model.set_experts_implementation("eager")
+    C, V = int(model.config.canvas_length), int(model.config.text_config.vocab_size)
+    seq, plen, ncan = build_pool(rows, tok, C)
+    batches = Batches(seq, plen, ncan, C, V, device)
+    log(f"data: {len(rows)} rows (weights {weights}), max row {seq.shape[1]} tokens, {time.time() - t0:.0f}s")
+    lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=TARGETS)
+    peft_model = get_peft_model(model, lora)
+    peft_model.train()
+    report = train_phase(
+        peft_model.base_model.model,
+        [p for p in peft_model.parameters() if p.requires_grad],
+        batches,
+        minutes=args.minutes,
+        batch=args.batch,
+        lr=args.lr,
+        n_canvases=1,
+        canvas=C,
+        sc_prob=0.5,
+        gen=gen,
+        log=log,
+        tag="json",
+        token_weight=digit_weights(tok, V, args.digit_weight, device),
+    )
+    peft_model.save_pretrained(str(out))
+    report.update(
+        device=device,
+        base=str(args.model),
+        rows=len(rows),
+        weights=weights,
+        seed=args.seed,
+        rank=args.rank,
+        batch=args.batch,
+        lr=args.lr,
+        split="train",
+    )
+    (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    log(json.dumps(report))
+    return report
+
+
+def apply_adapter(bundle, adapter_dir: str | Path):
+    """`bundle` with the LoRA in `adapter_dir` merged into its plain weights (the official decoder's);
+    call before any decoder runs on it."""
+    from canvasq.model.loading import merge_adapter
+
+    bundle.hf_model = merge_adapter(bundle.hf_model, Path(adapter_dir))
+    return bundle
+
+
+def merge(args) -> Path:
+    """A model directory: `args.model` with the adapter merged (bf16 safetensors, its tokenizer)."""
+    import torch
+    from peft import PeftModel
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from canvasq.testbed.train import save_model
+
+    base = DiffusionGemmaForBlockDiffusion.from_pretrained(args.model, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, str(args.adapter)).merge_and_unload().eval()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(merged, out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(args.model) / name, out / name)
+    print(f"wrote {out} ({args.model} + {args.adapter}); its official decoder answers in JSON")
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m canvasq.testbed.json_adapter",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train the LoRA on train-split problems")
+    t.add_argument("--out", required=True, help="adapter directory to write (peft format)")
+    t.add_argument("--model", default=str(DEFAULT_MODEL), help="base checkpoint directory")
+    t.add_argument("--minutes", type=float, default=20.0, help="wall time of training")
+    t.add_argument("--weights", default=DEFAULT_WEIGHTS, help="shares of the answer forms (FORMS)")
+    t.add_argument("--n-arith", type=int, default=40_000, help="train-split arith problems")
+    t.add_argument("--n-code", type=int, default=4_000, help="train-split code problems (free form)")
+    t.add_argument("--seed", type=int, default=0, help="problem stream and training seed")
+    t.add_argument("--rank", type=int, default=8, help="LoRA rank (alpha = 2 x rank)")
+    t.add_argument("--batch", type=int, default=64)
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--digit-weight", type=float, default=4.0, help="CE weight of the digit tokens")
+    t.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
+    t.add_argument("--cpu", action="store_true", help="train on the CPU even where CUDA is present")
+    m = sub.add_parser("merge", help="write a model directory with the adapter merged")
+    m.add_argument("--adapter", required=True, help="the trained adapter directory")
+    m.add_argument("--out", required=True, help="model directory to write")
+    m.add_argument("--model", default=str(DEFAULT_MODEL), help="base checkpoint directory")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    if args.command == "train":
+        train(args)
+    else:
+        merge(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -18,7 +18,7 @@ import sys
 
 import click
 
-from canvasq.cli import admin, bench, embedded, queue, reports, serve
+from canvasq.cli import adapt, admin, bench, embedded, queue, reports, serve
 from canvasq.cli.common import failure_line
 from canvasq.testbed import cli as testbed_cli
 
@@ -71,6 +71,7 @@ for _cmd in (
     admin.pack,
     bench.bench,
     bench.calibrate,
+    adapt.adapt_cmd,
     serve.serve,
     serve.keys,
     testbed_cli.testbed,

@@ -149,6 +149,10 @@ class PipeConfig:
     self_conditioning: bool = True
     sc_topk: int | None = None  # top-k self-conditioning projection; None = full vocabulary
     adapter: bool = True  # decode with the D2F LoRA merged (`bundle.d2f_model()`)
+    # Another peft LoRA directory merged in place of `<model>/d2f_adapter/` (absolute, relative to the
+    # working directory or to the model directory), e.g. one `canvasq adapt` trained; None: the model's
+    # own. decoders/adapters.py
+    adapter_path: str | None = None
     # The merged LoRA in the encoder passes too (prompt, committed canvases). HF ties the encoder's
     # weights to the decoder's, so a merge reaches both, though the adapter was trained to denoise
     # decoder passes. False (default): the encoder runs the base weights, at the cost of one more
@@ -187,6 +191,8 @@ class PipeConfig:
         _check_choice("front", self.front, FRONT)
         if self.front_wait < 1:
             raise ValueError(f"front_wait must be ≥ 1, got {self.front_wait}")
+        if self.adapter_path is not None and not (isinstance(self.adapter_path, str) and self.adapter_path):
+            raise ValueError(f"adapter_path must be a directory name or None, got {self.adapter_path!r}")
         if self.front == "revise" and not self.draft_only:
             raise ValueError("front='revise' needs draft_only=True: a canvas behind the front never commits")
 

@@ -1,0 +1,184 @@
+"""`canvasq adapt`: train a self-distilled, calibrated D2F adapter for a model directory
+(canvasq/testbed/adapt.py does the work; torch is imported inside the command)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+
+@click.command("adapt")
+@click.option(
+    "--model", "model_spec", default=None, help="Model directory (default: $CANVASQ_MODEL or the testbed)."
+)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Directory for the new adapter (peft format), its report and log.",
+)
+@click.option(
+    "--init",
+    default="auto",
+    show_default=True,
+    help="Adapter to continue: a directory, 'auto' (the model's d2f_adapter/ when it has one) or 'none'.",
+)
+@click.option(
+    "--task", "task_list", default="arith,code", show_default=True, help="Task families, comma-separated."
+)
+@click.option(
+    "--teacher-n",
+    type=int,
+    default=256,
+    show_default=True,
+    help="Train-split problems per task the teacher decodes.",
+)
+@click.option("--rounds", type=int, default=3, show_default=True, help="Rollout → train rounds.")
+@click.option(
+    "--minutes", type=float, default=20.0, show_default=True, help="Training wall time over all rounds."
+)
+@click.option("--max-steps", type=int, default=None, help="Cap on optimiser steps per round (smoke runs).")
+@click.option("--batch", type=int, default=32, show_default=True, help="States per optimiser step.")
+@click.option("--lr", type=float, default=5e-4, show_default=True, help="Peak AdamW learning rate.")
+@click.option(
+    "--tau",
+    type=float,
+    default=0.7,
+    show_default=True,
+    help="Calibration bar: wrong argmax at p ≥ τ is punished.",
+)
+@click.option("--calibration-weight", type=float, default=1.0, show_default=True, help="Weight of that term.")
+@click.option(
+    "--noise-share", type=float, default=0.15, show_default=True, help="Share of fully noised front canvases."
+)
+@click.option(
+    "--decode-batch", type=int, default=16, show_default=True, help="Prompts per teacher / rollout batch."
+)
+@click.option("--seed", type=int, default=35, show_default=True, help="Problem, sampling and batch seed.")
+@click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's).")
+@click.option("--force", is_flag=True, help="Write into --out even when it already holds an adapter.")
+def adapt_cmd(
+    model_spec,
+    out,
+    init,
+    task_list,
+    teacher_n,
+    rounds,
+    minutes,
+    max_steps,
+    batch,
+    lr,
+    tau,
+    calibration_weight,
+    noise_share,
+    decode_batch,
+    seed,
+    threads,
+    force,
+):
+    """Train a D2F adapter by self-distillation on pipe's and Funnel's own states.
+
+    The teacher is the model with the adapter off: the official sampler answers train-split problems
+    of the testbed's task families and the answers the task checker verifies are kept (no dev or eval
+    problem is ever drawn). Each round, pipe and Funnel decode a share of those prompts with the current
+    adapter and record their states (argmax drafts, frozen commits, the self-conditioning they feed);
+    the adapter then trains on them: cross-entropy to the teacher's tokens on open positions plus a
+    calibration term against a wrong argmax at p ≥ τ. The model's own d2f_adapter/ is never replaced;
+    decoders take the new one with the knob adapter_path.
+
+    Example:
+
+    \b
+        canvasq adapt --out adapters/self1 --teacher-n 256 --rounds 3 --minutes 20 --threads 2
+        canvasq bench --split eval --task arith --n 200 --seeds 61 \\
+          --arm 'pipe:front="revise",adapter_path="adapters/self1"'
+    """
+    from canvasq.model.loading import ADAPTER_DIRNAME, default_model_spec
+
+    spec = model_spec or default_model_spec()
+    tasks = tuple(t.strip() for t in task_list.split(",") if t.strip())
+    for name, value, low in (
+        ("--teacher-n", teacher_n, 1),
+        ("--rounds", rounds, 1),
+        ("--batch", batch, 1),
+        ("--decode-batch", decode_batch, 1),
+    ):
+        if value < low:
+            raise click.UsageError(f"{name} must be at least {low}, got {value}")
+    if minutes <= 0 or not 0 < tau < 1 or not 0 <= noise_share <= 1:
+        raise click.UsageError("--minutes must be > 0, --tau in (0, 1), --noise-share in [0, 1]")
+    unknown = sorted(set(tasks) - {"arith", "code"})
+    if unknown or not tasks:
+        raise click.UsageError(f"--task takes arith and/or code, got {task_list!r}")
+    if not Path(spec).is_dir():
+        raise click.ClickException(
+            f"model {spec!r} is not a directory (canvasq adapt trains a local checkpoint)"
+        )
+    if out.resolve() == (Path(spec) / ADAPTER_DIRNAME).resolve():
+        raise click.ClickException(
+            f"--out is the model's own {ADAPTER_DIRNAME}/: write elsewhere, compare, then copy it over"
+        )
+    if (out / "adapter_config.json").exists() and not force:
+        raise click.ClickException(f"{out} already holds an adapter (--force to overwrite)")
+    init_dir = _init_dir(init, Path(spec) / ADAPTER_DIRNAME)
+    if "code" in tasks:  # the checker runs model-written code: never unconfined
+        from canvasq.testbed.sandbox import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason:
+            raise click.ClickException(reason)
+
+    import torch
+
+    from canvasq.model.loading import load_bundle
+    from canvasq.testbed.adapt import AdaptSettings, adapt
+
+    if threads:
+        torch.set_num_threads(threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    bundle = load_bundle(spec, device=device)
+    settings = AdaptSettings(
+        out=out,
+        init=init_dir,
+        tasks=tasks,
+        teacher_n=teacher_n,
+        seed=seed,
+        rounds=rounds,
+        minutes=minutes,
+        max_steps=max_steps,
+        batch=batch,
+        lr=lr,
+        tau=tau,
+        calibration_weight=calibration_weight,
+        noise_share=noise_share,
+        decode_batch=decode_batch,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "adapt_log.txt", "a") as logf:
+
+        def log(line: str) -> None:
+            click.echo(line)
+            logf.write(line + "\n")
+            logf.flush()
+
+        report = adapt(bundle, settings, log)
+    last = report["rounds"][-1]
+    click.echo(
+        f"adapter written to {out} ({report['total_seconds']:.0f} s, {len(report['rounds'])} rounds, "
+        f"last loss {last['final_loss']}); decode with it: --arm 'funnel:adapter_path=\"{out}\"'"
+    )
+    click.echo(json.dumps({"out": str(out), "total_seconds": report["total_seconds"]}))
+
+
+def _init_dir(init: str, own: Path) -> Path | None:
+    """--init as a directory (None: a fresh LoRA)."""
+    if init == "none":
+        return None
+    if init == "auto":
+        return own if (own / "adapter_config.json").is_file() else None
+    path = Path(init)
+    if not (path / "adapter_config.json").is_file():
+        raise click.ClickException(f"--init {init}: no peft adapter there (adapter_config.json)")
+    return path

@@ -213,6 +213,8 @@ class StepDecoder:
             fn(arg)
         except passthrough:
             raise
+        except torch.OutOfMemoryError:  # the device's limit, not the rows': the caller backs off
+            raise
         except Exception as exc:  # noqa: BLE001 — one forward serves every row in it
             msg = f"{type(exc).__name__}: {exc}"
             for s in seqs:
@@ -230,6 +232,13 @@ class StepDecoder:
         """Liveness guard: forced accept commits ≥ 1 token per step on the front canvas, so a row
         needs at most C forwards per canvas; anything beyond twice that is a bug."""
         return 2 * max(s.n_canvases for s in seqs) * self.C + 16
+
+    def release_stream(self) -> None:
+        """Drop what the last stream holds on the device (its arena, slots and rows), so a stream that
+        follows an out-of-memory does not allocate beside it."""
+        self.arena = self.pool = None
+        self.last_seqs = []
+        self._deferred = []
 
     # -- hooks ----------------------------------------------------------------------------------
     def new_stream(self, slots: int) -> None:

@@ -116,6 +116,10 @@ class OfficialDecoder(StepDecoder):
         self._spawned = []
         self.constraints.reset()
 
+    def release_stream(self) -> None:
+        super().release_stream()
+        self._slots, self._spawned = None, []
+
     def spawn(self, s: Seq) -> Canvas:
         """A new canvas x_T ~ U(V) from the request's generator (HF: `initialize_canvas`); its slot's
         denoising state is reset at the next step (`_begin`)."""

@@ -95,6 +95,7 @@ class Engine:
         self._rc_thread: threading.Thread | None = None
         self.holding_chunk: str | None = None  # the chunk whose lease each heartbeat renews (`holding`)
         self.ahead_chunks: set[str] = set()  # chunks claimed ahead into the running stream (renewed too)
+        self.slot_cap: int | None = None  # set by `shrink_slots` after a stream ran out of device memory
 
     # -- process lifetime --------------------------------------------------------------------------
     @property
@@ -359,8 +360,13 @@ class Engine:
     @property
     def decode_slots(self) -> int:
         """Requests in flight per decode stream: the setting, else by device: 64 on a GPU with at least
-        120 GiB (an H200: 64 x 256 rows fit beside the fp32 logits and arena, and beat 32 in rows/s,
-        BENCHMARKS.md "Service throughput"), 32 on a smaller GPU, decode_batch_size on CPU."""
+        120 GiB (an H200: 64 x 256 rows fit beside the arena with the LM head read by row group, and
+        beat 32 in rows/s, BENCHMARKS.md "Service throughput"), 32 on a smaller GPU, decode_batch_size
+        on CPU; at most half the count a stream ran out of memory with (`shrink_slots`)."""
+        configured = self._configured_slots()
+        return configured if self.slot_cap is None else min(configured, self.slot_cap)
+
+    def _configured_slots(self) -> int:
         if self.settings.decode_slots:
             return self.settings.decode_slots
         device = str(getattr(self.bundle, "device", "cpu"))
@@ -371,6 +377,19 @@ class Engine:
         return (
             64 if torch.cuda.get_device_properties(torch.device(device)).total_memory >= 120 * 2**30 else 32
         )
+
+    def shrink_slots(self, after: int) -> int:
+        """A decode stream ran out of device memory at `after` slots: this process decodes with half
+        as many from now on (the rows in flight are fed again, `streams.decode_stream`). Returns the
+        new count."""
+        self.slot_cap = max(1, after // 2)
+        log.warning(
+            "out of device memory with %d decode slots: %d from now on in this worker "
+            "(CANVASQ_DECODE_SLOTS sets the count)",
+            after,
+            self.slot_cap,
+        )
+        return self.slot_cap
 
     @property
     def calibration(self):

@@ -130,6 +130,7 @@ class _RowStream:
         self.todo, self.written = longest_first(reqs), 0
         self.fed: list[DecodeRequest] = []
         self.pending: list[tuple[str, ResultRecord]] = []  # finished this step, not yet written
+        self.ended: set[str] = set()  # rows handed over (written or pending)
 
     def feed(self, n: int) -> list[tuple[str, DecodeRequest]]:
         todo = self.todo
@@ -147,6 +148,17 @@ class _RowStream:
         # of their time in flight would count it once per slot)
         ms = sum(t.ms * (t.own_rows or 0) / t.rows for t in res.traces if t.rows)
         self.pending.append((str(key), result_record(res, ms, self.decoder)))
+        self.ended.add(str(key))
+
+    def refeed(self) -> int:
+        """After the stream ran out of device memory: the rows that ended are written, the rows in
+        flight go back to be fed again from their first canvas (each row draws from its own
+        generator, so its tokens are the same). Returns how many went back."""
+        self.flush()
+        back = [q for q in self.fed if q.custom_id not in self.ended]
+        self.fed = [q for q in self.fed if q.custom_id in self.ended]
+        self.todo[:] = longest_first(back + self.todo)
+        return len(back)
 
     def flush(self) -> None:
         """The rows finished since the last flush, in one write (idempotent per custom_id)."""
@@ -202,6 +214,8 @@ def stream_and_store(
     once, the rows that end in a step written to the store together at its end. With `ahead_until` (a monotonic
     time), once `rows` are all in flight the run's next chunks are claimed ahead into the same stream
     (`worker.ahead`). Returns the rows written."""
+    import torch
+
     from canvasq.decoders.registry import make_decoder
 
     bundle = engine.bundle  # a load failure raises here: the chunk is retried, rows stay queued
@@ -221,17 +235,26 @@ def stream_and_store(
     stream = _RowStream(engine, run_id, decoder, reqs, should_stop, feeder)
     occupancy: list[tuple[int, int]] = []
     try:
-        dec.stream(
-            stream.feed,
-            stream.on_result,
-            slots=engine.decode_slots,
-            seed=s.seed,
-            capacity=capacity,
-            should_stop=should_stop,
-            interrupts=engine.interrupts,
-            occupancy=occupancy,
-            flush=stream.flush,
-        )
+        while True:
+            slots = engine.decode_slots
+            try:
+                dec.stream(
+                    stream.feed,
+                    stream.on_result,
+                    slots=slots,
+                    seed=s.seed,
+                    capacity=capacity,
+                    should_stop=should_stop,
+                    interrupts=engine.interrupts,
+                    occupancy=occupancy,
+                    flush=stream.flush,
+                )
+                break
+            except torch.OutOfMemoryError:
+                if slots <= 1:
+                    raise
+            # out of device memory (outside the handler: its traceback holds the step's tensors)
+            _back_off(engine, dec, stream, slots)
     except Interrupted as cut:  # finished rows are already stored; the task abandons the rest
         raise cut.cause from None
     except engine.interrupts:
@@ -241,6 +264,24 @@ def stream_and_store(
         stream.fail(exc)
     _note_occupancy(summary, decoder, len(reqs), occupancy)
     return written + stream.written
+
+
+def _back_off(engine: Engine, dec, stream: _RowStream, slots: int) -> None:
+    """A stream ran out of device memory at `slots`: the rows that ended are stored, the rows in
+    flight go back to be fed, the decoder drops its arena and the engine halves its slots for good."""
+    import gc
+
+    import torch
+
+    back = stream.refeed()
+    dec.release_stream()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    now = engine.shrink_slots(slots)
+    log.warning(
+        "decode stream of run %s: %d rows in flight fed again with %d slots", stream.run_id, back, now
+    )
 
 
 def _note_occupancy(summary: ChunkSummary, decoder: str, rows: int, occupancy: list[tuple[int, int]]) -> None:

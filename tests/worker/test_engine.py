@@ -413,3 +413,47 @@ def test_a_stream_that_fails_mid_delivery_stores_the_rows_finished_before(
     assert built[0] in done and failing[0] not in done  # the pending row was flushed by the failure
     # the failure's flush is the write before the failed records (which name every row left)
     assert calls[-2] == built and set(st) - done <= set(calls[-1])
+
+
+def test_out_of_device_memory_halves_the_slots_and_feeds_the_rows_again(
+    wsettings, wstore, bundle, monkeypatch
+):
+    """A decoder step that runs out of device memory (here: any step of more than 2 rows raises
+    torch.OutOfMemoryError) errors no row: the rows in flight are fed again, the stream restarts with
+    half the slots (4 -> 2), the engine keeps 2, and every row's text is the one a 2-slot run gives.
+    Out of memory at one slot errors the rows, as any failing pass does."""
+    from canvasq.decoders.official import OfficialDecoder
+
+    real_step = OfficialDecoder.step
+    steps: list[int] = []
+
+    def step(self, seqs, limit=2):
+        steps.append(len(seqs))
+        if len(seqs) > limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+        return real_step(self, seqs)
+
+    def texts(run_id):
+        with wstore.Session() as s:
+            q = select(Output.custom_id, Output.text, Output.error_code).where(Output.run_id == run_id)
+            return {c: (t, e) for c, t, e in s.execute(q).all()}
+
+    two = wsettings.model_copy(update={"decode_slots": 2})
+    base = wstore.create_run(jobs(6), model=two.model, queue="q", decoder="official", chunk_size=6)
+    engine_for(two, wstore, bundle).process_chunk(base.chunk_ids[0])
+    want = texts(base.run_id)
+
+    monkeypatch.setattr(OfficialDecoder, "step", step)
+    four = wsettings.model_copy(update={"decode_slots": 4})
+    run = wstore.create_run(jobs(6), model=four.model, queue="q", decoder="official", chunk_size=6)
+    engine = engine_for(four, wstore, bundle)
+    out = engine.process_chunk(run.chunk_ids[0])
+    assert out.written == 6 and wstore.run_status(run.run_id) == "completed"
+    assert steps[0] == 4 and max(steps[1:]) == 2 and engine.decode_slots == 2
+    assert texts(run.run_id) == want and all(e is None for _, e in want.values())
+
+    monkeypatch.setattr(OfficialDecoder, "step", lambda self, seqs: step(self, seqs, limit=0))
+    one = wsettings.model_copy(update={"decode_slots": 1})
+    run = wstore.create_run(jobs(2), model=one.model, queue="q", decoder="official", chunk_size=2)
+    engine_for(one, wstore, bundle).process_chunk(run.chunk_ids[0])
+    assert {e for _, e in texts(run.run_id).values()} == {"decode_error"}

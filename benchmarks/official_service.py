@@ -184,7 +184,12 @@ def replay(
     after = _graph_stats(bundle)
     paths = {k: v - paths.get(k, 0) for k, v in _attention_paths(bundle).items()}
     decode_s, encode_s, extra = _pass_stats(store, run.run_id, batch, C)
+    errored = _errored(store, run.run_id)
+    if errored:  # the recording's tokens were not committed: no throughput to report
+        print(f"batch {batch} arm {arm}: {errored} of {len(rows)} rows errored", flush=True)
+        tokens = 0
     return {
+        "errored": errored,
         "decode_forwards_s": decode_s,
         "encode_passes_s": encode_s,
         "rest_s": wall - decode_s - encode_s,
@@ -248,6 +253,17 @@ def _cap_arena(bundle, fp8: str, settings, arena_gib: str) -> None:
         return
     rt = runtime_for(bundle.hf_model, "w4", fp8, settings.fp8_min_rows)
     graph_runner(rt).max_arena_bytes = ARENA_BYTES if arena_gib == "auto" else int(float(arena_gib) * 2**30)
+
+
+def _errored(store, run_id: str) -> int:
+    """Rows of the run stored with an error (an out-of-memory at one slot, say)."""
+    from sqlalchemy import func, select
+
+    from canvasq.core.tables import Output
+
+    with store.Session() as ses:
+        q = select(func.count()).where(Output.run_id == run_id, Output.error_code.is_not(None))
+        return int(ses.scalar(q) or 0)
 
 
 def _pass_stats(store, run_id: str, batch: int, C: int) -> tuple[float, float, dict]:

@@ -16,6 +16,8 @@ syntax); settings after '@' are what a config does not reach:
     sdpa_backend=B, encoder_sdpa_backend=B   attention kernels of masked eager forwards
     prefix_attention=false   no mask-free SDPA for all-visible windows
     stats=torch              the torch sampler's statistics in torch ops instead of the fused kernel
+    defer_head_bytes=N       LM head deferred past N bytes of fp32 logits, read by row group (1: one
+                             window a group, every forward; 0: never)
 
 Each arm gets runtimes of its own (built when its decoder asks, with the settings applied), so
 arms never share captured graphs. Accuracy, forwards per request and τ are exact per (prompts, seed);
@@ -46,8 +48,15 @@ SETTINGS = {
     "encoder_sdpa_backend": str,
     "prefix_attention": "bool",
     "stats": str,
+    "defer_head_bytes": int,
 }
-RUNTIME_ATTRS = ("context_step", "sdpa_backend", "encoder_sdpa_backend", "prefix_attention")
+RUNTIME_ATTRS = (
+    "context_step",
+    "sdpa_backend",
+    "encoder_sdpa_backend",
+    "prefix_attention",
+    "defer_head_bytes",
+)
 # the guard: HF's generate(), official with its defaults on the bf16 model `canvasq bench` loads, and
 # official as a GPU worker runs it by default (W4 experts, 64 decode slots on an H200)
 GUARD_ARMS = ("hf", "official", "official:experts=w4@batch=64")

@@ -227,6 +227,8 @@ def _runtime_knobs(bundle, fp8: str, settings, knobs: str) -> None:
             "context_step": rt.context_step,
             "sdpa_backend": rt.sdpa_backend,
             "encoder_sdpa_backend": rt.encoder_sdpa_backend,
+            "short_window": rt.short_window,
+            "defer_head_bytes": rt.defer_head_bytes,
         },
     )
     want = dict(defaults)

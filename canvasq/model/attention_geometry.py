@@ -41,6 +41,7 @@ class AttentionGeometry:
     backend: str = "auto"  # SDPA backend of masked calls (`kernels.attention.SDPA_BACKENDS`)
     encoder_backend: str = "auto"  # ... of the calls on encoder blocks alone (their shapes vary more)
     kernel: bool = False  # short windows through `kernels.attention` (the runtime's `kernels`), else SDPA
+    short_window: int = SHORT_WINDOW  # rows per window up to which `kernel` applies (`Runtime.short_window`)
     _folded: dict[tuple[bool, int], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
@@ -145,6 +146,12 @@ class AttentionGeometry:
         dst = make(nb, heads, self.rmax, d, dtype=dtype, device=self.hi.device)
         return Scatter(dst, self.b_idx, self.r_idx)
 
+    @property
+    def impl(self) -> str:
+        """ "triton" (our kernel: the arena read in place) for windows of up to `short_window` rows
+        when the runtime has its kernels, else "torch" (SDPA)."""
+        return "triton" if self.kernel and self.rmax <= self.short_window else "torch"
+
     def attend(self, layer: int, arena: KVArena, q: torch.Tensor, sliding: bool) -> torch.Tensor:
         """q: [B, h, Rmax, d] (`query_target`) -> [N, h*d]. GQA is folded into the query rows (the g
         query heads of a KV head become g*Rmax rows against that head's keys), so K/V are read in
@@ -154,7 +161,7 @@ class AttentionGeometry:
         g = heads // kvh
         mask = None if self.maskfree[sliding] else self._mask(sliding, g, q.dtype)
         # short windows: one launch, arena read in place, o_proj's layout out; longer ones: SDPA
-        impl = "triton" if self.kernel and self.rmax <= SHORT_WINDOW else "torch"
+        impl = self.impl
         q = q.view(nb, kvh, g * self.rmax, d)
         k, v = arena.k[layer], arena.v[layer]
         n = self.sliced

@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from canvasq.kernels.attention import SHORT_WINDOW
 from canvasq.kernels.gelu_mul import gelu_mul
 from canvasq.kernels.moe.reference import route_weights
 from canvasq.kernels.norm_residual import add_rms_norm, pre_ffn_norms
@@ -183,6 +184,8 @@ class Runtime:
         self.sdpa_backend = "auto"
         self.encoder_sdpa_backend = "efficient" if cuda else "auto"
         self.context_step = 256 if cuda else 0
+        # windows of up to this many rows attend through our kernel (with `kernels`), longer ones SDPA
+        self.short_window = SHORT_WINDOW
         # eager forwards by attention path: "maskfree" (all-visible, SDPA without a mask) or "masked"
         # (ragged contexts, a sliding band that clips, padded rows); graphed forwards always mask
         self.attention_paths = {"maskfree": 0, "masked": 0}

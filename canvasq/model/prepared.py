@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from canvasq.model.arena import KVArena
+from canvasq.model.arena import Captured, KVArena
 from canvasq.model.attention_geometry import AttentionGeometry
 from canvasq.model.windows import Window
 
@@ -44,6 +44,18 @@ class Prepared:
     dec_rows: torch.Tensor | None = None  # [N_dec] the other rows' indices (the LM head's rows)
     dec_offsets: list[int] = field(default_factory=list)  # window i's logits: dec_offsets[i]:[i + 1]
     defer_head: bool = False  # `_run` stops at the final-normed hidden state (`DecodeOutput.head`)
+
+    def split_captured(self, cap_k, cap_v) -> list[Captured | None]:
+        """Per window, the K/V its `capture` rows wrote in this forward (None: it captured none)."""
+        out: list[Captured | None] = [None] * len(self.windows)
+        if self.capture is None:  # no window captures (cap_owner is empty)
+            return out
+        start = 0
+        for b, count in self.cap_owner:
+            sl = slice(start, start + count)
+            out[b] = Captured([k[sl] for k in cap_k], [v[sl] for v in cap_v], self.pos[self.capture[sl]])
+            start += count
+        return out
 
 
 def prepare(

@@ -75,12 +75,18 @@ from canvasq.kernels.norm_rope import Scatter, qkv_norm_rope
 from canvasq.kernels.rmsnorm import rms_norm as rms_norm_any
 from canvasq.kernels.router import router_topk
 from canvasq.kernels.softcap import softcap_logits
-from canvasq.model.arena import Captured, KVArena
+from canvasq.model.arena import KVArena
 from canvasq.model.embedding import embed, rope
 from canvasq.model.experts import grouped_mm_available, moe_grouped, moe_reference
 from canvasq.model.fp8 import fp8_linear, fp8_moe
 from canvasq.model.prepared import Prepared, prepare
-from canvasq.model.weights import LayerWeights, fuse_projections, layer_weights
+from canvasq.model.weights import (
+    LayerWeights,
+    checked_text_config,
+    fuse_projections,
+    layer_weights,
+    rope_tables,
+)
 from canvasq.model.windows import DecodeOutput, SelfCond, Window, encoder_windows  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
@@ -93,29 +99,6 @@ if TYPE_CHECKING:
 
 # "bf16": the model-dtype experts, grouped GEMMs on CUDA and the per-expert loop elsewhere;
 # "reference" / "grouped": force one of those; "w4": canvasq.kernels' packed W4A16 MoE.
-EXPERT_IMPLS = ("bf16", "reference", "grouped", "w4")
-
-
-def _rope_tables(rot) -> tuple[dict[bool, torch.Tensor], dict[bool, float]]:
-    """HF's rotary module's inverse frequencies (fp32) and attention scaling, keyed by sliding?"""
-    inv_freq, rope_scaling = {}, {}
-    for lt, sliding in (("sliding_attention", True), ("full_attention", False)):
-        if hasattr(rot, f"{lt}_inv_freq"):
-            inv_freq[sliding] = getattr(rot, f"{lt}_inv_freq").float()
-            rope_scaling[sliding] = float(getattr(rot, f"{lt}_attention_scaling"))
-    return inv_freq, rope_scaling
-
-
-def _checked_text_config(hf_model, experts: str):
-    """The model's text config, after what this runtime does not implement is refused by name."""
-    if experts not in EXPERT_IMPLS:
-        raise ValueError(f"unknown experts implementation {experts!r}; known: {', '.join(EXPERT_IMPLS)}")
-    tc = hf_model.config.get_text_config()
-    if tc.hidden_activation != "gelu_pytorch_tanh":
-        raise ValueError(f"unsupported activation {tc.hidden_activation!r}")
-    if getattr(tc, "attn_logit_softcapping", None):
-        raise ValueError("attention logit softcapping is not implemented")
-    return tc
 
 
 class Runtime:
@@ -226,7 +209,7 @@ class Runtime:
         on decoder passes; merged, it rewrites the tied encoder too). Its experts are taken from
         `hf_model`'s layers, so the expert weights and W4 packs stay one copy: only for a pair that
         differs outside the experts (the adapters' `target_modules` exclude them)."""
-        tc = _checked_text_config(hf_model, experts)
+        tc = checked_text_config(hf_model, experts)
         enc = (encoder_model if encoder_model is not None else hf_model).model.encoder.language_model
         dec = hf_model.model.decoder
         dec_layers = [layer_weights(layer) for layer in dec.layers]
@@ -241,7 +224,7 @@ class Runtime:
                 f"experts={experts!r} needs the BF16 experts, but this model's were packed to W4 "
                 "at load and freed (CANVASQ_EXPERTS=w4); load it with CANVASQ_EXPERTS=bf16"
             )
-        inv_freq, rope_scaling = _rope_tables(dec.rotary_emb)
+        inv_freq, rope_scaling = rope_tables(dec.rotary_emb)
         sc_mod = dec.self_conditioning
         sc = {
             "pre_norm": sc_mod.pre_norm.weight,
@@ -347,7 +330,7 @@ class Runtime:
         out, cap_k, cap_v = self._run(prep)
         if encoder:
             return None
-        captured = self._split_captured(prep, cap_k, cap_v)
+        captured = prep.split_captured(cap_k, cap_v)
         if prep.defer_head:  # `out` is the final-normed hidden state: logits as the decoder reads them
             fp8 = self.lm_head_fp8 is not None and rows >= self.fp8_min_rows  # by the whole forward
             return DecodeOutput(
@@ -402,17 +385,6 @@ class Runtime:
             fp8_head = self.lm_head_fp8 if fp8 else None
             head = F.linear(h, self.lm_head) if fp8_head is None else fp8_linear(h, fp8_head)
             return self._softcap(head, self.softcap, out=out)
-
-    def _split_captured(self, prep: Prepared, cap_k, cap_v) -> list[Captured | None]:
-        out: list[Captured | None] = [None] * len(prep.windows)
-        if prep.capture is None:  # no window captures (cap_owner is empty)
-            return out
-        start = 0
-        for b, count in prep.cap_owner:
-            sl = slice(start, start + count)
-            out[b] = Captured([k[sl] for k in cap_k], [v[sl] for v in cap_v], prep.pos[prep.capture[sl]])
-            start += count
-        return out
 
     def _layer(self, i, lw: LayerWeights, h, cos, sin, prep: Prepared, cap_k, cap_v, kv_only: bool):
         eps = self.eps

@@ -100,3 +100,28 @@ def layer_weights(layer) -> LayerWeights:
         layer_scalar=layer.layer_scalar,
         experts_packed=getattr(layer.experts, "w4_experts", None),
     )
+
+
+EXPERT_IMPLS = ("bf16", "reference", "grouped", "w4")  # `Runtime(experts=...)`
+
+
+def rope_tables(rot) -> tuple[dict[bool, torch.Tensor], dict[bool, float]]:
+    """HF's rotary module's inverse frequencies (fp32) and attention scaling, keyed by sliding?"""
+    inv_freq, rope_scaling = {}, {}
+    for lt, sliding in (("sliding_attention", True), ("full_attention", False)):
+        if hasattr(rot, f"{lt}_inv_freq"):
+            inv_freq[sliding] = getattr(rot, f"{lt}_inv_freq").float()
+            rope_scaling[sliding] = float(getattr(rot, f"{lt}_attention_scaling"))
+    return inv_freq, rope_scaling
+
+
+def checked_text_config(hf_model, experts: str):
+    """The model's text config, after what this runtime does not implement is refused by name."""
+    if experts not in EXPERT_IMPLS:
+        raise ValueError(f"unknown experts implementation {experts!r}; known: {', '.join(EXPERT_IMPLS)}")
+    tc = hf_model.config.get_text_config()
+    if tc.hidden_activation != "gelu_pytorch_tanh":
+        raise ValueError(f"unsupported activation {tc.hidden_activation!r}")
+    if getattr(tc, "attn_logit_softcapping", None):
+        raise ValueError("attention logit softcapping is not implemented")
+    return tc

@@ -183,10 +183,7 @@ class StepDecoder:
                 self._step_all(pool, interrupts)
                 pool.deliver_done()
         except Cancelled:
-            for s in pool.live:
-                if not s.done:
-                    s.error, s.finish_reason, s.done = CANCELLED, CANCELLED, True
-            pool.deliver_done()
+            pool.cancel()
         except interrupts as exc:
             pool.deliver_done()
             raise Interrupted(exc, []) from exc

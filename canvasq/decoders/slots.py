@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from canvasq.decoders.state import Seq, error_result, request_error
-from canvasq.decoders.types import DecodeRequest
+from canvasq.decoders.types import CANCELLED, DecodeRequest
 
 if TYPE_CHECKING:
     from canvasq.decoders.base import StepDecoder
@@ -57,6 +57,13 @@ class SlotPool:
         if answered:
             self.flush()
         return fresh
+
+    def cancel(self) -> None:
+        """`should_stop` said stop: the rows in flight end as cancelled and are handed over."""
+        for s in self.live:
+            if not s.done:
+                s.error, s.finish_reason, s.done = CANCELLED, CANCELLED, True
+        self.deliver_done()
 
     def deliver_done(self) -> None:
         """Hand every finished row to `on_result` and free its slot."""

@@ -214,8 +214,6 @@ def stream_and_store(
     once, the rows that end in a step written to the store together at its end. With `ahead_until` (a monotonic
     time), once `rows` are all in flight the run's next chunks are claimed ahead into the same stream
     (`worker.ahead`). Returns the rows written."""
-    import torch
-
     from canvasq.decoders.registry import make_decoder
 
     bundle = engine.bundle  # a load failure raises here: the chunk is retried, rows stay queued
@@ -235,26 +233,7 @@ def stream_and_store(
     stream = _RowStream(engine, run_id, decoder, reqs, should_stop, feeder)
     occupancy: list[tuple[int, int]] = []
     try:
-        while True:
-            slots = engine.decode_slots
-            try:
-                dec.stream(
-                    stream.feed,
-                    stream.on_result,
-                    slots=slots,
-                    seed=s.seed,
-                    capacity=capacity,
-                    should_stop=should_stop,
-                    interrupts=engine.interrupts,
-                    occupancy=occupancy,
-                    flush=stream.flush,
-                )
-                break
-            except torch.OutOfMemoryError:
-                if slots <= 1:
-                    raise
-            # out of device memory (outside the handler: its traceback holds the step's tensors)
-            _back_off(engine, dec, stream, slots)
+        _decode_stream(engine, dec, stream, capacity, occupancy)
     except Interrupted as cut:  # finished rows are already stored; the task abandons the rest
         raise cut.cause from None
     except engine.interrupts:
@@ -264,6 +243,33 @@ def stream_and_store(
         stream.fail(exc)
     _note_occupancy(summary, decoder, len(reqs), occupancy)
     return written + stream.written
+
+
+def _decode_stream(engine: Engine, dec, stream: _RowStream, capacity: int, occupancy: list) -> None:
+    """`dec.stream` over the stream's rows with the engine's slots; out of device memory, again with
+    half as many (`_back_off`) until one slot."""
+    import torch
+
+    while True:
+        slots = engine.decode_slots
+        try:
+            dec.stream(
+                stream.feed,
+                stream.on_result,
+                slots=slots,
+                seed=engine.settings.seed,
+                capacity=capacity,
+                should_stop=stream.should_stop,
+                interrupts=engine.interrupts,
+                occupancy=occupancy,
+                flush=stream.flush,
+            )
+            return
+        except torch.OutOfMemoryError:
+            if slots <= 1:
+                raise
+        # out of device memory (outside the handler: its traceback holds the step's tensors)
+        _back_off(engine, dec, stream, slots)
 
 
 def _back_off(engine: Engine, dec, stream: _RowStream, slots: int) -> None:

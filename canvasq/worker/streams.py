@@ -241,6 +241,8 @@ def stream_and_store(
     except Exception as exc:  # deterministic failure → the rows not yet stored error, never a retry storm
         log.exception("decode stream failed for run %s", run_id)
         stream.fail(exc)
+    finally:  # the decoder and its slot pool refer to each other: free the arena now, not at a gc
+        dec.release_stream()
     _note_occupancy(summary, decoder, len(reqs), occupancy)
     return written + stream.written
 

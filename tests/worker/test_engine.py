@@ -457,3 +457,38 @@ def test_out_of_device_memory_halves_the_slots_and_feeds_the_rows_again(
     run = wstore.create_run(jobs(2), model=one.model, queue="q", decoder="official", chunk_size=2)
     engine_for(one, wstore, bundle).process_chunk(run.chunk_ids[0])
     assert {e for _, e in texts(run.run_id).values()} == {"decode_error"}
+
+
+def test_a_finished_stream_frees_its_arena_at_once(wsettings, wstore, bundle, monkeypatch):
+    """The decoder and its slot pool refer to each other, so a finished stream's arena (35 GiB at 64
+    slots on the H200) would wait for a garbage collection while the next chunk allocates its own: the
+    worker releases it when the stream ends, so no reference to it is left."""
+    import gc
+    import weakref
+
+    from canvasq.decoders import registry
+    from canvasq.worker import streams
+
+    made, real = [], registry.make_decoder
+
+    def make_decoder(*a, **k):
+        made.append(real(*a, **k))
+        return made[-1]
+
+    monkeypatch.setattr(registry, "make_decoder", make_decoder)
+    arenas: list = []
+    real_decode_stream = streams._decode_stream
+
+    def spy(engine, dec, stream, capacity, occupancy):
+        real_decode_stream(engine, dec, stream, capacity, occupancy)
+        arenas.append(weakref.ref(dec.arena.k[0]))
+
+    monkeypatch.setattr(streams, "_decode_stream", spy)
+    run = wstore.create_run(jobs(3), model=wsettings.model, queue="q", decoder="official", chunk_size=3)
+    gc.disable()  # what is freed must be freed by reference counts alone
+    try:
+        engine_for(wsettings, wstore, bundle).process_chunk(run.chunk_ids[0])
+        assert len(made) == 1 and len(arenas) == 1
+        assert made[0].arena is None and arenas[0]() is None
+    finally:
+        gc.enable()

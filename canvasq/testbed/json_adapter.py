@@ -19,12 +19,18 @@ documents are compact (no whitespace), keys in this order: the text `decoders.st
 canvases to. The prompt is the plain problem in every form; the schema's scaffold (`{"reasoning":"`,
 the first tokens of a constrained canvas, fixed by the automaton) is what selects the form.
 
-The adapter is a LoRA on the decoder's attention and MLP projections (as `d2f_adapter`), merged into
+The adapter is a LoRA on the decoder's attention and MLP projections (as `d2f_adapter`); the encoder
+shares those weight tensors, so it runs the same wrapped projections while training
+(`share_with_encoder`: what the merge gives it at inference). It is merged into
 the weights for use: `merge` writes a model directory with it merged (serve it with
 `CANVASQ_MODEL=DIR` or `--model DIR`), and `apply_adapter` merges it into a loaded bundle (what
 `benchmarks/structured_output.py --adapter` does for both its free and its constrained arms).
 
-    python -m canvasq.testbed.json_adapter train --out models/testbed/json_adapter --minutes 20
+Status (BENCHMARKS.md, "Structured output"): ~1,800 CPU steps at batch 16 taught the format but not
+yet the accuracy (constrained 38 % against the base's 81 % free on 32 problems); no adapter is
+committed. Train on a GPU (minutes there are thousands of steps at batch 256).
+
+    python -m canvasq.testbed.json_adapter train --out /tmp/json_adapter --minutes 20
     python -m canvasq.testbed.json_adapter merge --adapter models/testbed/json_adapter --out /tmp/tb-json
 """
 
@@ -158,8 +164,14 @@ def train(args) -> dict:
     batches = Batches(seq, plen, ncan, C, V, device)
     log(f"data: {len(rows)} rows (weights {weights}), max row {seq.shape[1]} tokens, {time.time() - t0:.0f}s")
     lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=TARGETS)
-    peft_model = get_peft_model(model, lora)
+    if args.init:  # continue a trained adapter (its rank and targets)
+        from peft import PeftModel
+
+        peft_model = PeftModel.from_pretrained(model, args.init, is_trainable=True)
+    else:
+        peft_model = get_peft_model(model, lora)
     peft_model.train()
+    restore = share_with_encoder(peft_model.base_model.model)
     report = train_phase(
         peft_model.base_model.model,
         [p for p in peft_model.parameters() if p.requires_grad],
@@ -175,6 +187,7 @@ def train(args) -> dict:
         tag="json",
         token_weight=digit_weights(tok, V, args.digit_weight, device),
     )
+    restore()
     peft_model.save_pretrained(str(out))
     report.update(
         device=device,
@@ -182,6 +195,7 @@ def train(args) -> dict:
         rows=len(rows),
         weights=weights,
         seed=args.seed,
+        init=args.init,
         rank=args.rank,
         batch=args.batch,
         lr=args.lr,
@@ -190,6 +204,39 @@ def train(args) -> dict:
     (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     log(json.dumps(report))
     return report
+
+
+_PROJECTIONS = tuple(f"self_attn.{x}_proj" for x in "qkvo") + tuple(
+    f"mlp.{x}_proj" for x in ("gate", "up", "down")
+)
+
+
+def share_with_encoder(model) -> Callable[[], None]:
+    """Let the encoder run the decoder's LoRA-wrapped projections while training; returns the undo.
+
+    Encoder and decoder layers are distinct modules over the same weight tensors, so a merged adapter
+    changes both; peft wraps only the decoder's. Trained that way, the encoder would read the context
+    with base weights, and the merged model (encoder changed too) would read it differently from
+    training. Sharing the wrapped modules trains what the merge runs. Undo before saving: the adapter's
+    keys stay the decoder's."""
+    enc, dec = model.model.encoder.language_model.layers, model.model.decoder.layers
+    undo: list[tuple[object, str, object]] = []
+    for e_layer, d_layer in zip(enc, dec):
+        for path in _PROJECTIONS:
+            part, name = path.split(".")
+            e_parent, d_parent = getattr(e_layer, part), getattr(d_layer, part)
+            if getattr(d_parent, name, None) is None:  # a layer without it (keys as values)
+                continue
+            if getattr(e_parent, name).weight is not getattr(d_parent, name).weight:
+                raise ValueError(f"encoder and decoder {path} do not share weights: merge would not match")
+            undo.append((e_parent, name, getattr(e_parent, name)))
+            setattr(e_parent, name, getattr(d_parent, name))
+
+    def restore() -> None:
+        for parent, name, module in undo:
+            setattr(parent, name, module)
+
+    return restore
 
 
 def apply_adapter(bundle, adapter_dir: str | Path):
@@ -236,6 +283,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--n-code", type=int, default=4_000, help="train-split code problems (free form)")
     t.add_argument("--seed", type=int, default=0, help="problem stream and training seed")
     t.add_argument("--rank", type=int, default=8, help="LoRA rank (alpha = 2 x rank)")
+    t.add_argument("--init", default=None, help="continue training this adapter directory")
     t.add_argument("--batch", type=int, default=64)
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--digit-weight", type=float, default=4.0, help="CE weight of the digit tokens")

@@ -125,3 +125,26 @@ def test_an_applied_adapter_adds_its_lora_product_to_the_plain_weights(tmp_path:
     delta = (lora.lora_B["default"].weight @ lora.lora_A["default"].weight) * (8 / 4)
     assert torch.allclose(after - before, delta, atol=1e-5)
     assert not torch.equal(after, before)
+
+
+def test_training_shares_the_lora_with_the_encoder_and_saves_decoder_keys(tmp_path: Path):
+    """The merge changes the encoder too (shared tensors): training runs it through the same LoRA, and
+    the saved adapter keeps only the decoder's keys (what the merge targets)."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+
+    from canvasq.model.loading import load_bundle
+
+    peft_model = get_peft_model(
+        load_bundle(str(TESTBED)).hf_model, LoraConfig(r=2, lora_alpha=4, target_modules=ja.TARGETS)
+    )
+    model = peft_model.base_model.model
+    enc, dec = model.model.encoder.language_model.layers[1], model.model.decoder.layers[1]
+    plain = enc.mlp.up_proj
+    restore = ja.share_with_encoder(model)
+    assert enc.mlp.up_proj is dec.mlp.up_proj and hasattr(enc.self_attn.q_proj, "lora_A")
+    restore()
+    assert enc.mlp.up_proj is plain
+    peft_model.save_pretrained(str(tmp_path / "ad"))
+    keys = load_file(str(tmp_path / "ad" / "adapter_model.safetensors"))
+    assert keys and all(".decoder.layers." in k for k in keys)

@@ -139,25 +139,22 @@ class OfficialDecoder(StepDecoder):
         with self.timed() as t:
             out = self.forward(windows)
         idx, B, R = self.slot_index(seqs), len(seqs), self.C
-        if out.deferred and not self.constraints.rows:  # the LM head by row group: no [B·C, V] buffer
-            group = max(1, self.rt.defer_head_bytes // (4 * R * self.V))
-            logits = None
-            parts = [
-                self._sample(
-                    seqs[g : g + group],
-                    idx[g : g + group],
-                    out.rows_logits(g * R, min(B, g + group) * R).view(-1, R, self.V),
-                )
-                for g in range(0, B, group)
-            ]
-        else:
+        logits = None  # with a deferred head, read by row group: no [B·C, V] buffer for the step
+        if not out.deferred or self.constraints.rows:
             logits = out.logits.view(B, R, self.V)
-            self.constraints.mask(seqs, logits)
+            self.constraints.mask(seqs, logits)  # in place: the row groups below read the masked rows
+        if logits is None:
+            group = max(1, self.rt.defer_head_bytes // (4 * R * self.V))
+        else:
             group = B if self._one_group else max(1, _GROUP_BYTES // (4 * R * self.V))
-            parts = [
-                self._sample(seqs[g : g + group], idx[g : g + group], logits[g : g + group])
-                for g in range(0, B, group)
-            ]
+        parts = [
+            self._sample(
+                seqs[g : g + group],
+                idx[g : g + group],
+                out.rows_logits(g * R, min(B, g + group) * R).view(-1, R, self.V),
+            )
+            for g in range(0, B, group)
+        ]
         # the step's one host sync: how many positions each request accepted, which ones stopped
         counts, done = torch.cat(parts, dim=1).tolist()
         for s, cv in fresh:  # their first step has written the slot's self-conditioning

@@ -1,14 +1,17 @@
-"""GPU probe: the runtime's attention kernel (`canvasq.kernels.attention`) at several tiles against SDPA +
-the transposing copy it replaces, at the real shape: sliding layers (8 KV heads x 256, 2 query heads
-each) and full layers (2 KV heads x 512, 8 each), one window of R rows over 128 + R arena entries, an
-additive band mask, bf16, torch seed 0. Timing: `_common.time_ms(graph=True)`; PDL off. Every arm
-checked against SDPA first (2e-2 relative).
+"""GPU probe: the runtime's attention kernel (`canvasq.kernels.attention`, visibility from `Bounds`) at
+several tiles against the masked SDPA call + transposing copy the runtime otherwise makes, at the real
+shape: sliding layers (8 KV heads x 256, 2 query heads each, band 1,024) and full layers (2 KV heads x
+512, 8 each). A service step: B windows of R rows (one canvas each), each slot with its own committed
+context (uniform in [CTX/4, CTX], torch seed 0), the arena read for the longest one (L = the context
+rounded up to 256, as `Runtime.context_step` does). bf16. Timing: `_common.time_ms` (an event pair per
+call); PDL off. Every arm checked against SDPA first (2e-2 relative, rows that see something).
 
-    python benchmarks/probes/attention_gpu_timing.py 256,8     # H200
+    python benchmarks/probes/attention_gpu_timing.py --windows 32 --rows 256 --ctx 2048   # H200
     python benchmarks/probes/attention_gpu_timing.py --quick   # one small case, one tile (CPU: interpreted)
 """
 
 import argparse
+import json
 import os
 import sys
 from functools import partial
@@ -18,14 +21,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "kernels"))
 import _common as C  # first: on a machine without a GPU it makes the kernels interpreted
 import torch
 
-from canvasq.kernels.attention import attend_launch, attend_reference
+from canvasq.kernels.attention import Bounds, attend_launch, attend_reference
 
 DT = torch.bfloat16 if C.ON_GPU else torch.float16  # the interpreter's bf16 loads are wrong
-
-
-def time_ms(fn) -> float:
-    return C.time_ms(fn, graph=True)
-
 
 TILES = (
     (32, 32, 8, 2),
@@ -33,48 +31,71 @@ TILES = (
     (64, 32, 4, 2),
     (64, 32, 8, 2),
     (64, 64, 4, 2),
-    (16, 32, 4, 2),
+    (64, 64, 8, 3),
     (128, 32, 8, 2),
+    (128, 64, 8, 2),
 )
 
 
-def case(R: int, kvh: int, g: int, d: int, tiles=TILES) -> dict:
+def geometry(nb: int, r: int, ctx: int, band: int | None):
+    """Positions, ends and row bounds of nb one-canvas windows over ragged contexts."""
+    committed = torch.randint(ctx // 4, ctx + 1, (nb,))
+    lmax = -(-(int(committed.max()) + r) // 256) * 256
+    pos = torch.arange(lmax + 64).repeat(nb, 1).to(C.DEVICE)  # entries in position order, as appended
+    ends = (committed + r).to(C.DEVICE)
+    hi = (committed + r)[:, None].expand(nb, r).contiguous().to(C.DEVICE)
+    lo = None if band is None else (committed - (band - 1))[:, None].expand(nb, r).contiguous().to(C.DEVICE)
+    slots = torch.arange(nb, device=C.DEVICE)
+    return slots, pos, Bounds.build(pos, pos[:, :lmax], ends, hi, lo), lmax
+
+
+def case(nb: int, r: int, ctx: int, kvh: int, g: int, d: int, band: int | None, tiles=TILES) -> dict:
     torch.manual_seed(0)
-    L = 128 + R
-    q = torch.randn(1, kvh, g * R, d, device=C.DEVICE, dtype=DT)
-    k, v = (torch.randn(2, kvh, L + 64, d, device=C.DEVICE, dtype=DT) for _ in range(2))
-    slots = torch.tensor([1], device=C.DEVICE)
-    pos = torch.arange(L, device=C.DEVICE)
-    lo = torch.randint(0, 64, (1, 1, g * R, 1), device=C.DEVICE)
-    mask = torch.zeros(1, 1, g * R, L, device=C.DEVICE).masked_fill(pos < lo, float("-inf")).to(DT)
-    want = attend_reference(q, k, v, slots, L, mask, groups=g)
-    row = {
-        "sdpa + copy": round(time_ms(lambda _: attend_reference(q, k, v, slots, L, mask, groups=g)) * 1e3, 1)
-    }
+    slots, pos, bounds, lmax = geometry(nb, r, ctx, band)
+    q = torch.randn(nb, kvh, g * r, d, device=C.DEVICE, dtype=DT)
+    k, v = (torch.randn(nb, kvh, lmax + 64, d, device=C.DEVICE, dtype=DT) for _ in range(2))
+    mask = bounds.mask(pos[:, :lmax], g, DT)
+    sdpa = partial(attend_reference, q, k, v, slots, lmax, mask, groups=g, first=0)
+    want = sdpa().float()
+    row: dict = {"L": lmax, "sdpa + copy": round(C.time_ms(lambda _: sdpa()) * 1e3, 1)}
     for t in tiles:
         if d == 512 and t[0] * d * 2 * (1 + 2 * t[3]) > 200_000:  # q + staged k, v tiles: no room
             continue
-        fn = partial(attend_launch, q, k, v, slots, L, mask, groups=g, tiles=t)
+        fn = partial(attend_launch, q, k, v, slots, lmax, bounds, groups=g, tiles=t)
         try:
-            err = float((fn().float() - want.float()).abs().max() / want.float().abs().max())
+            err = float((fn().float() - want).abs().max() / want.abs().max())
         except Exception as ex:  # noqa: BLE001 - a tile that does not fit is reported, not fatal
             row[str(t)] = type(ex).__name__
             continue
-        row[str(t)] = round(time_ms(lambda _, f=fn: f()) * 1e3, 1) if err < 2e-2 else f"WRONG {err:.3g}"
+        row[str(t)] = round(C.time_ms(lambda _, f=fn: f()) * 1e3, 1) if err < 2e-2 else f"WRONG {err:.3g}"
     return row
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("rows", nargs="?", default="256")
-    ap.add_argument("--quick", action="store_true", help="8 rows, 1 KV head x 64, the first tile")
+    ap.add_argument("--windows", default="32", help="windows per call, comma-separated")
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--ctx", type=int, default=2048, help="largest committed context")
+    ap.add_argument("--quick", action="store_true", help="2 windows of 8 rows, 1 KV head x 64, one tile")
+    ap.add_argument("--out", help="also write the rows as JSON here")
     a = ap.parse_args()
-    cases = (("sliding", 1, 2, 64),) if a.quick else (("sliding", 8, 2, 256), ("full", 2, 8, 512))
-    for R in [8] if a.quick else [int(v) for v in a.rows.split(",")]:
-        for name, kvh, g, d in cases:
-            row = case(R, kvh, g, d, TILES[:1] if a.quick else TILES)
-            print(f"R{R} {name}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+    if a.quick:
+        cases, windows, rows, ctx = (("sliding", 1, 2, 64, 16),), [2], 8, 40
+    else:
+        cases = (("sliding", 8, 2, 256, 1024), ("full", 2, 8, 512, None))
+        windows, rows, ctx = [int(w) for w in a.windows.split(",")], a.rows, a.ctx
+    out = []
+    for nb in windows:
+        for name, kvh, g, d, band in cases:
+            row = case(nb, rows, ctx, kvh, g, d, band, TILES[:1] if a.quick else TILES)
+            out.append({"windows": nb, "rows": rows, "ctx": ctx, "layer": name, "us": row})
+            print(
+                f"B{nb} R{rows} ctx{ctx} {name}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True
+            )
             assert not any(str(v).startswith("WRONG") for v in row.values()), row
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -59,25 +59,7 @@ import click
 @click.option("--seed", type=int, default=35, show_default=True, help="Problem, sampling and batch seed.")
 @click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's).")
 @click.option("--force", is_flag=True, help="Write into --out even when it already holds an adapter.")
-def adapt_cmd(
-    model_spec,
-    out,
-    init,
-    task_list,
-    teacher_n,
-    rounds,
-    minutes,
-    max_steps,
-    batch,
-    lr,
-    tau,
-    calibration_weight,
-    noise_share,
-    decode_batch,
-    seed,
-    threads,
-    force,
-):
+def adapt_cmd(model_spec, out, init, task_list, threads, force, **train):
     """Train a D2F adapter by self-distillation on pipe's and Funnel's own states.
 
     The teacher is the model with the adapter off: the official sampler answers train-split problems
@@ -99,29 +81,11 @@ def adapt_cmd(
 
     spec = model_spec or default_model_spec()
     tasks = tuple(t.strip() for t in task_list.split(",") if t.strip())
-    for name, value, low in (
-        ("--teacher-n", teacher_n, 1),
-        ("--rounds", rounds, 1),
-        ("--batch", batch, 1),
-        ("--decode-batch", decode_batch, 1),
-    ):
-        if value < low:
-            raise click.UsageError(f"{name} must be at least {low}, got {value}")
-    if minutes <= 0 or not 0 < tau < 1 or not 0 <= noise_share <= 1:
-        raise click.UsageError("--minutes must be > 0, --tau in (0, 1), --noise-share in [0, 1]")
+    _check_numbers(train)
     unknown = sorted(set(tasks) - {"arith", "code"})
     if unknown or not tasks:
         raise click.UsageError(f"--task takes arith and/or code, got {task_list!r}")
-    if not Path(spec).is_dir():
-        raise click.ClickException(
-            f"model {spec!r} is not a directory (canvasq adapt trains a local checkpoint)"
-        )
-    if out.resolve() == (Path(spec) / ADAPTER_DIRNAME).resolve():
-        raise click.ClickException(
-            f"--out is the model's own {ADAPTER_DIRNAME}/: write elsewhere, compare, then copy it over"
-        )
-    if (out / "adapter_config.json").exists() and not force:
-        raise click.ClickException(f"{out} already holds an adapter (--force to overwrite)")
+    _check_paths(spec, out, force, ADAPTER_DIRNAME)
     init_dir = _init_dir(init, Path(spec) / ADAPTER_DIRNAME)
     if "code" in tasks:  # the checker runs model-written code: never unconfined
         from canvasq.testbed.sandbox import unavailable_reason
@@ -133,43 +97,56 @@ def adapt_cmd(
     import torch
 
     from canvasq.model.loading import load_bundle
-    from canvasq.testbed.adapt import AdaptSettings, adapt
+    from canvasq.testbed.adapt import AdaptSettings
 
     if threads:
         torch.set_num_threads(threads)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    bundle = load_bundle(spec, device=device)
-    settings = AdaptSettings(
-        out=out,
-        init=init_dir,
-        tasks=tasks,
-        teacher_n=teacher_n,
-        seed=seed,
-        rounds=rounds,
-        minutes=minutes,
-        max_steps=max_steps,
-        batch=batch,
-        lr=lr,
-        tau=tau,
-        calibration_weight=calibration_weight,
-        noise_share=noise_share,
-        decode_batch=decode_batch,
-    )
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "adapt_log.txt", "a") as logf:
-
-        def log(line: str) -> None:
-            click.echo(line)
-            logf.write(line + "\n")
-            logf.flush()
-
-        report = adapt(bundle, settings, log)
+    bundle = load_bundle(spec, device="cuda" if torch.cuda.is_available() else "cpu")
+    report = _train(bundle, AdaptSettings(out=out, init=init_dir, tasks=tasks, **train))
     last = report["rounds"][-1]
     click.echo(
         f"adapter written to {out} ({report['total_seconds']:.0f} s, {len(report['rounds'])} rounds, "
         f"last loss {last['final_loss']}); decode with it: --arm 'funnel:adapter_path=\"{out}\"'"
     )
     click.echo(json.dumps({"out": str(out), "total_seconds": report["total_seconds"]}))
+
+
+def _check_numbers(train: dict) -> None:
+    """The numeric options' ranges, as one-line usage errors naming the option."""
+    for name in ("teacher_n", "rounds", "batch", "decode_batch"):
+        if train[name] < 1:
+            raise click.UsageError(f"--{name.replace('_', '-')} must be at least 1, got {train[name]}")
+    if train["minutes"] <= 0 or not 0 < train["tau"] < 1 or not 0 <= train["noise_share"] <= 1:
+        raise click.UsageError("--minutes must be > 0, --tau in (0, 1), --noise-share in [0, 1]")
+
+
+def _check_paths(spec: str, out: Path, force: bool, own: str) -> None:
+    """The model is a local directory and --out neither its own adapter nor (without --force) another."""
+    if not Path(spec).is_dir():
+        raise click.ClickException(
+            f"model {spec!r} is not a directory (canvasq adapt trains a local checkpoint)"
+        )
+    if out.resolve() == (Path(spec) / own).resolve():
+        raise click.ClickException(
+            f"--out is the model's own {own}/: write elsewhere, compare, then copy it over"
+        )
+    if (out / "adapter_config.json").exists() and not force:
+        raise click.ClickException(f"{out} already holds an adapter (--force to overwrite)")
+
+
+def _train(bundle, settings) -> dict:
+    """`testbed.adapt.adapt`, its progress echoed and appended to OUT/adapt_log.txt."""
+    from canvasq.testbed.adapt import adapt
+
+    settings.out.mkdir(parents=True, exist_ok=True)
+    with open(settings.out / "adapt_log.txt", "a") as logf:
+
+        def log(line: str) -> None:
+            click.echo(line)
+            logf.write(line + "\n")
+            logf.flush()
+
+        return adapt(bundle, settings, log)
 
 
 def _init_dir(init: str, own: Path) -> Path | None:

@@ -1,28 +1,34 @@
 """The runtime's attention: windows of query rows against their slots' arena entries, one launch that
 writes the o_proj input directly.
 
-`attend(q, k_arena, v_arena, slots, lmax, mask)`:
+`attend(q, k_arena, v_arena, slots, lmax, mask=None, bounds=None)`:
 - q [B, kv, g*R, d]: the query rows with GQA folded in (the g query heads of a KV head as g*R rows,
   `Runtime`'s query layout);
 - k_arena / v_arena [S, kv, C, d]: a layer's arena, read in place for the B slots `slots` (their first
   `lmax` entries: no gather copy when the slots are not consecutive);
-- mask: None, or additive [B, 1, g*R, lmax] (0 / -inf; the band and block masks the runtime builds from
-  stored positions);
+- bounds (the kernel): which entries each row sees, from the stored positions (`Bounds`): entry c of
+  window b's slot is visible to row r when c < ends[b] and lo[b, r] <= pos[c] < hi[b, r]. The kernel
+  computes that per tile in registers (no [B, g*R, L] mask is built or read) and visits only the
+  entries between the first and the last one any row of the window sees (`Bounds.first` / `.last`),
+  so a sliding layer reads its band, not the whole context, and a short slot not the longest one;
+- mask (SDPA, the twin): the same visibility as an additive [B, 1, g*R, lmax] mask (`Bounds.mask`);
 - -> o [B*R, heads*d] with row b*R + r, columns of head kv*g + i, i.e. the layout o_proj reads
   (SDPA's [B, kv, g*R, d] output needed a transposing copy).
 
 Scale 1 (DiffusionGemma normalises q and k instead). Online softmax in fp32 (exp2), P rounded to the
-value dtype before the second product, as flash attention does; a row with every key masked (padding
-rows) gives zeros, where SDPA gives NaN (the runtime drops those rows). The torch twin is SDPA on the
-gathered arena slices.
+value dtype before the second product, as flash attention does; a row that sees no entry (padding rows:
+hi 0) gives zeros, where SDPA gives NaN (the runtime drops those rows).
 
-Why: SDPA's fixed costs per call dominate short windows. On the H200 at the real shape the runtime
-uses this kernel for windows of up to `SHORT_WINDOW` rows (8-row windows: 5.6-5.7 instead of 6.0-6.3 ms
-per forward); for a full 256-row canvas it is no faster than cuDNN's flash kernel plus the copy, so
-SDPA keeps that.
+Why: SDPA's fixed costs per call dominate short windows (8-row windows on the H200 at the real shape:
+5.6-5.7 instead of 6.0-6.3 ms per forward). For full canvases the masked SDPA call (mem-efficient: the
+full layers' head dim 512 rules out flash) reads the whole padded context and its mask;
+`Runtime.short_window` says up to which window size the runtime uses this kernel (BENCHMARKS.md,
+"Service throughput").
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -37,20 +43,70 @@ LOG2E = tl.constexpr(1.4426950408889634)
 SHORT_WINDOW = 64  # rows per window up to which the runtime attends through this kernel
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """Which arena entries each query row of a forward sees, as device tensors (written inside a
+    forward, so a CUDA graph replays them): entry c of window b's slot is visible to row r when
+    c < ends[b] and lo[b, r] <= pos[slot, c] < hi[b, r] (`lo` None: no lower bound). Padding rows have
+    hi 0. `first` / `last` [B]: the entry range [first, last) outside which no row of window b sees
+    anything (`build`)."""
+
+    pos: torch.Tensor  # [S, C] the arena's stored positions
+    ends: torch.Tensor  # [B] entries of each window's slot that exist (committed + the window's own)
+    hi: torch.Tensor  # [B, R] positions below hi are visible (canvas end; padding rows 0)
+    lo: torch.Tensor | None  # [B, R] positions at or above lo are visible (sliding layers), or None
+    first: torch.Tensor  # [B]
+    last: torch.Tensor  # [B]
+
+    @classmethod
+    def build(cls, pos, key_pos, ends, hi, lo=None) -> Bounds:
+        """key_pos [B, L]: the windows' slots' first L stored positions (a slice or gather of `pos`)."""
+        lmax = key_pos.shape[1]
+        idx = torch.arange(lmax, device=key_pos.device)
+        some = (idx[None, :] < ends[:, None]) & (key_pos < hi.amax(1)[:, None])  # some row sees entry c
+        if lo is not None:
+            floor = torch.where(hi > 0, lo, torch.iinfo(lo.dtype).max).amin(1)
+            some &= key_pos >= floor[:, None]
+        first = torch.where(some, idx, lmax).amin(1)
+        last = torch.where(some, idx + 1, 0).amax(1)
+        return cls(pos, ends, hi, lo, first, last)
+
+    def mask(self, key_pos, groups: int, dtype) -> torch.Tensor:
+        """The additive mask SDPA takes: [B, 1, g*R, L], 0 / -inf (rows that see nothing: all -inf)."""
+        see = visible(key_pos, self.ends, self.hi, self.lo)  # [B, R, L]
+        nb, r, lmax = see.shape
+        see = see[:, None, None].expand(nb, 1, groups, r, lmax).reshape(nb, 1, groups * r, lmax)
+        return torch.zeros(see.shape, dtype=dtype, device=see.device).masked_fill_(~see, float("-inf"))
+
+
+def visible(key_pos, ends, hi, lo=None) -> torch.Tensor:
+    """key_pos [B, L], ends [B], hi / lo [B, R] -> [B, R, L] bool: row r of window b sees entry c
+    (`Bounds`)."""
+    lmax = key_pos.shape[1]
+    kp = key_pos[:, None, :]
+    see = (torch.arange(lmax, device=kp.device)[None, :] < ends[:, None])[:, None, :] & (kp < hi[:, :, None])
+    return see if lo is None else see & (kp >= lo[:, :, None])
+
+
 @triton.jit
 def _attend_block(
-    q, k_base, v_base, mrow, start, L, sk_l, sv_l, live, m_i, l_i, acc, D: tl.constexpr,
-    BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PREC: tl.constexpr,
+    q, k_base, v_base, p_base, start, stop, hi_r, lo_r, sk_l, sv_l, m_i, l_i, acc, D: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_BOUNDS: tl.constexpr, SLIDING: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
-    """Keys start .. start + BLOCK_N: the online-softmax update of (row max, row sum, accumulator)."""
+    """Entries start .. start + BLOCK_N (those below `stop`): the online-softmax update of (row max,
+    row sum, accumulator); the rows' visibility from the entries' stored positions."""
     cols_d = tl.arange(0, D)
     keys = start + tl.arange(0, BLOCK_N)
-    kin = keys < L
+    kin = keys < stop
     k = tl.load(k_base + keys[:, None].to(tl.int64) * sk_l + cols_d[None, :], mask=kin[:, None], other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * LOG2E  # [BLOCK_M, BLOCK_N] fp32, base-2 logits
-    if HAS_MASK:
-        s += tl.load(mrow + keys[None, :], mask=live[:, None] & kin[None, :], other=0.0).to(tl.float32)
-    s = tl.where(kin[None, :], s, float("-inf"))
+    see = kin[None, :]
+    if HAS_BOUNDS:
+        kp = tl.load(p_base + keys, mask=kin, other=0)
+        see = see & (kp[None, :] < hi_r[:, None])
+        if SLIDING:
+            see = see & (kp[None, :] >= lo_r[:, None])
+    s = tl.where(see, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # every key masked so far: keep exp2 finite
     p = tl.exp2(s - m_use[:, None])
@@ -62,38 +118,14 @@ def _attend_block(
 
 @triton.jit
 def _attend_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    slot_ptr,
-    m_ptr,
-    o_ptr,
-    sq_b,
-    sq_h,
-    sq_r,
-    sk_s,
-    sk_h,
-    sk_l,
-    sv_s,
-    sv_h,
-    sv_l,
-    sm_b,
-    sm_r,
-    so_r,
-    R,
-    GR,
-    L,
-    G,
-    D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    INTERPRET_STEPS: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """One program: BLOCK_M folded query rows of (window b, KV head kv) against the first L entries of
-    slot slots[b]; writes o[b*R + r, (kv*G + i)*D + :] for folded row i*R + r."""
+    q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, ends_ptr, hi_ptr, lo_ptr, first_ptr, last_ptr, o_ptr,
+    sq_b, sq_h, sq_r, sk_s, sk_h, sk_l, sv_s, sv_h, sv_l, sp_s, so_r, R, GR, L, G,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BOUNDS: tl.constexpr,
+    SLIDING: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET_STEPS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """One program: BLOCK_M folded query rows of (window b, KV head kv) against the entries of slot
+    slots[b] between its bounds' first and last (all L without bounds); writes o[b*R + r,
+    (kv*G + i)*D + :] for folded row i*R + r."""
     pdl_enter(PDL)
     pid_m = tl.program_id(0)
     kv = tl.program_id(1).to(tl.int64)
@@ -109,50 +141,33 @@ def _attend_kernel(
     slot = tl.load(slot_ptr + b).to(tl.int64)
     k_base = k_ptr + slot * sk_s + kv * sk_h
     v_base = v_ptr + slot * sv_s + kv * sv_h
+    p_base = pos_ptr + slot * sp_s
+    start0 = 0
+    stop = L
+    hi_r = tl.zeros((BLOCK_M,), tl.int64)
+    lo_r = tl.zeros((BLOCK_M,), tl.int64)
+    if HAS_BOUNDS:
+        r_in = b * R + rows % R
+        hi_r = tl.load(hi_ptr + r_in, mask=live, other=0)
+        if SLIDING:
+            lo_r = tl.load(lo_ptr + r_in, mask=live, other=0)
+        start0 = (tl.load(first_ptr + b) // BLOCK_N) * BLOCK_N
+        stop = tl.where(tl.max(hi_r) > 0, tl.load(last_ptr + b), 0)  # a tile of padding rows: nothing
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
-    mrow = m_ptr + b * sm_b + rows[:, None].to(tl.int64) * sm_r
     if INTERPRET_STEPS > 0:  # the CPU interpreter cannot run a loop of runtime length
         for it in tl.static_range(INTERPRET_STEPS):
             m_i, l_i, acc = _attend_block(
-                q,
-                k_base,
-                v_base,
-                mrow,
-                it * BLOCK_N,
-                L,
-                sk_l,
-                sv_l,
-                live,
-                m_i,
-                l_i,
-                acc,
-                D,
-                BLOCK_N,
-                HAS_MASK,
-                DOT_PREC,
-            )
+                q, k_base, v_base, p_base, start0 + it * BLOCK_N, stop, hi_r, lo_r, sk_l, sv_l, m_i, l_i,
+                acc, D, BLOCK_N, HAS_BOUNDS, SLIDING, DOT_PREC,
+            )  # fmt: skip
     else:
-        for start in range(0, L, BLOCK_N):
+        for start in range(start0, stop, BLOCK_N):
             m_i, l_i, acc = _attend_block(
-                q,
-                k_base,
-                v_base,
-                mrow,
-                start,
-                L,
-                sk_l,
-                sv_l,
-                live,
-                m_i,
-                l_i,
-                acc,
-                D,
-                BLOCK_N,
-                HAS_MASK,
-                DOT_PREC,
-            )
+                q, k_base, v_base, p_base, start, stop, hi_r, lo_r, sk_l, sv_l, m_i, l_i, acc, D,
+                BLOCK_N, HAS_BOUNDS, SLIDING, DOT_PREC,
+            )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     head = kv * G + (rows // R)
     orow = b * R + (rows % R)
@@ -172,8 +187,9 @@ def _tiles(d: int) -> tuple[int, int, int, int]:
 
 
 def attend_launch(
-    q, k_arena, v_arena, slots, lmax: int, mask=None, groups: int = 1, tiles: tuple | None = None
+    q, k_arena, v_arena, slots, lmax: int, bounds: Bounds | None = None, groups: int = 1, tiles=None
 ) -> torch.Tensor:
+    """The kernel (see `attend`); `bounds` None: every row sees the first `lmax` entries."""
     nb, kvh, gr, d = q.shape
     assert k_arena.shape[1] == v_arena.shape[1] == kvh and k_arena.shape[3] == v_arena.shape[3] == d
     assert q.stride(-1) == k_arena.stride(-1) == v_arena.stride(-1) == 1 and slots.shape == (nb,)
@@ -182,16 +198,23 @@ def attend_launch(
     g = groups
     r = gr // g
     o = torch.empty(nb * r, kvh * g * d, dtype=q.dtype, device=q.device)
-    if mask is not None:
-        assert mask.shape == (nb, 1, gr, lmax) and mask.stride(-1) == 1, mask.shape
+    if bounds is not None:
+        assert bounds.hi.shape == (nb, r) and bounds.hi.is_contiguous(), bounds.hi.shape
+        assert bounds.lo is None or (bounds.lo.shape == (nb, r) and bounds.lo.is_contiguous())
+        assert bounds.pos.stride(-1) == 1 and bounds.first.shape == bounds.last.shape == (nb,)
     bm, bn, warps, stages = tiles or _tiles(d)
+    bd = bounds
     if o.numel():
         _attend_kernel[(triton.cdiv(gr, bm), kvh, nb)](
             q,
             k_arena,
             v_arena,
             slots,
-            mask if mask is not None else q,
+            *(
+                (bd.pos, bd.ends, bd.hi, bd.hi if bd.lo is None else bd.lo, bd.first, bd.last)
+                if bd
+                else (q,) * 6
+            ),
             o,
             q.stride(0),
             q.stride(1),
@@ -202,8 +225,7 @@ def attend_launch(
             v_arena.stride(0),
             v_arena.stride(1),
             v_arena.stride(2),
-            mask.stride(0) if mask is not None else 0,
-            mask.stride(2) if mask is not None else 0,
+            bd.pos.stride(0) if bd else 0,
             o.stride(0),
             r,
             gr,
@@ -212,7 +234,8 @@ def attend_launch(
             D=d,
             BLOCK_M=bm,
             BLOCK_N=bn,
-            HAS_MASK=mask is not None,
+            HAS_BOUNDS=bd is not None,
+            SLIDING=bd is not None and bd.lo is not None,
             DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: no TF32 products
             INTERPRET_STEPS=triton.cdiv(lmax, bn) if interpreted(_attend_kernel) else 0,
             **pdl_kwargs(q, _attend_kernel),
@@ -270,23 +293,27 @@ def attend(
     slots,
     lmax: int,
     mask=None,
+    bounds: Bounds | None = None,
     groups: int = 1,
     impl: str = "auto",
     first: int | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """q [B, kv, g*R, d] (g = `groups` query heads per KV head), a layer's arena K/V [S, kv, C, d], the B
-    windows' slots, their first `lmax` entries, an additive mask [B, 1, g*R, lmax] or None ->
-    o [B*R, kv*g*d] (see the module docstring). `first`: see `attend_reference` (the kernel reads any
-    slots in place)."""
+    windows' slots, their first `lmax` entries, which entries each row sees (`bounds`; SDPA takes
+    `mask`, else the one `bounds` gives; neither: all) -> o [B*R, kv*g*d] (see the module docstring).
+    `first`: see `attend_reference` (the kernel reads any slots in place)."""
     if impl == "auto":
         impl = "triton" if auto_triton(q, _attend_kernel) else "torch"
+    if impl not in ("triton", "torch"):
+        raise ValueError(f"unknown impl {impl!r}")
     d = q.shape[-1]
-    if impl == "triton" and d >= 16 and triton.next_power_of_2(d) == d:
-        return attend_launch(q, k_arena, v_arena, slots, lmax, mask, groups)
-    if impl in ("triton", "torch"):
-        return attend_reference(q, k_arena, v_arena, slots, lmax, mask, groups, first, backend)
-    raise ValueError(f"unknown impl {impl!r}")
+    if impl == "triton" and d >= 16 and triton.next_power_of_2(d) == d and (bounds or mask is None):
+        return attend_launch(q, k_arena, v_arena, slots, lmax, bounds, groups)
+    if mask is None and bounds is not None:
+        pick = slots if first is None else slice(first, first + q.shape[0])
+        mask = bounds.mask(bounds.pos[pick, :lmax], groups, q.dtype)
+    return attend_reference(q, k_arena, v_arena, slots, lmax, mask, groups, first, backend)
 
 
 def compile_specs():
@@ -301,7 +328,8 @@ def compile_specs():
             "D": d,
             "BLOCK_M": bm,
             "BLOCK_N": bn,
-            "HAS_MASK": True,
+            "HAS_BOUNDS": True,
+            "SLIDING": d == 256,
             "INTERPRET_STEPS": 0,
             "DOT_PREC": "tf32",
         }
@@ -309,7 +337,10 @@ def compile_specs():
             f"attend_d{d} m{bm} n{bn} w{warps} s{stages}",
             k,
             consts,
-            types={"slot_ptr": "*i64"},
+            types={
+                n: "*i64"
+                for n in ("slot_ptr", "pos_ptr", "ends_ptr", "hi_ptr", "lo_ptr", "first_ptr", "last_ptr")
+            },
             divisible=frozenset(n for n in k.arg_names if n.endswith("_ptr") or n.startswith("s")),
             num_warps=warps,
             num_stages=stages,

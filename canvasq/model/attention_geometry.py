@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from canvasq.kernels.attention import SHORT_WINDOW, attend
+from canvasq.kernels.attention import SHORT_WINDOW, Bounds, attend, visible
 from canvasq.kernels.norm_rope import Scatter
 from canvasq.model.arena import KVArena
 from canvasq.model.windows import Window
@@ -19,8 +19,9 @@ class AttentionGeometry:
     """Per-forward attention geometry: query blocks (the windows; see `build`) padded to [B, Rmax]
     queries over the first Lmax arena entries of their slots. Host ints and index tensors are fixed
     at `build`; the per-row bounds (`hi`, `lo`), visible-entry counts (`ends`) and padding flags are
-    device tensors, and the masks are computed from them and the stored positions inside the forward
-    (`build_masks`), so a CUDA graph replays correctly after those tensors are overwritten."""
+    device tensors, and the kernel's bounds or SDPA's masks are computed from them and the stored
+    positions inside the forward (`build_masks`), so a CUDA graph replays correctly after those
+    tensors are overwritten."""
 
     slots: torch.Tensor  # [B] arena slot of each block
     first: int  # slot of the first window
@@ -36,7 +37,8 @@ class AttentionGeometry:
     lo: torch.Tensor  # [B, Rmax] sliding layers: keys with position >= lo (canvas start - (W - 1))
     ends: torch.Tensor  # [B] visible entries per block: its slot's committed + its window's own
     pad: torch.Tensor  # [B, Rmax] padding query rows
-    masks: dict[bool, torch.Tensor] = field(default_factory=dict)  # sliding? -> [B, 1, Rmax, L] bool
+    masks: dict[bool, torch.Tensor] = field(default_factory=dict)  # sliding? -> [B, 1, Rmax, L] bool (SDPA)
+    bounds: dict[bool, Bounds] = field(default_factory=dict)  # sliding? -> the kernel's bounds
     maskfree: dict[bool, bool] = field(default_factory=lambda: {False: False, True: False})
     backend: str = "auto"  # SDPA backend of masked calls (`kernels.attention.SDPA_BACKENDS`)
     encoder_backend: str = "auto"  # ... of the calls on encoder blocks alone (their shapes vary more)
@@ -102,21 +104,28 @@ class AttentionGeometry:
         return self.sliced == self.hi.shape[0]
 
     def build_masks(self, arena: KVArena, detect_maskfree: bool = False) -> None:
+        """Per layer type (sliding?): the kernel's `Bounds` when this forward's attention is ours
+        (`impl`), else SDPA's boolean masks [B, 1, Rmax, L] (padding rows see entry 0, so SDPA's
+        softmax stays finite) and, with `detect_maskfree`, whether a mask is needed at all."""
         nb, lmax = self.hi.shape[0], self.lmax
         if self.contiguous:
             key_pos = arena.pos[self.first : self.first + nb, :lmax]
         else:
             key_pos = arena.pos[self.slots, :lmax]
-        dev = key_pos.device
-        kp = key_pos[:, None, :]  # [B, 1, L]
-        valid = torch.arange(lmax, device=dev)[None, :] < self.ends[:, None]  # [B, L]
-        full = valid[:, None, :] & (kp < self.hi[:, :, None])  # [B, Rmax, L]
-        slide = full & (kp >= self.lo[:, :, None])
-        first_col = torch.arange(lmax, device=dev) == 0  # no host scalar: capturable in a CUDA graph
-        pad = self.pad[:, :, None] & first_col  # padded query rows attend to entry 0: softmax stays finite
-        self.masks = {False: (full | pad)[:, None], True: (slide | pad)[:, None]}  # [B, 1, Rmax, L]
         self._folded = {}
         self.maskfree = {False: False, True: False}
+        self.masks = {}
+        if self.impl == "triton":
+            self.bounds = {
+                sl: Bounds.build(arena.pos, key_pos, self.ends, self.hi, self.lo if sl else None)
+                for sl in (False, True)
+            }
+            return
+        first_col = torch.arange(lmax, device=key_pos.device) == 0  # no host scalar: capturable in a graph
+        pad = self.pad[:, :, None] & first_col  # padded query rows attend to entry 0: softmax stays finite
+        for sl in (False, True):
+            see = visible(key_pos, self.ends, self.hi, self.lo if sl else None)  # [B, Rmax, L]
+            self.masks[sl] = (see | pad)[:, None]
         if detect_maskfree:
             # Prefix attention: when every real row sees every entry [0, L) of its slot
             # (one canvas, context before it, band not clipping, equal lengths), drop the mask so
@@ -159,9 +168,10 @@ class AttentionGeometry:
         nb, heads, _, d = q.shape
         kvh = arena.k[layer].shape[1]
         g = heads // kvh
-        mask = None if self.maskfree[sliding] else self._mask(sliding, g, q.dtype)
-        # short windows: one launch, arena read in place, o_proj's layout out; longer ones: SDPA
         impl = self.impl
+        # ours: one launch, arena read in place, visibility from the bounds, o_proj's layout out
+        bounds = self.bounds.get(sliding) if impl == "triton" else None
+        mask = None if impl == "triton" or self.maskfree[sliding] else self._mask(sliding, g, q.dtype)
         q = q.view(nb, kvh, g * self.rmax, d)
         k, v = arena.k[layer], arena.v[layer]
         n = self.sliced
@@ -200,6 +210,7 @@ class AttentionGeometry:
                 self.slots,
                 self.lmax,
                 mask,
+                bounds,
                 groups=g,
                 impl=impl,
                 first=int(self.first) if self.contiguous else None,

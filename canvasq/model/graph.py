@@ -236,7 +236,7 @@ class GraphRunner:
     dropping the graphs) only when a batch needs more slots or entries than it has, and never larger
     than `max_arena_bytes` (a batch beyond that gets no runner arena and decodes eagerly). Graphs are keyed
     by (encoder or decoder, window count, first slot when the slots are consecutive, row bucket,
-    context bucket, SC kinds), kept least recently used up to `max_graphs`, and share one temporaries
+    context bucket, SC kinds, the attention path), kept least recently used up to `max_graphs`, and share one temporaries
     pool and one logits buffer of `logits_bytes`. `decode` and `encode_many` run eagerly what no
     graph can take: windows on another store (the funnel's simple promotion), more padded rows than
     the logits buffer holds, a window larger than the largest row bucket, padded rows that would not
@@ -354,6 +354,8 @@ class GraphRunner:
             rows,
             context,
             tuple(_sc_kind(w.self_cond) for w in windows),
+            # the attention a capture bakes in (knobs a benchmark arm may change between forwards)
+            (rows <= self.rt.short_window, self.rt.sdpa_backend, self.rt.encoder_sdpa_backend),
         )
         if key in self.graphs:
             self.graphs.move_to_end(key)

@@ -42,7 +42,6 @@ import math
 import random
 import re
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -138,7 +137,7 @@ def train(args) -> dict:
     """Train the LoRA over `args.model`'s checkpoint; saved to `args.out` with a `train_report.json`."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoTokenizer, DiffusionGemmaForBlockDiffusion
+    from transformers import AutoTokenizer
 
     from canvasq.testbed.train import _run_log, train_phase
     from canvasq.testbed.train_data import Batches
@@ -152,17 +151,13 @@ def train(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     log = _run_log(out / "train_log.txt")
     weights = parse_weights(args.weights)
-    t0 = time.time()
     tok = AutoTokenizer.from_pretrained(args.model)
     rows = training_texts(args.n_arith, args.n_code, args.seed, weights)
-    model: Any = DiffusionGemmaForBlockDiffusion.from_pretrained(args.model, dtype=torch.float32)
-    model = model.to(device)
-    if device == "cpu":  # grouped_mm experts take ~10x eager's time on the CPU
-        model.set_experts_implementation("eager")
+    model = _base_model(args.model, device)
     C, V = int(model.config.canvas_length), int(model.config.text_config.vocab_size)
     seq, plen, ncan = build_pool(rows, tok, C)
     batches = Batches(seq, plen, ncan, C, V, device)
-    log(f"data: {len(rows)} rows (weights {weights}), max row {seq.shape[1]} tokens, {time.time() - t0:.0f}s")
+    log(f"data: {len(rows)} rows (weights {weights}), max row {seq.shape[1]} tokens")
     lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=TARGETS)
     if args.init:  # continue a trained adapter (its rank and targets)
         from peft import PeftModel
@@ -204,6 +199,18 @@ def train(args) -> dict:
     (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     log(json.dumps(report))
     return report
+
+
+def _base_model(path, device: str):
+    """The checkpoint in fp32 on `device` (eager experts on the CPU: grouped_mm takes ~10x there)."""
+    import torch
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    model: Any = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=torch.float32)
+    model = model.to(device)
+    if device == "cpu":
+        model.set_experts_implementation("eager")
+    return model
 
 
 _PROJECTIONS = tuple(f"self_attn.{x}_proj" for x in "qkvo") + tuple(

@@ -28,6 +28,7 @@ full layers' head dim 512 rules out flash) reads the whole padded context and it
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -178,18 +179,50 @@ def _attend_kernel(
     )
 
 
-def _tiles(d: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages): 32 x 32 tiles with 8 warps, spill-free for head dims 256 and
-    512 on sm_90 (141 / 197 registers). Kernel by kernel the tile probe
-    (`benchmarks/probes/attention_gpu_timing.py`) favours 64 x 64 / 16 x 32 tiles, but in the whole
-    forward those make the 256-row window 1 ms slower."""
-    return 32, 32, 8, 2
+# Tiles (BLOCK_M, BLOCK_N, warps, stages) by head dim, fastest first, as the H200 probe ranked them
+# (`benchmarks/probes/attention_gpu_timing.py`, 32 service windows of 256 rows; BENCHMARKS.md,
+# "Service throughput"); a launch takes the first whose shared memory the device has (DGX Spark has
+# ~100 KB a block: the smaller tiles, mma.sync). 64-row tiles of 4 warps are one warpgroup (wgmma on
+# sm_90).
+TILES: dict[int, tuple[tuple[int, int, int, int], ...]] = {
+    256: ((64, 32, 4, 2), (32, 32, 4, 2)),
+    512: ((32, 32, 4, 2), (16, 16, 4, 2)),
+}
+
+
+def tile_smem(d: int, tile: tuple[int, int, int, int]) -> int:
+    """Shared memory a tile may stage, in bytes of a 16-bit dtype: the query block and `stages` K and V
+    blocks. An upper bound: the sm_90 compile reports this (to 256 bytes) for 64-row tiles and less
+    for smaller ones, whose buffers share memory (32 x 32 at head dim 512: 100,608 of 163,840)."""
+    bm, bn, _, stages = tile
+    return 2 * d * (bm + 2 * stages * bn)
+
+
+@functools.lru_cache(maxsize=32)
+def _tiles(d: int, smem: int | None = None, spec: str = "") -> tuple[int, int, int, int]:
+    """The tile for head dim `d` on a device with `smem` bytes of shared memory a block (None: any):
+    `spec` ("256:64x32x4x2/512:32x32x4x2", `Runtime.attention_tiles`) first, then `TILES`; head dims
+    not in the table 32 x 32, 4 warps."""
+    chosen = dict(item.split(":") for item in spec.split("/") if item)
+    if str(d) in chosen:
+        return tuple(int(x) for x in chosen[str(d)].split("x"))  # type: ignore[return-value]
+    for tile in TILES.get(d, ()):
+        if smem is None or tile_smem(d, tile) <= smem:
+            return tile
+    return 32, 32, 4, 2
+
+
+@functools.lru_cache(maxsize=8)
+def _device_smem(index: int) -> int:
+    """Shared memory a block may opt into on CUDA device `index`, as Triton's driver reports it."""
+    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
 
 
 def attend_launch(
     q, k_arena, v_arena, slots, lmax: int, bounds: Bounds | None = None, groups: int = 1, tiles=None
 ) -> torch.Tensor:
-    """The kernel (see `attend`); `bounds` None: every row sees the first `lmax` entries."""
+    """The kernel (see `attend`); `bounds` None: every row sees the first `lmax` entries. `tiles`: a
+    (BLOCK_M, BLOCK_N, warps, stages) tuple, or a `Runtime.attention_tiles` string, or None (`TILES`)."""
     nb, kvh, gr, d = q.shape
     assert k_arena.shape[1] == v_arena.shape[1] == kvh and k_arena.shape[3] == v_arena.shape[3] == d
     assert q.stride(-1) == k_arena.stride(-1) == v_arena.stride(-1) == 1 and slots.shape == (nb,)
@@ -202,7 +235,10 @@ def attend_launch(
         assert bounds.hi.shape == (nb, r) and bounds.hi.is_contiguous(), bounds.hi.shape
         assert bounds.lo is None or (bounds.lo.shape == (nb, r) and bounds.lo.is_contiguous())
         assert bounds.pos.stride(-1) == 1 and bounds.first.shape == bounds.last.shape == (nb,)
-    bm, bn, warps, stages = tiles or _tiles(d)
+    if not isinstance(tiles, tuple):
+        smem = _device_smem(q.device.index or 0) if q.is_cuda else None
+        tiles = _tiles(d, smem, tiles or "")
+    bm, bn, warps, stages = tiles
     bd = bounds
     if o.numel():
         _attend_kernel[(triton.cdiv(gr, bm), kvh, nb)](
@@ -298,32 +334,34 @@ def attend(
     impl: str = "auto",
     first: int | None = None,
     backend: str = "auto",
+    tiles: str = "",
 ) -> torch.Tensor:
     """q [B, kv, g*R, d] (g = `groups` query heads per KV head), a layer's arena K/V [S, kv, C, d], the B
     windows' slots, their first `lmax` entries, which entries each row sees (`bounds`; SDPA takes
     `mask`, else the one `bounds` gives; neither: all) -> o [B*R, kv*g*d] (see the module docstring).
-    `first`: see `attend_reference` (the kernel reads any slots in place)."""
+    `first`: see `attend_reference` (the kernel reads any slots in place); `tiles`: see `attend_launch`."""
     if impl == "auto":
         impl = "triton" if auto_triton(q, _attend_kernel) else "torch"
     if impl not in ("triton", "torch"):
         raise ValueError(f"unknown impl {impl!r}")
     d = q.shape[-1]
     if impl == "triton" and d >= 16 and triton.next_power_of_2(d) == d and (bounds or mask is None):
-        return attend_launch(q, k_arena, v_arena, slots, lmax, bounds, groups)
+        return attend_launch(q, k_arena, v_arena, slots, lmax, bounds, groups, tiles)
     if mask is None and bounds is not None:
         pick = slots if first is None else slice(first, first + q.shape[0])
         mask = bounds.mask(bounds.pos[pick, :lmax], groups, q.dtype)
     return attend_reference(q, k_arena, v_arena, slots, lmax, mask, groups, first, backend)
 
 
-def compile_specs():
+def compile_specs(tiles: dict[int, list[tuple[int, int, int, int]]] | None = None):
     """The kernel at the runtime's tiles for both head dims: sliding 256, full 512
-    (benchmarks/kernels/compile_check.py)."""
+    (benchmarks/kernels/compile_check.py); `tiles`: head dim -> candidate tiles instead."""
     from .compile_spec import CompileSpec
 
     k = _attend_kernel
-    for d in (256, 512):
-        bm, bn, warps, stages = _tiles(d)
+    for d, bm, bn, warps, stages in (
+        (dim, *t) for dim in (256, 512) for t in (tiles[dim] if tiles else [_tiles(dim)])
+    ):
         consts = {
             "D": d,
             "BLOCK_M": bm,

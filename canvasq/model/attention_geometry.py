@@ -44,6 +44,9 @@ class AttentionGeometry:
     encoder_backend: str = "auto"  # ... of the calls on encoder blocks alone (their shapes vary more)
     kernel: bool = False  # short windows through `kernels.attention` (the runtime's `kernels`), else SDPA
     short_window: int = SHORT_WINDOW  # rows per window up to which `kernel` applies (`Runtime.short_window`)
+    tiles: str = (
+        ""  # the kernel's tiles by head dim (`Runtime.attention_tiles`; "": `kernels.attention.TILES`)
+    )
     _folded: dict[tuple[bool, int], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
@@ -215,6 +218,7 @@ class AttentionGeometry:
                 impl=impl,
                 first=int(self.first) if self.contiguous else None,
                 backend=self.backend,
+                tiles=self.tiles,
             )
         return o if self.dense else o.view(nb, self.rmax, heads * d)[self.b_idx, self.r_idx]
 

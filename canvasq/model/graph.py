@@ -347,6 +347,7 @@ class GraphRunner:
         context = context_bucket(need, arena.capacity)
         slots = [w.slot for w in windows]
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+        rt = self.rt
         key = (
             encoder,
             len(slots),
@@ -355,7 +356,7 @@ class GraphRunner:
             context,
             tuple(_sc_kind(w.self_cond) for w in windows),
             # the attention a capture bakes in (knobs a benchmark arm may change between forwards)
-            (rows <= self.rt.short_window, self.rt.sdpa_backend, self.rt.encoder_sdpa_backend),
+            (rows <= rt.short_window, rt.attention_tiles, rt.sdpa_backend, rt.encoder_sdpa_backend),
         )
         if key in self.graphs:
             self.graphs.move_to_end(key)

@@ -88,6 +88,7 @@ def prepare(
         windows, starts, rt.sliding_window, dev, lmax, arena.capacity, step=rt.context_step
     )
     ctx.kernel, ctx.short_window, ctx.encoder_backend = rt.kernels, rt.short_window, rt.encoder_sdpa_backend
+    ctx.tiles = rt.attention_tiles
     ctx.backend = rt.encoder_sdpa_backend if encoder else rt.sdpa_backend
     sc = [] if encoder else self_cond_entries(windows, offsets, dev, rt.dtype)
     cap, cap_owner = _captured_rows(windows, offsets, dev) if not encoder and capture else (None, [])

@@ -169,6 +169,7 @@ class Runtime:
         self.context_step = 256 if cuda else 0
         # windows of up to this many rows attend through our kernel (with `kernels`), longer ones SDPA
         self.short_window = SHORT_WINDOW
+        self.attention_tiles = ""  # the kernel's tiles by head dim, "256:64x32x4x2/512:..."; "": its table
         # eager forwards by attention path: "maskfree" (all-visible, SDPA without a mask) or "masked"
         # (ragged contexts, a sliding band that clips, padded rows); graphed forwards always mask
         self.attention_paths = {"maskfree": 0, "masked": 0}

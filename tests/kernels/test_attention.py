@@ -162,3 +162,17 @@ def test_runtime_windows_through_the_kernel_match_sdpa(monkeypatch):
     got = logits(10**6)
     assert calls, "the kernel ran"
     assert got.shape == want.shape and rel_err(got, want) < 1e-4
+
+
+def test_tiles_fit_the_device_and_take_the_runtime_knob():
+    """The table's fastest tile where its shared memory fits, a smaller one on a ~100 KB device (DGX
+    Spark), and `Runtime.attention_tiles` before either; every table tile's estimate is what it stages."""
+    from canvasq.kernels.attention import TILES, _tiles, tile_smem
+
+    assert _tiles(256, 232_448) == TILES[256][0] and tile_smem(256, TILES[256][0]) == 98_304
+    assert _tiles(512, 232_448) == TILES[512][0]
+    spark = 101_376
+    assert all(tile_smem(d, _tiles(d, spark)) <= spark for d in (256, 512))
+    assert _tiles(256, spark, "256:16x32x4x2/512:64x32x8x2") == (16, 32, 4, 2)
+    assert _tiles(512, None, "256:16x32x4x2/512:64x32x8x2") == (64, 32, 8, 2)
+    assert _tiles(64, None) == (32, 32, 4, 2)

@@ -18,6 +18,8 @@ syntax); settings after '@' are what a config does not reach:
     stats=torch              the torch sampler's statistics in torch ops instead of the fused kernel
     defer_head_bytes=N       LM head deferred past N bytes of fp32 logits, read by row group (1: one
                              window a group, every forward; 0: never)
+    kernel_rows=N            windows of up to N rows through our attention kernel (0: all SDPA)
+    attention_tiles=S        the kernel's tiles by head dim ("256:64x32x4x2/512:64x32x8x2")
 
 Each arm gets runtimes of its own (built when its decoder asks, with the settings applied), so
 arms never share captured graphs. Accuracy, forwards per request and τ are exact per (prompts, seed);
@@ -49,6 +51,8 @@ SETTINGS = {
     "prefix_attention": "bool",
     "stats": str,
     "defer_head_bytes": int,
+    "kernel_rows": int,
+    "attention_tiles": str,
 }
 RUNTIME_ATTRS = (
     "context_step",
@@ -56,6 +60,8 @@ RUNTIME_ATTRS = (
     "encoder_sdpa_backend",
     "prefix_attention",
     "defer_head_bytes",
+    "kernel_rows",
+    "attention_tiles",
 )
 # the guard: HF's generate(), official with its defaults on the bf16 model `canvasq bench` loads, and
 # official as a GPU worker runs it by default (W4 experts, 64 decode slots on an H200)

@@ -227,7 +227,7 @@ def _runtime_knobs(bundle, fp8: str, settings, knobs: str) -> None:
             "context_step": rt.context_step,
             "sdpa_backend": rt.sdpa_backend,
             "encoder_sdpa_backend": rt.encoder_sdpa_backend,
-            "short_window": rt.short_window,
+            "kernel_rows": rt.kernel_rows,
             "attention_tiles": rt.attention_tiles,
             "defer_head_bytes": rt.defer_head_bytes,
         },

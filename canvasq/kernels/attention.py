@@ -20,10 +20,12 @@ value dtype before the second product, as flash attention does; a row that sees 
 hi 0) gives zeros, where SDPA gives NaN (the runtime drops those rows).
 
 Why: SDPA's fixed costs per call dominate short windows (8-row windows on the H200 at the real shape:
-5.6-5.7 instead of 6.0-6.3 ms per forward). For full canvases the masked SDPA call (mem-efficient: the
-full layers' head dim 512 rules out flash) reads the whole padded context and its mask;
-`Runtime.short_window` says up to which window size the runtime uses this kernel (BENCHMARKS.md,
-"Service throughput").
+5.6-5.7 instead of 6.0-6.3 ms per forward), and for full canvases the masked SDPA call (mem-efficient:
+the full layers' head dim 512 rules out flash) reads the whole padded context and its mask. On the
+H200, 32 windows of 256 rows over contexts up to 2,048: 0.65 against 1.29 ms a sliding layer, 2.5
+against 4.8 ms a full one; through the worker loop at 64 slots a full step fell from 273 to 200 ms
+(BENCHMARKS.md, "Service throughput"). So the runtime sends every window here (`Runtime.kernel_rows`;
+0 sends every window to SDPA).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from ._dispatch import auto_triton, interpreted, pdl_kwargs
 from ._math import pdl_enter
 
 LOG2E = tl.constexpr(1.4426950408889634)
-SHORT_WINDOW = 64  # rows per window up to which the runtime attends through this kernel
+KERNEL_ROWS = 1 << 20  # rows per window up to which the runtime attends through this kernel: every window
 
 
 @dataclass(frozen=True)
@@ -186,7 +188,7 @@ def _attend_kernel(
 # sm_90).
 TILES: dict[int, tuple[tuple[int, int, int, int], ...]] = {
     256: ((64, 32, 4, 2), (32, 32, 4, 2)),
-    512: ((32, 32, 4, 2), (16, 16, 4, 2)),
+    512: ((64, 32, 8, 2), (32, 32, 4, 2), (16, 16, 4, 2)),
 }
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from canvasq.kernels.attention import SHORT_WINDOW, Bounds, attend, visible
+from canvasq.kernels.attention import KERNEL_ROWS, Bounds, attend, visible
 from canvasq.kernels.norm_rope import Scatter
 from canvasq.model.arena import KVArena
 from canvasq.model.windows import Window
@@ -43,7 +43,7 @@ class AttentionGeometry:
     backend: str = "auto"  # SDPA backend of masked calls (`kernels.attention.SDPA_BACKENDS`)
     encoder_backend: str = "auto"  # ... of the calls on encoder blocks alone (their shapes vary more)
     kernel: bool = False  # short windows through `kernels.attention` (the runtime's `kernels`), else SDPA
-    short_window: int = SHORT_WINDOW  # rows per window up to which `kernel` applies (`Runtime.short_window`)
+    kernel_rows: int = KERNEL_ROWS  # rows per window up to which `kernel` applies (`Runtime.kernel_rows`)
     tiles: str = (
         ""  # the kernel's tiles by head dim (`Runtime.attention_tiles`; "": `kernels.attention.TILES`)
     )
@@ -160,9 +160,9 @@ class AttentionGeometry:
 
     @property
     def impl(self) -> str:
-        """ "triton" (our kernel: the arena read in place) for windows of up to `short_window` rows
+        """ "triton" (our kernel: the arena read in place) for windows of up to `kernel_rows` rows
         when the runtime has its kernels, else "torch" (SDPA)."""
-        return "triton" if self.kernel and self.rmax <= self.short_window else "torch"
+        return "triton" if self.kernel and self.rmax <= self.kernel_rows else "torch"
 
     def attend(self, layer: int, arena: KVArena, q: torch.Tensor, sliding: bool) -> torch.Tensor:
         """q: [B, h, Rmax, d] (`query_target`) -> [N, h*d]. GQA is folded into the query rows (the g

@@ -356,7 +356,7 @@ class GraphRunner:
             context,
             tuple(_sc_kind(w.self_cond) for w in windows),
             # the attention a capture bakes in (knobs a benchmark arm may change between forwards)
-            (rows <= rt.short_window, rt.attention_tiles, rt.sdpa_backend, rt.encoder_sdpa_backend),
+            (rows <= rt.kernel_rows, rt.attention_tiles, rt.sdpa_backend, rt.encoder_sdpa_backend),
         )
         if key in self.graphs:
             self.graphs.move_to_end(key)

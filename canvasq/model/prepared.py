@@ -87,7 +87,7 @@ def prepare(
     ctx = AttentionGeometry.build(
         windows, starts, rt.sliding_window, dev, lmax, arena.capacity, step=rt.context_step
     )
-    ctx.kernel, ctx.short_window, ctx.encoder_backend = rt.kernels, rt.short_window, rt.encoder_sdpa_backend
+    ctx.kernel, ctx.kernel_rows, ctx.encoder_backend = rt.kernels, rt.kernel_rows, rt.encoder_sdpa_backend
     ctx.tiles = rt.attention_tiles
     ctx.backend = rt.encoder_sdpa_backend if encoder else rt.sdpa_backend
     sc = [] if encoder else self_cond_entries(windows, offsets, dev, rt.dtype)

@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from canvasq.kernels.attention import SHORT_WINDOW
+from canvasq.kernels.attention import KERNEL_ROWS
 from canvasq.kernels.gelu_mul import gelu_mul
 from canvasq.kernels.moe.reference import route_weights
 from canvasq.kernels.norm_residual import add_rms_norm, pre_ffn_norms
@@ -167,8 +167,9 @@ class Runtime:
         self.sdpa_backend = "auto"
         self.encoder_sdpa_backend = "efficient" if cuda else "auto"
         self.context_step = 256 if cuda else 0
-        # windows of up to this many rows attend through our kernel (with `kernels`), longer ones SDPA
-        self.short_window = SHORT_WINDOW
+        # windows of up to this many rows attend through our kernel (with `kernels`: by default every
+        # window), longer ones through SDPA (0: every window)
+        self.kernel_rows = KERNEL_ROWS
         self.attention_tiles = ""  # the kernel's tiles by head dim, "256:64x32x4x2/512:..."; "": its table
         # eager forwards by attention path: "maskfree" (all-visible, SDPA without a mask) or "masked"
         # (ragged contexts, a sliding band that clips, padded rows); graphed forwards always mask

@@ -113,8 +113,8 @@ def test_attend_tiles_agree(tiles):
 
 @torch.no_grad()
 def test_runtime_windows_through_the_kernel_match_sdpa(monkeypatch):
-    """The runtime's attention geometry through the kernel (`short_window` above every window: bounds
-    from the stored positions) against SDPA with its masks (`short_window` 0), toy model, fp32: ragged
+    """The runtime's attention geometry through the kernel (`kernel_rows` above every window: bounds
+    from the stored positions) against SDPA with its masks (`kernel_rows` 0), toy model, fp32: ragged
     prompts (padded encoder blocks), a prompt longer than the sliding window, one canvas, two
     block-causal canvases (pipe), a window whose leading rows are a folded encoder pass, slots out of
     order."""
@@ -150,9 +150,9 @@ def test_runtime_windows_through_the_kernel_match_sdpa(monkeypatch):
         ),
     ]
 
-    def logits(short_window: int) -> torch.Tensor:
+    def logits(kernel_rows: int) -> torch.Tensor:
         rt = Runtime.from_hf(m, kernels=True)
-        rt.short_window = short_window
+        rt.kernel_rows = kernel_rows
         arena = rt.new_arena(4, 96)
         rt.encode_many(arena, [(s, p, torch.arange(p.numel())) for s, p in prompts.items()])
         return rt.decode(arena, windows).logits

@@ -41,7 +41,7 @@ def test_runtime_with_fused_kernels_matches_hf(dtype, tol, attention, monkeypatc
     """fp16 stands in for bf16 (the interpreter cannot load bf16): the fused kernels must round where
     HF's modules round, else the trained model's logits move by ~8 % (the bf16 bound is 2e-2).
     attention: the testbed's windows (40 prompt rows, 32 canvas rows) through `kernels.attention`, or,
-    with `Runtime.short_window` at 0, through SDPA as the runtime does for long windows."""
+    with `Runtime.kernel_rows` at 0, through SDPA."""
     import canvasq.kernels.attention as attention_module
 
     calls = []  # launches of the attention kernel
@@ -59,7 +59,7 @@ def test_runtime_with_fused_kernels_matches_hf(dtype, tol, attention, monkeypatc
     ref = m(decoder_input_ids=canvas, past_key_values=cache, decoder_position_ids=pos).logits
     rt = Runtime.from_hf(m, kernels=True)  # q/k norm + RoPE and residual norms through the Triton kernels
     if attention == "sdpa":
-        rt.short_window = 0  # every window through SDPA
+        rt.kernel_rows = 0  # every window through SDPA
     if dtype == torch.float16:
         # 16-bit router logits tie; the router kernel takes the lower expert id (as CUDA's topk does)
         # where CPU torch.topk may take another, which swaps an expert (its parity: test_router.py)

@@ -123,6 +123,8 @@ class AttentionGeometry:
                 sl: Bounds.build(arena.pos, key_pos, self.ends, self.hi, self.lo if sl else None)
                 for sl in (False, True)
             }
+            if detect_maskfree:  # all-visible: SDPA's flash kernel, unmasked, beats ours (H200, 4 x 256)
+                self.maskfree = self._all_visible(key_pos)
             return
         first_col = torch.arange(lmax, device=key_pos.device) == 0  # no host scalar: capturable in a graph
         pad = self.pad[:, :, None] & first_col  # padded query rows attend to entry 0: softmax stays finite
@@ -135,6 +137,13 @@ class AttentionGeometry:
             # SDPA can take its flash / mem-efficient path. One host sync per eager forward.
             flags = torch.stack([(self.masks[sl][:, 0] | self.pad[:, :, None]).all() for sl in (False, True)])
             self.maskfree = dict(zip((False, True), flags.tolist()))
+
+    def _all_visible(self, key_pos: torch.Tensor) -> dict[bool, bool]:
+        """Per layer type: every real row sees every entry [0, L) of its slot (the prefix case
+        `build_masks` detects), from the bounds alone. One host sync."""
+        full = (self.ends == self.lmax).all() & ((self.hi > key_pos.amax(1)[:, None]) | self.pad).all()
+        band = ((self.lo <= key_pos.amin(1)[:, None]) | self.pad).all()
+        return dict(zip((False, True), torch.stack([full, full & band]).tolist()))
 
     def _mask(self, sliding: bool, groups: int, dtype: torch.dtype) -> torch.Tensor:
         """[B, 1, g*Rmax, L] additive mask (0 / -inf in the query dtype, built once per forward and
@@ -171,8 +180,9 @@ class AttentionGeometry:
         nb, heads, _, d = q.shape
         kvh = arena.k[layer].shape[1]
         g = heads // kvh
-        impl = self.impl
-        # ours: one launch, arena read in place, visibility from the bounds, o_proj's layout out
+        # ours: one launch, arena read in place, visibility from the bounds, o_proj's layout out; an
+        # all-visible layer type: SDPA without a mask
+        impl = "torch" if self.maskfree[sliding] else self.impl
         bounds = self.bounds.get(sliding) if impl == "triton" else None
         mask = None if impl == "triton" or self.maskfree[sliding] else self._mask(sliding, g, q.dtype)
         q = q.view(nb, kvh, g * self.rmax, d)

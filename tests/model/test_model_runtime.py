@@ -513,12 +513,21 @@ def test_prefix_attention_takes_maskfree_path_only_when_exact():
         prep = rt._prepare(arena, [Window.canvas(0, canvas, p)], encoder=False)
         logits = rt._run(prep)[0]
         assert prep.ctx.maskfree == expect
+        assert _kernel_maskfree(prep) == expect  # the kernel path's detection, from its bounds alone
         cache = new_cache(m)
         hf_encode(m, cache, prompt, 0)
         assert rel_err(logits, hf_decode(m, cache, canvas, p)) <= TOL
     prep = rt._prepare(arena, [Window.blocks(0, [(canvas, p), (canvas, p + c)])], encoder=False)
     rt._run(prep)
-    assert prep.ctx.maskfree == {False: False, True: False}
+    assert prep.ctx.maskfree == {False: False, True: False} == _kernel_maskfree(prep)
+
+
+def _kernel_maskfree(prep) -> dict[bool, bool]:
+    """What `AttentionGeometry.build_masks` detects when the forward's attention is the kernel's."""
+    prep.ctx.kernel = True
+    prep.ctx.build_masks(prep.arena, detect_maskfree=True)
+    assert prep.ctx.impl == "triton" and not prep.ctx.masks
+    return prep.ctx.maskfree
 
 
 def test_encoder_rows_ride_in_a_decoder_forward(model):

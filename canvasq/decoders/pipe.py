@@ -23,7 +23,7 @@ nothing until it is accepted whole, the native sampler's way (decoders/front.py)
 the first committed EOS whose prefix is committed, or when the committed prefix covers max_tokens.
 
 This module is the strategy: which rows commit (`_commits`), renoise and restart (`_update_canvas`,
-`_jacobi_restart`) and the hooks the funnel overrides. The canvas pipeline's mechanics — the
+`Canvas.livelocked`) and the hooks the funnel overrides. The canvas pipeline's mechanics — the
 block-causal window, self-conditioning per canvas, renoising, the entropy cap, retiring, spawning
 and graduating canvases, the retire pass — are `canvases`'.
 """
@@ -158,7 +158,10 @@ class PipeDecoder(StepDecoder):
         cv.tokens[idx[newly]] = co.arg[newly]
         n_new = int(newly.sum())
         s.stats["commits"] += n_new
-        restart = not front and self._jacobi_restart(s, cv, n_new)
+        # Jacobi livelock (≤ 1 commit for 8 consecutive committing steps): one random restart
+        restart = not front and cv.livelocked(n_new, cfg.jacobi_window, cfg.jacobi_max_commits)
+        if restart:
+            s.stats["jacobi_restarts"] += 1
         still = open_ & ~newly
         mix = cfg.mix_fraction if cfg.renoise == "mix" else None
         canvases.renoise(cv, idx[still], co.arg[still], s.gen, self.rt.vocab_size, mix, restart)
@@ -192,15 +195,3 @@ class PipeDecoder(StepDecoder):
             newly[torch.where(eligible, co.conf, torch.full_like(co.conf, -1.0)).argmax()] = True
             s.stats["forced_accepts"] += 1
         return newly
-
-    def _jacobi_restart(self, s: Seq, cv: Canvas, n_new: int) -> bool:
-        """Jacobi livelock: ≤ 1 commit for 8 consecutive committing steps → one random restart."""
-        cfg = self.config
-        if cv.state == "draft":
-            return False
-        cv.streak = cv.streak + 1 if n_new <= cfg.jacobi_max_commits else 0
-        if cv.streak < cfg.jacobi_window:
-            return False
-        cv.streak = 0
-        s.stats["jacobi_restarts"] += 1
-        return True

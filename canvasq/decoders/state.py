@@ -107,6 +107,17 @@ class Canvas:
     def end(self) -> int:
         return self.start + self.length
 
+    def livelocked(self, n_new: int, window: int, max_commits: int) -> bool:
+        """Jacobi livelock: the `window`-th consecutive step with at most `max_commits` commits (the
+        streak then starts over). Drafts never count."""
+        if self.state == "draft":
+            return False
+        self.streak = self.streak + 1 if n_new <= max_commits else 0
+        if self.streak < window:
+            return False
+        self.streak = 0
+        return True
+
 
 @dataclass
 class Seq:

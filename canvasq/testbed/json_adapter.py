@@ -136,7 +136,6 @@ def build_pool(rows: list[tuple[str, str, str]], tokenizer, canvas: int):
 def train(args) -> dict:
     """Train the LoRA over `args.model`'s checkpoint; saved to `args.out` with a `train_report.json`."""
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoTokenizer
 
     from canvasq.testbed.train import _run_log, train_phase
@@ -158,14 +157,7 @@ def train(args) -> dict:
     seq, plen, ncan = build_pool(rows, tok, C)
     batches = Batches(seq, plen, ncan, C, V, device)
     log(f"data: {len(rows)} rows (weights {weights}), max row {seq.shape[1]} tokens")
-    lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=TARGETS)
-    if args.init:  # continue a trained adapter (its rank and targets)
-        from peft import PeftModel
-
-        peft_model = PeftModel.from_pretrained(model, args.init, is_trainable=True)
-    else:
-        peft_model = get_peft_model(model, lora)
-    peft_model.train()
+    peft_model = _lora(model, args.init, args.rank)
     restore = share_with_encoder(peft_model.base_model.model)
     report = train_phase(
         peft_model.base_model.model,
@@ -199,6 +191,20 @@ def train(args) -> dict:
     (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     log(json.dumps(report))
     return report
+
+
+def _lora(model, init: str | None, rank: int):
+    """The model wrapped in a trainable LoRA: `init`'s adapter continued (its rank and targets), else a
+    fresh one of `rank` on `TARGETS`."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if init:
+        peft_model = PeftModel.from_pretrained(model, init, is_trainable=True)
+    else:
+        lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=TARGETS)
+        peft_model = get_peft_model(model, lora)
+    peft_model.train()
+    return peft_model
 
 
 def _base_model(path, device: str):

@@ -21,7 +21,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # running them at the end (measured on CI's 2 cores: a tail of ~4 minutes at -n 6). Order only.
 LONG_FIRST = (
     "tests/reliability/",
-    "tests/serve/test_batch_api.py",
+    "tests/serve/",
     "tests/test_e2e_service.py",
     "tests/cli/test_resume.py",
     "tests/test_bench_scripts.py",

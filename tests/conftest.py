@@ -18,7 +18,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 # Long tests first: pytest-xdist hands the first items out round-robin, so the tests that wait on real
 # worker processes, services and compiles start on every worker at once instead of leaving one worker
-# running them at the end (measured on CI's 2 cores: a tail of ~4 minutes at -n 6). Order only.
+# running them after the rest has finished. Order only.
 LONG_FIRST = (
     "tests/reliability/",
     "tests/serve/",

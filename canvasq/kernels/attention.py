@@ -359,7 +359,12 @@ def attend(
     if impl not in ("triton", "torch"):
         raise ValueError(f"unknown impl {impl!r}")
     d = q.shape[-1]
-    if impl == "triton" and d >= 16 and triton.next_power_of_2(d) == d and (bounds or mask is None):
+    if (
+        impl == "triton"
+        and d >= 16
+        and triton.next_power_of_2(d) == d
+        and (bounds is not None or mask is None)
+    ):
         return attend_launch(q, k_arena, v_arena, slots, lmax, bounds, groups, tiles)
     if mask is None and bounds is not None:
         pick = slots if first is None else slice(first, first + q.shape[0])

@@ -44,9 +44,8 @@ class AttentionGeometry:
     encoder_backend: str = "auto"  # ... of the calls on encoder blocks alone (their shapes vary more)
     kernel: bool = False  # short windows through `kernels.attention` (the runtime's `kernels`), else SDPA
     kernel_rows: int = KERNEL_ROWS  # rows per window up to which `kernel` applies (`Runtime.kernel_rows`)
-    tiles: str = (
-        ""  # the kernel's tiles by head dim (`Runtime.attention_tiles`; "": `kernels.attention.TILES`)
-    )
+    # the kernel's tiles by head dim (`Runtime.attention_tiles`; "": `kernels.attention.TILES`)
+    tiles: str = ""
     _folded: dict[tuple[bool, int], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
@@ -117,7 +116,7 @@ class AttentionGeometry:
             key_pos = arena.pos[self.slots, :lmax]
         self._folded = {}
         self.maskfree = {False: False, True: False}
-        self.masks = {}
+        self.masks, self.bounds = {}, {}
         if self.impl == "triton":
             self.bounds = {
                 sl: Bounds.build(arena.pos, key_pos, self.ends, self.hi, self.lo if sl else None)
@@ -128,9 +127,9 @@ class AttentionGeometry:
             return
         first_col = torch.arange(lmax, device=key_pos.device) == 0  # no host scalar: capturable in a graph
         pad = self.pad[:, :, None] & first_col  # padded query rows attend to entry 0: softmax stays finite
-        for sl in (False, True):
-            see = visible(key_pos, self.ends, self.hi, self.lo if sl else None)  # [B, Rmax, L]
-            self.masks[sl] = (see | pad)[:, None]
+        full = visible(key_pos, self.ends, self.hi)  # [B, Rmax, L]; the band narrows it
+        slide = full & (key_pos[:, None, :] >= self.lo[:, :, None])
+        self.masks = {False: (full | pad)[:, None], True: (slide | pad)[:, None]}
         if detect_maskfree:
             # Prefix attention: when every real row sees every entry [0, L) of its slot
             # (one canvas, context before it, band not clipping, equal lengths), drop the mask so

@@ -81,6 +81,7 @@ def replay(
     fp8: str = "off",
     arm: str = "official",
     arena_gib: str = "auto",
+    chunk: int = 0,
 ) -> dict:
     import functools
 
@@ -145,8 +146,9 @@ def replay(
         model=settings.model,
         queue="q",
         decoder="official",
-        chunk_size=len(jobs),
+        chunk_size=chunk or len(jobs),
     )
+    store.mark_published(run.chunk_ids)
     for r in rows:
         replay.OFFICIAL[f"t{r['custom_id']}"] = r["steps"]
     graphs = _graph_stats(bundle)
@@ -155,18 +157,21 @@ def replay(
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     prof = (
-        cProfile.Profile() if PROFILE == (batch, arm, arena_gib) else None
+        cProfile.Profile() if PROFILE == (batch, arm, arena_gib, chunk) else None
     )  # the profiler slows the host side
     tracer = (
         _StepTrace(TRACE, batch, *TRACE_STEPS)
-        if TRACE and PROFILE_ARM == (batch, arm, arena_gib)
+        if TRACE and PROFILE_ARM == (batch, arm, arena_gib, chunk)
         else contextlib.nullcontext()
     )
     t0 = time.perf_counter()
     if prof:
         prof.enable()
+    occ, written = [], 0
     with tracer:
-        out = engine.process_chunk(run.chunk_ids[0])
+        for cid in run.chunk_ids:  # a fleet worker's deliveries, in order (the first claims ahead)
+            out = engine.process_chunk(cid)
+            occ, written = occ + out.occupancy, written + out.written
     _sync()
     wall = time.perf_counter() - t0
     if prof:
@@ -177,7 +182,6 @@ def replay(
         stats.sort_stats("tottime").print_stats(30)
         stats.sort_stats("cumulative").print_stats(45)
         PROFILES.append(text.getvalue())
-    occ = out.occupancy
     steps = len(occ)
     live_rows = sum(n for n, _ in occ) * C
     tokens = sum(r["tokens"] for r in rows) * scale
@@ -205,7 +209,9 @@ def replay(
         "rows_per_s": live_rows / wall,
         "occupancy_mean": (sum(n for n, _ in occ) / sum(s for _, s in occ)) if occ else None,
         "occupancy_full_until": next((i for i, (n, s) in enumerate(occ) if n < s), steps) / max(1, steps),
-        "written": out.written,
+        "written": written,
+        "chunk": chunk or len(jobs),
+        "claims_ahead": engine.claims_ahead,
         "graphs_before": graphs,
         "graphs_after": after,
         "ms_per_step": 1000 * wall / max(1, steps),
@@ -319,7 +325,8 @@ class _StepTrace:
     def __init__(self, path: str, batch: int, wait: int = 24, active: int = 4):
         from torch.profiler import ProfilerActivity, profile, schedule
 
-        from canvasq.decoders import base, official
+        from canvasq.decoders import base, official, slots
+        from canvasq.worker import streams
 
         self.path, self.batch = path, batch
         self.prof = profile(
@@ -330,6 +337,11 @@ class _StepTrace:
         self.patches = [
             (official.OfficialDecoder, "step", "decoder_step", True),
             (base.StepDecoder, "prefill", "encoder_pass", False),
+            (official.OfficialDecoder, "_sample", "sample", False),
+            (base.StepDecoder, "retire_canvases", "retire", False),
+            (slots.SlotPool, "admit", "admit", False),
+            (slots.SlotPool, "deliver_done", "deliver", False),
+            (streams._RowStream, "flush", "store_rows", False),
         ]
 
     def _wrap(self, fn, label: str, tick: bool):
@@ -364,7 +376,13 @@ class _StepTrace:
             setattr(cls, name, fn)
 
     def _ready(self, p) -> None:
+        from benchmarks.trace_gaps import analyse
+
         p.export_chrome_trace(self.path + ".json")
+        with open(self.path + ".json") as f:
+            gaps = analyse(json.load(f)["traceEvents"])
+        Path(self.path + "_gaps.json").write_text(json.dumps(gaps, indent=1))
+        print(json.dumps({"trace_gaps": gaps}), flush=True)
         ka = p.key_averages()
         if not torch.cuda.is_available():  # the CPU dry run: no device time to sort by
             table = ka.table(sort_by="cpu_time_total", row_limit=70)
@@ -449,9 +467,9 @@ def bare(batch: int, prompt: int, device: str, reps: int = 20, fp8: str = "off")
 
 _TARGET = None
 WARM = "full"
-PROFILE: tuple | None = None  # (batch, arm, arena cap) of the one arm run under cProfile
+PROFILE: tuple | None = None  # (batch, arm, arena cap, chunk) of the one arm run under cProfile
 PROFILE_ARM: tuple | None = (
-    None  # (batch, arm, arena cap) of the one arm run under torch.profiler (`--trace`)
+    None  # (batch, arm, arena cap, chunk) of the one arm run under torch.profiler (`--trace`)
 )
 TRACE: str | None = None
 TRACE_STEPS = (24, 4)  # decoder steps the trace waits, then records (`--trace-steps`)
@@ -499,6 +517,12 @@ def main() -> None:
         "(e.g. 'official@context_step=256,sdpa_backend=efficient')",
     )
     ap.add_argument(
+        "--chunks",
+        default="0",
+        help="chunk sizes to A/B, comma-separated, each an arm after --arms' (0: the whole set in one "
+        "chunk; N: chunks of N delivered in order to one worker, which claims the later ones ahead)",
+    )
+    ap.add_argument(
         "--trace-steps", default="24,4", help="WAIT,ACTIVE: decoder steps before the trace and in it"
     )
     ap.add_argument(
@@ -526,7 +550,12 @@ def main() -> None:
     global WARM, PROFILE, PROFILE_ARM, TRACE, TRACE_STEPS
     WARM = args.warm
     TRACE_STEPS = tuple(int(x) for x in args.trace_steps.split(","))
-    last = (int(args.batches.split(",")[-1]), args.arms.split(";")[-1], args.arena_gib.split(",")[-1])
+    last = (
+        int(args.batches.split(",")[-1]),
+        args.arms.split(";")[-1],
+        args.arena_gib.split(",")[-1],
+        int(args.chunks.split(",")[-1]),
+    )
     if args.trace:
         TRACE, PROFILE_ARM = args.trace, last
     if args.profile:  # the last arm only: the others keep unprofiled timings
@@ -554,11 +583,12 @@ def main() -> None:
     arms = args.fp8.split(";") if ";" in args.fp8 else args.fp8.split(",")
     for b in [int(x) for x in args.batches.split(",")]:
         caps = args.arena_gib.split(",")
-        for fp8, arm, cap in [
-            (f, a, c) for f in arms for a in args.arms.split(";") for c in caps
+        chunks = [int(x) for x in args.chunks.split(",")]
+        for fp8, arm, cap, chunk in [
+            (f, a, c, k) for f in arms for a in args.arms.split(";") for c in caps for k in chunks
         ]:  # one process
             try:
-                res = replay(rows, b, args.scale, args.device, args.target, fp8, arm, cap)
+                res = replay(rows, b, args.scale, args.device, args.target, fp8, arm, cap, chunk)
                 print(json.dumps(res), flush=True)
                 report["service"].append(res)
                 prompt = int(
@@ -568,7 +598,7 @@ def main() -> None:
                     )
                     / len(rows)
                 )
-                if arm != args.arms.split(";")[0] or cap != caps[0]:
+                if arm != args.arms.split(";")[0] or cap != caps[0] or chunk != chunks[0]:
                     continue  # the bare forward does not depend on the decoder's knobs
                 bres = bare(b, prompt, args.device, fp8=fp8)
                 print(json.dumps(bres), flush=True)

@@ -124,3 +124,28 @@ def test_store_writes(tmp_path):
         "sqlite",
     )
     assert "SQLite: 1 row(s) per write: median" in text and "SQLite: 4 row(s) per write: median" in text
+
+
+def test_trace_gaps_attributes_idle_gpu_time_to_the_host_label():
+    """`benchmarks/trace_gaps.analyse` on a hand-made trace: a step whose kernels leave 30 µs idle
+    inside `sample` and 50 µs between labels; the store label launches no kernel."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.trace_gaps import analyse
+
+    host = {"pid": 1, "tid": 1, "ph": "X"}
+    ev = [
+        {**host, "cat": "user_annotation", "name": "decoder_step", "ts": 0, "dur": 100},
+        {**host, "cat": "user_annotation", "name": "sample", "ts": 60, "dur": 40},
+        {**host, "cat": "user_annotation", "name": "store_rows", "ts": 150, "dur": 40},
+        {**host, "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1, "dur": 1, "args": {"correlation": 1}},
+        {**host, "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 61, "dur": 1, "args": {"correlation": 2}},
+        {"pid": 0, "tid": 7, "ph": "X", "cat": "kernel", "name": "k1", "ts": 0, "dur": 60, "args": {"correlation": 1}},
+        {"pid": 0, "tid": 7, "ph": "X", "cat": "kernel", "name": "k2", "ts": 90, "dur": 10, "args": {"correlation": 2}},
+        {"pid": 0, "tid": 7, "ph": "X", "cat": "kernel", "name": "k3", "ts": 190, "dur": 0},
+    ]
+    out = analyse(ev)
+    assert out["span_ms"] == 0.19 and out["gpu_busy_ms"] == 0.07
+    assert out["idle_by_label_ms"] == {"store_rows": 0.04, "(none)": 0.05, "sample": 0.03}
+    own = out["per_label_own"]
+    assert own["decoder_step"]["gpu_ms"] == 0.06 and own["sample"]["gpu_ms"] == 0.01
+    assert own["store_rows"]["gpu_ms"] == 0 and own["store_rows"]["count"] == 1

@@ -176,6 +176,7 @@ def replay(
     wall = time.perf_counter() - t0
     if prof:
         prof.disable()
+        prof.dump_stats(f"{PROFILE_PATH}.pstats")  # for callers/callees (`python -m pstats`)
         text = io.StringIO()
         stats = pstats.Stats(prof, stream=text)
         print(f"== profile batch {batch} fp8={fp8} arm {arm} wall {wall:.2f}s", file=text)
@@ -474,6 +475,7 @@ PROFILE_ARM: tuple | None = (
 TRACE: str | None = None
 TRACE_STEPS = (24, 4)  # decoder steps the trace waits, then records (`--trace-steps`)
 PROFILES: list[str] = []
+PROFILE_PATH = "profile"
 
 
 def _live_blocks(title: str, top: int = 30) -> str:
@@ -547,7 +549,7 @@ def main() -> None:
         "the Python frames that allocated it, to this text file",
     )
     args = ap.parse_args()
-    global WARM, PROFILE, PROFILE_ARM, TRACE, TRACE_STEPS
+    global WARM, PROFILE, PROFILE_ARM, PROFILE_PATH, TRACE, TRACE_STEPS
     WARM = args.warm
     TRACE_STEPS = tuple(int(x) for x in args.trace_steps.split(","))
     last = (
@@ -559,7 +561,7 @@ def main() -> None:
     if args.trace:
         TRACE, PROFILE_ARM = args.trace, last
     if args.profile:  # the last arm only: the others keep unprofiled timings
-        PROFILE = last
+        PROFILE, PROFILE_PATH = last, args.profile
     commit = (
         os.environ.get("CANVASQ_COMMIT")
         or subprocess.run(

@@ -89,12 +89,14 @@ class ModelBundle:
         return [tok.bos_token_id, *tok.encode(text, add_special_tokens=False), sep]
 
     def decode_text(self, ids) -> str:
-        out = []
-        for i in (int(x) for x in ids):
-            if i == self.eos_id:
-                break
-            if i != self.pad_id:
-                out.append(i)
+        """The answer's text: ids up to the first EOS, PAD dropped. (eos_id and pad_id are read once:
+        each read goes through the HF config's attribute hooks, ~3 µs, which per token cost ~4 ms a
+        550-token row on the worker's critical path.)"""
+        eos, pad = self.eos_id, self.pad_id
+        ids = [int(x) for x in ids]
+        if eos in ids:
+            ids = ids[: ids.index(eos)]
+        out = [i for i in ids if i != pad]
         return self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def d2f_model(self):

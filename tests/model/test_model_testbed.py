@@ -92,3 +92,17 @@ def test_real_shape_config():
     full = m.model.decoder.layers[5].self_attn
     assert full.v_proj is None and full.k_proj.weight.shape == (2 * 512, 2816)
     assert m.model.decoder.layers[0].self_attn.k_proj.weight.shape == (8 * 256, 2816)
+
+
+def test_decode_text_cuts_at_eos_and_drops_pad():
+    """An answer's text: the ids before the first EOS, PAD dropped; ids after EOS never appear."""
+    from canvasq.model.loading import load_bundle
+
+    testbed = load_bundle()
+    eos, pad = testbed.eos_id, testbed.pad_id
+    a, b, c = [i for i in range(40, 60) if i not in (eos, pad)][:3]
+    tok = testbed.tokenizer
+    want = tok.decode([a, b, c], skip_special_tokens=True)
+    assert testbed.decode_text(torch.tensor([a, pad, b, c, eos, a, a])) == want
+    assert testbed.decode_text([a, b, pad, c]) == want
+    assert testbed.decode_text([eos, a]) == ""

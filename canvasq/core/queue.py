@@ -292,58 +292,78 @@ class QueueStore(Submission, RunControl, WorkerLiveness):
         self, run_id: str, records: Sequence[ResultRecord], worker_id: str | None = None
     ) -> int:
         """Store results of requests still `queued`; returns how many were written (0 on a
-        duplicate delivery). One transaction: request status, output upsert, traces."""
-        written = 0
+        duplicate delivery). One transaction and a few statements for the whole batch (the rows of
+        one decoder step): the requests' status (UPDATE ... RETURNING the rows still queued, so a
+        redelivery or late duplicate writes nothing), the outputs' upsert, the traces."""
+        first: dict[str, ResultRecord] = {}
+        for r in records:
+            first.setdefault(r.custom_id, r)  # a custom_id twice in one batch: the first one counts
         now = utcnow()
+        written = 0
         with self.Session.begin() as s:
-            for r in records:
-                res = s.execute(
-                    update(Request)
-                    .where(
-                        Request.run_id == run_id,
-                        Request.custom_id == r.custom_id,
-                        Request.status == RequestStatus.queued,
-                    )
-                    .values(status=r.status, updated_at=now)
-                )
-                if rowcount(res) != 1:
-                    continue  # already terminal: a redelivery or a late duplicate
-                written += 1
-                vals = {
-                    "run_id": run_id,
-                    "custom_id": r.custom_id,
-                    "text": r.text,
-                    "token_ids": r.token_ids,
-                    "finish_reason": r.finish_reason,
-                    "prompt_tokens": r.prompt_tokens,
-                    "completion_tokens": r.completion_tokens,
-                    "forwards": r.forwards,
-                    "decoder": r.decoder,
-                    "gen_ms": r.gen_ms,
-                    "worker_id": worker_id,
-                    "error_code": r.error_code,
-                    "error_message": r.error_message,
-                    "created_at": now,
-                    "updated_at": now,
-                }
-                upsert(
-                    s,
-                    Output,
-                    [vals],
-                    ("run_id", "custom_id"),
-                    [k for k in vals if k not in ("run_id", "custom_id", "created_at")],
-                )
-                s.execute(
-                    delete(ForwardTraceRow).where(
-                        ForwardTraceRow.run_id == run_id, ForwardTraceRow.custom_id == r.custom_id
-                    )
-                )
-                if r.traces:  # Core executemany (the ORM's bulk path costs more per row than SQLite does)
-                    s.execute(
-                        insert(cast(Table, ForwardTraceRow.__table__)),
-                        [dict(run_id=run_id, custom_id=r.custom_id, **t) for t in r.traces],
-                    )
+            for part in _batches(list(first.values()), _IN_BATCH):
+                written += self._write_batch(s, run_id, part, worker_id, now)
         return written
+
+    @staticmethod
+    def _write_batch(
+        s: Session, run_id: str, records: list[ResultRecord], worker_id: str | None, now: datetime
+    ) -> int:
+        req = cast(Table, Request.__table__)
+        claimed: set[str] = set()
+        for status in {r.status for r in records}:
+            ids = [r.custom_id for r in records if r.status == status]
+            claimed.update(
+                s.scalars(
+                    update(req)
+                    .where(
+                        req.c.run_id == run_id,
+                        req.c.custom_id.in_(ids),
+                        req.c.status == RequestStatus.queued,
+                    )
+                    .values(status=status, updated_at=now)
+                    .returning(req.c.custom_id)
+                )
+            )
+        mine = [r for r in records if r.custom_id in claimed]  # the rest: already terminal
+        if not mine:
+            return 0
+        vals = [
+            {
+                "run_id": run_id,
+                "custom_id": r.custom_id,
+                "text": r.text,
+                "token_ids": r.token_ids,
+                "finish_reason": r.finish_reason,
+                "prompt_tokens": r.prompt_tokens,
+                "completion_tokens": r.completion_tokens,
+                "forwards": r.forwards,
+                "decoder": r.decoder,
+                "gen_ms": r.gen_ms,
+                "worker_id": worker_id,
+                "error_code": r.error_code,
+                "error_message": r.error_message,
+                "created_at": now,
+                "updated_at": now,
+            }
+            for r in mine
+        ]
+        upsert(
+            s,
+            Output,
+            vals,
+            ("run_id", "custom_id"),
+            [k for k in vals[0] if k not in ("run_id", "custom_id", "created_at")],
+        )
+        s.execute(
+            delete(ForwardTraceRow).where(
+                ForwardTraceRow.run_id == run_id, ForwardTraceRow.custom_id.in_([r.custom_id for r in mine])
+            )
+        )
+        traces = [dict(run_id=run_id, custom_id=r.custom_id, **t) for r in mine for t in r.traces]
+        if traces:  # Core executemany (the ORM's bulk path costs more per row than SQLite does)
+            s.execute(insert(cast(Table, ForwardTraceRow.__table__)), traces)
+        return len(mine)
 
     @transient
     def finish_chunk(self, chunk_id: str) -> None:
@@ -380,3 +400,10 @@ class QueueStore(Submission, RunControl, WorkerLiveness):
                 .values(status=RunStatus.completed, finished_at=now, updated_at=now)
             )
             return s.scalar(select(Run.status).where(Run.id == run_id))
+
+
+_IN_BATCH = 500  # custom_ids per IN list (SQLite's and PostgreSQL's parameter limits stay far off)
+
+
+def _batches(items: list, n: int) -> list[list]:
+    return [items[i : i + n] for i in range(0, len(items), n)]

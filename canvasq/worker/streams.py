@@ -114,7 +114,12 @@ def _write(engine: Engine, run_id: str, records: list[ResultRecord]) -> int:
 class _RowStream:
     """One decode stream's rows: those still to feed (longest first, topped up from chunks claimed
     ahead), those fed, and the finished rows written at the step they end in: the rows of one step
-    in one store write (`flush`, before the next forward), not one write each."""
+    in one store write (`flush`, before the next forward), not one write each.
+
+    With a feeder, chunks are claimed ahead while fewer than `reserve` rows (the stream's slots) would
+    be left after a feed, so longest-first picks from more than the last chunk's leftovers: at 64
+    slots and 128-row chunks, topping up only when the rows ran out left the slots 86 % full against
+    90 % for the same rows in one chunk (H200, BENCHMARKS.md "Service throughput")."""
 
     def __init__(
         self,
@@ -124,8 +129,10 @@ class _RowStream:
         reqs: list[DecodeRequest],
         should_stop: Callable[[], bool],
         feeder: AheadFeeder | None = None,
+        reserve: int = 0,
     ):
         self.engine, self.run_id, self.decoder = engine, run_id, decoder
+        self.reserve = reserve
         self.should_stop, self.feeder = should_stop, feeder
         self.todo, self.written = longest_first(reqs), 0
         self.fed: list[DecodeRequest] = []
@@ -134,8 +141,8 @@ class _RowStream:
 
     def feed(self, n: int) -> list[tuple[str, DecodeRequest]]:
         todo = self.todo
-        if self.feeder is not None and len(todo) < n and not self.should_stop():
-            self.feeder.top_up(todo, n - len(todo))
+        if self.feeder is not None and len(todo) < n + self.reserve and not self.should_stop():
+            self.feeder.top_up(todo, n + self.reserve - len(todo))
             todo[:] = longest_first(todo)
         taken, todo[:] = todo[:n], todo[n:]
         self.fed.extend(taken)
@@ -230,7 +237,7 @@ def stream_and_store(
         capacity, feeder = _ahead(engine, run_id, (decoder, knobs), dec, reqs, ahead_until)
         if feeders is not None:
             feeders.append(feeder)
-    stream = _RowStream(engine, run_id, decoder, reqs, should_stop, feeder)
+    stream = _RowStream(engine, run_id, decoder, reqs, should_stop, feeder, reserve=engine.decode_slots)
     occupancy: list[tuple[int, int]] = []
     try:
         _decode_stream(engine, dec, stream, capacity, occupancy)

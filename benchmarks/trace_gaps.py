@@ -79,11 +79,12 @@ def analyse(events: list[dict], labels: set[str] | None = None, min_gap_us: floa
                 held = [op for op in ops[max(0, i - 64) : i] if op[0] <= mid < op[1]]
                 idle_by_op[min(held, key=lambda op: op[1] - op[0])[2] if held else "(python)"] += y - x
         prev = max(prev, b)
-    # GPU time per label: kernels matched to their launch (runtime call) by correlation id
+    # GPU time per label: kernels matched to their launch by correlation id (runtime calls, and driver
+    # calls: Triton launches through cuLaunchKernelEx)
     launch_at = {
         e["args"]["correlation"]: e["ts"]
         for e in xs
-        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
     }
     per_label: dict[str, dict[str, float]] = defaultdict(lambda: {"wall_ms": 0.0, "gpu_ms": 0.0, "count": 0})
     for a, b, name in spans:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import itertools
 import json
 from collections import defaultdict
 
@@ -41,18 +42,21 @@ def _innermost(spans: list[tuple[float, float, str]], t: float) -> str | None:
     return best[2] if best else None
 
 
+def _top(d: dict[str, float], n: int = 25) -> dict[str, float]:
+    """The n largest entries, µs as ms."""
+    return dict(sorted(((k, round(v / 1e3, 2)) for k, v in d.items()), key=lambda kv: -kv[1])[:n])
+
+
 def analyse(events: list[dict], labels: set[str] | None = None, min_gap_us: float = 20.0) -> dict:
     """The report above, from a Chrome trace's `traceEvents`; times in ms."""
     xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
     gpu = [e for e in xs if e.get("cat") in GPU_CATS]
-    ann = [
-        e
-        for e in xs
-        if e.get("cat") == "user_annotation" and (labels is None or e["name"] in labels)
-    ]
+    ann = [e for e in xs if e.get("cat") == "user_annotation" and (labels is None or e["name"] in labels)]
     if not ann:
         return {"error": "no labelled host spans in the trace"}
-    host_tid = max({(e["pid"], e["tid"]) for e in ann}, key=lambda k: sum(1 for e in ann if (e["pid"], e["tid"]) == k))
+    host_tid = max(
+        {(e["pid"], e["tid"]) for e in ann}, key=lambda k: sum(1 for e in ann if (e["pid"], e["tid"]) == k)
+    )
     ann = [e for e in ann if (e["pid"], e["tid"]) == host_tid]
     t0 = min(e["ts"] for e in ann)
     t1 = max(e["ts"] + e["dur"] for e in ann)
@@ -62,7 +66,13 @@ def analyse(events: list[dict], labels: set[str] | None = None, min_gap_us: floa
         for e in xs
         if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver") and (e["pid"], e["tid"]) == host_tid
     )
-    busy = _union([(max(t0, e["ts"]), min(t1, e["ts"] + e["dur"])) for e in gpu if e["ts"] < t1 and e["ts"] + e["dur"] > t0])
+    busy = _union(
+        [
+            (max(t0, e["ts"]), min(t1, e["ts"] + e["dur"]))
+            for e in gpu
+            if e["ts"] < t1 and e["ts"] + e["dur"] > t0
+        ]
+    )
     busy_us = sum(b - a for a, b in busy)
     idle_by_label: dict[str, float] = defaultdict(float)
     idle_by_op: dict[str, float] = defaultdict(float)
@@ -72,7 +82,7 @@ def analyse(events: list[dict], labels: set[str] | None = None, min_gap_us: floa
     for a, b in busy + [(t1, t1)]:
         if a - prev >= min_gap_us:  # an idle gap, split where the host's labels change
             cuts = [prev] + edges[bisect.bisect_right(edges, prev) : bisect.bisect_left(edges, a)] + [a]
-            for x, y in zip(cuts, cuts[1:]):
+            for x, y in itertools.pairwise(cuts):
                 mid = (x + y) / 2
                 idle_by_label[_innermost(spans, mid) or "(none)"] += y - x
                 i = bisect.bisect_right(starts, mid)
@@ -96,13 +106,12 @@ def analyse(events: list[dict], labels: set[str] | None = None, min_gap_us: floa
             continue
         name = _innermost(spans, t) or "(none)"
         per_label[name]["gpu_ms"] += e["dur"] / 1e3
-    top = lambda d: dict(sorted(((k, round(v / 1e3, 2)) for k, v in d.items()), key=lambda kv: -kv[1])[:25])  # noqa: E731
     return {
         "span_ms": round((t1 - t0) / 1e3, 2),
         "gpu_busy_ms": round(busy_us / 1e3, 2),
         "gpu_idle_ms": round((t1 - t0 - busy_us) / 1e3, 2),
-        "idle_by_label_ms": top(idle_by_label),
-        "idle_by_host_op_ms": top(idle_by_op),
+        "idle_by_label_ms": _top(idle_by_label),
+        "idle_by_host_op_ms": _top(idle_by_op),
         "per_label_own": {
             k: {"wall_ms": round(v["wall_ms"], 2), "gpu_ms": round(v["gpu_ms"], 2), "count": v["count"]}
             for k, v in sorted(per_label.items(), key=lambda kv: -kv[1]["wall_ms"])

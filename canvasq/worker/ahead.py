@@ -1,8 +1,8 @@
-"""Cross-chunk feeding: when a chunk's last rows are in flight and decode slots free up, the worker
+"""Cross-chunk feeding: when fewer than a slot count of a chunk's rows are left to feed, the worker
 claims the run's next chunk straight from SQL (`QueueStore.claim_ahead`) and feeds its rows into the
 same decode stream, so the slots stay full across chunk boundaries instead of draining at each one.
 
-Flow: feed(n) finds the chunk's own rows used up → `AheadFeeder.top_up` claims the next queued,
+Flow: feed(n) finds fewer than n + the stream's reserve rows left → `AheadFeeder.top_up` claims the next queued,
 published chunk of the run (a counted delivery under this worker's lease, renewed by the heartbeat)
 → its rows, if they all take this stream's route and fit its arena (sized for the run's longest
 max_tokens), join the stream; otherwise the chunk is released (queued again, uncounted) and the next

@@ -219,7 +219,8 @@ def stream_and_store(
 ) -> int:
     """Continuous batching over `rows`: `decode_slots` requests in flight, a free slot refilled at
     once, the rows that end in a step written to the store together at its end. With `ahead_until` (a monotonic
-    time), once `rows` are all in flight the run's next chunks are claimed ahead into the same stream
+    time), once fewer than a slot count of `rows` are left to feed the run's next chunks are claimed
+    ahead into the same stream
     (`worker.ahead`). Returns the rows written."""
     from canvasq.decoders.registry import make_decoder
 

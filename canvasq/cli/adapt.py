@@ -51,6 +51,13 @@ import click
 )
 @click.option("--calibration-weight", type=float, default=1.0, show_default=True, help="Weight of that term.")
 @click.option(
+    "--target",
+    type=click.Choice(["tokens", "logits"]),
+    default="tokens",
+    show_default=True,
+    help="What the front canvas learns: the teacher's answer tokens, or its distribution on the same state.",
+)
+@click.option(
     "--noise-share", type=float, default=0.15, show_default=True, help="Share of fully noised front canvases."
 )
 @click.option(

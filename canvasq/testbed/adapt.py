@@ -10,7 +10,8 @@ off), started from the model's own `d2f_adapter/` unless told otherwise. A few D
    with the current student and record their states (argmax drafts, frozen commits, the
    self-conditioning each feeds; adapt_data.py); the states join a replay buffer;
 2. **train** for the round's share of the time budget on batches from the buffer: cross-entropy to
-   the teacher's tokens on the open positions (digits weighted up, as train.py does), plus a
+   the teacher's tokens on the open positions (digits weighted up, as train.py does; with
+   `target="logits"` the front canvas learns the teacher's distribution on the same state instead), plus a
    calibration term on the open positions whose argmax is wrong: −log(1 − p(argmax)) where
    p(argmax) ≥ τ, the confidence that would commit or accept a wrong token;
 3. save the round's adapter; the next round rolls out with it.
@@ -64,6 +65,11 @@ class AdaptSettings:
     decode_batch: int = 16
     buffer: int = 12_000  # states kept (the oldest leave first)
     arms: tuple[tuple[str, dict], ...] = DEFAULT_ARMS
+    # what the front canvas's open positions learn: "tokens", the teacher's verified answer; "logits",
+    # the teacher's distribution on the same state (the model with the adapter off: official's
+    # denoiser), which keeps every token the canvas already implies (a code answer's names) where the
+    # answer's tokens would pull toward one spelling. Canvases behind the front keep the tokens.
+    target: str = "tokens"
     rounds_log: list = field(default_factory=list)
 
 
@@ -166,7 +172,8 @@ def _train(peft_model, opt, params, buffer, bundle, st, gen, weights, log, r: in
         group = groups[keys[int(torch.multinomial(sizes, 1, generator=gen))]]
         pick = torch.randint(0, len(group), (st.batch,), generator=gen).tolist()
         batch = collate([group[i] for i in pick], C, V, bundle.pad_id, st.noise_share, gen)
-        loss, ce, cal = adapt_loss(model, batch, C, st.tau, st.calibration_weight, weights)
+        teacher = peft_model.disable_adapter if st.target == "logits" else None
+        loss, ce, cal = adapt_loss(model, batch, C, st.tau, st.calibration_weight, weights, teacher)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -186,22 +193,35 @@ def _train(peft_model, opt, params, buffer, bundle, st, gen, weights, log, r: in
     }
 
 
-def adapt_loss(model, batch: Batch, canvas: int, tau: float, cal_weight: float, token_weight=None):
-    """(loss, its cross-entropy part, its calibration part) on one batch (module docstring). `model`:
-    the HF model with the LoRA layers in it (peft's `base_model.model`)."""
+def adapt_loss(
+    model, batch: Batch, canvas: int, tau: float, cal_weight: float, token_weight=None, teacher=None
+):
+    """(loss, its distillation part, its calibration part) on one batch (module docstring). `model`:
+    the HF model with the LoRA layers in it (peft's `base_model.model`). `teacher`: a context under
+    which `model` runs without the adapter (peft's `disable_adapter`); given, the front canvas's open
+    positions learn the teacher's distribution there (KL, zero where the student already matches) and
+    "wrong" means off the teacher's argmax; the other positions keep the teacher's tokens."""
     with torch.no_grad():  # the encoder has no LoRA: its cache needs no gradient
         cache = encode_context(model, batch.ctx, batch.ctx_mask)
     kw = _decoder_kwargs(model, batch.ctx_mask, batch.tokens, cache, batch.k, canvas)
     with _sc_rows(model, batch.sc_rows if batch.sc is not None else None):
         logits = model(**kw, self_conditioning_logits=batch.sc).logits.float()
+        if teacher is not None:
+            with torch.no_grad(), teacher():
+                t_logp = torch.log_softmax(model(**kw, self_conditioning_logits=batch.sc).logits.float(), -1)
     target, train = batch.target, batch.train
-    ce = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
-    )
+    V = logits.shape[-1]
+    per = torch.nn.functional.cross_entropy(logits.reshape(-1, V), target.reshape(-1), reduction="none")
+    if teacher is not None:
+        front = torch.zeros_like(train)
+        front[:, :canvas] = True
+        kl = (t_logp.exp() * (t_logp - torch.log_softmax(logits, -1))).sum(-1)
+        per = torch.where(front.reshape(-1), kl.reshape(-1), per)
+        target = torch.where(front, t_logp.argmax(-1), target)
     w = train.reshape(-1).float()
     if token_weight is not None:
         w = w * token_weight[target.reshape(-1)]
-    ce_mean = (ce * w).sum() / w.sum().clamp_min(1.0)
+    ce_mean = (per * w).sum() / w.sum().clamp_min(1.0)
     pmax, arg = torch.softmax(logits, dim=-1).max(dim=-1)
     over = train & (arg != target) & (pmax >= tau)
     cal = -(torch.log1p(-pmax.clamp(max=1 - 1e-6)) * over).sum() / train.sum().clamp_min(1)

@@ -90,3 +90,33 @@ def test_adapt_command_writes_an_adapter_the_decoders_load(bundle, tmp_path):
         over = {"front": "revise", "adapter_path": str(out)}
         results = run_batch(bundle, DecodeBatch(reqs, seed=1), decoder, over)
         assert all(r.error is None and r.token_ids for r in results)
+
+
+def test_logit_target_distils_the_adapter_free_model_on_the_front(bundle):
+    """`target="logits"`: the front canvas's open positions learn the model's own distribution with
+    the adapter off. A fresh LoRA is that model, so its front part is zero (and every argmax agrees
+    with the teacher's: no calibration term); the model's D2F adapter starts away from it and a few
+    steps bring it closer."""
+    from canvasq.testbed.adapt import AdaptSettings, _student, adapt_loss
+    from canvasq.testbed.adapt_data import collate, rollout, teacher_answers
+
+    teachers, _ = teacher_answers(bundle, "arith", 4, 12, 4, lambda _: None)
+    states, _ = rollout(bundle, teachers, ("pipe", {"front": "revise"}), 1.0, 5, 4)
+    C = bundle.canvas_length
+    one = [s for s in states if s.k == C][:6]  # front-only windows: every trained position distils
+    assert one
+    batch = collate(one, C, 768, bundle.pad_id, 0.0, torch.Generator().manual_seed(0))
+    fresh = _student(bundle, AdaptSettings(out=Path("unused"), init=None))
+    loss, kl, cal = adapt_loss(fresh.base_model.model, batch, C, 0.7, 1.0, teacher=fresh.disable_adapter)
+    assert abs(kl) < 1e-4 and cal == 0.0
+    model = _student(bundle, AdaptSettings(out=Path("unused"), init=TESTBED_DIR / "d2f_adapter"))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    kls = []
+    for _ in range(5):
+        loss, kl, _ = adapt_loss(model.base_model.model, batch, C, 0.7, 0.0, teacher=model.disable_adapter)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        kls.append(kl)
+    assert kls[0] > 1e-3 and kls[-1] < kls[0]

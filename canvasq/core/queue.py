@@ -300,9 +300,10 @@ class QueueStore(Submission, RunControl, WorkerLiveness):
             first.setdefault(r.custom_id, r)  # a custom_id twice in one batch: the first one counts
         now = utcnow()
         written = 0
+        rows = list(first.values())
         with self.Session.begin() as s:
-            for part in _batches(list(first.values()), _IN_BATCH):
-                written += self._write_batch(s, run_id, part, worker_id, now)
+            for i in range(0, len(rows), _IN_BATCH):
+                written += self._write_batch(s, run_id, rows[i : i + _IN_BATCH], worker_id, now)
         return written
 
     @staticmethod
@@ -403,7 +404,3 @@ class QueueStore(Submission, RunControl, WorkerLiveness):
 
 
 _IN_BATCH = 500  # custom_ids per IN list (SQLite's and PostgreSQL's parameter limits stay far off)
-
-
-def _batches(items: list, n: int) -> list[list]:
-    return [items[i : i + n] for i in range(0, len(items), n)]

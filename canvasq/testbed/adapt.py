@@ -210,19 +210,20 @@ def adapt_loss(
             with torch.no_grad(), teacher():
                 t_logp = torch.log_softmax(model(**kw, self_conditioning_logits=batch.sc).logits.float(), -1)
     target, train = batch.target, batch.train
-    V = logits.shape[-1]
-    per = torch.nn.functional.cross_entropy(logits.reshape(-1, V), target.reshape(-1), reduction="none")
+    logp = torch.log_softmax(logits, -1)  # one pass over the vocabulary for every term below
+    per = -logp.gather(-1, target[..., None])[..., 0]  # cross-entropy to the teacher's tokens
     if teacher is not None:
         front = torch.zeros_like(train)
         front[:, :canvas] = True
-        kl = (t_logp.exp() * (t_logp - torch.log_softmax(logits, -1))).sum(-1)
-        per = torch.where(front.reshape(-1), kl.reshape(-1), per)
+        kl = (t_logp.exp() * (t_logp - logp)).sum(-1)
+        per = torch.where(front, kl, per)
         target = torch.where(front, t_logp.argmax(-1), target)
-    w = train.reshape(-1).float()
+    w = train.float()
     if token_weight is not None:
-        w = w * token_weight[target.reshape(-1)]
+        w = w * token_weight[target]
     ce_mean = (per * w).sum() / w.sum().clamp_min(1.0)
-    pmax, arg = torch.softmax(logits, dim=-1).max(dim=-1)
+    lmax, arg = logp.max(dim=-1)
+    pmax = lmax.exp()
     over = train & (arg != target) & (pmax >= tau)
     cal = -(torch.log1p(-pmax.clamp(max=1 - 1e-6)) * over).sum() / train.sum().clamp_min(1)
     return ce_mean + cal_weight * cal, float(ce_mean.detach()), float(cal.detach())

@@ -94,7 +94,8 @@ def adapt(bundle, st: AdaptSettings, log: Callable[[str], None]) -> dict:
     peft_model = _student(bundle, st)
     params = [p for p in peft_model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=st.lr, weight_decay=0.0, betas=(0.9, 0.98))
-    weights = digit_weights(bundle.tokenizer, bundle.config.text_config.vocab_size, 4.0, "cpu")
+    device = next(peft_model.parameters()).device  # the bundle's: states stay on the CPU until a batch
+    weights = digit_weights(bundle.tokenizer, bundle.config.text_config.vocab_size, 4.0, device)
     buffer: list[State] = []
     student = str(st.init) if st.init else None
     rounds = []
@@ -171,7 +172,7 @@ def _train(peft_model, opt, params, buffer, bundle, st, gen, weights, log, r: in
             g["lr"] = st.lr * min(1.0, (step + 1) / 20) * (0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi * frac)))
         group = groups[keys[int(torch.multinomial(sizes, 1, generator=gen))]]
         pick = torch.randint(0, len(group), (st.batch,), generator=gen).tolist()
-        batch = collate([group[i] for i in pick], C, V, bundle.pad_id, st.noise_share, gen)
+        batch = collate([group[i] for i in pick], C, V, bundle.pad_id, st.noise_share, gen).to(weights.device)
         teacher = peft_model.disable_adapter if st.target == "logits" else None
         loss, ce, cal = adapt_loss(model, batch, C, st.tau, st.calibration_weight, weights, teacher)
         opt.zero_grad(set_to_none=True)

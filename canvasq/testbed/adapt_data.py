@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -184,6 +184,13 @@ class Batch:
     sc: torch.Tensor | None  # [B, K·C, V] float32
     sc_rows: torch.Tensor  # [B, K·C] bool
     k: int
+
+    def to(self, device) -> Batch:
+        """The batch's tensors on `device` (the student's: collate builds on the CPU)."""
+        moved = {f: getattr(self, f) for f in ("ctx", "ctx_mask", "tokens", "target", "train", "sc_rows")}
+        moved = {f: t.to(device, non_blocking=True) for f, t in moved.items()}
+        sc = self.sc.to(device, non_blocking=True) if self.sc is not None else None
+        return replace(self, sc=sc, **moved)
 
 
 def collate(

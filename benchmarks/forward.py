@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from canvasq.model.graph import DecodeGraph
+from canvasq.model.loading import cache_kwargs
 from canvasq.model.runtime import Runtime, Window
 from canvasq.provenance import git_commit
 
@@ -198,7 +199,7 @@ def hf_cache(model, prompts: torch.Tensor):
         model.model.encoder(
             input_ids=prompts,
             position_ids=torch.arange(p, device=prompts.device)[None].expand(b, p),
-            past_key_values=cache,
+            **cache_kwargs(model.model.encoder, cache),
         )
     return cache
 
@@ -219,7 +220,7 @@ def run_config(model, runtimes: dict, rows: int, batch: int, prompt_len: int, ar
         with torch.no_grad():
             return model(
                 decoder_input_ids=canvas,
-                past_key_values=cache,
+                **cache_kwargs(model, cache),
                 decoder_position_ids=pos,
                 self_conditioning_logits=sc_logits,
             ).logits

@@ -13,9 +13,12 @@ start reads them instead of packing; the GPU never holds the BF16 experts.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -265,3 +268,15 @@ def _load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
+
+
+@functools.cache
+def _cache_arg(forward: Callable) -> str:
+    """The name a DiffusionGemma module's forward takes its KV cache by: transformers renamed
+    `past_key_values` to `cache` (the old name warns, and goes in 5.40); 5.17 knows only the old one."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def cache_kwargs(module, cache) -> dict:
+    """`{name: cache}` under the name `module`'s forward takes (`_cache_arg`)."""
+    return {_cache_arg(type(module).forward): cache}

@@ -69,7 +69,7 @@ def repair_loss(
     """One step's loss over the three objectives (module docstring); `parts` accumulates their CE."""
     import torch
 
-    from canvasq.testbed.train_loss import block_causal_masks, encode_context
+    from canvasq.testbed.train_loss import block_causal_masks, cache_kwargs, encode_context
 
     C, V = batches.C, batches.V
     K = 1 + n_future
@@ -83,7 +83,7 @@ def repair_loss(
 
     def run(ids, sc=None, sc_mask=None):
         return model(
-            past_key_values=cache,
+            **cache_kwargs(model, cache),
             decoder_input_ids=ids,
             decoder_attention_mask=dmask,
             decoder_position_ids=dpos,

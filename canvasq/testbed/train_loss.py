@@ -6,6 +6,8 @@ argmax-draft passes first; digits weighted up (`digit_weights`).
 
 from __future__ import annotations
 
+from canvasq.model.loading import cache_kwargs
+
 
 def _cache_of(out):
     cache = getattr(out, "cache", None)
@@ -59,7 +61,7 @@ def encode_context(model, ctx, ctx_mask):
         input_ids=ctx,
         attention_mask=ctx_mask.long(),
         position_ids=pos,
-        past_key_values=DynamicCache(config=tc),
+        **cache_kwargs(model.model.encoder, DynamicCache(config=tc)),
     )
     return _cache_of(enc)
 
@@ -124,7 +126,7 @@ def _decoder_kwargs(model, ctx_mask, noisy, cache, n_canvases: int, canvas: int)
     else:
         dmask = block_causal_masks(model, ctx_mask, n_canvases, canvas, cache)
     return {
-        "past_key_values": cache,
+        **cache_kwargs(model, cache),
         "decoder_input_ids": noisy,
         "decoder_attention_mask": dmask,
         "decoder_position_ids": dpos,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from canvasq.model.loading import cache_kwargs
+
 
 def hf_cache(model, prompts: torch.Tensor):
     """The encoder's KV cache of `prompts` [B, P] through HF's encoder, positions 0..P-1 (what HF's
@@ -14,5 +16,5 @@ def hf_cache(model, prompts: torch.Tensor):
     b, p = prompts.shape
     pos = torch.arange(p, device=prompts.device)[None].expand(b, p)
     with torch.no_grad():
-        model.model.encoder(input_ids=prompts, position_ids=pos, past_key_values=cache)
+        model.model.encoder(input_ids=prompts, position_ids=pos, **cache_kwargs(model.model.encoder, cache))
     return cache

@@ -7,7 +7,7 @@ import torch
 from kernel_testutil import rel_err
 
 from canvasq.kernels.router import router_topk
-from canvasq.model.loading import load_bundle
+from canvasq.model.loading import cache_kwargs, load_bundle
 from canvasq.model.runtime import Runtime, Window
 from tests.harness.hf import hf_cache
 
@@ -56,7 +56,7 @@ def test_runtime_with_fused_kernels_matches_hf(dtype, tol, attention, monkeypatc
     canvas = torch.randint(5, 700, (b, c), generator=g)
     cache = hf_cache(m, prompts)
     pos = torch.arange(p, p + c)[None].expand(b, c)
-    ref = m(decoder_input_ids=canvas, past_key_values=cache, decoder_position_ids=pos).logits
+    ref = m(decoder_input_ids=canvas, **cache_kwargs(m, cache), decoder_position_ids=pos).logits
     rt = Runtime.from_hf(m, kernels=True)  # q/k norm + RoPE and residual norms through the Triton kernels
     if attention == "sdpa":
         rt.kernel_rows = 0  # every window through SDPA

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from canvasq.model.loading import cache_kwargs
 from canvasq.model.shapes import ModelShape, build_config, toy_shape
 
 
@@ -44,7 +45,7 @@ def new_cache(model):
 def hf_encode(model, cache, ids: torch.Tensor, start: int) -> None:
     """HF encoder pass of ids [R] at positions start.. into `cache` (prompt or committed canvas)."""
     pos = torch.arange(start, start + ids.numel())[None]
-    model.model.encoder(input_ids=ids[None], position_ids=pos, past_key_values=cache)
+    model.model.encoder(input_ids=ids[None], position_ids=pos, **cache_kwargs(model.model.encoder, cache))
 
 
 @torch.no_grad()
@@ -53,7 +54,7 @@ def hf_decode(model, cache, canvas: torch.Tensor, start: int, sc_logits=None, ma
     pos = torch.arange(start, start + canvas.numel())[None]
     out = model(
         decoder_input_ids=canvas[None],
-        past_key_values=cache,
+        **cache_kwargs(model, cache),
         decoder_position_ids=pos,
         self_conditioning_logits=None if sc_logits is None else sc_logits[None],
         decoder_attention_mask=mask,

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from canvasq.model.graph import DecodeGraph
+from canvasq.model.loading import cache_kwargs
 from canvasq.model.runtime import Runtime, Window
 from tests.harness.hf import hf_cache
 
@@ -71,7 +72,10 @@ def test_real_shape_bf16_matches_hf(real_model):
     cache = hf_cache(m, prompts)
     pos = torch.arange(p, p + r, device="cuda")[None].expand(b, r)
     ref = m(
-        decoder_input_ids=canvas, past_key_values=cache, decoder_position_ids=pos, self_conditioning_logits=sc
+        decoder_input_ids=canvas,
+        **cache_kwargs(m, cache),
+        decoder_position_ids=pos,
+        self_conditioning_logits=sc,
     ).logits
     # HF's SDPA picks the same kernels as SDPA's own choice ("auto"); the production encoder passes
     # take the mem-efficient kernel (`Runtime.encoder_sdpa_backend`), another causal-masked kernel:
@@ -88,7 +92,7 @@ def test_real_shape_bf16_matches_hf(real_model):
         m.set_attn_implementation("eager")
         eager1 = m(
             decoder_input_ids=canvas,
-            past_key_values=hf_cache(m, prompts),
+            **cache_kwargs(m, hf_cache(m, prompts)),
             decoder_position_ids=pos,
             self_conditioning_logits=sc,
         ).logits.reshape(b * r, v)
@@ -108,8 +112,10 @@ def test_real_shape_bf16_matches_hf(real_model):
     def hf_next(attn: str) -> torch.Tensor:
         m.set_attn_implementation(attn)
         c = hf_cache(m, prompts)
-        m.model.encoder(input_ids=canvas, position_ids=pos, past_key_values=c)
-        return m(decoder_input_ids=nxt, past_key_values=c, decoder_position_ids=pos2).logits.reshape(b * r, v)
+        m.model.encoder(input_ids=canvas, position_ids=pos, **cache_kwargs(m.model.encoder, c))
+        return m(decoder_input_ids=nxt, **cache_kwargs(m, c), decoder_position_ids=pos2).logits.reshape(
+            b * r, v
+        )
 
     try:
         eager = hf_next("eager")
@@ -137,7 +143,7 @@ def test_testbed_bf16_with_kernels_matches_hf():
     canvas = torch.randint(5, v, (b, c), generator=g).cuda()
     cache = hf_cache(m, prompts)
     pos = torch.arange(p, p + c, device="cuda")[None].expand(b, c)
-    ref = m(decoder_input_ids=canvas, past_key_values=cache, decoder_position_ids=pos).logits
+    ref = m(decoder_input_ids=canvas, **cache_kwargs(m, cache), decoder_position_ids=pos).logits
     arena = rt.new_arena(b, 256)
     rt.encode_many(arena, [(i, prompts[i], torch.arange(p, device="cuda")) for i in range(b)])
     out = rt.decode(arena, [Window.canvas(i, canvas[i], p) for i in range(b)])

@@ -52,10 +52,18 @@ import click
 @click.option("--calibration-weight", type=float, default=1.0, show_default=True, help="Weight of that term.")
 @click.option(
     "--target",
-    type=click.Choice(["tokens", "logits"]),
+    type=click.Choice(["tokens", "logits", "mixed"]),
     default="tokens",
     show_default=True,
-    help="What the front canvas learns: the teacher's answer tokens, or its distribution on the same state.",
+    help="What the front canvas learns: the teacher's answer tokens, its distribution on the same state, "
+    "or per position the answer's token where the teacher gives it --answer-floor, else its distribution.",
+)
+@click.option(
+    "--answer-floor",
+    type=float,
+    default=0.05,
+    show_default=True,
+    help="--target mixed: the teacher probability at which a front position keeps the answer's token.",
 )
 @click.option(
     "--noise-share", type=float, default=0.15, show_default=True, help="Share of fully noised front canvases."
@@ -125,6 +133,8 @@ def _check_numbers(train: dict) -> None:
             raise click.UsageError(f"--{name.replace('_', '-')} must be at least 1, got {train[name]}")
     if train["minutes"] <= 0 or not 0 < train["tau"] < 1 or not 0 <= train["noise_share"] <= 1:
         raise click.UsageError("--minutes must be > 0, --tau in (0, 1), --noise-share in [0, 1]")
+    if not 0 < train["answer_floor"] < 1:
+        raise click.UsageError(f"--answer-floor must be in (0, 1), got {train['answer_floor']}")
 
 
 def _check_paths(spec: str, out: Path, force: bool, own: str) -> None:

@@ -11,7 +11,8 @@ off), started from the model's own `d2f_adapter/` unless told otherwise. A few D
    self-conditioning each feeds; adapt_data.py); the states join a replay buffer;
 2. **train** for the round's share of the time budget on batches from the buffer: cross-entropy to
    the teacher's tokens on the open positions (digits weighted up, as train.py does; with
-   `target="logits"` the front canvas learns the teacher's distribution on the same state instead), plus a
+   `target="logits"` the front canvas learns the teacher's distribution on the same state instead, with
+   `"mixed"` only where the teacher finds the answer's token implausible), plus a
    calibration term on the open positions whose argmax is wrong: −log(1 − p(argmax)) where
    p(argmax) ≥ τ, the confidence that would commit or accept a wrong token;
 3. save the round's adapter; the next round rolls out with it.
@@ -68,8 +69,12 @@ class AdaptSettings:
     # what the front canvas's open positions learn: "tokens", the teacher's verified answer; "logits",
     # the teacher's distribution on the same state (the model with the adapter off: official's
     # denoiser), which keeps every token the canvas already implies (a code answer's names) where the
-    # answer's tokens would pull toward one spelling. Canvases behind the front keep the tokens.
+    # answer's tokens would pull toward one spelling; "mixed", per position: the answer's token where
+    # the teacher gives it at least `answer_floor` on that state (an arithmetic's digits, names the
+    # canvas has not contradicted), the teacher's distribution where it does not (a name the state has
+    # already chosen otherwise). Canvases behind the front keep the tokens.
     target: str = "tokens"
+    answer_floor: float = 0.05
     rounds_log: list = field(default_factory=list)
 
 
@@ -173,8 +178,9 @@ def _train(peft_model, opt, params, buffer, bundle, st, gen, weights, log, r: in
         group = groups[keys[int(torch.multinomial(sizes, 1, generator=gen))]]
         pick = torch.randint(0, len(group), (st.batch,), generator=gen).tolist()
         batch = collate([group[i] for i in pick], C, V, bundle.pad_id, st.noise_share, gen).to(weights.device)
-        teacher = peft_model.disable_adapter if st.target == "logits" else None
-        loss, ce, cal = adapt_loss(model, batch, C, st.tau, st.calibration_weight, weights, teacher)
+        teacher = peft_model.disable_adapter if st.target in ("logits", "mixed") else None
+        floor = st.answer_floor if st.target == "mixed" else None
+        loss, ce, cal = adapt_loss(model, batch, C, st.tau, st.calibration_weight, weights, teacher, floor)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -195,13 +201,22 @@ def _train(peft_model, opt, params, buffer, bundle, st, gen, weights, log, r: in
 
 
 def adapt_loss(
-    model, batch: Batch, canvas: int, tau: float, cal_weight: float, token_weight=None, teacher=None
+    model,
+    batch: Batch,
+    canvas: int,
+    tau: float,
+    cal_weight: float,
+    token_weight=None,
+    teacher=None,
+    answer_floor: float | None = None,
 ):
     """(loss, its distillation part, its calibration part) on one batch (module docstring). `model`:
     the HF model with the LoRA layers in it (peft's `base_model.model`). `teacher`: a context under
     which `model` runs without the adapter (peft's `disable_adapter`); given, the front canvas's open
     positions learn the teacher's distribution there (KL, zero where the student already matches) and
-    "wrong" means off the teacher's argmax; the other positions keep the teacher's tokens."""
+    "wrong" means off the teacher's argmax; the other positions keep the teacher's tokens. With
+    `answer_floor` too, a front position whose answer token has at least that teacher probability keeps
+    the answer's token instead (`AdaptSettings.target` "mixed")."""
     with torch.no_grad():  # the encoder has no LoRA: its cache needs no gradient
         cache = encode_context(model, batch.ctx, batch.ctx_mask)
     kw = _decoder_kwargs(model, batch.ctx_mask, batch.tokens, cache, batch.k, canvas)
@@ -214,11 +229,13 @@ def adapt_loss(
     logp = torch.log_softmax(logits, -1)  # one pass over the vocabulary for every term below
     per = -logp.gather(-1, target[..., None])[..., 0]  # cross-entropy to the teacher's tokens
     if teacher is not None:
-        front = torch.zeros_like(train)
-        front[:, :canvas] = True
+        distil = torch.zeros_like(train)  # the front canvas's positions that learn the distribution
+        distil[:, :canvas] = True
+        if answer_floor is not None:  # except where the teacher finds the answer's token plausible
+            distil &= t_logp.gather(-1, target[..., None])[..., 0] < math.log(answer_floor)
         kl = (t_logp.exp() * (t_logp - logp)).sum(-1)
-        per = torch.where(front, kl, per)
-        target = torch.where(front, t_logp.argmax(-1), target)
+        per = torch.where(distil, kl, per)
+        target = torch.where(distil, t_logp.argmax(-1), target)
     w = train.float()
     if token_weight is not None:
         w = w * token_weight[target]

@@ -52,7 +52,9 @@ def test_sigkill_of_worker_main_process_reruns_its_chunk_elsewhere_within_two_mi
     with scenario(db="postgresql", chunk_size=4, decode_batch_size=2, **DEFAULT_LIMITS) as sc:
         ids = sc.write_input(8)  # two chunks: one for each worker
         work = sc.tmp / "work.log"
-        env = _default_env(sc, CANVASQ_TEST_WORK_LOG=str(work))
+        # 4 s before each 2-row batch: the window in which A's chunk has rows done and rows queued is
+        # the second batch's wait, wide enough for a poll starved by a loaded CI machine
+        env = _default_env(sc, CANVASQ_TEST_WORK_LOG=str(work), CANVASQ_TEST_DELAY_S="4")
         a, b = sc.worker(start=False), sc.worker(start=False)
         a.env = b.env = env
         a.start()

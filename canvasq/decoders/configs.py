@@ -87,6 +87,10 @@ class OfficialConfig:
     # the decoder step's cost in every layer, which ate the saved passes (BENCHMARKS.md "Service
     # throughput": a tie at 64 slots on an H200)
     fold_encode: bool = False
+    # With the fused sampler, top-k self-conditioning and a deferred LM head, the sampler's reads apply
+    # the final soft cap to the head's bf16 output (no fp32 [rows, V] copy written and read twice).
+    # False: the head writes capped fp32 logits first, as HF does
+    cap_on_read: bool = True
     # Structured output (decoders/constrained.py): a constrained canvas whose best valid path has not
     # changed for this many steps is pinned to it (its logits one-hot), so the stopping rule ends it
     # without waiting for a confidence the model may never reach on the schema's values. None: off

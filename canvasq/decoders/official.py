@@ -147,11 +147,10 @@ class OfficialDecoder(StepDecoder):
             group = max(1, self.rt.defer_head_bytes // (4 * R * self.V))
         else:
             group = B if self._one_group else max(1, _GROUP_BYTES // (4 * R * self.V))
+        uncapped = logits is None and self._one_group and self.config.cap_on_read
         parts = [
             self._sample(
-                seqs[g : g + group],
-                idx[g : g + group],
-                out.rows_logits(g * R, min(B, g + group) * R).view(-1, R, self.V),
+                seqs[g : g + group], idx[g : g + group], *self._rows(out, g, min(B, g + group), uncapped)
             )
             for g in range(0, B, group)
         ]
@@ -188,16 +187,28 @@ class OfficialDecoder(StepDecoder):
         sc, rows = (cv.sc, None) if cv.sc is not None or self._zero_sc is None else self._zero_sc
         return canvas_window(slot, cv.tokens, cv.start, sc, rows, enc)
 
-    def _sample(self, seqs: list[Seq], idx: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """The sampler on one group (slots `idx`): logits [B, C, V] fp32 -> [2, B] (positions accepted,
-        stopped); the slots' next inputs, self-conditioning, argmax and steps left written."""
+    def _rows(self, out, start: int, stop: int, uncapped: bool) -> tuple[torch.Tensor, float | None]:
+        """Windows start:stop's logits [b, C, V] and the soft cap the sampler still applies to them: the
+        head's output before the cap when `uncapped` and the forward deferred it, else capped fp32."""
+        R = self.C
+        raw = out.rows_uncapped(start * R, stop * R) if uncapped else None
+        if raw is not None:
+            return raw.view(-1, R, self.V), out.softcap
+        return out.rows_logits(start * R, stop * R).view(-1, R, self.V), None
+
+    def _sample(self, seqs: list[Seq], idx: torch.Tensor, logits: torch.Tensor, cap: float | None = None):
+        """The sampler on one group (slots `idx`): logits [B, C, V] (fp32; or the head's output before
+        the soft cap `cap`, fused draws only) -> [2, B] (positions accepted, stopped); the slots' next
+        inputs, self-conditioning, argmax and steps left written."""
         smp, st = self.sampler, self.slots
         left = st.left[idx]
         temp, top = temperatures(left, smp), None
         if self.fused:  # the kernel scales as it reads
             keys = philox_keys(st.seed[idx], st.canvas[idx], left.long())
             inv = None if temp is None else 1.0 / temp
-            argmax, entropy, pick, top = draw_fused(logits, keys, inv, self.config.sc_topk, self.rt.dtype)
+            argmax, entropy, pick, top = draw_fused(
+                logits, keys, inv, self.config.sc_topk, self.rt.dtype, cap
+            )
         else:
             if temp is not None:
                 logits = logits.div_(temp[:, None, None])  # the forward's own copy: in place

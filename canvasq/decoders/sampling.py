@@ -163,12 +163,14 @@ def draw_fused(
     inv_temp: torch.Tensor | None,
     sc_topk: int | None,
     sc_dtype: torch.dtype,
+    cap: float | None = None,
 ):
     """The same statistics and draws for the whole group in one read of the logits [B, C, V] (no
     per-request softmax, multinomial or temperature pass) with a Philox key per request (`seeds` [B],
     `philox_key`: its draws do not depend on the batch), and the top-k self-conditioning in one more
     read (no sort of the vocabulary). Returns argmax, entropy, pick and the top-k SC (ids, values) or
-    None (full-vocabulary SC: the logits are scaled in place for it)."""
+    None (full-vocabulary SC: the logits are scaled in place for it). `cap`: `logits` is the LM head's
+    output before the final soft cap, which the reads apply (top-k SC only)."""
     from canvasq.kernels import softmax_sample
 
     B, C, V = logits.shape
@@ -176,7 +178,8 @@ def draw_fused(
     if inv_temp is None:
         inv_temp = torch.ones(B, dtype=torch.float32, device=logits.device)
     top_k = sc_topk if sc_topk is not None and sc_topk < V else 0
-    out = softmax_sample(logits.reshape(-1, V), inv_temp, seeds, C, top_k=top_k)
+    assert not cap or top_k, "full-vocabulary self-conditioning reads capped logits"
+    out = softmax_sample(logits.reshape(-1, V), inv_temp, seeds, C, top_k=top_k, cap=cap)
     draw, noise = out.draw.view(B, C), out.noise.view(B, C)
     top = None
     if top_k:

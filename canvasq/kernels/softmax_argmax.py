@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import auto_triton
-from .softmax_topk import top_k_scaled
+from ._dispatch import auto_triton, interpreted
+from .softmax_topk import cap_args, softcap_on_read, top_k_scaled
 
 
 class SampleStats(NamedTuple):
@@ -87,12 +87,16 @@ def _softmax_stats_partial_kernel(
     V,
     stride_r,
     GROUP,
+    inv_cap,
+    cap,
     CHUNKS: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_V: tl.constexpr,
     SAMPLE: tl.constexpr,
     LANE_MAX: tl.constexpr,
     RAND4: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -116,6 +120,8 @@ def _softmax_stats_partial_kernel(
     for off in range(0, CHUNK, BLOCK_V):
         cols = start + off + lanes
         l = tl.load(logits_ptr + row * stride_r + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        if SOFTCAP:  # the LM head's final soft cap on read (`softcap.py`'s math): no capped copy
+            l = softcap_on_read(l, inv_cap, cap, INTERPRETED)
         l = l * inv_temp
         live = l > float("-inf")
         d = tl.where(live, l - m, 0.0)
@@ -231,6 +237,7 @@ def softmax_sample_launch(
     top_k: int = 0,
     block_v: int = 2048,
     rand4: bool | None = None,
+    cap: float | None = None,
 ) -> SampleStats:
     assert logits.shape[0] == inv_temp.numel() * group == seeds.numel() * group
     assert group * logits.shape[1] + group < 2**31, "Philox counters are 32-bit"
@@ -243,12 +250,22 @@ def softmax_sample_launch(
         block_v,
         lane_max=top_k > 0,
         rand4=RAND4 if rand4 is None else rand4,
+        cap=cap,
     )
-    top = top_k_scaled(logits, inv_temp, group, top_k, lane_max) if top_k > 0 else (None, None)
+    top = top_k_scaled(logits, inv_temp, group, top_k, lane_max, cap=cap) if top_k > 0 else (None, None)
     return SampleStats(conf, arg, ent, draw, noise, *top)
 
 
-def _launch(logits, inv_temp, seeds, group: int, block_v: int, lane_max: bool = False, rand4: bool = False):
+def _launch(
+    logits,
+    inv_temp,
+    seeds,
+    group: int,
+    block_v: int,
+    lane_max: bool = False,
+    rand4: bool = False,
+    cap: float | None = None,
+):
     """Both passes: per-(row, slice) partials, then their merge per row; the outputs and the lane maxima."""
     assert logits.dim() == 2 and logits.stride(-1) == 1
     assert logits.dtype in (torch.float32, torch.float16, torch.bfloat16)
@@ -271,12 +288,15 @@ def _launch(logits, inv_temp, seeds, group: int, block_v: int, lane_max: bool = 
         V,
         logits.stride(0),
         group,
+        *cap_args(cap),
         CHUNKS=chunks,
         CHUNK=chunk,
         BLOCK_V=block_v,
         SAMPLE=sample,
         LANE_MAX=lane_max,
         RAND4=sample and rand4 and block_v >= 4,
+        SOFTCAP=bool(cap),
+        INTERPRETED=interpreted(_softmax_stats_partial_kernel),
         num_warps=8 if block_v >= 2048 else 4,
     )
     _softmax_stats_final_kernel[(R,)](
@@ -338,11 +358,18 @@ def softmax_argmax(logits: torch.Tensor, temperature: float = 1.0, impl: str = "
 
 
 def softmax_sample_reference(
-    logits: torch.Tensor, inv_temp: torch.Tensor, seeds: torch.Tensor, group: int, top_k: int = 0
+    logits: torch.Tensor,
+    inv_temp: torch.Tensor,
+    seeds: torch.Tensor,
+    group: int,
+    top_k: int = 0,
+    cap: float | None = None,
 ) -> SampleStats:
     """Twin in distribution (not in draws: torch's generator is not Philox-by-counter): per group a CPU
     generator seeded with its seed draws Gumbel noise for the sample and a uniform renoise token."""
     V = logits.shape[1]
+    if cap:
+        logits = logits.float().div(cap).tanh_().mul_(cap)  # a copy: the caller's rows stay as they are
     lf = logits.float() * inv_temp.float().to(logits.device).repeat_interleave(group)[:, None]
     conf, arg, ent = softmax_argmax_reference(lf)
     draws, noises = [], []
@@ -363,18 +390,20 @@ def softmax_sample(
     top_k: int = 0,
     impl: str = "auto",
     rand4: bool | None = None,
+    cap: float | None = None,
 ) -> SampleStats:
     """logits [R, V]; rows in groups of `group` consecutive rows, group g at inverse temperature
     inv_temp[g] with Philox seed seeds[g] (int64) -> `SampleStats`: the statistics of
     softmax(logits * inv_temp) as `softmax_argmax`, one draw from it and one uniform renoise token per
     row, and with `top_k` the k largest scaled logits and their ids (self-conditioning). One read of
-    the logits, one more for the top k; see the module docstring."""
+    the logits, one more for the top k; see the module docstring. `cap`: `logits` is the LM head's
+    output before its final soft cap (bf16), which both reads apply (no capped fp32 copy is written)."""
     if impl == "auto":
         impl = "triton" if auto_triton(logits, _softmax_stats_partial_kernel) else "torch"
     if impl == "triton":
-        return softmax_sample_launch(logits, inv_temp, seeds, group, top_k, rand4=rand4)
+        return softmax_sample_launch(logits, inv_temp, seeds, group, top_k, rand4=rand4, cap=cap)
     if impl == "torch":
-        return softmax_sample_reference(logits, inv_temp, seeds, group, top_k)
+        return softmax_sample_reference(logits, inv_temp, seeds, group, top_k, cap)
     raise ValueError(f"unknown impl {impl!r}")
 
 
@@ -392,9 +421,9 @@ def compile_specs():
         "pgi_ptr": "*i32",
         "seed_ptr": "*i64",
     }
-    for sample in (False, True):
+    for sample, softcap in ((False, False), (True, False), (True, True)):
         yield CompileSpec(
-            "softmax_sample_partial" if sample else "softmax_partial",
+            ("softmax_sample_partial" if sample else "softmax_partial") + ("_softcap" if softcap else ""),
             _softmax_stats_partial_kernel,
             {
                 "CHUNKS": 2,
@@ -403,11 +432,21 @@ def compile_specs():
                 "SAMPLE": sample,
                 "LANE_MAX": sample,
                 "RAND4": sample,
+                "SOFTCAP": softcap,
+                "INTERPRETED": False,
             },
-            types={**partials, "inv_temp_ptr": "*fp32", "lane_max_ptr": "*fp32"},
+            types={
+                **partials,
+                "inv_temp_ptr": "*fp32",
+                "lane_max_ptr": "*fp32",
+                "inv_cap": "fp32",
+                "cap": "fp32",
+            },
             divisible=frozenset({"logits_ptr", "V", "stride_r"}),
             num_warps=8,
         )
+        if softcap:
+            continue  # the final pass reads no logits
         yield CompileSpec(
             "softmax_sample_final" if sample else "softmax_final",
             _softmax_stats_final_kernel,

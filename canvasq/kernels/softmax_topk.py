@@ -4,9 +4,20 @@ above it into TOP_K_CAP candidate slots per row, torch.topk over those slots onl
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
+
+from ._dispatch import interpreted
+from ._math import tanh
+
+
+@triton.jit
+def softcap_on_read(l, inv_cap, cap, INTERPRETED: tl.constexpr):
+    """`cap * tanh(l / cap)` on fp32 values just read (the LM head's final soft cap, as `softcap.py`
+    computes it); -inf (masked lanes) stays -inf."""
+    return tl.where(l > float("-inf"), tanh(l * inv_cap, INTERPRETED) * cap, l)
 
 
 @triton.jit
@@ -20,9 +31,13 @@ def _gather_above_kernel(
     V,
     stride_r,
     GROUP,
+    inv_cap,
+    cap,
     CAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCKS: tl.constexpr,  # cdiv(V, BLOCK_V): a constant trip count (the interpreter cannot loop to V)
+    SOFTCAP: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     # one program per row, in vocabulary order (deterministic): every scaled logit >= the row's
     # threshold goes to the row's first CAP candidate slots; the count is stored even past CAP
@@ -34,6 +49,8 @@ def _gather_above_kernel(
     for blk in range(BLOCKS):
         cols = blk * BLOCK_V + lanes
         l = tl.load(logits_ptr + row * stride_r + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        if SOFTCAP:
+            l = softcap_on_read(l, inv_cap, cap, INTERPRETED)
         l = l * inv_temp
         keep = (l >= t) & (cols < V)
         found = tl.sum(keep.to(tl.int32), axis=0)
@@ -49,18 +66,33 @@ def _gather_above_kernel(
 TOP_K_CAP = 512  # candidate slots per row; a row with more candidates falls back to torch.topk
 
 
-def top_k_scaled(logits, inv_temp, group: int, k: int, lane_max: torch.Tensor, block_v: int = 2048):
+def cap_args(cap: float | None) -> tuple[float, float]:
+    """(1 / cap, cap) as the kernels take them (the fp32 reciprocal torch's CUDA division uses), or
+    (0, 0) without a cap."""
+    return (float(np.float32(1.0) / np.float32(cap)), float(cap)) if cap else (0.0, 0.0)
+
+
+def top_k_scaled(
+    logits,
+    inv_temp,
+    group: int,
+    k: int,
+    lane_max: torch.Tensor,
+    block_v: int = 2048,
+    cap: float | None = None,
+):
     """The k largest scaled logits per row without sorting the vocabulary. Each lane's maximum is a
     logit of its own, so the k-th largest lane maximum t has at least k logits >= t above it: the
-    row's top k are among the logits >= t, which one more read gathers (few, past the peak)."""
+    row's top k are among the logits >= t, which one more read gathers (few, past the peak). `cap`:
+    the logits are the LM head's output before its final soft cap, applied as they are read."""
     R, V = logits.shape
     if lane_max.shape[1] < k:  # fewer lanes than k: every logit is a candidate
         thresh = torch.full((R,), float("-inf"), device=logits.device)
     else:
         thresh = torch.topk(lane_max, k, dim=-1).values[:, -1].contiguous()
-    cap = max(TOP_K_CAP, triton.next_power_of_2(k))
-    vals = torch.full((R, cap), float("-inf"), device=logits.device)
-    ids = torch.zeros(R, cap, dtype=torch.long, device=logits.device)
+    slots = max(TOP_K_CAP, triton.next_power_of_2(k))
+    vals = torch.full((R, slots), float("-inf"), device=logits.device)
+    ids = torch.zeros(R, slots, dtype=torch.long, device=logits.device)
     count = torch.empty(R, dtype=torch.int32, device=logits.device)
     if R:
         bv = min(block_v, triton.next_power_of_2(V))
@@ -74,36 +106,46 @@ def top_k_scaled(logits, inv_temp, group: int, k: int, lane_max: torch.Tensor, b
             V,
             logits.stride(0),
             group,
-            CAP=cap,
+            *cap_args(cap),
+            CAP=slots,
             BLOCK_V=bv,
             BLOCKS=triton.cdiv(V, bv),
+            SOFTCAP=bool(cap),
+            INTERPRETED=interpreted(_gather_above_kernel),
             num_warps=8,
         )
     top, pos = torch.topk(vals, k, dim=-1)
     top_ids = torch.gather(ids, 1, pos)
-    over = (count > cap).nonzero().flatten()  # a host sync; empty unless logits tie at the top
+    over = (count > slots).nonzero().flatten()  # a host sync; empty unless logits tie at the top
     if over.numel():
         scale = inv_temp.repeat_interleave(group)[over, None]
-        v2, i2 = torch.topk(logits[over].float() * scale, k, dim=-1)
+        rows = logits[over].float()
+        if cap:
+            rows = rows.div_(cap).tanh_().mul_(cap)
+        v2, i2 = torch.topk(rows * scale, k, dim=-1)
         top[over], top_ids[over] = v2, i2
     return top, top_ids
 
 
 def compile_specs():
-    """The gather over bf16 logits at the real vocabulary (benchmarks/kernels/compile_check.py)."""
+    """The gather over bf16 logits at the real vocabulary, capped as read and not
+    (benchmarks/kernels/compile_check.py)."""
     from .compile_spec import CompileSpec
 
-    yield CompileSpec(
-        "softmax_gather_above",
-        _gather_above_kernel,
-        {"CAP": TOP_K_CAP, "BLOCK_V": 2048, "BLOCKS": 128},
-        types={
-            "inv_temp_ptr": "*fp32",
-            "thresh_ptr": "*fp32",
-            "count_ptr": "*i32",
-            "vals_ptr": "*fp32",
-            "ids_ptr": "*i64",
-        },
-        divisible=frozenset({"logits_ptr", "V", "stride_r"}),
-        num_warps=8,
-    )
+    for softcap in (False, True):
+        yield CompileSpec(
+            "softmax_gather_above" + ("_softcap" if softcap else ""),
+            _gather_above_kernel,
+            {"CAP": TOP_K_CAP, "BLOCK_V": 2048, "BLOCKS": 128, "SOFTCAP": softcap, "INTERPRETED": False},
+            types={
+                "inv_cap": "fp32",
+                "cap": "fp32",
+                "inv_temp_ptr": "*fp32",
+                "thresh_ptr": "*fp32",
+                "count_ptr": "*i32",
+                "vals_ptr": "*fp32",
+                "ids_ptr": "*i64",
+            },
+            divisible=frozenset({"logits_ptr", "V", "stride_r"}),
+            num_warps=8,
+        )

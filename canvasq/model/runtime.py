@@ -335,9 +335,9 @@ class Runtime:
         captured = prep.split_captured(cap_k, cap_v)
         if prep.defer_head:  # `out` is the final-normed hidden state: logits as the decoder reads them
             fp8 = self.lm_head_fp8 is not None and rows >= self.fp8_min_rows  # by the whole forward
-            return DecodeOutput(
-                None, offsets, captured, hidden=out, head=functools.partial(self.head_logits, fp8=fp8)
-            )
+            head, uncapped = (functools.partial(f, fp8=fp8) for f in (self.head_logits, self.head_uncapped))
+            kw = {"hidden": out, "softcap": self.softcap}
+            return DecodeOutput(None, offsets, captured, head=head, uncapped=uncapped, **kw)
         return DecodeOutput(out, offsets, captured)
 
     def _prepare(
@@ -383,10 +383,16 @@ class Runtime:
     def head_logits(self, h: torch.Tensor, fp8: bool, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final-normed hidden rows [n, H] -> fp32 softcapped logits [n, V], like HF (the FP8 head's
         bf16 output, or the model-dtype one's, softcapped into fp32)."""
+        head = self.head_uncapped(h, fp8)
+        with self.scope("lm_head"):
+            return self._softcap(head, self.softcap, out=out)
+
+    def head_uncapped(self, h: torch.Tensor, fp8: bool) -> torch.Tensor:
+        """Final-normed hidden rows [n, H] -> the head's output before the soft cap [n, V] (the model
+        dtype, or the FP8 head's bf16)."""
         with self.scope("lm_head"):
             fp8_head = self.lm_head_fp8 if fp8 else None
-            head = F.linear(h, self.lm_head) if fp8_head is None else fp8_linear(h, fp8_head)
-            return self._softcap(head, self.softcap, out=out)
+            return F.linear(h, self.lm_head) if fp8_head is None else fp8_linear(h, fp8_head)
 
     def _layer(self, i, lw: LayerWeights, h, cos, sin, prep: Prepared, cap_k, cap_v, kv_only: bool):
         eps = self.eps

@@ -99,6 +99,10 @@ class DecodeOutput:
     captured: list[Captured | None] = field(default_factory=list)
     hidden: torch.Tensor | None = None  # [N, H], final-normed: set when the head is deferred
     head: Callable[[torch.Tensor], torch.Tensor] | None = None  # hidden rows -> their logits
+    # hidden rows -> the head's output before the final soft cap `softcap` (for a reader that caps as
+    # it reads, `rows_uncapped`)
+    uncapped: Callable[[torch.Tensor], torch.Tensor] | None = None
+    softcap: float | None = None
 
     @property
     def deferred(self) -> bool:
@@ -118,6 +122,14 @@ class DecodeOutput:
             return self._logits[start:stop]
         assert self.hidden is not None and self.head is not None
         return self.head(self.hidden[start:stop])
+
+    def rows_uncapped(self, start: int, stop: int) -> torch.Tensor | None:
+        """The LM head's output of rows start:stop before its final soft cap (`softcap`), when the head
+        is deferred and the model caps its logits; else None (read `rows_logits`)."""
+        if self._logits is not None or self.uncapped is None or not self.softcap:
+            return None
+        assert self.hidden is not None
+        return self.uncapped(self.hidden[start:stop])
 
     def window_logits(self, i: int) -> torch.Tensor:
         return self.logits[self.offsets[i] : self.offsets[i + 1]]

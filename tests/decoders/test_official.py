@@ -376,3 +376,41 @@ def test_deferred_lm_head_reads_logits_by_row_group_with_the_same_tokens(testbed
         else:
             assert max(heads) == 3 * C
     assert arms[True] == arms[False]
+
+
+def test_cap_on_read_gives_the_capped_heads_tokens(testbed, monkeypatch):
+    """With the fused sampler, top-k self-conditioning and a deferred head, the sampler reads the head's
+    output before the soft cap and caps as it reads (`cap_on_read`, `DecodeOutput.rows_uncapped`): the
+    tokens equal those of the capped fp32 logits (on the CPU both caps are torch's ops), and only that
+    arm reads uncapped rows."""
+    from canvasq.decoders.registry import make_decoder
+    from canvasq.model.windows import DecodeOutput
+
+    reads = []
+    rows_uncapped = DecodeOutput.rows_uncapped
+
+    def spy(self, start, stop):
+        raw = rows_uncapped(self, start, stop)
+        reads.append(raw is not None)
+        return raw
+
+    monkeypatch.setattr(DecodeOutput, "rows_uncapped", spy)
+    reqs = [
+        DecodeRequest(f"u{i}", testbed.encode_prompt(p.prompt, p.task), 96, p.task)
+        for i, p in enumerate(_problems(4, 2, seed=9))
+    ]
+    arms = {}
+    for on_read in (False, True):
+        dec = make_decoder("official", testbed, {"sampler": "fused", "cap_on_read": on_read})
+        assert dec._one_group  # top-k SC on the testbed's vocabulary
+        saved, dec.rt.defer_head_bytes = dec.rt.defer_head_bytes, 1  # every decoder forward defers
+        reads.clear()
+        try:
+            tokens = [r.token_ids for r in _drain(dec, reqs, slots=3, seed=6)]
+            arms[on_read] = (tokens, sum(reads), dec.slots.sc[1].clone())  # the last steps' top-k SC
+        finally:
+            dec.rt.defer_head_bytes = saved
+    (capped, n_capped, sc_capped), (read, n_read, sc_read) = arms[False], arms[True]
+    assert read == capped and all(read)
+    assert n_read > 0 and n_capped == 0
+    assert torch.equal(sc_read, sc_capped) and bool(sc_read.abs().max() > 0)  # capped values, as fed on

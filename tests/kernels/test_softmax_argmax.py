@@ -98,3 +98,30 @@ def test_sample_top_k_matches_torch_topk():
     assert torch.equal(out.top_vals, ref_v)
     assert torch.equal(out.top_ids[:4], ref_i[:4]) and torch.equal(out.top_ids[5], ref_i[5])
     assert len(set(out.top_ids[4].tolist())) == 64  # a tie: any 64 distinct ids
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_soft_cap_applied_on_read_matches_capped_logits(dtype):
+    """`cap`: the sampler reads the LM head's output before its final soft cap and caps as it reads;
+    statistics, draws and top k equal those over the capped logits (`softcap.py`'s math, torch's tanh
+    on the capped side: the interpreter's tanh is a few ulps off, hence the tolerances), and a flat
+    row's fallback caps too."""
+    raw = (_logits(6, 5000, torch.float32, seed=5) * 3).to(dtype)  # many logits past the cap's knee
+    raw[4] = 3.0  # every logit ties: the top k's fallback
+    capped = (raw.float() / 30.0).tanh() * 30.0
+    inv, seeds = torch.tensor([1.25, 0.5, 2.0]).to(DEVICE), torch.tensor([1, 2, 3]).to(DEVICE)
+    on_read = softmax_sample(raw, inv, seeds, 2, top_k=64, impl="triton", cap=30.0)
+    ref = softmax_sample(capped, inv, seeds, 2, top_k=64, impl="triton")
+    assert not torch.allclose(raw.float(), capped)  # the cap matters on these rows
+    for got, want in ((on_read.conf, ref.conf), (on_read.entropy, ref.entropy)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert torch.equal(on_read.argmax, ref.argmax) and torch.equal(on_read.draw, ref.draw)
+    assert torch.equal(on_read.noise, ref.noise)
+    torch.testing.assert_close(on_read.top_vals, ref.top_vals, rtol=1e-5, atol=1e-5)
+    assert torch.equal(on_read.top_ids[:4], ref.top_ids[:4]) and torch.equal(
+        on_read.top_ids[5], ref.top_ids[5]
+    )
+    torch.testing.assert_close(on_read.top_vals[4], ref.top_vals[4])  # the tie: any ids, capped values
+    twin = softmax_sample(raw, inv, seeds, 2, top_k=64, impl="torch", cap=30.0)
+    torch.testing.assert_close(twin.top_vals, ref.top_vals, rtol=1e-5, atol=1e-5)
+    assert torch.equal(twin.argmax, ref.argmax)

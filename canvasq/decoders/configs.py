@@ -89,8 +89,9 @@ class OfficialConfig:
     fold_encode: bool = False
     # With the fused sampler, top-k self-conditioning and a deferred LM head, the sampler's reads apply
     # the final soft cap to the head's bf16 output (no fp32 [rows, V] copy written and read twice).
-    # False: the head writes capped fp32 logits first, as HF does
-    cap_on_read: bool = True
+    # Off by default until an H200 A/B shows it pays (the reads gain a tanh each in a compute-bound
+    # pass). False: the head writes capped fp32 logits first, as HF does
+    cap_on_read: bool = False
     # Structured output (decoders/constrained.py): a constrained canvas whose best valid path has not
     # changed for this many steps is pinned to it (its logits one-hot), so the stopping rule ends it
     # without waiting for a confidence the model may never reach on the schema's values. None: off

@@ -15,25 +15,18 @@ Per request, one canvas at a time, exactly as `generate()` does it:
         SC     = logits (the next step's self-conditioning)
     the canvas's tokens are the last argmax a; EOS (or PAD) in it ends the answer
 
-What differs from `generate()` is only batching: a request that stops denoising leaves the forward
-(HF keeps computing it and discards the result), requests advance through their canvases
-independently, and each draws from its own generator (`seed_mode="row"`: output does not depend on
-which requests share the batch). With `seed_mode="plain"` and `sc_topk=None`, a batch of one draws
-exactly what `torch.manual_seed(seed); model.generate(...)` draws, so the tokens are the same (the
-parity test). `sc_topk=k` self-conditions on the top-k of the previous logits instead of the full
-vocabulary (runtime's top-k projection).
+Only batching differs from `generate()`: a request that stops leaves the forward (HF computes and
+discards it), requests advance through their canvases independently, and each draws from its own
+generator (`seed_mode="row"`: output independent of the batch). With `seed_mode="plain"` and
+`sc_topk=None` a batch of one draws what `torch.manual_seed(seed); model.generate(...)` draws (the
+parity test). `sc_topk=k` self-conditions on the previous logits' top k (runtime's projection).
 
-The strategy over the shared loop (`base.StepDecoder`: encoder rows folded in front of a window, a
-stopped canvas's retirement, the answer-end rule, the commit's encoder pass): it spawns canvases,
-gives each window its inputs, commits from the logits (`sampling`'s pieces) and decides when a
-canvas stops. Its per-request state is tensors indexed by arena slot (`sampling.SlotState`),
-gathered and scattered with the live rows' slot index. The sampler runs over the live requests in
-groups whose [rows, V] fp32 temporaries stay under `_GROUP_BYTES` (the fused sampler with top-k
-self-conditioning has none: one group); with the torch sampler the generator draws (multinomial,
-renoise) are per request, with the fused one (`sampler`, the default on CUDA) one launch for the
-group. One host sync per step reads which requests stopped and how many positions each accepted
-(and, when canvases end, their tokens); the fused top-k self-conditioning adds one that looks for
-rows past its candidate slots.
+The strategy over the shared loop (`base.StepDecoder`): it spawns canvases, gives each window its
+inputs, commits from the logits (`sampling`'s pieces) and decides when a canvas stops. Per-request
+state is tensors indexed by arena slot (`sampling.SlotState`). The sampler runs over the live requests
+in groups whose [rows, V] fp32 temporaries stay under `_GROUP_BYTES` (one group for the fused sampler
+with top-k self-conditioning, the default on CUDA); one host sync per step reads which requests
+stopped and how many positions each accepted.
 """
 
 from __future__ import annotations
@@ -51,8 +44,8 @@ from canvasq.decoders.sampling import (
     entropy_bound_keep,
     philox_keys,
     self_conditioning,
-    stable_and_confident,
     temperatures,
+    zero_top_k_sc,
 )
 from canvasq.decoders.state import Canvas, Seq, row_generator
 from canvasq.decoders.windows import canvas_window
@@ -68,21 +61,14 @@ class OfficialDecoder(StepDecoder):
         super().__init__(bundle, config)
         self.sampler = SamplerSettings.resolve(self.model, self.config)
         self.V = self.rt.vocab_size
-        sampler = self.config.sampler
-        if sampler == "auto":
-            sampler = "fused" if self.device.type == "cuda" and self.config.seed_mode == "row" else "torch"
-        self.fused = sampler == "fused"
+        auto = self.device.type == "cuda" and self.config.seed_mode == "row"  # "auto": fused where it can
+        self.fused = self.config.sampler == "fused" or (self.config.sampler == "auto" and auto)
         k = self.config.sc_topk
         self._k = k if k is not None and k < self.V else None
         # the fused draws with top-k SC hold no [rows, V] temporaries: the whole step is one group
         # (one launch, one set of host syncs; eight groups cost ~50 ms of a 64-slot step on an H200)
         self._one_group = self.fused and self._k is not None
-        # a canvas's first step under top-k SC: a zero top-k signal with every row off (read-only)
-        self._zero_sc = None
-        if self._k is not None:
-            ids = torch.zeros(self.C, self._k, dtype=torch.long, device=self.device)
-            off = torch.zeros(self.C, dtype=torch.bool, device=self.device)
-            self._zero_sc = ((ids, ids.to(self.rt.dtype)), off)
+        self._zero_sc = zero_top_k_sc(self.C, self._k, self.rt.dtype, self.device)
         self._slots: SlotState | None = None
         self._spawned: list[tuple[Seq, Canvas]] = []  # canvases whose slot state is reset next step
         # the rows with a response_format (decoders/constrained.py)
@@ -93,13 +79,9 @@ class OfficialDecoder(StepDecoder):
     # -- hooks of the base loop -------------------------------------------------------------------
     def generator(self, seed: int, custom_id: str) -> torch.Generator:
         """On the model's device: the multinomial draws need a generator where the probabilities are."""
-        if self.config.seed_mode == "plain":
-            state = int(seed)
-        else:
-            state = row_generator(seed, custom_id).initial_seed()
-        g = torch.Generator(device=self.device)
-        g.manual_seed(state)
-        return g
+        plain = self.config.seed_mode == "plain"
+        state = int(seed) if plain else row_generator(seed, custom_id).initial_seed()
+        return torch.Generator(device=self.device).manual_seed(state)
 
     def step_budget(self, seqs: list[Seq]) -> int:
         """Each canvas ends after at most N steps and one encoder pass."""
@@ -143,17 +125,13 @@ class OfficialDecoder(StepDecoder):
         if not out.deferred or self.constraints.rows:
             logits = out.logits.view(B, R, self.V)
             self.constraints.mask(seqs, logits)  # in place: the row groups below read the masked rows
-        if logits is None:
-            group = max(1, self.rt.defer_head_bytes // (4 * R * self.V))
-        else:
-            group = B if self._one_group else max(1, _GROUP_BYTES // (4 * R * self.V))
+        budget = self.rt.defer_head_bytes if logits is None else _GROUP_BYTES
+        group = B if logits is not None and self._one_group else max(1, budget // (4 * R * self.V))
         uncapped = logits is None and self._one_group and self.config.cap_on_read
-        parts = [
-            self._sample(
-                seqs[g : g + group], idx[g : g + group], *self._rows(out, g, min(B, g + group), uncapped)
-            )
-            for g in range(0, B, group)
-        ]
+        parts = []
+        for g in range(0, B, group):
+            rows_g = self._rows(out, g, min(B, g + group), uncapped)
+            parts.append(self._sample(seqs[g : g + group], idx[g : g + group], *rows_g))
         # the step's one host sync: how many positions each request accepted, which ones stopped
         counts, done = torch.cat(parts, dim=1).tolist()
         for s, cv in fresh:  # their first step has written the slot's self-conditioning
@@ -190,25 +168,22 @@ class OfficialDecoder(StepDecoder):
     def _rows(self, out, start: int, stop: int, uncapped: bool) -> tuple[torch.Tensor, float | None]:
         """Windows start:stop's logits [b, C, V] and the soft cap the sampler still applies to them: the
         head's output before the cap when `uncapped` and the forward deferred it, else capped fp32."""
-        R = self.C
-        raw = out.rows_uncapped(start * R, stop * R) if uncapped else None
-        if raw is not None:
-            return raw.view(-1, R, self.V), out.softcap
-        return out.rows_logits(start * R, stop * R).view(-1, R, self.V), None
+        a, b = start * self.C, stop * self.C
+        raw = out.rows_uncapped(a, b) if uncapped else None
+        cap = out.softcap if raw is not None else None
+        return (out.rows_logits(a, b) if raw is None else raw).view(-1, self.C, self.V), cap
 
     def _sample(self, seqs: list[Seq], idx: torch.Tensor, logits: torch.Tensor, cap: float | None = None):
-        """The sampler on one group (slots `idx`): logits [B, C, V] (fp32; or the head's output before
-        the soft cap `cap`, fused draws only) -> [2, B] (positions accepted, stopped); the slots' next
-        inputs, self-conditioning, argmax and steps left written."""
+        """The sampler on one group (slots `idx`): logits [B, C, V] (fp32, or before the soft cap `cap`:
+        fused only) -> [2, B] (accepted, stopped); the slots' inputs, SC, argmax, steps left written."""
         smp, st = self.sampler, self.slots
         left = st.left[idx]
         temp, top = temperatures(left, smp), None
         if self.fused:  # the kernel scales as it reads
             keys = philox_keys(st.seed[idx], st.canvas[idx], left.long())
             inv = None if temp is None else 1.0 / temp
-            argmax, entropy, pick, top = draw_fused(
-                logits, keys, inv, self.config.sc_topk, self.rt.dtype, cap
-            )
+            sc_k, dtype = self.config.sc_topk, self.rt.dtype
+            argmax, entropy, pick, top = draw_fused(logits, keys, inv, sc_k, dtype, cap)
         else:
             if temp is not None:
                 logits = logits.div_(temp[:, None, None])  # the forward's own copy: in place
@@ -221,14 +196,5 @@ class OfficialDecoder(StepDecoder):
         return torch.stack([keep.sum(dim=-1), stopped.long()])
 
     def _stopped(self, seqs: list[Seq], idx: torch.Tensor, argmax: torch.Tensor, entropy: torch.Tensor):
-        """Which canvases end this step [B]: HF's StableAndConfidentStoppingCriteria
-        (`stable_and_confident`, on the slots' argmax history) or the step cap."""
-        smp, st = self.sampler, self.slots
-        capped = st.left[idx] <= 1
-        if smp.stability_threshold is None:
-            return capped
-        assert smp.confidence_threshold is not None  # set with stability_threshold (`resolve`)
-        stopped, st.history[idx] = stable_and_confident(
-            st.history[idx], argmax, entropy, smp.confidence_threshold
-        )
-        return stopped | capped
+        """Which canvases end this step (`SlotState.stopped`; benchmarks/replay.py overrides it)."""
+        return self.slots.stopped(idx, argmax, entropy, self.sampler)

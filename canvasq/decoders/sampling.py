@@ -126,9 +126,31 @@ class SlotState:
         else:
             self.sc[idx] = sc
 
+    def stopped(self, idx: torch.Tensor, argmax: torch.Tensor, entropy: torch.Tensor, smp: SamplerSettings):
+        """Which canvases of slots `idx` end this step [B]: HF's StableAndConfidentStoppingCriteria
+        (`stable_and_confident`, on the slots' argmax history, which it advances) or the step cap."""
+        capped = self.left[idx] <= 1
+        if smp.stability_threshold is None:
+            return capped
+        assert smp.confidence_threshold is not None  # set with stability_threshold (`resolve`)
+        stopped, self.history[idx] = stable_and_confident(
+            self.history[idx], argmax, entropy, smp.confidence_threshold
+        )
+        return stopped | capped
+
     def sc_at(self, slot: int):
         """The slot's self-conditioning for its next window (views, written by each step)."""
         return (self.sc[0][slot], self.sc[1][slot]) if isinstance(self.sc, tuple) else self.sc[slot]
+
+
+def zero_top_k_sc(C: int, k: int | None, dtype: torch.dtype, device) -> tuple | None:
+    """A canvas's first-step self-conditioning under top-k SC: a zero top-k signal (ids, values) with
+    every row off (`self_cond_rows`), exactly HF's "no logits"; read-only, shared by every window.
+    None without top-k SC (`k` None)."""
+    if k is None:
+        return None
+    ids = torch.zeros(C, k, dtype=torch.long, device=device)
+    return (ids, ids.to(dtype)), torch.zeros(C, dtype=torch.bool, device=device)
 
 
 def draw_torch(logits: torch.Tensor, gens: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor, Pick]:

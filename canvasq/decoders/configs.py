@@ -13,7 +13,7 @@ from typing import Any
 EXPERTS = ("bf16", "w4")
 RENOISE = ("argmax", "mix")
 PROMOTE = ("arena", "simple")
-FRONT = ("commit", "revise")
+FRONT = ("commit", "revise", "native")
 GRAPHS = ("auto", "on", "off")
 
 # Row counts below (early_spawn_rows, commit_window) are the seeds' values for DiffusionGemma's
@@ -148,7 +148,9 @@ class PipeConfig:
     # forced accept on a stalled front); "revise" (the native sampler's way: every position of the front
     # is re-decided each step and the canvas is accepted whole once every position clears τ_conf with
     # its argmax unchanged from the step before, or after `front_wait` steps as the front; the canvases
-    # behind stay drafts, so pipelining only warms the next canvas). decoders/front.py
+    # behind stay drafts, so pipelining only warms the next canvas); "native" (the front canvas runs
+    # official's own sampler: draws, renoise, HF's stopping rule; the drafts behind warm the next
+    # front's start). decoders/front.py
     front: str = "commit"
     front_wait: int = 16  # "revise": steps as the front after which its argmax is accepted as it is
     self_conditioning: bool = True
@@ -198,8 +200,10 @@ class PipeConfig:
             raise ValueError(f"front_wait must be ≥ 1, got {self.front_wait}")
         if self.adapter_path is not None and not (isinstance(self.adapter_path, str) and self.adapter_path):
             raise ValueError(f"adapter_path must be a directory name or None, got {self.adapter_path!r}")
-        if self.front == "revise" and not self.draft_only:
-            raise ValueError("front='revise' needs draft_only=True: a canvas behind the front never commits")
+        if self.front != "commit" and not self.draft_only:
+            raise ValueError(
+                f"front={self.front!r} needs draft_only=True: a canvas behind the front never commits"
+            )
 
     @property
     def spawn_threshold(self) -> float:

@@ -164,7 +164,8 @@ class PipeDecoder(StepDecoder):
             s.stats["jacobi_restarts"] += 1
         still = open_ & ~newly
         mix = cfg.mix_fraction if cfg.renoise == "mix" else None
-        canvases.renoise(cv, idx[still], co.arg[still], s.gen, self.rt.vocab_size, mix, restart)
+        if not (front and cfg.front == "native"):  # a native front drew its own next input
+            canvases.renoise(cv, idx[still], co.arg[still], s.gen, self.rt.vocab_size, mix, restart)
         return newly
 
     def _commits(self, s: Seq, co: CanvasOut, open_: torch.Tensor) -> torch.Tensor:

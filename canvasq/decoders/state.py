@@ -93,6 +93,7 @@ class Canvas:
     front_steps: int = 0
     settled: float = 0.0
     sure: torch.Tensor | None = None
+    history: torch.Tensor | None = None  # `front="native"`: the stopping rule's last S argmax [1, S, C]
 
     @property
     def length(self) -> int:

@@ -6,6 +6,7 @@ import hashlib
 import json
 
 import pytest
+import torch
 from helpers import TESTBED_DIR, trained_testbed
 
 from canvasq.decoders import DecodeBatch, DecodeRequest, run_batch
@@ -76,6 +77,7 @@ def _record(monkeypatch):
                 "input": before[0],
                 "was": before[1],
                 "conf": co.conf.clone(),
+                "logits": co.logits.clone(),
                 "arg": co.arg.clone(),
                 "now": cv.committed.clone(),
                 "front_steps": cv.front_steps,
@@ -161,6 +163,48 @@ def test_unconfident_front_waits_to_the_bound(bundle, name):
         bundle, _batch(bundle, "arith", n=1, max_tokens=32), decoder=name, overrides={"tau_conf": 1.0}
     )
     assert old[0].stats.get("forced_accepts", 0) > 0
+
+
+@pytest.mark.parametrize("name", ["pipe", "funnel"])
+def test_native_front_stops_by_the_native_rule(bundle, name, monkeypatch):
+    """`front="native"`: the front canvas runs official's sampler. It commits whole, on a step whose
+    argmax equals the previous front step's (HF's stability test, S = 1 on the testbed) or at the
+    N-step cap; until then its next input is the sampler's draw and noise, not its argmax (a revising
+    front rides as its argmax); the same seed decodes the same tokens."""
+    from canvasq.decoders.configs import OfficialConfig
+    from canvasq.decoders.sampling import SamplerSettings
+
+    smp = SamplerSettings.resolve(bundle.hf_model, OfficialConfig())
+    N = smp.steps
+    steps = _record(monkeypatch)
+    native = {"front": "native"}
+    res = run_batch(bundle, _batch(bundle, "arith"), decoder=name, overrides=native)
+    assert all(r.error is None for r in res)
+    last: dict = {}  # (row, canvas) -> its previous front step
+    accepted, renoised = 0, 0
+    for st in steps:
+        if not st["front"]:
+            assert not bool((st["now"] & ~st["was"]).any())
+            continue
+        key, prev = (st["row"], st["canvas"]), last.get((st["row"], st["canvas"]))
+        newly = st["now"] & ~st["was"]
+        if bool(newly.any()):
+            assert bool(newly.all())
+            cap = st["front_steps"] >= N
+            temp = smp.t_min + (smp.t_max - smp.t_min) * (N - st["front_steps"] + 1) / N
+            entropy = torch.distributions.Categorical(logits=st["logits"] / temp).entropy().mean()
+            sure = bool(entropy < smp.confidence_threshold)
+            assert cap or (sure and prev is not None and bool((prev["arg"] == st["arg"]).all()))
+            accepted += 1
+        elif prev is not None:
+            renoised += int(bool((st["input"] != prev["arg"]).any()))
+        last[key] = st
+    assert (
+        accepted == sum(r.stats.get("front_accepts", 0) + r.stats.get("front_timeouts", 0) for r in res) > 0
+    )
+    assert renoised > 0
+    again = run_batch(bundle, _batch(bundle, "arith"), decoder=name, overrides=native)
+    assert [r.token_ids for r in again] == [r.token_ids for r in res]
 
 
 def test_front_options_are_checked():

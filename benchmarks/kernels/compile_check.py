@@ -50,6 +50,7 @@ MODULES = (
     "attention",
     "gelu_mul",
     "softmax_argmax",
+    "softmax_invcdf",
     "softmax_topk",
     "router",
 )

@@ -3,7 +3,8 @@
 - torch path (per request, the request's generator): temperature divide in place, fused statistics,
   then softmax + multinomial + renoise draw per request;
 - fused path: one `softmax_sample` launch (statistics + Gumbel-max draw + renoise for every request),
-  its uniforms from one Philox call per 4 columns (the default) or per column;
+  its uniforms from one Philox call per 4 columns (the default) or per column; or the draw by inverse
+  CDF (`draw="invcdf"`: no uniforms per logit, one lane's logits read again per row);
 - the self-conditioning top-k (k = 64) over the vocabulary: torch.topk on the whole row, a two-stage
   top-k (per vocabulary slice, then over the slices' candidates), and softmax_sample's own (lane
   maxima, then one gathering read).
@@ -48,6 +49,10 @@ def _arms(logits: torch.Tensor, temps, gens, inv, seeds) -> dict:
         "fused softmax_sample": lambda: softmax_sample(flat, inv, seeds, Cv),
         "fused softmax_sample, Philox per column": lambda: softmax_sample(flat, inv, seeds, Cv, rand4=False),
         "fused softmax_sample + top-64": lambda: softmax_sample(flat, inv, seeds, Cv, top_k=64),
+        "fused softmax_sample, inverse-CDF draw": lambda: softmax_sample(flat, inv, seeds, Cv, draw="invcdf"),
+        "fused softmax_sample + top-64, inverse-CDF draw": lambda: softmax_sample(
+            flat, inv, seeds, Cv, top_k=64, draw="invcdf"
+        ),
         "topk 64 (torch, whole row)": lambda: torch.topk(flat, 64, dim=-1),
         "topk 64 (two-stage, 32 slices)": lambda: topk_two_stage(flat, 64, 32),
     }

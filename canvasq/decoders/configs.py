@@ -25,6 +25,7 @@ SEED_CANVAS = 256
 # forward is bandwidth-bound and the W4 experts read fewer bytes
 FP8_MIN_ROWS = 1024
 FP8_PARTS = ("experts", "dense", "head")  # model/fp8.py's PARTS (named here without importing torch)
+DRAWS = ("gumbel", "invcdf")  # kernels/softmax_invcdf.py's DRAWS (named here without importing triton)
 
 
 def canvas_rows(rows: int, canvas_length: int) -> int:
@@ -92,6 +93,11 @@ class OfficialConfig:
     # Off by default until an H200 A/B shows it pays (the reads gain a tanh each in a compute-bound
     # pass). False: the head writes capped fp32 logits first, as HF does
     cap_on_read: bool = False
+    # The fused sampler's draw: "gumbel" (Gumbel-max in the statistics read: a uniform and two logs per
+    # logit) or "invcdf" (inverse CDF over the sums that read keeps, one uniform per row and one lane's
+    # logits read again: kernels/softmax_invcdf.py). The same distribution, other draws; "gumbel" until
+    # an H200 A/B and the accuracy guard measure "invcdf"
+    draw: str = "gumbel"
     # Structured output (decoders/constrained.py): a constrained canvas whose best valid path has not
     # changed for this many steps is pinned to it (its logits one-hot), so the stopping rule ends it
     # without waiting for a confidence the model may never reach on the schema's values. None: off
@@ -104,6 +110,7 @@ class OfficialConfig:
         _check_choice("cuda_graphs", self.cuda_graphs, GRAPHS)
         _check_choice("seed_mode", self.seed_mode, ("row", "plain"))
         _check_choice("sampler", self.sampler, ("auto", "torch", "fused"))
+        _check_choice("draw", self.draw, DRAWS)
         if self.max_denoising_steps is not None and self.max_denoising_steps < 1:
             raise ValueError(f"max_denoising_steps must be ≥ 1 or None, got {self.max_denoising_steps}")
         if self.entropy_bound is not None and self.entropy_bound <= 0:

@@ -182,8 +182,8 @@ class OfficialDecoder(StepDecoder):
         if self.fused:  # the kernel scales as it reads
             keys = philox_keys(st.seed[idx], st.canvas[idx], left.long())
             inv = None if temp is None else 1.0 / temp
-            sc_k, dtype = self.config.sc_topk, self.rt.dtype
-            argmax, entropy, pick, top = draw_fused(logits, keys, inv, sc_k, dtype, cap)
+            sc_k, dtype, rule = self.config.sc_topk, self.rt.dtype, self.config.draw
+            argmax, entropy, pick, top = draw_fused(logits, keys, inv, sc_k, dtype, cap, rule)
         else:
             if temp is not None:
                 logits = logits.div_(temp[:, None, None])  # the forward's own copy: in place

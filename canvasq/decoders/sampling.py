@@ -186,13 +186,15 @@ def draw_fused(
     sc_topk: int | None,
     sc_dtype: torch.dtype,
     cap: float | None = None,
+    draw: str = "gumbel",
 ):
     """The same statistics and draws for the whole group in one read of the logits [B, C, V] (no
     per-request softmax, multinomial or temperature pass) with a Philox key per request (`seeds` [B],
     `philox_key`: its draws do not depend on the batch), and the top-k self-conditioning in one more
     read (no sort of the vocabulary). Returns argmax, entropy, pick and the top-k SC (ids, values) or
     None (full-vocabulary SC: the logits are scaled in place for it). `cap`: `logits` is the LM head's
-    output before the final soft cap, which the reads apply (top-k SC only)."""
+    output before the final soft cap, which the reads apply (top-k SC only). `draw`: the kernel's rule
+    ("gumbel" or "invcdf", `softmax_sample`)."""
     from canvasq.kernels import softmax_sample
 
     B, C, V = logits.shape
@@ -201,8 +203,8 @@ def draw_fused(
         inv_temp = torch.ones(B, dtype=torch.float32, device=logits.device)
     top_k = sc_topk if sc_topk is not None and sc_topk < V else 0
     assert not cap or top_k, "full-vocabulary self-conditioning reads capped logits"
-    out = softmax_sample(logits.reshape(-1, V), inv_temp, seeds, C, top_k=top_k, cap=cap)
-    draw, noise = out.draw.view(B, C), out.noise.view(B, C)
+    out = softmax_sample(logits.reshape(-1, V), inv_temp, seeds, C, top_k=top_k, cap=cap, draw=draw)
+    drawn, noise = out.draw.view(B, C), out.noise.view(B, C)
     top = None
     if top_k:
         assert out.top_ids is not None and out.top_vals is not None  # asked for with top_k
@@ -211,7 +213,7 @@ def draw_fused(
         logits.mul_(inv_temp[:, None, None])
 
     def pick(keep: torch.Tensor) -> torch.Tensor:  # one launch for the group
-        return torch.where(keep, draw, noise)
+        return torch.where(keep, drawn, noise)
 
     return out.argmax.view(B, C), out.entropy.view(B, C), pick, top
 

@@ -10,7 +10,8 @@
 - `router_topk(logits, k)`: the MoE router's fp32 softmax + top-k in one launch (`router.py`).
 - `softcap_logits(x, cap)`: the LM head's fp32 cast + final soft cap in one pass (`softcap.py`).
 - `softmax_argmax(logits, temperature)`: (max-prob confidence, argmax, entropy) per row;
-  `softmax_sample` adds a Gumbel-max draw and a renoise token from per-group Philox seeds.
+  `softmax_sample` adds a draw (Gumbel-max, or inverse CDF: `softmax_invcdf.py`) and a renoise
+  token from per-group Philox seeds.
 - `fuse_qkv_weights` / `qkv_proj`: one GEMM for q, k, v after the LoRA merge.
 
 Every public function takes `impl="auto" | "triton" | "torch"`; auto picks Triton on CUDA, Triton

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import auto_triton, interpreted
+from .softmax_invcdf import draw_invcdf, invcdf_rule, lane_sums
 from .softmax_topk import cap_args, softcap_on_read, top_k_scaled
 
 
@@ -84,6 +85,7 @@ def _softmax_stats_partial_kernel(
     inv_temp_ptr,
     seed_ptr,
     lane_max_ptr,
+    lane_sum_ptr,
     V,
     stride_r,
     GROUP,
@@ -94,6 +96,7 @@ def _softmax_stats_partial_kernel(
     BLOCK_V: tl.constexpr,
     SAMPLE: tl.constexpr,
     LANE_MAX: tl.constexpr,
+    LANE_SUM: tl.constexpr,
     RAND4: tl.constexpr,
     SOFTCAP: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -147,6 +150,8 @@ def _softmax_stats_partial_kernel(
             gm = tl.where(better, score, gm)
     if LANE_MAX:  # each lane's maximum over its own logits: the top-k threshold (`_top_k`)
         tl.store(lane_max_ptr + (row * CHUNKS + c) * BLOCK_V + lanes, m)
+    if LANE_SUM:  # and its sum of exp(l - m): the inverse-CDF draw's lanes (`softmax_invcdf`)
+        tl.store(lane_sum_ptr + (row * CHUNKS + c) * BLOCK_V + lanes, s)
     m_r, s_r, u_r, i_r = _reduce_lanes(m, s, u, idx)
     out = row * CHUNKS + c
     tl.store(pm_ptr + out, m_r)
@@ -177,9 +182,10 @@ def _softmax_stats_final_kernel(
     GROUP,
     CHUNKS: tl.constexpr,
     SAMPLE: tl.constexpr,
+    GUMBEL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    if SAMPLE:  # slices in fixed order, ties to the lower index (slices are in vocabulary order)
+    if GUMBEL:  # slices in fixed order, ties to the lower index (slices are in vocabulary order)
         g = tl.load(pg_ptr + row * CHUNKS)
         gi = tl.load(pgi_ptr + row * CHUNKS)
         for c in tl.static_range(1, CHUNKS):
@@ -187,6 +193,7 @@ def _softmax_stats_final_kernel(
             gi = tl.where(g2 > g, tl.load(pgi_ptr + row * CHUNKS + c), gi)
             g = tl.maximum(g, g2)
         tl.store(draw_ptr + row, gi.to(tl.int64))
+    if SAMPLE:
         # the renoise token: counters past the group's GROUP x V used by the draws
         seed = tl.load(seed_ptr + row // GROUP)
         r = tl.randint(seed, (GROUP * V + row % GROUP).to(tl.int32)).to(tl.uint32)
@@ -238,11 +245,12 @@ def softmax_sample_launch(
     block_v: int = 2048,
     rand4: bool | None = None,
     cap: float | None = None,
+    draw: str = "gumbel",
 ) -> SampleStats:
     assert logits.shape[0] == inv_temp.numel() * group == seeds.numel() * group
     assert group * logits.shape[1] + group < 2**31, "Philox counters are 32-bit"
     inv_temp = inv_temp.float().contiguous()
-    conf, arg, ent, draw, noise, lane_max = _launch(
+    conf, arg, ent, drawn, noise, lane_max = _launch(
         logits,
         inv_temp,
         seeds.long().contiguous(),
@@ -251,9 +259,10 @@ def softmax_sample_launch(
         lane_max=top_k > 0,
         rand4=RAND4 if rand4 is None else rand4,
         cap=cap,
+        invcdf=invcdf_rule(draw),
     )
     top = top_k_scaled(logits, inv_temp, group, top_k, lane_max, cap=cap) if top_k > 0 else (None, None)
-    return SampleStats(conf, arg, ent, draw, noise, *top)
+    return SampleStats(conf, arg, ent, drawn, noise, *top)
 
 
 def _launch(
@@ -265,16 +274,20 @@ def _launch(
     lane_max: bool = False,
     rand4: bool = False,
     cap: float | None = None,
+    invcdf: bool = False,
 ):
-    """Both passes: per-(row, slice) partials, then their merge per row; the outputs and the lane maxima."""
+    """Both passes: per-(row, slice) partials, then their merge per row; the outputs and the lane
+    maxima. `invcdf`: the draw by inverse CDF (`softmax_invcdf`) in place of the Gumbel-max draw."""
     assert logits.dim() == 2 and logits.stride(-1) == 1
     assert logits.dtype in (torch.float32, torch.float16, torch.bfloat16)
     R, V = logits.shape
     sample = seeds is not None
+    gumbel, lanes = sample and not invcdf, lane_max or (sample and invcdf)
     block_v = min(block_v, triton.next_power_of_2(V))
     chunks = _num_chunks(R, V, block_v)
     chunk = triton.cdiv(triton.cdiv(V, chunks), block_v) * block_v
-    parts, lm = _partials(R, chunks, block_v, logits.device, sample, lane_max)
+    parts, lm = _partials(R, chunks, block_v, logits.device, gumbel, lanes)
+    ls = lane_sums(R, chunks, block_v, logits.device) if sample and invcdf else lm
     conf, arg, ent, draw, noise = _outputs(R, logits.device, sample)
     if R == 0:
         return conf, arg, ent, draw, noise, lm
@@ -285,6 +298,7 @@ def _launch(
         inv_temp,
         seed_arg,
         lm,
+        ls,
         V,
         logits.stride(0),
         group,
@@ -292,27 +306,22 @@ def _launch(
         CHUNKS=chunks,
         CHUNK=chunk,
         BLOCK_V=block_v,
-        SAMPLE=sample,
-        LANE_MAX=lane_max,
-        RAND4=sample and rand4 and block_v >= 4,
+        SAMPLE=gumbel,
+        LANE_MAX=lanes,
+        LANE_SUM=ls is not lm,
+        RAND4=gumbel and rand4 and block_v >= 4,
         SOFTCAP=bool(cap),
         INTERPRETED=interpreted(_softmax_stats_partial_kernel),
         num_warps=8 if block_v >= 2048 else 4,
     )
+    outs = (conf, arg, ent, draw if sample else arg, noise if sample else arg)
     _softmax_stats_final_kernel[(R,)](
-        *parts,
-        seed_arg,
-        conf,
-        arg,
-        ent,
-        draw if sample else arg,
-        noise if sample else arg,
-        V,
-        group,
-        CHUNKS=chunks,
-        SAMPLE=sample,
-        num_warps=1,
+        *parts, seed_arg, *outs, V, group, CHUNKS=chunks, SAMPLE=sample, GUMBEL=gumbel, num_warps=1
     )
+    if sample and invcdf:
+        draw_invcdf(
+            logits, parts[0], parts[1], lm, ls, inv_temp, seeds, draw, group, chunks, chunk, block_v, cap
+        )
     return conf, arg, ent, draw, noise, lm
 
 
@@ -391,17 +400,20 @@ def softmax_sample(
     impl: str = "auto",
     rand4: bool | None = None,
     cap: float | None = None,
+    draw: str = "gumbel",
 ) -> SampleStats:
     """logits [R, V]; rows in groups of `group` consecutive rows, group g at inverse temperature
     inv_temp[g] with Philox seed seeds[g] (int64) -> `SampleStats`: the statistics of
     softmax(logits * inv_temp) as `softmax_argmax`, one draw from it and one uniform renoise token per
     row, and with `top_k` the k largest scaled logits and their ids (self-conditioning). One read of
     the logits, one more for the top k; see the module docstring. `cap`: `logits` is the LM head's
-    output before its final soft cap (bf16), which both reads apply (no capped fp32 copy is written)."""
+    output before its final soft cap (bf16), which both reads apply (no capped fp32 copy is written).
+    `draw`: "gumbel" (Gumbel-max in the statistics read) or "invcdf" (`softmax_invcdf`: one uniform
+    per row over the sums that read keeps, then one lane's logits read again)."""
     if impl == "auto":
         impl = "triton" if auto_triton(logits, _softmax_stats_partial_kernel) else "torch"
     if impl == "triton":
-        return softmax_sample_launch(logits, inv_temp, seeds, group, top_k, rand4=rand4, cap=cap)
+        return softmax_sample_launch(logits, inv_temp, seeds, group, top_k, rand4=rand4, cap=cap, draw=draw)
     if impl == "torch":
         return softmax_sample_reference(logits, inv_temp, seeds, group, top_k, cap)
     raise ValueError(f"unknown impl {impl!r}")
@@ -412,33 +424,31 @@ def compile_specs():
     (benchmarks/kernels/compile_check.py)."""
     from .compile_spec import CompileSpec
 
-    partials = {
-        "pm_ptr": "*fp32",
-        "ps_ptr": "*fp32",
-        "pu_ptr": "*fp32",
-        "pi_ptr": "*i32",
-        "pg_ptr": "*fp32",
-        "pgi_ptr": "*i32",
-        "seed_ptr": "*i64",
-    }
-    for sample, softcap in ((False, False), (True, False), (True, True)):
+    f32, i32 = "*fp32", "*i32"
+    partials = {"pm_ptr": f32, "ps_ptr": f32, "pu_ptr": f32, "pi_ptr": i32, "pg_ptr": f32, "pgi_ptr": i32}
+    partials["seed_ptr"] = "*i64"
+    # (Gumbel draws, soft cap on read, lane sums: the inverse-CDF draw's statistics pass)
+    for sample, softcap, sums in ((0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 1, 1)):
+        name = "softmax_invcdf_partial" if sums else "softmax_sample_partial" if sample else "softmax_partial"
         yield CompileSpec(
-            ("softmax_sample_partial" if sample else "softmax_partial") + ("_softcap" if softcap else ""),
+            name + ("_softcap" if softcap else ""),
             _softmax_stats_partial_kernel,
             {
                 "CHUNKS": 2,
                 "CHUNK": 131072,
                 "BLOCK_V": 2048,
-                "SAMPLE": sample,
-                "LANE_MAX": sample,
-                "RAND4": sample,
-                "SOFTCAP": softcap,
+                "SAMPLE": bool(sample),
+                "LANE_MAX": bool(sample or sums),
+                "LANE_SUM": bool(sums),
+                "RAND4": bool(sample),
+                "SOFTCAP": bool(softcap),
                 "INTERPRETED": False,
             },
             types={
                 **partials,
                 "inv_temp_ptr": "*fp32",
                 "lane_max_ptr": "*fp32",
+                "lane_sum_ptr": "*fp32",
                 "inv_cap": "fp32",
                 "cap": "fp32",
             },
@@ -450,7 +460,7 @@ def compile_specs():
         yield CompileSpec(
             "softmax_sample_final" if sample else "softmax_final",
             _softmax_stats_final_kernel,
-            {"CHUNKS": 2, "SAMPLE": sample},
+            {"CHUNKS": 2, "SAMPLE": bool(sample), "GUMBEL": bool(sample)},
             types={
                 **partials,
                 "conf_ptr": "*fp32",

@@ -414,3 +414,26 @@ def test_cap_on_read_gives_the_capped_heads_tokens(testbed, monkeypatch):
     assert read == capped and all(read)
     assert n_read > 0 and n_capped == 0
     assert torch.equal(sc_read, sc_capped) and bool(sc_read.abs().max() > 0)  # capped values, as fed on
+
+
+def test_draw_rule_reaches_the_fused_sampler(testbed, monkeypatch):
+    """`draw` (OfficialConfig) is the rule the fused sampler's kernel is asked for, every step; an
+    unknown rule is refused by the config (the kernels' own test checks the inverse-CDF draws)."""
+    from canvasq import kernels
+    from canvasq.decoders.registry import make_decoder
+
+    asked = []
+    real = kernels.softmax_sample
+
+    def spy(*args, **kw):
+        asked.append(kw.get("draw"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(kernels, "softmax_sample", spy)
+    reqs = [DecodeRequest("d0", testbed.encode_prompt(p.prompt, p.task), 64, p.task) for p in _problems(1, 0)]
+    for rule in ("gumbel", "invcdf"):
+        asked.clear()
+        _drain(make_decoder("official", testbed, {"sampler": "fused", "draw": rule}), reqs, slots=1)
+        assert asked and set(asked) == {rule}
+    with pytest.raises(ValueError, match="draw"):
+        make_config("official", {"draw": "argmax"})

@@ -125,3 +125,46 @@ def test_soft_cap_applied_on_read_matches_capped_logits(dtype):
     twin = softmax_sample(raw, inv, seeds, 2, top_k=64, impl="torch", cap=30.0)
     torch.testing.assert_close(twin.top_vals, ref.top_vals, rtol=1e-5, atol=1e-5)
     assert torch.equal(twin.argmax, ref.argmax)
+
+
+def test_invcdf_draws_follow_the_softmax_through_slices_lanes_and_columns():
+    """`draw="invcdf"` (softmax_invcdf): with 8 lanes and 2 slices, mass on columns that differ by
+    slice (44, 69), by lane (3 against 44) and by column within one lane (3, 11, 19): every draw lands
+    on one of them at softmax's frequencies (4 standard errors at 64 draws a group); the statistics
+    and the renoise tokens are the Gumbel path's; a group's draws are the same launched alone; and
+    the soft cap on read draws what the capped logits draw."""
+    from canvasq.kernels.softmax_argmax import softmax_sample_launch
+
+    C, hot = 64, torch.tensor([3, 11, 19, 44, 69])
+    base = torch.full((70,), -30.0)
+    base[hot] = torch.tensor([1.0, 0.0, 2.0, 1.5, 0.5])
+    base[[5, 30, 60]] = float("-inf")
+    inv, seeds = torch.tensor([1.0, 0.5]).to(DEVICE), torch.tensor([7, 2**61 + 3]).to(DEVICE)
+    logits = base.repeat(2 * C, 1).to(DEVICE)
+
+    def sample(x, inv, seeds, draw, cap=None):
+        return softmax_sample_launch(x, inv, seeds, C, block_v=8, draw=draw, cap=cap)
+
+    inverse, gumbel = sample(logits, inv, seeds, "invcdf"), sample(logits, inv, seeds, "gumbel")
+    for a, b in zip(inverse[:3], gumbel[:3]):
+        assert torch.equal(a, b)
+    assert torch.equal(inverse.noise, gumbel.noise)
+    assert set(inverse.draw.tolist()) <= set(hot.tolist())
+    for g in range(2):
+        p = torch.softmax(base * inv[g].cpu(), -1)[hot]
+        counts = torch.bincount(inverse.draw[g * C : (g + 1) * C].cpu(), minlength=70)[hot].float()
+        assert ((counts / C - p).abs() <= 4 * (p * (1 - p) / C).sqrt() + 0.01).all(), (g, counts, p)
+    alone = sample(logits[C:].contiguous(), inv[1:], seeds[1:], "invcdf")
+    assert torch.equal(alone.draw, inverse.draw[C:])
+    assert not torch.equal(sample(logits, inv, seeds + 1, "invcdf").draw, inverse.draw)
+    raw = logits * 3
+    capped = (raw / 30.0).tanh() * 30.0
+    assert torch.equal(
+        sample(raw, inv, seeds, "invcdf", cap=30.0).draw, sample(capped, inv, seeds, "invcdf").draw
+    )
+    with pytest.raises(ValueError, match="draw"):
+        sample(logits, inv, seeds, "argmax")
+    from canvasq.decoders import configs
+    from canvasq.kernels import softmax_invcdf
+
+    assert configs.DRAWS == softmax_invcdf.DRAWS  # the decoder's knob names the kernel's rules

@@ -131,8 +131,10 @@ def test_invcdf_draws_follow_the_softmax_through_slices_lanes_and_columns():
     """`draw="invcdf"` (softmax_invcdf): with 8 lanes and 2 slices, mass on columns that differ by
     slice (44, 69), by lane (3 against 44) and by column within one lane (3, 11, 19): every draw lands
     on one of them at softmax's frequencies (4 standard errors at 64 draws a group); the statistics
-    and the renoise tokens are the Gumbel path's; a group's draws are the same launched alone; and
-    the soft cap on read draws what the capped logits draw."""
+    are softmax's; a group's draws are the same launched alone, and other seeds draw otherwise; the
+    soft cap on read draws what the capped logits draw."""
+    from canvasq.decoders import configs
+    from canvasq.kernels import softmax_invcdf
     from canvasq.kernels.softmax_argmax import softmax_sample_launch
 
     C, hot = 64, torch.tensor([3, 11, 19, 44, 69])
@@ -142,29 +144,26 @@ def test_invcdf_draws_follow_the_softmax_through_slices_lanes_and_columns():
     inv, seeds = torch.tensor([1.0, 0.5]).to(DEVICE), torch.tensor([7, 2**61 + 3]).to(DEVICE)
     logits = base.repeat(2 * C, 1).to(DEVICE)
 
-    def sample(x, inv, seeds, draw, cap=None):
-        return softmax_sample_launch(x, inv, seeds, C, block_v=8, draw=draw, cap=cap)
+    def sample(x, inv, seeds, group=C, cap=None, draw="invcdf"):
+        return softmax_sample_launch(x, inv, seeds, group, block_v=8, draw=draw, cap=cap)
 
-    inverse, gumbel = sample(logits, inv, seeds, "invcdf"), sample(logits, inv, seeds, "gumbel")
-    for a, b in zip(inverse[:3], gumbel[:3]):
-        assert torch.equal(a, b)
-    assert torch.equal(inverse.noise, gumbel.noise)
-    assert set(inverse.draw.tolist()) <= set(hot.tolist())
+    out = sample(logits, inv, seeds)
+    c2, a2, e2 = softmax_argmax_reference(logits * inv.repeat_interleave(C)[:, None])
+    assert torch.equal(out.argmax, a2) and (out.entropy - e2).abs().max() < 1e-5
+    assert (out.conf - c2).abs().max() < 1e-5
+    assert set(out.draw.tolist()) <= set(hot.tolist())
     for g in range(2):
         p = torch.softmax(base * inv[g].cpu(), -1)[hot]
-        counts = torch.bincount(inverse.draw[g * C : (g + 1) * C].cpu(), minlength=70)[hot].float()
+        counts = torch.bincount(out.draw[g * C : (g + 1) * C].cpu(), minlength=70)[hot].float()
         assert ((counts / C - p).abs() <= 4 * (p * (1 - p) / C).sqrt() + 0.01).all(), (g, counts, p)
-    alone = sample(logits[C:].contiguous(), inv[1:], seeds[1:], "invcdf")
-    assert torch.equal(alone.draw, inverse.draw[C:])
-    assert not torch.equal(sample(logits, inv, seeds + 1, "invcdf").draw, inverse.draw)
-    raw = logits * 3
+    few = logits[C : C + 16].contiguous()  # the second group's first 16 rows, a group of their own
+    alone = sample(few, inv[1:], seeds[1:], group=16)
+    assert torch.equal(alone.draw, out.draw[C : C + 16])
+    assert not torch.equal(sample(few, inv[1:], seeds[1:] + 1, group=16).draw, alone.draw)
+    raw = few * 3
     capped = (raw / 30.0).tanh() * 30.0
-    assert torch.equal(
-        sample(raw, inv, seeds, "invcdf", cap=30.0).draw, sample(capped, inv, seeds, "invcdf").draw
-    )
+    on_read = sample(raw, inv[1:], seeds[1:], group=16, cap=30.0)
+    assert torch.equal(on_read.draw, sample(capped, inv[1:], seeds[1:], group=16).draw)
     with pytest.raises(ValueError, match="draw"):
-        sample(logits, inv, seeds, "argmax")
-    from canvasq.decoders import configs
-    from canvasq.kernels import softmax_invcdf
-
+        sample(logits, inv, seeds, draw="argmax")
     assert configs.DRAWS == softmax_invcdf.DRAWS  # the decoder's knob names the kernel's rules

@@ -13,6 +13,10 @@ second, the constraint's host time; the reference's accuracy is given for each s
 `--adapter DIR` merges a LoRA (`python -m canvasq.testbed.json_adapter`) into the model first: both
 the free and the constrained arms then run the same weights. The report is rewritten after every arm.
 
+Every row is a batch line validated as the service validates it (`core.schemas.parse_line`): a
+constrained row's prompt is the problem with its schema shown after it (`CANVASQ_SCHEMA_IN_PROMPT`,
+`core.response_format.shown_prompt`; `--no-schema-in-prompt` turns it off), the free row's the problem.
+
     nice -n 10 python3 benchmarks/structured_output.py --n 48 --seeds 1 --batch 16 --out report.json
     nice -n 10 python3 benchmarks/structured_output.py --adapter models/testbed/json_adapter \
         --schemas worked worked_change answer --n 200 --seeds 61 62 63 --threads 1 --out report.json
@@ -28,25 +32,24 @@ from pathlib import Path
 
 import torch
 
+from canvasq.core.schemas import Limits, parse_line
+from canvasq.core.settings import Settings
 from canvasq.decoders import DecodeBatch, DecodeRequest, run_batch
 from canvasq.decoders.structured import output_problem
 from canvasq.model.loading import load_bundle
 from canvasq.provenance import git_commit
 from canvasq.testbed import tasks
+from canvasq.testbed.json_adapter import FORM_SCHEMAS
 
-
-def _object(props: dict) -> dict:
-    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
-
-
+# the JSON adapter's forms' schemas (one source: its training prompts show them), and totals
 SCHEMAS = {
-    "answer": _object({"answer": {"type": "integer"}}),
-    "change": _object({"change": {"enum": ["gained", "lost", "same"]}}),
-    "totals": _object({"totals": {"type": "array", "items": {"type": "integer"}, "maxItems": 6}}),
-    "worked": _object({"reasoning": {"type": "string"}, "answer": {"type": "integer"}}),
-    "worked_change": _object(
-        {"reasoning": {"type": "string"}, "change": {"enum": ["gained", "lost", "same"]}}
-    ),
+    **FORM_SCHEMAS,
+    "totals": {
+        "type": "object",
+        "properties": {"totals": {"type": "array", "items": {"type": "integer"}, "maxItems": 6}},
+        "required": ["totals"],
+        "additionalProperties": False,
+    },
 }
 # max_tokens of a constrained row: one canvas for a bare value, six for a document with the working
 # (a free answer is at most ~140 tokens; the keys and quotes add ~20)
@@ -78,13 +81,32 @@ def asked(schema: str, p, doc: dict | None, free_answer: int | None = None) -> o
     return doc["totals"][-1] if doc["totals"] else None
 
 
-def decode(bundle, problems, schema: dict | None, max_tokens: int, batch: int, seed: int, overrides=None):
+def jobs(problems, schema: dict | None, max_tokens: int, limits: Limits) -> list:
+    """The problems as batch lines (`response_format` json_schema, strict, where `schema` is given)
+    through the service's validation: each `Job.prompt` is the text its row's model is given."""
+    out = []
+    for i, p in enumerate(problems, 1):
+        line: dict = {"custom_id": p.uid, "prompt": p.prompt, "max_tokens": max_tokens, "decoder": "official"}
+        if schema is not None:
+            spec = {"name": "answer", "schema": schema, "strict": True}
+            line["response_format"] = {"type": "json_schema", "json_schema": spec}
+        job, errors = parse_line(line, i, limits)
+        if job is None:
+            raise ValueError(f"line {i} ({p.uid}): {'; '.join(errors)}")
+        out.append(job)
+    return out
+
+
+def decode(bundle, problems, schema, max_tokens: int, batch: int, seed: int, limits: Limits, overrides=None):
     """Results and wall seconds, in batches of `batch` (one `run_batch` each)."""
+    todo = jobs(problems, schema, max_tokens, limits)
     out, t0 = [], time.perf_counter()
-    for i in range(0, len(problems), batch):
+    for i in range(0, len(todo), batch):
         reqs = [
-            DecodeRequest(p.uid, bundle.encode_prompt(p.prompt, "arith"), max_tokens, "arith", schema)
-            for p in problems[i : i + batch]
+            DecodeRequest(
+                j.custom_id, bundle.encode_prompt(j.prompt, "arith"), max_tokens, "arith", j.response_format
+            )
+            for j in todo[i : i + batch]
         ]
         out += run_batch(bundle, DecodeBatch(reqs, seed=seed), decoder="official", overrides=overrides)
     return out, time.perf_counter() - t0
@@ -121,6 +143,8 @@ def run(args) -> dict:
 
         apply_adapter(bundle, args.adapter)
     C = bundle.canvas_length
+    settings = Settings(schema_in_prompt=args.schema_in_prompt)
+    limits = Limits.for_model(settings, args.model or settings.model)
     report: dict = {
         "commit": git_commit(),
         "hardware": args.hardware,
@@ -129,20 +153,23 @@ def run(args) -> dict:
         "batch": args.batch,
         "threads": args.threads,
         "adapter": args.adapter,
+        "schema_in_prompt": args.schema_in_prompt,
         "constraint_settle": None if args.settle < 0 else args.settle,
         "device": args.device,
         "arms": [],
     }
     for seed in args.seeds:
         problems = tasks.generate("arith", args.n, seed, split="eval")
-        free, wall = decode(bundle, problems, None, tasks.ANSWER_CANVASES["arith"] * C, args.batch, seed)
+        free, wall = decode(
+            bundle, problems, None, tasks.ANSWER_CANVASES["arith"] * C, args.batch, seed, limits
+        )
         answers = [tasks.arith_answer(r.text) for r in free]
         for name in args.schemas:
             ok = [asked(name, p, None, a) == truth(name, p) for p, a in zip(problems, answers)]
             report["arms"].append(arm_report(f"free/{name}/seed{seed}", free, wall, problems, ok, None))
             settle = {"constraint_settle": None if args.settle < 0 else args.settle}
             max_tokens = args.max_tokens or MAX_CANVASES[name] * C
-            res, cwall = decode(bundle, problems, SCHEMAS[name], max_tokens, args.batch, seed, settle)
+            res, cwall = decode(bundle, problems, SCHEMAS[name], max_tokens, args.batch, seed, limits, settle)
             ok = []
             for p, r in zip(problems, res):
                 doc = json.loads(r.text) if r.error is None else None
@@ -194,6 +221,12 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--adapter", default=None, help="a LoRA merged into the model for every arm")
     ap.add_argument("--samples", action="store_true", help="also write <out>.samples.jsonl (texts)")
+    ap.add_argument(
+        "--no-schema-in-prompt",
+        dest="schema_in_prompt",
+        action="store_false",
+        help="constrained rows without their schema shown in the prompt (CANVASQ_SCHEMA_IN_PROMPT=false)",
+    )
     ap.add_argument("--hardware", default="CPU, 2 cores")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationErro
 
 from canvasq.core.models import PromptTokens, model_context
 from canvasq.core.openai_body import MAX_STOP, ChatBody, body_param_errors
-from canvasq.core.response_format import line_response_format, schema_min_tokens
+from canvasq.core.response_format import line_response_format, schema_min_tokens, shown_prompt
 from canvasq.core.settings import DECODERS, RANDOM_MODELS, TASKS, Settings, model_name
 from canvasq.decoders.types import token_budget_error
 
@@ -88,7 +88,8 @@ class SimpleLine(BaseModel):
 
 @dataclass(frozen=True)
 class Job:
-    """One validated request (core, CPU side). `prompt` is the text the worker tokenises; `task` is the
+    """One validated request (core, CPU side). `prompt` is the text the worker tokenises (with a schema,
+    shown after the line's text: `core.response_format.shown_prompt`); `task` is the
     line's own (or its body.metadata's), else inferred from the prompt (`infer_task`), else None."""
 
     custom_id: str
@@ -169,6 +170,7 @@ class Limits:
     prompt_tokens: PromptTokens | None = None  # None: the prompt's share of the context is not checked
     model_aliases: frozenset[str] = frozenset()  # accepted values of a line's "model" (empty: any)
     schema_tokens: Callable[[dict], int] | None = None  # a schema's shortest document in tokens, EOS included
+    schema_in_prompt: bool = True  # a line's schema shown to the model (`response_format.shown_prompt`)
 
     @classmethod
     def for_model(cls, settings: Settings, model: str | None = None) -> Limits:
@@ -187,6 +189,7 @@ class Limits:
             prompt_tokens=ctx.prompt_tokens,
             model_aliases=frozenset(aliases),
             schema_tokens=schema_min_tokens(spec),
+            schema_in_prompt=settings.schema_in_prompt,
         )
 
 
@@ -328,14 +331,15 @@ def parse_line(obj: Any, line_no: int, limits: Limits) -> tuple[Job | None, list
     counter = None if max_tokens_errors else limits.schema_tokens
     schema, decoder, fmt_errors = line_response_format(fmt, line.decoder, max_tokens, counter)
     errors += fmt_errors
+    shown = shown_prompt(prompt, schema, limits.schema_in_prompt)  # the text the model is given
     if not prompt_errors and not max_tokens_errors:  # what the decoder will see: does it fit its context?
-        budget = prompt_budget_error(prompt, max_tokens, limits)
+        budget = prompt_budget_error(shown, max_tokens, limits)
         errors += [budget] if budget else []
     if errors:
         return None, errors
     if task is None:
         task = infer_task(prompt)
-    return Job(cid, prompt, task, max_tokens, decoder, line_no, stops, schema), []
+    return Job(cid, shown, task, max_tokens, decoder, line_no, stops, schema), []
 
 
 def _read_lines(fh, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:

@@ -16,8 +16,11 @@ in one of these forms (`FORMS`, drawn by `--weights`):
 
 plus `--code-share` of code problems in their own free form, so code answers are not forgotten. The
 documents are compact (no whitespace), keys in this order: the text `decoders.structured` holds
-canvases to. The prompt is the plain problem in every form; the schema's scaffold (`{"reasoning":"`,
-the first tokens of a constrained canvas, fixed by the automaton) is what selects the form.
+canvases to. Each JSON form's prompt is the problem with its schema (`FORM_SCHEMAS`) shown after it by
+the service's own function (`core.response_format.shown_prompt`: `JSON {"answer":integer}` on a line of
+its own), exactly what a `response_format` line's prompt becomes at validation; the free form (and code)
+has none. So the adapter learns the instruction -> form: with one plain prompt for five forms, the
+model could not know which one a constrained canvas wanted (BENCHMARKS.md, "Issue 36's accuracy bar").
 
 The adapter is a LoRA on the decoder's attention and MLP projections (as `d2f_adapter`); the encoder
 shares those weight tensors, so it runs the same wrapped projections while training
@@ -48,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from canvasq.core.response_format import shown_prompt
 from canvasq.testbed import tasks
 from canvasq.testbed.config import BOS_ID, EOS_ID, PAD_ID, SEP_ID
 
@@ -76,6 +80,19 @@ def change(p: tasks.Problem) -> str:
     return "gained" if p.target > start else "lost" if p.target < start else "same"
 
 
+def _object(props: dict) -> dict:
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+_CHANGE = {"enum": ["gained", "lost", "same"]}
+# the schema of each JSON form (what a response_format line asks; benchmarks/structured_output.py's too)
+FORM_SCHEMAS: dict[str, dict] = {
+    "worked": _object({"reasoning": {"type": "string"}, "answer": {"type": "integer"}}),
+    "worked_change": _object({"reasoning": {"type": "string"}, "change": _CHANGE}),
+    "answer": _object({"answer": {"type": "integer"}}),
+    "change": _object({"change": _CHANGE}),
+}
+
 FORMS: dict[str, Callable[[tasks.Problem], str]] = {
     "free": lambda p: p.answer,
     "worked": lambda p: compact({"reasoning": working(p), "answer": p.target}),
@@ -100,17 +117,25 @@ def parse_weights(text: str) -> dict[str, float]:
     return {k: v / total for k, v in weights.items()}
 
 
+def form_prompt(prompt: str, form: str, tagged: bool = True) -> str:
+    """The prompt of a problem answered in `form`, as the service builds it for a line whose
+    response_format is the form's schema (`shown_prompt`); the free form's is the problem alone."""
+    return shown_prompt(prompt, FORM_SCHEMAS.get(form), tagged)
+
+
 def training_texts(
-    n_arith: int, n_code: int, seed: int, weights: dict[str, float]
+    n_arith: int, n_code: int, seed: int, weights: dict[str, float], tagged: bool = True
 ) -> list[tuple[str, str, str]]:
     """(prompt, answer text, form) for `n_arith` train-split arith problems, each in a form drawn by
-    `weights`, and `n_code` train-split code problems in their free form."""
+    `weights` (its prompt with the form's schema shown: `form_prompt`; `tagged=False`: the plain problem
+    in every form, the adapter before the instruction), and `n_code` train-split code problems in their
+    free form."""
     rng = random.Random(f"json-adapter:{seed}")
     names, shares = list(weights), list(weights.values())
     rows = []
     for p in tasks.generate("arith", n_arith, seed, split="train"):
         form = rng.choices(names, shares)[0]
-        rows.append((p.prompt, FORMS[form](p), form))
+        rows.append((form_prompt(p.prompt, form, tagged), FORMS[form](p), form))
     rows += [(p.prompt, p.answer, "code") for p in tasks.generate("code", n_code, seed, split="train")]
     return rows
 
@@ -151,7 +176,7 @@ def train(args) -> dict:
     log = _run_log(out / "train_log.txt")
     weights = parse_weights(args.weights)
     tok = AutoTokenizer.from_pretrained(args.model)
-    rows = training_texts(args.n_arith, args.n_code, args.seed, weights)
+    rows = training_texts(args.n_arith, args.n_code, args.seed, weights, not args.untagged)
     model = _base_model(args.model, device)
     C, V = int(model.config.canvas_length), int(model.config.text_config.vocab_size)
     seq, plen, ncan = build_pool(rows, tok, C)
@@ -187,6 +212,7 @@ def train(args) -> dict:
         batch=args.batch,
         lr=args.lr,
         split="train",
+        schema_in_prompt=not args.untagged,
     )
     (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     log(json.dumps(report))
@@ -302,6 +328,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--digit-weight", type=float, default=4.0, help="CE weight of the digit tokens")
     t.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
     t.add_argument("--cpu", action="store_true", help="train on the CPU even where CUDA is present")
+    t.add_argument(
+        "--untagged", action="store_true", help="no schema in the JSON forms' prompts (the old adapter)"
+    )
     m = sub.add_parser("merge", help="write a model directory with the adapter merged")
     m.add_argument("--adapter", required=True, help="the trained adapter directory")
     m.add_argument("--out", required=True, help="model directory to write")

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from sqlalchemy import select
 
 from canvasq.cli import cli
-from canvasq.core.response_format import JSON_OBJECT
+from canvasq.core.response_format import JSON_OBJECT, format_instruction, shown_prompt
 from canvasq.core.schemas import Limits, parse_line
 from canvasq.core.settings import Settings
 from canvasq.core.store import Store
@@ -48,6 +48,63 @@ def test_formats_carried_to_the_job_on_official():
     simple = {"custom_id": "d", "prompt": "2 + 2?", "max_tokens": 32, "response_format": _schema(ANSWER)}
     job, errors = parse_line(simple, 4, limits)
     assert errors == [] and job is not None and job.response_format == ANSWER
+
+
+def test_the_schema_is_rendered_short_and_in_order():
+    assert format_instruction(ANSWER) == 'JSON {"answer":integer}'
+    assert format_instruction(JSON_OBJECT) == "JSON"
+    worked = {
+        "type": "object",
+        "properties": {"reasoning": {"type": "string"}, "change": {"enum": ["gained", "lost", "same"]}},
+        "required": ["reasoning", "change"],
+        "additionalProperties": False,
+    }
+    assert format_instruction(worked) == 'JSON {"reasoning":string,"change":"gained"|"lost"|"same"}'
+    nested = {
+        "type": "object",
+        "title": "ignored",
+        "properties": {
+            "tags": {"type": "array", "items": {"type": ["string", "null"]}, "maxItems": 3},
+            "point": {
+                "type": "object",
+                "properties": {"x": {"type": "number"}, "ok": {"const": True}},
+                "required": ["x"],
+            },
+            'say "hi"': {"type": "boolean"},
+        },
+        "required": ["tags"],
+    }
+    assert format_instruction(nested) == (
+        'JSON {"tags":[string|null],"point"?:{"x":number,"ok"?:true},"say \\"hi\\""?:boolean}'
+    )
+
+
+def test_the_job_prompt_shows_the_schema_and_the_setting_turns_it_off():
+    text = "Ann has 5 pens. How many pens?"
+    for fmt, tag in ((_schema(ANSWER), 'JSON {"answer":integer}'), ({"type": "json_object"}, "JSON")):
+        on = Limits.for_model(Settings(model=model_for_tests()))
+        job, errors = parse_line(_line("a", fmt, max_tokens=32), 1, on)
+        assert errors == [] and job is not None and job.prompt == f"{text}\n{tag}"
+        assert job.prompt == shown_prompt(text, job.response_format)
+        off = Limits.for_model(Settings(model=model_for_tests(), schema_in_prompt=False))
+        job, errors = parse_line(_line("a", fmt, max_tokens=32), 1, off)
+        assert errors == [] and job is not None and job.prompt == text
+    job, _ = parse_line(_line("t", {"type": "text"}), 1, on)  # no schema: the prompt as written
+    assert job is not None and job.prompt == text
+
+
+def test_the_testbed_vocabulary_holds_every_rendered_character():
+    from tokenizers import Tokenizer
+
+    from canvasq.testbed.json_adapter import DEFAULT_MODEL, FORM_SCHEMAS
+
+    tok = Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
+    unk = tok.token_to_id("<unk>")
+    for schema in [*FORM_SCHEMAS.values(), JSON_OBJECT]:
+        text = format_instruction(schema)
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert unk not in ids and tok.decode(ids) == text, text
+        assert len(ids) <= 48  # short: the testbed's context is 1,024 positions (worked_change: 46)
 
 
 def test_unsupported_features_refused_with_the_line(service_env, tmp_path):
@@ -105,10 +162,11 @@ def test_the_schema_is_stored_with_its_row(service_env, tmp_path):
     store = Store(service_env["url"])
     try:
         with store.Session() as s:
-            run_id, schema, decoder = s.execute(
-                select(Request.run_id, Request.response_format, Request.decoder)
+            run_id, schema, decoder, prompt = s.execute(
+                select(Request.run_id, Request.response_format, Request.decoder, Request.prompt)
             ).one()
         assert (schema, decoder) == (ANSWER, "official")
+        assert prompt == 'Ann has 5 pens. How many pens?\nJSON {"answer":integer}'  # what the model is given
         claimed = store.claim_chunk(store.pending_chunks(run_id)[0], "w", 60, 3)
         assert [r.response_format for r in claimed.requests] == [ANSWER]  # what the worker decodes
     finally:

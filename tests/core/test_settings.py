@@ -158,6 +158,7 @@ def test_run_identity_holds_what_changes_tokens_only():
         "decode_slots",
         "decode_batch_size",
         "cuda_graphs",
+        "schema_in_prompt",
     } <= set(ident)
     for name, value in [
         ("lease_s", 90),
@@ -180,6 +181,7 @@ def test_run_identity_holds_what_changes_tokens_only():
         ("routing", {"math": "pipe"}),
         ("cuda_graphs", "off"),
         ("decode_slots", 4),
+        ("schema_in_prompt", False),
     ]:
         assert run_identity(base.model_copy(update={name: value})) != ident, name
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from canvasq.core.models import model_context
-from canvasq.core.schemas import Limits, LineError, validate_file
+from canvasq.core.response_format import shown_prompt
+from canvasq.core.schemas import Limits, LineError, parse_line, validate_file
 from canvasq.core.settings import Settings
 from canvasq.decoders import run_batch
 from canvasq.decoders.state import request_error
@@ -121,3 +122,53 @@ def test_a_line_at_the_edge_passes_and_decodes_one_token_more_is_refused_at_its_
     assert request_error(bundle, over) == report.errors[0].message
     (res,) = run_batch(bundle, DecodeBatch([ok]), decoder="official")
     assert res.error is None and res.prompt_tokens == ctx - C and 0 < len(res.token_ids) <= C
+
+
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"type": "integer"}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+
+def test_the_schema_shown_in_the_prompt_counts_at_validation_in_the_decoder_and_in_usage(bundle, tmp_path):
+    limits = Limits.for_model(Settings(model=bundle.spec))
+    ctx, C, counter = limits.context_tokens, limits.canvas_length, limits.prompt_tokens
+    probe = "Add up every digit of this number: 7"
+    tag = counter.count(shown_prompt(probe, ANSWER)) - counter.count(probe)
+    edge = _prompt_of(counter, ctx - C - tag)  # with the schema shown: prompt + one canvas = every position
+    assert counter.count(shown_prompt(edge, ANSWER)) == ctx - C
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "strict": True, "schema": ANSWER}}
+    lines = [
+        {"custom_id": "edge", "prompt": edge, "max_tokens": C, "response_format": fmt},
+        {"custom_id": "over", "prompt": edge + "7", "max_tokens": C, "response_format": fmt},
+        {"custom_id": "plain", "prompt": edge + "7", "max_tokens": C},  # fits: no schema to show
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    report = validate_file(src, limits)
+    assert report.jobs == 2
+    assert report.errors == [
+        LineError(
+            2,
+            f"prompt ({ctx - C + 1} tokens) + max_tokens {C} rounded up to 1 canvases of {C} need "
+            f"{ctx + 1} positions; the model context is {ctx}",
+        )
+    ]
+    off = Limits.for_model(Settings(model=bundle.spec, schema_in_prompt=False))
+    assert validate_file(src, off).errors == []  # the setting off: the prompt as written
+
+    # the decoder is given the job's prompt: the same count, the same refusal, usage counts the schema
+    job, errors = parse_line(lines[0], 1, limits)
+    assert errors == [] and job is not None and job.prompt == shown_prompt(edge, ANSWER)
+    ok = DecodeRequest("edge", bundle.encode_prompt(job.prompt, None), C, None, job.response_format)
+    assert len(ok.prompt_ids) == counter.count(job.prompt) == ctx - C
+    over = DecodeRequest(
+        "over", bundle.encode_prompt(shown_prompt(edge + "7", ANSWER), None), C, None, ANSWER
+    )
+    assert request_error(bundle, ok) is None
+    assert request_error(bundle, over) == report.errors[0].message
+    (res,) = run_batch(bundle, DecodeBatch([ok]), decoder="official")
+    assert res.error is None and res.prompt_tokens == ctx - C
+    assert isinstance(json.loads(res.text)["answer"], int)

@@ -21,18 +21,7 @@ from canvasq.testbed.config import BOS_ID, EOS_ID, PAD_ID, SEP_ID
 TESTBED = ja.DEFAULT_MODEL
 
 
-def _object(props: dict) -> dict:
-    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
-
-
-SCHEMAS = {  # the schemas benchmarks/structured_output.py holds the forms' questions to
-    "worked": _object({"reasoning": {"type": "string"}, "answer": {"type": "integer"}}),
-    "worked_change": _object(
-        {"reasoning": {"type": "string"}, "change": {"enum": ["gained", "lost", "same"]}}
-    ),
-    "answer": _object({"answer": {"type": "integer"}}),
-    "change": _object({"change": {"enum": ["gained", "lost", "same"]}}),
-}
+SCHEMAS = ja.FORM_SCHEMAS  # the schemas benchmarks/structured_output.py holds the forms' questions to
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +56,35 @@ def test_the_forms_carry_the_working_and_the_right_answers():
 def test_training_texts_come_from_the_train_split_in_the_weighted_forms():
     weights = ja.parse_weights("free=1,worked=3")
     rows = ja.training_texts(400, 20, 0, weights)
-    assert all(tasks.split_of(prompt) == "train" for prompt, _, _ in rows)
+    assert all(tasks.split_of(prompt.split("\nJSON ")[0]) == "train" for prompt, _, _ in rows)
     forms = [f for _, _, f in rows]
     assert forms.count("code") == 20 and set(forms) == {"free", "worked", "code"}
     assert 0.65 < forms.count("worked") / 400 < 0.85
     assert ja.training_texts(400, 20, 0, weights) == rows  # deterministic per seed
+
+
+def test_each_json_form_prompt_carries_its_schema_as_the_service_shows_it():
+    from canvasq.core.response_format import format_instruction, shown_prompt
+    from canvasq.core.schemas import Limits, parse_line
+    from canvasq.core.settings import Settings
+
+    rows = ja.training_texts(300, 10, 1, ja.parse_weights(ja.DEFAULT_WEIGHTS))
+    problems = {p.prompt: p for p in tasks.generate("arith", 300, 1, split="train")}
+    limits = Limits.for_model(Settings(model=str(TESTBED)))
+    assert {f for _, _, f in rows} == {*ja.FORMS, "code"}
+    for prompt, answer, form in rows:
+        if form in ("free", "code"):
+            assert "JSON" not in prompt and (form == "code" or prompt in problems)
+            continue
+        problem, tag = prompt.split("\n")
+        assert problem in problems and tag == format_instruction(SCHEMAS[form])
+        assert prompt == shown_prompt(problem, SCHEMAS[form])
+        fmt = {"type": "json_schema", "json_schema": {"name": form, "strict": True, "schema": SCHEMAS[form]}}
+        job, errors = parse_line({"custom_id": "x", "prompt": problem, "response_format": fmt}, 1, limits)
+        assert errors == [] and job is not None and job.prompt == prompt  # the service's own prompt
+        jsonschema.validate(json.loads(answer), SCHEMAS[form])
+    plain = ja.training_texts(300, 10, 1, ja.parse_weights(ja.DEFAULT_WEIGHTS), tagged=False)
+    assert [r[1:] for r in plain] == [r[1:] for r in rows] and not any("JSON" in r[0] for r in plain)
 
 
 def test_weights_refuse_unknown_forms_and_empty_shares():

@@ -183,17 +183,19 @@ def _skeleton(schema: dict) -> str:
 
 def shown_prompt(prompt: str, schema: dict | None, on: bool = True) -> str:
     """The prompt text the model is given for a line: its own text, and for a line with a schema (`on`:
-    `CANVASQ_SCHEMA_IN_PROMPT`) `format_instruction(schema)` on a line of its own after it. Built once,
+    `CANVASQ_SCHEMA_IN_PROMPT`) `format_instruction(schema)` on a line of its own before it. Built once,
     at validation (`core.schemas.parse_line`), and stored as the row's prompt: the token budget checked
     there, the worker's `encode_prompt` and `usage.prompt_tokens` all count the same text.
 
-    At the end: a chat line's turns are joined into one user turn (`encode_prompt` applies the chat
-    template to it), so the instruction ends the last user turn, beside the question, as a user writes
-    "answer in this JSON"; the testbed's raw layout `<bos> prompt <sep>` gets it just before `<sep>`
-    (`testbed.json_adapter` trains the same text there)."""
+    First, as a system turn would say it: a chat line's turns are joined into one user turn
+    (`encode_prompt` applies the chat template to it), which the instruction opens; the testbed's raw
+    layout `<bos> prompt <sep>` gets it right after `<bos>`, so the question stays next to `<sep>`
+    where the checkpoint reads it (placed after the question instead, a CPU-trained adapter's JSON
+    working no longer copied the question's numbers: 0 of 32 rows against 21 untagged).
+    `testbed.json_adapter` trains the same text there."""
     if schema is None or not on:
         return prompt
-    return f"{prompt}\n{format_instruction(schema)}"
+    return f"{format_instruction(schema)}\n{prompt}"
 
 
 def schema_min_tokens(spec: str) -> Callable[[dict], int] | None:

@@ -89,7 +89,7 @@ class SimpleLine(BaseModel):
 @dataclass(frozen=True)
 class Job:
     """One validated request (core, CPU side). `prompt` is the text the worker tokenises (with a schema,
-    shown after the line's text: `core.response_format.shown_prompt`); `task` is the
+    shown before the line's text: `core.response_format.shown_prompt`); `task` is the
     line's own (or its body.metadata's), else inferred from the prompt (`infer_task`), else None."""
 
     custom_id: str

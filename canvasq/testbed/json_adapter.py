@@ -16,10 +16,10 @@ in one of these forms (`FORMS`, drawn by `--weights`):
 
 plus `--code-share` of code problems in their own free form, so code answers are not forgotten. The
 documents are compact (no whitespace), keys in this order: the text `decoders.structured` holds
-canvases to. Each JSON form's prompt is the problem with its schema (`FORM_SCHEMAS`) shown after it by
-the service's own function (`core.response_format.shown_prompt`: `JSON {"answer":integer}` on a line of
-its own), exactly what a `response_format` line's prompt becomes at validation; the free form (and code)
-has none. So the adapter learns the instruction -> form: with one plain prompt for five forms, the
+canvases to. Each JSON form's prompt is the problem with its schema (`FORM_SCHEMAS`) shown by the
+service's own function (`core.response_format.shown_prompt`: `JSON {"answer":integer}` on a line of
+its own before the problem), exactly what a `response_format` line's prompt becomes at validation; the
+free form (and code) has none. So the adapter learns the instruction -> form: with one plain prompt for five forms, the
 model could not know which one a constrained canvas wanted (BENCHMARKS.md, "Issue 36's accuracy bar").
 
 The adapter is a LoRA on the decoder's attention and MLP projections (as `d2f_adapter`); the encoder

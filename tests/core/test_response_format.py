@@ -84,7 +84,7 @@ def test_the_job_prompt_shows_the_schema_and_the_setting_turns_it_off():
     for fmt, tag in ((_schema(ANSWER), 'JSON {"answer":integer}'), ({"type": "json_object"}, "JSON")):
         on = Limits.for_model(Settings(model=model_for_tests()))
         job, errors = parse_line(_line("a", fmt, max_tokens=32), 1, on)
-        assert errors == [] and job is not None and job.prompt == f"{text}\n{tag}"
+        assert errors == [] and job is not None and job.prompt == f"{tag}\n{text}"
         assert job.prompt == shown_prompt(text, job.response_format)
         off = Limits.for_model(Settings(model=model_for_tests(), schema_in_prompt=False))
         job, errors = parse_line(_line("a", fmt, max_tokens=32), 1, off)
@@ -166,7 +166,7 @@ def test_the_schema_is_stored_with_its_row(service_env, tmp_path):
                 select(Request.run_id, Request.response_format, Request.decoder, Request.prompt)
             ).one()
         assert (schema, decoder) == (ANSWER, "official")
-        assert prompt == 'Ann has 5 pens. How many pens?\nJSON {"answer":integer}'  # what the model is given
+        assert prompt == 'JSON {"answer":integer}\nAnn has 5 pens. How many pens?'  # what the model is given
         claimed = store.claim_chunk(store.pending_chunks(run_id)[0], "w", 60, 3)
         assert [r.response_format for r in claimed.requests] == [ANSWER]  # what the worker decodes
     finally:

@@ -6,6 +6,7 @@ official decoder's weights by the LoRA's product."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -56,7 +57,7 @@ def test_the_forms_carry_the_working_and_the_right_answers():
 def test_training_texts_come_from_the_train_split_in_the_weighted_forms():
     weights = ja.parse_weights("free=1,worked=3")
     rows = ja.training_texts(400, 20, 0, weights)
-    assert all(tasks.split_of(prompt.split("\nJSON ")[0]) == "train" for prompt, _, _ in rows)
+    assert all(tasks.split_of(re.sub(r"^JSON [^\n]*\n", "", prompt)) == "train" for prompt, _, _ in rows)
     forms = [f for _, _, f in rows]
     assert forms.count("code") == 20 and set(forms) == {"free", "worked", "code"}
     assert 0.65 < forms.count("worked") / 400 < 0.85
@@ -76,7 +77,7 @@ def test_each_json_form_prompt_carries_its_schema_as_the_service_shows_it():
         if form in ("free", "code"):
             assert "JSON" not in prompt and (form == "code" or prompt in problems)
             continue
-        problem, tag = prompt.split("\n")
+        tag, problem = prompt.split("\n", 1)
         assert problem in problems and tag == format_instruction(SCHEMAS[form])
         assert prompt == shown_prompt(problem, SCHEMAS[form])
         fmt = {"type": "json_schema", "json_schema": {"name": form, "strict": True, "schema": SCHEMAS[form]}}

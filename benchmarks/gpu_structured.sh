@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 36 on one H200, in one device call of about 9 minutes: train the JSON adapter whose JSON forms'
 # prompts show their schema (`canvasq.testbed.json_adapter train`, the service's own
-# `core.response_format.shown_prompt`), then evaluate it with `benchmarks/structured_output.py`: the
+# `decoders.schema_text.shown_prompt`), then evaluate it with `benchmarks/structured_output.py`: the
 # free arm (no schema in the prompt) and three strict json_schema arms (worked, worked_change, answer;
 # their rows validated by `parse_line`, so the schema reaches the prompt through the product path),
 # n = 200 eval problems per seed, seeds 61-63 as three parallel processes on the one GPU (600 lines

@@ -15,7 +15,7 @@ the free and the constrained arms then run the same weights. The report is rewri
 
 Every row is a batch line validated as the service validates it (`core.schemas.parse_line`): a
 constrained row's prompt is the problem with its schema shown before it (`CANVASQ_SCHEMA_IN_PROMPT`,
-`core.response_format.shown_prompt`; `--no-schema-in-prompt` turns it off), the free row's the problem.
+`decoders.schema_text.shown_prompt`; `--no-schema-in-prompt` turns it off), the free row's the problem.
 
     nice -n 10 python3 benchmarks/structured_output.py --n 48 --seeds 1 --batch 16 --out report.json
     nice -n 10 python3 benchmarks/structured_output.py --adapter models/testbed/json_adapter \

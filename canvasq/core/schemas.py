@@ -25,8 +25,9 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationErro
 
 from canvasq.core.models import PromptTokens, model_context
 from canvasq.core.openai_body import MAX_STOP, ChatBody, body_param_errors
-from canvasq.core.response_format import line_response_format, schema_min_tokens, shown_prompt
+from canvasq.core.response_format import line_response_format, schema_min_tokens
 from canvasq.core.settings import DECODERS, RANDOM_MODELS, TASKS, Settings, model_name
+from canvasq.decoders.schema_text import shown_prompt
 from canvasq.decoders.types import token_budget_error
 
 OPENAI_URLS = ("/v1/chat/completions",)
@@ -89,7 +90,7 @@ class SimpleLine(BaseModel):
 @dataclass(frozen=True)
 class Job:
     """One validated request (core, CPU side). `prompt` is the text the worker tokenises (with a schema,
-    shown before the line's text: `core.response_format.shown_prompt`); `task` is the
+    shown before the line's text: `decoders.schema_text.shown_prompt`); `task` is the
     line's own (or its body.metadata's), else inferred from the prompt (`infer_task`), else None."""
 
     custom_id: str
@@ -170,7 +171,7 @@ class Limits:
     prompt_tokens: PromptTokens | None = None  # None: the prompt's share of the context is not checked
     model_aliases: frozenset[str] = frozenset()  # accepted values of a line's "model" (empty: any)
     schema_tokens: Callable[[dict], int] | None = None  # a schema's shortest document in tokens, EOS included
-    schema_in_prompt: bool = True  # a line's schema shown to the model (`response_format.shown_prompt`)
+    schema_in_prompt: bool = True  # a line's schema shown to the model (`decoders.schema_text.shown_prompt`)
 
     @classmethod
     def for_model(cls, settings: Settings, model: str | None = None) -> Limits:

@@ -93,7 +93,7 @@ class Settings(BaseSettings):
     max_line_bytes: Annotated[int, Identity.NO] = Field(1 << 20, ge=1024)
     max_errors: Annotated[int, Identity.NO] = Field(200, ge=1)  # errors kept for the report; the rest counted
     # a response_format line's schema shown to the model: a short rendering of it on its own line before
-    # the prompt (`core.response_format.shown_prompt`), counted in its prompt tokens, as hosted APIs do.
+    # the prompt (`decoders.schema_text.shown_prompt`), counted in its prompt tokens, as hosted APIs do.
     # Applied at validation (the stored prompt carries it). Off: the prompt as written; the canvas
     # constraint alone then decides the form (the testbed's JSON adapter was trained with it on)
     schema_in_prompt: Annotated[bool, Identity.YES] = True

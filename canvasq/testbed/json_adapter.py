@@ -17,7 +17,7 @@ in one of these forms (`FORMS`, drawn by `--weights`):
 plus `--code-share` of code problems in their own free form, so code answers are not forgotten. The
 documents are compact (no whitespace), keys in this order: the text `decoders.structured` holds
 canvases to. Each JSON form's prompt is the problem with its schema (`FORM_SCHEMAS`) shown by the
-service's own function (`core.response_format.shown_prompt`: `JSON {"answer":integer}` on a line of
+service's own function (`decoders.schema_text.shown_prompt`: `JSON {"answer":integer}` on a line of
 its own before the problem), exactly what a `response_format` line's prompt becomes at validation; the
 free form (and code) has none. So the adapter learns the instruction -> form: with one plain prompt for five forms, the
 model could not know which one a constrained canvas wanted (BENCHMARKS.md, "Issue 36's accuracy bar").
@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from canvasq.core.response_format import shown_prompt
+from canvasq.decoders.schema_text import shown_prompt
 from canvasq.testbed import tasks
 from canvasq.testbed.config import BOS_ID, EOS_ID, PAD_ID, SEP_ID
 

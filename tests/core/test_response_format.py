@@ -10,11 +10,11 @@ from click.testing import CliRunner
 from sqlalchemy import select
 
 from canvasq.cli import cli
-from canvasq.core.response_format import JSON_OBJECT, format_instruction, shown_prompt
 from canvasq.core.schemas import Limits, parse_line
 from canvasq.core.settings import Settings
 from canvasq.core.store import Store
 from canvasq.core.tables import Request
+from canvasq.decoders.schema_text import JSON_OBJECT, format_instruction, shown_prompt
 from tests.harness.backends import model_for_tests
 
 ANSWER = {

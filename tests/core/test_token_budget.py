@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from canvasq.core.models import model_context
-from canvasq.core.response_format import shown_prompt
 from canvasq.core.schemas import Limits, LineError, parse_line, validate_file
 from canvasq.core.settings import Settings
 from canvasq.decoders import run_batch
+from canvasq.decoders.schema_text import shown_prompt
 from canvasq.decoders.state import request_error
 from canvasq.decoders.types import DecodeBatch, DecodeRequest, token_budget_error
 from canvasq.model.loading import load_bundle

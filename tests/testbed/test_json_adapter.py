@@ -65,9 +65,9 @@ def test_training_texts_come_from_the_train_split_in_the_weighted_forms():
 
 
 def test_each_json_form_prompt_carries_its_schema_as_the_service_shows_it():
-    from canvasq.core.response_format import format_instruction, shown_prompt
     from canvasq.core.schemas import Limits, parse_line
     from canvasq.core.settings import Settings
+    from canvasq.decoders.schema_text import format_instruction, shown_prompt
 
     rows = ja.training_texts(300, 10, 1, ja.parse_weights(ja.DEFAULT_WEIGHTS))
     problems = {p.prompt: p for p in tasks.generate("arith", 300, 1, split="train")}

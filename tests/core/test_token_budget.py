@@ -28,6 +28,16 @@ def bundle():
     torch.set_num_threads(n)
 
 
+def _over(line: int, prompt: int, max_tokens: int, canvases: int, C: int, ctx: int) -> LineError:
+    """The refusal of a line whose prompt and canvases need more positions than the context."""
+    need = prompt + canvases * C
+    return LineError(
+        line,
+        f"prompt ({prompt} tokens) + max_tokens {max_tokens} rounded up to {canvases} canvases of {C} "
+        f"need {need} positions; the model context is {ctx}",
+    )
+
+
 def test_rule_rounds_max_tokens_up_to_whole_canvases():
     assert token_budget_error(992, 32, 32, 1024) is None
     assert token_budget_error(992, 1, 32, 1024) is None
@@ -98,21 +108,9 @@ def test_a_line_at_the_edge_passes_and_decodes_one_token_more_is_refused_at_its_
     report = validate_file(src, limits)
     assert report.jobs == 1
     assert report.errors == [
-        LineError(
-            2,
-            f"prompt ({ctx - C + 1} tokens) + max_tokens {C} rounded up to 1 canvases of {C} need "
-            f"{ctx + 1} positions; the model context is {ctx}",
-        ),
-        LineError(
-            3,
-            f"prompt ({ctx - C} tokens) + max_tokens {C + 1} rounded up to 2 canvases of {C} need "
-            f"{ctx + C} positions; the model context is {ctx}",
-        ),
-        LineError(
-            4,
-            f"prompt ({ctx - C + 1} tokens) + max_tokens 1 rounded up to 1 canvases of {C} need "
-            f"{ctx + 1} positions; the model context is {ctx}",
-        ),
+        _over(2, ctx - C + 1, C, 1, C, ctx),
+        _over(3, ctx - C, C + 1, 2, C, ctx),
+        _over(4, ctx - C + 1, 1, 1, C, ctx),
     ]
 
     # the decoder refuses exactly those, with the same words, and decodes the edge line
@@ -149,13 +147,7 @@ def test_the_schema_shown_in_the_prompt_counts_at_validation_in_the_decoder_and_
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     report = validate_file(src, limits)
     assert report.jobs == 2
-    assert report.errors == [
-        LineError(
-            2,
-            f"prompt ({ctx - C + 1} tokens) + max_tokens {C} rounded up to 1 canvases of {C} need "
-            f"{ctx + 1} positions; the model context is {ctx}",
-        )
-    ]
+    assert report.errors == [_over(2, ctx - C + 1, C, 1, C, ctx)]
     off = Limits.for_model(Settings(model=bundle.spec, schema_in_prompt=False))
     assert validate_file(src, off).errors == []  # the setting off: the prompt as written
 

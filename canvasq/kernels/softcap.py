@@ -31,19 +31,30 @@ def _softcap_kernel(
     tl.store(y_ptr + offs, tanh(z, INTERPRETED) * cap, mask=m)
 
 
+@triton.jit
+def softcap_on_read(l, inv_cap, cap, INTERPRETED: tl.constexpr):
+    """The soft cap inside another kernel, on fp32 values it has just read (`_softcap_kernel`'s math):
+    no capped copy is written; -inf (masked lanes) stays -inf."""
+    return tl.where(l > float("-inf"), tanh(l * inv_cap, INTERPRETED) * cap, l)
+
+
+def cap_args(cap: float | None) -> tuple[float, float]:
+    """(1 / cap, cap) as the kernels take them (the fp32 reciprocal torch's CUDA division uses), or
+    (0, 0) without a cap."""
+    return (float(np.float32(1.0) / np.float32(cap)), float(cap)) if cap else (0.0, 0.0)
+
+
 def softcap_launch(x: torch.Tensor, cap: float, out: torch.Tensor | None = None) -> torch.Tensor:
     x = x.contiguous()
     y = _dest(x, out)
     n = x.numel()
     block = 4096
     if n:
-        inv = float(np.float32(1.0) / np.float32(cap))  # the fp32 reciprocal torch's CUDA div uses
         _softcap_kernel[(triton.cdiv(n, block),)](
             x,
             y,
             n,
-            inv,
-            float(cap),
+            *cap_args(cap),
             BLOCK=block,
             INTERPRETED=interpreted(_softcap_kernel),
             **pdl_kwargs(x, _softcap_kernel),

@@ -28,8 +28,9 @@ import triton
 import triton.language as tl
 
 from ._dispatch import auto_triton, interpreted
+from .softcap import cap_args, softcap_on_read
 from .softmax_invcdf import draw_invcdf, invcdf_rule, lane_sums
-from .softmax_topk import cap_args, softcap_on_read, top_k_scaled
+from .softmax_topk import top_k_scaled
 
 
 class SampleStats(NamedTuple):
@@ -282,12 +283,13 @@ def _launch(
     assert logits.dtype in (torch.float32, torch.float16, torch.bfloat16)
     R, V = logits.shape
     sample = seeds is not None
-    gumbel, lanes = sample and not invcdf, lane_max or (sample and invcdf)
+    inverse = sample and invcdf  # the draw by `draw_invcdf` after both passes, not Gumbel's in them
+    gumbel, lanes = sample and not invcdf, lane_max or inverse
     block_v = min(block_v, triton.next_power_of_2(V))
     chunks = _num_chunks(R, V, block_v)
     chunk = triton.cdiv(triton.cdiv(V, chunks), block_v) * block_v
     parts, lm = _partials(R, chunks, block_v, logits.device, gumbel, lanes)
-    ls = lane_sums(R, chunks, block_v, logits.device) if sample and invcdf else lm
+    ls = lane_sums(R, chunks, block_v, logits.device) if inverse else lm
     conf, arg, ent, draw, noise = _outputs(R, logits.device, sample)
     if R == 0:
         return conf, arg, ent, draw, noise, lm
@@ -308,7 +310,7 @@ def _launch(
         BLOCK_V=block_v,
         SAMPLE=gumbel,
         LANE_MAX=lanes,
-        LANE_SUM=ls is not lm,
+        LANE_SUM=inverse,
         RAND4=gumbel and rand4 and block_v >= 4,
         SOFTCAP=bool(cap),
         INTERPRETED=interpreted(_softmax_stats_partial_kernel),
@@ -318,7 +320,7 @@ def _launch(
     _softmax_stats_final_kernel[(R,)](
         *parts, seed_arg, *outs, V, group, CHUNKS=chunks, SAMPLE=sample, GUMBEL=gumbel, num_warps=1
     )
-    if sample and invcdf:
+    if inverse:
         draw_invcdf(
             logits, parts[0], parts[1], lm, ls, inv_temp, seeds, draw, group, chunks, chunk, block_v, cap
         )

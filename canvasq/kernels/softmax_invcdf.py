@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .softmax_topk import cap_args, softcap_on_read
+from .softcap import cap_args, softcap_on_read
 
 
 @triton.jit
@@ -66,8 +66,9 @@ def _invcdf_draw_kernel(
     pm = tl.load(pm_ptr + row * CHUNKS + cs)
     top = tl.max(pm, axis=0)
     w = tl.where(pm > -1e29, tl.load(ps_ptr + row * CHUNKS + cs) * tl.exp(pm - top), 0.0)
-    c, before = _pick(w, u * tl.sum(w, axis=0), CHUNKS)
-    rest = u * tl.sum(w, axis=0) - before
+    target = u * tl.sum(w, axis=0)
+    c, before = _pick(w, target, CHUNKS)
+    rest = target - before
     lanes = tl.arange(0, BLOCK_V)
     at = (row * CHUNKS + c) * BLOCK_V + lanes
     lm = tl.load(lane_max_ptr + at)

@@ -4,20 +4,12 @@ above it into TOP_K_CAP candidate slots per row, torch.topk over those slots onl
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from ._dispatch import interpreted
-from ._math import tanh
-
-
-@triton.jit
-def softcap_on_read(l, inv_cap, cap, INTERPRETED: tl.constexpr):
-    """`cap * tanh(l / cap)` on fp32 values just read (the LM head's final soft cap, as `softcap.py`
-    computes it); -inf (masked lanes) stays -inf."""
-    return tl.where(l > float("-inf"), tanh(l * inv_cap, INTERPRETED) * cap, l)
+from .softcap import cap_args, softcap_on_read, softcap_reference
 
 
 @triton.jit
@@ -64,12 +56,6 @@ def _gather_above_kernel(
 
 
 TOP_K_CAP = 512  # candidate slots per row; a row with more candidates falls back to torch.topk
-
-
-def cap_args(cap: float | None) -> tuple[float, float]:
-    """(1 / cap, cap) as the kernels take them (the fp32 reciprocal torch's CUDA division uses), or
-    (0, 0) without a cap."""
-    return (float(np.float32(1.0) / np.float32(cap)), float(cap)) if cap else (0.0, 0.0)
 
 
 def top_k_scaled(
@@ -119,9 +105,7 @@ def top_k_scaled(
     over = (count > slots).nonzero().flatten()  # a host sync; empty unless logits tie at the top
     if over.numel():
         scale = inv_temp.repeat_interleave(group)[over, None]
-        rows = logits[over].float()
-        if cap:
-            rows = rows.div_(cap).tanh_().mul_(cap)
+        rows = softcap_reference(logits[over], cap) if cap else logits[over].float()
         v2, i2 = torch.topk(rows * scale, k, dim=-1)
         top[over], top_ids[over] = v2, i2
     return top, top_ids

@@ -90,13 +90,15 @@ class OfficialConfig:
     fold_encode: bool = False
     # With the fused sampler, top-k self-conditioning and a deferred LM head, the sampler's reads apply
     # the final soft cap to the head's bf16 output (no fp32 [rows, V] copy written and read twice).
-    # Off by default until an H200 A/B shows it pays (the reads gain a tanh each in a compute-bound
-    # pass). False: the head writes capped fp32 logits first, as HF does
+    # Off: with the Gumbel draw the reads are compute-bound and a tanh each costs what the skipped pass
+    # saves (an H200 A/B measured no gain, BENCHMARKS.md "Service throughput"). False: the head writes
+    # capped fp32 logits first, as HF does
     cap_on_read: bool = False
     # The fused sampler's draw: "gumbel" (Gumbel-max in the statistics read: a uniform and two logs per
     # logit) or "invcdf" (inverse CDF over the sums that read keeps, one uniform per row and one lane's
-    # logits read again: kernels/softmax_invcdf.py). The same distribution, other draws; "gumbel" until
-    # an H200 A/B and the accuracy guard measure "invcdf"
+    # logits read again: kernels/softmax_invcdf.py). The same distribution, other draws; the default
+    # stays "gumbel" because "invcdf" has not been compared with HF generate() on the GPU nor timed
+    # through the worker loop (BENCHMARKS.md "Service throughput")
     draw: str = "gumbel"
     # Structured output (decoders/constrained.py): a constrained canvas whose best valid path has not
     # changed for this many steps is pinned to it (its logits one-hot), so the stopping rule ends it

@@ -14,7 +14,7 @@ from datetime import datetime
 from sqlalchemy import and_, case, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
-from canvasq.core.db import StoreBase
+from canvasq.core.db import StoreBase, rowcount
 from canvasq.core.statuses import RUN_ACTIVE, ChunkStatus, RequestStatus, RunStatus
 from canvasq.core.tables import Chunk, Request, Run, Worker, utcnow
 
@@ -300,6 +300,40 @@ class RunControl(StoreBase):
                 )
             )
             return [(r[0], r[1]) for r in s.execute(q.order_by(Chunk.id))]
+
+    def waiting_chunks(self, published_before: datetime) -> list[tuple[str, str]]:
+        """(chunk_id, queue) of queued chunks of active runs, published before then and never claimed
+        since: each should have its message in the broker (`worker.lost` checks that it does)."""
+        with self.Session() as s:
+            q = (
+                select(Chunk.id, Run.queue)
+                .join(Run, Run.id == Chunk.run_id)
+                .where(
+                    Chunk.status == ChunkStatus.queued,
+                    Chunk.published_at < published_before,
+                    Run.status.in_(RUN_ACTIVE),
+                )
+            )
+            return [(r[0], r[1]) for r in s.execute(q.order_by(Chunk.id))]
+
+    def unpublish(self, chunk_ids: Sequence[str], published_before: datetime) -> list[str]:
+        """Queued chunks published before then → unpublished (the outbox), conditionally, so a chunk
+        claimed or re-published meanwhile is left alone. Returns the ids changed."""
+        done = []
+        with self.Session.begin() as s:
+            for cid in chunk_ids:
+                res = s.execute(
+                    update(Chunk)
+                    .where(
+                        Chunk.id == cid,
+                        Chunk.status == ChunkStatus.queued,
+                        Chunk.published_at < published_before,
+                    )
+                    .values(published_at=None, updated_at=utcnow())
+                )
+                if rowcount(res) == 1:
+                    done.append(cid)
+        return done
 
     def active_runs(self) -> list[str]:
         with self.Session() as s:

@@ -1,7 +1,8 @@
 """One reconcile pass over the store: expire runs past their deadline, publish chunks a crash left
-unpublished (the outbox), re-publish chunks whose lease expired, finalise runs with no row left
-queued. Every worker runs a pass every `reconcile_s` (`reconcile_loop`, one worker per interval
-across the fleet, by a lock in Redis); `canvasq reconcile` runs one by hand, or in a loop.
+unpublished (the outbox), re-publish chunks whose lease expired and chunks whose message the
+broker lost (`worker.lost`), finalise runs with no row left queued. Every worker runs a pass every
+`reconcile_s` (`reconcile_loop`, one worker per interval across the fleet, by a lock in Redis);
+`canvasq reconcile` runs one by hand, or in a loop.
 
 A worker renews the lease of the chunk it works on with every heartbeat (`lease_s`, default 60 s,
 against a 15 s heartbeat), so a lease lapses only when its worker died or lost the store: a dead
@@ -33,6 +34,7 @@ from canvasq.core.queue import QueueStore
 from canvasq.core.settings import Settings, mask_url
 from canvasq.core.statuses import ChunkStatus
 from canvasq.core.tables import Chunk, utcnow
+from canvasq.worker.lost import Scan, lost_chunks
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +47,17 @@ class ReconcileReport:
     republished: int
     expired: list[str]
     finalised: list[str]
+    lost: int = 0
 
     def line(self) -> str:
+        total = self.published + self.republished + self.lost
         return (
-            f"published {self.published + self.republished} chunks ({self.republished} with expired leases), "
+            f"published {total} chunks ({self.republished} with expired leases, {self.lost} lost by the broker), "
             f"expired {len(self.expired)} runs, finalised {len(self.finalised)} runs"
         )
 
     def __bool__(self) -> bool:
-        return bool(self.published or self.republished or self.expired or self.finalised)
+        return bool(self.published or self.republished or self.lost or self.expired or self.finalised)
 
 
 def requeue_stale(store: QueueStore, chunk_ids: Sequence[str], older_than) -> list[str]:
@@ -88,10 +92,15 @@ OUTBOX_GRACE_S = 60.0
 
 
 def reconcile_once(
-    store: QueueStore, settings: Settings, publish: Publish | None = None, outbox_grace_s: float = 0.0
+    store: QueueStore,
+    settings: Settings,
+    publish: Publish | None = None,
+    outbox_grace_s: float = 0.0,
+    scan: Scan | None = None,
 ) -> ReconcileReport:
     """One pass. `outbox_grace_s`: publish only unpublished chunks stored at least that long ago
-    (0 for a pass by hand, which publishes every one; OUTBOX_GRACE_S for the periodic ones)."""
+    (0 for a pass by hand, which publishes every one; OUTBOX_GRACE_S for the periodic ones).
+    `scan`: what the broker holds of a queue (`worker.lost.broker_chunk_ids`, read from Redis)."""
     if publish is None:
         from canvasq.worker.celery_app import publish_chunks
 
@@ -122,8 +131,16 @@ def reconcile_once(
             publish(ids, q, settings)
             store.mark_published(ids)
             republished += len(ids)
+    lost = 0
+    for q, ids in lost_chunks(store, settings, scan).items():
+        ids = store.unpublish(ids, utcnow())
+        if ids:  # unpublished first: a failed publish is retried as outbox by the next pass
+            log.warning("re-publishing %d chunk(s) whose message the broker lost: %s", len(ids), ids)
+            publish(ids, q, settings)
+            store.mark_published(ids)
+            lost += len(ids)
     finalised = [r for r in store.active_runs() if store.finalize_run(r)]
-    return ReconcileReport(published, republished, expired, finalised)
+    return ReconcileReport(published, republished, expired, finalised, lost)
 
 
 def lock_key(settings: Settings) -> str:

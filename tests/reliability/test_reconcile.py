@@ -6,6 +6,7 @@ a time across the fleet (a lock in Redis)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -17,6 +18,7 @@ from sqlalchemy import select, update
 from canvasq.core.settings import Settings
 from canvasq.core.store import Store
 from canvasq.core.tables import Chunk, utcnow
+from canvasq.worker.celery_app import make_app
 from canvasq.worker.reconcile import reconcile_loop
 from tests.harness import probes
 from tests.harness.scenario import write_input
@@ -162,3 +164,55 @@ def test_workers_reconcile_loop_runs_one_pass_per_interval_across_the_fleet(tmp_
         assert sum(name == "other" for name, _ in passes) >= 3, passes
         assert published == [run.chunk_ids[0]]
         store.dispose()
+
+
+def test_reconcile_republishes_a_chunk_whose_message_the_broker_lost(tmp_path):
+    """kombu pops a message before it records it as unacked: a worker killed between the two takes
+    the message with it, and the chunk (never claimed, never unacked) would wait forever. A pass
+    re-publishes such a chunk once; it leaves alone a chunk held unacked by a live worker, one still
+    in the queue, and one published too recently to tell."""
+    with RedisServer(tmp_path) as redis:
+        db = f"sqlite:///{tmp_path / 'lost.sqlite'}"
+        env = worker_env(
+            db_url=db, broker_url=redis.url, soft_time_limit=1, hard_time_limit=2, visibility_timeout=3
+        )
+
+        def cli(*args):
+            res = subprocess.run(
+                [sys.executable, "-m", "canvasq.cli", *args],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                cwd=tmp_path,
+                check=False,
+            )
+            assert res.returncode == 0, res.stdout + res.stderr
+            return res.stdout
+
+        cli("db", "upgrade")
+        write_input(tmp_path / "in.jsonl", 6)
+        run = cli("submit", str(tmp_path / "in.jsonl"), "--queue", "q.lost", "--chunk-size", "2").split()[-1]
+        store = Store(db)
+        app = make_app(
+            Settings(database_url=db, broker_url=redis.url, visibility_timeout=3), set_as_current=False
+        )
+        try:
+            held, lost, waiting = sorted(probes.chunk_attempts(store, run))
+            # a live worker holds the oldest chunk, unacked, until its connection closes
+            with app.connection_for_read() as conn:
+                msg = conn.default_channel.basic_get("q.lost", no_ack=False)
+                assert msg is not None and msg.payload[0] == [held]
+                client = redis.client()
+                assert client.rpop("q.lost") is not None  # the next one: popped by a worker killed at once
+                assert redis.queue_length("q.lost") == 1  # the youngest chunk still waits
+                assert "0 lost by the broker" in cli("reconcile")  # published a moment ago: not checked yet
+                with store.Session.begin() as s:
+                    s.execute(update(Chunk).values(published_at=utcnow() - timedelta(minutes=5)))
+                first, second = cli("reconcile"), cli("reconcile")
+                assert "1 lost by the broker" in first and "0 lost by the broker" in second, (first, second)
+                queued = [json.loads(raw)["headers"]["argsrepr"] for raw in client.lrange("q.lost", 0, -1)]
+                assert sorted(queued) == sorted([repr([lost]), repr([waiting])]), queued
+                client.close()
+        finally:
+            store.dispose()

@@ -195,3 +195,26 @@ def test_t21_kill_at_half_rerun_keeps_finished_rows_and_does_one_pass(scenario):
         assert set(decoded) == set(ids)
         assert len(decoded) <= len(ids) + chunk, Counter(decoded)
         assert not {c for c, n in Counter(decoded).items() if n > 1} & set(before)
+
+
+def test_t22_message_lost_between_pop_and_unacked_comes_back_through_reconcile(scenario):
+    """T22: kombu pops a message before it records it as unacked, so a worker killed between the two
+    loses the message (seen once in CI at T21's kill). The chunk was never claimed (no lease) nor
+    unacked (no visibility timeout): only the workers' reconcile pass can notice the broker no longer
+    holds it. Here the pop is done by hand before any worker starts; the run still completes, each
+    row decoded once."""
+    with scenario(db="sqlite") as sc:
+        ids = sc.write_input(8)
+        work = sc.tmp / "work.log"
+        run = sc.submit("--chunk-size", "4")
+        client = sc.redis.client()
+        popped = client.rpop(sc.queue)
+        client.close()
+        assert popped is not None and sc.redis.queue_length(sc.queue) == 1
+        w = sc.worker(extra={"CANVASQ_RECONCILE_S": "2", "CANVASQ_TEST_WORK_LOG": str(work)})
+        w.wait_ready()
+        sc.wait_terminal(run, deadline_s=240)
+        sc.check(run, ids, run_status="completed", statuses={"done": 8})
+        decoded = [c for _, c in probes.work_log(work)]
+        assert sorted(decoded) == sorted(ids), Counter(decoded)
+        assert "whose message the broker lost" in w.log(20000), w.log(3000)

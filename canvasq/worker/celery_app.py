@@ -37,6 +37,9 @@ def celery_config(settings: Settings) -> dict:
             "visibility_timeout": settings.visibility_timeout,
             "unacked_restore_interval": max(1, min(10, settings.visibility_timeout // 10)),
             "unacked_restore_throttle": 1,
+            # Each sweep holds a mutex in Redis for a few ms; a worker killed while holding it
+            # stopped every sweep in the fleet for kombu's default 300 s. 30 s is far above a sweep.
+            "unacked_mutex_expire": 30,
         },
         "task_default_queue": settings.queue_for(),
         "task_serializer": "json",

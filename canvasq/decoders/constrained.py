@@ -2,14 +2,14 @@
 (`decoders.structured` has the method). The decoder calls four hooks:
 
 - `begin(s, cv)` when a row's canvas is spawned: the canvas's token masks from the automaton state its
-  committed answer reached and the answer tokens left (`Grammar.plan`), put on the device;
+  committed answer reached and the answer tokens left (`Grammar.plan`, built on the device);
 - `mask(seqs, logits)` after each decoder forward: every constrained row's logits outside its masks set
   to `NEG` in place, so the sampler's draws, argmax, entropies (the acceptance and stopping rules) and
   self-conditioning all see only tokens some valid completion allows (scaffold positions have one
   token: entropy 0, accepted at the first step); with `settle` (OfficialConfig.constraint_settle), a
   canvas whose best valid path has held that many steps is pinned to it (`_settle`);
 - `final(finished, logits, tokens)` when canvases stop: a constrained row's tokens are the best
-  completable path under its last logits (`Grammar.best`), not the per-position argmax;
+  completable path under its last logits (`Grammar.best`, on the device), not the per-position argmax;
 - `checked(s, result)` for every finished row: its text parsed and validated against the schema
   (jsonschema); a row that fails is an error with code `invalid_structured_output` (it cannot happen
   by construction; the check makes sure), never a done row with invalid JSON.
@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from canvasq.decoders.grammar_device import device_grammar
 from canvasq.decoders.state import Canvas, Seq
 from canvasq.decoders.structured import (
     Grammar,
@@ -88,14 +88,10 @@ class CanvasConstraints:
             row.state = row.grammar.start
         budget = s.req.max_tokens - cv.index * self.C
         try:
-            plan = row.grammar.plan(row.state, self.C, budget)
+            row.masks = device_grammar(row.grammar, self.device).plan(row.state, self.C, budget, self.V)
         except Unfinishable as exc:
             s.error, s.done = f"{UNFINISHABLE}: {exc}", True
             return
-        # the model's vocabulary may be padded past the tokenizer's: those ids stay masked
-        masks = np.zeros((self.C, self.V), dtype=bool)
-        masks[:, : plan.shape[1]] = plan
-        row.masks = torch.from_numpy(masks).to(self.device)
         row.path, row.same = None, 0
         s.stats["constraint_host_us"] += int(1e6 * (time.perf_counter() - t0))
 
@@ -119,14 +115,13 @@ class CanvasConstraints:
     def _settle(self, at: list[tuple[int, Seq, RowGrammar]], logits: torch.Tensor, idx: torch.Tensor) -> None:
         """Pin each canvas (its row of logits [B, C, V], masked) to its best valid path once that path
         has held for `settle` steps: one-hot logits, so the argmax is the path, every entropy 0 and the
-        stopping rule ends the canvas at its next check. The rows' log-probs come to the host in one
-        copy ([rows, C, V]: at the real vocabulary a device-side Viterbi would be needed)."""
+        stopping rule ends the canvas at its next check. The paths are found on the device
+        (`grammar_device`); only their tokens come to the host."""
         assert self.settle is not None
-        logp = torch.log_softmax(logits[idx].float(), dim=-1).cpu().numpy().astype(np.float64)
+        logp = torch.log_softmax(logits[idx].float(), dim=-1)
+        paths = self._best([(s, row) for _, s, row in at], logp)
         pinned: list[tuple[int, list[int]]] = []
-        for k, (b, s, row) in enumerate(at):
-            budget = s.req.max_tokens - s.canvases[0].index * self.C
-            path, _ = row.grammar.best(row.state, logp[k], budget)
+        for (b, s, row), (path, _) in zip(at, paths):
             row.same = row.same + 1 if path == row.path else 0
             row.path = path
             if row.same >= self.settle:
@@ -134,31 +129,51 @@ class CanvasConstraints:
                 s.stats["constraint_pinned_steps"] += 1
         if pinned:
             at_b = torch.tensor([b for b, _ in pinned], device=logits.device)
-            paths = torch.tensor([p for _, p in pinned], device=logits.device)
+            paths_t = torch.tensor([p for _, p in pinned], device=logits.device)
             one_hot = torch.full_like(logits[at_b], NEG)
-            logits[at_b] = one_hot.scatter_(2, paths[..., None], 0.0)
+            logits[at_b] = one_hot.scatter_(2, paths_t[..., None], 0.0)
+
+    def _best(self, rows: list[tuple[Seq, RowGrammar]], logp: torch.Tensor) -> list[tuple[list[int], int]]:
+        """Each row's best completable path under its log-probs (`logp` [R, C, V], in `rows`' order) and
+        the state it ends in: one batched device Viterbi per distinct grammar."""
+        out: list[tuple[list[int], int]] = [([], 0)] * len(rows)
+        groups: dict[int, list[int]] = {}
+        for k, (_, row) in enumerate(rows):
+            groups.setdefault(id(row.grammar), []).append(k)
+        for ks in groups.values():
+            grammar = rows[ks[0]][1].grammar
+            budgets = [s.req.max_tokens - s.canvases[0].index * self.C for s, _ in (rows[k] for k in ks)]
+            at = torch.tensor(ks, device=logp.device)
+            toks, ends = device_grammar(grammar, self.device).best(
+                [rows[k][1].state for k in ks], logp[at], budgets
+            )
+            for k, path, end in zip(ks, toks.tolist(), ends):
+                out[k] = (path, end)
+        return out
 
     def final(self, finished: list[Seq], logits: torch.Tensor, rows: list[int], tokens: list[list[int]]):
         """The stopped canvases' tokens (`rows`: each one's index in `logits` [B, C, V]), the
         constrained rows' replaced by their best completable path."""
-        out = []
-        for s, b, toks in zip(finished, rows, tokens):
-            row = self.rows.get(s.row)
-            if row is None:
-                out.append(toks)
-                continue
-            t0 = time.perf_counter()
-            logp = torch.log_softmax(logits[b].float(), dim=-1).cpu().numpy()
-            budget = s.req.max_tokens - s.canvases[0].index * self.C
-            try:
-                best, row.state = row.grammar.best(row.state, logp.astype(np.float64), budget)
-            except Unfinishable as exc:  # begin's plan said otherwise: a bug, the row ends in error
+        out = list(tokens)
+        held = [(k, s, self.rows[s.row]) for k, s in enumerate(finished) if s.row in self.rows]
+        if not held:
+            return out
+        t0 = time.perf_counter()
+        at = torch.tensor([rows[k] for k, _, _ in held], device=logits.device)
+        logp = torch.log_softmax(logits[at].float(), dim=-1)
+        try:
+            paths = self._best([(s, row) for _, s, row in held], logp)
+        except Unfinishable as exc:  # begin's plan said otherwise: a bug, the rows end in error
+            for _, s, _ in held:
                 s.error, s.done = f"{UNFINISHABLE}: {exc}", True
-                best = toks
+            return out
+        share = int(1e6 * (time.perf_counter() - t0) / len(held))
+        for (k, s, row), (best, end) in zip(held, paths):
+            row.state = end
             s.stats["constrained_canvases"] += 1
-            s.stats["constrained_changed"] += sum(a != b for a, b in zip(best, toks))
-            s.stats["constraint_host_us"] += int(1e6 * (time.perf_counter() - t0))
-            out.append(best)
+            s.stats["constrained_changed"] += sum(a != b for a, b in zip(best, tokens[k]))
+            s.stats["constraint_host_us"] += share
+            out[k] = best
         return out
 
     def checked(self, s: Seq, res: DecodeResult) -> DecodeResult:

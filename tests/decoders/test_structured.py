@@ -10,10 +10,12 @@ import json
 import jsonschema
 import numpy as np
 import pytest
+import torch
 from tokenizers import Tokenizer
 
 from canvasq.decoders import DecodeBatch, DecodeRequest, run_batch
 from canvasq.decoders.constrained import INVALID, CanvasConstraints
+from canvasq.decoders.grammar_device import DeviceGrammar
 from canvasq.decoders.structured import Unfinishable, compile_grammar, token_texts
 from canvasq.decoders.types import DecodeResult
 from canvasq.model.loading import load_bundle
@@ -113,6 +115,35 @@ def test_no_room_is_unfinishable(texts):
         g.best(g.start, np.zeros((C, len(texts.texts))), g.min_tokens - 1)
     ids, _ = g.best(g.start, np.zeros((C, len(texts.texts))), g.min_tokens)  # exactly enough
     assert ids.index(texts.eos) == g.min_tokens - 1 and json.loads(_text(ids, texts)) == {"answer": 0}
+
+
+@pytest.mark.parametrize("schema", [ANSWER, SIGN, NESTED], ids=["integer", "enum", "nested"])
+def test_the_device_automaton_gives_the_host_ones_masks_and_paths(texts, schema):
+    """`grammar_device` (what `official` runs) against `Grammar.plan` / `Grammar.best` (the host
+    reference) in float64: rows of one batch from different states and budgets, a budget that ends
+    inside the canvas among them, give the same masks, tokens and end states."""
+    g = compile_grammar(schema, texts)
+    dg = DeviceGrammar(g, torch.device("cpu"))
+    V = len(texts.texts) + 5  # the model's vocabulary padded past the tokenizer's
+    rng = np.random.default_rng(3)
+
+    def draw():
+        return np.log(rng.dirichlet(np.full(V, 0.05), size=C) + 1e-30)
+
+    _, mid = g.best(g.start, draw()[:, : len(texts.texts)], 4 * C)
+    rows = [(g.start, 4 * C), (mid, 3 * C), (g.start, g.min_tokens), (mid, C + 3), (g.start, C + 7)]
+    rows = [(q, b) for q, b in rows if g.dist[q] <= b]
+    assert len(rows) >= 4 and mid != g.start
+    logprobs = np.stack([draw() for _ in rows])
+    for q, b in rows:
+        want = np.zeros((C, V), dtype=bool)
+        want[:, : len(texts.texts)] = g.plan(q, C, b)
+        assert (dg.plan(q, C, b, V).numpy() == want).all()
+    toks, ends = dg.best([q for q, _ in rows], torch.from_numpy(logprobs), [b for _, b in rows])
+    for k, (q, b) in enumerate(rows):
+        assert (toks[k].tolist(), ends[k]) == g.best(q, logprobs[k][:, : len(texts.texts)], b)
+    with pytest.raises(Unfinishable):
+        dg.plan(g.start, C, g.min_tokens - 1, V)
 
 
 @pytest.fixture(scope="module")

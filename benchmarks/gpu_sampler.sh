@@ -2,7 +2,7 @@
 # The official sampler's draws on the H200 machine (torch 2.11, no network): torch per-request draws
 # against the fused kernel (kernels/softmax_argmax.softmax_sample), one device call per part:
 #
-#   bash benchmarks/gpu_sampler.sh micro service   # per-step sampler pieces, then the worker loop A/B
+#   bash benchmarks/gpu_sampler.sh micro service   # per-step sampler (and structured-output) pieces, then the worker loop A/B
 #   bash benchmarks/gpu_sampler.sh guard tests     # testbed accuracy torch vs fused, GPU tests
 #
 # "guard" and "tests" run side by side (the guard measures accuracy, not time), then "service";
@@ -27,6 +27,8 @@ what=" $* "
 if [[ $what == *" micro "* ]]; then
   OUT=$R timeout "${MICRO_TIMEOUT:-120}" python benchmarks/kernels/sampler.py > "$R/sampler.txt" 2>&1; echo "micro rc=$?"
   grep "^|" "$R/sampler.txt"
+  OUT=$R timeout "${MICRO_TIMEOUT:-120}" python benchmarks/kernels/structured.py > "$R/structured.txt" 2>&1
+  echo "structured micro rc=$?"; grep "^|" "$R/structured.txt"
 fi
 tests_pid=
 if [[ $what == *" tests "* ]]; then

@@ -10,6 +10,7 @@ free (the reference: its final `#### N` answer) and under JSON schemas, each ask
 Per arm: rows, rows done, done rows that parse and validate (jsonschema), accuracy over all rows
 (errored or invalid rows count as wrong), forwards per request, wall seconds, committed tokens per
 second, the constraint's host time; the reference's accuracy is given for each schema's question.
+`--think` lets a constrained row write its working free before its document (`constraint_think`).
 `--adapter DIR` merges a LoRA (`python -m canvasq.testbed.json_adapter`) into the model first: both
 the free and the constrained arms then run the same weights. The report is rewritten after every arm.
 
@@ -155,6 +156,7 @@ def run(args) -> dict:
         "adapter": args.adapter,
         "schema_in_prompt": args.schema_in_prompt,
         "constraint_settle": None if args.settle < 0 else args.settle,
+        "constraint_think": args.think,
         "device": args.device,
         "arms": [],
     }
@@ -167,8 +169,13 @@ def run(args) -> dict:
         for name in args.schemas:
             ok = [asked(name, p, None, a) == truth(name, p) for p, a in zip(problems, answers)]
             report["arms"].append(arm_report(f"free/{name}/seed{seed}", free, wall, problems, ok, None))
-            settle = {"constraint_settle": None if args.settle < 0 else args.settle}
-            max_tokens = args.max_tokens or MAX_CANVASES[name] * C
+            settle = {
+                "constraint_settle": None if args.settle < 0 else args.settle,
+                "constraint_think": args.think,
+            }
+            max_tokens = (
+                args.max_tokens or MAX_CANVASES[name] * C + args.think * tasks.ANSWER_CANVASES["arith"] * C
+            )
             res, cwall = decode(bundle, problems, SCHEMAS[name], max_tokens, args.batch, seed, limits, settle)
             ok = []
             for p, r in zip(problems, res):
@@ -199,6 +206,7 @@ def _write_samples(path: Path, arm: str, problems, free, res) -> None:
                 "target": p.target,
                 "free": a.text,
                 "doc": b.text,
+                "thought": b.reasoning,
                 "error": b.error,
             }
             f.write(json.dumps(row) + "\n")
@@ -217,6 +225,12 @@ def main() -> None:
     ap.add_argument("--schemas", nargs="+", default=["answer", "change", "totals"], choices=list(SCHEMAS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--settle", type=int, default=2, help="OfficialConfig.constraint_settle (-1: off)")
+    ap.add_argument(
+        "--think",
+        action="store_true",
+        help="constrained rows write their working free first (OfficialConfig.constraint_think), "
+        "with the free answer's canvases added to max_tokens",
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", default=None)
     ap.add_argument("--adapter", default=None, help="a LoRA merged into the model for every arm")

@@ -33,6 +33,7 @@ from canvasq.decoders.structured import (
     Unfinishable,
     cached_grammar,
     output_problem,
+    split_thought,
     token_texts,
 )
 from canvasq.decoders.types import DecodeResult, FinishReason
@@ -64,8 +65,11 @@ def bundle_texts(bundle) -> TokenTexts:
 class CanvasConstraints:
     """Per-row automata of one decoder's stream (keyed by `Seq.row`)."""
 
-    def __init__(self, bundle, C: int, V: int, device: torch.device, settle: int | None = None):
+    def __init__(
+        self, bundle, C: int, V: int, device: torch.device, settle: int | None = None, think: bool = False
+    ):
         self.bundle, self.C, self.V, self.device, self.settle = bundle, C, V, device, settle
+        self.think = think  # free text before each document (`structured.THINK`)
         self._texts: TokenTexts | None = None
         self.rows: dict[int, RowGrammar] = {}
 
@@ -84,7 +88,7 @@ class CanvasConstraints:
         t0 = time.perf_counter()
         row = self.rows.get(s.row)
         if row is None:
-            row = self.rows[s.row] = RowGrammar(cached_grammar(schema, self.texts()), 0)
+            row = self.rows[s.row] = RowGrammar(cached_grammar(schema, self.texts(), self.think), 0)
             row.state = row.grammar.start
         budget = s.req.max_tokens - cv.index * self.C
         try:
@@ -186,6 +190,8 @@ class CanvasConstraints:
             if res.error.startswith(UNFINISHABLE):
                 res.error_code = UNFINISHABLE
             return res
+        if self.think:  # the row's text is its document; its thought is kept beside it
+            res.reasoning, res.text = split_thought(res.text)
         problem = output_problem(res.text, schema)
         if problem is not None or res.finish_reason != FinishReason.stop:
             res.error = f"{INVALID}: {problem or 'the document did not end'}"

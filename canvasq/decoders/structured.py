@@ -198,15 +198,28 @@ def schema_regex(schema: dict) -> str:
     return regex
 
 
-def compile_grammar(schema: dict, texts: TokenTexts) -> Grammar:
-    """A schema's automaton over these tokens (compiled once per distinct schema: `cached_grammar`)."""
+# A row that thinks first: free text up to the document's first "{" or "[", then the document
+# (`compile_grammar(think=True)`; `split_thought` parts the text again).
+THINK = "[^{\\[]*"
+
+
+def split_thought(text: str) -> tuple[str, str]:
+    """(the thought, the document) of a text decoded with `THINK` before its document."""
+    cut = min((i for i in (text.find("{"), text.find("[")) if i >= 0), default=len(text))
+    return text[:cut].rstrip("\n"), text[cut:]
+
+
+def compile_grammar(schema: dict, texts: TokenTexts, think: bool = False) -> Grammar:
+    """A schema's automaton over these tokens (compiled once per distinct schema: `cached_grammar`);
+    `think`: free text (`THINK`) before the document."""
     import outlines_core  # type: ignore[import-untyped]
 
     table: dict[str, list[int]] = {}
     for i, text in enumerate(texts.texts):
         if text is not None:
             table.setdefault(text, []).append(i)
-    index = outlines_core.Index(schema_regex(schema), outlines_core.Vocabulary(texts.eos, table))
+    regex = (THINK if think else "") + schema_regex(schema)
+    index = outlines_core.Index(regex, outlines_core.Vocabulary(texts.eos, table))
     return Grammar(
         index.get_transitions(),
         index.get_initial_state(),
@@ -218,14 +231,14 @@ def compile_grammar(schema: dict, texts: TokenTexts) -> Grammar:
 
 
 @lru_cache(maxsize=64)
-def _cached(schema_json: str, texts: TokenTexts) -> Grammar:
-    return compile_grammar(json.loads(schema_json), texts)
+def _cached(schema_json: str, texts: TokenTexts, think: bool) -> Grammar:
+    return compile_grammar(json.loads(schema_json), texts, think)
 
 
-def cached_grammar(schema: dict, texts: TokenTexts) -> Grammar:
-    """`compile_grammar`, once per distinct schema and vocabulary in a process (the key keeps the
-    schema's key order: properties are generated in it)."""
-    return _cached(json.dumps(schema), texts)
+def cached_grammar(schema: dict, texts: TokenTexts, think: bool = False) -> Grammar:
+    """`compile_grammar`, once per distinct schema, vocabulary and `think` in a process (the key keeps
+    the schema's key order: properties are generated in it)."""
+    return _cached(json.dumps(schema), texts, think)
 
 
 @lru_cache(maxsize=8)

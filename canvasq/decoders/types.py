@@ -72,6 +72,7 @@ class DecodeResult:
     # mechanism counters of step decoders (forced_accepts, jacobi_restarts, eos_priority, ...)
     stats: dict[str, int] = field(default_factory=dict)
     error_code: str | None = None  # the error's code where it is not a plain decode error
+    reasoning: str | None = None  # a constrained row's free text before its document (`constraint_think`)
 
 
 CANCELLED = FinishReason.cancelled  # `error` and `finish_reason` of rows stopped by `should_stop`

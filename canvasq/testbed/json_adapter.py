@@ -13,6 +13,8 @@ in one of these forms (`FORMS`, drawn by `--weights`):
     worked_change  {"reasoning":"<the working>","change":"gained"|"lost"|"same"}
     answer         {"answer":N}              (no working: what the model can do without it)
     change         {"change":"gained"|"lost"|"same"}
+    think          the free answer, a newline, then {"answer":N} (the working first, as the
+                   checkpoint writes it; the document after it: `think` in decoders.constrained)
 
 plus `--code-share` of code problems in their own free form, so code answers are not forgotten. The
 documents are compact (no whitespace), keys in this order: the text `decoders.structured` holds
@@ -92,6 +94,7 @@ FORM_SCHEMAS: dict[str, dict] = {
     "answer": _object({"answer": {"type": "integer"}}),
     "change": _object({"change": _CHANGE}),
 }
+FORM_SCHEMAS["think"] = FORM_SCHEMAS["answer"]  # the same line asked, answered after the working
 
 FORMS: dict[str, Callable[[tasks.Problem], str]] = {
     "free": lambda p: p.answer,
@@ -99,6 +102,9 @@ FORMS: dict[str, Callable[[tasks.Problem], str]] = {
     "worked_change": lambda p: compact({"reasoning": working(p), "change": change(p)}),
     "answer": lambda p: compact({"answer": p.target}),
     "change": lambda p: compact({"change": change(p)}),
+    # the checkpoint's own answer, then the document: what a constrained row with `think` decodes
+    # (the working free, under `structured.THINK`, then the schema from the first "{")
+    "think": lambda p: p.answer + "\n" + compact({"answer": p.target}),
 }
 DEFAULT_WEIGHTS = "free=0.4,worked=0.3,worked_change=0.1,answer=0.1,change=0.1"
 

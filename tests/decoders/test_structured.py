@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from canvasq.decoders import DecodeBatch, DecodeRequest, run_batch
 from canvasq.decoders.constrained import INVALID, CanvasConstraints
 from canvasq.decoders.grammar_device import DeviceGrammar
-from canvasq.decoders.structured import Unfinishable, compile_grammar, token_texts
+from canvasq.decoders.structured import Unfinishable, compile_grammar, split_thought, token_texts
 from canvasq.decoders.types import DecodeResult
 from canvasq.model.loading import load_bundle
 from canvasq.testbed import tasks
@@ -193,3 +193,29 @@ def test_an_invalid_document_is_an_error_not_a_done_row(testbed):
     assert bad.error_code == INVALID and bad.finish_reason == "error" and "does not match" in bad.error
     good = checks.checked(Row(), DecodeResult("x", [5], '{"answer":4}', "stop", 3, 4))  # type: ignore[arg-type]
     assert good.error is None and good.finish_reason == "stop"
+
+
+def test_a_thinking_row_writes_free_text_then_its_document(texts, testbed):
+    """`constraint_think`: the automaton takes free text (no "{" or "[") before the document, so any
+    logits still end in a valid document within the budget; official's row then returns the document
+    as its text and the free text before it as its reasoning. The base testbed writes its working
+    there, as it does unconstrained."""
+    g = compile_grammar(ANSWER, texts, think=True)
+    assert g.min_tokens == compile_grammar(ANSWER, texts).min_tokens  # the thought may be empty
+    rng = np.random.default_rng(4)
+    budget = 3 * C
+    ids = _chain(g, np.log(rng.dirichlet(np.full(len(texts.texts), 0.05), size=budget) + 1e-30), budget)
+    thought, doc = split_thought(_text(ids, texts))
+    assert "{" not in thought and "[" not in thought
+    jsonschema.validate(json.loads(doc), ANSWER)
+
+    problems = tasks.generate("arith", 2, 5, split="eval")
+    reqs = [
+        DecodeRequest(p.uid, testbed.encode_prompt(p.prompt, "arith"), 6 * C, "arith", ANSWER)
+        for p in problems
+    ]
+    overrides = {"cuda_graphs": "off", "constraint_think": True}
+    for r in run_batch(testbed, DecodeBatch(reqs, seed=1), decoder="official", overrides=overrides):
+        assert r.error is None and r.finish_reason == "stop", r
+        jsonschema.validate(json.loads(r.text), ANSWER)
+        assert r.reasoning and (" + " in r.reasoning or " - " in r.reasoning), r.reasoning  # its working

@@ -285,34 +285,26 @@ class RunControl(StoreBase):
 
     def stale_chunks(self, now: datetime | None = None) -> list[tuple[str, str]]:
         """(chunk_id, queue) of running chunks whose lease expired with rows still queued."""
-        now = now or utcnow()
-        with self.Session() as s:
-            q = (
-                select(Chunk.id, Run.queue)
-                .join(Run, Run.id == Chunk.run_id)
-                .where(
-                    Chunk.status == ChunkStatus.running,
-                    Chunk.lease_expires_at < now,
-                    Run.status.in_(RUN_ACTIVE),
-                    select(Request.id)
-                    .where(Request.chunk_id == Chunk.id, Request.status == RequestStatus.queued)
-                    .exists(),
-                )
-            )
-            return [(r[0], r[1]) for r in s.execute(q.order_by(Chunk.id))]
+        return self._active_chunks(
+            Chunk.status == ChunkStatus.running,
+            Chunk.lease_expires_at < (now or utcnow()),
+            select(Request.id)
+            .where(Request.chunk_id == Chunk.id, Request.status == RequestStatus.queued)
+            .exists(),
+        )
 
     def waiting_chunks(self, published_before: datetime) -> list[tuple[str, str]]:
         """(chunk_id, queue) of queued chunks of active runs, published before then and never claimed
         since: each should have its message in the broker (`worker.lost` checks that it does)."""
+        return self._active_chunks(Chunk.status == ChunkStatus.queued, Chunk.published_at < published_before)
+
+    def _active_chunks(self, *where) -> list[tuple[str, str]]:
+        """(chunk_id, queue) of active runs' chunks that meet `where`, by chunk id."""
         with self.Session() as s:
             q = (
                 select(Chunk.id, Run.queue)
                 .join(Run, Run.id == Chunk.run_id)
-                .where(
-                    Chunk.status == ChunkStatus.queued,
-                    Chunk.published_at < published_before,
-                    Run.status.in_(RUN_ACTIVE),
-                )
+                .where(Run.status.in_(RUN_ACTIVE), *where)
             )
             return [(r[0], r[1]) for r in s.execute(q.order_by(Chunk.id))]
 

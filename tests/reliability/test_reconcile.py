@@ -7,8 +7,6 @@ a time across the fleet (a lock in Redis)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -22,8 +20,18 @@ from canvasq.worker.celery_app import make_app
 from canvasq.worker.reconcile import reconcile_loop
 from tests.harness import probes
 from tests.harness.scenario import write_input
+from tests.harness.server import cli
 from tests.harness.services import RedisServer
 from tests.harness.workers import worker_env
+
+
+def _fleet(tmp_path, redis: RedisServer, name: str):
+    """A SQLite store for one test and `canvasq ARGS` against it and `redis` (its stdout)."""
+    db = f"sqlite:///{tmp_path / name}"
+    env = worker_env(
+        db_url=db, broker_url=redis.url, soft_time_limit=1, hard_time_limit=2, visibility_timeout=3
+    )
+    return db, lambda *args: cli(env, *args).stdout
 
 
 def _expire(store: Store, chunk_id: str) -> None:
@@ -35,28 +43,11 @@ def _expire(store: Store, chunk_id: str) -> None:
 
 def test_reconcile_republishes_an_expired_lease_once(tmp_path):
     with RedisServer(tmp_path) as redis:
-        db = f"sqlite:///{tmp_path / 'r.sqlite'}"
-        env = worker_env(
-            db_url=db, broker_url=redis.url, soft_time_limit=1, hard_time_limit=2, visibility_timeout=3
-        )
-
-        def cli(*args):
-            res = subprocess.run(
-                [sys.executable, "-m", "canvasq.cli", *args],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=120,
-                cwd=tmp_path,
-                check=False,
-            )
-            assert res.returncode == 0, res.stdout + res.stderr
-            return res.stdout
-
-        cli("db", "upgrade")
+        db, canvasq = _fleet(tmp_path, redis, "r.sqlite")
+        canvasq("db", "upgrade")
         write_input(tmp_path / "in.jsonl", 4)
         run = (
-            cli("submit", str(tmp_path / "in.jsonl"), "--queue", "q.rec", "--chunk-size", "2")
+            canvasq("submit", str(tmp_path / "in.jsonl"), "--queue", "q.rec", "--chunk-size", "2")
             .strip()
             .splitlines()[-1]
         )
@@ -71,11 +62,11 @@ def test_reconcile_republishes_an_expired_lease_once(tmp_path):
             assert client.rpop("q.rec") is not None  # kombu consumes from the right: the oldest message
             client.close()
             assert redis.queue_length("q.rec") == 1
-            assert "0 with expired leases" in cli("reconcile")  # lease still running
+            assert "0 with expired leases" in canvasq("reconcile")  # lease still running
             assert store.heartbeat("ghost:1", c0, 60)  # the owner's heartbeat would keep it so
             _expire(store, c0)  # ... until its beats stop: the lease lapses
-            first = cli("reconcile")
-            second = cli("reconcile")
+            first = canvasq("reconcile")
+            second = canvasq("reconcile")
             assert "1 with expired leases" in first and "published 0 chunks" in second, (first, second)
             assert redis.queue_length("q.rec") == 2  # chunk 1's original + chunk 0 once
             assert not store.heartbeat("ghost:1", c0, 60)  # a late beat of the old owner renews nothing
@@ -94,7 +85,7 @@ def test_reconcile_republishes_an_expired_lease_once(tmp_path):
                 run, [ResultRecord(c, text="x") for c in probes.chunk_rows(store, c1)], "ghost:2"
             )
             _expire(store, c1)
-            assert "0 with expired leases" in cli("reconcile")
+            assert "0 with expired leases" in canvasq("reconcile")
         finally:
             store.dispose()
 
@@ -172,27 +163,12 @@ def test_reconcile_republishes_a_chunk_whose_message_the_broker_lost(tmp_path):
     re-publishes such a chunk once; it leaves alone a chunk held unacked by a live worker, one still
     in the queue, and one published too recently to tell."""
     with RedisServer(tmp_path) as redis:
-        db = f"sqlite:///{tmp_path / 'lost.sqlite'}"
-        env = worker_env(
-            db_url=db, broker_url=redis.url, soft_time_limit=1, hard_time_limit=2, visibility_timeout=3
-        )
-
-        def cli(*args):
-            res = subprocess.run(
-                [sys.executable, "-m", "canvasq.cli", *args],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=120,
-                cwd=tmp_path,
-                check=False,
-            )
-            assert res.returncode == 0, res.stdout + res.stderr
-            return res.stdout
-
-        cli("db", "upgrade")
+        db, canvasq = _fleet(tmp_path, redis, "lost.sqlite")
+        canvasq("db", "upgrade")
         write_input(tmp_path / "in.jsonl", 6)
-        run = cli("submit", str(tmp_path / "in.jsonl"), "--queue", "q.lost", "--chunk-size", "2").split()[-1]
+        run = canvasq("submit", str(tmp_path / "in.jsonl"), "--queue", "q.lost", "--chunk-size", "2").split()[
+            -1
+        ]
         store = Store(db)
         app = make_app(
             Settings(database_url=db, broker_url=redis.url, visibility_timeout=3), set_as_current=False
@@ -206,10 +182,12 @@ def test_reconcile_republishes_a_chunk_whose_message_the_broker_lost(tmp_path):
                 client = redis.client()
                 assert client.rpop("q.lost") is not None  # the next one: popped by a worker killed at once
                 assert redis.queue_length("q.lost") == 1  # the youngest chunk still waits
-                assert "0 lost by the broker" in cli("reconcile")  # published a moment ago: not checked yet
+                assert "0 lost by the broker" in canvasq(
+                    "reconcile"
+                )  # published a moment ago: not checked yet
                 with store.Session.begin() as s:
                     s.execute(update(Chunk).values(published_at=utcnow() - timedelta(minutes=5)))
-                first, second = cli("reconcile"), cli("reconcile")
+                first, second = canvasq("reconcile"), canvasq("reconcile")
                 assert "1 lost by the broker" in first and "0 lost by the broker" in second, (first, second)
                 queued = [json.loads(raw)["headers"]["argsrepr"] for raw in client.lrange("q.lost", 0, -1)]
                 assert sorted(queued) == sorted([repr([lost]), repr([waiting])]), queued

@@ -293,12 +293,15 @@ class RunControl(StoreBase):
             .exists(),
         )
 
-    def waiting_chunks(self, published_before: datetime) -> list[tuple[str, str]]:
+    def waiting_chunks(self, published_before: datetime, limit: int | None = None) -> list[tuple[str, str]]:
         """(chunk_id, queue) of queued chunks of active runs, published before then and never claimed
-        since: each should have its message in the broker (`worker.lost` checks that it does)."""
-        return self._active_chunks(Chunk.status == ChunkStatus.queued, Chunk.published_at < published_before)
+        since: each should have its message in the broker (`worker.lost` checks that it does); the
+        first `limit` by chunk id."""
+        return self._active_chunks(
+            Chunk.status == ChunkStatus.queued, Chunk.published_at < published_before, limit=limit
+        )
 
-    def _active_chunks(self, *where) -> list[tuple[str, str]]:
+    def _active_chunks(self, *where, limit: int | None = None) -> list[tuple[str, str]]:
         """(chunk_id, queue) of active runs' chunks that meet `where`, by chunk id."""
         with self.Session() as s:
             q = (
@@ -306,7 +309,7 @@ class RunControl(StoreBase):
                 .join(Run, Run.id == Chunk.run_id)
                 .where(Run.status.in_(RUN_ACTIVE), *where)
             )
-            return [(r[0], r[1]) for r in s.execute(q.order_by(Chunk.id))]
+            return [(r[0], r[1]) for r in s.execute(q.order_by(Chunk.id).limit(limit))]
 
     def unpublish(self, chunk_ids: Sequence[str], published_before: datetime) -> list[str]:
         """Queued chunks published before then → unpublished (the outbox), conditionally, so a chunk

@@ -12,7 +12,8 @@ The queue and the unacked hash are read in one MULTI, so a restore (unacked → 
 between the two reads; a chunk missing is read again after `RESCAN_S`, so a message a live worker
 is between popping and recording is not taken for lost. Only Redis brokers are read (RabbitMQ's
 delivery and unacked state are one), and only queues under `MAX_SCAN` messages: a lost message in a
-longer queue is found once the queue has drained below that.
+longer queue is found once the queue has drained below that (a pass reads at most `MAX_SCAN`
+waiting chunks from the store, the oldest first).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def lost_chunks(
     (`scan`: broker_chunk_ids unless given)."""
     scan = scan or broker_chunk_ids
     waiting: dict[str, list[str]] = {}
-    for cid, q in store.waiting_chunks(utcnow() - timedelta(seconds=grace_s)):
+    for cid, q in store.waiting_chunks(utcnow() - timedelta(seconds=grace_s), limit=MAX_SCAN):
         if q != "embedded":
             waiting.setdefault(q, []).append(cid)
     lost: dict[str, list[str]] = {}

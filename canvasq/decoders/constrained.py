@@ -7,7 +7,8 @@
   to `NEG` in place, so the sampler's draws, argmax, entropies (the acceptance and stopping rules) and
   self-conditioning all see only tokens some valid completion allows (scaffold positions have one
   token: entropy 0, accepted at the first step); with `settle` (OfficialConfig.constraint_settle), a
-  canvas whose best valid path has held that many steps is pinned to it (`_settle`);
+  canvas whose best valid path has held that many steps is pinned to it (`_settle`; with `think`, not
+  a canvas whose path is thought only: official's own rule ends those, as it ends free text);
 - `final(finished, logits, tokens)` when canvases stop: a constrained row's tokens are the best
   completable path under its last logits (`Grammar.best`, on the device), not the per-position argmax;
 - `checked(s, result)` for every finished row: its text parsed and validated against the schema
@@ -125,7 +126,9 @@ class CanvasConstraints:
         logp = torch.log_softmax(logits[idx].float(), dim=-1)
         paths = self._best([(s, row) for _, s, row in at], logp)
         pinned: list[tuple[int, list[int]]] = []
-        for (b, s, row), (path, _) in zip(at, paths):
+        for (b, s, row), (path, end) in zip(at, paths):
+            if self.think and end == row.grammar.start:  # all thought: the sampler's own rule ends it
+                continue
             row.same = row.same + 1 if path == row.path else 0
             row.path = path
             if row.same >= self.settle:

@@ -42,6 +42,7 @@ class ChatBody(BaseModel):
     stop: StrictStr | list[StrictStr] | None = None
     metadata: dict[str, StrictStr] | None = None
     response_format: Any = None  # judged by `core.response_format.line_response_format`
+    reasoning_effort: StrictStr | None = None  # judged by `core.response_format.line_think`
 
 
 # Body parameters that change nothing canvasq generates (accepted), and the values of sampling

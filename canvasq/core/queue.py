@@ -35,6 +35,7 @@ CLAIMED_COLUMNS = (
     Request.max_tokens,
     Request.decoder,
     Request.response_format,
+    Request.think,
 )
 
 
@@ -344,6 +345,8 @@ class QueueStore(Submission, RunControl, WorkerLiveness):
                 "worker_id": worker_id,
                 "error_code": r.error_code,
                 "error_message": r.error_message,
+                "reasoning": r.reasoning,
+                "reasoning_tokens": r.reasoning_tokens,
                 "created_at": now,
                 "updated_at": now,
             }

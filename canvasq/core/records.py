@@ -25,6 +25,8 @@ class ResultRecord:
     error_code: str | None = None
     error_message: str | None = None
     status: RequestStatus = RequestStatus.done  # done | errored | cancelled
+    reasoning: str | None = None  # a constrained row's thought before its document (`constraint_think`)
+    reasoning_tokens: int = 0  # of completion_tokens
     traces: list[dict] = field(
         default_factory=list
     )  # forward_index, rows, commits, canvases, states, ms, kind
@@ -59,6 +61,7 @@ class ClaimedRequest:
     max_tokens: int
     decoder: str | None
     response_format: dict | None = None  # the JSON schema the output must follow (None: free text)
+    think: bool = False  # free text before the document (a line's reasoning_effort)
 
 
 @dataclass

@@ -148,6 +148,25 @@ def line_response_format(
     return schema, "official", []
 
 
+# OpenAI's `reasoning_effort`: with a response_format, any effort above "minimal" lets the row write free
+# text (its working) before its document, kept apart as its reasoning (`decoders.structured.THINK`); the
+# level does not bound the thought (max_tokens does)
+EFFORTS_THINK = ("low", "medium", "high", "xhigh")
+EFFORTS = ("none", "minimal", *EFFORTS_THINK)
+
+
+def line_think(effort: str | None, schema: dict | None) -> tuple[bool, list[str]]:
+    """A line's `reasoning_effort` checked: (whether the row thinks before its document, errors)."""
+    if effort is None:
+        return False, []
+    if effort not in EFFORTS:
+        return False, [f"body.reasoning_effort {effort!r} is not one of {', '.join(EFFORTS)}"]
+    if effort in EFFORTS_THINK and schema is None:
+        why = "a free-text row's answer already holds its working; use it with response_format json_schema"
+        return False, [f"body.reasoning_effort={effort!r}: {why}"]
+    return effort in EFFORTS_THINK, []
+
+
 def schema_min_tokens(spec: str) -> Callable[[dict], int] | None:
     """For a model spec: a schema's shortest document in its tokens, EOS included (the schema compiled
     over the model's `tokenizer.json`, once per distinct schema), or None without a tokenizer file."""

@@ -24,8 +24,13 @@ def output_line(
     request_id: str | None = None,
     created: float | None = None,
     extra_usage: dict[str, Any] | None = None,
+    reasoning: str | None = None,
+    reasoning_tokens: int = 0,
 ) -> dict[str, Any]:
-    """One OpenAI batch output line. Errors: `response` null, `error` {code, message}."""
+    """One OpenAI batch output line. Errors: `response` null, `error` {code, message}. A row that
+    thought before its document (`constraint_think`) has the thought as `message.reasoning_content`
+    (as vLLM and DeepSeek return it) and its tokens as `usage.completion_tokens_details.reasoning_tokens`
+    (OpenAI's field; they are part of `completion_tokens`)."""
     rid = request_id or uuid.uuid4().hex
     line: dict[str, Any] = {"id": f"batch_req_{rid}", "custom_id": custom_id}
     if error_code is not None:
@@ -38,6 +43,10 @@ def output_line(
         "total_tokens": prompt_tokens + completion_tokens,
         **(extra_usage or {}),
     }
+    message: dict[str, Any] = {"role": "assistant", "content": text or ""}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     line["response"] = {
         "status_code": 200,
         "request_id": rid,
@@ -49,7 +58,7 @@ def output_line(
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": text or ""},
+                    "message": message,
                     "finish_reason": finish_reason,
                 }
             ],
@@ -89,6 +98,8 @@ def write_results(
                 request_id=rid,
                 created=o.updated_at.timestamp(),
                 extra_usage={"forwards": o.forwards, "decoder": o.decoder},
+                reasoning=o.reasoning,
+                reasoning_tokens=o.reasoning_tokens,
             )
             target, n_ok = out, n_ok + 1
         else:

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationErro
 
 from canvasq.core.models import PromptTokens, model_context
 from canvasq.core.openai_body import MAX_STOP, ChatBody, body_param_errors
-from canvasq.core.response_format import line_response_format, schema_min_tokens
+from canvasq.core.response_format import line_response_format, line_think, schema_min_tokens
 from canvasq.core.settings import DECODERS, RANDOM_MODELS, TASKS, Settings, model_name
 from canvasq.decoders.schema_text import shown_prompt
 from canvasq.decoders.types import token_budget_error
@@ -85,6 +85,7 @@ class SimpleLine(BaseModel):
     model: StrictStr | None = None
     stop: StrictStr | list[StrictStr] | None = None
     response_format: Any = None
+    reasoning_effort: StrictStr | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ class Job:
     line_no: int
     stop: tuple[str, ...] = ()  # stop sequences: the text is cut before the first (finish_reason "stop")
     response_format: dict | None = None  # the JSON schema the output must follow (core.response_format)
+    think: bool = False  # the row writes free text before its document (`reasoning_effort`)
 
 
 # ---------------------------------------------------------------------------------------- validation
@@ -332,6 +334,9 @@ def parse_line(obj: Any, line_no: int, limits: Limits) -> tuple[Job | None, list
     counter = None if max_tokens_errors else limits.schema_tokens
     schema, decoder, fmt_errors = line_response_format(fmt, line.decoder, max_tokens, counter)
     errors += fmt_errors
+    effort = line.reasoning_effort if isinstance(line, SimpleLine) else line.body.reasoning_effort
+    think, think_errors = line_think(effort, schema)
+    errors += think_errors
     shown = shown_prompt(prompt, schema, limits.schema_in_prompt)  # the text the model is given
     if not prompt_errors and not max_tokens_errors:  # what the decoder will see: does it fit its context?
         budget = prompt_budget_error(shown, max_tokens, limits)
@@ -340,7 +345,7 @@ def parse_line(obj: Any, line_no: int, limits: Limits) -> tuple[Job | None, list
         return None, errors
     if task is None:
         task = infer_task(prompt)
-    return Job(cid, shown, task, max_tokens, decoder, line_no, stops, schema), []
+    return Job(cid, shown, task, max_tokens, decoder, line_no, stops, schema, think), []
 
 
 def _read_lines(fh, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:

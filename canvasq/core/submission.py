@@ -58,6 +58,7 @@ def _insert_rows(
                 "decoder": job.decoder,
                 "stop": list(job.stop) or None,
                 "response_format": job.response_format,
+                "think": job.think,
                 "chunk_id": chunk_ids[seq],
                 "status": RequestStatus.queued,
                 "updated_at": now,

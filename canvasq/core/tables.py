@@ -101,6 +101,8 @@ class Request(Base):
     response_format: Mapped[dict | None] = mapped_column(
         JSON
     )  # the JSON schema of the output (migration 0008)
+    # free text before the document (`reasoning_effort` low / medium / high; migration 0009)
+    think: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     chunk_id: Mapped[str | None] = mapped_column(ForeignKey("chunks.id", ondelete="SET NULL"), index=True)
     status: Mapped[str] = mapped_column(String(16), default="queued")
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
@@ -128,6 +130,9 @@ class Output(Base):
     worker_id: Mapped[str | None] = mapped_column(String(200), index=True)
     error_code: Mapped[str | None] = mapped_column(String(64))
     error_message: Mapped[str | None] = mapped_column(Text)
+    # a constrained row's thought before its document (`constraint_think`) and its completion tokens
+    reasoning: Mapped[str | None] = mapped_column(Text)
+    reasoning_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     __table_args__ = (

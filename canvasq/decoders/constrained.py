@@ -51,6 +51,7 @@ class RowGrammar:
     masks: torch.Tensor | None = None  # [C, V] bool on the device: the front canvas's allowed tokens
     path: list[int] | None = None  # the front canvas's best valid path at the last step
     same: int = 0  # steps that path has not changed
+    think: bool = False  # free text before the document (`structured.THINK`)
 
 
 def bundle_texts(bundle) -> TokenTexts:
@@ -70,7 +71,7 @@ class CanvasConstraints:
         self, bundle, C: int, V: int, device: torch.device, settle: int | None = None, think: bool = False
     ):
         self.bundle, self.C, self.V, self.device, self.settle = bundle, C, V, device, settle
-        self.think = think  # free text before each document (`structured.THINK`)
+        self.think = think  # free text before every document (`structured.THINK`); else per row
         self._texts: TokenTexts | None = None
         self.rows: dict[int, RowGrammar] = {}
 
@@ -89,7 +90,8 @@ class CanvasConstraints:
         t0 = time.perf_counter()
         row = self.rows.get(s.row)
         if row is None:
-            row = self.rows[s.row] = RowGrammar(cached_grammar(schema, self.texts(), self.think), 0)
+            think = self.think or s.req.think
+            row = self.rows[s.row] = RowGrammar(cached_grammar(schema, self.texts(), think), 0, think=think)
             row.state = row.grammar.start
         budget = s.req.max_tokens - cv.index * self.C
         try:
@@ -127,7 +129,7 @@ class CanvasConstraints:
         paths = self._best([(s, row) for _, s, row in at], logp)
         pinned: list[tuple[int, list[int]]] = []
         for (b, s, row), (path, end) in zip(at, paths):
-            if self.think and end == row.grammar.start:  # all thought: the sampler's own rule ends it
+            if row.think and end == row.grammar.start:  # all thought: the sampler's own rule ends it
                 continue
             row.same = row.same + 1 if path == row.path else 0
             row.path = path
@@ -183,9 +185,19 @@ class CanvasConstraints:
             out[k] = best
         return out
 
+    def _thought_tokens(self, ids: list[int]) -> int:
+        """How many of `ids` come before the document: up to the first token with a "{" or "[" (no
+        token of the thought has one, `structured.THINK`)."""
+        texts = self.texts().texts
+        for i, t in enumerate(ids):
+            text = texts[t] if t < len(texts) else None
+            if text is not None and ("{" in text or "[" in text):
+                return i
+        return len(ids)
+
     def checked(self, s: Seq, res: DecodeResult) -> DecodeResult:
         """`res` of a finished row; a constrained one validated against its schema."""
-        self.rows.pop(s.row, None)
+        row = self.rows.pop(s.row, None)
         schema = s.req.response_format
         if schema is None:
             return res
@@ -193,8 +205,9 @@ class CanvasConstraints:
             if res.error.startswith(UNFINISHABLE):
                 res.error_code = UNFINISHABLE
             return res
-        if self.think:  # the row's text is its document; its thought is kept beside it
+        if row is not None and row.think:  # the row's text is its document; its thought is kept beside it
             res.reasoning, res.text = split_thought(res.text)
+            res.reasoning_tokens = self._thought_tokens(res.token_ids)
         problem = output_problem(res.text, schema)
         if problem is not None or res.finish_reason != FinishReason.stop:
             res.error = f"{INVALID}: {problem or 'the document did not end'}"

@@ -69,6 +69,8 @@ def result_record(res: DecodeResult, gen_ms: float, decoder: str) -> ResultRecor
         error_message=res.error if res.error else None,
         status=status,
         traces=traces,
+        reasoning=res.reasoning,
+        reasoning_tokens=res.reasoning_tokens,
     )
 
 
@@ -92,7 +94,9 @@ def tokenize(
             continue
         try:
             ids = bundle.encode_prompt(r.prompt, r.task)
-            reqs.append(DecodeRequest(r.custom_id, list(ids), r.max_tokens, r.task, r.response_format))
+            reqs.append(
+                DecodeRequest(r.custom_id, list(ids), r.max_tokens, r.task, r.response_format, r.think)
+            )
         except engine.interrupts:
             raise
         except Exception as exc:  # noqa: BLE001 - a row the tokenizer refuses errors alone

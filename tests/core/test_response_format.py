@@ -50,6 +50,24 @@ def test_formats_carried_to_the_job_on_official():
     assert errors == [] and job is not None and job.response_format == ANSWER
 
 
+def test_reasoning_effort_lets_a_constrained_row_think_first():
+    """`reasoning_effort` low / medium / high on a line with a schema: the row thinks first (Job.think);
+    none / minimal: it does not; another value, or a thinking effort on a free-text row, is refused."""
+    limits = Limits.for_model(Settings(), model_for_tests())
+    for effort, think in (("medium", True), ("high", True), ("minimal", False), (None, False)):
+        job, errors = parse_line(
+            _line("a", _schema(ANSWER), max_tokens=64, reasoning_effort=effort), 1, limits
+        )
+        assert not errors and job is not None and job.think is think, (effort, errors)
+    _, errors = parse_line(_line("b", _schema(ANSWER), max_tokens=64, reasoning_effort="lots"), 2, limits)
+    assert errors == ["body.reasoning_effort 'lots' is not one of none, minimal, low, medium, high, xhigh"]
+    _, errors = parse_line(_line("c", {"type": "text"}, reasoning_effort="low"), 3, limits)
+    assert len(errors) == 1 and "already holds its working" in errors[0], errors
+    simple = {"custom_id": "d", "prompt": "Ann has 5 pens.", "response_format": _schema(ANSWER)}
+    job, errors = parse_line(simple | {"reasoning_effort": "low", "max_tokens": 64}, 4, limits)
+    assert not errors and job is not None and job.think
+
+
 def test_the_schema_is_rendered_short_and_in_order():
     assert format_instruction(ANSWER) == 'JSON {"answer":integer}'
     assert format_instruction(JSON_OBJECT) == "JSON"

@@ -10,7 +10,8 @@ free (the reference: its final `#### N` answer) and under JSON schemas, each ask
 Per arm: rows, rows done, done rows that parse and validate (jsonschema), accuracy over all rows
 (errored or invalid rows count as wrong), forwards per request, wall seconds, committed tokens per
 second, the constraint's host time; the reference's accuracy is given for each schema's question.
-`--think` lets a constrained row write its working free before its document (`constraint_think`).
+`--think` gives each constrained line `reasoning_effort` medium: the row writes its working free
+before its document (the thought is the row's `reasoning`; its answer is read from the document).
 `--adapter DIR` merges a LoRA (`python -m canvasq.testbed.json_adapter`) into the model first: both
 the free and the constrained arms then run the same weights. The report is rewritten after every arm.
 
@@ -82,15 +83,18 @@ def asked(schema: str, p, doc: dict | None, free_answer: int | None = None) -> o
     return doc["totals"][-1] if doc["totals"] else None
 
 
-def jobs(problems, schema: dict | None, max_tokens: int, limits: Limits) -> list:
-    """The problems as batch lines (`response_format` json_schema, strict, where `schema` is given)
-    through the service's validation: each `Job.prompt` is the text its row's model is given."""
+def jobs(problems, schema: dict | None, max_tokens: int, limits: Limits, think: bool = False) -> list:
+    """The problems as batch lines (`response_format` json_schema, strict, where `schema` is given;
+    `think`: with `reasoning_effort` medium) through the service's validation: each `Job.prompt` is
+    the text its row's model is given."""
     out = []
     for i, p in enumerate(problems, 1):
         line: dict = {"custom_id": p.uid, "prompt": p.prompt, "max_tokens": max_tokens, "decoder": "official"}
         if schema is not None:
             spec = {"name": "answer", "schema": schema, "strict": True}
             line["response_format"] = {"type": "json_schema", "json_schema": spec}
+            if think:
+                line["reasoning_effort"] = "medium"
         job, errors = parse_line(line, i, limits)
         if job is None:
             raise ValueError(f"line {i} ({p.uid}): {'; '.join(errors)}")
@@ -98,14 +102,29 @@ def jobs(problems, schema: dict | None, max_tokens: int, limits: Limits) -> list
     return out
 
 
-def decode(bundle, problems, schema, max_tokens: int, batch: int, seed: int, limits: Limits, overrides=None):
+def decode(
+    bundle,
+    problems,
+    schema,
+    max_tokens: int,
+    batch: int,
+    seed: int,
+    limits: Limits,
+    overrides=None,
+    think=False,
+):
     """Results and wall seconds, in batches of `batch` (one `run_batch` each)."""
-    todo = jobs(problems, schema, max_tokens, limits)
+    todo = jobs(problems, schema, max_tokens, limits, think)
     out, t0 = [], time.perf_counter()
     for i in range(0, len(todo), batch):
         reqs = [
             DecodeRequest(
-                j.custom_id, bundle.encode_prompt(j.prompt, "arith"), max_tokens, "arith", j.response_format
+                j.custom_id,
+                bundle.encode_prompt(j.prompt, "arith"),
+                max_tokens,
+                "arith",
+                j.response_format,
+                j.think,
             )
             for j in todo[i : i + batch]
         ]
@@ -156,7 +175,7 @@ def run(args) -> dict:
         "adapter": args.adapter,
         "schema_in_prompt": args.schema_in_prompt,
         "constraint_settle": None if args.settle < 0 else args.settle,
-        "constraint_think": args.think,
+        "think": args.think,
         "device": args.device,
         "arms": [],
     }
@@ -169,14 +188,13 @@ def run(args) -> dict:
         for name in args.schemas:
             ok = [asked(name, p, None, a) == truth(name, p) for p, a in zip(problems, answers)]
             report["arms"].append(arm_report(f"free/{name}/seed{seed}", free, wall, problems, ok, None))
-            settle = {
-                "constraint_settle": None if args.settle < 0 else args.settle,
-                "constraint_think": args.think,
-            }
+            settle = {"constraint_settle": None if args.settle < 0 else args.settle}
             max_tokens = (
                 args.max_tokens or MAX_CANVASES[name] * C + args.think * tasks.ANSWER_CANVASES["arith"] * C
             )
-            res, cwall = decode(bundle, problems, SCHEMAS[name], max_tokens, args.batch, seed, limits, settle)
+            res, cwall = decode(
+                bundle, problems, SCHEMAS[name], max_tokens, args.batch, seed, limits, settle, args.think
+            )
             ok = []
             for p, r in zip(problems, res):
                 doc = json.loads(r.text) if r.error is None else None
@@ -228,8 +246,8 @@ def main() -> None:
     ap.add_argument(
         "--think",
         action="store_true",
-        help="constrained rows write their working free first (OfficialConfig.constraint_think), "
-        "with the free answer's canvases added to max_tokens",
+        help="constrained lines with reasoning_effort medium (the working written free before the "
+        "document), the free answer's canvases added to max_tokens",
     )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", default=None)

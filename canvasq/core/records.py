@@ -25,7 +25,7 @@ class ResultRecord:
     error_code: str | None = None
     error_message: str | None = None
     status: RequestStatus = RequestStatus.done  # done | errored | cancelled
-    reasoning: str | None = None  # a constrained row's thought before its document (`constraint_think`)
+    reasoning: str | None = None  # a constrained row's thought before its document (`DecodeRequest.think`)
     reasoning_tokens: int = 0  # of completion_tokens
     traces: list[dict] = field(
         default_factory=list

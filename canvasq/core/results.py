@@ -28,7 +28,7 @@ def output_line(
     reasoning_tokens: int = 0,
 ) -> dict[str, Any]:
     """One OpenAI batch output line. Errors: `response` null, `error` {code, message}. A row that
-    thought before its document (`constraint_think`) has the thought as `message.reasoning_content`
+    thought before its document (`DecodeRequest.think`) has the thought as `message.reasoning_content`
     (as vLLM and DeepSeek return it) and its tokens as `usage.completion_tokens_details.reasoning_tokens`
     (OpenAI's field; they are part of `completion_tokens`)."""
     rid = request_id or uuid.uuid4().hex

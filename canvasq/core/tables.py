@@ -130,7 +130,7 @@ class Output(Base):
     worker_id: Mapped[str | None] = mapped_column(String(200), index=True)
     error_code: Mapped[str | None] = mapped_column(String(64))
     error_message: Mapped[str | None] = mapped_column(Text)
-    # a constrained row's thought before its document (`constraint_think`) and its completion tokens
+    # a constrained row's thought before its document (`DecodeRequest.think`) and its completion tokens
     reasoning: Mapped[str | None] = mapped_column(Text)
     reasoning_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)

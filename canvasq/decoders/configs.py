@@ -104,10 +104,6 @@ class OfficialConfig:
     # changed for this many steps is pinned to it (its logits one-hot), so the stopping rule ends it
     # without waiting for a confidence the model may never reach on the schema's values. None: off
     constraint_settle: int | None = 2
-    # A constrained row writes free text first (its working, as the model writes it unconstrained),
-    # then its document from the first "{" or "[" (`structured.THINK`); the text returned is the
-    # document, the thought is `DecodeResult.reasoning`
-    constraint_think: bool = False
     cuda_graphs: str = "auto"
 
     def __post_init__(self):

@@ -67,11 +67,8 @@ def bundle_texts(bundle) -> TokenTexts:
 class CanvasConstraints:
     """Per-row automata of one decoder's stream (keyed by `Seq.row`)."""
 
-    def __init__(
-        self, bundle, C: int, V: int, device: torch.device, settle: int | None = None, think: bool = False
-    ):
+    def __init__(self, bundle, C: int, V: int, device: torch.device, settle: int | None = None):
         self.bundle, self.C, self.V, self.device, self.settle = bundle, C, V, device, settle
-        self.think = think  # free text before every document (`structured.THINK`); else per row
         self._texts: TokenTexts | None = None
         self.rows: dict[int, RowGrammar] = {}
 
@@ -90,8 +87,8 @@ class CanvasConstraints:
         t0 = time.perf_counter()
         row = self.rows.get(s.row)
         if row is None:
-            think = self.think or s.req.think
-            row = self.rows[s.row] = RowGrammar(cached_grammar(schema, self.texts(), think), 0, think=think)
+            grammar = cached_grammar(schema, self.texts(), s.req.think)
+            row = self.rows[s.row] = RowGrammar(grammar, 0, think=s.req.think)
             row.state = row.grammar.start
         budget = s.req.max_tokens - cv.index * self.C
         try:

@@ -73,7 +73,7 @@ class OfficialDecoder(StepDecoder):
         self._spawned: list[tuple[Seq, Canvas]] = []  # canvases whose slot state is reset next step
         # the rows with a response_format (decoders/constrained.py)
         self.constraints = CanvasConstraints(
-            bundle, self.C, self.V, self.device, self.config.constraint_settle, self.config.constraint_think
+            bundle, self.C, self.V, self.device, self.config.constraint_settle
         )
 
     # -- hooks of the base loop -------------------------------------------------------------------

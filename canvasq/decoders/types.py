@@ -29,7 +29,7 @@ class DecodeRequest:
     max_tokens: int
     task: str | None = None  # "math" / "code" / None: used by routing only
     response_format: dict | None = None  # the JSON schema the answer must follow (official only)
-    think: bool = False  # free text before the document (`OfficialConfig.constraint_think` per row)
+    think: bool = False  # free text before the document (a line's `reasoning_effort`: `structured.THINK`)
 
 
 @dataclass
@@ -73,7 +73,7 @@ class DecodeResult:
     # mechanism counters of step decoders (forced_accepts, jacobi_restarts, eos_priority, ...)
     stats: dict[str, int] = field(default_factory=dict)
     error_code: str | None = None  # the error's code where it is not a plain decode error
-    reasoning: str | None = None  # a constrained row's free text before its document (`constraint_think`)
+    reasoning: str | None = None  # a constrained row's free text before its document (`DecodeRequest.think`)
     reasoning_tokens: int = 0  # the tokens of `reasoning` (counted in the row's completion tokens)
 
 

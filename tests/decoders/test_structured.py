@@ -196,7 +196,7 @@ def test_an_invalid_document_is_an_error_not_a_done_row(testbed):
 
 
 def test_a_thinking_row_writes_free_text_then_its_document(texts, testbed):
-    """`constraint_think`: the automaton takes free text (no "{" or "[") before the document, so any
+    """`DecodeRequest.think` (a line's reasoning_effort): the automaton takes free text (no "{" or "[") before the document, so any
     logits still end in a valid document within the budget; official's row then returns the document
     as its text and the free text before it as its reasoning. The base testbed writes its working
     there, as it does unconstrained."""
@@ -211,11 +211,12 @@ def test_a_thinking_row_writes_free_text_then_its_document(texts, testbed):
 
     problems = tasks.generate("arith", 2, 5, split="eval")
     reqs = [
-        DecodeRequest(p.uid, testbed.encode_prompt(p.prompt, "arith"), 6 * C, "arith", ANSWER)
+        DecodeRequest(p.uid, testbed.encode_prompt(p.prompt, "arith"), 6 * C, "arith", ANSWER, think=True)
         for p in problems
     ]
-    overrides = {"cuda_graphs": "off", "constraint_think": True}
+    overrides = {"cuda_graphs": "off"}
     for r in run_batch(testbed, DecodeBatch(reqs, seed=1), decoder="official", overrides=overrides):
         assert r.error is None and r.finish_reason == "stop", r
         jsonschema.validate(json.loads(r.text), ANSWER)
         assert r.reasoning and (" + " in r.reasoning or " - " in r.reasoning), r.reasoning  # its working
+        assert 0 < r.reasoning_tokens < len(r.token_ids)

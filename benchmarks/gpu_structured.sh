@@ -10,6 +10,8 @@
 #   bash benchmarks/gpu_structured.sh          (on the H200; writes under $OUT)
 #   DEVICE=cpu MINUTES=0.2 N=4 SEEDS=61 BATCH=4 TRAIN_BATCH=8 THREADS=1 bash benchmarks/gpu_structured.sh
 #                                              (the CPU dry run)
+#   TRAIN_ARGS="--weights free=0.3,think=0.7" EVAL_ARGS=--think SCHEMAS=answer bash benchmarks/gpu_structured.sh
+#                                              (rows that think first: reasoning_effort medium)
 #
 # $OUT gets: structured.tgz (adapter/, the reports, their samples and every log), seed<S>.json (each
 # seed's report, rewritten after every arm: a process cut by its deadline leaves the arms it finished),
@@ -44,7 +46,7 @@ if [[ -f $work/adapter/adapter_config.json ]]; then
     # shellcheck disable=SC2086
     timeout "${EVAL_DEADLINE_S:-270}" python3 benchmarks/structured_output.py --device "$DEVICE" \
       --adapter "$work/adapter" --schemas $SCHEMAS --n "$N" --seeds "$seed" --batch "$BATCH" \
-      --threads "$THREADS" --hardware "${HARDWARE:-$DEVICE}" --samples --out "$work/r/seed$seed.json" \
+      --threads "$THREADS" --hardware "${HARDWARE:-$DEVICE}" --samples ${EVAL_ARGS:-} --out "$work/r/seed$seed.json" \
       > "$work/r/seed$seed.log" 2>&1 &
   done
   wait

@@ -45,10 +45,13 @@ def _chunk_of(message: dict[str, Any]) -> str | None:
     """The chunk id a canvasq task message carries (Celery protocol 2: body [args, kwargs, embed])."""
     if (message.get("headers") or {}).get("task") != TASK_NAME:
         return None
-    body = message.get("body", "")
-    if (message.get("properties") or {}).get("body_encoding") == "base64":
-        body = base64.b64decode(body)
-    args = json.loads(body)[0]
+    try:
+        body = message.get("body", "")
+        if (message.get("properties") or {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        args = json.loads(body)[0]
+    except (ValueError, TypeError, IndexError, KeyError):  # not a message this module can read
+        return None
     return str(args[0]) if args else None
 
 
@@ -85,11 +88,15 @@ def lost_chunks(
             waiting.setdefault(q, []).append(cid)
     lost: dict[str, list[str]] = {}
     for q, ids in waiting.items():
-        seen = scan(q, settings)
-        if seen is None or not (missing := set(ids) - seen):
+        try:
+            seen = scan(q, settings)
+            if seen is None or not (missing := set(ids) - seen):
+                continue
+            time.sleep(RESCAN_S)
+            seen = scan(q, settings)
+        except Exception as exc:  # noqa: BLE001 - the broker unreadable now: the next pass tries again
+            log.warning("reading queue %s for lost messages failed: %s", q, exc)
             continue
-        time.sleep(RESCAN_S)
-        seen = scan(q, settings)
         if seen is not None and (missing := missing - seen):
             lost[q] = sorted(missing)
     return lost

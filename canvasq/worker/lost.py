@@ -27,7 +27,7 @@ from datetime import timedelta
 from typing import Any
 
 from canvasq.core.queue import QueueStore
-from canvasq.core.settings import Settings
+from canvasq.core.settings import Settings, mask_url
 from canvasq.core.tables import utcnow
 from canvasq.worker.celery_app import TASK_NAME, _publisher
 
@@ -95,7 +95,7 @@ def lost_chunks(
             time.sleep(RESCAN_S)
             seen = scan(q, settings)
         except Exception as exc:  # noqa: BLE001 - the broker unreadable now: the next pass tries again
-            log.warning("reading queue %s for lost messages failed: %s", q, exc)
+            log.warning("reading queue %s for lost messages failed: %s", q, mask_url(str(exc)))
             continue
         if seen is not None and (missing := missing - seen):
             lost[q] = sorted(missing)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from canvasq.decoders.structured import compile_grammar, token_texts
+from canvasq.decoders.structured import compile_grammar, split_thought, token_texts
 from canvasq.testbed import json_adapter as ja
 from canvasq.testbed import tasks
 from canvasq.testbed.config import BOS_ID, EOS_ID, PAD_ID, SEP_ID
@@ -33,10 +33,13 @@ def tok():
 @pytest.mark.parametrize("form", list(SCHEMAS))
 def test_each_json_form_is_a_document_the_constrained_decoder_can_write(tok, form):
     texts = token_texts(str(TESTBED / "tokenizer.json"))
-    grammar = compile_grammar(SCHEMAS[form], texts)
+    think = form == "think"  # the working first, then the document (a line's reasoning_effort)
+    grammar = compile_grammar(SCHEMAS[form], texts, think=think)
     for p in tasks.generate("arith", 12, 5, split="train"):
         text = ja.FORMS[form](p)
-        jsonschema.validate(json.loads(text), SCHEMAS[form])
+        thought, doc = split_thought(text) if think else ("", text)
+        assert thought == (p.answer if think else "")
+        jsonschema.validate(json.loads(doc), SCHEMAS[form])
         ids = tok.encode(text, add_special_tokens=False)
         # the automaton takes the tokenizer's own ids, and the document ends there (EOS to `done`)
         assert grammar.walk(grammar.start, [*ids, texts.eos]) == grammar.done, text
@@ -72,7 +75,7 @@ def test_each_json_form_prompt_carries_its_schema_as_the_service_shows_it():
     rows = ja.training_texts(300, 10, 1, ja.parse_weights(ja.DEFAULT_WEIGHTS))
     problems = {p.prompt: p for p in tasks.generate("arith", 300, 1, split="train")}
     limits = Limits.for_model(Settings(model=str(TESTBED)))
-    assert {f for _, _, f in rows} == {*ja.FORMS, "code"}
+    assert {f for _, _, f in rows} == {*ja.parse_weights(ja.DEFAULT_WEIGHTS), "code"}
     for prompt, answer, form in rows:
         if form in ("free", "code"):
             assert "JSON" not in prompt and (form == "code" or prompt in problems)

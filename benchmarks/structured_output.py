@@ -43,16 +43,9 @@ from canvasq.provenance import git_commit
 from canvasq.testbed import tasks
 from canvasq.testbed.json_adapter import FORM_SCHEMAS
 
-# the JSON adapter's forms' schemas (one source: its training prompts show them), and totals
-SCHEMAS = {
-    **FORM_SCHEMAS,
-    "totals": {
-        "type": "object",
-        "properties": {"totals": {"type": "array", "items": {"type": "integer"}, "maxItems": 6}},
-        "required": ["totals"],
-        "additionalProperties": False,
-    },
-}
+# the JSON adapter's forms' schemas (one source: its training prompts show them); the think forms
+# answer the same schemas (`--think`)
+SCHEMAS = {k: v for k, v in FORM_SCHEMAS.items() if not k.startswith("think")}
 # max_tokens of a constrained row: one canvas for a bare value, six for a document with the working
 # (a free answer is at most ~140 tokens; the keys and quotes add ~20)
 MAX_CANVASES = {"answer": 1, "change": 1, "totals": 1, "worked": 6, "worked_change": 6}

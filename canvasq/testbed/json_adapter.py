@@ -14,7 +14,9 @@ in one of these forms (`FORMS`, drawn by `--weights`):
     answer         {"answer":N}              (no working: what the model can do without it)
     change         {"change":"gained"|"lost"|"same"}
     think          the free answer, a newline, then {"answer":N} (the working first, as the
-                   checkpoint writes it; the document after it: `think` in decoders.constrained)
+                   checkpoint writes it; the document after it: a line's reasoning_effort)
+    think_change   the same, then {"change":"gained"|"lost"|"same"}
+    think_totals   the same, then {"totals":[the counts the working states]} (the last is N)
 
 plus `--code-share` of code problems in their own free form, so code answers are not forgotten. The
 documents are compact (no whitespace), keys in this order: the text `decoders.structured` holds
@@ -82,19 +84,32 @@ def change(p: tasks.Problem) -> str:
     return "gained" if p.target > start else "lost" if p.target < start else "same"
 
 
+def totals(p: tasks.Problem) -> list[int]:
+    """The counts an arith answer's working states, in order (each sentence's "N items."; the last six):
+    the start, each step's result, a side count; the last is the answer."""
+    return [int(x) for x in re.findall(r"(\d+) [a-z]+\.", working(p))][-6:]
+
+
 def _object(props: dict) -> dict:
     return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
 
 
 _CHANGE = {"enum": ["gained", "lost", "same"]}
+_CHANGE_SCHEMA = _object({"change": _CHANGE})
 # the schema of each JSON form (what a response_format line asks; benchmarks/structured_output.py's too)
 FORM_SCHEMAS: dict[str, dict] = {
     "worked": _object({"reasoning": {"type": "string"}, "answer": {"type": "integer"}}),
     "worked_change": _object({"reasoning": {"type": "string"}, "change": _CHANGE}),
     "answer": _object({"answer": {"type": "integer"}}),
-    "change": _object({"change": _CHANGE}),
+    "change": _CHANGE_SCHEMA,
 }
-FORM_SCHEMAS["think"] = FORM_SCHEMAS["answer"]  # the same line asked, answered after the working
+FORM_SCHEMAS["totals"] = _object({"totals": {"type": "array", "items": {"type": "integer"}, "maxItems": 6}})
+# the same lines asked, answered after the working (a line's reasoning_effort: `structured.THINK`)
+FORM_SCHEMAS |= {
+    "think": FORM_SCHEMAS["answer"],
+    "think_change": _CHANGE_SCHEMA,
+    "think_totals": FORM_SCHEMAS["totals"],
+}
 
 FORMS: dict[str, Callable[[tasks.Problem], str]] = {
     "free": lambda p: p.answer,
@@ -105,6 +120,8 @@ FORMS: dict[str, Callable[[tasks.Problem], str]] = {
     # the checkpoint's own answer, then the document: what a constrained row with `think` decodes
     # (the working free, under `structured.THINK`, then the schema from the first "{")
     "think": lambda p: p.answer + "\n" + compact({"answer": p.target}),
+    "think_change": lambda p: p.answer + "\n" + compact({"change": change(p)}),
+    "think_totals": lambda p: p.answer + "\n" + compact({"totals": totals(p)}),
 }
 DEFAULT_WEIGHTS = "free=0.4,worked=0.3,worked_change=0.1,answer=0.1,change=0.1"
 

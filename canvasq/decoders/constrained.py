@@ -122,8 +122,7 @@ class CanvasConstraints:
         stopping rule ends the canvas at its next check. The paths are found on the device
         (`grammar_device`); only their tokens come to the host."""
         assert self.settle is not None
-        logp = torch.log_softmax(logits[idx].float(), dim=-1)
-        paths = self._best([(s, row) for _, s, row in at], logp)
+        paths = self._best([(s, row) for _, s, row in at], logits, idx)
         pinned: list[tuple[int, list[int]]] = []
         for (b, s, row), (path, end) in zip(at, paths):
             if row.think and end == row.grammar.start:  # all thought: the sampler's own rule ends it
@@ -139,9 +138,11 @@ class CanvasConstraints:
             one_hot = torch.full_like(logits[at_b], NEG)
             logits[at_b] = one_hot.scatter_(2, paths_t[..., None], 0.0)
 
-    def _best(self, rows: list[tuple[Seq, RowGrammar]], logp: torch.Tensor) -> list[tuple[list[int], int]]:
-        """Each row's best completable path under its log-probs (`logp` [R, C, V], in `rows`' order) and
-        the state it ends in: one batched device Viterbi per distinct grammar."""
+    def _best(
+        self, rows: list[tuple[Seq, RowGrammar]], logits: torch.Tensor, idx: torch.Tensor
+    ) -> list[tuple[list[int], int]]:
+        """Each row's best completable path under its logits (`logits[idx]` [R, C, V], in `rows`' order)
+        and the state it ends in: one batched device Viterbi per distinct grammar."""
         out: list[tuple[list[int], int]] = [([], 0)] * len(rows)
         groups: dict[int, list[int]] = {}
         for k, (_, row) in enumerate(rows):
@@ -149,9 +150,8 @@ class CanvasConstraints:
         for ks in groups.values():
             grammar = rows[ks[0]][1].grammar
             budgets = [s.req.max_tokens - s.canvases[0].index * self.C for s, _ in (rows[k] for k in ks)]
-            at = torch.tensor(ks, device=logp.device)
             toks, ends = device_grammar(grammar, self.device).best(
-                [rows[k][1].state for k in ks], logp[at], budgets
+                [rows[k][1].state for k in ks], logits, budgets, idx[torch.tensor(ks, device=idx.device)]
             )
             for k, path, end in zip(ks, toks.tolist(), ends):
                 out[k] = (path, end)
@@ -166,9 +166,8 @@ class CanvasConstraints:
             return out
         t0 = time.perf_counter()
         at = torch.tensor([rows[k] for k, _, _ in held], device=logits.device)
-        logp = torch.log_softmax(logits[at].float(), dim=-1)
         try:
-            paths = self._best([(s, row) for _, s, row in held], logp)
+            paths = self._best([(s, row) for _, s, row in held], logits, at)
         except Unfinishable as exc:  # begin's plan said otherwise: a bug, the rows end in error
             for _, s, _ in held:
                 s.error, s.done = f"{UNFINISHABLE}: {exc}", True

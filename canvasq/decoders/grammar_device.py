@@ -55,22 +55,27 @@ class DeviceGrammar:
         return masks
 
     def best(
-        self, states: list[int], logprobs: torch.Tensor, budgets: list[int]
+        self, states: list[int], logits: torch.Tensor, budgets: list[int], rows: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, list[int]]:
-        """Each row's best completable path from its state under `logprobs` [R, C, V] (on the device)
-        within its budget: ([R, C] tokens on the device, [R] end states)."""
-        R, C, _ = logprobs.shape
+        """Each row's best completable path from its state under its log-softmax of `logits` [B, C, V]
+        (on the device; `rows`: the R rows of B to read, all by default) within its budget: ([R, C]
+        tokens on the device, [R] end states). One position at a time: no [R, C, V] copy is made."""
+        rows = torch.arange(logits.shape[0], device=logits.device) if rows is None else rows
+        R, C = len(rows), logits.shape[1]
         Q, E = self.g.Q, len(self.g.src)
         back = torch.stack([self.back(C, b) for b in budgets])  # [R, C + 1, Q]
         start = torch.as_tensor(states, device=self.device)
         if not bool(back[torch.arange(R, device=self.device), 0, start].all()):
             raise Unfinishable("a canvas's document cannot be finished within its budget")
-        score = torch.full((R, Q), float("-inf"), dtype=logprobs.dtype, device=self.device)
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        score = torch.full((R, Q), float("-inf"), dtype=dtype, device=self.device)
         score[torch.arange(R, device=self.device), start] = 0.0
         dst = self.dst.expand(R, E)
         via = torch.empty(R, C, Q, dtype=torch.long, device=self.device)
         for i in range(C):
-            gain = logprobs[:, i, self.tok].masked_fill(self.free, 0.0)  # [R, E]: the edges' reads only
+            at = logits[rows, i].to(dtype)  # [R, V]
+            gain = at[:, self.tok] - torch.logsumexp(at, dim=-1, keepdim=True)  # [R, E]: the edges' log-probs
+            gain = gain.masked_fill(self.free, 0.0)
             cand = (score[:, self.src] + gain).masked_fill(~back[:, i + 1][:, self.dst], float("-inf"))
             score = torch.full_like(score, float("-inf")).scatter_reduce(1, dst, cand, "amax")
             won = (cand == score.gather(1, dst)) & torch.isfinite(cand)

@@ -165,3 +165,35 @@ def test_training_shares_the_lora_with_the_encoder_and_saves_decoder_keys(tmp_pa
     peft_model.save_pretrained(str(tmp_path / "ad"))
     keys = load_file(str(tmp_path / "ad" / "adapter_model.safetensors"))
     assert keys and all(".decoder.layers." in k for k in keys)
+
+
+def test_the_committed_think_adapter_copies_its_answer_into_the_document():
+    """models/adapters/testbed_json_think (the `think` form, CPU-trained): a row with a schema and
+    `think` writes its working, `#### N`, then {"answer": N}; on 8 eval problems the document's number
+    is the working's in at least 6 (586 of 600 in BENCHMARKS.md's run)."""
+    from canvasq.decoders import DecodeBatch, DecodeRequest, run_batch
+    from canvasq.model.loading import load_bundle
+
+    bundle = ja.apply_adapter(load_bundle(), Path(__file__).parents[2] / "models/adapters/testbed_json_think")
+    schema = SCHEMAS["answer"]
+    problems = tasks.generate("arith", 8, 61, split="eval")
+    reqs = [
+        DecodeRequest(
+            p.uid,
+            bundle.encode_prompt(ja.form_prompt(p.prompt, "think"), "arith"),
+            192,
+            "arith",
+            schema,
+            True,
+        )
+        for p in problems
+    ]
+    copied = 0
+    for r in run_batch(
+        bundle, DecodeBatch(reqs, seed=61), decoder="official", overrides={"cuda_graphs": "off"}
+    ):
+        assert r.error is None and r.reasoning is not None, r
+        jsonschema.validate(json.loads(r.text), schema)
+        m = re.search(r"#### (-?\d+)", r.reasoning)
+        copied += m is not None and json.loads(r.text)["answer"] == int(m.group(1))
+    assert copied >= 6, copied

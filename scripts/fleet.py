@@ -103,6 +103,10 @@ def worker_extra(i: int, args, replay_path: Path | None) -> dict[str, str]:
         )
     if replay_path is not None:
         extra["CANVASQ_TEST_REPLAY"] = str(replay_path)
+    if os.environ.get(
+        "CANVASQ_TEST_DELAY_S"
+    ):  # the dry run's test: rows fed slowly, so the kill lands mid-run
+        extra["CANVASQ_TEST_DELAY_S"] = os.environ["CANVASQ_TEST_DELAY_S"]
     return extra
 
 

@@ -4,6 +4,7 @@ through; the other finishes the run with every custom_id exactly once. The worke
 ahead (CANVASQ_CLAIM_AHEAD=on, as GPU workers do by default), so the one killed may hold several."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -42,6 +43,9 @@ def test_fleet_dry_run_two_cpu_workers_one_killed(tmp_path):
         text=True,
         timeout=900,
         check=False,
+        # each feed of rows waits 0.3 s: the run lasts long enough that a poll sees it a third done
+        # (unslowed, 48 rows took 5.5 s once in CI and every poll of the loaded machine missed it)
+        env={**os.environ, "CANVASQ_TEST_DELAY_S": "0.3"},
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     rep = json.loads(out.read_text())

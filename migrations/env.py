@@ -19,9 +19,8 @@ def _url() -> str:
 
 def run_migrations_offline() -> None:
     url = _url()
-    context.configure(
-        url=url, target_metadata=target_metadata, literal_binds=True, render_as_batch=url.startswith("sqlite")
-    )
+    context.configure(url=url, target_metadata=target_metadata, literal_binds=True,
+                      render_as_batch=url.startswith("sqlite"))
     with context.begin_transaction():
         context.run_migrations()
 
@@ -31,11 +30,8 @@ def run_migrations_online() -> None:
     engine = make_engine(url)
     try:
         with engine.connect() as connection:
-            context.configure(
-                connection=connection,
-                target_metadata=target_metadata,
-                render_as_batch=connection.dialect.name == "sqlite",
-            )
+            context.configure(connection=connection, target_metadata=target_metadata,
+                              render_as_batch=connection.dialect.name == "sqlite")
             with context.begin_transaction():
                 context.run_migrations()
     finally:

@@ -67,9 +67,8 @@ def upgrade() -> None:
         sa.Column("cancelling_at", sa.DateTime(), nullable=True),
         sa.Column("finalizing_at", sa.DateTime(), nullable=True),
         sa.Column("finished_at", sa.DateTime(), nullable=True),
-        sa.ForeignKeyConstraint(
-            ["run_id"], ["runs.id"], name=op.f("fk_api_batches_run_id_runs"), ondelete="SET NULL"
-        ),
+        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name=op.f("fk_api_batches_run_id_runs"),
+                                ondelete="SET NULL"),
         sa.PrimaryKeyConstraint("seq", name=op.f("pk_api_batches")),
         sa.UniqueConstraint("id", name=op.f("uq_api_batches_id")),
     )

@@ -19,9 +19,7 @@ depends_on = None
 
 
 def upgrade() -> None:
-    op.add_column(
-        "chunks", sa.Column("claimed_ahead", sa.Boolean(), nullable=False, server_default=sa.false())
-    )
+    op.add_column("chunks", sa.Column("claimed_ahead", sa.Boolean(), nullable=False, server_default=sa.false()))
 
 
 def downgrade() -> None:

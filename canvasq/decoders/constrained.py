@@ -51,7 +51,6 @@ class RowGrammar:
     masks: torch.Tensor | None = None  # [C, V] bool on the device: the front canvas's allowed tokens
     path: list[int] | None = None  # the front canvas's best valid path at the last step
     same: int = 0  # steps that path has not changed
-    think: bool = False  # free text before the document (`structured.THINK`)
 
 
 def bundle_texts(bundle) -> TokenTexts:
@@ -88,7 +87,7 @@ class CanvasConstraints:
         row = self.rows.get(s.row)
         if row is None:
             grammar = cached_grammar(schema, self.texts(), s.req.think)
-            row = self.rows[s.row] = RowGrammar(grammar, 0, think=s.req.think)
+            row = self.rows[s.row] = RowGrammar(grammar, 0)
             row.state = row.grammar.start
         budget = s.req.max_tokens - cv.index * self.C
         try:
@@ -125,7 +124,7 @@ class CanvasConstraints:
         paths = self._best([(s, row) for _, s, row in at], logits, idx)
         pinned: list[tuple[int, list[int]]] = []
         for (b, s, row), (path, end) in zip(at, paths):
-            if row.think and end == row.grammar.start:  # all thought: the sampler's own rule ends it
+            if s.req.think and end == row.grammar.start:  # all thought: the sampler's own rule ends it
                 continue
             row.same = row.same + 1 if path == row.path else 0
             row.path = path
@@ -193,7 +192,7 @@ class CanvasConstraints:
 
     def checked(self, s: Seq, res: DecodeResult) -> DecodeResult:
         """`res` of a finished row; a constrained one validated against its schema."""
-        row = self.rows.pop(s.row, None)
+        self.rows.pop(s.row, None)
         schema = s.req.response_format
         if schema is None:
             return res
@@ -201,7 +200,7 @@ class CanvasConstraints:
             if res.error.startswith(UNFINISHABLE):
                 res.error_code = UNFINISHABLE
             return res
-        if row is not None and row.think:  # the row's text is its document; its thought is kept beside it
+        if s.req.think:  # the row's text is its document; its thought is kept beside it
             res.reasoning, res.text = split_thought(res.text)
             res.reasoning_tokens = self._thought_tokens(res.token_ids)
         problem = output_problem(res.text, schema)

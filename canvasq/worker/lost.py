@@ -4,8 +4,8 @@ Redis queue nor kombu's unacked hash.
 kombu's Redis transport pops a message (BRPOP) before it records it as unacked. A worker killed
 between the two (SIGKILL, the OOM killer, a lost node) takes the message with it: the chunk was
 never claimed, so it has no lease to lapse, and it was never unacked, so the visibility timeout
-never brings it back. Its run would wait forever (seen once in CI: T21 killed the worker as it took
-its next chunk). Reconcile asks this module which waiting chunks the broker no longer holds and
+never brings it back. Its run would wait forever (a worker killed right after it finishes a chunk
+is killed as it takes the next one, in that window: T21 can do so). Reconcile asks this module which waiting chunks the broker no longer holds and
 publishes them again.
 
 The queue and the unacked hash are read in one MULTI, so a restore (unacked → queue) cannot fall

@@ -44,7 +44,7 @@ def test_fleet_dry_run_two_cpu_workers_one_killed(tmp_path):
         timeout=900,
         check=False,
         # each feed of rows waits 0.3 s: the run lasts long enough that a poll sees it a third done
-        # (unslowed, 48 rows took 5.5 s once in CI and every poll of the loaded machine missed it)
+        # (unslowed, 48 rows can finish in ~5 s, faster than a loaded machine's polls see the third)
         env={**os.environ, "CANVASQ_TEST_DELAY_S": "0.3"},
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]

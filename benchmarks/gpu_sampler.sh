@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_sampler.sh micro service   # per-step sampler (and structured-output) pieces, then the worker loop A/B
 #   bash benchmarks/gpu_sampler.sh guard tests     # testbed accuracy torch vs fused, GPU tests
 #
-# "guard" and "tests" run side by side (the guard measures accuracy, not time), then "service";
+# "guard", "accuracy" (gpu_accuracy.py with ACC_ARMS) and "tests" run side by side (the guard measures accuracy, not time), then "service";
 # "guard-after" runs the guard once "service" is done (one call for timing and accuracy). TRACE=1 adds
 # official_service.py's `--trace` (torch.profiler over a few steady steps of the last batch).
 # TEST_FILES replaces the test files "tests" runs.
@@ -41,6 +41,15 @@ if [[ $what == *" tests "* ]]; then
     done ) &
   tests_pid=$!
 fi
+acc_pid=
+if [[ $what == *" accuracy "* ]]; then  # gpu_accuracy.py's arms (ACC_ARMS, ';'-separated) beside the tests
+  IFS=';' read -r -a acc_arms <<< "${ACC_ARMS:-hf;official:experts=w4@batch=64}"
+  acc_args=(); for a in "${acc_arms[@]}"; do acc_args+=(--arm "$a"); done
+  ( timeout "${ACC_TIMEOUT:-330}" python benchmarks/gpu_accuracy.py --device cuda --n "${N:-200}" \
+      --seeds "${ACC_SEEDS:-61,62,63}" "${acc_args[@]}" --out "$R/accuracy" > "$R/accuracy.txt" 2>&1
+    echo "accuracy rc=$?" >> "$R/accuracy.txt" ) &
+  acc_pid=$!
+fi
 guard() {  # the seeds side by side: the testbed is small, the GPU is not the limit
   for seed in ${SEEDS:-21 22 23}; do
     ( timeout "${GUARD_TIMEOUT:-100}" python -m canvasq.cli bench --device cuda --arm official:sampler=torch \
@@ -58,6 +67,7 @@ if [[ -n $tests_pid ]]; then
     echo "$(basename "$log" .txt) $(tail -1 "$log"): $(grep -E 'passed|failed|skipped|error' "$log" | tail -1)"
   done
 fi
+if [[ -n $acc_pid ]]; then wait "$acc_pid"; grep -E '^\||rc=' "$R/accuracy.txt"; fi
 if [[ $what == *" service "* ]]; then
   timeout "${SERVICE_TIMEOUT:-400}" python benchmarks/official_service.py --device cuda \
     --batches "${BATCHES:-64,32}" --n "${SERVICE_N:-384}" --fp8 auto --arms "${ARMS:-official:sampler=torch;official:sampler=fused}" \

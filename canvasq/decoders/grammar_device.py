@@ -8,18 +8,32 @@ At the testbed's vocabulary (748) the host versions cost ~11 % of a request's wa
 automaton's edges ([rows, E]), the Viterbi runs C steps of batched scatter-max over the edges, and
 only the chosen tokens ([rows, C]) and end states come back.
 
+Neither waits for the device: whether a state can still finish is read from the host's backward
+sets, and nothing is copied back before the tokens. On a GPU a step's launches, not its arithmetic,
+are the cost at the testbed's size (a plan that synchronised at each of its C positions took 5 ms), so
+a canvas's masks are kept per (state, C, budget) (`PLAN_CACHE_BYTES`) and the edges' log-probs are
+read for many positions at once (`GAIN_ELEMENTS` per read).
+
 Same answers as `structured.Grammar`: the same masks, and the same path (ties to the highest edge
 index, as `Grammar.best` breaks them); tests compare the two on random log-probs.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from functools import lru_cache
 
 import numpy as np
 import torch
 
 from canvasq.decoders.structured import Grammar, Unfinishable
+
+PLAN_CACHE_BYTES = (
+    1 << 30
+)  # canvas masks kept per grammar and device (a real-shape [256, 262,144] mask: 64 MiB)
+GAIN_ELEMENTS = (
+    1 << 25
+)  # the most [rows, positions, max(V, E)] elements one read of the edges' log-probs makes
 
 
 class DeviceGrammar:
@@ -33,55 +47,78 @@ class DeviceGrammar:
         self.dst = torch.as_tensor(grammar.dst, device=device)
         self.free = self.src == grammar.done  # the padding after the document's EOS scores nothing
         self.edge = torch.arange(len(grammar.src), device=device)
+        self._plans: OrderedDict[tuple[int, int, int, int], torch.Tensor] = OrderedDict()
+        self._plan_bytes = 0
 
     def back(self, C: int, budget: int) -> torch.Tensor:
         """[C + 1, Q] bool: `Grammar._backward` on the device (cached per C and budget)."""
         return _back(self, C, budget)
 
+    def can_finish(self, state: int, C: int, budget: int) -> bool:
+        """Whether a canvas of C positions starting in `state` can keep the document completable within
+        `budget` tokens (the host's copy of `back`: no device read)."""
+        return bool(_back_host(self.g, C, budget)[0][state])
+
     def plan(self, state: int, C: int, budget: int, V: int) -> torch.Tensor:
         """[C, V] bool: `Grammar.plan`'s masks, built on the device (tokens past the tokenizer's
-        vocabulary stay False)."""
-        back = self.back(C, budget)
-        if not bool(back[0, state]):
+        vocabulary stay False). Kept per (state, C, budget, V): treat the result as read-only."""
+        if not self.can_finish(state, C, budget):
             raise Unfinishable(f"the document cannot be finished within {budget} tokens")
-        masks = torch.zeros(C, V, dtype=torch.bool, device=self.device)
-        here = torch.zeros(self.g.Q, dtype=torch.bool, device=self.device)
-        here[state] = True
-        for i in range(C):
-            take = here[self.src] & back[i + 1][self.dst]
-            masks[i, self.tok[take]] = True
-            here = torch.zeros_like(here)
-            here[self.dst[take]] = True
+        key = (state, C, budget, V)
+        if (hit := self._plans.get(key)) is not None:
+            self._plans.move_to_end(key)
+            return hit
+        masks = self._plan(state, C, budget, V)
+        size = masks.numel()
+        while self._plans and self._plan_bytes + size > PLAN_CACHE_BYTES:
+            self._plan_bytes -= self._plans.popitem(last=False)[1].numel()
+        if size <= PLAN_CACHE_BYTES:
+            self._plans[key], self._plan_bytes = masks, self._plan_bytes + size
         return masks
+
+    def _plan(self, state: int, C: int, budget: int, V: int) -> torch.Tensor:
+        """The states each position can be reached in (C small steps over [Q]), then every position's
+        allowed edges' tokens in one scatter: no device read."""
+        ok = self.back(C, budget)[1:, self.dst]  # [C, E]: the edge keeps the document completable
+        here = torch.zeros(self.g.Q, dtype=torch.int32, device=self.device)
+        here[state] = 1
+        takes = []
+        for i in range(C):
+            take = here[self.src] * ok[i]
+            takes.append(take)
+            here = torch.zeros_like(here).scatter_add_(0, self.dst, take).clamp_(max=1)
+        take_all = torch.stack(takes)  # [C, E]
+        counts = torch.zeros(C, V, dtype=torch.int32, device=self.device)
+        return counts.scatter_add_(1, self.tok.expand(C, -1), take_all) > 0
 
     def best(
         self, states: list[int], logits: torch.Tensor, budgets: list[int], rows: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, list[int]]:
         """Each row's best completable path from its state under its log-softmax of `logits` [B, C, V]
         (on the device; `rows`: the R rows of B to read, all by default) within its budget: ([R, C]
-        tokens on the device, [R] end states). One position at a time: no [R, C, V] copy is made."""
+        tokens on the device, [R] end states). The edges' log-probs are read a few positions at a
+        time (`GAIN_ELEMENTS`): no [R, C, V] copy is made."""
         rows = torch.arange(logits.shape[0], device=logits.device) if rows is None else rows
         R, C = len(rows), logits.shape[1]
         Q, E = self.g.Q, len(self.g.src)
-        back = torch.stack([self.back(C, b) for b in budgets])  # [R, C + 1, Q]
-        start = torch.as_tensor(states, device=self.device)
-        if not bool(back[torch.arange(R, device=self.device), 0, start].all()):
+        if not all(self.can_finish(q, C, b) for q, b in zip(states, budgets)):
             raise Unfinishable("a canvas's document cannot be finished within its budget")
+        back = torch.stack([self.back(C, b) for b in budgets])  # [R, C + 1, Q]
         dtype = torch.promote_types(logits.dtype, torch.float32)
         score = torch.full((R, Q), float("-inf"), dtype=dtype, device=self.device)
-        score[torch.arange(R, device=self.device), start] = 0.0
+        score[torch.arange(R, device=self.device), torch.as_tensor(states, device=self.device)] = 0.0
         dst = self.dst.expand(R, E)
         via = torch.empty(R, C, Q, dtype=torch.long, device=self.device)
-        for i in range(C):
-            at = logits[rows, i].to(dtype)  # [R, V]
-            gain = at[:, self.tok] - torch.logsumexp(at, dim=-1, keepdim=True)  # [R, E]: the edges' log-probs
-            gain = gain.masked_fill(self.free, 0.0)
-            cand = (score[:, self.src] + gain).masked_fill(~back[:, i + 1][:, self.dst], float("-inf"))
-            score = torch.full_like(score, float("-inf")).scatter_reduce(1, dst, cand, "amax")
-            won = (cand == score.gather(1, dst)) & torch.isfinite(cand)
-            via[:, i] = torch.full_like(score, -1, dtype=torch.long).scatter_reduce(
-                1, dst, torch.where(won, self.edge, -1), "amax"
-            )
+        step = max(1, GAIN_ELEMENTS // max(1, R * max(E, logits.shape[2])))
+        for i0 in range(0, C, step):
+            gains = self._gains(logits, rows, back, i0, min(C, i0 + step), dtype)
+            for j in range(gains.shape[1]):
+                cand = score[:, self.src] + gains[:, j]
+                score = torch.full_like(score, float("-inf")).scatter_reduce_(1, dst, cand, "amax")
+                won = (cand == score.gather(1, dst)) & (cand > float("-inf"))
+                via[:, i0 + j] = torch.full_like(score, -1, dtype=torch.long).scatter_reduce_(
+                    1, dst, torch.where(won, self.edge, -1), "amax"
+                )
         q = score.argmax(1)
         ends = q.tolist()
         toks = torch.empty(R, C, dtype=torch.long, device=self.device)
@@ -91,10 +128,31 @@ class DeviceGrammar:
             q = self.src[e]
         return toks, ends
 
+    def _gains(
+        self,
+        logits: torch.Tensor,
+        rows: torch.Tensor,
+        back: torch.Tensor,
+        i0: int,
+        i1: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """[R, i1 - i0, E]: each edge's log-prob at positions i0..i1-1 (0 on the padding after the
+        document, -inf where taking it leaves the document unfinishable)."""
+        at = logits[rows, i0:i1].to(dtype)  # [R, c, V]
+        gain = at.index_select(2, self.tok) - torch.logsumexp(at, dim=-1, keepdim=True)
+        gain.masked_fill_(self.free, 0.0)
+        return gain.masked_fill_(~back[:, i0 + 1 : i1 + 1][:, :, self.dst], float("-inf"))
+
+
+@lru_cache(maxsize=256)
+def _back_host(g: Grammar, C: int, budget: int) -> list[np.ndarray]:
+    return g._backward(C, budget)
+
 
 @lru_cache(maxsize=256)
 def _back(dg: DeviceGrammar, C: int, budget: int) -> torch.Tensor:
-    return torch.as_tensor(np.stack(dg.g._backward(C, budget)), device=dg.device)
+    return torch.as_tensor(np.stack(_back_host(dg.g, C, budget)), device=dg.device)
 
 
 @lru_cache(maxsize=64)

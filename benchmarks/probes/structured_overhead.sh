@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issue 36's overhead bar on one device, one process: the committed think adapter, `answer` schema
+# thinking first, seeds 61-63 x N, batch 64, free and constrained arms of each seed in one process
+# (warmed first); then the real-shape micro (`benchmarks/kernels/structured.py`) and a cProfile of one
+# seed. Everything lands in $OUT.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+DEV=${DEV:-cuda}; N=${N:-200}
+timeout "${EVAL_TIMEOUT:-240}" python3 benchmarks/structured_output.py --device "$DEV" --adapter models/adapters/testbed_json_think \
+  --schemas answer --think --n "$N" --seeds 61 62 63 --batch 64 --hardware "${HARDWARE:-$DEV}" \
+  --out "$OUT/overhead.json" > "$OUT/overhead.log" 2>&1
+echo "overhead rc=$?"
+python3 - "$OUT/overhead.json" <<'PY'
+import json, sys
+for a in json.load(open(sys.argv[1]))["arms"]:
+    print(f"{a['arm']:22s} correct {a['correct']:3d} valid {a['valid']:3d} fwd/req {a['fwd_req']:5.1f} wall {a['wall_s']:6.2f} s "
+          f"tok/s {a['tok_s']:7.0f} hooks ms/req {a['constraint_host_ms_req']:6.2f}")
+PY
+[[ $DEV == cuda ]] && { OUT=$OUT timeout 150 python3 benchmarks/kernels/structured.py > "$OUT/micro.txt" 2>&1; echo "micro rc=$?"; grep '^|' "$OUT/micro.txt"; }
+timeout 150 python3 -m cProfile -o "$OUT/prof.pstats" benchmarks/structured_output.py --device "$DEV" \
+  --adapter models/adapters/testbed_json_think --schemas answer --think --n "$N" --seeds 61 --batch 64 \
+  --out "$OUT/prof.json" > "$OUT/prof.log" 2>&1
+echo "profile rc=$?"
+python3 -c "
+import pstats; p = pstats.Stats('$OUT/prof.pstats'); p.sort_stats('tottime').print_stats(25)" 2>&1 | grep -v '^$' | tail -27 | cut -c1-160 > "$OUT/prof.txt"
+cat "$OUT/prof.txt"

@@ -48,6 +48,7 @@ MODULES = (
     "norm_rope",
     "norm_residual",
     "attention",
+    "viterbi",
     "gelu_mul",
     "softmax_argmax",
     "softmax_invcdf",

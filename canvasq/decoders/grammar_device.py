@@ -14,6 +14,9 @@ are the cost at the testbed's size (a plan that synchronised at each of its C po
 a canvas's masks are kept per (state, C, budget) (`PLAN_CACHE_BYTES`) and the edges' log-probs are
 read for many positions at once (`GAIN_ELEMENTS` per read).
 
+On CUDA the Viterbi is one Triton launch (`kernels.viterbi`); its torch twin here serves the CPU and
+float64 (the tests' reference precision).
+
 Same answers as `structured.Grammar`: the same masks, and the same path (ties to the highest edge
 index, as `Grammar.best` breaks them); tests compare the two on random log-probs.
 """
@@ -27,6 +30,8 @@ import numpy as np
 import torch
 
 from canvasq.decoders.structured import Grammar, Unfinishable
+from canvasq.kernels._dispatch import auto_triton
+from canvasq.kernels.viterbi import _viterbi_kernel, csr, viterbi
 
 PLAN_CACHE_BYTES = (
     1 << 30
@@ -49,6 +54,9 @@ class DeviceGrammar:
         self.edge = torch.arange(len(grammar.src), device=device)
         self._plans: OrderedDict[tuple[int, int, int, int], torch.Tensor] = OrderedDict()
         self._plan_bytes = 0
+        self._csr: dict | None = (
+            None  # the edges by the state they enter (`kernels.viterbi.csr`), when first used
+        )
 
     def back(self, C: int, budget: int) -> torch.Tensor:
         """[C + 1, Q] bool: `Grammar._backward` on the device (cached per C and budget)."""
@@ -99,11 +107,20 @@ class DeviceGrammar:
         tokens on the device, [R] end states). The edges' log-probs are read a few positions at a
         time (`GAIN_ELEMENTS`): no [R, C, V] copy is made."""
         rows = torch.arange(logits.shape[0], device=logits.device) if rows is None else rows
-        R, C = len(rows), logits.shape[1]
-        Q, E = self.g.Q, len(self.g.src)
+        C = logits.shape[1]
         if not all(self.can_finish(q, C, b) for q, b in zip(states, budgets)):
             raise Unfinishable("a canvas's document cannot be finished within its budget")
         back = torch.stack([self.back(C, b) for b in budgets])  # [R, C + 1, Q]
+        if logits.dtype != torch.float64 and auto_triton(logits, _viterbi_kernel):
+            return self._best_kernel(states, logits, rows, back)
+        return self._best_torch(states, logits, rows, back)
+
+    def _best_torch(
+        self, states: list[int], logits: torch.Tensor, rows: torch.Tensor, back: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int]]:
+        """`best`'s torch twin: each position a batched scatter-max over the edges."""
+        R, C = len(rows), logits.shape[1]
+        Q, E = self.g.Q, len(self.g.src)
         dtype = torch.promote_types(logits.dtype, torch.float32)
         score = torch.full((R, Q), float("-inf"), dtype=dtype, device=self.device)
         score[torch.arange(R, device=self.device), torch.as_tensor(states, device=self.device)] = 0.0
@@ -127,6 +144,27 @@ class DeviceGrammar:
             toks[:, i] = self.tok[e]
             q = self.src[e]
         return toks, ends
+
+    def _best_kernel(
+        self,
+        states: list[int],
+        logits: torch.Tensor,
+        rows: torch.Tensor,
+        back: torch.Tensor,
+        block: int = 128,
+    ) -> tuple[torch.Tensor, list[int]]:
+        """`best` in one launch (`kernels.viterbi`): the positions' log-sum-exps in torch, a few
+        positions at a time, then one program per row."""
+        R, C, V = len(rows), logits.shape[1], logits.shape[2]
+        if self._csr is None:
+            self._csr = csr(self.src, self.tok, self.dst, self.free, self.g.Q)
+        step = max(1, GAIN_ELEMENTS // max(1, R * V))
+        lse = torch.cat(
+            [torch.logsumexp(logits[rows, i0 : i0 + step].float(), dim=-1) for i0 in range(0, C, step)], dim=1
+        )
+        start = torch.as_tensor(states, device=self.device)
+        toks, ends = viterbi(logits.contiguous(), rows, lse, back, start, self._csr, self.g.Q, block)
+        return toks, ends.tolist()
 
     def _gains(
         self,

@@ -15,7 +15,7 @@ if not os.path.exists("/dev/nvidiactl"):
     import triton.experimental.gluon  # noqa: F401  (the interpreter imports it lazily, asserting the mode)
 
     import canvasq.kernels
-    import canvasq.kernels.moe.kernels  # noqa: F401
+    import canvasq.kernels.moe.kernels
     import canvasq.kernels.viterbi  # noqa: F401
 
     if _previous is None:

@@ -30,8 +30,6 @@ import numpy as np
 import torch
 
 from canvasq.decoders.structured import Grammar, Unfinishable
-from canvasq.kernels._dispatch import auto_triton
-from canvasq.kernels.viterbi import _viterbi_kernel, csr, viterbi
 
 PLAN_CACHE_BYTES = (
     1 << 30
@@ -111,6 +109,10 @@ class DeviceGrammar:
         if not all(self.can_finish(q, C, b) for q, b in zip(states, budgets)):
             raise Unfinishable("a canvas's document cannot be finished within its budget")
         back = torch.stack([self.back(C, b) for b in budgets])  # [R, C + 1, Q]
+        # imported here: importing canvasq.kernels fixes whether its kernels are interpreted (tests/kernels)
+        from canvasq.kernels._dispatch import auto_triton
+        from canvasq.kernels.viterbi import _viterbi_kernel
+
         if logits.dtype != torch.float64 and auto_triton(logits, _viterbi_kernel):
             return self._best_kernel(states, logits, rows, back)
         return self._best_torch(states, logits, rows, back)
@@ -155,6 +157,8 @@ class DeviceGrammar:
     ) -> tuple[torch.Tensor, list[int]]:
         """`best` in one launch (`kernels.viterbi`): the positions' log-sum-exps in torch, a few
         positions at a time, then one program per row."""
+        from canvasq.kernels.viterbi import csr, viterbi
+
         R, C, V = len(rows), logits.shape[1], logits.shape[2]
         if self._csr is None:
             self._csr = csr(self.src, self.tok, self.dst, self.free, self.g.Q)

@@ -109,11 +109,9 @@ class DeviceGrammar:
         if not all(self.can_finish(q, C, b) for q, b in zip(states, budgets)):
             raise Unfinishable("a canvas's document cannot be finished within its budget")
         back = torch.stack([self.back(C, b) for b in budgets])  # [R, C + 1, Q]
-        # imported here: importing canvasq.kernels fixes whether its kernels are interpreted (tests/kernels)
-        from canvasq.kernels._dispatch import auto_triton
-        from canvasq.kernels.viterbi import _viterbi_kernel
-
-        if logits.dtype != torch.float64 and auto_triton(logits, _viterbi_kernel):
+        # CUDA only: under TRITON_INTERPRET the kernel walks every block of every state in Python (minutes
+        # at a 4,096-token vocabulary); tests/kernels/test_viterbi.py calls `_best_kernel` itself
+        if logits.dtype != torch.float64 and logits.is_cuda:
             return self._best_kernel(states, logits, rows, back)
         return self._best_torch(states, logits, rows, back)
 
@@ -157,6 +155,7 @@ class DeviceGrammar:
     ) -> tuple[torch.Tensor, list[int]]:
         """`best` in one launch (`kernels.viterbi`): the positions' log-sum-exps in torch, a few
         positions at a time, then one program per row."""
+        # imported here: importing canvasq.kernels fixes whether its kernels are interpreted (tests/kernels)
         from canvasq.kernels.viterbi import csr, viterbi
 
         R, C, V = len(rows), logits.shape[1], logits.shape[2]

@@ -91,16 +91,16 @@ class OfficialConfig:
     # With the fused sampler, top-k self-conditioning and a deferred LM head, the sampler's reads apply
     # the final soft cap to the head's bf16 output (no fp32 [rows, V] copy written and read twice).
     # Off: with the Gumbel draw the reads are compute-bound and a tanh each costs what the skipped pass
-    # saves (an H200 A/B measured no gain, BENCHMARKS.md "Service throughput"); with the inverse-CDF
-    # draw it lost too (10,686 against 11,475 tok/s, 6069cd7). False: the head writes
+    # saves (an H200 A/B measured no gain, BENCHMARKS.md "Service throughput"), and over the
+    # inverse-CDF draw it costs more than it saves (10,686 against 11,475 tok/s). False: the head writes
     # capped fp32 logits first, as HF does
     cap_on_read: bool = False
     # The fused sampler's draw: "gumbel" (Gumbel-max in the statistics read: a uniform and two logs per
     # logit) or "invcdf" (inverse CDF over the sums that read keeps, one uniform per row and one lane's
     # logits read again: kernels/softmax_invcdf.py). The same distribution, other draws. "invcdf" is the
-    # default since an H200 call (6069cd7) timed it through the worker loop at +6.1 % committed tok/s
-    # (two arms each, same process) with the testbed's accuracy at 84.1 % against 83.7 % (Gumbel) and
-    # HF generate()'s 84.5 % (1,200 problems; BENCHMARKS.md "Service throughput")
+    # default: without the logs per logit its pass is memory-bound, which on the H200 gave +6.1 %
+    # committed tok/s through the worker loop at the testbed's accuracy (84.1 % against Gumbel's 83.7 %
+    # and HF generate()'s 84.5 %; BENCHMARKS.md "Service throughput")
     draw: str = "invcdf"
     # Structured output (decoders/constrained.py): a constrained canvas whose best valid path has not
     # changed for this many steps is pinned to it (its logits one-hot), so the stopping rule ends it

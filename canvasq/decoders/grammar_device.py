@@ -31,12 +31,10 @@ import torch
 
 from canvasq.decoders.structured import Grammar, Unfinishable
 
-PLAN_CACHE_BYTES = (
-    1 << 30
-)  # canvas masks kept per grammar and device (a real-shape [256, 262,144] mask: 64 MiB)
-GAIN_ELEMENTS = (
-    1 << 25
-)  # the most [rows, positions, max(V, E)] elements one read of the edges' log-probs makes
+# canvas masks kept per grammar and device (a real-shape [256, 262,144] mask: 64 MiB)
+PLAN_CACHE_BYTES = 1 << 30
+# the most [rows, positions, max(V, E)] elements one read of the edges' log-probs makes
+GAIN_ELEMENTS = 1 << 25
 
 
 class DeviceGrammar:
@@ -52,9 +50,8 @@ class DeviceGrammar:
         self.edge = torch.arange(len(grammar.src), device=device)
         self._plans: OrderedDict[tuple[int, int, int, int], torch.Tensor] = OrderedDict()
         self._plan_bytes = 0
-        self._csr: dict | None = (
-            None  # the edges by the state they enter (`kernels.viterbi.csr`), when first used
-        )
+        # the edges by the state they enter (`kernels.viterbi.csr`), built when the kernel first runs
+        self._csr: dict | None = None
 
     def back(self, C: int, budget: int) -> torch.Tensor:
         """[C + 1, Q] bool: `Grammar._backward` on the device (cached per C and budget)."""

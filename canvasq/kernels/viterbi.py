@@ -3,7 +3,7 @@ launch: one program per constrained row walks the canvas's C positions over the 
 edges and then back along the winning path.
 
 The torch twin runs each position as a dozen small kernels (a scatter-max over the edges into the Q
-states, then the edge that won each state); on a GPU a 64-row, 32-position canvas was ~380 launches
+states, then the edge that won each state); on a GPU a 64-row, 32-position canvas is ~380 launches
 and ~9 ms of host time per decoder step at the testbed's size, and at the real vocabulary the
 scatter-max's atomics into Q slots serialise (2.1 s per step at 64 rows, E = 253,173). Here the edges
 are grouped by the state they enter (`csr`), so each state's best incoming edge is a plain reduction
@@ -48,7 +48,7 @@ def _viterbi_kernel(
             ok = tl.load(back_ptr + (r * (C + 1) + i + 1) * Q + qq) != 0
             s0 = tl.load(seg_ptr + qq)
             s1 = tl.load(seg_ptr + qq + 1)
-            best = tl.load(lse_ptr + r * C + i) * 0.0 + NEG_INF  # an fp32 scalar (loop-carried)
+            best = lse * 0.0 + NEG_INF  # an fp32 scalar (loop-carried; lse is finite)
             arg = s0 * 0 - 1
             # the interpreter cannot run a loop of runtime length: a fixed count of masked blocks there
             for b in range(INTERPRET_BLOCKS if INTERPRET_BLOCKS > 0 else tl.cdiv(s1 - s0, BLOCK)):

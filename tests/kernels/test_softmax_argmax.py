@@ -100,6 +100,21 @@ def test_sample_top_k_matches_torch_topk():
     assert len(set(out.top_ids[4].tolist())) == 64  # a tie: any 64 distinct ids
 
 
+def test_sample_top_k_reads_only_lanes_at_the_threshold_across_slices():
+    """At a vocabulary split into several stage-1 slices, the gather reads only the lanes whose maximum
+    reaches the threshold, mapped back to their columns slice by slice: peaks planted in every slice
+    and in one lane's far columns come back as torch.topk's."""
+    R, V = 3, 40000  # 4 slices of 5 blocks of 2,048 columns (the last one partly past V)
+    logits = _logits(R, V, torch.float32, seed=7)
+    logits[0, [5, 10245, 20491, 30736, 39999]] = 40.0 + torch.arange(5.0)  # a peak in every slice
+    logits[1, 3 + 2048 * torch.arange(5)] = 30.0 + torch.arange(5.0)  # one lane's columns, one slice
+    logits[2, 10240 + 7 + 2048 * torch.arange(5)] = 30.0 + torch.arange(5.0)  # the same, slice 1
+    inv, seeds = torch.tensor([1.0, 0.7, 1.3]).to(DEVICE), torch.tensor([1, 2, 3]).to(DEVICE)
+    out = softmax_sample(logits.to(DEVICE), inv, seeds, 1, top_k=64, impl="triton")
+    ref_v, ref_i = torch.topk(logits.to(DEVICE) * inv[:, None], 64, dim=-1)
+    assert torch.equal(out.top_vals, ref_v) and torch.equal(out.top_ids, ref_i)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_soft_cap_applied_on_read_matches_capped_logits(dtype):
     """`cap`: the sampler reads the LM head's output before its final soft cap and caps as it reads;

@@ -1,7 +1,6 @@
 """The k largest scaled logits per row (`softmax_sample`'s `top_k`, self-conditioning's input) from
 stage 1's lane maxima (`softmax_argmax`, `LANE_MAX`): a threshold, one gather of the logits at or
-above it into TOP_K_CAP candidate slots per row, torch.topk over those slots only. The gather reads
-only the lanes whose maximum reaches the threshold (a few dozen of a row's 2,048 at a peaked row)."""
+above it into TOP_K_CAP candidate slots per row, torch.topk over those slots only."""
 
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ def _gather_above_kernel(
     logits_ptr,
     inv_temp_ptr,
     thresh_ptr,
-    lane_max_ptr,
     count_ptr,
     vals_ptr,
     ids_ptr,
@@ -29,41 +27,31 @@ def _gather_above_kernel(
     cap,
     CAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    CHUNKS: tl.constexpr,  # stage 1's slices per row (`softmax_argmax._launch`)
-    CHUNK_BLOCKS: tl.constexpr,  # blocks of BLOCK_V columns per slice (a constant trip count: the
-    # interpreter cannot loop to V)
+    BLOCKS: tl.constexpr,  # cdiv(V, BLOCK_V): a constant trip count (the interpreter cannot loop to V)
     SOFTCAP: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     # one program per row, in vocabulary order (deterministic): every scaled logit >= the row's
-    # threshold goes to the row's first CAP candidate slots; the count is stored even past CAP.
-    # Stage 1's lane l of slice c saw columns c * CHUNK + l + j * BLOCK_V: a lane whose maximum is
-    # under the threshold holds no candidate, so its columns are not read at all (masked loads issue
-    # no memory requests; at a peaked row most of the vocabulary is skipped)
+    # threshold goes to the row's first CAP candidate slots; the count is stored even past CAP
     row = tl.program_id(0).to(tl.int64)
     inv_temp = tl.load(inv_temp_ptr + row // GROUP)
     t = tl.load(thresh_ptr + row)
     lanes = tl.arange(0, BLOCK_V)
     n = 0
-    for c in range(CHUNKS):
-        lane_max = tl.load(lane_max_ptr + (row * CHUNKS + c) * BLOCK_V + lanes)
-        read = lane_max >= t
-        if tl.sum(read.to(tl.int32), axis=0) > 0:
-            for blk in range(CHUNK_BLOCKS):
-                cols = (c * CHUNK_BLOCKS + blk) * BLOCK_V + lanes
-                live = read & (cols < V)
-                l = tl.load(logits_ptr + row * stride_r + cols, mask=live, other=float("-inf")).to(tl.float32)
-                if SOFTCAP:
-                    l = softcap_on_read(l, inv_cap, cap, INTERPRETED)
-                l = l * inv_temp
-                keep = (l >= t) & live
-                found = tl.sum(keep.to(tl.int32), axis=0)
-                if found > 0:  # most blocks hold few candidates: no scan, no stores without one
-                    pos = n + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-                    ok = keep & (pos < CAP)
-                    tl.store(vals_ptr + row * CAP + pos, l, mask=ok)
-                    tl.store(ids_ptr + row * CAP + pos, cols.to(tl.int64), mask=ok)
-                n += found
+    for blk in range(BLOCKS):
+        cols = blk * BLOCK_V + lanes
+        l = tl.load(logits_ptr + row * stride_r + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        if SOFTCAP:
+            l = softcap_on_read(l, inv_cap, cap, INTERPRETED)
+        l = l * inv_temp
+        keep = (l >= t) & (cols < V)
+        found = tl.sum(keep.to(tl.int32), axis=0)
+        if found > 0:  # most blocks hold no candidate: they cost only their read (no scan, no stores)
+            pos = n + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+            ok = keep & (pos < CAP)
+            tl.store(vals_ptr + row * CAP + pos, l, mask=ok)
+            tl.store(ids_ptr + row * CAP + pos, cols.to(tl.int64), mask=ok)
+        n += found
     tl.store(count_ptr + row, n)
 
 
@@ -80,14 +68,10 @@ def top_k_scaled(
     cap: float | None = None,
 ):
     """The k largest scaled logits per row without sorting the vocabulary. Each lane's maximum is a
-        logit of its own, so the k-th largest lane maximum t has at least k logits >= t above it: the
-        row's top k are among the logits >= t, which one more read gathers (few, past the peak), reading
-    only the lanes whose maximum is >= t. `cap`:
-        the logits are the LM head's output before its final soft cap, applied as they are read."""
+    logit of its own, so the k-th largest lane maximum t has at least k logits >= t above it: the
+    row's top k are among the logits >= t, which one more read gathers (few, past the peak). `cap`:
+    the logits are the LM head's output before its final soft cap, applied as they are read."""
     R, V = logits.shape
-    bv = min(block_v, triton.next_power_of_2(V))
-    chunks = lane_max.shape[1] // bv  # stage 1's slices, each of `chunk` columns
-    chunk = triton.cdiv(triton.cdiv(V, chunks), bv) * bv
     if lane_max.shape[1] < k:  # fewer lanes than k: every logit is a candidate
         thresh = torch.full((R,), float("-inf"), device=logits.device)
     else:
@@ -97,11 +81,11 @@ def top_k_scaled(
     ids = torch.zeros(R, slots, dtype=torch.long, device=logits.device)
     count = torch.empty(R, dtype=torch.int32, device=logits.device)
     if R:
+        bv = min(block_v, triton.next_power_of_2(V))
         _gather_above_kernel[(R,)](
             logits,
             inv_temp,
             thresh,
-            lane_max,
             count,
             vals,
             ids,
@@ -111,8 +95,7 @@ def top_k_scaled(
             *cap_args(cap),
             CAP=slots,
             BLOCK_V=bv,
-            CHUNKS=chunks,
-            CHUNK_BLOCKS=chunk // bv,
+            BLOCKS=triton.cdiv(V, bv),
             SOFTCAP=bool(cap),
             INTERPRETED=interpreted(_gather_above_kernel),
             num_warps=8,
@@ -137,20 +120,12 @@ def compile_specs():
         yield CompileSpec(
             "softmax_gather_above" + ("_softcap" if softcap else ""),
             _gather_above_kernel,
-            {
-                "CAP": TOP_K_CAP,
-                "BLOCK_V": 2048,
-                "CHUNKS": 1,
-                "CHUNK_BLOCKS": 128,
-                "SOFTCAP": softcap,
-                "INTERPRETED": False,
-            },
+            {"CAP": TOP_K_CAP, "BLOCK_V": 2048, "BLOCKS": 128, "SOFTCAP": softcap, "INTERPRETED": False},
             types={
                 "inv_cap": "fp32",
                 "cap": "fp32",
                 "inv_temp_ptr": "*fp32",
                 "thresh_ptr": "*fp32",
-                "lane_max_ptr": "*fp32",
                 "count_ptr": "*i32",
                 "vals_ptr": "*fp32",
                 "ids_ptr": "*i64",

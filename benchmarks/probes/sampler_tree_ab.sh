@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Issue 34: the self-conditioning top-k's gather reading only the lanes at its threshold, against the
-# base tree that reads every logit, in one device call: the sampler micro (`benchmarks/kernels/sampler.py
-# --batches 64,16`) from each tree, then the worker loop A B B A (`gpu_service_ab.sh`, 64 slots, 384
-# requests, recording seed 1, replayed x8). Carry .whl and .ab (the base tree: see gpu_service_ab.sh).
+# Issue 34: a sampler change against a base tree in one device call: the sampler micro
+# (`benchmarks/kernels/sampler.py --batches 64,16`) from each tree, then the worker loop A B B A
+# (`gpu_service_ab.sh`, 64 slots, 384 requests, recording seed 1, replayed x8). Carry .whl and .ab
+# (the base tree: see gpu_service_ab.sh). A process's first arm compiles every kernel: give it
+# ARM_TIMEOUT of 240 s or more (150 s cut session 27's first arm).
 #
-#   BASE=5cddd6d CANVASQ_COMMIT=<head> bash benchmarks/probes/topk_lanes_ab.sh
+#   BASE=5cddd6d CANVASQ_COMMIT=<head> bash benchmarks/probes/sampler_tree_ab.sh
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 pip install -q --no-index --no-deps --target /tmp/site2 .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed" >&2
@@ -18,4 +19,4 @@ for arm in "$BASE:$base" "${CANVASQ_COMMIT:-head}:$PWD"; do
   echo "micro $label rc=$?"; grep "^|" "$OUT/sampler_$label.txt" | grep -E "arm|top-64|inverse-CDF draw \|"
 done
 SERVICE_ARGS="--device cuda --batches 64 --n 384 --seed 1 --fp8 auto --warm full" TREES="$BASE . . $BASE" \
-  ARM_TIMEOUT=${ARM_TIMEOUT:-150} bash benchmarks/gpu_service_ab.sh
+  ARM_TIMEOUT=${ARM_TIMEOUT:-240} bash benchmarks/gpu_service_ab.sh

@@ -6,6 +6,12 @@ free (the reference: its final `#### N` answer) and under JSON schemas, each ask
     totals         {"totals": [integer, ...] (at most 6)}             correct: its last element is the target
     worked         {"reasoning": string, "answer": integer}          correct: the integer is the target
     worked_change  {"reasoning": string, "change": "gained" | ...}   correct: as change
+    answer_change  {"answer": integer, "change": "gained" | ...}     correct: the integer is the target
+    answer_totals  {"answer": integer, "totals": [integer, ...]}     correct: the integer is the target
+
+The last two ask the arith answer first and then a field of another shape (an enum, an array of at
+most 6 integers): the accuracy is the answer's; each arm also reports its second field's
+(`second_correct`: the change against the start, the totals' last element against the target).
 
 Per arm: rows, rows done, done rows that parse and validate (jsonschema), accuracy over all rows
 (errored or invalid rows count as wrong), forwards per request, wall seconds, committed tokens per
@@ -46,10 +52,18 @@ from canvasq.testbed.json_adapter import FORM_SCHEMAS
 # the JSON adapter's forms' schemas (one source: its training prompts show them); the think forms
 # answer the same schemas (`--think`)
 SCHEMAS = {k: v for k, v in FORM_SCHEMAS.items() if not k.startswith("think")}
+SECOND = {"answer_change": "change", "answer_totals": "totals"}  # a composite schema's second field
 # max_tokens of a constrained row: one canvas for a bare value, six for a document with the working
 # (a free answer is at most ~140 tokens; the keys and quotes add ~20)
 MAX_CANVASES = {"answer": 1, "change": 1, "totals": 1, "worked": 6, "worked_change": 6}
-QUESTION = {"worked": "answer", "worked_change": "change"}  # the question a schema asks, where it differs
+MAX_CANVASES |= {"answer_change": 1, "answer_totals": 2}
+# the question a schema asks, where it differs from its name
+QUESTION = {
+    "worked": "answer",
+    "worked_change": "change",
+    "answer_change": "answer",
+    "answer_totals": "answer",
+}
 _START = re.compile(r"has (\d+)")
 
 
@@ -207,12 +221,17 @@ def run(args) -> dict:
             res, cwall = decode(
                 bundle, problems, SCHEMAS[name], max_tokens, args.batch, seed, limits, settle, args.think
             )
-            ok = []
+            ok, second = [], []
             for p, r in zip(problems, res):
                 doc = json.loads(r.text) if r.error is None else None
                 ok.append(doc is not None and asked(name, p, doc) == truth(name, p))
+                if name in SECOND:
+                    field = SECOND[name]
+                    second.append(doc is not None and asked(field, p, doc) == truth(field, p))
             arm = arm_report(f"{name}/seed{seed}", res, cwall, problems, ok, SCHEMAS[name])
             arm["max_tokens"] = max_tokens
+            if second:
+                arm["second_field"], arm["second_correct"] = SECOND[name], sum(second)
             report["arms"].append(arm)
             print(json.dumps(report["arms"][-2:]), flush=True)
             _write(args.out, report)

@@ -19,7 +19,8 @@ import argparse
 import _common as C
 import torch
 
-from canvasq.kernels.softmax_argmax import softmax_argmax_launch, softmax_sample
+from canvasq.kernels.softmax_argmax import _launch, softmax_argmax_launch, softmax_sample
+from canvasq.kernels.softmax_topk import TOP_K_CAP, top_k_scaled
 
 
 def torch_path(logits: torch.Tensor, temps: torch.Tensor, gens: list[torch.Generator]) -> None:
@@ -40,6 +41,24 @@ def topk_two_stage(logits: torch.Tensor, k: int, slices: int) -> tuple[torch.Ten
     return v2, torch.gather(ids.view(R, -1), 1, pick)
 
 
+def _top_k_pieces(flat: torch.Tensor, inv, seeds, Cv: int) -> dict:
+    """The top-64's parts after the statistics pass (which keeps the lane maxima): all of
+    `top_k_scaled`, its threshold (torch.topk over the lane maxima), its final torch.topk over the
+    candidate slots; and the whole draw + top-64 over bf16-rounded logits of scale 1 (ties at the top,
+    as a random-weight model's head writes them)."""
+    lm = _launch(flat, inv.float(), seeds, Cv, 2048, lane_max=True, invcdf=True)[5]
+    slots = torch.randn(flat.shape[0], TOP_K_CAP, device=flat.device)
+    tied = (flat / 4).bfloat16().float()
+    return {
+        "top-64 after the statistics pass (top_k_scaled)": lambda: top_k_scaled(flat, inv, Cv, 64, lm),
+        "top-64 threshold (torch.topk over lane maxima)": lambda: torch.topk(lm, 64, dim=-1),
+        "top-64 final torch.topk over 512 slots": lambda: torch.topk(slots, 64, dim=-1),
+        "fused + top-64, inverse-CDF, bf16-rounded scale-1 logits": lambda: softmax_sample(
+            tied, inv, seeds, Cv, top_k=64, draw="invcdf"
+        ),
+    }
+
+
 def _arms(logits: torch.Tensor, temps, gens, inv, seeds) -> dict:
     _, Cv, V = logits.shape
     flat = logits.view(-1, V)
@@ -53,6 +72,7 @@ def _arms(logits: torch.Tensor, temps, gens, inv, seeds) -> dict:
         "fused softmax_sample + top-64, inverse-CDF draw": lambda: softmax_sample(
             flat, inv, seeds, Cv, top_k=64, draw="invcdf"
         ),
+        **_top_k_pieces(flat, inv, seeds, Cv),
         "topk 64 (torch, whole row)": lambda: torch.topk(flat, 64, dim=-1),
         "topk 64 (two-stage, 32 slices)": lambda: topk_two_stage(flat, 64, 32),
     }

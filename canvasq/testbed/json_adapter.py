@@ -90,25 +90,33 @@ def totals(p: tasks.Problem) -> list[int]:
     return [int(x) for x in re.findall(r"(\d+) [a-z]+\.", working(p))][-6:]
 
 
-def _object(props: dict) -> dict:
+def object_schema(props: dict) -> dict:
     return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
 
 
 _CHANGE = {"enum": ["gained", "lost", "same"]}
-_CHANGE_SCHEMA = _object({"change": _CHANGE})
+_CHANGE_SCHEMA = object_schema({"change": _CHANGE})
 # the schema of each JSON form (what a response_format line asks; benchmarks/structured_output.py's too)
 FORM_SCHEMAS: dict[str, dict] = {
-    "worked": _object({"reasoning": {"type": "string"}, "answer": {"type": "integer"}}),
-    "worked_change": _object({"reasoning": {"type": "string"}, "change": _CHANGE}),
-    "answer": _object({"answer": {"type": "integer"}}),
+    "worked": object_schema({"reasoning": {"type": "string"}, "answer": {"type": "integer"}}),
+    "worked_change": object_schema({"reasoning": {"type": "string"}, "change": _CHANGE}),
+    "answer": object_schema({"answer": {"type": "integer"}}),
     "change": _CHANGE_SCHEMA,
 }
-FORM_SCHEMAS["totals"] = _object({"totals": {"type": "array", "items": {"type": "integer"}, "maxItems": 6}})
+FORM_SCHEMAS["totals"] = object_schema(
+    {"totals": {"type": "array", "items": {"type": "integer"}, "maxItems": 6}}
+)
+_TOTALS = FORM_SCHEMAS["totals"]["properties"]["totals"]
+# the arith answer first, then a field of another shape (an enum, an array)
+FORM_SCHEMAS["answer_change"] = object_schema({"answer": {"type": "integer"}, "change": _CHANGE})
+FORM_SCHEMAS["answer_totals"] = object_schema({"answer": {"type": "integer"}, "totals": _TOTALS})
 # the same lines asked, answered after the working (a line's reasoning_effort: `structured.THINK`)
 FORM_SCHEMAS |= {
     "think": FORM_SCHEMAS["answer"],
     "think_change": _CHANGE_SCHEMA,
     "think_totals": FORM_SCHEMAS["totals"],
+    "think_answer_change": FORM_SCHEMAS["answer_change"],
+    "think_answer_totals": FORM_SCHEMAS["answer_totals"],
 }
 
 FORMS: dict[str, Callable[[tasks.Problem], str]] = {
@@ -122,6 +130,8 @@ FORMS: dict[str, Callable[[tasks.Problem], str]] = {
     "think": lambda p: p.answer + "\n" + compact({"answer": p.target}),
     "think_change": lambda p: p.answer + "\n" + compact({"change": change(p)}),
     "think_totals": lambda p: p.answer + "\n" + compact({"totals": totals(p)}),
+    "think_answer_change": lambda p: p.answer + "\n" + compact({"answer": p.target, "change": change(p)}),
+    "think_answer_totals": lambda p: p.answer + "\n" + compact({"answer": p.target, "totals": totals(p)}),
 }
 DEFAULT_WEIGHTS = "free=0.4,worked=0.3,worked_change=0.1,answer=0.1,change=0.1"
 

@@ -41,6 +41,11 @@ def topk_two_stage(logits: torch.Tensor, k: int, slices: int) -> tuple[torch.Ten
     return v2, torch.gather(ids.view(R, -1), 1, pick)
 
 
+# the gather's block and warps (each iteration of its loop ends in a reduction over the block: at 2,048
+# columns and 8 warps the loop is latency-bound, not bandwidth-bound)
+SWEEP = [(2048, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 16)]
+
+
 def _top_k_pieces(flat: torch.Tensor, inv, seeds, Cv: int) -> dict:
     """The top-64's parts after the statistics pass (which keeps the lane maxima): all of
     `top_k_scaled`, its threshold (torch.topk over the lane maxima), its final torch.topk over the
@@ -49,7 +54,14 @@ def _top_k_pieces(flat: torch.Tensor, inv, seeds, Cv: int) -> dict:
     lm = _launch(flat, inv.float(), seeds, Cv, 2048, lane_max=True, invcdf=True)[5]
     slots = torch.randn(flat.shape[0], TOP_K_CAP, device=flat.device)
     tied = (flat / 4).bfloat16().float()
+    ref = top_k_scaled(flat, inv, Cv, 64, lm)
+    sweep = {}
+    for bv, w in SWEEP:
+        same = all(torch.equal(a, b) for a, b in zip(ref, top_k_scaled(flat, inv, Cv, 64, lm, bv, None, w)))
+        name = f"top_k_scaled, gather block {bv}, {w} warps{'' if same else ' (DIFFERS)'}"
+        sweep[name] = lambda bv=bv, w=w: top_k_scaled(flat, inv, Cv, 64, lm, block_v=bv, num_warps=w)
     return {
+        **sweep,
         "top-64 after the statistics pass (top_k_scaled)": lambda: top_k_scaled(flat, inv, Cv, 64, lm),
         "top-64 threshold (torch.topk over lane maxima)": lambda: torch.topk(lm, 64, dim=-1),
         "top-64 final torch.topk over 512 slots": lambda: torch.topk(slots, 64, dim=-1),

@@ -66,6 +66,7 @@ def top_k_scaled(
     lane_max: torch.Tensor,
     block_v: int = 2048,
     cap: float | None = None,
+    num_warps: int = 8,
 ):
     """The k largest scaled logits per row without sorting the vocabulary. Each lane's maximum is a
     logit of its own, so the k-th largest lane maximum t has at least k logits >= t above it: the
@@ -98,7 +99,7 @@ def top_k_scaled(
             BLOCKS=triton.cdiv(V, bv),
             SOFTCAP=bool(cap),
             INTERPRETED=interpreted(_gather_above_kernel),
-            num_warps=8,
+            num_warps=num_warps,
         )
     top, pos = torch.topk(vals, k, dim=-1)
     top_ids = torch.gather(ids, 1, pos)

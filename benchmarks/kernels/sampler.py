@@ -43,7 +43,7 @@ def topk_two_stage(logits: torch.Tensor, k: int, slices: int) -> tuple[torch.Ten
 
 # the gather's block and warps (each iteration of its loop ends in a reduction over the block: at 2,048
 # columns and 8 warps the loop is latency-bound, not bandwidth-bound)
-SWEEP = [(2048, 4), (2048, 2), (1024, 4), (1024, 2), (1024, 1), (512, 2), (512, 1), (4096, 4)]
+SWEEP = [(2048, 8), (2048, 4), (1024, 4), (1024, 1), (512, 2), (512, 1), (256, 1)]
 
 
 def _top_k_pieces(flat: torch.Tensor, inv, seeds, Cv: int) -> dict:

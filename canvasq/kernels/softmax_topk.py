@@ -56,6 +56,11 @@ def _gather_above_kernel(
 
 
 TOP_K_CAP = 512  # candidate slots per row; a row with more candidates falls back to torch.topk
+# The gather's block and warps. Each pass of its loop ends in a reduction over the block (does it hold
+# a candidate?), so with wide blocks the loop waits on those reductions, not on memory: on an H200,
+# 64 x 256 rows at the real vocabulary took 13.6 ms at 2,048 columns and 8 warps, 5.8 ms at 512 and
+# one warp (near the bandwidth of one full read; BENCHMARKS.md "Service throughput", session 27)
+GATHER_BLOCK, GATHER_WARPS = 512, 1
 
 
 def top_k_scaled(
@@ -64,9 +69,9 @@ def top_k_scaled(
     group: int,
     k: int,
     lane_max: torch.Tensor,
-    block_v: int = 2048,
+    block_v: int = GATHER_BLOCK,
     cap: float | None = None,
-    num_warps: int = 8,
+    num_warps: int = GATHER_WARPS,
 ):
     """The k largest scaled logits per row without sorting the vocabulary. Each lane's maximum is a
     logit of its own, so the k-th largest lane maximum t has at least k logits >= t above it: the

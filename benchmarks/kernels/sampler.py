@@ -41,9 +41,9 @@ def topk_two_stage(logits: torch.Tensor, k: int, slices: int) -> tuple[torch.Ten
     return v2, torch.gather(ids.view(R, -1), 1, pick)
 
 
-# the gather's block and warps (each iteration of its loop ends in a reduction over the block: at 2,048
+# the gather's block, warps and lane skipping (each iteration of its loop ends in a reduction over the block: at 2,048
 # columns and 8 warps the loop is latency-bound, not bandwidth-bound)
-SWEEP = [(2048, 8), (2048, 4), (1024, 4), (1024, 1), (512, 2), (512, 1), (256, 1)]
+SWEEP = [(2048, 8, False), (512, 1, False), (512, 1, True), (1024, 1, True), (256, 1, True), (512, 2, True)]
 
 
 def _top_k_pieces(flat: torch.Tensor, inv, seeds, Cv: int) -> dict:
@@ -56,10 +56,13 @@ def _top_k_pieces(flat: torch.Tensor, inv, seeds, Cv: int) -> dict:
     tied = (flat / 4).bfloat16().float()
     ref = top_k_scaled(flat, inv, Cv, 64, lm)
     sweep = {}
-    for bv, w in SWEEP:
-        same = all(torch.equal(a, b) for a, b in zip(ref, top_k_scaled(flat, inv, Cv, 64, lm, bv, None, w)))
-        name = f"top_k_scaled, gather block {bv}, {w} warps{'' if same else ' (DIFFERS)'}"
-        sweep[name] = lambda bv=bv, w=w: top_k_scaled(flat, inv, Cv, 64, lm, block_v=bv, num_warps=w)
+    for bv, w, skip in SWEEP:
+        got = top_k_scaled(flat, inv, Cv, 64, lm, bv, None, w, skip)
+        same = all(torch.equal(a, b) for a, b in zip(ref, got))
+        name = f"top_k_scaled, gather block {bv}, {w} warps{', lanes skipped' if skip else ''}"
+        sweep[name + ("" if same else " (DIFFERS)")] = lambda bv=bv, w=w, skip=skip: top_k_scaled(
+            flat, inv, Cv, 64, lm, bv, None, w, skip
+        )
     return {
         **sweep,
         "top-64 after the statistics pass (top_k_scaled)": lambda: top_k_scaled(flat, inv, Cv, 64, lm),

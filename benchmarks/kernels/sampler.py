@@ -41,9 +41,9 @@ def topk_two_stage(logits: torch.Tensor, k: int, slices: int) -> tuple[torch.Ten
     return v2, torch.gather(ids.view(R, -1), 1, pick)
 
 
-# the gather's block, warps and lane skipping (each iteration of its loop ends in a reduction over the block: at 2,048
+# the gather's block and warps (each iteration of its loop ends in a reduction over the block: at 2,048
 # columns and 8 warps the loop is latency-bound, not bandwidth-bound)
-SWEEP = [(2048, 8, False), (512, 1, False), (512, 1, True), (1024, 1, True), (256, 1, True), (512, 2, True)]
+SWEEP = [(2048, 8), (1024, 1), (512, 1), (256, 1)]
 
 
 def _top_k_pieces(flat: torch.Tensor, inv, seeds, Cv: int) -> dict:

@@ -17,7 +17,6 @@ def _gather_above_kernel(
     logits_ptr,
     inv_temp_ptr,
     thresh_ptr,
-    lane_max_ptr,
     count_ptr,
     vals_ptr,
     ids_ptr,
@@ -26,21 +25,14 @@ def _gather_above_kernel(
     GROUP,
     inv_cap,
     cap,
-    CHUNK,
     CAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCKS: tl.constexpr,  # cdiv(V, BLOCK_V): a constant trip count (the interpreter cannot loop to V)
-    CHUNKS: tl.constexpr,  # stage 1's slices per row, of CHUNK columns each
-    LANES: tl.constexpr,  # stage 1's lanes per slice (its block: a multiple of BLOCK_V)
-    SKIP_LANES: tl.constexpr,
     SOFTCAP: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     # one program per row, in vocabulary order (deterministic): every scaled logit >= the row's
-    # threshold goes to the row's first CAP candidate slots; the count is stored even past CAP.
-    # SKIP_LANES: stage 1's lane l of slice c saw columns c * CHUNK + l + j * LANES; a lane whose
-    # maximum is under the threshold holds no candidate, so its columns are not read (a masked load
-    # issues no memory request: at the real vocabulary most of a row is skipped)
+    # threshold goes to the row's first CAP candidate slots; the count is stored even past CAP
     row = tl.program_id(0).to(tl.int64)
     inv_temp = tl.load(inv_temp_ptr + row // GROUP)
     t = tl.load(thresh_ptr + row)
@@ -48,16 +40,11 @@ def _gather_above_kernel(
     n = 0
     for blk in range(BLOCKS):
         cols = blk * BLOCK_V + lanes
-        live = cols < V
-        if SKIP_LANES:
-            c = (blk * BLOCK_V) // CHUNK
-            lane = (blk * BLOCK_V - c * CHUNK) % LANES + lanes
-            live = live & (tl.load(lane_max_ptr + (row * CHUNKS + c) * LANES + lane) >= t)
-        l = tl.load(logits_ptr + row * stride_r + cols, mask=live, other=float("-inf")).to(tl.float32)
+        l = tl.load(logits_ptr + row * stride_r + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         if SOFTCAP:
             l = softcap_on_read(l, inv_cap, cap, INTERPRETED)
         l = l * inv_temp
-        keep = (l >= t) & live
+        keep = (l >= t) & (cols < V)
         found = tl.sum(keep.to(tl.int32), axis=0)
         if found > 0:  # most blocks hold no candidate: they cost only their read (no scan, no stores)
             pos = n + tl.cumsum(keep.to(tl.int32), axis=0) - 1
@@ -74,7 +61,6 @@ TOP_K_CAP = 512  # candidate slots per row; a row with more candidates falls bac
 # 64 x 256 rows at the real vocabulary took 13.6 ms at 2,048 columns and 8 warps, 5.8 ms at 512 and
 # one warp (near the bandwidth of one full read; BENCHMARKS.md "Service throughput", session 27)
 GATHER_BLOCK, GATHER_WARPS = 512, 1
-SKIP_LANES = False  # read only the lanes whose stage-1 maximum reaches the threshold
 
 
 def top_k_scaled(
@@ -86,17 +72,12 @@ def top_k_scaled(
     block_v: int = GATHER_BLOCK,
     cap: float | None = None,
     num_warps: int = GATHER_WARPS,
-    skip_lanes: bool | None = None,
-    lane_block: int = 2048,
 ):
     """The k largest scaled logits per row without sorting the vocabulary. Each lane's maximum is a
     logit of its own, so the k-th largest lane maximum t has at least k logits >= t above it: the
     row's top k are among the logits >= t, which one more read gathers (few, past the peak). `cap`:
     the logits are the LM head's output before its final soft cap, applied as they are read."""
     R, V = logits.shape
-    lanes = min(lane_block, triton.next_power_of_2(V))  # stage 1's block (`softmax_argmax._launch`)
-    chunks = lane_max.shape[1] // lanes
-    chunk = triton.cdiv(triton.cdiv(V, chunks), lanes) * lanes
     if lane_max.shape[1] < k:  # fewer lanes than k: every logit is a candidate
         thresh = torch.full((R,), float("-inf"), device=logits.device)
     else:
@@ -111,7 +92,6 @@ def top_k_scaled(
             logits,
             inv_temp,
             thresh,
-            lane_max,
             count,
             vals,
             ids,
@@ -119,14 +99,9 @@ def top_k_scaled(
             logits.stride(0),
             group,
             *cap_args(cap),
-            chunk,
             CAP=slots,
             BLOCK_V=bv,
             BLOCKS=triton.cdiv(V, bv),
-            CHUNKS=chunks,
-            LANES=lanes,
-            # a gather block inside one lane block; None: the module's setting
-            SKIP_LANES=(SKIP_LANES if skip_lanes is None else skip_lanes) and bv <= lanes,
             SOFTCAP=bool(cap),
             INTERPRETED=interpreted(_gather_above_kernel),
             num_warps=num_warps,
@@ -147,17 +122,14 @@ def compile_specs():
     (benchmarks/kernels/compile_check.py)."""
     from .compile_spec import CompileSpec
 
-    for softcap, skip in ((False, False), (True, False), (False, True)):
+    for softcap in (False, True):
         yield CompileSpec(
-            "softmax_gather_above" + ("_softcap" if softcap else "") + ("_skip" if skip else ""),
+            "softmax_gather_above" + ("_softcap" if softcap else ""),
             _gather_above_kernel,
             {
                 "CAP": TOP_K_CAP,
                 "BLOCK_V": GATHER_BLOCK,
                 "BLOCKS": 262144 // GATHER_BLOCK,
-                "CHUNKS": 1,
-                "LANES": 2048,
-                "SKIP_LANES": skip,
                 "SOFTCAP": softcap,
                 "INTERPRETED": False,
             },
@@ -166,8 +138,6 @@ def compile_specs():
                 "cap": "fp32",
                 "inv_temp_ptr": "*fp32",
                 "thresh_ptr": "*fp32",
-                "lane_max_ptr": "*fp32",
-                "CHUNK": "i32",
                 "count_ptr": "*i32",
                 "vals_ptr": "*fp32",
                 "ids_ptr": "*i64",

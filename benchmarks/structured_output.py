@@ -55,8 +55,15 @@ SCHEMAS = {k: v for k, v in FORM_SCHEMAS.items() if not k.startswith("think")}
 SECOND = {"answer_change": "change", "answer_totals": "totals"}  # a composite schema's second field
 # max_tokens of a constrained row: one canvas for a bare value, six for a document with the working
 # (a free answer is at most ~140 tokens; the keys and quotes add ~20)
-MAX_CANVASES = {"answer": 1, "change": 1, "totals": 1, "worked": 6, "worked_change": 6}
-MAX_CANVASES |= {"answer_change": 1, "answer_totals": 2}
+MAX_CANVASES = {
+    "answer": 1,
+    "change": 1,
+    "totals": 1,
+    "worked": 6,
+    "worked_change": 6,
+    "answer_change": 1,
+    "answer_totals": 2,
+}
 # the question a schema asks, where it differs from its name
 QUESTION = {
     "worked": "answer",

@@ -56,13 +56,10 @@ def _top_k_pieces(flat: torch.Tensor, inv, seeds, Cv: int) -> dict:
     tied = (flat / 4).bfloat16().float()
     ref = top_k_scaled(flat, inv, Cv, 64, lm)
     sweep = {}
-    for bv, w, skip in SWEEP:
-        got = top_k_scaled(flat, inv, Cv, 64, lm, bv, None, w, skip)
-        same = all(torch.equal(a, b) for a, b in zip(ref, got))
-        name = f"top_k_scaled, gather block {bv}, {w} warps{', lanes skipped' if skip else ''}"
-        sweep[name + ("" if same else " (DIFFERS)")] = lambda bv=bv, w=w, skip=skip: top_k_scaled(
-            flat, inv, Cv, 64, lm, bv, None, w, skip
-        )
+    for bv, w in SWEEP:
+        same = all(torch.equal(a, b) for a, b in zip(ref, top_k_scaled(flat, inv, Cv, 64, lm, bv, None, w)))
+        name = f"top_k_scaled, gather block {bv}, {w} warps{'' if same else ' (DIFFERS)'}"
+        sweep[name] = lambda bv=bv, w=w: top_k_scaled(flat, inv, Cv, 64, lm, block_v=bv, num_warps=w)
     return {
         **sweep,
         "top-64 after the statistics pass (top_k_scaled)": lambda: top_k_scaled(flat, inv, Cv, 64, lm),

@@ -2,8 +2,8 @@
 # Issue 34: a sampler change against a base tree in one device call: the sampler micro
 # (`benchmarks/kernels/sampler.py --batches 64,16`) from each tree, then the worker loop A B B A
 # (`gpu_service_ab.sh`, 64 slots, 384 requests, recording seed 1, replayed x8). Carry .whl and .ab
-# (the base tree: see gpu_service_ab.sh). A process's first arm compiles every kernel: give it
-# ARM_TIMEOUT of 240 s or more (150 s cut session 27's first arm).
+# (the base tree: see gpu_service_ab.sh). The first arm compiles every kernel, which takes over
+# 150 s on a fresh machine: ARM_TIMEOUT defaults to 240 s.
 #
 #   BASE=5cddd6d CANVASQ_COMMIT=<head> bash benchmarks/probes/sampler_tree_ab.sh
 set -u

@@ -20,8 +20,9 @@ for a in json.load(open(sys.argv[1]))["arms"]:
 PY
 [[ ${EVAL_ONLY:-0} == 1 ]] && exit 0
 [[ $DEV == cuda ]] && { OUT=$OUT timeout 150 python3 benchmarks/kernels/structured.py > "$OUT/micro.txt" 2>&1; echo "micro rc=$?"; grep '^|' "$OUT/micro.txt"; }
+# shellcheck disable=SC2086
 timeout 150 python3 -m cProfile -o "$OUT/prof.pstats" benchmarks/structured_output.py --device "$DEV" \
-  --adapter models/adapters/testbed_json_think --schemas answer --think --n "$N" --seeds 61 --batch 64 \
+  --adapter "$ADAPTER" --schemas ${SCHEMAS:-answer} --think --n "$N" --seeds 61 --batch 64 \
   --out "$OUT/prof.json" > "$OUT/prof.log" 2>&1
 echo "profile rc=$?"
 python3 -c "

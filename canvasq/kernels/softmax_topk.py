@@ -59,7 +59,7 @@ TOP_K_CAP = 512  # candidate slots per row; a row with more candidates falls bac
 # The gather's block and warps. Each pass of its loop ends in a reduction over the block (does it hold
 # a candidate?), so with wide blocks the loop waits on those reductions, not on memory: on an H200,
 # 64 x 256 rows at the real vocabulary took 13.6 ms at 2,048 columns and 8 warps, 5.8 ms at 512 and
-# one warp (near the bandwidth of one full read; BENCHMARKS.md "Service throughput", session 27)
+# one warp (near the bandwidth of one full read; BENCHMARKS.md "Service throughput")
 GATHER_BLOCK, GATHER_WARPS = 512, 1
 
 

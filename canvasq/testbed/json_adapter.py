@@ -95,6 +95,7 @@ def object_schema(props: dict) -> dict:
 
 
 _CHANGE = {"enum": ["gained", "lost", "same"]}
+_TOTALS = {"type": "array", "items": {"type": "integer"}, "maxItems": 6}
 _CHANGE_SCHEMA = object_schema({"change": _CHANGE})
 # the schema of each JSON form (what a response_format line asks; benchmarks/structured_output.py's too)
 FORM_SCHEMAS: dict[str, dict] = {
@@ -103,10 +104,7 @@ FORM_SCHEMAS: dict[str, dict] = {
     "answer": object_schema({"answer": {"type": "integer"}}),
     "change": _CHANGE_SCHEMA,
 }
-FORM_SCHEMAS["totals"] = object_schema(
-    {"totals": {"type": "array", "items": {"type": "integer"}, "maxItems": 6}}
-)
-_TOTALS = FORM_SCHEMAS["totals"]["properties"]["totals"]
+FORM_SCHEMAS["totals"] = object_schema({"totals": _TOTALS})
 # the arith answer first, then a field of another shape (an enum, an array)
 FORM_SCHEMAS["answer_change"] = object_schema({"answer": {"type": "integer"}, "change": _CHANGE})
 FORM_SCHEMAS["answer_totals"] = object_schema({"answer": {"type": "integer"}, "totals": _TOTALS})

@@ -43,6 +43,7 @@ import torch
 from canvasq.core.schemas import Limits, parse_line
 from canvasq.core.settings import Settings
 from canvasq.decoders import DecodeBatch, DecodeRequest, run_batch
+from canvasq.decoders.configs import OfficialConfig
 from canvasq.decoders.structured import output_problem
 from canvasq.model.loading import load_bundle
 from canvasq.provenance import git_commit
@@ -169,6 +170,30 @@ def arm_report(name: str, results, wall: float, problems, correct: list[bool], s
     }
 
 
+def constrained_arm(label: str, name: str, problems, res, wall: float) -> dict:
+    """A constrained arm's report: the question's accuracy and, for a composite schema, its second field's."""
+    ok, second = [], []
+    for p, r in zip(problems, res):
+        doc = json.loads(r.text) if r.error is None else None
+        ok.append(doc is not None and asked(name, p, doc) == truth(name, p))
+        if name in SECOND:
+            field = SECOND[name]
+            second.append(doc is not None and asked(field, p, doc) == truth(field, p))
+    arm = arm_report(label, res, wall, problems, ok, SCHEMAS[name])
+    if second:
+        arm["second_field"], arm["second_correct"] = SECOND[name], sum(second)
+    return arm
+
+
+def _off(value: int | None) -> int | None:
+    """A knob's value from the command line: -1 (or None) is off."""
+    return None if value is None or value < 0 else value
+
+
+def _overrides(settle: int, positions: int | None) -> dict:
+    return {"constraint_settle": _off(settle), "constraint_settle_positions": _off(positions)}
+
+
 def max_tokens_of(args, name: str, C: int) -> int:
     """A constrained row's budget: --max-tokens, or the schema's canvases (and the free answer's, thinking)."""
     return args.max_tokens or MAX_CANVASES[name] * C + args.think * tasks.ANSWER_CANVASES["arith"] * C
@@ -194,14 +219,22 @@ def run(args) -> dict:
         "adapter": args.adapter,
         "schema_in_prompt": args.schema_in_prompt,
         "constraint_settle": None if args.settle < 0 else args.settle,
+        "constraint_settle_positions": [_off(v) for v in args.settle_positions],
         "think": args.think,
+        "split": args.split,
         "device": args.device,
         "arms": [],
     }
-    settle = {"constraint_settle": None if args.settle < 0 else args.settle}
+    # one set of overrides per --settle-positions value (arms of the same process, alternating order
+    # by seed); the arm's name carries the value when there is more than one
+    variants = [
+        (f"/positions{_off(v)}" if len(args.settle_positions) > 1 else "", _overrides(args.settle, v))
+        for v in args.settle_positions
+    ]
+    settle = variants[0][1]
     # untimed: one batch free and one per schema first, so no timed arm pays Triton's compiles, the
     # allocator's first blocks or a grammar's compile (on the H200 the first arm took 16.7 s against 4.2)
-    warm = tasks.generate("arith", min(args.batch, args.n), args.seeds[0], split="eval")
+    warm = tasks.generate("arith", min(args.batch, args.n), args.seeds[0], split=args.split)
     decode(bundle, warm, None, tasks.ANSWER_CANVASES["arith"] * C, args.batch, args.seeds[0], limits)
     for name in args.schemas:
         decode(
@@ -215,8 +248,8 @@ def run(args) -> dict:
             settle,
             args.think,
         )
-    for seed in args.seeds:
-        problems = tasks.generate("arith", args.n, seed, split="eval")
+    for k, seed in enumerate(args.seeds):
+        problems = tasks.generate("arith", args.n, seed, split=args.split)
         free, wall = decode(
             bundle, problems, None, tasks.ANSWER_CANVASES["arith"] * C, args.batch, seed, limits
         )
@@ -225,25 +258,25 @@ def run(args) -> dict:
             ok = [asked(name, p, None, a) == truth(name, p) for p, a in zip(problems, answers)]
             report["arms"].append(arm_report(f"free/{name}/seed{seed}", free, wall, problems, ok, None))
             max_tokens = max_tokens_of(args, name, C)
-            res, cwall = decode(
-                bundle, problems, SCHEMAS[name], max_tokens, args.batch, seed, limits, settle, args.think
-            )
-            ok, second = [], []
-            for p, r in zip(problems, res):
-                doc = json.loads(r.text) if r.error is None else None
-                ok.append(doc is not None and asked(name, p, doc) == truth(name, p))
-                if name in SECOND:
-                    field = SECOND[name]
-                    second.append(doc is not None and asked(field, p, doc) == truth(field, p))
-            arm = arm_report(f"{name}/seed{seed}", res, cwall, problems, ok, SCHEMAS[name])
-            arm["max_tokens"] = max_tokens
-            if second:
-                arm["second_field"], arm["second_correct"] = SECOND[name], sum(second)
-            report["arms"].append(arm)
-            print(json.dumps(report["arms"][-2:]), flush=True)
-            _write(args.out, report)
-            if args.samples:
-                _write_samples(args.out, f"{name}/seed{seed}", problems, free, res)
+            for tag, overrides in variants if k % 2 == 0 else variants[::-1]:
+                res, cwall = decode(
+                    bundle,
+                    problems,
+                    SCHEMAS[name],
+                    max_tokens,
+                    args.batch,
+                    seed,
+                    limits,
+                    overrides,
+                    args.think,
+                )
+                arm = constrained_arm(f"{name}{tag}/seed{seed}", name, problems, res, cwall)
+                arm["max_tokens"] = max_tokens
+                report["arms"].append(arm)
+                print(json.dumps(report["arms"][-2:]), flush=True)
+                _write(args.out, report)
+                if args.samples:
+                    _write_samples(args.out, f"{name}{tag}/seed{seed}", problems, free, res)
     return report
 
 
@@ -272,8 +305,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--n", type=int, default=48, help="eval arith problems per seed")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[1], help="eval streams (problems and draws)")
+    ap.add_argument("--n", type=int, default=48, help="arith problems per seed")
+    ap.add_argument(
+        "--seeds", type=int, nargs="+", default=[1], help="the split's streams (problems and draws)"
+    )
+    ap.add_argument(
+        "--split",
+        default="eval",
+        choices=tasks.SPLITS,
+        help="the prompts' split (tune on dev, claim on eval)",
+    )
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument(
         "--max-tokens", type=int, default=None, help="of a constrained row (default: MAX_CANVASES canvases)"
@@ -281,6 +322,13 @@ def main() -> None:
     ap.add_argument("--schemas", nargs="+", default=["answer", "change", "totals"], choices=list(SCHEMAS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--settle", type=int, default=2, help="OfficialConfig.constraint_settle (-1: off)")
+    ap.add_argument(
+        "--settle-positions",
+        type=int,
+        nargs="+",
+        default=[OfficialConfig.constraint_settle_positions],
+        help="OfficialConfig.constraint_settle_positions (-1: off); several values: one arm each, same process",
+    )
     ap.add_argument(
         "--think",
         action="store_true",

@@ -106,6 +106,11 @@ class OfficialConfig:
     # changed for this many steps is pinned to it (its logits one-hot), so the stopping rule ends it
     # without waiting for a confidence the model may never reach on the schema's values. None: off
     constraint_settle: int | None = 2
+    # Before the whole path holds, each document position whose token on it has held this many steps
+    # is pinned alone: a schema's uncertain values (an array's length, an enum) otherwise keep a canvas
+    # to the step cap. 1 was chosen on dev prompts (0 lost the answer, 2 kept 1.5x the forwards:
+    # BENCHMARKS.md "Document positions pinned alone"). None: off
+    constraint_settle_positions: int | None = 1
     cuda_graphs: str = "auto"
 
     def __post_init__(self):
@@ -123,6 +128,9 @@ class OfficialConfig:
             raise ValueError(f"sc_topk must be ≥ 1 or None, got {self.sc_topk}")
         if self.stability_threshold is not None and self.stability_threshold < 0:
             raise ValueError(f"stability_threshold must be ≥ 0 or None, got {self.stability_threshold}")
+        for name in ("constraint_settle", "constraint_settle_positions"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be ≥ 0 or None, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,10 @@
   self-conditioning all see only tokens some valid completion allows (scaffold positions have one
   token: entropy 0, accepted at the first step); with `settle` (OfficialConfig.constraint_settle), a
   canvas whose best valid path has held that many steps is pinned to it (`_settle`; with `think`, not
-  a canvas whose path is thought only: official's own rule ends those, as it ends free text);
+  a canvas whose path is thought only: official's own rule ends those, as it ends free text), and with
+  `settle_positions` each document position whose token on that path has held that long is pinned
+  alone before the whole path holds (an array's length or an enum the model stays unsure of would
+  otherwise keep the canvas to the step cap);
 - `final(finished, logits, tokens)` when canvases stop: a constrained row's tokens are the best
   completable path under its last logits (`Grammar.best`, on the device), not the per-position argmax;
 - `checked(s, result)` for every finished row: its text parsed and validated against the schema
@@ -51,6 +54,7 @@ class RowGrammar:
     masks: torch.Tensor | None = None  # [C, V] bool on the device: the front canvas's allowed tokens
     path: list[int] | None = None  # the front canvas's best valid path at the last step
     same: int = 0  # steps that path has not changed
+    held: list[int] | None = None  # per position: steps its token on that path has not changed
 
 
 def bundle_texts(bundle) -> TokenTexts:
@@ -66,8 +70,17 @@ def bundle_texts(bundle) -> TokenTexts:
 class CanvasConstraints:
     """Per-row automata of one decoder's stream (keyed by `Seq.row`)."""
 
-    def __init__(self, bundle, C: int, V: int, device: torch.device, settle: int | None = None):
+    def __init__(
+        self,
+        bundle,
+        C: int,
+        V: int,
+        device: torch.device,
+        settle: int | None = None,
+        settle_positions: int | None = None,
+    ):
         self.bundle, self.C, self.V, self.device, self.settle = bundle, C, V, device, settle
+        self.settle_positions = settle_positions
         self._texts: TokenTexts | None = None
         self.rows: dict[int, RowGrammar] = {}
 
@@ -95,7 +108,7 @@ class CanvasConstraints:
         except Unfinishable as exc:
             s.error, s.done = f"{UNFINISHABLE}: {exc}", True
             return
-        row.path, row.same = None, 0
+        row.path, row.same, row.held = None, 0, None
         s.stats["constraint_host_us"] += int(1e6 * (time.perf_counter() - t0))
 
     def mask(self, seqs: list[Seq], logits: torch.Tensor) -> None:
@@ -118,24 +131,32 @@ class CanvasConstraints:
     def _settle(self, at: list[tuple[int, Seq, RowGrammar]], logits: torch.Tensor, idx: torch.Tensor) -> None:
         """Pin each canvas (its row of logits [B, C, V], masked) to its best valid path once that path
         has held for `settle` steps: one-hot logits, so the argmax is the path, every entropy 0 and the
-        stopping rule ends the canvas at its next check. The paths are found on the device
-        (`grammar_device`); only their tokens come to the host."""
+        stopping rule ends the canvas at its next check. With `settle_positions`, a document position
+        whose token on the path has held that many steps is pinned alone (the thought before the
+        document is not). The paths are found on the device (`grammar_device`); only their tokens come to the host."""
         assert self.settle is not None
         paths = self._best([(s, row) for _, s, row in at], logits, idx)
-        pinned: list[tuple[int, list[int]]] = []
+        pins: list[tuple[int, int, int]] = []  # (row in logits, position, token)
         for (b, s, row), (path, end) in zip(at, paths):
             if s.req.think and end == row.grammar.start:  # all thought: the sampler's own rule ends it
                 continue
-            row.same = row.same + 1 if path == row.path else 0
+            same = [a == p for a, p in zip(path, row.path)] if row.path is not None else [False] * len(path)
+            row.held = [h + 1 if eq else 0 for h, eq in zip(row.held or [0] * len(path), same)]
+            row.same = row.same + 1 if all(same) else 0
             row.path = path
             if row.same >= self.settle:
-                pinned.append((b, path))
+                pins += [(b, c, t) for c, t in enumerate(path)]
                 s.stats["constraint_pinned_steps"] += 1
-        if pinned:
-            at_b = torch.tensor([b for b, _ in pinned], device=logits.device)
-            paths_t = torch.tensor([p for _, p in pinned], device=logits.device)
-            one_hot = torch.full_like(logits[at_b], NEG)
-            logits[at_b] = one_hot.scatter_(2, paths_t[..., None], 0.0)
+            elif self.settle_positions is not None:
+                first = 0 if row.state != row.grammar.start else self._thought_tokens(path)
+                hold = self.settle_positions
+                held = [(b, c, path[c]) for c in range(first, len(path)) if row.held[c] >= hold]
+                pins += held
+                s.stats["constraint_pinned_positions"] += len(held)
+        if pins:
+            b_t, c_t, t_t = torch.tensor(pins, device=logits.device).unbind(1)
+            logits[b_t, c_t] = NEG
+            logits[b_t, c_t, t_t] = 0.0
 
     def _best(
         self, rows: list[tuple[Seq, RowGrammar]], logits: torch.Tensor, idx: torch.Tensor

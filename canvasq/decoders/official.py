@@ -72,9 +72,8 @@ class OfficialDecoder(StepDecoder):
         self._slots: SlotState | None = None
         self._spawned: list[tuple[Seq, Canvas]] = []  # canvases whose slot state is reset next step
         # the rows with a response_format (decoders/constrained.py)
-        self.constraints = CanvasConstraints(
-            bundle, self.C, self.V, self.device, self.config.constraint_settle
-        )
+        settle = (self.config.constraint_settle, self.config.constraint_settle_positions)
+        self.constraints = CanvasConstraints(bundle, self.C, self.V, self.device, *settle)
 
     # -- hooks of the base loop -------------------------------------------------------------------
     def generator(self, seed: int, custom_id: str) -> torch.Generator:

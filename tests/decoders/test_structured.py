@@ -220,3 +220,50 @@ def test_a_thinking_row_writes_free_text_then_its_document(texts, testbed):
         jsonschema.validate(json.loads(r.text), ANSWER)
         assert r.reasoning and (" + " in r.reasoning or " - " in r.reasoning), r.reasoning  # its working
         assert 0 < r.reasoning_tokens < len(r.token_ids)
+
+
+def test_settled_document_positions_are_pinned_alone(texts, testbed):
+    """constraint_settle_positions: a document position whose token on the best valid path has held
+    that many steps is pinned (one-hot logits) while a position that keeps changing is left open, and
+    so is the thought before the document; the whole canvas is pinned only once all of it holds."""
+    from types import SimpleNamespace
+
+    from canvasq.decoders.constrained import NEG, RowGrammar
+    from canvasq.decoders.structured import cached_grammar
+
+    tk, V = Tokenizer.from_file(TOKENIZER), len(texts.texts)
+
+    def logits_for(text: str) -> tuple[torch.Tensor, list[int]]:
+        ids = tk.encode(text).ids + [texts.eos]
+        ids = ids + [texts.pad] * (C - len(ids))
+        out = torch.zeros(1, C, V)
+        out[0, torch.arange(C), torch.tensor(ids)] = 8.0
+        return out, ids
+
+    a, ids_a = logits_for('so 12 eggs\n{"answer":12}')
+    b, ids_b = logits_for('so 13 eggs\n{"answer":13}')
+    differ = [c for c in range(C) if ids_a[c] != ids_b[c]]
+    first = next(c for c, t in enumerate(ids_a) if "{" in (texts.texts[t] or ""))
+    assert len(differ) == 2 and differ[0] < first < differ[1]  # one digit in the thought, one in the document
+
+    checks = CanvasConstraints(testbed, C, V, torch.device("cpu"), settle=2, settle_positions=1)
+    grammar = cached_grammar(ANSWER, texts, True)
+    row = RowGrammar(grammar, grammar.start)
+    seq = SimpleNamespace(
+        row=0, req=SimpleNamespace(think=True, max_tokens=C), canvases=[SimpleNamespace(index=0)]
+    )
+    seq.stats = __import__("collections").Counter()
+    idx = torch.tensor([0])
+    pinned = []
+    for step, x in enumerate([a, b, a, b]):
+        x = x.clone()
+        checks._settle([(0, seq, row)], x, idx)
+        pinned.append([c for c in range(C) if (x[0, c] == NEG).sum() == V - 1])
+        assert row.path == (ids_a if step % 2 == 0 else ids_b)
+    assert pinned[0] == []  # nothing has held yet
+    assert pinned[1] == [c for c in range(first, C) if c not in differ]  # the document's held positions
+    assert seq.stats["constraint_pinned_steps"] == 0 and seq.stats["constraint_pinned_positions"] > 0
+    for x in (a, a, a):  # the path holds whole: the canvas is pinned, thought included
+        x = x.clone()
+        checks._settle([(0, seq, row)], x, idx)
+    assert seq.stats["constraint_pinned_steps"] == 1 and ((x[0] == NEG).sum(-1) == V - 1).all()

@@ -19,7 +19,10 @@ second, the constraint's host time; the reference's accuracy is given for each s
 `--think` gives each constrained line `reasoning_effort` medium: the row writes its working free
 before its document (the thought is the row's `reasoning`; its answer is read from the document).
 `--adapter DIR` merges a LoRA (`python -m canvasq.testbed.json_adapter`) into the model first: both
-the free and the constrained arms then run the same weights. The report is rewritten after every arm.
+the free and the constrained arms then run the same weights. `--split dev` draws the prompts a
+setting is tuned on (claims are made on `eval`); `--settle-positions 1 -1` runs each schema once per
+value of `OfficialConfig.constraint_settle_positions` (-1: off) in the same process, the arms'
+order alternating by seed. The report is rewritten after every arm.
 
 Every row is a batch line validated as the service validates it (`core.schemas.parse_line`): a
 constrained row's prompt is the problem with its schema shown before it (`CANVASQ_SCHEMA_IN_PROMPT`,
@@ -81,15 +84,23 @@ def change_of(start: int, end: int | None) -> str | None:
     return "gained" if end > start else "lost" if end < start else "same"
 
 
+def start_of(p) -> int:
+    """What the problem's person starts with (every arith prompt says "has N")."""
+    m = _START.search(p.prompt)
+    if m is None:
+        raise ValueError(f"{p.uid}: no starting amount in the prompt")
+    return int(m.group(1))
+
+
 def truth(schema: str, p) -> object:
     schema = QUESTION.get(schema, schema)
-    start = int(_START.search(p.prompt).group(1))
+    start = start_of(p)
     return p.target if schema != "change" else change_of(start, p.target)
 
 
 def asked(schema: str, p, doc: dict | None, free_answer: int | None = None) -> object:
     """What the row says to the schema's question: from its document, or (reference) its final answer."""
-    start = int(_START.search(p.prompt).group(1))
+    start = start_of(p)
     field = QUESTION.get(schema, schema)
     if doc is None:
         return free_answer if field != "change" else change_of(start, free_answer)

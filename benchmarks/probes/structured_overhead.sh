@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
 # Issue 36's overhead bar on one device, one process: the committed think adapter (ADAPTER), the
 # SCHEMAS (default `answer`) thinking first, seeds 61-63 x N, batch 64, free and constrained arms of
-# each seed in one process (warmed first); then, unless EVAL_ONLY=1, the real-shape micro
+# each seed in one process (warmed first; SETTLE_POSITIONS="1 -1" adds an arm per value of
+# OfficialConfig.constraint_settle_positions, -1 off); then, unless EVAL_ONLY=1, the real-shape micro
 # (`benchmarks/kernels/structured.py`) and a cProfile of one seed. Everything lands in $OUT.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 DEV=${DEV:-cuda}; N=${N:-200}; ADAPTER=${ADAPTER:-models/adapters/testbed_json_think}
 # shellcheck disable=SC2086
-timeout "${EVAL_TIMEOUT:-240}" python3 benchmarks/structured_output.py --device "$DEV" --adapter "$ADAPTER" \
+timeout "${EVAL_TIMEOUT:-420}" python3 benchmarks/structured_output.py --device "$DEV" --adapter "$ADAPTER" \
   --schemas ${SCHEMAS:-answer} --think --n "$N" --seeds 61 62 63 --batch 64 --hardware "${HARDWARE:-$DEV}" \
-  --out "$OUT/overhead.json" > "$OUT/overhead.log" 2>&1
+  --settle-positions ${SETTLE_POSITIONS:-1} --out "$OUT/overhead.json" > "$OUT/overhead.log" 2>&1
 echo "overhead rc=$?"
 python3 - "$OUT/overhead.json" <<'PY'
 import json, sys
 for a in json.load(open(sys.argv[1]))["arms"]:
     second = f" {a['second_field']} {a['second_correct']}" if "second_field" in a else ""
-    print(f"{a['arm']:28s} correct {a['correct']:3d} valid {a['valid']:3d} fwd/req {a['fwd_req']:5.1f} wall {a['wall_s']:6.2f} s "
+    print(f"{a['arm']:40s} correct {a['correct']:3d} valid {a['valid']:3d} fwd/req {a['fwd_req']:5.1f} wall {a['wall_s']:6.2f} s "
           f"tok/s {a['tok_s']:7.0f} hooks ms/req {a['constraint_host_ms_req']:6.2f}{second}")
 PY
 [[ ${EVAL_ONLY:-0} == 1 ]] && exit 0

@@ -106,10 +106,10 @@ class OfficialConfig:
     # changed for this many steps is pinned to it (its logits one-hot), so the stopping rule ends it
     # without waiting for a confidence the model may never reach on the schema's values. None: off
     constraint_settle: int | None = 2
-    # Before the whole path holds, each document position whose token on it has held this many steps
-    # is pinned alone: a schema's uncertain values (an array's length, an enum) otherwise keep a canvas
-    # to the step cap. 1 was chosen on dev prompts (0 lost the answer, 2 kept 1.5x the forwards:
-    # BENCHMARKS.md "Document positions pinned alone"). None: off
+    # Before the whole path holds, the document's positions whose tokens on it have held this many
+    # steps are pinned from its start up to the first that has not: a schema's uncertain values (an
+    # array's length, an enum) otherwise keep a canvas to the step cap. 1 was chosen on dev prompts
+    # (0 lost the answer; BENCHMARKS.md "A settled document prefix pinned"). None: off
     constraint_settle_positions: int | None = 1
     cuda_graphs: str = "auto"
 

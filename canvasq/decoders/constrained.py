@@ -131,9 +131,9 @@ class CanvasConstraints:
     def _settle(self, at: list[tuple[int, Seq, RowGrammar]], logits: torch.Tensor, idx: torch.Tensor) -> None:
         """Pin each canvas (its row of logits [B, C, V], masked) to its best valid path once that path
         has held for `settle` steps: one-hot logits, so the argmax is the path, every entropy 0 and the
-        stopping rule ends the canvas at its next check. With `settle_positions`, a document position
-        whose token on the path has held that many steps is pinned alone (the thought before the
-        document is not). The paths are found on the device (`grammar_device`); only their tokens come to the host."""
+        stopping rule ends the canvas at its next check. With `settle_positions`, the document's
+        positions whose tokens on the path have held that many steps are pinned from its start up to
+        the first that has not (`_held_prefix`; the thought before the document never is). The paths are found on the device (`grammar_device`); only their tokens come to the host."""
         assert self.settle is not None
         paths = self._best([(s, row) for _, s, row in at], logits, idx)
         pins: list[tuple[int, int, int]] = []  # (row in logits, position, token)
@@ -148,15 +148,25 @@ class CanvasConstraints:
                 pins += [(b, c, t) for c, t in enumerate(path)]
                 s.stats["constraint_pinned_steps"] += 1
             elif self.settle_positions is not None:
-                first = 0 if row.state != row.grammar.start else self._thought_tokens(path)
-                hold = self.settle_positions
-                held = [(b, c, path[c]) for c in range(first, len(path)) if row.held[c] >= hold]
-                pins += held
+                held = self._held_prefix(row, path)
+                pins += [(b, c, path[c]) for c in held]
                 s.stats["constraint_pinned_positions"] += len(held)
         if pins:
             b_t, c_t, t_t = torch.tensor(pins, device=logits.device).unbind(1)
             logits[b_t, c_t] = NEG
             logits[b_t, c_t, t_t] = 0.0
+
+    def _held_prefix(self, row: RowGrammar, path: list[int]) -> range:
+        """The positions of the canvas's document (after its thought) up to the first whose token on the
+        path has held fewer than `settle_positions` steps: a document is pinned from its start, so a
+        value it has not settled (an array's length, the element that ends it) stays open, and so
+        does all that comes after it."""
+        assert self.settle_positions is not None and row.held is not None
+        first = 0 if row.state != row.grammar.start else self._thought_tokens(path)
+        end = first
+        while end < len(path) and row.held[end] >= self.settle_positions:
+            end += 1
+        return range(first, end)
 
     def _best(
         self, rows: list[tuple[Seq, RowGrammar]], logits: torch.Tensor, idx: torch.Tensor

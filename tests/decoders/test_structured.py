@@ -223,9 +223,10 @@ def test_a_thinking_row_writes_free_text_then_its_document(texts, testbed):
 
 
 def test_settled_document_positions_are_pinned_alone(texts, testbed):
-    """constraint_settle_positions: a document position whose token on the best valid path has held
-    that many steps is pinned (one-hot logits) while a position that keeps changing is left open, and
-    so is the thought before the document; the whole canvas is pinned only once all of it holds."""
+    """constraint_settle_positions: the document's positions whose tokens on the best valid path have
+    held that many steps are pinned (one-hot logits) from its start up to the first that keeps changing,
+    which stays open with all after it, as does the thought before the document; the whole canvas is
+    pinned only once all of it holds."""
     from types import SimpleNamespace
 
     from canvasq.decoders.constrained import NEG, RowGrammar
@@ -261,7 +262,7 @@ def test_settled_document_positions_are_pinned_alone(texts, testbed):
         pinned.append([c for c in range(C) if (x[0, c] == NEG).sum() == V - 1])
         assert row.path == (ids_a if step % 2 == 0 else ids_b)
     assert pinned[0] == []  # nothing has held yet
-    assert pinned[1] == [c for c in range(first, C) if c not in differ]  # the document's held positions
+    assert pinned[1] == list(range(first, differ[1]))  # the document's held prefix
     assert seq.stats["constraint_pinned_steps"] == 0 and seq.stats["constraint_pinned_positions"] > 0
     for x in (a, a, a):  # the path holds whole: the canvas is pinned, thought included
         x = x.clone()

@@ -9,11 +9,12 @@
   token: entropy 0, accepted at the first step); with `settle` (OfficialConfig.constraint_settle), a
   canvas whose best valid path has held that many steps is pinned to it (`_settle`; with `think`, not
   a canvas whose path is thought only: official's own rule ends those, as it ends free text), and with
-  `settle_positions` each document position whose token on that path has held that long is pinned
-  alone before the whole path holds (an array's length or an enum the model stays unsure of would
-  otherwise keep the canvas to the step cap);
-- `final(finished, logits, tokens)` when canvases stop: a constrained row's tokens are the best
-  completable path under its last logits (`Grammar.best`, on the device), not the per-position argmax;
+  `settle_positions` the document's positions whose tokens on that path have held that long are
+  pinned from its start, before the whole path holds (an array's length or an enum the model stays
+  unsure of would otherwise keep the canvas to the step cap);
+- `final(finished, tokens)` when canvases stop: a constrained row's tokens are the best completable
+  path under its last logits (`Grammar.best`, on the device, found by `mask` in the same step), not
+  the per-position argmax;
 - `checked(s, result)` for every finished row: its text parsed and validated against the schema
   (jsonschema); a row that fails is an error with code `invalid_structured_output` (it cannot happen
   by construction; the check makes sure), never a done row with invalid JSON.
@@ -55,6 +56,7 @@ class RowGrammar:
     path: list[int] | None = None  # the front canvas's best valid path at the last step
     same: int = 0  # steps that path has not changed
     held: list[int] | None = None  # per position: steps its token on that path has not changed
+    best: tuple[list[int], int] | None = None  # this step's best valid path and the state it ends in
 
 
 def bundle_texts(bundle) -> TokenTexts:
@@ -108,12 +110,14 @@ class CanvasConstraints:
         except Unfinishable as exc:
             s.error, s.done = f"{UNFINISHABLE}: {exc}", True
             return
-        row.path, row.same, row.held = None, 0, None
+        row.path, row.same, row.held, row.best = None, 0, None, None
         s.stats["constraint_host_us"] += int(1e6 * (time.perf_counter() - t0))
 
     def mask(self, seqs: list[Seq], logits: torch.Tensor) -> None:
         """logits [B, C, V] of `seqs`' front canvases, masked in place for the constrained rows (one
-        gather and scatter for all of them)."""
+        gather and scatter for all of them); each such canvas's best valid path under them kept for
+        `final` (so a canvas ends on the path of the logits its sampler read, before any temperature)
+        and, with `settle`, the settled canvases and document prefixes pinned to it."""
         at = [(b, s, self.rows[s.row]) for b, s in enumerate(seqs) if s.row in self.rows]
         at = [(b, s, row) for b, s, row in at if row.masks is not None]
         if not at:
@@ -122,20 +126,31 @@ class CanvasConstraints:
         idx = torch.tensor([b for b, _, _ in at], device=logits.device)
         allowed = torch.stack([row.masks for _, _, row in at if row.masks is not None])
         logits[idx] = logits[idx].masked_fill(~allowed, NEG)
+        try:
+            paths = self._best([(s, row) for _, s, row in at], logits, idx)
+        except Unfinishable as exc:  # begin's plan said otherwise: a bug, the rows end in error
+            for _, s, _ in at:
+                s.error, s.done = f"{UNFINISHABLE}: {exc}", True
+            return
+        for (_, _, row), best in zip(at, paths):
+            row.best = best
         if self.settle is not None:
-            self._settle(at, logits, idx)
+            self._settle(at, paths, logits)
         share = int(1e6 * (time.perf_counter() - t0) / len(at))
         for _, s, _ in at:
             s.stats["constraint_host_us"] += share
 
-    def _settle(self, at: list[tuple[int, Seq, RowGrammar]], logits: torch.Tensor, idx: torch.Tensor) -> None:
-        """Pin each canvas (its row of logits [B, C, V], masked) to its best valid path once that path
-        has held for `settle` steps: one-hot logits, so the argmax is the path, every entropy 0 and the
-        stopping rule ends the canvas at its next check. With `settle_positions`, the document's
-        positions whose tokens on the path have held that many steps are pinned from its start up to
-        the first that has not (`_held_prefix`; the thought before the document never is). The paths are found on the device (`grammar_device`); only their tokens come to the host."""
+    def _settle(
+        self, at: list[tuple[int, Seq, RowGrammar]], paths: list[tuple[list[int], int]], logits: torch.Tensor
+    ) -> None:
+        """Pin each canvas (its row of logits [B, C, V], masked) to its best valid path (`paths`, found
+        on the device by `grammar_device`) once that path has held for `settle` steps: one-hot logits,
+        so the argmax is the path, every entropy 0 and the stopping rule ends the canvas at its next
+        check. With `settle_positions`, the document's positions whose tokens on the path have held
+        that many steps are pinned from its start up to the first that has not (`_held_prefix`; the
+        thought before the document never is). A pinned token is the path's, so the path stays the
+        best valid one under the pinned logits."""
         assert self.settle is not None
-        paths = self._best([(s, row) for _, s, row in at], logits, idx)
         pins: list[tuple[int, int, int]] = []  # (row in logits, position, token)
         for (b, s, row), (path, end) in zip(at, paths):
             if s.req.think and end == row.grammar.start:  # all thought: the sampler's own rule ends it
@@ -187,27 +202,18 @@ class CanvasConstraints:
                 out[k] = (path, end)
         return out
 
-    def final(self, finished: list[Seq], logits: torch.Tensor, rows: list[int], tokens: list[list[int]]):
-        """The stopped canvases' tokens (`rows`: each one's index in `logits` [B, C, V]), the
-        constrained rows' replaced by their best completable path."""
+    def final(self, finished: list[Seq], tokens: list[list[int]]) -> list[list[int]]:
+        """The stopped canvases' tokens, the constrained rows' replaced by their best completable path
+        under their last logits (found by `mask` this step)."""
         out = list(tokens)
-        held = [(k, s, self.rows[s.row]) for k, s in enumerate(finished) if s.row in self.rows]
-        if not held:
-            return out
-        t0 = time.perf_counter()
-        at = torch.tensor([rows[k] for k, _, _ in held], device=logits.device)
-        try:
-            paths = self._best([(s, row) for _, s, row in held], logits, at)
-        except Unfinishable as exc:  # begin's plan said otherwise: a bug, the rows end in error
-            for _, s, _ in held:
-                s.error, s.done = f"{UNFINISHABLE}: {exc}", True
-            return out
-        share = int(1e6 * (time.perf_counter() - t0) / len(held))
-        for (k, s, row), (best, end) in zip(held, paths):
-            row.state = end
+        for k, s in enumerate(finished):
+            row = self.rows.get(s.row)
+            if row is None:
+                continue
+            assert row.best is not None, "a constrained canvas ends only after a masked step"
+            best, row.state = row.best
             s.stats["constrained_canvases"] += 1
             s.stats["constrained_changed"] += sum(a != b for a, b in zip(best, tokens[k]))
-            s.stats["constraint_host_us"] += share
             out[k] = best
         return out
 

@@ -143,8 +143,7 @@ class OfficialDecoder(StepDecoder):
         if at:  # the canvases' tokens: their last argmax (a constrained row's: its best valid path)
             finished = [seqs[b] for b in at]
             tokens = self.slots.argmax[self.slot_index(finished)].tolist()
-            if logits is not None:  # a constrained row's canvas ends on its best valid path
-                tokens = self.constraints.final(finished, logits, at, tokens)
+            tokens = self.constraints.final(finished, tokens)  # constrained: their best valid paths
             self.retire_canvases(finished, tokens)
 
     def _begin(self) -> list[tuple[Seq, Canvas]]:

@@ -227,6 +227,7 @@ def test_settled_document_positions_are_pinned_alone(texts, testbed):
     held that many steps are pinned (one-hot logits) from its start up to the first that keeps changing,
     which stays open with all after it, as does the thought before the document; the whole canvas is
     pinned only once all of it holds."""
+    from collections import Counter
     from types import SimpleNamespace
 
     from canvasq.decoders.constrained import NEG, RowGrammar
@@ -249,16 +250,13 @@ def test_settled_document_positions_are_pinned_alone(texts, testbed):
 
     checks = CanvasConstraints(testbed, C, V, torch.device("cpu"), settle=2, settle_positions=1)
     grammar = cached_grammar(ANSWER, texts, True)
-    row = RowGrammar(grammar, grammar.start)
-    seq = SimpleNamespace(
-        row=0, req=SimpleNamespace(think=True, max_tokens=C), canvases=[SimpleNamespace(index=0)]
-    )
-    seq.stats = __import__("collections").Counter()
-    idx = torch.tensor([0])
+    row = checks.rows[0] = RowGrammar(grammar, grammar.start, torch.ones(C, V, dtype=torch.bool))
+    req = SimpleNamespace(think=True, max_tokens=C)
+    seq = SimpleNamespace(row=0, req=req, canvases=[SimpleNamespace(index=0)], stats=Counter())
     pinned = []
     for step, x in enumerate([a, b, a, b]):
         x = x.clone()
-        checks._settle([(0, seq, row)], x, idx)
+        checks.mask([seq], x)  # type: ignore[list-item]
         pinned.append([c for c in range(C) if (x[0, c] == NEG).sum() == V - 1])
         assert row.path == (ids_a if step % 2 == 0 else ids_b)
     assert pinned[0] == []  # nothing has held yet
@@ -266,5 +264,8 @@ def test_settled_document_positions_are_pinned_alone(texts, testbed):
     assert seq.stats["constraint_pinned_steps"] == 0 and seq.stats["constraint_pinned_positions"] > 0
     for x in (a, a, a):  # the path holds whole: the canvas is pinned, thought included
         x = x.clone()
-        checks._settle([(0, seq, row)], x, idx)
+        checks.mask([seq], x)  # type: ignore[list-item]
     assert seq.stats["constraint_pinned_steps"] == 1 and ((x[0] == NEG).sum(-1) == V - 1).all()
+    # the canvas ends on this step's best valid path, whatever tokens the sampler last held
+    assert checks.final([seq], [[0] * C]) == [ids_a]  # type: ignore[list-item]
+    assert row.state == grammar.done and seq.stats["constrained_canvases"] == 1

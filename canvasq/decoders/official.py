@@ -120,16 +120,15 @@ class OfficialDecoder(StepDecoder):
         with self.timed() as t:
             out = self.forward(windows)
         idx, B, R = self.slot_index(seqs), len(seqs), self.C
-        logits = None  # with a deferred head, read by row group: no [B·C, V] buffer for the step
-        if not out.deferred or self.constraints.rows:
-            logits = out.logits.view(B, R, self.V)
-            self.constraints.mask(seqs, logits)  # in place: the row groups below read the masked rows
-        budget = self.rt.defer_head_bytes if logits is None else _GROUP_BYTES
-        group = B if logits is not None and self._one_group else max(1, budget // (4 * R * self.V))
-        uncapped = logits is None and self._one_group and self.config.cap_on_read
+        # with a deferred head, logits are read by row group: no [B·C, V] buffer for the step
+        budget = self.rt.defer_head_bytes if out.deferred else _GROUP_BYTES
+        group = B if not out.deferred and self._one_group else max(1, budget // (4 * R * self.V))
+        # masked logits must be capped first (the cap would lift NEG to -cap)
+        uncapped = out.deferred and self._one_group and self.config.cap_on_read and not self.constraints.rows
         parts = []
         for g in range(0, B, group):
             rows_g = self._rows(out, g, min(B, g + group), uncapped)
+            self.constraints.mask(seqs[g : g + group], rows_g[0])  # in place, before the sampler reads
             parts.append(self._sample(seqs[g : g + group], idx[g : g + group], *rows_g))
         # the step's one host sync: how many positions each request accepted, which ones stopped
         counts, done = torch.cat(parts, dim=1).tolist()

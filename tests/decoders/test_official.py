@@ -1,6 +1,8 @@
 """`official`: the native sampler on canvasq's runtime. Against HF generate() on the trained testbed
 (same tokens where the draws can be aligned), batch invariance, step cap, max_tokens, cancellation."""
 
+import json
+
 import pytest
 import torch
 from helpers import tiny_bundle
@@ -340,11 +342,20 @@ def test_deferred_commits_share_the_prefill_pass(testbed):
 def test_deferred_lm_head_reads_logits_by_row_group_with_the_same_tokens(testbed):
     """A forward whose fp32 logits would pass `Runtime.defer_head_bytes` keeps its final hidden state;
     official then computes logits for two windows at a time (`DecodeOutput.rows_logits`), never the
-    whole step's [rows, V], and every row's tokens are the eager head's (3 slots, 9 requests)."""
+    whole step's [rows, V], and every row's tokens are the eager head's (3 slots, 9 requests). Rows
+    with a `response_format` are masked group by group too: still no whole-step logits."""
     from canvasq.decoders.registry import make_decoder
 
+    answer = {
+        "type": "object",
+        "properties": {"answer": {"type": "integer"}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
     reqs = [
-        DecodeRequest(f"h{i}", testbed.encode_prompt(p.prompt, p.task), 96, p.task)
+        DecodeRequest(
+            f"h{i}", testbed.encode_prompt(p.prompt, p.task), 96, p.task, answer if i % 3 == 1 else None
+        )
         for i, p in enumerate(_problems(6, 3, seed=5))
     ]
     arms = {}
@@ -376,6 +387,7 @@ def test_deferred_lm_head_reads_logits_by_row_group_with_the_same_tokens(testbed
         else:
             assert max(heads) == 3 * C
     assert arms[True] == arms[False]
+    assert all(json.loads(testbed.decode_text(ids))["answer"] is not None for ids in arms[True][1::3])
 
 
 def test_cap_on_read_gives_the_capped_heads_tokens(testbed, monkeypatch):

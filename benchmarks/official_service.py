@@ -239,6 +239,7 @@ def _runtime_knobs(bundle, fp8: str, settings, knobs: str) -> None:
             "kernel_rows": rt.kernel_rows,
             "attention_tiles": rt.attention_tiles,
             "defer_head_bytes": rt.defer_head_bytes,
+            "sc_bag": rt.sc_bag,
         },
     )
     want = dict(defaults)

@@ -54,6 +54,7 @@ MODULES = (
     "softmax_invcdf",
     "softmax_topk",
     "router",
+    "soft_embed",
 )
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")

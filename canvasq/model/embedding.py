@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from canvasq.kernels.soft_embed import soft_embed
 from canvasq.model.experts import gelu_tanh
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ def soft_embedding(rt: Runtime, sc) -> torch.Tensor:
         tid, tlog = sc
         p = torch.softmax(tlog.to(rt.device).float(), dim=-1).to(rt.dtype)  # [R, k]
         # Σ_k p_k · E[id_k] in one kernel: the k rows are read, never stored as [R, k, H]
-        return F.embedding_bag(tid.to(rt.device), rt.embed, per_sample_weights=p, mode="sum")
+        return soft_embed(tid.to(rt.device), p, rt.embed, impl=rt.sc_bag)
     p = torch.softmax(sc.to(rt.device).float(), dim=-1).to(rt.dtype)  # [R, V]
     return p @ rt.embed
 

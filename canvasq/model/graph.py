@@ -355,8 +355,8 @@ class GraphRunner:
             rows,
             context,
             tuple(_sc_kind(w.self_cond) for w in windows),
-            # the attention a capture bakes in (knobs a benchmark arm may change between forwards)
-            (rows <= rt.kernel_rows, rt.attention_tiles, rt.sdpa_backend, rt.encoder_sdpa_backend),
+            # the attention and SC bag a capture bakes in (knobs a benchmark arm may change between forwards)
+            (rows <= rt.kernel_rows, rt.attention_tiles, rt.sdpa_backend, rt.encoder_sdpa_backend, rt.sc_bag),
         )
         if key in self.graphs:
             self.graphs.move_to_end(key)

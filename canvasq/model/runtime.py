@@ -155,6 +155,7 @@ class Runtime:
         # an eager decoder forward whose fp32 logits would exceed this defers its LM head: the decoder
         # reads logits by row group (`DecodeOutput.rows_logits`); 0: never
         self.defer_head_bytes = 4 << 30
+        self.sc_bag = "torch"  # SC's top-k bag: "torch" (F.embedding_bag) or "triton" (kernels/soft_embed)
 
     def _attention_defaults(self) -> None:
         """Masked eager forwards on CUDA: SDPA picks cuDNN, which builds a plan for every new shape

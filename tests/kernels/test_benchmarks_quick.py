@@ -31,6 +31,7 @@ def test_packed_memory_real_shape():
         ("moe_w4.py", ["--quick"]),
         ("rmsnorm.py", ["--quick"]),
         ("softmax_argmax.py", ["--quick"]),
+        ("soft_embed.py", ["--quick"]),
         ("structured.py", ["--quick"]),
         ("tune_moe.py", ["--quick", "--dry"]),
     ],

@@ -97,6 +97,14 @@ def test_t2_t16_whole_worker_killed_second_worker_takes_over_after_visibility_ti
         t.start()
         try:
             sc.wait_rows(run, 4)  # A alone, with a backlog waiting, for two chunks
+            # and sampled often enough: on a loaded CI box the sampler once got 6 samples in that time
+            wait_for(
+                lambda: sum(1 for _, waiting in samples["one"] if waiting) >= 10,
+                "ten samples of worker A alone with a backlog",
+                60,
+                every_s=0.1,
+                diagnose=sc.logs,
+            )
             phase["v"] = "two"
             b = sc.worker()  # staggered start
             b.wait_ready()

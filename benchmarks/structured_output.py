@@ -229,7 +229,7 @@ def run(args) -> dict:
         "threads": args.threads,
         "adapter": args.adapter,
         "schema_in_prompt": args.schema_in_prompt,
-        "constraint_settle": None if args.settle < 0 else args.settle,
+        "constraint_settle": _off(args.settle),
         "constraint_settle_positions": [_off(v) for v in args.settle_positions],
         "think": args.think,
         "split": args.split,

@@ -118,6 +118,8 @@ class CanvasConstraints:
         gather and scatter for all of them); each such canvas's best valid path under them kept for
         `final` (so a canvas ends on the path of the logits its sampler read, before any temperature)
         and, with `settle`, the settled canvases and document prefixes pinned to it."""
+        if not self.rows:  # called for every row group of every step: nothing to do without schemas
+            return
         at = [(b, s, self.rows[s.row]) for b, s in enumerate(seqs) if s.row in self.rows]
         at = [(b, s, row) for b, s, row in at if row.masks is not None]
         if not at:

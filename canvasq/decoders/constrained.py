@@ -156,6 +156,7 @@ class CanvasConstraints:
         pins: list[tuple[int, int, int]] = []  # (row in logits, position, token)
         for (b, s, row), (path, end) in zip(at, paths):
             if s.req.think and end == row.grammar.start:  # all thought: the sampler's own rule ends it
+                row.path, row.same, row.held = None, 0, None  # and nothing holds across such a step
                 continue
             same = [a == p for a, p in zip(path, row.path)] if row.path is not None else [False] * len(path)
             row.held = [h + 1 if eq else 0 for h, eq in zip(row.held or [0] * len(path), same)]

@@ -269,3 +269,13 @@ def test_settled_document_positions_are_pinned_alone(texts, testbed):
     # the canvas ends on this step's best valid path, whatever tokens the sampler last held
     assert checks.final([seq], [[0] * C]) == [ids_a]  # type: ignore[list-item]
     assert row.state == grammar.done and seq.stats["constrained_canvases"] == 1
+    # a step whose best path is thought only breaks every hold: the next document starts unheld
+    t, _ = logits_for("so 12 eggs and 13 more eggs make 25 eggs so far and")
+    row = checks.rows[0] = RowGrammar(grammar, grammar.start, torch.ones(C, V, dtype=torch.bool))
+    req.max_tokens = 3 * C  # room for the document in a later canvas: a thought-only path is valid
+    steps = []
+    for x in (a, t, a):
+        x = x.clone()
+        checks.mask([seq], x)  # type: ignore[list-item]
+        steps.append([c for c in range(C) if (x[0, c] == NEG).sum() == V - 1])
+    assert steps[2] == [], "a document compared with the path before a thought-only step"

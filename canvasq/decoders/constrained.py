@@ -114,10 +114,10 @@ class CanvasConstraints:
         s.stats["constraint_host_us"] += int(1e6 * (time.perf_counter() - t0))
 
     def mask(self, seqs: list[Seq], logits: torch.Tensor) -> None:
-        """logits [B, C, V] of `seqs`' front canvases, masked in place for the constrained rows (one
-        gather and scatter for all of them); each such canvas's best valid path under them kept for
-        `final` (so a canvas ends on the path of the logits its sampler read, before any temperature)
-        and, with `settle`, the settled canvases and document prefixes pinned to it."""
+        """logits [B, C, V] of `seqs`' front canvases, masked in place for the constrained rows; each
+        such canvas's best valid path under them kept for `final` (so a canvas ends on the path of the
+        logits its sampler read, before any temperature) and, with `settle`, the settled canvases and
+        document prefixes pinned to it."""
         if not self.rows:  # called for every row group of every step: nothing to do without schemas
             return
         at = [(b, s, self.rows[s.row]) for b, s in enumerate(seqs) if s.row in self.rows]
@@ -126,8 +126,9 @@ class CanvasConstraints:
             return
         t0 = time.perf_counter()
         idx = torch.tensor([b for b, _, _ in at], device=logits.device)
-        allowed = torch.stack([row.masks for _, _, row in at if row.masks is not None])
-        logits[idx] = logits[idx].masked_fill(~allowed, NEG)
+        neg = logits.new_tensor(NEG)
+        for b, _, row in at:  # in place, row by row: no [R, C, V] gather, copy and scatter back
+            torch.where(row.masks, logits[b], neg, out=logits[b])
         try:
             paths = self._best([(s, row) for _, s, row in at], logits, idx)
         except Unfinishable as exc:  # begin's plan said otherwise: a bug, the rows end in error

@@ -181,3 +181,14 @@ def test_trace_gaps_attributes_idle_gpu_time_to_the_host_label():
     own = out["per_label_own"]
     assert own["decoder_step"]["gpu_ms"] == 0.06 and own["sample"]["gpu_ms"] == 0.01
     assert own["store_rows"]["gpu_ms"] == 0 and own["store_rows"]["count"] == 1
+
+
+def test_official_steps_probe(tmp_path):
+    """The steps-per-canvas probe (issue 35): every canvas runs at least two steps (HF's rule needs an
+    argmax that held one step), and each canvas is either stability- or entropy-bound."""
+    out = _run(tmp_path, "probes/official_steps.py", "--n", "4", "--batch", "4", "--threads", "1")
+    report = json.loads(out)
+    for task in ("arith", "code"):
+        got = report[task]
+        assert got["canvases"] >= 4 and min(int(k) for k in got["steps_histogram"]) >= 2
+        assert got["stability_bound"] + got["entropy_bound"] == got["canvases"]

@@ -66,6 +66,21 @@ import click
     help="--target mixed: the teacher probability at which a front position keeps the answer's token.",
 )
 @click.option(
+    "--decoder",
+    type=click.Choice(["d2f", "official"]),
+    default="d2f",
+    show_default=True,
+    help="d2f: the adapter pipe and Funnel decode with; official: certainty distillation for the native "
+    "sampler on its own verified trajectories (decode with official:adapter_path=OUT).",
+)
+@click.option(
+    "--certainty-weight",
+    type=float,
+    default=0.5,
+    show_default=True,
+    help="--decoder official: weight of the entropy term on positions whose argmax is already right.",
+)
+@click.option(
     "--noise-share", type=float, default=0.15, show_default=True, help="Share of fully noised front canvases."
 )
 @click.option(
@@ -101,7 +116,10 @@ def adapt_cmd(model_spec, out, init, task_list, threads, force, **train):
     if unknown or not tasks:
         raise click.UsageError(f"--task takes arith and/or code, got {task_list!r}")
     _check_paths(spec, out, force, ADAPTER_DIRNAME)
-    init_dir = _init_dir(init, Path(spec) / ADAPTER_DIRNAME)
+    # the model's own D2F adapter is a pipe/Funnel denoiser: official's starts from the plain weights
+    init_dir = _init_dir(
+        "none" if init == "auto" and train["decoder"] == "official" else init, Path(spec) / ADAPTER_DIRNAME
+    )
     if "code" in tasks:  # the checker runs model-written code: never unconfined
         from canvasq.testbed.sandbox import unavailable_reason
 
@@ -119,9 +137,10 @@ def adapt_cmd(model_spec, out, init, task_list, threads, force, **train):
     bundle = load_bundle(spec, device="cuda" if torch.cuda.is_available() else "cpu")
     report = _train(bundle, AdaptSettings(out=out, init=init_dir, tasks=tasks, **train))
     last = report["rounds"][-1]
+    arm = "official" if train["decoder"] == "official" else "funnel"
     click.echo(
         f"adapter written to {out} ({report['total_seconds']:.0f} s, {len(report['rounds'])} rounds, "
-        f"last loss {last['final_loss']}); decode with it: --arm 'funnel:adapter_path=\"{out}\"'"
+        f"last loss {last['final_loss']}); decode with it: --arm '{arm}:adapter_path=\"{out}\"'"
     )
     click.echo(json.dumps({"out": str(out), "total_seconds": report["total_seconds"]}))
 
@@ -133,6 +152,8 @@ def _check_numbers(train: dict) -> None:
             raise click.UsageError(f"--{name.replace('_', '-')} must be at least 1, got {train[name]}")
     if train["minutes"] <= 0 or not 0 < train["tau"] < 1 or not 0 <= train["noise_share"] <= 1:
         raise click.UsageError("--minutes must be > 0, --tau in (0, 1), --noise-share in [0, 1]")
+    if train["certainty_weight"] < 0:
+        raise click.UsageError(f"--certainty-weight must be at least 0, got {train['certainty_weight']}")
     if not 0 < train["answer_floor"] < 1:
         raise click.UsageError(f"--answer-floor must be in (0, 1), got {train['answer_floor']}")
 

@@ -83,6 +83,11 @@ class StepDecoder:
         self.graphs = self.graph_runner()
 
     def pick_model(self):
+        """`adapter_path`'s LoRA merged (unless `adapter` is off), else the D2F adapter when `adapter`."""
+        if getattr(self.config, "adapter_path", None) and getattr(self.config, "adapter", True):
+            from canvasq.decoders.adapters import merged_model
+
+            return merged_model(self.bundle, self.config.adapter_path)
         return self.bundle.d2f_model() if getattr(self.config, "adapter", False) else self.bundle.hf_model
 
     def pick_encoder_model(self):

@@ -111,6 +111,13 @@ class OfficialConfig:
     # array's length, an enum) otherwise keep a canvas to the step cap. 1 was chosen on dev prompts
     # (0 lost the answer; BENCHMARKS.md "A settled document prefix pinned"). None: off
     constraint_settle_positions: int | None = 1
+    # A canvas with part of the document on its best valid path is pinned to that path at its
+    # max_steps-th step, settled or not: a value the model stays unsure of (an array's last element)
+    # otherwise holds the canvas up to the step cap, one step at a time. None: off
+    constraint_max_steps: int | None = None
+    # A peft LoRA directory merged into the model for every pass (decoders/adapters.py), e.g. the
+    # certainty adapter `canvasq adapt --decoder official` trains. None: the checkpoint's own weights
+    adapter_path: str | None = None
     cuda_graphs: str = "auto"
 
     def __post_init__(self):
@@ -128,6 +135,9 @@ class OfficialConfig:
             raise ValueError(f"sc_topk must be ≥ 1 or None, got {self.sc_topk}")
         if self.stability_threshold is not None and self.stability_threshold < 0:
             raise ValueError(f"stability_threshold must be ≥ 0 or None, got {self.stability_threshold}")
+        _check_adapter_path(self.adapter_path)
+        if self.constraint_max_steps is not None and self.constraint_max_steps < 1:
+            raise ValueError(f"constraint_max_steps must be ≥ 1 or None, got {self.constraint_max_steps}")
         for name in ("constraint_settle", "constraint_settle_positions"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be ≥ 0 or None, got {getattr(self, name)}")
@@ -217,8 +227,7 @@ class PipeConfig:
         _check_choice("front", self.front, FRONT)
         if self.front_wait < 1:
             raise ValueError(f"front_wait must be ≥ 1, got {self.front_wait}")
-        if self.adapter_path is not None and not (isinstance(self.adapter_path, str) and self.adapter_path):
-            raise ValueError(f"adapter_path must be a directory name or None, got {self.adapter_path!r}")
+        _check_adapter_path(self.adapter_path)
         if self.front != "commit" and not self.draft_only:
             raise ValueError(
                 f"front={self.front!r} needs draft_only=True: a canvas behind the front never commits"
@@ -342,3 +351,8 @@ def knobs_label(decoder: str, knobs: dict) -> str:
     if not knobs:
         return decoder
     return decoder + ":" + ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(knobs.items()))
+
+
+def _check_adapter_path(path) -> None:
+    if path is not None and not (isinstance(path, str) and path):
+        raise ValueError(f"adapter_path must be a directory name or None, got {path!r}")

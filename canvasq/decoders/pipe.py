@@ -51,14 +51,6 @@ class PipeDecoder(StepDecoder):
             cfg.self_conditioning, cfg.sc_topk, self.rt.vocab_size, self.rt.dtype, self.device
         )
 
-    def pick_model(self):
-        """`adapter_path`: the LoRA there merged instead of the model's own D2F adapter."""
-        if self.config.adapter and self.config.adapter_path:
-            from canvasq.decoders.adapters import merged_model
-
-            return merged_model(self.bundle, self.config.adapter_path)
-        return super().pick_model()
-
     # -- hooks the funnel overrides ---------------------------------------------------------------
     def window_rows(self, cv: Canvas) -> torch.Tensor:
         """Canvas positions that ride this forward: the pipe recomputes the full canvas."""

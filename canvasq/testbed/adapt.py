@@ -75,11 +75,19 @@ class AdaptSettings:
     # already chosen otherwise). Canvases behind the front keep the tokens.
     target: str = "tokens"
     answer_floor: float = 0.05
+    # "d2f": the adapter pipe and Funnel decode with (above); "official": certainty distillation for
+    # the native sampler on its own verified trajectories (testbed/certainty.py)
+    decoder: str = "d2f"
+    certainty_weight: float = 0.5  # "official": weight of the entropy term on already-right positions
     rounds_log: list = field(default_factory=list)
 
 
 def adapt(bundle, st: AdaptSettings, log: Callable[[str], None]) -> dict:
     """Train the adapter (module docstring); returns the report also written to `<out>/adapt_report.json`."""
+    if st.decoder == "official":
+        from canvasq.testbed.certainty import distil
+
+        return distil(bundle, st, log)
     t0 = time.time()
     out = st.out
     out.mkdir(parents=True, exist_ok=True)
@@ -158,8 +166,9 @@ def _student(bundle, st: AdaptSettings):
     return model
 
 
-def _train(peft_model, opt, params, buffer, bundle, st, gen, weights, log, r: int) -> dict:
-    """One round's training: cosine-decayed AdamW steps for `minutes / rounds` (or `max_steps`)."""
+def _train(peft_model, opt, params, buffer, bundle, st, gen, weights, log, r: int, loss_fn=None) -> dict:
+    """One round's training: cosine-decayed AdamW steps for `minutes / rounds` (or `max_steps`).
+    `loss_fn(model, batch) -> (loss, part, part)`: the objective (default: `adapt_loss` by `st`)."""
     model = peft_model.base_model.model
     budget = st.minutes * 60 / st.rounds
     groups: dict[int, list[State]] = {}
@@ -178,9 +187,14 @@ def _train(peft_model, opt, params, buffer, bundle, st, gen, weights, log, r: in
         group = groups[keys[int(torch.multinomial(sizes, 1, generator=gen))]]
         pick = torch.randint(0, len(group), (st.batch,), generator=gen).tolist()
         batch = collate([group[i] for i in pick], C, V, bundle.pad_id, st.noise_share, gen).to(weights.device)
-        teacher = peft_model.disable_adapter if st.target in ("logits", "mixed") else None
-        floor = st.answer_floor if st.target == "mixed" else None
-        loss, ce, cal = adapt_loss(model, batch, C, st.tau, st.calibration_weight, weights, teacher, floor)
+        if loss_fn is not None:
+            loss, ce, cal = loss_fn(model, batch)
+        else:
+            teacher = peft_model.disable_adapter if st.target in ("logits", "mixed") else None
+            floor = st.answer_floor if st.target == "mixed" else None
+            loss, ce, cal = adapt_loss(
+                model, batch, C, st.tau, st.calibration_weight, weights, teacher, floor
+            )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -190,7 +204,10 @@ def _train(peft_model, opt, params, buffer, bundle, st, gen, weights, log, r: in
         first = value if first is None else first
         ema = value if ema is None else 0.9 * ema + 0.1 * value
         if step % 25 == 0:
-            log(f"[round {r}] step {step} loss {ema:.4f} (ce {ce:.4f} cal {cal:.4f}) {time.time() - t0:.0f}s")
+            term = "cal" if loss_fn is None else "aux"
+            log(
+                f"[round {r}] step {step} loss {ema:.4f} (ce {ce:.4f} {term} {cal:.4f}) {time.time() - t0:.0f}s"
+            )
     return {
         "states": len(buffer),
         "steps": step,

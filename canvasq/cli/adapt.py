@@ -173,8 +173,10 @@ def _check_paths(spec: str, out: Path, force: bool, own: str) -> None:
 
 
 def _train(bundle, settings) -> dict:
-    """`testbed.adapt.adapt`, its progress echoed and appended to OUT/adapt_log.txt."""
+    """`testbed.adapt.adapt` (`testbed.certainty.distil` for --decoder official), its progress echoed and
+    appended to OUT/adapt_log.txt."""
     from canvasq.testbed.adapt import adapt
+    from canvasq.testbed.certainty import distil
 
     settings.out.mkdir(parents=True, exist_ok=True)
     with open(settings.out / "adapt_log.txt", "a") as logf:
@@ -184,7 +186,7 @@ def _train(bundle, settings) -> dict:
             logf.write(line + "\n")
             logf.flush()
 
-        return adapt(bundle, settings, log)
+        return (distil if settings.decoder == "official" else adapt)(bundle, settings, log)
 
 
 def _init_dir(init: str, own: Path) -> Path | None:

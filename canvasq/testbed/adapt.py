@@ -84,10 +84,6 @@ class AdaptSettings:
 
 def adapt(bundle, st: AdaptSettings, log: Callable[[str], None]) -> dict:
     """Train the adapter (module docstring); returns the report also written to `<out>/adapt_report.json`."""
-    if st.decoder == "official":
-        from canvasq.testbed.certainty import distil
-
-        return distil(bundle, st, log)
     t0 = time.time()
     out = st.out
     out.mkdir(parents=True, exist_ok=True)

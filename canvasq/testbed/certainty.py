@@ -45,6 +45,11 @@ def recording_official(bundle, overrides: dict, keep: float, seed: int):
     from canvasq.decoders.registry import make_config
 
     class Recording(OfficialDecoder):
+        keep: float
+        rng: random.Random
+        snaps: list[tuple]
+        finals: dict[tuple[str, int], list[int]]
+
         def step(self, seqs):
             for s in seqs:
                 if s.canvases and self.rng.random() < self.keep:
@@ -162,14 +167,9 @@ def distil(bundle, st, log: Callable[[str], None]) -> dict:
         over = {"adapter_path": student} if student else {}
         got = rollout(bundle, share, over, st.keep, st.seed + 97 * r, st.decode_batch)
         buffer = (buffer + got["states"])[-st.buffer :]
-        info = {
-            "round": r,
-            "student": student or "base",
-            "right": f"{got['right']}/{len(share)}",
-            "forwards_per_request": round(got["forwards"], 2),
-            "new_states": len(got["states"]),
-            "rollout_s": round(time.time() - t1, 1),
-        }
+        info = {"round": r, "student": student or "base", "right": f"{got['right']}/{len(share)}"}
+        info |= {"forwards_per_request": round(got["forwards"], 2), "new_states": len(got["states"])}
+        info["rollout_s"] = round(time.time() - t1, 1)
         log(f"[round {r}] rollout: {info['right']} right, {info['forwards_per_request']} forwards/request")
         info.update(_train(peft_model, opt, params, buffer, bundle, st, gen, weights, log, r, loss_fn))
         where = st.out / f"round{r}"

@@ -22,7 +22,8 @@ before its document (the thought is the row's `reasoning`; its answer is read fr
 the free and the constrained arms then run the same weights. `--split dev` draws the prompts a
 setting is tuned on (claims are made on `eval`); `--settle-positions 1 -1` runs each schema once per
 value of `OfficialConfig.constraint_settle_positions` (-1: off) in the same process, the arms'
-order alternating by seed. The report is rewritten after every arm.
+order alternating by seed; `--settle 1 2` and `--max-steps 6 -1` do the same for `constraint_settle`
+and `constraint_max_steps` (an arm per combination of the three). The report is rewritten after every arm.
 
 Every row is a batch line validated as the service validates it (`core.schemas.parse_line`): a
 constrained row's prompt is the problem with its schema shown before it (`CANVASQ_SCHEMA_IN_PROMPT`,
@@ -201,8 +202,12 @@ def _off(value: int | None) -> int | None:
     return None if value is None or value < 0 else value
 
 
-def _overrides(settle: int, positions: int | None) -> dict:
-    return {"constraint_settle": _off(settle), "constraint_settle_positions": _off(positions)}
+def _overrides(settle: int, positions: int | None, max_steps: int | None = None) -> dict:
+    return {
+        "constraint_settle": _off(settle),
+        "constraint_settle_positions": _off(positions),
+        "constraint_max_steps": _off(max_steps),
+    }
 
 
 def max_tokens_of(args, name: str, C: int) -> int:
@@ -229,18 +234,26 @@ def run(args) -> dict:
         "threads": args.threads,
         "adapter": args.adapter,
         "schema_in_prompt": args.schema_in_prompt,
-        "constraint_settle": _off(args.settle),
+        "constraint_settle": [_off(v) for v in args.settle],
         "constraint_settle_positions": [_off(v) for v in args.settle_positions],
+        "constraint_max_steps": [_off(v) for v in args.max_steps],
         "think": args.think,
         "split": args.split,
         "device": args.device,
         "arms": [],
     }
-    # one set of overrides per --settle-positions value (arms of the same process, alternating order
-    # by seed); the arm's name carries the value when there is more than one
+    # one set of overrides per (--settle, --settle-positions) pair (arms of the same process,
+    # alternating order by seed); the arm's name carries a knob's value when it has more than one
     variants = [
-        (f"/positions{_off(v)}" if len(args.settle_positions) > 1 else "", _overrides(args.settle, v))
-        for v in args.settle_positions
+        (
+            (f"/settle{_off(a)}" if len(args.settle) > 1 else "")
+            + (f"/positions{_off(b)}" if len(args.settle_positions) > 1 else "")
+            + (f"/max_steps{_off(m)}" if len(args.max_steps) > 1 else ""),
+            _overrides(a, b, m),
+        )
+        for a in args.settle
+        for b in args.settle_positions
+        for m in args.max_steps
     ]
     settle = variants[0][1]
     # untimed: one batch free and one per schema first, so no timed arm pays Triton's compiles, the
@@ -332,13 +345,26 @@ def main() -> None:
     )
     ap.add_argument("--schemas", nargs="+", default=["answer", "change", "totals"], choices=list(SCHEMAS))
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--settle", type=int, default=2, help="OfficialConfig.constraint_settle (-1: off)")
+    ap.add_argument(
+        "--settle",
+        type=int,
+        nargs="+",
+        default=[OfficialConfig.constraint_settle],
+        help="OfficialConfig.constraint_settle (-1: off); several values: one arm each, same process",
+    )
     ap.add_argument(
         "--settle-positions",
         type=int,
         nargs="+",
         default=[OfficialConfig.constraint_settle_positions],
         help="OfficialConfig.constraint_settle_positions (-1: off); several values: one arm each, same process",
+    )
+    ap.add_argument(
+        "--max-steps",
+        type=int,
+        nargs="+",
+        default=[-1 if OfficialConfig.constraint_max_steps is None else OfficialConfig.constraint_max_steps],
+        help="OfficialConfig.constraint_max_steps (-1: off); several values: one arm each, same process",
     )
     ap.add_argument(
         "--think",

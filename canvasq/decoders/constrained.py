@@ -56,6 +56,8 @@ class RowGrammar:
     path: list[int] | None = None  # the front canvas's best valid path at the last step
     same: int = 0  # steps that path has not changed
     held: list[int] | None = None  # per position: steps its token on that path has not changed
+    steps: int = 0  # the front canvas's masked steps
+    frozen: tuple[list[int], int] | None = None  # the path (and end state) pinned at `max_steps`
     best: tuple[list[int], int] | None = None  # this step's best valid path and the state it ends in
 
 
@@ -80,9 +82,10 @@ class CanvasConstraints:
         device: torch.device,
         settle: int | None = None,
         settle_positions: int | None = None,
+        max_steps: int | None = None,
     ):
         self.bundle, self.C, self.V, self.device, self.settle = bundle, C, V, device, settle
-        self.settle_positions = settle_positions
+        self.settle_positions, self.max_steps = settle_positions, max_steps
         self._texts: TokenTexts | None = None
         self.rows: dict[int, RowGrammar] = {}
 
@@ -110,7 +113,7 @@ class CanvasConstraints:
         except Unfinishable as exc:
             s.error, s.done = f"{UNFINISHABLE}: {exc}", True
             return
-        row.path, row.same, row.held, row.best = None, 0, None, None
+        row.path, row.same, row.held, row.best, row.steps, row.frozen = None, 0, None, None, 0, None
         s.stats["constraint_host_us"] += int(1e6 * (time.perf_counter() - t0))
 
     def mask(self, seqs: list[Seq], logits: torch.Tensor) -> None:
@@ -128,6 +131,7 @@ class CanvasConstraints:
         idx = torch.tensor([b for b, _, _ in at], device=logits.device)
         neg = logits.new_tensor(NEG)
         for b, _, row in at:  # in place, row by row: no [R, C, V] gather, copy and scatter back
+            assert row.masks is not None  # `at` keeps only planned rows
             torch.where(row.masks, logits[b], neg, out=logits[b])
         try:
             paths = self._best([(s, row) for _, s, row in at], logits, idx)
@@ -137,7 +141,7 @@ class CanvasConstraints:
             return
         for (_, _, row), best in zip(at, paths):
             row.best = best
-        if self.settle is not None:
+        if self.settle is not None or self.max_steps is not None:
             self._settle(at, paths, logits)
         share = int(1e6 * (time.perf_counter() - t0) / len(at))
         for _, s, _ in at:
@@ -151,11 +155,17 @@ class CanvasConstraints:
         so the argmax is the path, every entropy 0 and the stopping rule ends the canvas at its next
         check. With `settle_positions`, the document's positions whose tokens on the path have held
         that many steps are pinned from its start up to the first that has not (`_held_prefix`; the
-        thought before the document never is). A pinned token is the path's, so the path stays the
-        best valid one under the pinned logits."""
-        assert self.settle is not None
+        thought before the document never is). With `max_steps`, a canvas with a document on its path
+        is pinned whole at its `max_steps`-th step, held or not, and to that same path on every step
+        after (it ends on it; a path re-read each step could move and keep it going). A pinned token is the path's, so the
+        path stays the best valid one under the pinned logits."""
         pins: list[tuple[int, int, int]] = []  # (row in logits, position, token)
         for (b, s, row), (path, end) in zip(at, paths):
+            row.steps += 1
+            if row.frozen is not None:
+                row.best = row.frozen
+                pins += [(b, c, t) for c, t in enumerate(row.frozen[0])]
+                continue
             if s.req.think and end == row.grammar.start:  # all thought: the sampler's own rule ends it
                 row.path, row.same, row.held = None, 0, None  # and nothing holds across such a step
                 continue
@@ -163,9 +173,12 @@ class CanvasConstraints:
             row.held = [h + 1 if eq else 0 for h, eq in zip(row.held or [0] * len(path), same)]
             row.same = row.same + 1 if all(same) else 0
             row.path = path
-            if row.same >= self.settle:
+            capped = self.max_steps is not None and row.steps >= self.max_steps
+            if capped:
+                row.frozen = (path, end)
+            if capped or (self.settle is not None and row.same >= self.settle):
                 pins += [(b, c, t) for c, t in enumerate(path)]
-                s.stats["constraint_pinned_steps"] += 1
+                s.stats["constraint_capped_steps" if capped else "constraint_pinned_steps"] += 1
             elif self.settle_positions is not None:
                 held = self._held_prefix(row, path)
                 pins += [(b, c, path[c]) for c in held]

@@ -72,7 +72,8 @@ class OfficialDecoder(StepDecoder):
         self._slots: SlotState | None = None
         self._spawned: list[tuple[Seq, Canvas]] = []  # canvases whose slot state is reset next step
         # the rows with a response_format (decoders/constrained.py)
-        settle = (self.config.constraint_settle, self.config.constraint_settle_positions)
+        cfg = self.config
+        settle = (cfg.constraint_settle, cfg.constraint_settle_positions, cfg.constraint_max_steps)
         self.constraints = CanvasConstraints(bundle, self.C, self.V, self.device, *settle)
 
     # -- hooks of the base loop -------------------------------------------------------------------

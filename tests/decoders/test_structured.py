@@ -14,7 +14,7 @@ import torch
 from tokenizers import Tokenizer
 
 from canvasq.decoders import DecodeBatch, DecodeRequest, run_batch
-from canvasq.decoders.constrained import INVALID, CanvasConstraints
+from canvasq.decoders.constrained import INVALID, NEG, CanvasConstraints
 from canvasq.decoders.grammar_device import DeviceGrammar
 from canvasq.decoders.structured import Unfinishable, compile_grammar, split_thought, token_texts
 from canvasq.decoders.types import DecodeResult
@@ -222,6 +222,53 @@ def test_a_thinking_row_writes_free_text_then_its_document(texts, testbed):
         assert 0 < r.reasoning_tokens < len(r.token_ids)
 
 
+def _one_hot(texts, text: str) -> tuple[torch.Tensor, list[int]]:
+    """[1, C, V] logits that favour `text`, EOS and padding by 8 nats at every position, and its ids."""
+    ids = Tokenizer.from_file(TOKENIZER).encode(text).ids + [texts.eos]
+    ids = ids + [texts.pad] * (C - len(ids))
+    out = torch.zeros(1, C, len(texts.texts))
+    out[0, torch.arange(C), torch.tensor(ids)] = 8.0
+    return out, ids
+
+
+def _pinned(checks, seq, x: torch.Tensor) -> list[int]:
+    """The positions `checks.mask` pins (one-hot) in a copy of `x`."""
+    x = x.clone()
+    checks.mask([seq], x)
+    return [c for c in range(C) if (x[0, c] == NEG).sum() == x.shape[-1] - 1]
+
+
+def test_a_document_canvas_is_pinned_at_max_steps_and_a_thought_is_not(texts, testbed):
+    """constraint_max_steps: a canvas whose best valid path has a document and never holds is pinned
+    whole at its max_steps-th step, and to that path on every step after (so its argmax holds and the
+    stopping rule ends it there); a canvas whose path is thought only runs on."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from canvasq.decoders.constrained import RowGrammar
+    from canvasq.decoders.structured import cached_grammar
+
+    a, ids_a = _one_hot(texts, 'so 12 eggs\n{"answer":12}')
+    b, _ = _one_hot(texts, 'so 13 eggs\n{"answer":13}')
+    t, _ = _one_hot(texts, "so 12 eggs and 13 more eggs make 25 eggs so far and")
+    grammar = cached_grammar(ANSWER, texts, True)
+    for max_tokens, steps, pinned_at in ((C, [a, b, a, b], 2), (3 * C, [t, t, t, t], None)):
+        checks = CanvasConstraints(testbed, C, len(texts.texts), torch.device("cpu"), settle=2, max_steps=3)
+        checks.rows[0] = RowGrammar(grammar, grammar.start, torch.ones(C, len(texts.texts), dtype=torch.bool))
+        seq = SimpleNamespace(row=0, req=SimpleNamespace(think=True, max_tokens=max_tokens), stats=Counter())
+        seq.canvases = [SimpleNamespace(index=0)]
+        got = [_pinned(checks, seq, x) for x in steps]
+        for k, pins in enumerate(got):
+            assert pins == (list(range(C)) if pinned_at is not None and k >= pinned_at else []), (
+                max_tokens,
+                k,
+            )
+        assert seq.stats["constraint_capped_steps"] == (pinned_at is not None)
+        if pinned_at is not None:  # the last step read b's logits: the canvas still ends on a's path
+            assert checks.final([seq], [[0] * C]) == [ids_a]
+        assert seq.stats["constraint_pinned_steps"] == 0  # the path never held: only the cap pinned it
+
+
 def test_settled_document_positions_are_pinned_alone(texts, testbed):
     """constraint_settle_positions: the document's positions whose tokens on the best valid path have
     held that many steps are pinned (one-hot logits) from its start up to the first that keeps changing,
@@ -230,17 +277,13 @@ def test_settled_document_positions_are_pinned_alone(texts, testbed):
     from collections import Counter
     from types import SimpleNamespace
 
-    from canvasq.decoders.constrained import NEG, RowGrammar
+    from canvasq.decoders.constrained import RowGrammar
     from canvasq.decoders.structured import cached_grammar
 
-    tk, V = Tokenizer.from_file(TOKENIZER), len(texts.texts)
+    V = len(texts.texts)
 
     def logits_for(text: str) -> tuple[torch.Tensor, list[int]]:
-        ids = tk.encode(text).ids + [texts.eos]
-        ids = ids + [texts.pad] * (C - len(ids))
-        out = torch.zeros(1, C, V)
-        out[0, torch.arange(C), torch.tensor(ids)] = 8.0
-        return out, ids
+        return _one_hot(texts, text)
 
     a, ids_a = logits_for('so 12 eggs\n{"answer":12}')
     b, ids_b = logits_for('so 13 eggs\n{"answer":13}')

@@ -157,8 +157,8 @@ class CanvasConstraints:
         that many steps are pinned from its start up to the first that has not (`_held_prefix`; the
         thought before the document never is). With `max_steps`, a canvas with a document on its path
         is pinned whole at its `max_steps`-th step, held or not, and to that same path on every step
-        after (it ends on it; a path re-read each step could move and keep it going). A pinned token is the path's, so the
-        path stays the best valid one under the pinned logits."""
+        after (it ends on it; a path re-read each step could move and keep it going). A pinned token
+        is the path's, so the path stays the best valid one under the pinned logits."""
         pins: list[tuple[int, int, int]] = []  # (row in logits, position, token)
         for (b, s, row), (path, end) in zip(at, paths):
             row.steps += 1

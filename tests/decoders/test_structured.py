@@ -322,3 +322,41 @@ def test_settled_document_positions_are_pinned_alone(texts, testbed):
         checks.mask([seq], x)  # type: ignore[list-item]
         steps.append([c for c in range(C) if (x[0, c] == NEG).sum() == V - 1])
     assert steps[2] == [], "a document compared with the path before a thought-only step"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"answer":3,"totals":[1,2]}',
+        '{"answer":"x","totals":[1,"a"]}',  # two errors: the best-matching one is reported
+        '{"answer":3}',
+        '{"answer":3,"totals":[],"x":1}',
+        "[1]",
+        '{"a":',
+    ],
+)
+def test_output_problem_says_what_jsonschema_validate_says(text):
+    """The output check reuses one checked validator per schema; its verdict and message are
+    `jsonschema.validate`'s, and a schema that is itself invalid still raises on a JSON document."""
+    from canvasq.decoders.structured import output_problem
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "answer": {"type": "integer"},
+            "totals": {"type": "array", "items": {"type": "integer"}},
+        },
+        "required": ["answer", "totals"],
+        "additionalProperties": False,
+    }
+    try:
+        jsonschema.validate(json.loads(text), schema)
+        want = None
+    except json.JSONDecodeError as exc:
+        want = f"not JSON: {exc}"
+    except jsonschema.ValidationError as exc:
+        want = f"does not match the schema: {exc.message}"
+    assert output_problem(text, schema) == want
+    if text.startswith("{") and text.endswith("}"):
+        with pytest.raises(jsonschema.SchemaError):
+            output_problem(text, {"type": "no-such-type"})

@@ -121,7 +121,8 @@ class DecodeOutput:
         if self._logits is not None:
             return self._logits[start:stop]
         assert self.hidden is not None and self.head is not None
-        return self.head(self.hidden[start:stop])
+        with torch.no_grad():  # read after `Runtime.decode`'s no_grad: never an autograd graph
+            return self.head(self.hidden[start:stop])
 
     def rows_uncapped(self, start: int, stop: int) -> torch.Tensor | None:
         """The LM head's output of rows start:stop before its final soft cap (`softcap`), when the head
@@ -129,7 +130,8 @@ class DecodeOutput:
         if self._logits is not None or self.uncapped is None or not self.softcap:
             return None
         assert self.hidden is not None
-        return self.uncapped(self.hidden[start:stop])
+        with torch.no_grad():
+            return self.uncapped(self.hidden[start:stop])
 
     def window_logits(self, i: int) -> torch.Tensor:
         return self.logits[self.offsets[i] : self.offsets[i + 1]]

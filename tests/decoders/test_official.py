@@ -369,6 +369,8 @@ def test_deferred_lm_head_reads_logits_by_row_group_with_the_same_tokens(testbed
         def spy(windows, forward=forward, seen=seen, **kw):
             out = forward(windows, **kw)
             seen.append((len(windows), out.deferred))
+            if out.deferred:  # read after the forward's no_grad, still no autograd graph
+                assert not out.rows_logits(0, 1).requires_grad
             return out
 
         def head_spy(h, fp8, out=None, head=head, heads=heads):

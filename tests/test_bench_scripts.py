@@ -186,7 +186,7 @@ def test_trace_gaps_attributes_idle_gpu_time_to_the_host_label():
 def test_official_steps_probe(tmp_path):
     """The steps-per-canvas probe (issue 35): every canvas runs at least two steps (HF's rule needs an
     argmax that held one step), and each canvas is either stability- or entropy-bound."""
-    out = _run(tmp_path, "probes/official_steps.py", "--n", "4", "--batch", "4", "--threads", "1")
+    out = _run(tmp_path, "official_steps.py", "--n", "4", "--batch", "4", "--threads", "1")
     report = json.loads(out)
     for task in ("arith", "code"):
         got = report[task]

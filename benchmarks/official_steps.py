@@ -8,7 +8,7 @@ entropy was under the threshold; a canvas is "stability-bound" when its entropy 
 after its argmax last changed (only a surer first step would end it sooner), else "entropy-bound"
 (a surer model would end it sooner).
 
-    python3 benchmarks/probes/official_steps.py --split dev --seed 5 --n 48 [--override 'adapter_path="DIR"']
+    python3 benchmarks/official_steps.py --split dev --seed 5 --n 48 [--override 'adapter_path="DIR"']
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from canvasq.core.records import ClaimedRequest, ResultRecord
@@ -52,8 +51,9 @@ def result_record(res: DecodeResult, gen_ms: float, decoder: str) -> ResultRecor
         status, code = RequestStatus.errored, res.error_code or "decode_error"
     else:
         status, code = RequestStatus.done, None
+    # vars, not dataclasses.asdict (a deep copy: 10x slower, in the decode loop once per finished row)
     traces = [
-        {k: v for k, v in asdict(t).items() if k != "index"} | {"forward_index": t.index} for t in res.traces
+        {k: v for k, v in vars(t).items() if k != "index"} | {"forward_index": t.index} for t in res.traces
     ]
     return ResultRecord(
         custom_id=res.custom_id,

@@ -54,8 +54,8 @@ class RowGrammar:
     state: int  # the automaton's state after the committed answer
     masks: torch.Tensor | None = None  # [C, V] bool on the device: the front canvas's allowed tokens
     path: list[int] | None = None  # the front canvas's best valid path at the last step
-    same: int = 0  # steps that path has not changed
-    held: list[int] | None = None  # per position: steps its token on that path has not changed
+    # per position: steps its token on that path has not changed (the whole path's: their minimum)
+    held: list[int] | None = None
     steps: int = 0  # the front canvas's masked steps
     frozen: tuple[list[int], int] | None = None  # the path (and end state) pinned at `max_steps`
     best: tuple[list[int], int] | None = None  # this step's best valid path and the state it ends in
@@ -113,7 +113,7 @@ class CanvasConstraints:
         except Unfinishable as exc:
             s.error, s.done = f"{UNFINISHABLE}: {exc}", True
             return
-        row.path, row.same, row.held, row.best, row.steps, row.frozen = None, 0, None, None, 0, None
+        row.path, row.held, row.best, row.steps, row.frozen = None, None, None, 0, None
         s.stats["constraint_host_us"] += int(1e6 * (time.perf_counter() - t0))
 
     def mask(self, seqs: list[Seq], logits: torch.Tensor) -> None:
@@ -129,10 +129,9 @@ class CanvasConstraints:
             return
         t0 = time.perf_counter()
         idx = torch.tensor([b for b, _, _ in at], device=logits.device)
-        neg = logits.new_tensor(NEG)
         for b, _, row in at:  # in place, row by row: no [R, C, V] gather, copy and scatter back
             assert row.masks is not None  # `at` keeps only planned rows
-            torch.where(row.masks, logits[b], neg, out=logits[b])
+            logits[b].masked_fill_(~row.masks, NEG)
         try:
             paths = self._best([(s, row) for _, s, row in at], logits, idx)
         except Unfinishable as exc:  # begin's plan said otherwise: a bug, the rows end in error
@@ -167,16 +166,15 @@ class CanvasConstraints:
                 pins += [(b, c, t) for c, t in enumerate(row.frozen[0])]
                 continue
             if s.req.think and end == row.grammar.start:  # all thought: the sampler's own rule ends it
-                row.path, row.same, row.held = None, 0, None  # and nothing holds across such a step
+                row.path, row.held = None, None  # and nothing holds across such a step
                 continue
             same = [a == p for a, p in zip(path, row.path)] if row.path is not None else [False] * len(path)
             row.held = [h + 1 if eq else 0 for h, eq in zip(row.held or [0] * len(path), same)]
-            row.same = row.same + 1 if all(same) else 0
             row.path = path
             capped = self.max_steps is not None and row.steps >= self.max_steps
             if capped:
                 row.frozen = (path, end)
-            if capped or (self.settle is not None and row.same >= self.settle):
+            if capped or (self.settle is not None and min(row.held) >= self.settle):
                 pins += [(b, c, t) for c, t in enumerate(path)]
                 s.stats["constraint_capped_steps" if capped else "constraint_pinned_steps"] += 1
             elif self.settle_positions is not None:

@@ -31,9 +31,3 @@ def merged_model(bundle, path: str) -> Any:
     if where not in cache:
         cache[where] = merge_adapter(bundle.hf_model, where)
     return cache[where]
-
-
-def forget(bundle, path: str | Path) -> None:
-    """Drop a cached merge (`canvasq adapt` rewrites a round's adapter in place)."""
-    cache = bundle.__dict__.get(_CACHE_ATTR, {})
-    cache.pop(Path(path).resolve(), None)

@@ -101,8 +101,7 @@ def adapt(bundle, st: AdaptSettings, log: Callable[[str], None]) -> dict:
     log(f"[teacher] {len(teachers)} verified of {tried} in {t_teacher:.0f}s")
 
     peft_model = _student(bundle, st)
-    params = [p for p in peft_model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=st.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    params, opt = optimiser(peft_model, st)
     device = next(peft_model.parameters()).device  # the bundle's: states stay on the CPU until a batch
     weights = digit_weights(bundle.tokenizer, bundle.config.text_config.vocab_size, 4.0, device)
     buffer: list[State] = []
@@ -135,9 +134,7 @@ def adapt(bundle, st: AdaptSettings, log: Callable[[str], None]) -> dict:
         "init": str(st.init) if st.init else None,
         "teacher": {"verified": len(teachers), "tried": tried, "seconds": round(t_teacher, 1)},
         "rounds": rounds,
-        "settings": {
-            k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(st).items() if k != "rounds_log"
-        },
+        "settings": settings_json(st),
         "total_seconds": round(time.time() - t0, 1),
     }
     (out / "adapt_report.json").write_text(json.dumps(report, indent=2, default=str))
@@ -160,6 +157,25 @@ def _student(bundle, st: AdaptSettings):
         base.set_experts_implementation("eager")  # ~5x faster than grouped_mm's fallback on the CPU
     model.train()
     return model
+
+
+def optimiser(peft_model, st: AdaptSettings):
+    """(the LoRA's trainable parameters, their AdamW at `st.lr`)."""
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    return params, torch.optim.AdamW(params, lr=st.lr, weight_decay=0.0, betas=(0.9, 0.98))
+
+
+def settings_json(st: AdaptSettings) -> dict:
+    """`st` as the report writes it (paths as strings)."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(st).items() if k != "rounds_log"}
+
+
+def decoder_inputs(model, batch: Batch, canvas: int) -> dict:
+    """The decoder's keyword inputs for `batch`'s windows after its context's cache (the encoder has no
+    LoRA: its cache needs no gradient)."""
+    with torch.no_grad():
+        cache = encode_context(model, batch.ctx, batch.ctx_mask)
+    return _decoder_kwargs(model, batch.ctx_mask, batch.tokens, cache, batch.k, canvas)
 
 
 def _train(peft_model, opt, params, buffer, bundle, st, gen, weights, log, r: int, loss_fn=None) -> dict:
@@ -230,9 +246,7 @@ def adapt_loss(
     "wrong" means off the teacher's argmax; the other positions keep the teacher's tokens. With
     `answer_floor` too, a front position whose answer token has at least that teacher probability keeps
     the answer's token instead (`AdaptSettings.target` "mixed")."""
-    with torch.no_grad():  # the encoder has no LoRA: its cache needs no gradient
-        cache = encode_context(model, batch.ctx, batch.ctx_mask)
-    kw = _decoder_kwargs(model, batch.ctx_mask, batch.tokens, cache, batch.k, canvas)
+    kw = decoder_inputs(model, batch, canvas)
     with _sc_rows(model, batch.sc_rows if batch.sc is not None else None):
         logits = model(**kw, self_conditioning_logits=batch.sc).logits.float()
         if teacher is not None:

@@ -27,14 +27,12 @@ import json
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict
-from pathlib import Path
 
 import torch
 
 from canvasq.testbed import tasks
 from canvasq.testbed.adapt_data import State
-from canvasq.testbed.train_loss import _decoder_kwargs, digit_weights, encode_context
+from canvasq.testbed.train_loss import digit_weights
 
 
 def recording_official(bundle, overrides: dict, keep: float, seed: int):
@@ -118,11 +116,9 @@ def _state(ctx: list[int], tokens: torch.Tensor, final: list[int], sc, vocab: in
 
 def certainty_loss(model, batch, canvas: int, weight: float, token_weight=None):
     """(loss, its cross-entropy part, its entropy part) on one batch (module docstring, step 2)."""
-    from canvasq.testbed.adapt import _sc_rows
+    from canvasq.testbed.adapt import _sc_rows, decoder_inputs
 
-    with torch.no_grad():  # the context's cache: no gradient needed through it
-        cache = encode_context(model, batch.ctx, batch.ctx_mask)
-    kw = _decoder_kwargs(model, batch.ctx_mask, batch.tokens, cache, batch.k, canvas)
+    kw = decoder_inputs(model, batch, canvas)
     with _sc_rows(model, batch.sc_rows if batch.sc is not None else None):
         logits = model(**kw, self_conditioning_logits=batch.sc).logits.float()
     logp = torch.log_softmax(logits, -1)
@@ -138,8 +134,7 @@ def certainty_loss(model, batch, canvas: int, weight: float, token_weight=None):
 def distil(bundle, st, log: Callable[[str], None]) -> dict:
     """Train the adapter (module docstring) with `AdaptSettings` `st`; returns the report also written
     to `<out>/adapt_report.json`."""
-    from canvasq.decoders.adapters import forget
-    from canvasq.testbed.adapt import _student, _train
+    from canvasq.testbed.adapt import _student, _train, optimiser, settings_json
 
     t0 = time.time()
     st.out.mkdir(parents=True, exist_ok=True)
@@ -151,8 +146,7 @@ def distil(bundle, st, log: Callable[[str], None]) -> dict:
     ]
     random.Random(st.seed).shuffle(problems)
     peft_model = _student(bundle, st)
-    params = [p for p in peft_model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=st.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    params, opt = optimiser(peft_model, st)
     weights = digit_weights(bundle.tokenizer, bundle.config.text_config.vocab_size, 4.0, bundle.device)
     C = bundle.canvas_length
 
@@ -174,7 +168,6 @@ def distil(bundle, st, log: Callable[[str], None]) -> dict:
         info.update(_train(peft_model, opt, params, buffer, bundle, st, gen, weights, log, r, loss_fn))
         where = st.out / f"round{r}"
         peft_model.save_pretrained(str(where))
-        forget(bundle, where)
         student = str(where)
         rounds.append(info)
         log(f"[round {r}] {json.dumps(info)}")
@@ -184,9 +177,7 @@ def distil(bundle, st, log: Callable[[str], None]) -> dict:
         "decoder": "official",
         "init": str(st.init) if st.init else None,
         "rounds": rounds,
-        "settings": {
-            k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(st).items() if k != "rounds_log"
-        },
+        "settings": settings_json(st),
         "total_seconds": round(time.time() - t0, 1),
     }
     (st.out / "adapt_report.json").write_text(json.dumps(report, indent=2, default=str))

@@ -9,7 +9,10 @@ E is close to V, as it would be with the real one), C = 256 positions, R constra
 - `best`: the batched Viterbi of R rows (`DeviceGrammar.best`: the pin's check every step, and each
   stopped canvas's final tokens), from their log-probs;
 - `host best` (small R only): `Grammar.best` per row after copying the log-probs to the host, the
-  path this replaced.
+  path this replaced;
+- `testbed best` / `testbed best, torch twin`: the Viterbi of 64 rows at the testbed's shape (its
+  tokenizer, C = 32) for the three composite schemas of `benchmarks/structured_output.py` thinking first
+  (the eval's automata: Q 32, 58, 163), and whether the two give the same paths.
 
 GPU: python benchmarks/kernels/structured.py   CPU: python benchmarks/kernels/structured.py --quick
 """
@@ -83,6 +86,44 @@ def measure(dg: DeviceGrammar, R: int, Cn: int, V: int, budget: int) -> list[dic
     return out
 
 
+def measure_testbed(R: int = 64, Cn: int = 32) -> list[dict]:
+    """`best` (on CUDA the kernel) against its torch twin at the testbed's shape, per composite schema."""
+    from canvasq.decoders.structured import cached_grammar, token_texts
+    from canvasq.model.loading import DEFAULT_MODEL_DIR
+    from canvasq.testbed.json_adapter import FORM_SCHEMAS
+
+    texts = token_texts(str(DEFAULT_MODEL_DIR / "tokenizer.json"))
+    out: list[dict] = []
+    for name in ("answer", "answer_change", "answer_totals"):
+        dg = DeviceGrammar(cached_grammar(FORM_SCHEMAS[name], texts, True), torch.device(C.DEVICE))
+        out += testbed_rows(name, dg, R, Cn, len(texts.texts))
+    return out
+
+
+def testbed_rows(name: str, dg: DeviceGrammar, R: int, Cn: int, V: int) -> list[dict]:
+    """One schema's `measure_testbed` rows: random logits, every row from the start state."""
+    g, budget = dg.g, 6 * Cn
+    logits = torch.randn(R, Cn, V, device=C.DEVICE) * 3
+    back = torch.stack([dg.back(Cn, budget)] * R)
+    rows = torch.arange(R, device=C.DEVICE)
+    toks, _ = dg.best([g.start] * R, logits, [budget] * R)
+    twin, _ = dg._best_torch([g.start] * R, logits, rows, back)
+    common = {"schema": f"{name} (Q {g.Q}, E {len(g.src)})", "R": R}
+    return [
+        {
+            "part": "testbed best",
+            **common,
+            "ms": wall_ms(lambda: dg.best([g.start] * R, logits, [budget] * R), 10),
+            "same paths": sum(a == b for a, b in zip(toks.tolist(), twin.tolist())),
+        },
+        {
+            "part": "testbed best, torch twin",
+            **common,
+            "ms": wall_ms(lambda: dg._best_torch([g.start] * R, logits, rows, back)),
+        },
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small shapes (CPU)")
@@ -102,10 +143,11 @@ def main() -> None:
     ]
     for R in row_counts:
         rows += measure(dg, R, Cn, V, budget)
+    rows += measure_testbed(16 if args.quick else 64)
     C.report(
         "structured",
         rows,
-        ["part", "R", "ms", "same paths"],
+        ["part", "schema", "R", "ms", "same paths"],
         {
             **C.device_info(),
             "V": V,

@@ -50,8 +50,9 @@ class DeviceGrammar:
         self.edge = torch.arange(len(grammar.src), device=device)
         self._plans: OrderedDict[tuple[int, int, int, int], torch.Tensor] = OrderedDict()
         self._plan_bytes = 0
-        # the edges by the state they enter (`kernels.viterbi.csr`), built when the kernel first runs
-        self._csr: dict | None = None
+        # the edges by the state they enter, in chunks (`kernels.viterbi.csr`; per chunk size), built
+        # when the kernel first runs
+        self._csr: dict[int, dict] = {}
 
     def back(self, C: int, budget: int) -> torch.Tensor:
         """[C + 1, Q] bool: `Grammar._backward` on the device (cached per C and budget)."""
@@ -148,22 +149,23 @@ class DeviceGrammar:
         logits: torch.Tensor,
         rows: torch.Tensor,
         back: torch.Tensor,
-        block: int = 128,
+        block: int = 32,
+        tile: int | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
         """`best` in one launch (`kernels.viterbi`): the positions' log-sum-exps in torch, a few
         positions at a time, then one program per row."""
         # imported here: importing canvasq.kernels fixes whether its kernels are interpreted (tests/kernels)
-        from canvasq.kernels.viterbi import csr, viterbi
+        from canvasq.kernels.viterbi import TILE, csr, viterbi
 
         R, C, V = len(rows), logits.shape[1], logits.shape[2]
-        if self._csr is None:
-            self._csr = csr(self.src, self.tok, self.dst, self.free, self.g.Q)
+        if block not in self._csr:
+            self._csr[block] = csr(self.src, self.tok, self.dst, self.free, self.g.Q, block)
         step = max(1, GAIN_ELEMENTS // max(1, R * V))
         lse = torch.cat(
             [torch.logsumexp(logits[rows, i0 : i0 + step].float(), dim=-1) for i0 in range(0, C, step)], dim=1
         )
         start = torch.as_tensor(states, device=self.device)
-        toks, ends = viterbi(logits.contiguous(), rows, lse, back, start, self._csr, self.g.Q, block)
+        toks, ends = viterbi(logits.contiguous(), rows, lse, back, start, self._csr[block], self.g.Q, tile or TILE)
         return toks, ends.tolist()
 
     def _gains(

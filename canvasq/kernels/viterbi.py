@@ -5,13 +5,19 @@ edges and then back along the winning path.
 The torch twin runs each position as a dozen small kernels (a scatter-max over the edges into the Q
 states, then the edge that won each state); on a GPU a 64-row, 32-position canvas is ~380 launches
 and ~9 ms of host time per decoder step at the testbed's size, and at the real vocabulary the
-scatter-max's atomics into Q slots serialise (2.1 s per step at 64 rows, E = 253,173). Here the edges
-are grouped by the state they enter (`csr`), so each state's best incoming edge is a plain reduction
-over its segment; the running scores live in a per-row scratch that only the row's own program
-touches (loads bypass L1: `.cg`).
+scatter-max's atomics into Q slots serialise (2.1 s per step at 64 rows, E = 253,173).
 
-Same arithmetic as the twin (fp32: the logit minus its position's log-sum-exp, added to the source
-state's score; ties to the highest edge index), so the two give the same tokens.
+Here the edges are grouped by the state they enter (`csr`) and cut into chunks of at most BLOCK edges
+(a state with many edges, such as a thought's, has several). At each position a program scores all
+its row's chunks as one [chunks, BLOCK] tile (each chunk's best edge, ties to the highest edge index),
+then each state reduces its own chunks' winners as one [Q, chunks per state] tile. The first version
+walked the states one by one (C x Q steps, each a chain of dependent loads: 12 ms per decoder step for
+a 163-state schema on the H200); the tiles keep the latency chain at two levels a position.
+
+The running scores and the chunks' winners live in a per-row scratch that only the row's own program
+touches (loads bypass L1: `.cg`). Same arithmetic as the twin (fp32: the logit minus its position's
+log-sum-exp, added to the source state's score; ties to the highest edge index), so the two give the
+same tokens.
 """
 
 from __future__ import annotations
@@ -20,55 +26,74 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import interpreted
+# the most elements of one tile (a [chunks, BLOCK] or [states, chunks] block of a position's work)
+TILE = 4096
 
 
 @triton.jit
 def _viterbi_kernel(
     logits_ptr, stride_b, stride_c,  # [B, C, V] logits (any float dtype)
     rows_ptr, lse_ptr, back_ptr, start_ptr,  # [R] logits' rows, [R, C] fp32, [R, C + 1, Q] int8, [R] int32
-    seg_ptr, src_ptr, tok_ptr, free_ptr, eid_ptr,  # the edges grouped by the state they enter
+    cs_ptr, ce_ptr, kseg_ptr,  # [K] each chunk's edges [cs, ce) in grouped order, [Q + 1] each state's chunks
+    src_ptr, tok_ptr, free_ptr, eid_ptr,  # the edges grouped by the state they enter
     osrc_ptr, otok_ptr,  # the edges in their own order (the walk back)
-    score_ptr, via_ptr, toks_ptr, ends_ptr,  # [R, 2, QB] fp32 scratch, [R, C, Q] int32, [R, C], [R] int64
-    C: tl.constexpr, Q: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr, INTERPRET_BLOCKS: tl.constexpr,
+    score_ptr, cbest_ptr, carg_ptr, via_ptr, toks_ptr, ends_ptr,  # [R, 2, QB] fp32, [R, KP] fp32 / int32 scratch,
+    # [R, C, Q] int32, [R, C], [R] int64
+    C: tl.constexpr, Q: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr,
+    CB: tl.constexpr, NCB: tl.constexpr, KB: tl.constexpr, NKB: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
     row = tl.load(rows_ptr + r).to(tl.int64)
     NEG_INF: tl.constexpr = float("-inf")
+    KP: tl.constexpr = CB * NCB
     qs = tl.arange(0, QB)
+    qm = qs < Q
     start = tl.load(start_ptr + r)
     tl.store(score_ptr + r * 2 * QB + qs, tl.where(qs == start, 0.0, NEG_INF))
+    k0 = tl.load(kseg_ptr + qs, mask=qm, other=0)
+    k1 = tl.load(kseg_ptr + qs + 1, mask=qm, other=0)
+    lanes = tl.arange(0, BLOCK)
     tl.debug_barrier()
     for i in range(C):
         cur = score_ptr + (r * 2 + i % 2) * QB
         nxt = score_ptr + (r * 2 + 1 - i % 2) * QB
         lse = tl.load(lse_ptr + r * C + i)
         base = logits_ptr + row * stride_b + i * stride_c
-        for qq in range(Q):
-            ok = tl.load(back_ptr + (r * (C + 1) + i + 1) * Q + qq) != 0
-            s0 = tl.load(seg_ptr + qq)
-            s1 = tl.load(seg_ptr + qq + 1)
-            best = lse * 0.0 + NEG_INF  # an fp32 scalar (loop-carried; lse is finite)
-            arg = s0 * 0 - 1
-            # the interpreter cannot run a loop of runtime length: a fixed count of masked blocks there
-            for b in range(INTERPRET_BLOCKS if INTERPRET_BLOCKS > 0 else tl.cdiv(s1 - s0, BLOCK)):
-                offs = s0 + b * BLOCK + tl.arange(0, BLOCK)
-                m = offs < s1
-                src = tl.load(src_ptr + offs, mask=m, other=0)
-                sc = tl.load(cur + src, mask=m, other=NEG_INF, cache_modifier=".cg")
-                tok = tl.load(tok_ptr + offs, mask=m, other=0)
-                lg = tl.load(base + tok, mask=m, other=0.0).to(tl.float32)
-                free = tl.load(free_ptr + offs, mask=m, other=0) != 0
-                cand = tl.where(m, sc + tl.where(free, 0.0, lg - lse), NEG_INF)
-                eid = tl.load(eid_ptr + offs, mask=m, other=-1)
-                bm = tl.max(cand, 0)
-                bid = tl.max(tl.where((cand == bm) & (cand > NEG_INF), eid, -1), 0)
-                arg = tl.where(bm > best, bid, tl.where(bm == best, tl.maximum(arg, bid), arg))
-                best = tl.maximum(best, bm)
-            tl.store(nxt + qq, tl.where(ok, best, NEG_INF))
-            tl.store(via_ptr + (r * C + i) * Q + qq, tl.where(ok, arg, -1))
+        for cb in range(NCB):  # each chunk's best edge
+            ks = cb * CB + tl.arange(0, CB)
+            km = ks < K
+            c0 = tl.load(cs_ptr + ks, mask=km, other=0)
+            c1 = tl.load(ce_ptr + ks, mask=km, other=0)
+            offs = c0[:, None] + lanes[None, :]
+            m = offs < c1[:, None]
+            src = tl.load(src_ptr + offs, mask=m, other=0)
+            sc = tl.load(cur + src, mask=m, other=NEG_INF, cache_modifier=".cg")
+            tok = tl.load(tok_ptr + offs, mask=m, other=0)
+            lg = tl.load(base + tok, mask=m, other=0.0).to(tl.float32)
+            free = tl.load(free_ptr + offs, mask=m, other=0) != 0
+            cand = tl.where(m, sc + tl.where(free, 0.0, lg - lse), NEG_INF)
+            eid = tl.load(eid_ptr + offs, mask=m, other=-1)
+            bm = tl.max(cand, 1)
+            bid = tl.max(tl.where((cand == bm[:, None]) & (cand > NEG_INF), eid, -1), 1)
+            tl.store(cbest_ptr + r * KP + ks, bm, mask=km)
+            tl.store(carg_ptr + r * KP + ks, bid, mask=km)
         tl.debug_barrier()
-    final = tl.load(score_ptr + (r * 2 + C % 2) * QB + qs, mask=qs < Q, other=NEG_INF, cache_modifier=".cg")
+        best = tl.full((QB,), NEG_INF, tl.float32)
+        arg = tl.full((QB,), -1, tl.int32)
+        for kb in range(NKB):  # each state's best over its chunks (ties: the highest edge index)
+            kk = k0[:, None] + kb * KB + tl.arange(0, KB)[None, :]
+            mm = kk < k1[:, None]
+            b = tl.load(cbest_ptr + r * KP + kk, mask=mm, other=NEG_INF, cache_modifier=".cg")
+            a = tl.load(carg_ptr + r * KP + kk, mask=mm, other=-1, cache_modifier=".cg")
+            bm = tl.max(b, 1)
+            bid = tl.max(tl.where((b == bm[:, None]) & (b > NEG_INF), a, -1), 1)
+            arg = tl.where(bm > best, bid, tl.where(bm == best, tl.maximum(arg, bid), arg))
+            best = tl.maximum(best, bm)
+        ok = tl.load(back_ptr + (r * (C + 1) + i + 1) * Q + qs, mask=qm, other=0) != 0
+        tl.store(nxt + qs, tl.where(ok, best, NEG_INF), mask=qm)
+        tl.store(via_ptr + (r * C + i) * Q + qs, tl.where(ok, arg, -1), mask=qm)
+        tl.debug_barrier()
+    final = tl.load(score_ptr + (r * 2 + C % 2) * QB + qs, mask=qm, other=NEG_INF, cache_modifier=".cg")
     q = tl.argmax(final, 0)
     tl.store(ends_ptr + r, q.to(tl.int64))
     for k in range(C):
@@ -78,21 +103,51 @@ def _viterbi_kernel(
         q = tl.load(osrc_ptr + e)
 
 
-def csr(src: torch.Tensor, tok: torch.Tensor, dst: torch.Tensor, free: torch.Tensor, Q: int) -> dict:
-    """The edges grouped by the state they enter (a stable sort: a group keeps the edges' order)."""
+def csr(
+    src: torch.Tensor, tok: torch.Tensor, dst: torch.Tensor, free: torch.Tensor, Q: int, block: int = 32
+) -> dict:
+    """The edges grouped by the state they enter (a stable sort: a group keeps the edges' order), each
+    group cut into chunks of at most `block` edges."""
     order = torch.sort(dst, stable=True).indices
     counts = torch.bincount(dst, minlength=Q)
-    seg = torch.zeros(Q + 1, dtype=torch.int32, device=dst.device)
+    seg = torch.zeros(Q + 1, dtype=torch.long, device=dst.device)
     seg[1:] = torch.cumsum(counts, 0)
+    chunks = (counts + block - 1) // block  # [Q]
+    kseg = torch.zeros(Q + 1, dtype=torch.long, device=dst.device)
+    kseg[1:] = torch.cumsum(chunks, 0)
+    K = int(kseg[-1])
+    state = torch.repeat_interleave(torch.arange(Q, device=dst.device), chunks)  # [K] each chunk's state
+    cs = seg[state] + (torch.arange(K, device=dst.device) - kseg[state]) * block
+    ce = torch.minimum(cs + block, seg[state + 1])
     i32 = torch.int32
     return {
-        "seg": seg,
+        "block": block,
+        "K": K,
+        "most_chunks": int(chunks.max()) if Q else 0,
+        "cs": cs.to(i32),
+        "ce": ce.to(i32),
+        "kseg": kseg.to(i32),
         "src": src[order].to(i32),
         "tok": tok[order].to(i32),
         "free": free[order].to(torch.int8),
         "eid": order.to(i32),
         "osrc": src.to(i32),
         "otok": tok.to(i32),
+    }
+
+
+def tiles(K: int, most_chunks: int, block: int, Q: int, tile: int = TILE) -> dict:
+    """The kernel's tile constants: chunks scored CB at a time (NCB tiles), each state's chunks read KB
+    at a time (NKB tiles), every tile at most `tile` elements (tests shrink it to run several)."""
+    QB = triton.next_power_of_2(max(Q, 2))
+    CB = max(1, min(triton.next_power_of_2(max(K, 1)), tile // block))
+    KB = max(1, min(triton.next_power_of_2(max(most_chunks, 1)), tile // QB))
+    return {
+        "QB": QB,
+        "CB": CB,
+        "NCB": triton.cdiv(max(K, 1), CB),
+        "KB": KB,
+        "NKB": triton.cdiv(max(most_chunks, 1), KB),
     }
 
 
@@ -104,19 +159,19 @@ def viterbi(
     states: torch.Tensor,
     edges: dict,
     Q: int,
-    block: int = 128,
+    tile: int = TILE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """([R, C] tokens, [R] end states) of each row's best path: `logits` [B, C, V] (last dim
     contiguous), `rows` [R] of B, `lse` [R, C] fp32 (each read position's log-sum-exp), `back`
-    [R, C + 1, Q] bool, `states` [R] start states, `edges` from `csr`."""
+    [R, C + 1, Q] bool, `states` [R] start states, `edges` from `csr`, `tile` the most elements a
+    tile holds."""
     R, C = len(rows), logits.shape[1]
     assert logits.stride(2) == 1, "the vocabulary must be contiguous"
-    interpret = 0
-    if interpreted(_viterbi_kernel):  # enough blocks for the longest segment
-        interpret = max(1, triton.cdiv(int((edges["seg"][1:] - edges["seg"][:-1]).max()), block))
-    QB = triton.next_power_of_2(max(Q, 2))
+    t = tiles(edges["K"], edges["most_chunks"], edges["block"], Q, tile)
     dev = logits.device
-    score = torch.empty(R, 2, QB, dtype=torch.float32, device=dev)
+    score = torch.empty(R, 2, t["QB"], dtype=torch.float32, device=dev)
+    cbest = torch.empty(R, t["CB"] * t["NCB"], dtype=torch.float32, device=dev)
+    carg = torch.empty(R, t["CB"] * t["NCB"], dtype=torch.int32, device=dev)
     via = torch.empty(R, C, Q, dtype=torch.int32, device=dev)
     toks = torch.empty(R, C, dtype=torch.int64, device=dev)
     ends = torch.empty(R, dtype=torch.int64, device=dev)
@@ -125,9 +180,10 @@ def viterbi(
     _viterbi_kernel[(R,)](
         logits, logits.stride(0), logits.stride(1),
         rows.to(torch.int32), lse.contiguous(), back.to(torch.int8).contiguous(), states.to(torch.int32),
-        edges["seg"], edges["src"], edges["tok"], edges["free"], edges["eid"], edges["osrc"], edges["otok"],
-        score, via, toks, ends,
-        C=C, Q=Q, BLOCK=block, QB=QB, INTERPRET_BLOCKS=interpret,
+        edges["cs"], edges["ce"], edges["kseg"],
+        edges["src"], edges["tok"], edges["free"], edges["eid"], edges["osrc"], edges["otok"],
+        score, cbest, carg, via, toks, ends,
+        C=C, Q=Q, K=edges["K"], BLOCK=edges["block"], **t, num_warps=8,
     )  # fmt: skip
     return toks, ends
 
@@ -139,13 +195,16 @@ def compile_specs():
     yield CompileSpec(
         "viterbi",
         _viterbi_kernel,
-        {"C": 256, "Q": 20, "BLOCK": 128, "QB": 32, "INTERPRET_BLOCKS": 0},
+        # E = 253,173 edges in chunks of 32 (~7,936), one state holding nearly all of them
+        {"C": 256, "Q": 20, "K": 7936, "BLOCK": 32, **tiles(7936, 7920, 32, 20)},
         types={
             "rows_ptr": "*i32",
             "lse_ptr": "*fp32",
             "back_ptr": "*i8",
             "start_ptr": "*i32",
-            "seg_ptr": "*i32",
+            "cs_ptr": "*i32",
+            "ce_ptr": "*i32",
+            "kseg_ptr": "*i32",
             "src_ptr": "*i32",
             "tok_ptr": "*i32",
             "free_ptr": "*i8",
@@ -153,8 +212,11 @@ def compile_specs():
             "osrc_ptr": "*i32",
             "otok_ptr": "*i32",
             "score_ptr": "*fp32",
+            "cbest_ptr": "*fp32",
+            "carg_ptr": "*i32",
             "via_ptr": "*i32",
             "toks_ptr": "*i64",
             "ends_ptr": "*i64",
         },
+        num_warps=8,
     )

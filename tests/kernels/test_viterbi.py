@@ -22,12 +22,14 @@ ANSWER = {
 C = 8
 
 
-@pytest.mark.parametrize("block", [128, 2])  # 2: three tied edges over two blocks (the merge)
-def test_the_kernel_gives_the_twins_paths_and_ends(block):
+# block 2: three tied edges over two chunks (the merge of a state's chunks); tile 8: the chunks scored
+# several tiles a position and a state's chunks read one at a time (both loops run more than once)
+@pytest.mark.parametrize(("block", "tile"), [(32, None), (2, None), (2, 16)])
+def test_the_kernel_gives_the_twins_paths_and_ends(block, tile):
     base = token_texts(str(TESTBED_DIR / "tokenizer.json"))
     # every text three times under three ids: each edge has two twins of equal gain where
     # the logits are equal, so on the row of equal logits the twin's rule (highest edge index) decides
-    # (only the texts a document of ANSWER can use: the interpreter walks every edge of a block of 1)
+    # (only the texts a document of ANSWER can use: the interpreter is slow)
     words = [t for t in base.texts if t is not None and set(t) <= set('{}":answer0123456789-')]
     texts = TokenTexts((*words, *words, *words, None, None), 3 * len(words), 3 * len(words) + 1)
     g = compile_grammar(ANSWER, texts)
@@ -43,7 +45,7 @@ def test_the_kernel_gives_the_twins_paths_and_ends(block):
     idx = torch.tensor([5, 1, 4, 2, 3][: len(rows)], device=DEVICE)
     states, budgets = [q for q, _ in rows], [b for _, b in rows]
     back = torch.stack([dg.back(C, b) for b in budgets])
-    toks, ends = dg._best_kernel(states, logits, idx, back, block)
+    toks, ends = dg._best_kernel(states, logits, idx, back, block, tile)
     want_toks, want_ends = dg._best_torch(states, logits, idx, back)
     assert ends == want_ends
     assert toks.tolist() == want_toks.tolist()

@@ -18,7 +18,9 @@ Per arm: rows, rows done, done rows that parse and validate (jsonschema), accura
 second, the constraint's host time; the reference's accuracy is given for each schema's question.
 `--think` gives each constrained line `reasoning_effort` medium: the row writes its working free
 before its document (the thought is the row's `reasoning`; its answer is read from the document).
-`--adapter DIR` merges a LoRA (`python -m canvasq.testbed.json_adapter`) into the model first: both
+`--prompt-only` adds, per schema, the same lines decoded with nothing holding them to the schema:
+the constraint's overhead against it is the constraint's own, apart from the longer text a document
+is. `--adapter DIR` merges a LoRA (`python -m canvasq.testbed.json_adapter`) into the model first: both
 the free and the constrained arms then run the same weights. `--split dev` draws the prompts a
 setting is tuned on (claims are made on `eval`); `--settle-positions 1 -1` runs each schema once per
 value of `OfficialConfig.constraint_settle_positions` (-1: off) in the same process, the arms'
@@ -48,7 +50,7 @@ from canvasq.core.schemas import Limits, parse_line
 from canvasq.core.settings import Settings
 from canvasq.decoders import DecodeBatch, DecodeRequest, run_batch
 from canvasq.decoders.configs import OfficialConfig
-from canvasq.decoders.structured import output_problem
+from canvasq.decoders.structured import output_problem, split_thought
 from canvasq.model.loading import load_bundle
 from canvasq.provenance import git_commit
 from canvasq.testbed import tasks
@@ -139,8 +141,10 @@ def decode(
     limits: Limits,
     overrides=None,
     think=False,
+    unconstrained=False,
 ):
-    """Results and wall seconds, in batches of `batch` (one `run_batch` each)."""
+    """Results and wall seconds, in batches of `batch` (one `run_batch` each); `unconstrained`: the
+    constrained lines' prompts decoded without their `response_format` (nothing holds them to it)."""
     todo = jobs(problems, schema, max_tokens, limits, think)
     out, t0 = [], time.perf_counter()
     for i in range(0, len(todo), batch):
@@ -150,7 +154,7 @@ def decode(
                 bundle.encode_prompt(j.prompt, "arith"),
                 max_tokens,
                 "arith",
-                j.response_format,
+                None if unconstrained else j.response_format,
                 j.think,
             )
             for j in todo[i : i + batch]
@@ -194,6 +198,25 @@ def constrained_arm(label: str, name: str, problems, res, wall: float) -> dict:
     arm = arm_report(label, res, wall, problems, ok, SCHEMAS[name])
     if second:
         arm["second_field"], arm["second_correct"] = SECOND[name], sum(second)
+    return arm
+
+
+def prompt_only_arm(label: str, name: str, problems, res, wall: float) -> dict:
+    """An unconstrained arm of a schema's prompts: its documents (the text from the first "{" or "[")
+    checked, parsed and asked as a constrained arm's; nothing held them to the schema."""
+    docs = [split_thought(r.text)[1] if r.error is None else None for r in res]
+    parsed = [
+        json.loads(d) if d is not None and output_problem(d, SCHEMAS[name]) is None else None for d in docs
+    ]
+    ok = [doc is not None and asked(name, p, doc) == truth(name, p) for p, doc in zip(problems, parsed)]
+    arm = arm_report(label, res, wall, problems, ok, None)
+    arm["valid"] = sum(doc is not None for doc in parsed)
+    if name in SECOND:
+        field = SECOND[name]
+        arm["second_field"] = field
+        arm["second_correct"] = sum(
+            doc is not None and asked(field, p, doc) == truth(field, p) for p, doc in zip(problems, parsed)
+        )
     return arm
 
 
@@ -301,6 +324,24 @@ def run(args) -> dict:
                 _write(args.out, report)
                 if args.samples:
                     _write_samples(args.out, f"{name}{tag}/seed{seed}", problems, free, res)
+            if args.prompt_only:
+                res, cwall = decode(
+                    bundle,
+                    problems,
+                    SCHEMAS[name],
+                    max_tokens,
+                    args.batch,
+                    seed,
+                    limits,
+                    settle,
+                    args.think,
+                    True,
+                )
+                report["arms"].append(
+                    prompt_only_arm(f"prompt_only/{name}/seed{seed}", name, problems, res, cwall)
+                )
+                print(json.dumps(report["arms"][-1]), flush=True)
+                _write(args.out, report)
     return report
 
 
@@ -376,6 +417,12 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--adapter", default=None, help="a LoRA merged into the model for every arm")
     ap.add_argument("--samples", action="store_true", help="also write <out>.samples.jsonl (texts)")
+    ap.add_argument(
+        "--prompt-only",
+        action="store_true",
+        help="per schema, also an arm of its lines decoded without the constraint (the same prompts: the "
+        "schema shown, thinking first with --think): the constraint's own cost, apart from the document's",
+    )
     ap.add_argument(
         "--no-schema-in-prompt",
         dest="schema_in_prompt",

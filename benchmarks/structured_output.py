@@ -39,6 +39,7 @@ constrained row's prompt is the problem with its schema shown before it (`CANVAS
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import time
@@ -48,7 +49,7 @@ import torch
 
 from canvasq.core.schemas import Limits, parse_line
 from canvasq.core.settings import Settings
-from canvasq.decoders import DecodeBatch, DecodeRequest, run_batch
+from canvasq.decoders import DecodeBatch, DecodeRequest, make_decoder, run_batch
 from canvasq.decoders.configs import OfficialConfig
 from canvasq.decoders.structured import output_problem, split_thought
 from canvasq.model.loading import load_bundle
@@ -142,25 +143,45 @@ def decode(
     overrides=None,
     think=False,
     unconstrained=False,
+    stream=False,
 ):
-    """Results and wall seconds, in batches of `batch` (one `run_batch` each); `unconstrained`: the
-    constrained lines' prompts decoded without their `response_format` (nothing holds them to it)."""
-    todo = jobs(problems, schema, max_tokens, limits, think)
-    out, t0 = [], time.perf_counter()
-    for i in range(0, len(todo), batch):
-        reqs = [
-            DecodeRequest(
-                j.custom_id,
-                bundle.encode_prompt(j.prompt, "arith"),
-                max_tokens,
-                "arith",
-                None if unconstrained else j.response_format,
-                j.think,
-            )
-            for j in todo[i : i + batch]
-        ]
-        out += run_batch(bundle, DecodeBatch(reqs, seed=seed), decoder="official", overrides=overrides)
+    """Results and wall seconds, in batches of `batch` (one `run_batch` each), or with `stream` as the
+    worker decodes: one continuous-batching stream of `batch` slots, refilled as rows finish (a slow
+    row holds its slot, not a whole batch); `unconstrained`: the constrained lines' prompts decoded
+    without their `response_format` (nothing holds them to it)."""
+    reqs = [
+        DecodeRequest(
+            j.custom_id,
+            bundle.encode_prompt(j.prompt, "arith"),
+            max_tokens,
+            "arith",
+            None if unconstrained else j.response_format,
+            j.think,
+        )
+        for j in jobs(problems, schema, max_tokens, limits, think)
+    ]
+    t0 = time.perf_counter()
+    if stream:
+        return _streamed(bundle, reqs, batch, seed, overrides), time.perf_counter() - t0
+    out = []
+    for i in range(0, len(reqs), batch):
+        out += run_batch(
+            bundle, DecodeBatch(reqs[i : i + batch], seed=seed), decoder="official", overrides=overrides
+        )
     return out, time.perf_counter() - t0
+
+
+def _streamed(bundle, reqs: list[DecodeRequest], slots: int, seed: int, overrides) -> list:
+    """`reqs`' results through one `stream` of `slots` slots (the worker's loop), in request order."""
+    dec = make_decoder("official", bundle, overrides)
+    todo, results = list(enumerate(reqs)), {}
+
+    def feed(n: int):
+        taken, todo[:] = todo[:n], todo[n:]
+        return taken
+
+    dec.stream(feed, results.__setitem__, slots=slots, seed=seed, capacity=dec.capacity_for(reqs))
+    return [results[i] for i in range(len(reqs))]
 
 
 def arm_report(name: str, results, wall: float, problems, correct: list[bool], schema: dict | None) -> dict:
@@ -261,6 +282,7 @@ def run(args) -> dict:
         "constraint_settle_positions": [_off(v) for v in args.settle_positions],
         "constraint_max_steps": [_off(v) for v in args.max_steps],
         "think": args.think,
+        "stream": args.stream,
         "split": args.split,
         "device": args.device,
         "arms": [],
@@ -279,12 +301,13 @@ def run(args) -> dict:
         for m in args.max_steps
     ]
     settle = variants[0][1]
+    go = functools.partial(decode, stream=args.stream)
     # untimed: one batch free and one per schema first, so no timed arm pays Triton's compiles, the
     # allocator's first blocks or a grammar's compile (on the H200 the first arm took 16.7 s against 4.2)
     warm = tasks.generate("arith", min(args.batch, args.n), args.seeds[0], split=args.split)
-    decode(bundle, warm, None, tasks.ANSWER_CANVASES["arith"] * C, args.batch, args.seeds[0], limits)
+    go(bundle, warm, None, tasks.ANSWER_CANVASES["arith"] * C, args.batch, args.seeds[0], limits)
     for name in args.schemas:
-        decode(
+        go(
             bundle,
             warm,
             SCHEMAS[name],
@@ -297,16 +320,14 @@ def run(args) -> dict:
         )
     for k, seed in enumerate(args.seeds):
         problems = tasks.generate("arith", args.n, seed, split=args.split)
-        free, wall = decode(
-            bundle, problems, None, tasks.ANSWER_CANVASES["arith"] * C, args.batch, seed, limits
-        )
+        free, wall = go(bundle, problems, None, tasks.ANSWER_CANVASES["arith"] * C, args.batch, seed, limits)
         answers = [tasks.arith_answer(r.text) for r in free]
         for name in args.schemas:
             ok = [asked(name, p, None, a) == truth(name, p) for p, a in zip(problems, answers)]
             report["arms"].append(arm_report(f"free/{name}/seed{seed}", free, wall, problems, ok, None))
             max_tokens = max_tokens_of(args, name, C)
             for tag, overrides in variants if k % 2 == 0 else variants[::-1]:
-                res, cwall = decode(
+                res, cwall = go(
                     bundle,
                     problems,
                     SCHEMAS[name],
@@ -325,7 +346,7 @@ def run(args) -> dict:
                 if args.samples:
                     _write_samples(args.out, f"{name}{tag}/seed{seed}", problems, free, res)
             if args.prompt_only:
-                res, cwall = decode(
+                res, cwall = go(
                     bundle,
                     problems,
                     SCHEMAS[name],
@@ -380,7 +401,13 @@ def main() -> None:
         choices=tasks.SPLITS,
         help="the prompts' split (tune on dev, claim on eval)",
     )
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=16, help="rows decoded together (with --stream: slots)")
+    ap.add_argument(
+        "--stream",
+        action="store_true",
+        help="each arm's rows through one continuous-batching stream of --batch slots (the worker's loop) "
+        "instead of batches of --batch rows run to their slowest row",
+    )
     ap.add_argument(
         "--max-tokens", type=int, default=None, help="of a constrained row (default: MAX_CANVASES canvases)"
     )

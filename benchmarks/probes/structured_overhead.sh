@@ -11,7 +11,7 @@ DEV=${DEV:-cuda}; N=${N:-200}; ADAPTER=${ADAPTER:-models/adapters/testbed_json_t
 # shellcheck disable=SC2086
 timeout "${EVAL_TIMEOUT:-420}" python3 benchmarks/structured_output.py --device "$DEV" --adapter "$ADAPTER" \
   --schemas ${SCHEMAS:-answer} --think --n "$N" --seeds 61 62 63 --batch 64 --hardware "${HARDWARE:-$DEV}" \
-  --settle-positions ${SETTLE_POSITIONS:-1} --max-steps ${MAX_STEPS:--1} ${PROMPT_ONLY:+--prompt-only} --out "$OUT/overhead.json" > "$OUT/overhead.log" 2>&1
+  --settle-positions ${SETTLE_POSITIONS:-1} --max-steps ${MAX_STEPS:--1} ${PROMPT_ONLY:+--prompt-only} ${STREAM:+--stream} --out "$OUT/overhead.json" > "$OUT/overhead.log" 2>&1
 echo "overhead rc=$?"
 python3 - "$OUT/overhead.json" <<'PY'
 import json, sys

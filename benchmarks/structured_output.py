@@ -326,18 +326,12 @@ def run(args) -> dict:
             ok = [asked(name, p, None, a) == truth(name, p) for p, a in zip(problems, answers)]
             report["arms"].append(arm_report(f"free/{name}/seed{seed}", free, wall, problems, ok, None))
             max_tokens = max_tokens_of(args, name, C)
+            # the schema's lines: (overrides, think, unconstrained) -> (results, wall)
+            lines = functools.partial(
+                go, bundle, problems, SCHEMAS[name], max_tokens, args.batch, seed, limits
+            )
             for tag, overrides in variants if k % 2 == 0 else variants[::-1]:
-                res, cwall = go(
-                    bundle,
-                    problems,
-                    SCHEMAS[name],
-                    max_tokens,
-                    args.batch,
-                    seed,
-                    limits,
-                    overrides,
-                    args.think,
-                )
+                res, cwall = lines(overrides, args.think)
                 arm = constrained_arm(f"{name}{tag}/seed{seed}", name, problems, res, cwall)
                 arm["max_tokens"] = max_tokens
                 report["arms"].append(arm)
@@ -346,18 +340,7 @@ def run(args) -> dict:
                 if args.samples:
                     _write_samples(args.out, f"{name}{tag}/seed{seed}", problems, free, res)
             if args.prompt_only:
-                res, cwall = go(
-                    bundle,
-                    problems,
-                    SCHEMAS[name],
-                    max_tokens,
-                    args.batch,
-                    seed,
-                    limits,
-                    settle,
-                    args.think,
-                    True,
-                )
+                res, cwall = lines(settle, args.think, True)
                 report["arms"].append(
                     prompt_only_arm(f"prompt_only/{name}/seed{seed}", name, problems, res, cwall)
                 )

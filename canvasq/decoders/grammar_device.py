@@ -165,7 +165,9 @@ class DeviceGrammar:
             [torch.logsumexp(logits[rows, i0 : i0 + step].float(), dim=-1) for i0 in range(0, C, step)], dim=1
         )
         start = torch.as_tensor(states, device=self.device)
-        toks, ends = viterbi(logits.contiguous(), rows, lse, back, start, self._csr[block], self.g.Q, tile or TILE)
+        toks, ends = viterbi(
+            logits.contiguous(), rows, lse, back, start, self._csr[block], self.g.Q, tile or TILE
+        )
         return toks, ends.tolist()
 
     def _gains(

@@ -169,6 +169,43 @@ def test_official_rows_follow_their_schemas(testbed):
             assert "constrained_canvases" not in r.stats and not r.text.startswith("{")
 
 
+def test_constrained_rows_through_a_stream_of_few_slots(testbed):
+    """The worker's loop: five rows through two slots, so rows enter slots that constrained and free rows
+    left mid-stream. Each constrained row ends valid, each free row is left alone (a grammar kept for a
+    finished row would constrain the row that takes its slot), and each row's text is the one it gets
+    decoded alone."""
+    from canvasq.decoders import make_decoder
+
+    problems = tasks.generate("arith", 5, 7, split="eval")
+    schemas = [ANSWER, None, SIGN, None, ANSWER]
+    reqs = [
+        DecodeRequest(p.uid, testbed.encode_prompt(p.prompt, "arith"), 2 * C, "arith", schema)
+        for p, schema in zip(problems, schemas)
+    ]
+    dec = make_decoder("official", testbed, {"cuda_graphs": "off"})
+    todo, got = list(enumerate(reqs)), {}
+
+    def feed(n: int):
+        taken, todo[:] = todo[:n], todo[n:]
+        return taken
+
+    dec.stream(feed, got.__setitem__, slots=2, seed=3, capacity=dec.capacity_for(reqs))
+    assert sorted(got) == list(range(5))
+    for k, schema in enumerate(schemas):
+        r = got[k]
+        assert r.error is None, r
+        if schema is not None:
+            assert r.finish_reason == "stop", r
+            jsonschema.validate(json.loads(r.text), schema)
+            assert r.stats["constrained_canvases"] >= 1
+        else:
+            assert "constrained_canvases" not in r.stats and "{" not in r.text, r
+        alone = run_batch(
+            testbed, DecodeBatch([reqs[k]], seed=3), decoder="official", overrides={"cuda_graphs": "off"}
+        )
+        assert alone[0].text == r.text
+
+
 def test_a_settled_canvas_is_pinned_and_stays_valid(testbed):
     """constraint_settle pins a canvas whose best valid path holds; off, the canvas runs its own course."""
     problems = tasks.generate("arith", 2, 6, split="eval")

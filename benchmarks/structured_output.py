@@ -144,11 +144,13 @@ def decode(
     think=False,
     unconstrained=False,
     stream=False,
+    occupancy: list | None = None,
 ):
     """Results and wall seconds, in batches of `batch` (one `run_batch` each), or with `stream` as the
     worker decodes: one continuous-batching stream of `batch` slots, refilled as rows finish (a slow
     row holds its slot, not a whole batch); `unconstrained`: the constrained lines' prompts decoded
-    without their `response_format` (nothing holds them to it)."""
+    without their `response_format` (nothing holds them to it); `occupancy`, with `stream`, receives
+    (live rows, slots) per decoder step."""
     reqs = [
         DecodeRequest(
             j.custom_id,
@@ -162,7 +164,7 @@ def decode(
     ]
     t0 = time.perf_counter()
     if stream:
-        return _streamed(bundle, reqs, batch, seed, overrides), time.perf_counter() - t0
+        return _streamed(bundle, reqs, batch, seed, overrides, occupancy), time.perf_counter() - t0
     out = []
     for i in range(0, len(reqs), batch):
         out += run_batch(
@@ -171,16 +173,24 @@ def decode(
     return out, time.perf_counter() - t0
 
 
-def _streamed(bundle, reqs: list[DecodeRequest], slots: int, seed: int, overrides) -> list:
+def _streamed(bundle, reqs: list[DecodeRequest], slots: int, seed: int, overrides, occupancy=None) -> list:
     """`reqs`' results through one `stream` of `slots` slots (the worker's loop), in request order."""
     dec = make_decoder("official", bundle, overrides)
-    todo, results = list(enumerate(reqs)), {}
+    todo = list(enumerate(reqs))
+    results: dict[int, object] = {}
 
     def feed(n: int):
         taken, todo[:] = todo[:n], todo[n:]
         return taken
 
-    dec.stream(feed, results.__setitem__, slots=slots, seed=seed, capacity=dec.capacity_for(reqs))
+    dec.stream(
+        feed,
+        results.__setitem__,
+        slots=slots,
+        seed=seed,
+        capacity=dec.capacity_for(reqs),
+        occupancy=occupancy,
+    )
     return [results[i] for i in range(len(reqs))]
 
 
@@ -320,33 +330,54 @@ def run(args) -> dict:
         )
     for k, seed in enumerate(args.seeds):
         problems = tasks.generate("arith", args.n, seed, split=args.split)
-        free, wall = go(bundle, problems, None, tasks.ANSWER_CANVASES["arith"] * C, args.batch, seed, limits)
+        occ: list = []
+        free, wall = go(
+            bundle,
+            problems,
+            None,
+            tasks.ANSWER_CANVASES["arith"] * C,
+            args.batch,
+            seed,
+            limits,
+            occupancy=occ,
+        )
+        free_occ = occupancy_of(occ)
         answers = [tasks.arith_answer(r.text) for r in free]
         for name in args.schemas:
             ok = [asked(name, p, None, a) == truth(name, p) for p, a in zip(problems, answers)]
-            report["arms"].append(arm_report(f"free/{name}/seed{seed}", free, wall, problems, ok, None))
+            report["arms"].append(
+                arm_report(f"free/{name}/seed{seed}", free, wall, problems, ok, None) | free_occ
+            )
             max_tokens = max_tokens_of(args, name, C)
             # the schema's lines: (overrides, think, unconstrained) -> (results, wall)
             lines = functools.partial(
                 go, bundle, problems, SCHEMAS[name], max_tokens, args.batch, seed, limits
             )
             for tag, overrides in variants if k % 2 == 0 else variants[::-1]:
-                res, cwall = lines(overrides, args.think)
+                occ = []
+                res, cwall = lines(overrides, args.think, occupancy=occ)
                 arm = constrained_arm(f"{name}{tag}/seed{seed}", name, problems, res, cwall)
-                arm["max_tokens"] = max_tokens
+                arm |= {"max_tokens": max_tokens, **occupancy_of(occ)}
                 report["arms"].append(arm)
                 print(json.dumps(report["arms"][-2:]), flush=True)
                 _write(args.out, report)
                 if args.samples:
                     _write_samples(args.out, f"{name}{tag}/seed{seed}", problems, free, res)
             if args.prompt_only:
-                res, cwall = lines(settle, args.think, True)
-                report["arms"].append(
-                    prompt_only_arm(f"prompt_only/{name}/seed{seed}", name, problems, res, cwall)
-                )
+                occ = []
+                res, cwall = lines(settle, args.think, True, occupancy=occ)
+                arm = prompt_only_arm(f"prompt_only/{name}/seed{seed}", name, problems, res, cwall)
+                report["arms"].append(arm | occupancy_of(occ))
                 print(json.dumps(report["arms"][-1]), flush=True)
                 _write(args.out, report)
     return report
+
+
+def occupancy_of(occ: list) -> dict:
+    """A stream's decoder steps and their mean share of slots live (nothing without --stream)."""
+    if not occ:
+        return {}
+    return {"steps": len(occ), "occupancy_mean": sum(live / slots for live, slots in occ) / len(occ)}
 
 
 def _write(path: Path, report: dict) -> None:

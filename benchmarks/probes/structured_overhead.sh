@@ -18,7 +18,8 @@ import json, sys
 for a in json.load(open(sys.argv[1]))["arms"]:
     second = f" {a['second_field']} {a['second_correct']}" if "second_field" in a else ""
     print(f"{a['arm']:40s} correct {a['correct']:3d} valid {a['valid']:3d} fwd/req {a['fwd_req']:5.1f} wall {a['wall_s']:6.2f} s "
-          f"tok/s {a['tok_s']:7.0f} hooks ms/req {a['constraint_host_ms_req']:6.2f}{second}")
+          f"tok/s {a['tok_s']:7.0f} hooks ms/req {a['constraint_host_ms_req']:6.2f}{second}"
+          + (f" steps {a['steps']} occupancy {a['occupancy_mean']:.2f}" if "steps" in a else ""))
 PY
 [[ ${EVAL_ONLY:-0} == 1 ]] && exit 0
 [[ $DEV == cuda ]] && { OUT=$OUT timeout 150 python3 benchmarks/kernels/structured.py > "$OUT/micro.txt" 2>&1; echo "micro rc=$?"; grep '^|' "$OUT/micro.txt"; }

@@ -51,6 +51,7 @@ from canvasq.core.schemas import Limits, parse_line
 from canvasq.core.settings import Settings
 from canvasq.decoders import DecodeBatch, DecodeRequest, make_decoder, run_batch
 from canvasq.decoders.configs import OfficialConfig
+from canvasq.decoders.slots import drain
 from canvasq.decoders.structured import output_problem, split_thought
 from canvasq.model.loading import load_bundle
 from canvasq.provenance import git_commit
@@ -164,34 +165,14 @@ def decode(
     ]
     t0 = time.perf_counter()
     if stream:
-        return _streamed(bundle, reqs, batch, seed, overrides, occupancy), time.perf_counter() - t0
+        dec = make_decoder("official", bundle, overrides)
+        return drain(dec, reqs, batch, seed, occupancy), time.perf_counter() - t0
     out = []
     for i in range(0, len(reqs), batch):
         out += run_batch(
             bundle, DecodeBatch(reqs[i : i + batch], seed=seed), decoder="official", overrides=overrides
         )
     return out, time.perf_counter() - t0
-
-
-def _streamed(bundle, reqs: list[DecodeRequest], slots: int, seed: int, overrides, occupancy=None) -> list:
-    """`reqs`' results through one `stream` of `slots` slots (the worker's loop), in request order."""
-    dec = make_decoder("official", bundle, overrides)
-    todo = list(enumerate(reqs))
-    results: dict[int, object] = {}
-
-    def feed(n: int):
-        taken, todo[:] = todo[:n], todo[n:]
-        return taken
-
-    dec.stream(
-        feed,
-        results.__setitem__,
-        slots=slots,
-        seed=seed,
-        capacity=dec.capacity_for(reqs),
-        occupancy=occupancy,
-    )
-    return [results[i] for i in range(len(reqs))]
 
 
 def arm_report(name: str, results, wall: float, problems, correct: list[bool], schema: dict | None) -> dict:

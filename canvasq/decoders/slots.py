@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from canvasq.decoders.state import Seq, error_result, request_error
-from canvasq.decoders.types import CANCELLED, DecodeRequest
+from canvasq.decoders.types import CANCELLED, DecodeRequest, DecodeResult
 
 if TYPE_CHECKING:
     from canvasq.decoders.base import StepDecoder
@@ -81,3 +81,21 @@ class SlotPool:
         self.live = [s for s in self.live if not s.done]
         if delivered:
             self.flush()
+
+
+def drain(
+    dec: StepDecoder, reqs: Sequence[DecodeRequest], slots: int, seed: int = 0, occupancy: list | None = None
+) -> list[DecodeResult]:
+    """Every request of `reqs` through one `dec.stream` of `slots` slots (continuous batching, refilled
+    as rows finish, as the worker decodes); their results in request order. `occupancy` as `stream`'s."""
+    todo = list(enumerate(reqs))
+    got: dict[int, DecodeResult] = {}
+
+    def feed(n: int) -> list[tuple[int, DecodeRequest]]:
+        taken, todo[:] = todo[:n], todo[n:]
+        return taken
+
+    dec.stream(
+        feed, got.__setitem__, slots=slots, seed=seed, capacity=dec.capacity_for(reqs), occupancy=occupancy
+    )
+    return [got[i] for i in range(len(reqs))]

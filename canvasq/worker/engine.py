@@ -205,6 +205,7 @@ class Engine:
         decode, so Triton compiles and graph captures happen at start rather than inside the first
         chunk's time limit."""
         from canvasq.decoders.registry import make_decoder
+        from canvasq.decoders.slots import drain
         from canvasq.decoders.types import DecodeRequest
 
         s, bundle = self.settings, self.bundle
@@ -214,13 +215,7 @@ class Engine:
         if dec.graphs is None:
             return
         req = DecodeRequest("warm-up", bundle.encode_prompt("warm up", None), s.default_max_tokens, None)
-        pending = [(req.custom_id, req)]
-
-        def feed(n: int):
-            taken, pending[:] = pending[:n], pending[n:]
-            return taken
-
-        dec.stream(feed, lambda key, res: None, slots=self.decode_slots, capacity=dec.capacity_for([req]))
+        drain(dec, [req], self.decode_slots)
 
     def start(self, *, reconcile: bool = False, metrics: bool = False) -> Self:
         """Register this worker and start its heartbeat (and, with `reconcile`, the fleet's reconcile

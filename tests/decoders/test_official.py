@@ -11,6 +11,7 @@ from canvasq.decoders import CANCELLED, DecodeBatch, DecodeRequest, run_batch
 from canvasq.decoders.official import OfficialDecoder
 from canvasq.decoders.registry import make_config
 from canvasq.decoders.sampling import SamplerSettings
+from canvasq.decoders.slots import drain
 from canvasq.model.loading import load_bundle
 from canvasq.testbed import tasks
 
@@ -35,14 +36,7 @@ def _problems(n_arith=4, n_code=3, seed=11):
 
 def _drain(dec, reqs, slots: int = 4, seed: int = 3):
     """Every request through `dec.stream` (continuous batching over `slots`); results in request order."""
-    todo, got = list(enumerate(reqs)), {}
-
-    def feed(n):
-        taken, todo[:] = todo[:n], todo[n:]
-        return taken
-
-    dec.stream(feed, got.__setitem__, slots=slots, seed=seed, capacity=dec.capacity_for(reqs))
-    return [got[i] for i in range(len(reqs))]
+    return drain(dec, reqs, slots, seed)
 
 
 @pytest.mark.parametrize(

@@ -175,6 +175,7 @@ def test_constrained_rows_through_a_stream_of_few_slots(testbed):
     finished row would constrain the row that takes its slot), and each row's text is the one it gets
     decoded alone."""
     from canvasq.decoders import make_decoder
+    from canvasq.decoders.slots import drain
 
     problems = tasks.generate("arith", 5, 7, split="eval")
     schemas = [ANSWER, None, SIGN, None, ANSWER]
@@ -183,13 +184,7 @@ def test_constrained_rows_through_a_stream_of_few_slots(testbed):
         for p, schema in zip(problems, schemas)
     ]
     dec = make_decoder("official", testbed, {"cuda_graphs": "off"})
-    todo, got = list(enumerate(reqs)), {}
-
-    def feed(n: int):
-        taken, todo[:] = todo[:n], todo[n:]
-        return taken
-
-    dec.stream(feed, got.__setitem__, slots=2, seed=3, capacity=dec.capacity_for(reqs))
+    got = dict(enumerate(drain(dec, reqs, 2, 3)))
     assert sorted(got) == list(range(5))
     for k, schema in enumerate(schemas):
         r = got[k]

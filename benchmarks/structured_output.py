@@ -408,27 +408,19 @@ def main() -> None:
     )
     ap.add_argument("--schemas", nargs="+", default=["answer", "change", "totals"], choices=list(SCHEMAS))
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument(
-        "--settle",
-        type=int,
-        nargs="+",
-        default=[OfficialConfig.constraint_settle],
-        help="OfficialConfig.constraint_settle (-1: off); several values: one arm each, same process",
-    )
-    ap.add_argument(
-        "--settle-positions",
-        type=int,
-        nargs="+",
-        default=[OfficialConfig.constraint_settle_positions],
-        help="OfficialConfig.constraint_settle_positions (-1: off); several values: one arm each, same process",
-    )
-    ap.add_argument(
-        "--max-steps",
-        type=int,
-        nargs="+",
-        default=[-1 if OfficialConfig.constraint_max_steps is None else OfficialConfig.constraint_max_steps],
-        help="OfficialConfig.constraint_max_steps (-1: off); several values: one arm each, same process",
-    )
+    for flag, knob in (
+        ("--settle", "constraint_settle"),
+        ("--settle-positions", "constraint_settle_positions"),
+        ("--max-steps", "constraint_max_steps"),
+    ):
+        default = getattr(OfficialConfig, knob)
+        ap.add_argument(
+            flag,
+            type=int,
+            nargs="+",
+            default=[-1 if default is None else default],
+            help=f"OfficialConfig.{knob} (-1: off); several values: one arm each, same process",
+        )
     ap.add_argument(
         "--think",
         action="store_true",

@@ -10,9 +10,10 @@ scatter-max's atomics into Q slots serialise (2.1 s per step at 64 rows, E = 253
 Here the edges are grouped by the state they enter (`csr`) and cut into chunks of at most BLOCK edges
 (a state with many edges, such as a thought's, has several). At each position a program scores all
 its row's chunks as one [chunks, BLOCK] tile (each chunk's best edge, ties to the highest edge index),
-then each state reduces its own chunks' winners as one [Q, chunks per state] tile. The first version
-walked the states one by one (C x Q steps, each a chain of dependent loads: 12 ms per decoder step for
-a 163-state schema on the H200); the tiles keep the latency chain at two levels a position.
+then each state reduces its own chunks' winners as one [Q, chunks per state] tile. Tiles, because a
+walk over the states one by one makes every position Q chains of dependent loads (a state's segment,
+its edges, their sources' scores, their tokens' logits): latency that grows with the schema's states
+however few their edges. The tiles keep the chain at two levels a position.
 
 The running scores and the chunks' winners live in a per-row scratch that only the row's own program
 touches (loads bypass L1: `.cg`). Same arithmetic as the twin (fp32: the logit minus its position's

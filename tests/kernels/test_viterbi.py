@@ -22,7 +22,7 @@ ANSWER = {
 C = 8
 
 
-# block 2: three tied edges over two chunks (the merge of a state's chunks); tile 8: the chunks scored
+# block 2: three tied edges over two chunks (the merge of a state's chunks); tile 16: the chunks scored
 # several tiles a position and a state's chunks read one at a time (both loops run more than once)
 @pytest.mark.parametrize(("block", "tile"), [(32, None), (2, None), (2, 16)])
 def test_the_kernel_gives_the_twins_paths_and_ends(block, tile):

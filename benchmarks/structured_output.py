@@ -25,7 +25,7 @@ the free and the constrained arms then run the same weights. `--split dev` draws
 setting is tuned on (claims are made on `eval`); `--settle-positions 1 -1` runs each schema once per
 value of `OfficialConfig.constraint_settle_positions` (-1: off) in the same process, the arms'
 order alternating by seed; `--settle 1 2` and `--max-steps 6 -1` do the same for `constraint_settle`
-and `constraint_max_steps` (an arm per combination of the three). The report is rewritten after every arm.
+and `constraint_max_steps`, `--open-hold 1 -1` for `constraint_open_hold` (an arm per combination). The report is rewritten after every arm.
 
 Every row is a batch line validated as the service validates it (`core.schemas.parse_line`): a
 constrained row's prompt is the problem with its schema shown before it (`CANVASQ_SCHEMA_IN_PROMPT`,
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import re
 import time
@@ -237,12 +238,25 @@ def _off(value: int | None) -> int | None:
     return None if value is None or value < 0 else value
 
 
-def _overrides(settle: int, positions: int | None, max_steps: int | None = None) -> dict:
-    return {
-        "constraint_settle": _off(settle),
-        "constraint_settle_positions": _off(positions),
-        "constraint_max_steps": _off(max_steps),
-    }
+# the constraint's knobs: (flag's dest, OfficialConfig field, label in an arm's name)
+KNOBS = (
+    ("settle", "constraint_settle", "settle"),
+    ("settle_positions", "constraint_settle_positions", "positions"),
+    ("max_steps", "constraint_max_steps", "max_steps"),
+    ("open_hold", "constraint_open_hold", "open"),
+)
+
+
+def knob_arms(args) -> list[tuple[str, dict]]:
+    """One (name tag, overrides) per combination of the knobs' values (arms of the same process); the
+    tag names a knob's value only where it was given more than one."""
+    out = []
+    for values in itertools.product(*(getattr(args, dest) for dest, _, _ in KNOBS)):
+        tag = "".join(
+            f"/{label}{_off(v)}" for (dest, _, label), v in zip(KNOBS, values) if len(getattr(args, dest)) > 1
+        )
+        out.append((tag, {field: _off(v) for (_, field, _), v in zip(KNOBS, values)}))
+    return out
 
 
 def max_tokens_of(args, name: str, C: int) -> int:
@@ -269,29 +283,15 @@ def run(args) -> dict:
         "threads": args.threads,
         "adapter": args.adapter,
         "schema_in_prompt": args.schema_in_prompt,
-        "constraint_settle": [_off(v) for v in args.settle],
-        "constraint_settle_positions": [_off(v) for v in args.settle_positions],
-        "constraint_max_steps": [_off(v) for v in args.max_steps],
         "think": args.think,
         "stream": args.stream,
+        "pooled": args.pooled,
         "split": args.split,
         "device": args.device,
         "arms": [],
-    }
-    # one set of overrides per (--settle, --settle-positions) pair (arms of the same process,
-    # alternating order by seed); the arm's name carries a knob's value when it has more than one
-    variants = [
-        (
-            (f"/settle{_off(a)}" if len(args.settle) > 1 else "")
-            + (f"/positions{_off(b)}" if len(args.settle_positions) > 1 else "")
-            + (f"/max_steps{_off(m)}" if len(args.max_steps) > 1 else ""),
-            _overrides(a, b, m),
-        )
-        for a in args.settle
-        for b in args.settle_positions
-        for m in args.max_steps
-    ]
-    settle = variants[0][1]
+    } | {field: [_off(v) for v in getattr(args, dest)] for dest, field, _ in KNOBS}
+    arms = knob_arms(args)  # arms of the same process, alternating order by seed
+    settle = arms[0][1]
     go = functools.partial(decode, stream=args.stream)
     # untimed: one batch free and one per schema first, so no timed arm pays Triton's compiles, the
     # allocator's first blocks or a grammar's compile (on the H200 the first arm took 16.7 s against 4.2)
@@ -309,8 +309,7 @@ def run(args) -> dict:
             settle,
             args.think,
         )
-    for k, seed in enumerate(args.seeds):
-        problems = tasks.generate("arith", args.n, seed, split=args.split)
+    for k, (seed, label, problems) in enumerate(groups(args)):
         occ: list = []
         free, wall = go(
             bundle,
@@ -327,31 +326,44 @@ def run(args) -> dict:
         for name in args.schemas:
             ok = [asked(name, p, None, a) == truth(name, p) for p, a in zip(problems, answers)]
             report["arms"].append(
-                arm_report(f"free/{name}/seed{seed}", free, wall, problems, ok, None) | free_occ
+                arm_report(f"free/{name}/{label}", free, wall, problems, ok, None) | free_occ
             )
             max_tokens = max_tokens_of(args, name, C)
             # the schema's lines: (overrides, think, unconstrained) -> (results, wall)
             lines = functools.partial(
                 go, bundle, problems, SCHEMAS[name], max_tokens, args.batch, seed, limits
             )
-            for tag, overrides in variants if k % 2 == 0 else variants[::-1]:
+            for tag, overrides in arms if k % 2 == 0 else arms[::-1]:
                 occ = []
                 res, cwall = lines(overrides, args.think, occupancy=occ)
-                arm = constrained_arm(f"{name}{tag}/seed{seed}", name, problems, res, cwall)
+                arm = constrained_arm(f"{name}{tag}/{label}", name, problems, res, cwall)
                 arm |= {"max_tokens": max_tokens, **occupancy_of(occ)}
                 report["arms"].append(arm)
                 print(json.dumps(report["arms"][-2:]), flush=True)
                 _write(args.out, report)
                 if args.samples:
-                    _write_samples(args.out, f"{name}{tag}/seed{seed}", problems, free, res)
+                    _write_samples(args.out, f"{name}{tag}/{label}", problems, free, res)
             if args.prompt_only:
                 occ = []
                 res, cwall = lines(settle, args.think, True, occupancy=occ)
-                arm = prompt_only_arm(f"prompt_only/{name}/seed{seed}", name, problems, res, cwall)
+                arm = prompt_only_arm(f"prompt_only/{name}/{label}", name, problems, res, cwall)
                 report["arms"].append(arm | occupancy_of(occ))
                 print(json.dumps(report["arms"][-1]), flush=True)
                 _write(args.out, report)
     return report
+
+
+def groups(args) -> list[tuple[int, str, list]]:
+    """The arms' row sets: (decode seed, label, problems) per seed, or with `--pooled` one set of every
+    seed's problems (as one file of all the lines: with `--stream`, one stream and one tail), decoded
+    with the first seed."""
+    sets = [
+        (seed, f"seed{seed}", tasks.generate("arith", args.n, seed, split=args.split)) for seed in args.seeds
+    ]
+    if not args.pooled:
+        return sets
+    label = "seeds" + "-".join(str(s) for s in args.seeds)
+    return [(args.seeds[0], label, [p for _, _, ps in sets for p in ps])]
 
 
 def occupancy_of(occ: list) -> dict:
@@ -404,6 +416,12 @@ def main() -> None:
         "instead of batches of --batch rows run to their slowest row",
     )
     ap.add_argument(
+        "--pooled",
+        action="store_true",
+        help="every seed's rows as one arm (one file of all the lines; with --stream one stream), "
+        "decoded with the first seed, instead of an arm per seed",
+    )
+    ap.add_argument(
         "--max-tokens", type=int, default=None, help="of a constrained row (default: MAX_CANVASES canvases)"
     )
     ap.add_argument("--schemas", nargs="+", default=["answer", "change", "totals"], choices=list(SCHEMAS))
@@ -412,6 +430,7 @@ def main() -> None:
         ("--settle", "constraint_settle"),
         ("--settle-positions", "constraint_settle_positions"),
         ("--max-steps", "constraint_max_steps"),
+        ("--open-hold", "constraint_open_hold"),
     ):
         default = getattr(OfficialConfig, knob)
         ap.add_argument(

@@ -115,6 +115,10 @@ class OfficialConfig:
     # max_steps-th step, settled or not: a value the model stays unsure of (an array's last element)
     # otherwise holds the canvas up to the step cap, one step at a time. None: off
     constraint_max_steps: int | None = None
+    # Thinking first: where the model's argmax has opened the document (its first "{" or "[") at the
+    # same position for this many steps while the best valid path is still all thought, that token is
+    # pinned there, so the path begins the document where the model does. None: off
+    constraint_open_hold: int | None = 1
     # A peft LoRA directory merged into the model for every pass (decoders/adapters.py), e.g. the
     # certainty adapter `canvasq adapt --decoder official` trains. None: the checkpoint's own weights
     adapter_path: str | None = None
@@ -138,7 +142,7 @@ class OfficialConfig:
         _check_adapter_path(self.adapter_path)
         if self.constraint_max_steps is not None and self.constraint_max_steps < 1:
             raise ValueError(f"constraint_max_steps must be ≥ 1 or None, got {self.constraint_max_steps}")
-        for name in ("constraint_settle", "constraint_settle_positions"):
+        for name in ("constraint_settle", "constraint_settle_positions", "constraint_open_hold"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be ≥ 0 or None, got {getattr(self, name)}")
 

@@ -11,7 +11,8 @@
   a canvas whose path is thought only: official's own rule ends those, as it ends free text), and with
   `settle_positions` the document's positions whose tokens on that path have held that long are
   pinned from its start, before the whole path holds (an array's length or an enum the model stays
-  unsure of would otherwise keep the canvas to the step cap);
+  unsure of would otherwise keep the canvas to the step cap); with `open_hold`, a thinking row's
+  document starts where the model's argmax has held its opening brace (`_open`);
 - `final(finished, tokens)` when canvases stop: a constrained row's tokens are the best completable
   path under its last logits (`Grammar.best`, on the device, found by `mask` in the same step), not
   the per-position argmax;
@@ -59,6 +60,10 @@ class RowGrammar:
     steps: int = 0  # the front canvas's masked steps
     frozen: tuple[list[int], int] | None = None  # the path (and end state) pinned at `max_steps`
     best: tuple[list[int], int] | None = None  # this step's best valid path and the state it ends in
+    # thinking: where the model's argmax opened the document on the last step, and for how many steps
+    # ((position, token), held); then `opened`, that token pinned there from every later step's start
+    opening: tuple[tuple[int, int], int] | None = None
+    opened: tuple[int, int] | None = None
 
 
 def bundle_texts(bundle) -> TokenTexts:
@@ -83,9 +88,10 @@ class CanvasConstraints:
         settle: int | None = None,
         settle_positions: int | None = None,
         max_steps: int | None = None,
+        open_hold: int | None = None,
     ):
         self.bundle, self.C, self.V, self.device, self.settle = bundle, C, V, device, settle
-        self.settle_positions, self.max_steps = settle_positions, max_steps
+        self.settle_positions, self.max_steps, self.open_hold = settle_positions, max_steps, open_hold
         self._texts: TokenTexts | None = None
         self.rows: dict[int, RowGrammar] = {}
 
@@ -114,6 +120,7 @@ class CanvasConstraints:
             s.error, s.done = f"{UNFINISHABLE}: {exc}", True
             return
         row.path, row.held, row.best, row.steps, row.frozen = None, None, None, 0, None
+        row.opening, row.opened = None, None
         s.stats["constraint_host_us"] += int(1e6 * (time.perf_counter() - t0))
 
     def mask(self, seqs: list[Seq], logits: torch.Tensor) -> None:
@@ -132,6 +139,7 @@ class CanvasConstraints:
         for b, _, row in at:  # in place, row by row: no [R, C, V] gather, copy and scatter back
             assert row.masks is not None  # `at` keeps only planned rows
             logits[b].masked_fill_(~row.masks, NEG)
+        _pin(logits, [(b, *row.opened) for b, _, row in at if row.opened is not None])
         try:
             paths = self._best([(s, row) for _, s, row in at], logits, idx)
         except Unfinishable as exc:  # begin's plan said otherwise: a bug, the rows end in error
@@ -140,6 +148,8 @@ class CanvasConstraints:
             return
         for (_, _, row), best in zip(at, paths):
             row.best = best
+        if self.open_hold is not None:
+            self._open(at, paths, logits)
         if self.settle is not None or self.max_steps is not None:
             self._settle(at, paths, logits)
         share = int(1e6 * (time.perf_counter() - t0) / len(at))
@@ -181,10 +191,42 @@ class CanvasConstraints:
                 held = self._held_prefix(row, path)
                 pins += [(b, c, path[c]) for c in held]
                 s.stats["constraint_pinned_positions"] += len(held)
-        if pins:
-            b_t, c_t, t_t = torch.tensor(pins, device=logits.device).unbind(1)
-            logits[b_t, c_t] = NEG
-            logits[b_t, c_t, t_t] = 0.0
+        _pin(logits, pins)
+
+    def _open(
+        self, at: list[tuple[int, Seq, RowGrammar]], paths: list[tuple[list[int], int]], logits: torch.Tensor
+    ) -> None:
+        """Thinking rows whose best valid path is still all thought while the model's own argmax opens
+        the document (its first token with a "{" or "["): once that token has held its position for
+        `open_hold` steps, it is pinned there, this step and (`mask`) from every later step's start, so
+        the path must begin the document where the model does. Without it the path keeps the thought
+        whenever the model's first document tokens are slightly off (a key misspelt): the thought's
+        free text takes them, the canvas runs to the step cap, and the next canvas goes on from that
+        text (2 % of a seed's rows, a tenth of its forwards). The masks allow the token there only if
+        a valid document can follow within the budget, so the path stays completable."""
+        rows = [
+            (b, row)
+            for (b, s, row), (_, end) in zip(at, paths)
+            if s.req.think
+            and row.opened is None
+            and row.state == row.grammar.start
+            and end == row.grammar.start
+        ]
+        if not rows:
+            return
+        argmax = logits[torch.tensor([b for b, _ in rows], device=logits.device)].argmax(dim=-1).tolist()
+        pins = []
+        for (b, row), ids in zip(rows, argmax):
+            c = self._thought_tokens(ids)
+            if c == len(ids):
+                row.opening = None
+                continue
+            held = row.opening[1] + 1 if row.opening is not None and row.opening[0] == (c, ids[c]) else 0
+            row.opening = ((c, ids[c]), held)
+            if held >= self.open_hold:
+                row.opened = (c, ids[c])
+                pins.append((b, c, ids[c]))
+        _pin(logits, pins)
 
     def _held_prefix(self, row: RowGrammar, path: list[int]) -> range:
         """The positions of the canvas's document (after its thought) up to the first whose token on the
@@ -260,3 +302,11 @@ class CanvasConstraints:
             res.error = f"{INVALID}: {problem or 'the document did not end'}"
             res.error_code, res.finish_reason = INVALID, FinishReason.error
         return res
+
+
+def _pin(logits: torch.Tensor, pins: list[tuple[int, int, int]]) -> None:
+    """(row, position, token) of logits [B, C, V] made one-hot: that token, every other masked."""
+    if pins:
+        b_t, c_t, t_t = torch.tensor(pins, device=logits.device).unbind(1)
+        logits[b_t, c_t] = NEG
+        logits[b_t, c_t, t_t] = 0.0

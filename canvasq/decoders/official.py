@@ -74,7 +74,9 @@ class OfficialDecoder(StepDecoder):
         # the rows with a response_format (decoders/constrained.py)
         cfg = self.config
         settle = (cfg.constraint_settle, cfg.constraint_settle_positions, cfg.constraint_max_steps)
-        self.constraints = CanvasConstraints(bundle, self.C, self.V, self.device, *settle)
+        self.constraints = CanvasConstraints(
+            bundle, self.C, self.V, self.device, *settle, open_hold=cfg.constraint_open_hold
+        )
 
     # -- hooks of the base loop -------------------------------------------------------------------
     def generator(self, seed: int, custom_id: str) -> torch.Generator:

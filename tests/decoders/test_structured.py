@@ -356,6 +356,53 @@ def test_settled_document_positions_are_pinned_alone(texts, testbed):
     assert steps[2] == [], "a document compared with the path before a thought-only step"
 
 
+def test_the_document_is_opened_where_the_models_argmax_holds_its_brace(texts, testbed):
+    """constraint_open_hold: a thinking row whose model opens the document with a brace but misspells
+    what follows has a best valid path that is all thought (the thought takes the slip; the brace is
+    the one token it cannot). Once the brace has held its position for `open_hold` steps it is pinned
+    there (one-hot), and from the next step's start the path begins the document at it; a brace that
+    moves is not pinned, and without the rule the path stays thought."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from canvasq.decoders.constrained import RowGrammar
+    from canvasq.decoders.structured import cached_grammar
+
+    V, tok = len(texts.texts), Tokenizer.from_file(TOKENIZER)
+
+    def logits_for(text: str) -> tuple[torch.Tensor, list[int]]:  # a whole canvas of text: no EOS in it
+        ids = tok.encode(text).ids[:C]
+        out = torch.zeros(1, C, V)
+        out[0, torch.arange(C), torch.tensor(ids)] = 8.0
+        return out, ids
+
+    slip, ids = logits_for('so 12 eggs\n{anwser":12,"chnage":"lst","anwser":12,"chnage":"lst"')
+    moved, moved_ids = logits_for('so 12 eggs.\n{anwser":12,"chnage":"lst","anwser":12,"chnage":"lst"')
+    brace = next(c for c, t in enumerate(ids) if "{" in texts.texts[t])
+    assert "{" in texts.texts[moved_ids[brace + 1]]  # the same slip, its brace one position on
+    grammar = cached_grammar(ANSWER, texts, True)
+
+    def run(steps, open_hold):
+        checks = CanvasConstraints(testbed, C, V, torch.device("cpu"), open_hold=open_hold)
+        row = checks.rows[0] = RowGrammar(grammar, grammar.start, torch.ones(C, V, dtype=torch.bool))
+        req = SimpleNamespace(think=True, max_tokens=3 * C)  # room for the document in later canvases
+        seq = SimpleNamespace(row=0, req=req, canvases=[SimpleNamespace(index=0)], stats=Counter())
+        out = []
+        for x in steps:
+            pins = _pinned(checks, seq, x)
+            assert row.best is not None
+            path, end = row.best
+            out.append((pins, path[brace] == ids[brace] and end != grammar.start))
+        return out
+
+    on = run([slip, slip, slip], 1)
+    assert on[0] == ([], False)  # the path is all thought; the brace has not held yet
+    assert on[1] == ([brace], False)  # held one step: pinned for the sampler, the path read before it
+    assert on[2] == ([brace], True)  # pinned from the step's start: the path opens the document there
+    assert run([slip, slip, slip], None)[2] == ([], False)  # off: the thought keeps the slip
+    assert [pins for pins, _ in run([slip, moved, slip], 1)] == [[], [], []]  # a moving brace is not pinned
+
+
 @pytest.mark.parametrize(
     "text",
     [

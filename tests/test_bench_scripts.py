@@ -192,3 +192,18 @@ def test_official_steps_probe(tmp_path):
         got = report[task]
         assert got["canvases"] >= 4 and min(int(k) for k in got["steps_histogram"]) >= 2
         assert got["stability_bound"] + got["entropy_bound"] == got["canvases"]
+
+
+def test_structured_output_pooled_stream_with_a_knob_arm_per_value(tmp_path):
+    """`structured_output.py --pooled --stream`: every seed's lines as one arm through one stream (its
+    steps and occupancy reported), an arm per value of a knob given several, every row valid."""
+    out = tmp_path / "report.json"
+    args = ["--n", "2", "--seeds", "3", "4", "--pooled", "--stream", "--batch", "2", "--schemas", "answer"]
+    _run(tmp_path, "structured_output.py", *args, "--open-hold", "1", "-1", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert report["pooled"] and report["constraint_open_hold"] == [1, None]
+    arms = {a["arm"]: a for a in report["arms"]}
+    assert set(arms) == {"free/answer/seeds3-4", "answer/open1/seeds3-4", "answer/openNone/seeds3-4"}
+    for a in arms.values():
+        assert a["rows"] == 4 and a["steps"] > 0 and 0 < a["occupancy_mean"] <= 1
+    assert arms["answer/open1/seeds3-4"]["valid"] == arms["answer/openNone/seeds3-4"]["valid"] == 4

@@ -53,7 +53,7 @@ INVALID = "invalid_structured_output"
 class RowGrammar:
     grammar: Grammar
     state: int  # the automaton's state after the committed answer
-    masks: torch.Tensor | None = None  # [C, V] bool on the device: the front canvas's allowed tokens
+    banned: torch.Tensor | None = None  # [C, V] bool on the device: the front canvas's banned tokens
     path: list[int] | None = None  # the front canvas's best valid path at the last step
     # per position: steps its token on that path has not changed (the whole path's: their minimum)
     held: list[int] | None = None
@@ -115,7 +115,7 @@ class CanvasConstraints:
             row.state = row.grammar.start
         budget = s.req.max_tokens - cv.index * self.C
         try:
-            row.masks = device_grammar(row.grammar, self.device).plan(row.state, self.C, budget, self.V)
+            row.banned = device_grammar(row.grammar, self.device).banned(row.state, self.C, budget, self.V)
         except Unfinishable as exc:
             s.error, s.done = f"{UNFINISHABLE}: {exc}", True
             return
@@ -131,14 +131,14 @@ class CanvasConstraints:
         if not self.rows:  # called for every row group of every step: nothing to do without schemas
             return
         at = [(b, s, self.rows[s.row]) for b, s in enumerate(seqs) if s.row in self.rows]
-        at = [(b, s, row) for b, s, row in at if row.masks is not None]
+        at = [(b, s, row) for b, s, row in at if row.banned is not None]
         if not at:
             return
         t0 = time.perf_counter()
         idx = torch.tensor([b for b, _, _ in at], device=logits.device)
         for b, _, row in at:  # in place, row by row: no [R, C, V] gather, copy and scatter back
-            assert row.masks is not None  # `at` keeps only planned rows
-            logits[b].masked_fill_(~row.masks, NEG)
+            assert row.banned is not None  # `at` keeps only planned rows
+            logits[b].masked_fill_(row.banned, NEG)
         _pin(logits, [(b, *row.opened) for b, _, row in at if row.opened is not None])
         try:
             paths = self._best([(s, row) for _, s, row in at], logits, idx)

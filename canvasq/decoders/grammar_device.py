@@ -65,24 +65,29 @@ class DeviceGrammar:
 
     def plan(self, state: int, C: int, budget: int, V: int) -> torch.Tensor:
         """[C, V] bool: `Grammar.plan`'s masks, built on the device (tokens past the tokenizer's
-        vocabulary stay False). Kept per (state, C, budget, V): treat the result as read-only."""
+        vocabulary stay False). A new tensor: the kept form is `banned`'s."""
+        return ~self.banned(state, C, budget, V)
+
+    def banned(self, state: int, C: int, budget: int, V: int) -> torch.Tensor:
+        """[C, V] bool: the tokens `plan` does not allow (what a mask fills), kept per (state, C,
+        budget, V) so a step masks without inverting [C, V] again: treat the result as read-only."""
         if not self.can_finish(state, C, budget):
             raise Unfinishable(f"the document cannot be finished within {budget} tokens")
         key = (state, C, budget, V)
         if (hit := self._plans.get(key)) is not None:
             self._plans.move_to_end(key)
             return hit
-        masks = self._plan(state, C, budget, V)
-        size = masks.numel()
+        banned = self._plan(state, C, budget, V)
+        size = banned.numel()
         while self._plans and self._plan_bytes + size > PLAN_CACHE_BYTES:
             self._plan_bytes -= self._plans.popitem(last=False)[1].numel()
         if size <= PLAN_CACHE_BYTES:
-            self._plans[key], self._plan_bytes = masks, self._plan_bytes + size
-        return masks
+            self._plans[key], self._plan_bytes = banned, self._plan_bytes + size
+        return banned
 
     def _plan(self, state: int, C: int, budget: int, V: int) -> torch.Tensor:
         """The states each position can be reached in (C small steps over [Q]), then every position's
-        allowed edges' tokens in one scatter: no device read."""
+        allowed edges' tokens in one scatter, and the rest banned: no device read."""
         ok = self.back(C, budget)[1:, self.dst]  # [C, E]: the edge keeps the document completable
         here = torch.zeros(self.g.Q, dtype=torch.int32, device=self.device)
         here[state] = 1
@@ -93,7 +98,7 @@ class DeviceGrammar:
             here = torch.zeros_like(here).scatter_add_(0, self.dst, take).clamp_(max=1)
         take_all = torch.stack(takes)  # [C, E]
         counts = torch.zeros(C, V, dtype=torch.int32, device=self.device)
-        return counts.scatter_add_(1, self.tok.expand(C, -1), take_all) > 0
+        return counts.scatter_add_(1, self.tok.expand(C, -1), take_all) == 0
 
     def best(
         self, states: list[int], logits: torch.Tensor, budgets: list[int], rows: torch.Tensor | None = None

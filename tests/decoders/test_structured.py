@@ -286,7 +286,9 @@ def test_a_document_canvas_is_pinned_at_max_steps_and_a_thought_is_not(texts, te
     grammar = cached_grammar(ANSWER, texts, True)
     for max_tokens, steps, pinned_at in ((C, [a, b, a, b], 2), (3 * C, [t, t, t, t], None)):
         checks = CanvasConstraints(testbed, C, len(texts.texts), torch.device("cpu"), settle=2, max_steps=3)
-        checks.rows[0] = RowGrammar(grammar, grammar.start, torch.ones(C, len(texts.texts), dtype=torch.bool))
+        checks.rows[0] = RowGrammar(
+            grammar, grammar.start, torch.zeros(C, len(texts.texts), dtype=torch.bool)
+        )
         seq = SimpleNamespace(row=0, req=SimpleNamespace(think=True, max_tokens=max_tokens), stats=Counter())
         seq.canvases = [SimpleNamespace(index=0)]
         got = [_pinned(checks, seq, x) for x in steps]
@@ -325,7 +327,7 @@ def test_settled_document_positions_are_pinned_alone(texts, testbed):
 
     checks = CanvasConstraints(testbed, C, V, torch.device("cpu"), settle=2, settle_positions=1)
     grammar = cached_grammar(ANSWER, texts, True)
-    row = checks.rows[0] = RowGrammar(grammar, grammar.start, torch.ones(C, V, dtype=torch.bool))
+    row = checks.rows[0] = RowGrammar(grammar, grammar.start, torch.zeros(C, V, dtype=torch.bool))
     req = SimpleNamespace(think=True, max_tokens=C)
     seq = SimpleNamespace(row=0, req=req, canvases=[SimpleNamespace(index=0)], stats=Counter())
     pinned = []
@@ -346,7 +348,7 @@ def test_settled_document_positions_are_pinned_alone(texts, testbed):
     assert row.state == grammar.done and seq.stats["constrained_canvases"] == 1
     # a step whose best path is thought only breaks every hold: the next document starts unheld
     t, _ = logits_for("so 12 eggs and 13 more eggs make 25 eggs so far and")
-    row = checks.rows[0] = RowGrammar(grammar, grammar.start, torch.ones(C, V, dtype=torch.bool))
+    row = checks.rows[0] = RowGrammar(grammar, grammar.start, torch.zeros(C, V, dtype=torch.bool))
     req.max_tokens = 3 * C  # room for the document in a later canvas: a thought-only path is valid
     steps = []
     for x in (a, t, a):
@@ -384,7 +386,7 @@ def test_the_document_is_opened_where_the_models_argmax_holds_its_brace(texts, t
 
     def run(steps, open_hold):
         checks = CanvasConstraints(testbed, C, V, torch.device("cpu"), open_hold=open_hold)
-        row = checks.rows[0] = RowGrammar(grammar, grammar.start, torch.ones(C, V, dtype=torch.bool))
+        row = checks.rows[0] = RowGrammar(grammar, grammar.start, torch.zeros(C, V, dtype=torch.bool))
         req = SimpleNamespace(think=True, max_tokens=3 * C)  # room for the document in later canvases
         seq = SimpleNamespace(row=0, req=req, canvases=[SimpleNamespace(index=0)], stats=Counter())
         out = []

@@ -214,7 +214,8 @@ class CanvasConstraints:
         ]
         if not rows:
             return
-        argmax = logits[torch.tensor([b for b, _ in rows], device=logits.device)].argmax(dim=-1).tolist()
+        # the group's argmax, then the rows': [B, C] ids, never a gathered copy of their [C, V] logits
+        argmax = logits.argmax(dim=-1)[torch.tensor([b for b, _ in rows], device=logits.device)].tolist()
         pins = []
         for (b, row), ids in zip(rows, argmax):
             c = self._thought_tokens(ids)

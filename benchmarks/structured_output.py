@@ -286,6 +286,7 @@ def run(args) -> dict:
         "think": args.think,
         "stream": args.stream,
         "pooled": args.pooled,
+        "free_last": args.free_last,
         "split": args.split,
         "device": args.device,
         "arms": [],
@@ -311,16 +312,10 @@ def run(args) -> dict:
         )
     for k, (seed, label, problems) in enumerate(groups(args)):
         occ: list = []
-        free, wall = go(
-            bundle,
-            problems,
-            None,
-            tasks.ANSWER_CANVASES["arith"] * C,
-            args.batch,
-            seed,
-            limits,
-            occupancy=occ,
+        free_lines = functools.partial(
+            go, bundle, problems, None, tasks.ANSWER_CANVASES["arith"] * C, args.batch, seed, limits
         )
+        free, wall = free_lines(occupancy=occ)
         free_occ = occupancy_of(occ)
         answers = [tasks.arith_answer(r.text) for r in free]
         for name in args.schemas:
@@ -350,6 +345,15 @@ def run(args) -> dict:
                 report["arms"].append(arm | occupancy_of(occ))
                 print(json.dumps(report["arms"][-1]), flush=True)
                 _write(args.out, report)
+        if args.free_last:  # the same free lines once more, after every constrained arm of the group
+            occ = []
+            again, wall = free_lines(occupancy=occ)
+            ok = [tasks.arith_answer(r.text) == p.target for p, r in zip(problems, again)]
+            report["arms"].append(
+                arm_report(f"free_last/{label}", again, wall, problems, ok, None) | occupancy_of(occ)
+            )
+            print(json.dumps(report["arms"][-1]), flush=True)
+            _write(args.out, report)
     return report
 
 
@@ -414,6 +418,12 @@ def main() -> None:
         action="store_true",
         help="each arm's rows through one continuous-batching stream of --batch slots (the worker's loop) "
         "instead of batches of --batch rows run to their slowest row",
+    )
+    ap.add_argument(
+        "--free-last",
+        action="store_true",
+        help="the free lines decoded again after the constrained arms (an arm's place in the process "
+        "moves its wall by several percent: compare each arm with both free runs)",
     )
     ap.add_argument(
         "--pooled",

@@ -198,12 +198,30 @@ def test_structured_output_pooled_stream_with_a_knob_arm_per_value(tmp_path):
     """`structured_output.py --pooled --stream`: every seed's lines as one arm through one stream (its
     steps and occupancy reported), an arm per value of a knob given several, every row valid."""
     out = tmp_path / "report.json"
-    args = ["--n", "2", "--seeds", "3", "4", "--pooled", "--stream", "--batch", "2", "--schemas", "answer"]
+    args = [
+        "--n",
+        "2",
+        "--seeds",
+        "3",
+        "4",
+        "--pooled",
+        "--stream",
+        "--batch",
+        "2",
+        "--schemas",
+        "answer",
+        "--free-last",
+    ]
     _run(tmp_path, "structured_output.py", *args, "--open-hold", "1", "-1", "--out", str(out))
     report = json.loads(out.read_text())
     assert report["pooled"] and report["constraint_open_hold"] == [1, None]
     arms = {a["arm"]: a for a in report["arms"]}
-    assert set(arms) == {"free/answer/seeds3-4", "answer/open1/seeds3-4", "answer/openNone/seeds3-4"}
+    assert set(arms) == {
+        "free/answer/seeds3-4",
+        "answer/open1/seeds3-4",
+        "answer/openNone/seeds3-4",
+        "free_last/seeds3-4",
+    }
     for a in arms.values():
         assert a["rows"] == 4 and a["steps"] > 0 and 0 < a["occupancy_mean"] <= 1
     assert arms["answer/open1/seeds3-4"]["valid"] == arms["answer/openNone/seeds3-4"]["valid"] == 4

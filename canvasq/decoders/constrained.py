@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from canvasq.decoders.grammar_device import device_grammar
+from canvasq.decoders.grammar_device import device_grammar, to_device
 from canvasq.decoders.state import Canvas, Seq
 from canvasq.decoders.structured import (
     Grammar,
@@ -135,7 +135,7 @@ class CanvasConstraints:
         if not at:
             return
         t0 = time.perf_counter()
-        idx = torch.tensor([b for b, _, _ in at], device=logits.device)
+        idx = to_device([b for b, _, _ in at], logits.device)
         for b, _, row in at:  # in place, row by row: no [R, C, V] gather, copy and scatter back
             assert row.banned is not None  # `at` keeps only planned rows
             logits[b].masked_fill_(row.banned, NEG)
@@ -215,7 +215,7 @@ class CanvasConstraints:
         if not rows:
             return
         # the group's argmax, then the rows': [B, C] ids, never a gathered copy of their [C, V] logits
-        argmax = logits.argmax(dim=-1)[torch.tensor([b for b, _ in rows], device=logits.device)].tolist()
+        argmax = logits.argmax(dim=-1)[to_device([b for b, _ in rows], logits.device)].tolist()
         pins = []
         for (b, row), ids in zip(rows, argmax):
             c = self._thought_tokens(ids)
@@ -254,7 +254,7 @@ class CanvasConstraints:
             grammar = rows[ks[0]][1].grammar
             budgets = [s.req.max_tokens - s.canvases[0].index * self.C for s, _ in (rows[k] for k in ks)]
             toks, ends = device_grammar(grammar, self.device).best(
-                [rows[k][1].state for k in ks], logits, budgets, idx[torch.tensor(ks, device=idx.device)]
+                [rows[k][1].state for k in ks], logits, budgets, idx[to_device(ks, idx.device)]
             )
             for k, path, end in zip(ks, toks.tolist(), ends):
                 out[k] = (path, end)
@@ -308,6 +308,6 @@ class CanvasConstraints:
 def _pin(logits: torch.Tensor, pins: list[tuple[int, int, int]]) -> None:
     """(row, position, token) of logits [B, C, V] made one-hot: that token, every other masked."""
     if pins:
-        b_t, c_t, t_t = torch.tensor(pins, device=logits.device).unbind(1)
+        b_t, c_t, t_t = to_device(pins, logits.device).unbind(1)
         logits[b_t, c_t] = NEG
         logits[b_t, c_t, t_t] = 0.0

@@ -169,7 +169,7 @@ class DeviceGrammar:
         lse = torch.cat(
             [torch.logsumexp(logits[rows, i0 : i0 + step].float(), dim=-1) for i0 in range(0, C, step)], dim=1
         )
-        start = torch.as_tensor(states, device=self.device)
+        start = to_device(states, self.device)
         toks, ends = viterbi(
             logits.contiguous(), rows, lse, back, start, self._csr[block], self.g.Q, tile or TILE
         )
@@ -190,6 +190,16 @@ class DeviceGrammar:
         gain = at.index_select(2, self.tok) - torch.logsumexp(at, dim=-1, keepdim=True)
         gain.masked_fill_(self.free, 0.0)
         return gain.masked_fill_(~back[:, i0 + 1 : i1 + 1][:, :, self.dst], float("-inf"))
+
+
+def to_device(values: list, device: torch.device) -> torch.Tensor:
+    """A small host list as an int64 tensor on `device`. On a GPU the copy is queued from pinned
+    memory, so it does not wait for the work already queued (a plain `torch.tensor(..., device=)`
+    synchronises the stream: a wait for the whole forward, mid-step, several times a step)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @lru_cache(maxsize=256)

@@ -214,6 +214,8 @@ class CanvasConstraints:
         ]
         if not rows:
             return
+        hold = self.open_hold
+        assert hold is not None  # `mask` calls this only with the rule on
         # the group's argmax, then the rows': [B, C] ids, never a gathered copy of their [C, V] logits
         argmax = logits.argmax(dim=-1)[to_device([b for b, _ in rows], logits.device)].tolist()
         pins = []
@@ -224,7 +226,7 @@ class CanvasConstraints:
                 continue
             held = row.opening[1] + 1 if row.opening is not None and row.opening[0] == (c, ids[c]) else 0
             row.opening = ((c, ids[c]), held)
-            if held >= self.open_hold:
+            if held >= hold:
                 row.opened = (c, ids[c])
                 pins.append((b, c, ids[c]))
         _pin(logits, pins)

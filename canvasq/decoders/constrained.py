@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from canvasq.decoders.grammar_device import device_grammar, to_device
-from canvasq.decoders.state import Canvas, Seq
+from canvasq.decoders.grammar_device import device_grammar
+from canvasq.decoders.state import Canvas, Seq, to_device
 from canvasq.decoders.structured import (
     Grammar,
     TokenTexts,

@@ -29,6 +29,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from canvasq.decoders.state import to_device
 from canvasq.decoders.structured import Grammar, Unfinishable
 
 # canvas masks kept per grammar and device (a real-shape [256, 262,144] mask: 64 MiB)
@@ -190,16 +191,6 @@ class DeviceGrammar:
         gain = at.index_select(2, self.tok) - torch.logsumexp(at, dim=-1, keepdim=True)
         gain.masked_fill_(self.free, 0.0)
         return gain.masked_fill_(~back[:, i0 + 1 : i1 + 1][:, :, self.dst], float("-inf"))
-
-
-def to_device(values: list, device: torch.device) -> torch.Tensor:
-    """A small host list as an int64 tensor on `device`. On a GPU the copy is queued from pinned
-    memory, so it does not wait for the work already queued (a plain `torch.tensor(..., device=)`
-    synchronises the stream: a wait for the whole forward, mid-step, several times a step)."""
-    host = torch.tensor(values, dtype=torch.long)
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 @lru_cache(maxsize=256)

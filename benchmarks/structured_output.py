@@ -358,7 +358,66 @@ def run(args) -> dict:
             )
             print(json.dumps(report["arms"][-1]), flush=True)
             _write(args.out, report)
+    if args.trace:
+        trace(args, bundle, limits, settle, sets[0])
     return report
+
+
+def trace(args, bundle, limits, settle, group) -> None:
+    """`--trace N`: the first N rows of the first group decoded once free and once under the first
+    schema, each under `torch.profiler` (after the timed arms, so warm): per arm `<out>.trace_<arm>.txt`
+    (wall, device-busy share, the ops by self host time and by device time) and its Chrome trace
+    (`.json.gz`): where a constrained step's time goes that the hooks' host time does not explain."""
+    import gzip
+
+    from torch.profiler import ProfilerActivity, profile
+
+    seed, _, problems = group
+    name, C = args.schemas[0], bundle.canvas_length
+    rows = problems[: args.trace]
+    arms = {
+        "free": (None, tasks.ANSWER_CANVASES["arith"] * C, None, False),
+        name: (SCHEMAS[name], max_tokens_of(args, name, C), settle, args.think),
+    }
+    cuda = args.device.startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for arm, (schema, max_tokens, overrides, think) in arms.items():
+        occ: list = []
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            decode(
+                bundle,
+                rows,
+                schema,
+                max_tokens,
+                args.batch,
+                seed,
+                limits,
+                overrides,
+                think,
+                stream=args.stream,
+                occupancy=occ,
+            )
+            if cuda:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        events = prof.key_averages()
+        busy = sum(e.self_device_time_total for e in events) / 1e6
+        head = f"{arm}: {len(rows)} rows, wall {wall:.3f} s, {len(occ)} steps, device busy {busy:.3f} s"
+        tables = [
+            events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60),
+            events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=60)
+            if cuda
+            else "",
+        ]
+        stem = args.out.parent / f"{args.out.stem}.trace_{arm}"
+        Path(f"{stem}.txt").write_text(head + "\n" + "\n".join(tables))
+        raw = Path(f"{stem}.json")
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as f, gzip.open(f"{raw}.gz", "wb") as g:
+            g.write(f.read())
+        raw.unlink()
+        print(head, flush=True)
 
 
 def groups(args) -> list[tuple[int, str, list]]:
@@ -475,6 +534,14 @@ def main() -> None:
         dest="schema_in_prompt",
         action="store_false",
         help="constrained rows without their schema shown in the prompt (CANVASQ_SCHEMA_IN_PROMPT=false)",
+    )
+    ap.add_argument(
+        "--trace",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the timed arms, N rows free and under the first schema with torch.profiler "
+        "(<out>.trace_<arm>.txt, .json.gz)",
     )
     ap.add_argument("--hardware", default="CPU, 2 cores")
     ap.add_argument("--out", type=Path, required=True)

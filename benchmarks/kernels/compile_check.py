@@ -55,6 +55,7 @@ MODULES = (
     "softmax_topk",
     "router",
     "soft_embed",
+    "pin",
 )
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")

@@ -103,11 +103,11 @@ class DeviceGrammar:
 
     def best(
         self, states: list[int], logits: torch.Tensor, budgets: list[int], rows: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, list[int]]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's best completable path from its state under its log-softmax of `logits` [B, C, V]
         (on the device; `rows`: the R rows of B to read, all by default) within its budget: ([R, C]
-        tokens on the device, [R] end states). The edges' log-probs are read a few positions at a
-        time (`GAIN_ELEMENTS`): no [R, C, V] copy is made."""
+        tokens, [R] end states, both on the device: nothing is read back). The edges' log-probs are
+        read a few positions at a time (`GAIN_ELEMENTS`): no [R, C, V] copy is made."""
         rows = torch.arange(logits.shape[0], device=logits.device) if rows is None else rows
         C = logits.shape[1]
         if not all(self.can_finish(q, C, b) for q, b in zip(states, budgets)):
@@ -121,7 +121,7 @@ class DeviceGrammar:
 
     def _best_torch(
         self, states: list[int], logits: torch.Tensor, rows: torch.Tensor, back: torch.Tensor
-    ) -> tuple[torch.Tensor, list[int]]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`best`'s torch twin: each position a batched scatter-max over the edges."""
         R, C = len(rows), logits.shape[1]
         Q, E = self.g.Q, len(self.g.src)
@@ -141,7 +141,7 @@ class DeviceGrammar:
                     1, dst, torch.where(won, self.edge, -1), "amax"
                 )
         q = score.argmax(1)
-        ends = q.tolist()
+        ends = q.clone()
         toks = torch.empty(R, C, dtype=torch.long, device=self.device)
         for i in range(C - 1, -1, -1):
             e = via[:, i].gather(1, q[:, None])[:, 0]
@@ -157,7 +157,7 @@ class DeviceGrammar:
         back: torch.Tensor,
         block: int = 32,
         tile: int | None = None,
-    ) -> tuple[torch.Tensor, list[int]]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`best` in one launch (`kernels.viterbi`): the positions' log-sum-exps in torch, a few
         positions at a time, then one program per row."""
         # imported here: importing canvasq.kernels fixes whether its kernels are interpreted (tests/kernels)
@@ -174,7 +174,7 @@ class DeviceGrammar:
         toks, ends = viterbi(
             logits.contiguous(), rows, lse, back, start, self._csr[block], self.g.Q, tile or TILE
         )
-        return toks, ends.tolist()
+        return toks, ends.long()
 
     def _gains(
         self,

@@ -141,7 +141,7 @@ def test_the_device_automaton_gives_the_host_ones_masks_and_paths(texts, schema)
         assert (dg.plan(q, C, b, V).numpy() == want).all()
     toks, ends = dg.best([q for q, _ in rows], torch.from_numpy(logprobs), [b for _, b in rows])
     for k, (q, b) in enumerate(rows):
-        assert (toks[k].tolist(), ends[k]) == g.best(q, logprobs[k][:, : len(texts.texts)], b)
+        assert (toks[k].tolist(), int(ends[k])) == g.best(q, logprobs[k][:, : len(texts.texts)], b)
     with pytest.raises(Unfinishable):
         dg.plan(g.start, C, g.min_tokens - 1, V)
 
@@ -289,18 +289,20 @@ def test_a_document_canvas_is_pinned_at_max_steps_and_a_thought_is_not(texts, te
         checks.rows[0] = RowGrammar(
             grammar, grammar.start, torch.zeros(C, len(texts.texts), dtype=torch.bool)
         )
-        seq = SimpleNamespace(row=0, req=SimpleNamespace(think=True, max_tokens=max_tokens), stats=Counter())
-        seq.canvases = [SimpleNamespace(index=0)]
+        req = SimpleNamespace(think=True, max_tokens=max_tokens)
+        seq = SimpleNamespace(row=0, slot=0, req=req, stats=Counter(), canvases=[SimpleNamespace(index=0)])
         got = [_pinned(checks, seq, x) for x in steps]
         for k, pins in enumerate(got):
             assert pins == (list(range(C)) if pinned_at is not None and k >= pinned_at else []), (
                 max_tokens,
                 k,
             )
-        assert seq.stats["constraint_capped_steps"] == (pinned_at is not None)
+        counters = checks.counters(seq)  # type: ignore[arg-type]
+        assert counters["constraint_capped_steps"] == (pinned_at is not None)
+        assert counters["constraint_pinned_steps"] == 0  # the path never held: only the cap pinned it
         if pinned_at is not None:  # the last step read b's logits: the canvas still ends on a's path
-            assert checks.final([seq], [[0] * C]) == [ids_a]
-        assert seq.stats["constraint_pinned_steps"] == 0  # the path never held: only the cap pinned it
+            assert checks.final([seq], [[0] * C]) == [ids_a]  # type: ignore[list-item]
+            assert seq.stats["constraint_capped_steps"] == 1 and "constraint_pinned_steps" not in seq.stats
 
 
 def test_settled_document_positions_are_pinned_alone(texts, testbed):
@@ -329,26 +331,29 @@ def test_settled_document_positions_are_pinned_alone(texts, testbed):
     grammar = cached_grammar(ANSWER, texts, True)
     row = checks.rows[0] = RowGrammar(grammar, grammar.start, torch.zeros(C, V, dtype=torch.bool))
     req = SimpleNamespace(think=True, max_tokens=C)
-    seq = SimpleNamespace(row=0, req=req, canvases=[SimpleNamespace(index=0)], stats=Counter())
+    seq = SimpleNamespace(row=0, slot=0, req=req, canvases=[SimpleNamespace(index=0)], stats=Counter())
     pinned = []
     for step, x in enumerate([a, b, a, b]):
         x = x.clone()
         checks.mask([seq], x)  # type: ignore[list-item]
         pinned.append([c for c in range(C) if (x[0, c] == NEG).sum() == V - 1])
-        assert row.path == (ids_a if step % 2 == 0 else ids_b)
+        assert checks.best_of(seq)[0] == (ids_a if step % 2 == 0 else ids_b)  # type: ignore[arg-type]
     assert pinned[0] == []  # nothing has held yet
     assert pinned[1] == list(range(first, differ[1]))  # the document's held prefix
-    assert seq.stats["constraint_pinned_steps"] == 0 and seq.stats["constraint_pinned_positions"] > 0
+    counters = checks.counters(seq)  # type: ignore[arg-type]
+    assert counters["constraint_pinned_steps"] == 0 and counters["constraint_pinned_positions"] > 0
     for x in (a, a, a):  # the path holds whole: the canvas is pinned, thought included
         x = x.clone()
         checks.mask([seq], x)  # type: ignore[list-item]
-    assert seq.stats["constraint_pinned_steps"] == 1 and ((x[0] == NEG).sum(-1) == V - 1).all()
+    counters = checks.counters(seq)  # type: ignore[arg-type]
+    assert counters["constraint_pinned_steps"] == 1 and ((x[0] == NEG).sum(-1) == V - 1).all()
     # the canvas ends on this step's best valid path, whatever tokens the sampler last held
     assert checks.final([seq], [[0] * C]) == [ids_a]  # type: ignore[list-item]
     assert row.state == grammar.done and seq.stats["constrained_canvases"] == 1
     # a step whose best path is thought only breaks every hold: the next document starts unheld
     t, _ = logits_for("so 12 eggs and 13 more eggs make 25 eggs so far and")
     row = checks.rows[0] = RowGrammar(grammar, grammar.start, torch.zeros(C, V, dtype=torch.bool))
+    checks.slots.reset([0])  # a new canvas on the slot
     req.max_tokens = 3 * C  # room for the document in a later canvas: a thought-only path is valid
     steps = []
     for x in (a, t, a):
@@ -386,14 +391,13 @@ def test_the_document_is_opened_where_the_models_argmax_holds_its_brace(texts, t
 
     def run(steps, open_hold):
         checks = CanvasConstraints(testbed, C, V, torch.device("cpu"), open_hold=open_hold)
-        row = checks.rows[0] = RowGrammar(grammar, grammar.start, torch.zeros(C, V, dtype=torch.bool))
+        checks.rows[0] = RowGrammar(grammar, grammar.start, torch.zeros(C, V, dtype=torch.bool))
         req = SimpleNamespace(think=True, max_tokens=3 * C)  # room for the document in later canvases
-        seq = SimpleNamespace(row=0, req=req, canvases=[SimpleNamespace(index=0)], stats=Counter())
+        seq = SimpleNamespace(row=0, slot=0, req=req, canvases=[SimpleNamespace(index=0)], stats=Counter())
         out = []
         for x in steps:
             pins = _pinned(checks, seq, x)
-            assert row.best is not None
-            path, end = row.best
+            path, end = checks.best_of(seq)  # type: ignore[arg-type]
             out.append((pins, path[brace] == ids[brace] and end != grammar.start))
         return out
 

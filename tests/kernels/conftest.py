@@ -16,6 +16,7 @@ if not os.path.exists("/dev/nvidiactl"):
 
     import canvasq.kernels
     import canvasq.kernels.moe.kernels
+    import canvasq.kernels.pin
     import canvasq.kernels.soft_embed
     import canvasq.kernels.viterbi  # noqa: F401
 

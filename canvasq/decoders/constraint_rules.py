@@ -1,0 +1,218 @@
+"""The pinning rules of `constrained.CanvasConstraints` (settle, settle_positions, max_steps,
+open_hold) on the device, for a whole row group at once, with nothing read back mid-step.
+
+Each rule keeps state per front canvas: the best valid path of its last step and how many steps each
+of its positions has held, the path frozen at the step cap, where the model's argmax opened a
+thinking row's document and for how long. Here that state is a set of tensors indexed by decoder
+slot (`SlotRules`), and each step's rules are where-selects over [rows, C] on the device: the
+paths the Viterbi found never come to the host before the sampler reads the logits. Read per row
+and in Python, they cost a host sync in the middle of every constrained step (the host then waits
+for the forward before it can queue the sampler, where a free step queues both and waits once) and
+a loop over rows.
+
+The host reads the state only where it needs it: the best path and end state of the canvases that
+stopped (`SlotRules.read`, after the step's own sync) and the rules' counters then.
+
+Pins are (row, position) -> token ([R, C], -1: none); `pin` makes those positions' logits one-hot
+(that token 0, every other `NEG`) without a host read: on CUDA one Triton program per pinned
+position (`kernels.pin`), elsewhere a select over the rows' logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NEG = -1.0e9  # a masked logit: no probability, finite through temperature and entropy arithmetic
+# the rules' counters per slot (each row's `stats`, added when its canvas stops)
+COUNTERS = ("constraint_pinned_steps", "constraint_capped_steps", "constraint_pinned_positions")
+
+
+@dataclass
+class StepRows:
+    """One step's constrained rows, as device tensors (R rows of the group's logits)."""
+
+    b: torch.Tensor  # [R] rows in the group's logits
+    slot: torch.Tensor  # [R] decoder slots
+    start: torch.Tensor  # [R] each row's grammar start state
+    think: torch.Tensor  # [R] bool: the row writes a thought before its document
+    at_start: torch.Tensor  # [R] bool: the canvas starts in the grammar's start state (no document yet)
+
+
+class SlotRules:
+    """The rules' per-slot state ([S, ...] device tensors, grown as slots appear)."""
+
+    def __init__(self, C: int, device: torch.device):
+        self.C, self.device, self.S = C, device, 0
+        self._alloc(0)
+
+    def _alloc(self, S: int) -> None:
+        C, dev, long = self.C, self.device, torch.long
+        old = None if self.S == 0 else self.__dict__.copy()
+        self.path = torch.full((S, C), -1, dtype=long, device=dev)  # last step's best path
+        self.has_path = torch.zeros(S, dtype=torch.bool, device=dev)
+        self.held = torch.zeros(S, C, dtype=torch.int32, device=dev)  # steps each position held
+        self.frozen = torch.zeros(S, dtype=torch.bool, device=dev)  # pinned at the step cap
+        self.frozen_path = torch.zeros(S, C, dtype=long, device=dev)
+        self.frozen_end = torch.zeros(S, dtype=long, device=dev)
+        self.best = torch.zeros(S, C, dtype=long, device=dev)  # this step's best valid path
+        self.best_end = torch.zeros(S, dtype=long, device=dev)  # and the state it ends in
+        self.opening = torch.full((S, 3), -1, dtype=long, device=dev)  # (position, token, held)
+        self.opened = torch.full((S, 2), -1, dtype=long, device=dev)  # (position, token) pinned
+        self.counts = torch.zeros(S, len(COUNTERS), dtype=long, device=dev)
+        if old is not None:
+            for name in self._names():
+                getattr(self, name)[: self.S] = old[name]
+        self.S = S
+
+    @staticmethod
+    def _names() -> tuple[str, ...]:
+        return (
+            "path", "has_path", "held", "frozen", "frozen_path", "frozen_end", "best", "best_end",
+            "opening", "opened", "counts",
+        )  # fmt: skip
+
+    def grow(self, slot: int) -> None:
+        """Room for `slot` (a new slot's state is a fresh canvas's)."""
+        if slot >= self.S:
+            self._alloc(max(slot + 1, 2 * self.S))
+
+    def reset(self, slots: list[int]) -> None:
+        """The slots' new canvases: nothing held, frozen, opened or counted."""
+        if not slots:
+            return
+        self.grow(max(slots))
+        idx = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+        self.has_path[idx], self.held[idx], self.frozen[idx] = False, 0, False
+        self.opening[idx], self.opened[idx], self.counts[idx] = -1, -1, 0
+
+    def read(self, slots: list[int]) -> list[tuple[list[int], int, list[int]]]:
+        """Per slot: its canvas's best valid path at the last step, the state it ends in and the rules'
+        counters (one host read)."""
+        idx = torch.tensor(slots, dtype=torch.long).to(self.device)
+        rows = torch.cat([self.best[idx], self.best_end[idx, None], self.counts[idx]], dim=1).tolist()
+        C = self.C
+        return [(r[:C], r[C], r[C + 1 :]) for r in rows]
+
+
+def first_opening(ids: torch.Tensor, opens: torch.Tensor) -> torch.Tensor:
+    """[R, C] token ids -> [R]: the first position whose token opens the document (`opens` [V] bool:
+    a "{" or "[" in its text), C where none does."""
+    hit = opens[ids]
+    return torch.where(hit.any(dim=-1), hit.int().argmax(dim=-1), ids.shape[1])
+
+
+def open_rule(
+    st: SlotRules, rows: StepRows, ends: torch.Tensor, argmax: torch.Tensor, opens: torch.Tensor, hold: int
+) -> torch.Tensor:
+    """The open rule (`OfficialConfig.constraint_open_hold`): a thinking row whose best valid path is
+    still all thought (`ends` == its start) while the model's own argmax [R, C] opens the document
+    (its first token with a "{" or "[") has that token pinned there once it has held its position
+    for `hold` steps: this step, and (`CanvasConstraints.mask`) from every later step's start, so the
+    path must begin the document where the model does. Without it the path keeps the thought
+    whenever the model's first document tokens are slightly off (a key misspelt): the thought's free
+    text takes them, the canvas runs to the step cap, and the next canvas goes on from that text (2 %
+    of a seed's rows, a tenth of its forwards). The masks allow the token there only if a valid
+    document can follow within the budget, so the path stays completable. -> [R, C] pins (the token
+    at its position for the rows opened this step, -1 elsewhere)."""
+    C, sl = st.C, rows.slot
+    eligible = rows.think & rows.at_start & (st.opened[sl, 0] < 0) & (ends == rows.start)
+    c = first_opening(argmax, opens)
+    found = c < C
+    tok = argmax.gather(1, c.clamp(max=C - 1)[:, None])[:, 0]
+    prev = st.opening[sl]
+    same = (prev[:, 0] == c) & (prev[:, 1] == tok) & found
+    held = torch.where(same, prev[:, 2] + 1, 0)
+    now = torch.stack([c, tok, held], dim=1)
+    none = torch.full_like(now, -1)
+    st.opening[sl] = torch.where(eligible[:, None], torch.where(found[:, None], now, none), prev)
+    opened = eligible & found & (held >= hold)
+    st.opened[sl] = torch.where(opened[:, None], now[:, :2], st.opened[sl])
+    pins = torch.full((len(sl), C), -1, dtype=torch.long, device=argmax.device)
+    return pins.scatter_(1, c.clamp(max=C - 1)[:, None], torch.where(opened, tok, -1)[:, None])
+
+
+def settle_rule(
+    st: SlotRules,
+    rows: StepRows,
+    toks: torch.Tensor,
+    ends: torch.Tensor,
+    capped: torch.Tensor,
+    settle: int | None,
+    positions: int | None,
+    opens: torch.Tensor,
+) -> torch.Tensor:
+    """The settle rules, for the rows' best valid paths `toks` [R, C] ending in `ends` [R]: a canvas
+    whose path has held for `settle` steps is pinned to it whole (one-hot logits: the argmax is the
+    path, every entropy 0, and the stopping rule ends the canvas at its next check). With `positions`
+    (`constraint_settle_positions`), the document's positions whose tokens on the path have held that
+    many steps are pinned from its start up to the first that has not (`held_prefix`; the thought
+    before the document never is): an array's length or an enum the model stays unsure of would
+    otherwise keep the canvas to the step cap. With `capped` [R] (the canvas's `max_steps`-th step or
+    later), a canvas with a document on its path is pinned whole, held or not, and to that same path
+    on every step after (a path re-read each step could move and keep it going). A canvas whose path is
+    thought only is left to the sampler's own rule, and nothing holds across such a step. A pinned
+    token is the path's, so the path stays the best valid one under the pinned logits. The paths and
+    held counts advance, the canvases' best paths are written (a frozen canvas's: its frozen path)
+    -> [R, C] pins."""
+    sl = rows.slot
+    frozen = st.frozen[sl]
+    thought = rows.think & (ends == rows.start)  # all thought: the sampler's own rule ends it
+    live = ~frozen & ~thought  # the rows whose path this step counts
+    same = (toks == st.path[sl]) & st.has_path[sl, None]
+    held = torch.where(same, st.held[sl] + 1, 0)
+    st.held[sl] = torch.where(
+        live[:, None], held, torch.where(thought[:, None] & ~frozen[:, None], 0, st.held[sl])
+    )
+    st.path[sl] = torch.where(live[:, None], toks, st.path[sl])
+    st.has_path[sl] = torch.where(frozen, st.has_path[sl], live)
+    cap = live & capped
+    settled = live & ~cap & (held.min(dim=-1).values >= settle if settle is not None else False)
+    st.frozen[sl] = frozen | cap
+    st.frozen_path[sl] = torch.where(cap[:, None], toks, st.frozen_path[sl])
+    st.frozen_end[sl] = torch.where(cap, ends, st.frozen_end[sl])
+    path = torch.where(frozen[:, None], st.frozen_path[sl], toks)
+    st.best[sl], st.best_end[sl] = path, torch.where(frozen, st.frozen_end[sl], ends)
+    whole = frozen | cap | settled
+    pins = torch.where(whole[:, None], path, -1)
+    counted = [settled, cap, torch.zeros_like(cap, dtype=torch.long)]
+    if positions is not None:
+        prefix = held_prefix(rows, toks, held, positions, opens) & (live & ~cap & ~settled)[:, None]
+        pins = torch.where(prefix, toks, pins)
+        counted[2] = prefix.sum(dim=-1)
+    st.counts[sl] += torch.stack([x.long() for x in counted], dim=1)
+    return pins
+
+
+def held_prefix(
+    rows: StepRows, toks: torch.Tensor, held: torch.Tensor, positions: int, opens: torch.Tensor
+) -> torch.Tensor:
+    """[R, C] bool: per row, the document's positions (after its thought, in a canvas that starts it)
+    up to the first whose token has held fewer than `positions` steps: a document is pinned from its
+    start, so a value it has not settled (an array's length, the element that ends it) stays open,
+    and so does all that comes after it."""
+    C = toks.shape[1]
+    first = torch.where(rows.at_start, first_opening(toks, opens), 0)
+    col = torch.arange(C, device=toks.device)[None, :]
+    before = col < first[:, None]
+    ok = (held >= positions) | before
+    return ~before & (ok.int().cumprod(dim=-1) == 1)
+
+
+def pin(logits: torch.Tensor, b: torch.Tensor, pins: torch.Tensor) -> None:
+    """Rows `b` [R] of logits [B, C, V]: each position with a pin (`pins` [R, C], -1: none) made
+    one-hot on its token (0; every other token `NEG`), in place, with no host read."""
+    if logits.is_cuda:
+        from canvasq.kernels.pin import pin_positions  # imported here: kernels' import fixes interpretation
+
+        pin_positions(logits, b, pins, NEG)
+    else:
+        pin_torch(logits, b, pins)
+
+
+def pin_torch(logits: torch.Tensor, b: torch.Tensor, pins: torch.Tensor) -> None:
+    """`pin` in torch: a select over the rows' whole logits (the kernel's reference)."""
+    x = logits[b]
+    hot = torch.full_like(x, NEG).scatter_(2, pins.clamp(min=0)[..., None], 0.0)
+    logits[b] = torch.where((pins >= 0)[..., None], hot, x)

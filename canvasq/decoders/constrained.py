@@ -55,6 +55,9 @@ from canvasq.decoders.structured import (
 from canvasq.decoders.types import DecodeResult, FinishReason
 
 UNFINISHABLE = "structured_output_unfinishable"
+# rows x C x V at most for the masks applied as one select (64 MiB of bool; the testbed's 64-row group:
+# 1.5 M): above it, one masked fill a row
+BAN_STACK_ELEMENTS = 1 << 26
 INVALID = "invalid_structured_output"
 
 
@@ -151,11 +154,10 @@ class CanvasConstraints:
         self.slots.reset(self._fresh)
         self.slots.grow(max(s.slot for _, s, _ in at))
         self._fresh = []
-        for b, _, row in at:  # in place, row by row: no [R, C, V] gather, copy and scatter back
-            assert row.banned is not None  # `at` keeps only planned rows
-            logits[b].masked_fill_(row.banned, NEG)
+        for *_, row in at:
             row.steps += 1
         rows = self._step_rows(at)
+        self._ban(at, logits, rows.b)
         opened = self.slots.opened[rows.slot]  # earlier steps' openings, pinned before the Viterbi
         pins = torch.full((len(at), self.C), -1, dtype=torch.long, device=logits.device)
         pin(logits, rows.b, pins.scatter_(1, opened[:, :1].clamp(min=0), opened[:, 1:]))
@@ -182,6 +184,17 @@ class CanvasConstraints:
         share = int(1e6 * (time.perf_counter() - t0) / len(at))
         for _, s, _ in at:
             s.stats["constraint_host_us"] += share
+
+    def _ban(self, at: list[tuple[int, Seq, RowGrammar]], logits: torch.Tensor, b: torch.Tensor) -> None:
+        """Every constrained row's logits outside its masks set to `NEG`, in place: as one select over
+        the rows when their [R, C, V] masks are small (the testbed's: a few launches, not one a row),
+        else row by row (the real vocabulary's: no [R, C, V] copy)."""
+        banned = [row.banned for *_, row in at if row.banned is not None]  # `at`: only planned rows
+        if len(at) * banned[0].numel() <= BAN_STACK_ELEMENTS:
+            logits[b] = logits[b].masked_fill_(torch.stack(banned), NEG)
+            return
+        for (k, _, _), mask in zip(at, banned):
+            logits[k].masked_fill_(mask, NEG)
 
     def _step_rows(self, at: list[tuple[int, Seq, RowGrammar]]) -> StepRows:
         """The step's constrained rows as one host-to-device copy."""

@@ -445,3 +445,30 @@ def test_output_problem_says_what_jsonschema_validate_says(text):
     if text.startswith("{") and text.endswith("}"):
         with pytest.raises(jsonschema.SchemaError):
             output_problem(text, {"type": "no-such-type"})
+
+
+def test_masks_as_one_select_equal_the_row_by_row_fill(texts, testbed, monkeypatch):
+    """The constrained rows' masks applied as one select over the group (small masks) and row by row
+    (large ones) ban the same logits, only the constrained rows' and only their banned tokens."""
+    from canvasq.decoders import constrained
+    from canvasq.decoders.constrained import RowGrammar
+    from canvasq.decoders.structured import cached_grammar
+
+    V = len(texts.texts)
+    grammar = cached_grammar(ANSWER, texts, False)
+    checks = CanvasConstraints(testbed, C, V, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(4)
+    rows = [RowGrammar(grammar, grammar.start, torch.rand(C, V, generator=gen) < p) for p in (0.3, 0.7)]
+    at = [(2, None, rows[0]), (0, None, rows[1])]  # rows of the group, out of order; row 1 free
+    logits = torch.randn(3, C, V, generator=gen)
+    got = {}
+    for limit in (1 << 26, 0):
+        monkeypatch.setattr(constrained, "BAN_STACK_ELEMENTS", limit)
+        x = logits.clone()
+        checks._ban(at, x, torch.tensor([2, 0]))  # type: ignore[arg-type]
+        got[limit] = x
+    assert torch.equal(got[0], got[1 << 26])
+    want = logits.clone()
+    want[2][rows[0].banned] = NEG
+    want[0][rows[1].banned] = NEG
+    assert torch.equal(got[0], want)

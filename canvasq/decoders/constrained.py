@@ -38,6 +38,7 @@ from canvasq.decoders.constraint_rules import (
     SlotRules,
     StepRows,
     open_rule,
+    opens_document,
     pin,
     settle_rule,
 )
@@ -108,11 +109,10 @@ class CanvasConstraints:
         return self._texts
 
     def opens(self) -> torch.Tensor:
-        """[V] bool on the device: the tokens that open a document (a "{" or "[" in their text; no token
-        of a thought has one, `structured.THINK`)."""
+        """[V] bool on the device: the tokens that open a document (`opens_document`)."""
         if self._opens is None:
             texts = self.texts().texts
-            hit = [t is not None and ("{" in t or "[" in t) for t in texts] + [False] * (self.V - len(texts))
+            hit = [opens_document(t) for t in texts] + [False] * (self.V - len(texts))
             self._opens = torch.tensor(hit[: self.V], dtype=torch.bool).to(self.device)
         return self._opens
 
@@ -158,9 +158,10 @@ class CanvasConstraints:
             row.steps += 1
         rows = self._step_rows(at)
         self._ban(at, logits, rows.b)
-        opened = self.slots.opened[rows.slot]  # earlier steps' openings, pinned before the Viterbi
-        pins = torch.full((len(at), self.C), -1, dtype=torch.long, device=logits.device)
-        pin(logits, rows.b, pins.scatter_(1, opened[:, :1].clamp(min=0), opened[:, 1:]))
+        if self.open_hold is not None:  # earlier steps' openings, pinned before the Viterbi
+            opened = self.slots.opened[rows.slot]
+            before = torch.full((len(at), self.C), -1, dtype=torch.long, device=logits.device)
+            pin(logits, rows.b, before.scatter_(1, opened[:, :1].clamp(min=0), opened[:, 1:]))
         try:
             toks, ends = self._best([(s, row) for _, s, row in at], logits, rows.b)
         except Unfinishable as exc:  # begin's plan said otherwise: a bug, the rows end in error
@@ -168,7 +169,7 @@ class CanvasConstraints:
                 s.error, s.done = f"{UNFINISHABLE}: {exc}", True
             return
         self.slots.best[rows.slot], self.slots.best_end[rows.slot] = toks, ends
-        pins.fill_(-1)
+        pins = None  # [R, C] this step's pins (-1: none), the settle rules' over the open rule's
         if self.open_hold is not None:
             argmax = logits.argmax(dim=-1)[rows.b]  # the group's, then the rows': never a [R, C, V] copy
             pins = open_rule(self.slots, rows, ends, argmax, self.opens(), self.open_hold)
@@ -179,8 +180,9 @@ class CanvasConstraints:
             settled = settle_rule(
                 self.slots, rows, toks, ends, capped, self.settle, self.settle_positions, self.opens()
             )
-            pins = torch.where(settled >= 0, settled, pins)
-        pin(logits, rows.b, pins)
+            pins = settled if pins is None else torch.where(settled >= 0, settled, pins)
+        if pins is not None:
+            pin(logits, rows.b, pins)
         share = int(1e6 * (time.perf_counter() - t0) / len(at))
         for _, s, _ in at:
             s.stats["constraint_host_us"] += share
@@ -237,9 +239,8 @@ class CanvasConstraints:
         at = [(k, s, self.rows[s.row]) for k, s in enumerate(finished) if s.row in self.rows]
         if not at:
             return out
-        for k, s, row in at:
-            assert row.steps > 0, "a constrained canvas ends only after a masked step"
         for (k, s, row), (best, end, counts) in zip(at, self.slots.read([s.slot for _, s, _ in at])):
+            assert row.steps > 0, "a constrained canvas ends only after a masked step"
             row.state = end
             s.stats["constrained_canvases"] += 1
             s.stats["constrained_changed"] += sum(a != b for a, b in zip(best, tokens[k]))
@@ -260,14 +261,9 @@ class CanvasConstraints:
         return dict(zip(COUNTERS, self.slots.read([s.slot])[0][2]))
 
     def _thought_tokens(self, ids: list[int]) -> int:
-        """How many of `ids` come before the document: up to the first token with a "{" or "[" (no
-        token of the thought has one, `structured.THINK`)."""
+        """How many of `ids` come before the document: up to the first that opens it (`opens_document`)."""
         texts = self.texts().texts
-        for i, t in enumerate(ids):
-            text = texts[t] if t < len(texts) else None
-            if text is not None and ("{" in text or "[" in text):
-                return i
-        return len(ids)
+        return next((i for i, t in enumerate(ids) if t < len(texts) and opens_document(texts[t])), len(ids))
 
     def checked(self, s: Seq, res: DecodeResult) -> DecodeResult:
         """`res` of a finished row; a constrained one validated against its schema."""

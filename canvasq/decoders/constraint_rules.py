@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from canvasq.decoders.state import to_device
+
 NEG = -1.0e9  # a masked logit: no probability, finite through temperature and entropy arithmetic
 # the rules' counters per slot (each row's `stats`, added when its canvas stops)
 COUNTERS = ("constraint_pinned_steps", "constraint_capped_steps", "constraint_pinned_positions")
@@ -40,38 +42,51 @@ class StepRows:
     at_start: torch.Tensor  # [R] bool: the canvas starts in the grammar's start state (no document yet)
 
 
+# the rules' per-slot state: name -> (shape after the slot dimension, with C for the canvas; dtype; the
+# value of a fresh canvas)
+FIELDS: dict[str, tuple[tuple, torch.dtype, int]] = {
+    "path": (("C",), torch.long, -1),  # the last step's best valid path
+    "has_path": ((), torch.bool, 0),
+    "held": (("C",), torch.int32, 0),  # steps each position's token on that path has held
+    "frozen": ((), torch.bool, 0),  # pinned at the step cap
+    "frozen_path": (("C",), torch.long, 0),
+    "frozen_end": ((), torch.long, 0),
+    "best": (("C",), torch.long, 0),  # this step's best valid path (a frozen canvas's: its frozen one)
+    "best_end": ((), torch.long, 0),  # and the state it ends in
+    "opening": ((3,), torch.long, -1),  # (position, token, steps held) of the argmax's opening token
+    "opened": ((2,), torch.long, -1),  # (position, token) pinned from every later step's start
+    "counts": ((len(COUNTERS),), torch.long, 0),
+}
+
+
 class SlotRules:
-    """The rules' per-slot state ([S, ...] device tensors, grown as slots appear)."""
+    """The rules' per-slot state ([S, ...] device tensors, `FIELDS`, grown as slots appear)."""
+
+    path: torch.Tensor
+    has_path: torch.Tensor
+    held: torch.Tensor
+    frozen: torch.Tensor
+    frozen_path: torch.Tensor
+    frozen_end: torch.Tensor
+    best: torch.Tensor
+    best_end: torch.Tensor
+    opening: torch.Tensor
+    opened: torch.Tensor
+    counts: torch.Tensor
 
     def __init__(self, C: int, device: torch.device):
         self.C, self.device, self.S = C, device, 0
         self._alloc(0)
 
     def _alloc(self, S: int) -> None:
-        C, dev, long = self.C, self.device, torch.long
-        old = None if self.S == 0 else self.__dict__.copy()
-        self.path = torch.full((S, C), -1, dtype=long, device=dev)  # last step's best path
-        self.has_path = torch.zeros(S, dtype=torch.bool, device=dev)
-        self.held = torch.zeros(S, C, dtype=torch.int32, device=dev)  # steps each position held
-        self.frozen = torch.zeros(S, dtype=torch.bool, device=dev)  # pinned at the step cap
-        self.frozen_path = torch.zeros(S, C, dtype=long, device=dev)
-        self.frozen_end = torch.zeros(S, dtype=long, device=dev)
-        self.best = torch.zeros(S, C, dtype=long, device=dev)  # this step's best valid path
-        self.best_end = torch.zeros(S, dtype=long, device=dev)  # and the state it ends in
-        self.opening = torch.full((S, 3), -1, dtype=long, device=dev)  # (position, token, held)
-        self.opened = torch.full((S, 2), -1, dtype=long, device=dev)  # (position, token) pinned
-        self.counts = torch.zeros(S, len(COUNTERS), dtype=long, device=dev)
-        if old is not None:
-            for name in self._names():
-                getattr(self, name)[: self.S] = old[name]
+        """Every field at S slots, the first `self.S` slots' state kept."""
+        for name, (tail, dtype, fill) in FIELDS.items():
+            shape = (S, *(self.C if d == "C" else d for d in tail))
+            t = torch.full(shape, fill, dtype=dtype, device=self.device)
+            if self.S:
+                t[: self.S] = getattr(self, name)
+            setattr(self, name, t)
         self.S = S
-
-    @staticmethod
-    def _names() -> tuple[str, ...]:
-        return (
-            "path", "has_path", "held", "frozen", "frozen_path", "frozen_end", "best", "best_end",
-            "opening", "opened", "counts",
-        )  # fmt: skip
 
     def grow(self, slot: int) -> None:
         """Room for `slot` (a new slot's state is a fresh canvas's)."""
@@ -83,17 +98,23 @@ class SlotRules:
         if not slots:
             return
         self.grow(max(slots))
-        idx = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
-        self.has_path[idx], self.held[idx], self.frozen[idx] = False, 0, False
-        self.opening[idx], self.opened[idx], self.counts[idx] = -1, -1, 0
+        idx = to_device(slots, self.device)
+        for name in ("has_path", "held", "frozen", "opening", "opened", "counts"):
+            getattr(self, name)[idx] = FIELDS[name][2]
 
     def read(self, slots: list[int]) -> list[tuple[list[int], int, list[int]]]:
         """Per slot: its canvas's best valid path at the last step, the state it ends in and the rules'
         counters (one host read)."""
-        idx = torch.tensor(slots, dtype=torch.long).to(self.device)
+        idx = to_device(slots, self.device)
         rows = torch.cat([self.best[idx], self.best_end[idx, None], self.counts[idx]], dim=1).tolist()
         C = self.C
         return [(r[:C], r[C], r[C + 1 :]) for r in rows]
+
+
+def opens_document(text: str | None) -> bool:
+    """Whether a token's text opens the document: a "{" or "[" in it (no token of a thought has one,
+    `structured.THINK`)."""
+    return text is not None and ("{" in text or "[" in text)
 
 
 def first_opening(ids: torch.Tensor, opens: torch.Tensor) -> torch.Tensor:

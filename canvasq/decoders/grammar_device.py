@@ -141,7 +141,7 @@ class DeviceGrammar:
                     1, dst, torch.where(won, self.edge, -1), "amax"
                 )
         q = score.argmax(1)
-        ends = q.clone()
+        ends = q  # the walk back rebinds q: this tensor stays the end states
         toks = torch.empty(R, C, dtype=torch.long, device=self.device)
         for i in range(C - 1, -1, -1):
             e = via[:, i].gather(1, q[:, None])[:, 0]
@@ -174,7 +174,7 @@ class DeviceGrammar:
         toks, ends = viterbi(
             logits.contiguous(), rows, lse, back, start, self._csr[block], self.g.Q, tile or TILE
         )
-        return toks, ends.long()
+        return toks, ends
 
     def _gains(
         self,

@@ -56,6 +56,7 @@ MODULES = (
     "router",
     "soft_embed",
     "pin",
+    "rules",
 )
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")

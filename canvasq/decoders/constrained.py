@@ -37,10 +37,9 @@ from canvasq.decoders.constraint_rules import (
     NEG,
     SlotRules,
     StepRows,
-    open_rule,
     opens_document,
     pin,
-    settle_rule,
+    step_rules,
 )
 from canvasq.decoders.grammar_device import device_grammar
 from canvasq.decoders.state import Canvas, Seq, to_device
@@ -168,19 +167,12 @@ class CanvasConstraints:
             for _, s, _ in at:
                 s.error, s.done = f"{UNFINISHABLE}: {exc}", True
             return
-        self.slots.best[rows.slot], self.slots.best_end[rows.slot] = toks, ends
-        pins = None  # [R, C] this step's pins (-1: none), the settle rules' over the open rule's
-        if self.open_hold is not None:
-            argmax = logits.argmax(dim=-1)[rows.b]  # the group's, then the rows': never a [R, C, V] copy
-            pins = open_rule(self.slots, rows, ends, argmax, self.opens(), self.open_hold)
-        if self.settle is not None or self.max_steps is not None:
-            capped = to_device(
-                [self.max_steps is not None and row.steps >= self.max_steps for *_, row in at], logits.device
-            ).bool()
-            settled = settle_rule(
-                self.slots, rows, toks, ends, capped, self.settle, self.settle_positions, self.opens()
-            )
-            pins = settled if pins is None else torch.where(settled >= 0, settled, pins)
+        # the group's argmax, then the rows': never a [R, C, V] copy
+        argmax = logits.argmax(dim=-1)[rows.b] if self.open_hold is not None else None
+        pins = step_rules(
+            self.slots, rows, toks, ends, argmax, self.opens(), self.open_hold, self.settle,
+            self.settle_positions, self.max_steps,
+        )  # fmt: skip
         if pins is not None:
             pin(logits, rows.b, pins)
         share = int(1e6 * (time.perf_counter() - t0) / len(at))
@@ -201,11 +193,19 @@ class CanvasConstraints:
     def _step_rows(self, at: list[tuple[int, Seq, RowGrammar]]) -> StepRows:
         """The step's constrained rows as one host-to-device copy."""
         host = [
-            (b, s.slot, row.grammar.start, int(bool(s.req.think)), int(row.state == row.grammar.start))
+            (
+                b,
+                s.slot,
+                row.grammar.start,
+                int(bool(s.req.think)),
+                int(row.state == row.grammar.start),
+                row.steps,
+            )
             for b, s, row in at
         ]
-        b, slot, start, think, at_start = to_device(host, self.device).unbind(1)
-        return StepRows(b, slot, start, think.bool(), at_start.bool())
+        # transposed: each field a contiguous [R] (the rules' kernel reads them by row)
+        b, slot, start, think, at_start, steps = to_device(host, self.device).T.contiguous().unbind(0)
+        return StepRows(b, slot, start, think.bool(), at_start.bool(), steps)
 
     def _best(
         self, rows: list[tuple[Seq, RowGrammar]], logits: torch.Tensor, idx: torch.Tensor

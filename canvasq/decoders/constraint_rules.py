@@ -4,8 +4,10 @@ open_hold) on the device, for a whole row group at once, with nothing read back 
 Each rule keeps state per front canvas: the best valid path of its last step and how many steps each
 of its positions has held, the path frozen at the step cap, where the model's argmax opened a
 thinking row's document and for how long. Here that state is a set of tensors indexed by decoder
-slot (`SlotRules`), and each step's rules are where-selects over [rows, C] on the device: the
-paths the Viterbi found never come to the host before the sampler reads the logits. Read per row
+slot (`SlotRules`), and each step's rules (`step_rules`) run on the device: the paths the Viterbi
+found never come to the host before the sampler reads the logits. On CUDA they are one launch
+(`kernels.rules`: a testbed step on a GPU is bound by its launches); elsewhere, and as that kernel's
+reference, where-selects over [rows, C] (`open_rule`, `settle_rule`). Read per row
 and in Python, they cost a host sync in the middle of every constrained step (the host then waits
 for the forward before it can queue the sampler, where a free step queues both and waits once) and
 a loop over rows.
@@ -40,6 +42,7 @@ class StepRows:
     start: torch.Tensor  # [R] each row's grammar start state
     think: torch.Tensor  # [R] bool: the row writes a thought before its document
     at_start: torch.Tensor  # [R] bool: the canvas starts in the grammar's start state (no document yet)
+    steps: torch.Tensor  # [R] masked steps of the row's canvas, this one included
 
 
 # the rules' per-slot state: name -> (shape after the slot dimension, with C for the canvas; dtype; the
@@ -122,6 +125,42 @@ def first_opening(ids: torch.Tensor, opens: torch.Tensor) -> torch.Tensor:
     a "{" or "[" in its text), C where none does."""
     hit = opens[ids]
     return torch.where(hit.any(dim=-1), hit.int().argmax(dim=-1), ids.shape[1])
+
+
+def step_rules(
+    st: SlotRules,
+    rows: StepRows,
+    toks: torch.Tensor,
+    ends: torch.Tensor,
+    argmax: torch.Tensor | None,
+    opens: torch.Tensor,
+    hold: int | None,
+    settle: int | None,
+    positions: int | None,
+    max_steps: int | None,
+    kernel: bool | None = None,
+) -> torch.Tensor | None:
+    """One step's rules for the rows' best valid paths `toks` [R, C] ending in `ends` [R]: the best
+    paths kept (`st.best`), then the open rule (with `hold`; `argmax` [R, C] the model's) and the
+    settle rules (with `settle` or `max_steps`) -> [R, C] pins, the settle rules' over the open
+    rule's; None when no rule is on. `kernel` (default: on CUDA): all of it in one launch
+    (`kernels.rules`) instead of the torch rules' some 80 small selects."""
+    settles = settle is not None or max_steps is not None
+    if kernel if kernel is not None else toks.is_cuda:
+        from canvasq.kernels.rules import rules  # imported here: kernels' import fixes interpretation
+
+        fused = rules(st, rows, toks, ends, argmax, opens, hold, settle, positions, max_steps, settles)
+        return fused if hold is not None or settles else None
+    st.best[rows.slot], st.best_end[rows.slot] = toks, ends
+    pins: torch.Tensor | None = None
+    if hold is not None:
+        assert argmax is not None, "the open rule reads the model's argmax"
+        pins = open_rule(st, rows, ends, argmax, opens, hold)
+    if settles:
+        capped = rows.steps >= max_steps if max_steps is not None else torch.zeros_like(rows.think)
+        settled = settle_rule(st, rows, toks, ends, capped, settle, positions, opens)
+        pins = settled if pins is None else torch.where(settled >= 0, settled, pins)
+    return pins
 
 
 def open_rule(

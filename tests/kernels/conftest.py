@@ -17,6 +17,7 @@ if not os.path.exists("/dev/nvidiactl"):
     import canvasq.kernels
     import canvasq.kernels.moe.kernels
     import canvasq.kernels.pin
+    import canvasq.kernels.rules
     import canvasq.kernels.soft_embed
     import canvasq.kernels.viterbi  # noqa: F401
 

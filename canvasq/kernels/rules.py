@@ -1,0 +1,149 @@
+"""Structured output's pinning rules for a constrained row group in one launch
+(`decoders.constraint_rules.step_rules`): the open rule, the settle rules and the best paths' bookkeeping
+that `open_rule` and `settle_rule` do in torch.
+
+In torch the rules are some 80 small selects over [rows, C] and [rows] a step. On the testbed a
+GPU's decoder step is bound by the host's launches, not by the GPU's work (a free 64-slot step is
+about 900 launches and 11 ms on an H100), so those selects cost a constrained step a fixed share of
+its time whatever the rows. Here one program per row reads the row's slot state, its best valid path
+and end state (and, with the open rule, the model's argmax), writes the new state and the row's
+[C] pins. Rows of one step are on distinct slots, so no two programs touch the same state.
+
+Same arithmetic as the torch rules (integer compares and selects only), so the two give the same
+pins and state; `tests/kernels/test_rules.py` runs both over several steps of random paths.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rules_kernel(
+    slot_ptr, start_ptr, think_ptr, at_start_ptr, steps_ptr,  # [R] the step's rows (`StepRows`)
+    toks_ptr, ends_ptr, argmax_ptr, opens_ptr,  # [R, C] best paths, [R] end states, [R, C] argmax, [V] bool
+    path_ptr, has_path_ptr, held_ptr, frozen_ptr, frozen_path_ptr, frozen_end_ptr,  # `SlotRules` [S, ...]
+    best_ptr, best_end_ptr, opening_ptr, opened_ptr, counts_ptr,
+    pins_ptr,  # [R, C] out: the token pinned at each position, -1: none
+    C: tl.constexpr, BLOCK_C: tl.constexpr,
+    OPEN: tl.constexpr, HOLD: tl.constexpr,  # the open rule, and its steps to hold
+    SETTLE_RULES: tl.constexpr, SETTLE: tl.constexpr, POSITIONS: tl.constexpr, MAX_STEPS: tl.constexpr,  # -1: off
+):  # fmt: skip
+    r = tl.program_id(0)
+    col = tl.arange(0, BLOCK_C)
+    cm = col < C
+    sl = tl.load(slot_ptr + r)
+    start = tl.load(start_ptr + r)
+    think = tl.load(think_ptr + r) != 0
+    at_start = tl.load(at_start_ptr + r) != 0
+    toks = tl.load(toks_ptr + r * C + col, mask=cm, other=0)
+    ends = tl.load(ends_ptr + r)
+    srow = sl * C + col
+    tl.store(best_ptr + srow, toks, mask=cm)
+    tl.store(best_end_ptr + sl, ends)
+    pins = tl.full([BLOCK_C], -1, tl.int64)
+    if OPEN:
+        amax = tl.load(argmax_ptr + r * C + col, mask=cm, other=0)
+        hit = (tl.load(opens_ptr + amax, mask=cm, other=0) != 0) & cm
+        c = tl.min(tl.where(hit, col, C), axis=0)
+        found = c < C
+        at_c = tl.minimum(c, C - 1)
+        tok = tl.sum(tl.where(col == at_c, amax, 0), axis=0)
+        p0 = tl.load(opening_ptr + sl * 3)
+        p1 = tl.load(opening_ptr + sl * 3 + 1)
+        p2 = tl.load(opening_ptr + sl * 3 + 2)
+        o0 = tl.load(opened_ptr + sl * 2)
+        o1 = tl.load(opened_ptr + sl * 2 + 1)
+        eligible = think & at_start & (o0 < 0) & (ends == start)
+        same = (p0 == c) & (p1 == tok) & found
+        held_o = tl.where(same, p2 + 1, 0)
+        tl.store(opening_ptr + sl * 3, tl.where(eligible, tl.where(found, c.to(tl.int64), -1), p0))
+        tl.store(opening_ptr + sl * 3 + 1, tl.where(eligible, tl.where(found, tok, -1), p1))
+        tl.store(opening_ptr + sl * 3 + 2, tl.where(eligible, tl.where(found, held_o, -1), p2))
+        now = eligible & found & (held_o >= HOLD)
+        tl.store(opened_ptr + sl * 2, tl.where(now, c.to(tl.int64), o0))
+        tl.store(opened_ptr + sl * 2 + 1, tl.where(now, tok, o1))
+        pins = tl.where((col == at_c) & now, tok, pins)
+    if SETTLE_RULES:
+        frozen = tl.load(frozen_ptr + sl) != 0
+        has_path = tl.load(has_path_ptr + sl) != 0
+        thought = think & (ends == start)
+        live = ~frozen & ~thought
+        old_path = tl.load(path_ptr + srow, mask=cm, other=0)
+        old_held = tl.load(held_ptr + srow, mask=cm, other=0)
+        held = tl.where((toks == old_path) & has_path, old_held + 1, 0)
+        tl.store(held_ptr + srow, tl.where(live, held, tl.where(thought & ~frozen, 0, old_held)), mask=cm)
+        tl.store(path_ptr + srow, tl.where(live, toks, old_path), mask=cm)
+        tl.store(has_path_ptr + sl, tl.where(frozen, has_path, live))
+        cap = live & (tl.load(steps_ptr + r) >= MAX_STEPS) if MAX_STEPS >= 0 else live & ~live
+        low = tl.min(tl.where(cm, held, 1 << 30), axis=0)
+        settled = live & ~cap & (low >= SETTLE) if SETTLE >= 0 else live & ~live
+        tl.store(frozen_ptr + sl, frozen | cap)
+        fpath = tl.load(frozen_path_ptr + srow, mask=cm, other=0)
+        fend = tl.load(frozen_end_ptr + sl)
+        tl.store(frozen_path_ptr + srow, tl.where(cap, toks, fpath), mask=cm)
+        tl.store(frozen_end_ptr + sl, tl.where(cap, ends, fend))
+        path = tl.where(frozen, fpath, toks)  # a canvas frozen before this step keeps its frozen path
+        tl.store(best_ptr + srow, path, mask=cm)
+        tl.store(best_end_ptr + sl, tl.where(frozen, fend, ends))
+        whole = frozen | cap | settled
+        settle_pins = tl.where(whole, path, -1)
+        n_prefix = 0
+        if POSITIONS >= 0:
+            opened = (tl.load(opens_ptr + toks, mask=cm, other=0) != 0) & cm
+            first = tl.where(at_start, tl.min(tl.where(opened, col, C), axis=0), 0)
+            bad = (held < POSITIONS) & (col >= first) & cm
+            first_bad = tl.min(tl.where(bad, col, C), axis=0)
+            prefix = (col >= first) & (col < first_bad) & cm & live & ~cap & ~settled
+            settle_pins = tl.where(prefix, toks, settle_pins)
+            n_prefix = tl.sum(prefix.to(tl.int64), axis=0)
+        counts = counts_ptr + sl * 3
+        tl.store(counts, tl.load(counts) + settled.to(tl.int64))
+        tl.store(counts + 1, tl.load(counts + 1) + cap.to(tl.int64))
+        tl.store(counts + 2, tl.load(counts + 2) + n_prefix)
+        pins = tl.where(settle_pins >= 0, settle_pins, pins)
+    tl.store(pins_ptr + r * C + col, pins, mask=cm)
+
+
+def rules(st, rows, toks: torch.Tensor, ends: torch.Tensor, argmax: torch.Tensor | None, opens: torch.Tensor,
+          hold: int | None, settle: int | None, positions: int | None, max_steps: int | None,
+          settle_rules: bool) -> torch.Tensor:  # fmt: skip
+    """One launch of the rules over `rows` (`constraint_rules.StepRows`) with slot state `st`
+    (`SlotRules`): the state updated in place, -> [R, C] pins. `argmax` [R, C] is read when `hold`
+    is set (the open rule); `settle_rules`: the settle rules run (settle or max_steps set)."""
+    R, C = toks.shape
+    pins = torch.empty(R, C, dtype=torch.long, device=toks.device)
+    if R == 0:
+        return pins
+    off = -1
+    _rules_kernel[(R,)](
+        rows.slot, rows.start, rows.think, rows.at_start, rows.steps,
+        toks.contiguous(), ends, toks if argmax is None else argmax.contiguous(), opens,
+        st.path, st.has_path, st.held, st.frozen, st.frozen_path, st.frozen_end,
+        st.best, st.best_end, st.opening, st.opened, st.counts,
+        pins,
+        C=C, BLOCK_C=triton.next_power_of_2(C),
+        OPEN=hold is not None, HOLD=off if hold is None else hold,
+        SETTLE_RULES=settle_rules, SETTLE=off if settle is None else settle,
+        POSITIONS=off if positions is None else positions, MAX_STEPS=off if max_steps is None else max_steps,
+    )  # fmt: skip
+    return pins
+
+
+def compile_specs():
+    """The rules at the real canvas, every rule on (benchmarks/kernels/compile_check.py)."""
+    from .compile_spec import CompileSpec
+
+    i64 = {n: "*i64" for n in ("slot_ptr", "start_ptr", "steps_ptr", "toks_ptr", "ends_ptr", "argmax_ptr")}
+    state = ("path_ptr", "frozen_path_ptr", "frozen_end_ptr", "best_ptr", "best_end_ptr", "opening_ptr")
+    i64 |= {n: "*i64" for n in (*state, "opened_ptr", "counts_ptr", "pins_ptr")}
+    i1 = {n: "*i1" for n in ("think_ptr", "at_start_ptr", "opens_ptr", "has_path_ptr", "frozen_ptr")}
+    yield CompileSpec(
+        "rules",
+        _rules_kernel,
+        {"C": 256, "BLOCK_C": 256, "OPEN": True, "HOLD": 1, "SETTLE_RULES": True, "SETTLE": 1,
+         "POSITIONS": 1, "MAX_STEPS": -1},
+        types=i64 | i1 | {"held_ptr": "*i32"},
+    )  # fmt: skip

@@ -1,0 +1,88 @@
+"""Structured output's rules in one launch (`kernels.rules`) against the torch rules the CPU runs
+(`decoders.constraint_rules.step_rules(kernel=False)`): the same pins and the same slot state after
+every step of a random walk of paths, for each combination of rules."""
+
+import pytest
+import torch
+from kernel_testutil import DEVICE
+
+from canvasq.decoders.constraint_rules import FIELDS, SlotRules, StepRows, step_rules
+
+C, V, S = 6, 20, 7  # C not a power of two: the kernel's masked tail
+
+
+def _rows(slots, steps):
+    R = len(slots)  # rows 0-1 think from the grammar's start, row 2 starts in the document, row 3 has none
+    think, at_start = torch.tensor([1, 1, 1, 0]).bool(), torch.tensor([1, 1, 0, 1]).bool()
+    return StepRows(
+        torch.arange(R),
+        torch.tensor(slots),
+        torch.zeros(R, dtype=torch.long),
+        think,
+        at_start,
+        torch.full((R,), steps),
+    )
+
+
+def _to(rows: StepRows) -> StepRows:
+    return StepRows(
+        *(getattr(rows, f).to(DEVICE) for f in ("b", "slot", "start", "think", "at_start", "steps"))
+    )
+
+
+@pytest.mark.parametrize(
+    "hold, settle, positions, max_steps",
+    [
+        (1, 1, 1, None),
+        (None, 2, None, 3),
+        (2, None, None, None),
+        (None, None, None, None),
+        (1, None, 1, 2),
+        (1, 3, 2, 4),
+    ],
+)
+def test_the_kernel_keeps_the_torch_rules_state_and_pins(hold, settle, positions, max_steps):
+    gen = torch.Generator().manual_seed(11)
+    opens = torch.zeros(V, dtype=torch.bool)
+    opens[[3, 7]] = True  # two tokens that open a document
+    ref, got = SlotRules(C, torch.device("cpu")), SlotRules(C, torch.device(DEVICE))
+    ref.grow(S - 1), got.grow(S - 1)
+    slots = [5, 0, 3, 2]
+    toks = torch.randint(0, V, (len(slots), C), generator=gen)
+    seen = set()
+    for step in range(1, 11):
+        if step == 5:  # two canvases end: their slots begin again
+            ref.reset([0, 3]), got.reset([0, 3])
+        keep = torch.rand(toks.shape, generator=gen) < 0.75  # most positions hold from step to step
+        toks = torch.where(keep, toks, torch.randint(0, V, toks.shape, generator=gen))
+        ends = torch.where(
+            torch.rand(len(slots), generator=gen) < 0.4, 0, torch.randint(1, 5, (len(slots),), generator=gen)
+        )
+        argmax = torch.where(
+            torch.rand(toks.shape, generator=gen) < 0.8, toks, torch.randint(0, V, toks.shape, generator=gen)
+        )
+        ends[:2] = torch.where(
+            torch.rand(2, generator=gen) < 0.8, 0, ends[:2]
+        )  # their paths still all thought
+        ends[2] = 0 if step % 4 == 0 else 1 + step % 3  # held positions, then a step of thought only
+        argmax[:2, 2] = torch.where(
+            torch.rand(2, generator=gen) < 0.8, 3, argmax[:2, 2]
+        )  # an opening that holds
+        rows = _rows(slots, step)
+        want = step_rules(
+            ref, rows, toks, ends, argmax, opens, hold, settle, positions, max_steps, kernel=False
+        )
+        dev = _to(rows)
+        have = step_rules(
+            got, dev, toks.to(DEVICE), ends.to(DEVICE), argmax.to(DEVICE), opens.to(DEVICE), hold, settle,
+            positions, max_steps, kernel=True,
+        )  # fmt: skip
+        if want is None:
+            assert have is None
+        else:
+            assert torch.equal(have.cpu(), want), f"step {step}"
+            seen |= {"pinned"} if (want >= 0).any() else set()
+        for name in FIELDS:
+            assert torch.equal(getattr(got, name).cpu(), getattr(ref, name)), f"{name} at step {step}"
+    if hold is not None or settle is not None:
+        assert seen, "the walk never pinned: the comparison proved nothing"

@@ -42,7 +42,7 @@ from canvasq.decoders.constraint_rules import (
     step_rules,
 )
 from canvasq.decoders.grammar_device import device_grammar
-from canvasq.decoders.state import Canvas, Seq, to_device
+from canvasq.decoders.state import Canvas, Seq
 from canvasq.decoders.structured import (
     Grammar,
     TokenTexts,
@@ -53,6 +53,7 @@ from canvasq.decoders.structured import (
     token_texts,
 )
 from canvasq.decoders.types import DecodeResult, FinishReason
+from canvasq.model.windows import to_device
 
 UNFINISHABLE = "structured_output_unfinishable"
 # rows x C x V at most for the masks applied as one select (64 MiB of bool; the testbed's 64-row group:

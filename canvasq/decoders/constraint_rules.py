@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from canvasq.decoders.state import to_device
+from canvasq.model.windows import to_device
 
 NEG = -1.0e9  # a masked logit: no probability, finite through temperature and entropy arithmetic
 # the rules' counters per slot (each row's `stats`, added when its canvas stops)

@@ -29,8 +29,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from canvasq.decoders.state import to_device
 from canvasq.decoders.structured import Grammar, Unfinishable
+from canvasq.model.windows import to_device
 
 # canvas masks kept per grammar and device (a real-shape [256, 262,144] mask: 64 MiB)
 PLAN_CACHE_BYTES = 1 << 30

@@ -1,7 +1,6 @@
 """A request's state inside a decode loop and the small rules around it: the canvases in flight
 (`Canvas`), the row (`Seq`: slot, generator, tokens out, traces' stats), why a request cannot be
-decoded (`request_error`), where an answer ends (`first_stop`), its own generator (`row_generator`) and
-small host lists moved to the device without a stream sync (`to_device`)."""
+decoded (`request_error`), where an answer ends (`first_stop`), and its own generator (`row_generator`)."""
 
 from __future__ import annotations
 
@@ -13,16 +12,6 @@ from typing import Any
 import torch
 
 from canvasq.decoders.types import DecodeRequest, DecodeResult, FinishReason
-
-
-def to_device(values: list, device: torch.device) -> torch.Tensor:
-    """A small host list as an int64 tensor on `device`. On a GPU the copy is queued from pinned
-    memory, so it does not wait for the work already queued (a plain `torch.tensor(..., device=)`
-    synchronises the stream: a wait for the whole forward, mid-step, several times a step)."""
-    host = torch.tensor(values, dtype=torch.long)
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def request_error(bundle, req: DecodeRequest) -> str | None:

@@ -8,6 +8,7 @@ may change between runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import weakref
 from collections import Counter, OrderedDict
@@ -16,6 +17,7 @@ import torch
 
 from canvasq.model.arena import Captured, KVArena
 from canvasq.model.runtime import DecodeOutput, Runtime, Window, encoder_windows
+from canvasq.model.windows import to_device
 
 PAD_POSITION = 1 << 30  # padding rows sit far beyond any real position: no real row ever sees them
 
@@ -136,6 +138,8 @@ class DecodeGraph:
         self.prep.static = True
         self.prep.logits_out = logits_out
         self.any_slots = not self.prep.ctx.contiguous
+        self.uniform = self._uniform(windows)
+        self._last_slots = self.slots
         # own every buffer a run overwrites (a payload may alias the caller's tensor)
         self.prep.sc = [
             (r, keep.clone(), tuple(t.clone() for t in pay) if isinstance(pay, tuple) else pay.clone())
@@ -168,6 +172,41 @@ class DecodeGraph:
             raise ValueError(f"DecodeGraph built for slots {self.slots}")
         if [_sc_kind(w.self_cond) for w in windows] != self.sc_kinds:
             raise ValueError(f"DecodeGraph built for self-conditioning kinds {self.sc_kinds}")
+        if self.uniform and self._uniform(windows):
+            self._write_uniform(windows)
+        else:
+            self._write(windows)
+        p = self.prep
+        if self.graph is not None:
+            self.graph.replay()
+            logits = self._logits
+        else:
+            logits = self.rt._run(p)[0]
+        if self.encoder:
+            return None
+
+        offsets = [0]
+        for w in windows:
+            offsets.append(offsets[-1] + w.rows)
+        if all(w.rows == self.rows for w in windows):
+            logits = logits.clone()
+        else:
+            real = [torch.arange(b * self.rows, b * self.rows + w.rows) for b, w in enumerate(windows)]
+            logits = logits.index_select(0, torch.cat(real).to(logits.device))
+        captured: list[Captured | None] = []
+        for w, start in zip(windows, (self.arena.length[s] for s in slots)):
+            if w.capture is None or not bool(w.capture.any()):
+                captured.append(None)
+                continue
+            idx = torch.nonzero(w.capture.to(self.rt.device)).flatten()
+            cols = idx + start
+            ks = [k[w.slot][:, cols].transpose(0, 1) for k in self.arena.k]
+            vs = [v[w.slot][:, cols].transpose(0, 1) for v in self.arena.v]
+            captured.append(Captured(ks, vs, w.positions.to(self.rt.device)[idx]))
+        return DecodeOutput(logits, offsets, captured)
+
+    def _write(self, windows: list[Window]) -> None:
+        """The forward's inputs into the static buffers, through `prepare` (any windows)."""
         padded = [pad_window(w, self.rows) for w in windows]
         new = self.rt._prepare(self.arena, padded, encoder=self.encoder, lmax=self.context, capture=False)
         p = self.prep
@@ -190,33 +229,64 @@ class DecodeGraph:
                 pay_s if isinstance(pay_s, tuple) else (pay_s,),
             ):
                 d.copy_(s)
-        if self.graph is not None:
-            self.graph.replay()
-            logits = self._logits
-        else:
-            logits = self.rt._run(p)[0]
-        if self.encoder:
-            return None
+        self._last_slots = [w.slot for w in windows]
 
-        offsets, real = [0], []
-        for b, w in enumerate(windows):
-            offsets.append(offsets[-1] + w.rows)
-            real.append(torch.arange(b * self.rows, b * self.rows + w.rows))
-        if all(w.rows == self.rows for w in windows):
-            logits = logits.clone()
-        else:
-            logits = logits.index_select(0, torch.cat(real).to(logits.device))
-        captured: list[Captured | None] = []
-        for w, start in zip(windows, (self.arena.length[s] for s in slots)):
-            if w.capture is None or not bool(w.capture.any()):
-                captured.append(None)
-                continue
-            idx = torch.nonzero(w.capture.to(self.rt.device)).flatten()
-            cols = idx + start
-            ks = [k[w.slot][:, cols].transpose(0, 1) for k in self.arena.k]
-            vs = [v[w.slot][:, cols].transpose(0, 1) for v in self.arena.v]
-            captured.append(Captured(ks, vs, w.positions.to(self.rt.device)[idx]))
-        return DecodeOutput(logits, offsets, captured)
+    def _uniform(self, windows: list[Window]) -> bool:
+        """Whether the windows are the decode loop's common step: a decoder forward of one canvas per
+        window, each exactly `rows` rows (no padding rows), with no capture, no encoder rows and one
+        top-k self-conditioning entry for all of them or none. `_write_uniform` then writes the
+        buffers with a few batched copies instead of `prepare`'s few per window."""
+        p = self.prep
+        if self.encoder or not p.ctx.dense or len(p.sc) > 1 or (p.sc and not isinstance(p.sc[0][2], tuple)):
+            return False
+        kind, dev = (
+            (tuple if p.sc else type(None)),
+            p.ids.device,
+        )  # every window's SC a top-k signal, or none's
+        return all(
+            w.rows == self.rows
+            and w.capture is None
+            and not w.encoder_rows
+            and isinstance(w.self_cond, kind)
+            and w.token_ids.device == dev
+            for w in windows
+        )
+
+    def _write_uniform(self, windows: list[Window]) -> None:
+        """`_write` for uniform windows (`_uniform`): the same buffer contents, each buffer written by
+        one batched copy (cat into it), and the slots' index only when the slots changed."""
+        p, rows, dev = self.prep, self.rows, self.rt.device
+        slots = [w.slot for w in windows]
+        starts = [self.arena.reserve(s, rows) for s in slots]  # the scratch entries, as `prepare` takes them
+        torch.cat([w.token_ids for w in windows], out=p.ids)
+        torch.cat([w.positions for w in windows], out=p.pos)
+        torch.cat([w.canvas_end for w in windows], out=p.ctx.hi.view(-1))
+        torch.cat([w.canvas_start for w in windows], out=p.ctx.lo.view(-1))
+        p.ctx.lo.sub_(self.rt.sliding_window - 1)
+        first = to_device(starts, dev)
+        torch.add(first[:, None], self._cols, out=p.row_col.view(len(slots), rows))
+        torch.add(first, rows, out=p.ctx.ends)
+        if slots != self._last_slots:
+            at = to_device(slots, dev)
+            p.ctx.slots.copy_(at)
+            p.row_slot.view(len(slots), rows).copy_(at[:, None].expand(-1, rows))
+            self._last_slots = slots
+        if p.sc:
+            _, keep, (ids, vals) = p.sc[0]
+            on = self._on
+            keep.view(-1).copy_(
+                torch.cat([on if w.self_cond_rows is None else w.self_cond_rows for w in windows])
+            )
+            torch.cat([w.self_cond[0] for w in windows], out=ids)  # type: ignore[index]
+            torch.cat([w.self_cond[1] for w in windows], out=vals)  # type: ignore[index]
+
+    @functools.cached_property
+    def _cols(self) -> torch.Tensor:
+        return torch.arange(self.rows, device=self.rt.device)
+
+    @functools.cached_property
+    def _on(self) -> torch.Tensor:
+        return torch.ones(self.rows, dtype=torch.bool, device=self.rt.device)
 
 
 def _sc_kind(sc) -> str:

@@ -75,6 +75,16 @@ class Window:
         return cls(slot, torch.cat(ids), torch.cat(pos), torch.cat(lo), torch.cat(hi), **kw)
 
 
+def to_device(values: list, device: torch.device) -> torch.Tensor:
+    """A small host list as an int64 tensor on `device`. On a GPU the copy is queued from pinned
+    memory, so it does not wait for the work already queued (a plain `torch.tensor(..., device=)`
+    synchronises the stream: a wait for the whole forward, mid-step, several times a step)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def encoder_windows(items: list[tuple[int, torch.Tensor, torch.Tensor]]) -> list[Window]:
     """(slot, ids, positions) per sequence -> the causal windows of an encoder pass."""
     windows = []

@@ -423,6 +423,55 @@ def test_decode_graph_on_any_slots(model):
         fixed.run(windows([0, 2], [c, c]))
 
 
+def test_decode_graph_uniform_steps_write_what_prepare_writes(model):
+    """The decode loop's common step (one top-k SC canvas per window, each a full bucket) is written
+    into the graph's buffers by a few batched copies (`DecodeGraph._write_uniform`), not through
+    `prepare`: every buffer equals what `prepare` writes, over slots that change between steps,
+    rows whose SC is off, and a padded step in between; the logits are the same."""
+    from canvasq.model.graph import DecodeGraph
+
+    shape, _, rt = model
+    g = torch.Generator().manual_seed(8)
+    c, v = shape.canvas_length, shape.vocab_size
+    arena = _prompted_arena(rt, g, v, 4, 128, {0: 7, 1: 19, 2: 11, 3: 26})
+
+    def windows(slots, rows=c, off=()):
+        out = []
+        for s in slots:
+            top = torch.randn(rows, v, generator=g).topk(4)
+            keep = torch.zeros(rows, dtype=torch.bool) if s in off else None
+            out.append(
+                Window.canvas(
+                    s,
+                    _ids(g, rows, v),
+                    arena.length[s],
+                    self_cond=(top.indices, top.values),
+                    self_cond_rows=keep,
+                )
+            )
+        return out
+
+    fast = DecodeGraph(rt, arena, windows([0, 2]), rows=c, context=64)
+    slow = DecodeGraph(rt, arena, windows([0, 2]), rows=c, context=64)
+    slow.uniform = False
+    assert fast.uniform and fast.any_slots
+    # a padded step (through `prepare`) on other slots in between: the next uniform step must see it
+    steps = (([0, 2], c, ()), ([3, 1], c, (1,)), ([1, 2], c - 3, ()), ([3, 1], c, ()), ([1, 2], c, (2,)))
+    for slots, rows, off in steps:
+        ws = windows(slots, rows, off)
+        got, want = fast.run(ws), slow.run(ws)
+        fp, sp = fast.prep, slow.prep
+        for name in ("ids", "pos", "row_slot", "row_col"):
+            assert torch.equal(getattr(fp, name), getattr(sp, name)), (name, slots)
+        for name in ("slots", "hi", "lo", "ends", "pad"):
+            assert torch.equal(getattr(fp.ctx, name), getattr(sp.ctx, name)), (name, slots)
+        (_, keep_f, pay_f), (_, keep_s, pay_s) = fp.sc[0], sp.sc[0]
+        assert torch.equal(keep_f, keep_s) and all(torch.equal(a, b) for a, b in zip(pay_f, pay_s))
+        assert torch.equal(got.logits, want.logits)
+        ref = rt.decode(arena, ws)
+        assert rel_err(got.logits, ref.logits) <= TOL
+
+
 def test_encoder_graph_writes_what_encode_many_writes(model):
     """An encoder DecodeGraph (padded rows, replayed as the contexts grow) leaves the same committed
     K/V and positions in the arena as `encode_many`, and returns no logits."""

@@ -48,7 +48,7 @@ from canvasq.decoders.sampling import (
     zero_top_k_sc,
 )
 from canvasq.decoders.state import Canvas, Seq, row_generator
-from canvasq.decoders.windows import canvas_window
+from canvasq.decoders.windows import front_windows
 
 _GROUP_BYTES = 2 << 30  # per [rows, V] fp32 temporary of the sampler statistics
 
@@ -119,7 +119,7 @@ class OfficialDecoder(StepDecoder):
     def step(self, seqs: list[Seq]) -> None:
         fresh = self._begin()
         enc = self.take_deferred(seqs) if self.folds else {}  # encoder rows riding in this forward
-        windows = [self._window(s.slot, s.canvases[0], enc.get(s.row)) for s in seqs]
+        windows = front_windows(seqs, self._zero_sc, self.device, enc)
         with self.timed() as t:
             out = self.forward(windows)
         idx, B, R = self.slot_index(seqs), len(seqs), self.C
@@ -157,13 +157,6 @@ class OfficialDecoder(StepDecoder):
             seeds, numbers = [s.gen.initial_seed() for s, _ in rows], [s.spawned for s, _ in rows]
             self.slots.reset(list(fresh), seeds, numbers, self.sampler.steps, [cv for _, cv in rows])
         return rows
-
-    def _window(self, slot: int, cv: Canvas, enc: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """The canvas's decoder window. A canvas's first step has no self-conditioning; with top-k SC it
-        still carries a zero top-k signal (`self_cond_rows` all off, exactly HF's "no logits"), so
-        every window of a forward has the same kind and graphed forwards share one capture."""
-        sc, rows = (cv.sc, None) if cv.sc is not None or self._zero_sc is None else self._zero_sc
-        return canvas_window(slot, cv.tokens, cv.start, sc, rows, enc)
 
     def _rows(self, out, start: int, stop: int, uncapped: bool) -> tuple[torch.Tensor, float | None]:
         """Windows start:stop's logits [b, C, V] and the soft cap the sampler still applies to them: the

@@ -1,11 +1,13 @@
 """A canvas's decoder window as the loop builds it, with an encoder pass folded in front when encoder
-passes ride in the decoder forward (`fold_encode`, `StepDecoder.take_deferred`)."""
+passes ride in the decoder forward (`fold_encode`, `StepDecoder.take_deferred`); a step's front canvases'
+windows at once (`front_windows`, `canvas_windows`)."""
 
 from __future__ import annotations
 
 import torch
 
-from canvasq.model.windows import SelfCond, Window
+from canvasq.decoders.state import Canvas, Seq
+from canvasq.model.windows import SelfCond, Window, to_device
 
 
 def canvas_window(
@@ -43,3 +45,43 @@ def canvas_window(
         self_cond_rows=rows,
         encoder_rows=n,
     )
+
+
+def canvas_windows(
+    items: list[tuple[int, torch.Tensor, int, SelfCond, torch.Tensor | None]], device: torch.device
+) -> list[Window]:
+    """`canvas_window` (without an encoder pass) for each (slot, tokens [C], start, self_cond,
+    self_cond_rows) of a step: every window's positions and canvas bounds are views of one [n, C]
+    tensor each, built with a few launches for the step (`Window.canvas` takes three a window: 192
+    of a 64-slot step's few hundred on a GPU whose testbed step is bound by its launches)."""
+    if not items:
+        return []
+    C = items[0][1].numel()
+    if any(t.numel() != C for _, t, *_ in items):
+        return [canvas_window(slot, t, start, sc, rows) for slot, t, start, sc, rows in items]
+    first = to_device([start for _, _, start, *_ in items], device)
+    pos = first[:, None] + torch.arange(C, device=device)
+    lo, hi = first[:, None].expand(-1, C), (first + C)[:, None].expand(-1, C)
+    return [
+        Window(slot, t, pos[b], lo[b], hi[b], self_cond=sc, self_cond_rows=rows)
+        for b, (slot, t, _, sc, rows) in enumerate(items)
+    ]
+
+
+def window_sc(cv: Canvas, zero_sc: tuple | None) -> tuple[SelfCond, torch.Tensor | None]:
+    """A canvas's window's (self_cond, self_cond_rows). A canvas's first step has no self-conditioning;
+    with top-k SC (`zero_sc`: the zero signal and its rows, all off) it still carries a zero top-k
+    signal (exactly HF's "no logits"), so every window of a forward has the same kind and graphed
+    forwards share one capture."""
+    return (cv.sc, None) if cv.sc is not None or zero_sc is None else zero_sc
+
+
+def front_windows(seqs: list[Seq], zero_sc: tuple | None, device: torch.device, enc: dict) -> list[Window]:
+    """Each row's front canvas's decoder window, with `enc[row]` (an encoder pass) in front where
+    given; without any, built together (`canvas_windows`)."""
+    items = [
+        (s.slot, s.canvases[0].tokens, s.canvases[0].start, *window_sc(s.canvases[0], zero_sc)) for s in seqs
+    ]
+    if not enc:
+        return canvas_windows(items, device)
+    return [canvas_window(*item, enc.get(s.row)) for s, item in zip(seqs, items)]

@@ -227,6 +227,7 @@ def test_graphed_forwards_pad_windows_to_a_bucket_on_free_slots(testbed):
     assert lengths[5:] == [0, 0, 0]  # the encode's own padding was emptied again
     g = torch.Generator().manual_seed(0)
     from canvasq.decoders.state import Canvas
+    from canvasq.decoders.windows import canvas_window, window_sc
 
     wins = []
     for slot in range(5):
@@ -237,7 +238,7 @@ def test_graphed_forwards_pad_windows_to_a_bucket_on_free_slots(testbed):
             torch.zeros(dec.C, dtype=torch.bool),
             "full",
         )
-        wins.append(dec._window(slot, cv))
+        wins.append(canvas_window(slot, cv.tokens, cv.start, *window_sc(cv, dec._zero_sc)))
     padded = dec.forward(wins)
     assert padded.logits.shape[0] == 5 * dec.C and len(padded.offsets) == 6
     eager = dec.rt.decode(dec.arena, wins)

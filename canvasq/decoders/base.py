@@ -45,6 +45,7 @@ from canvasq.decoders.types import (
     FinishReason,
     Interrupted,
 )
+from canvasq.model.windows import to_device
 
 if TYPE_CHECKING:
     from canvasq.model.arena import KVArena
@@ -328,7 +329,7 @@ class StepDecoder:
         causal query blocks of at most a canvas's rows), and no pass runs here."""
         items, rows, states = [], {}, {}
         for s in seqs:
-            ids = torch.tensor(s.req.prompt_ids, dtype=torch.long, device=self.device)
+            ids = to_device(s.req.prompt_ids, self.device)
             item = (s.slot, ids, torch.arange(s.prompt_len, device=self.device))
             if self.folds:
                 self._deferred.append((s, item))
@@ -390,7 +391,7 @@ class StepDecoder:
         encodes = []
         for s, toks in zip(seqs, tokens):
             cv = s.canvases.pop(0)
-            cv.tokens = torch.tensor(toks, dtype=torch.long, device=self.device)
+            cv.tokens = to_device(toks, self.device)
             cv.committed[:] = True
             s.retired.append(cv)
             ended = self.answer_ends(s, toks)
@@ -425,7 +426,7 @@ class StepDecoder:
     # -- shared helpers -------------------------------------------------------------------------
     def slot_index(self, seqs: list[Seq]) -> torch.Tensor:
         """[B] long on the device: the rows' slots, to gather and scatter per-slot state."""
-        return torch.tensor([s.slot for s in seqs], dtype=torch.long).to(self.device, non_blocking=True)
+        return to_device([s.slot for s in seqs], self.device)
 
     def generator(self, seed: int, custom_id: str) -> torch.Generator:
         """The request's RNG (a CPU one: its draws are moved to the device)."""

@@ -103,7 +103,7 @@ class SlotRules:
         self.grow(max(slots))
         idx = to_device(slots, self.device)
         for name in ("has_path", "held", "frozen", "opening", "opened", "counts"):
-            getattr(self, name)[idx] = FIELDS[name][2]
+            getattr(self, name).index_fill_(0, idx, FIELDS[name][2])  # a scalar fill: no stream sync
 
     def read(self, slots: list[int]) -> list[tuple[list[int], int, list[int]]]:
         """Per slot: its canvas's best valid path at the last step, the state it ends in and the rules'

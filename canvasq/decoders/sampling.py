@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from canvasq.decoders.configs import OfficialConfig
+from canvasq.model.windows import to_device
 
 Pick = Callable[[torch.Tensor], torch.Tensor]  # keep [B, C] -> the requests' next inputs [B, C]
 
@@ -109,12 +110,12 @@ class SlotState:
         """New canvases (`fresh`, `Canvas`es with their x_T) at `slots` (distinct): their state starts
         over, and each canvas's `tokens` becomes a view of its slot's input."""
         dev = self.left.device
-        at = torch.tensor(slots, device=dev)
+        at = to_device(slots, dev)  # no stream sync: neither these copies nor the scalar fills
         bits = [x - (1 << 64) if x >> 63 else x for x in seeds]  # uint64 seeds as int64 bits
-        self.seed[at] = torch.tensor(bits, device=dev)
-        self.canvas[at] = torch.tensor(canvases, device=dev)
-        self.left[at] = steps
-        self.history[at] = -1
+        self.seed[at] = to_device(bits, dev)
+        self.canvas[at] = to_device(canvases, dev)
+        self.left.index_fill_(0, at, steps)
+        self.history.index_fill_(0, at, -1)
         self.tokens[at] = torch.stack([cv.tokens for cv in fresh])
         for slot, cv in zip(slots, fresh):
             cv.tokens = self.tokens[slot]

@@ -11,7 +11,7 @@ import torch
 from canvasq.kernels.attention import KERNEL_ROWS, Bounds, attend, visible
 from canvasq.kernels.norm_rope import Scatter
 from canvasq.model.arena import KVArena
-from canvasq.model.windows import Window
+from canvasq.model.windows import Window, to_device
 
 
 @dataclass
@@ -73,9 +73,9 @@ class AttentionGeometry:
         extra = len(blocks) > n_windows
         rmax = max(n for *_, n in blocks)
         b_idx, r_idx = _row_index(blocks, row0)
-        b_idx, r_idx = b_idx.to(dev), r_idx.to(dev)
+        b_idx, r_idx = to_device(b_idx, dev), to_device(r_idx, dev)
         nb = len(blocks)
-        slots = torch.tensor([s for s, *_ in blocks], dtype=torch.long, device=dev)
+        slots = to_device([s for s, *_ in blocks], dev)
         first = windows[0].slot
         in_order = n_windows == len(windows) and all(w.slot == first + b for b, w in enumerate(windows))
         hi = torch.zeros(nb, rmax, dtype=torch.long, device=dev)
@@ -83,7 +83,7 @@ class AttentionGeometry:
         hi[b_idx, r_idx] = torch.cat([w.canvas_end.to(dev) for w in windows])
         lo[b_idx, r_idx] = torch.cat([w.canvas_start.to(dev) for w in windows]) - (sliding_window - 1)
         pad = torch.ones(nb, rmax, dtype=torch.bool, device=dev)
-        pad[b_idx, r_idx] = False
+        pad.index_put_((b_idx, r_idx), torch.zeros((), dtype=torch.bool, device=dev))
         dense = not extra and all(r == rmax for r in sizes)  # rows are the blocks' rows, in order
         return cls(
             slots=slots,
@@ -96,7 +96,7 @@ class AttentionGeometry:
             dense=dense,
             hi=hi,
             lo=lo,
-            ends=torch.tensor([e for _, e, *_ in blocks], device=dev),
+            ends=to_device([e for _, e, *_ in blocks], dev),
             pad=pad,
         )
 

@@ -35,29 +35,24 @@ def pad_window(w: Window, rows: int) -> Window:
     dev = w.token_ids.device
     pad_pos = PAD_POSITION + torch.arange(extra, device=dev)
 
-    def cat(t, fill):
+    def cat(t, fill=None):  # the padding made where `t` is (a host tensor's copy would sync the stream)
+        fill = torch.zeros(extra, *t.shape[1:], dtype=t.dtype, device=t.device) if fill is None else fill
         return torch.cat([t, fill.to(t.device, t.dtype)])
 
     sc, sc_rows = w.self_cond, None
     if sc is not None:
-        if isinstance(sc, tuple):
-            sc = (
-                cat(sc[0], torch.zeros(extra, sc[0].shape[1])),
-                cat(sc[1], torch.zeros(extra, sc[1].shape[1])),
-            )
-        else:
-            sc = cat(sc, torch.zeros(extra, sc.shape[1]))
+        sc = (cat(sc[0]), cat(sc[1])) if isinstance(sc, tuple) else cat(sc)
         keep = (
             w.self_cond_rows if w.self_cond_rows is not None else torch.ones(r, dtype=torch.bool, device=dev)
         )
-        sc_rows = cat(keep.bool(), torch.zeros(extra, dtype=torch.bool))
+        sc_rows = cat(keep.bool())
     return Window(
         w.slot,
-        cat(w.token_ids, torch.zeros(extra, dtype=torch.long)),
+        cat(w.token_ids),
         cat(w.positions, pad_pos),
         cat(w.canvas_start, pad_pos),
         cat(w.canvas_end, pad_pos + 1),
-        capture=None if w.capture is None else cat(w.capture.bool(), torch.zeros(extra, dtype=torch.bool)),
+        capture=None if w.capture is None else cat(w.capture.bool()),
         self_cond=sc,
         self_cond_rows=sc_rows,
     )
@@ -192,7 +187,7 @@ class DecodeGraph:
             logits = logits.clone()
         else:
             real = [torch.arange(b * self.rows, b * self.rows + w.rows) for b, w in enumerate(windows)]
-            logits = logits.index_select(0, torch.cat(real).to(logits.device))
+            logits = logits.index_select(0, to_device(torch.cat(real), logits.device))
         captured: list[Captured | None] = []
         for w, start in zip(windows, (self.arena.length[s] for s in slots)):
             if w.capture is None or not bool(w.capture.any()):

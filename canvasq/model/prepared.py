@@ -12,7 +12,7 @@ import torch
 
 from canvasq.model.arena import Captured, KVArena
 from canvasq.model.attention_geometry import AttentionGeometry
-from canvasq.model.windows import Window
+from canvasq.model.windows import Window, to_device
 
 if TYPE_CHECKING:
     from canvasq.model.runtime import Runtime
@@ -82,8 +82,10 @@ def prepare(
     ids = torch.cat([w.token_ids.to(dev) for w in windows])
     pos = torch.cat([w.positions.to(dev) for w in windows])
     starts = [arena.reserve(w.slot, w.rows) for w in windows]
-    row_slot = torch.cat([torch.full((r,), s, dtype=torch.long) for s, r in zip(slots, sizes)]).to(dev)
-    row_col = torch.cat([torch.arange(s, s + r) for s, r in zip(starts, sizes)]).to(dev)
+    row_slot = to_device(
+        torch.cat([torch.full((r,), s, dtype=torch.long) for s, r in zip(slots, sizes)]), dev
+    )
+    row_col = to_device(torch.cat([torch.arange(s, s + r) for s, r in zip(starts, sizes)]), dev)
     ctx = AttentionGeometry.build(
         windows, starts, rt.sliding_window, dev, lmax, arena.capacity, step=rt.context_step
     )
@@ -152,7 +154,7 @@ def self_cond_entries(windows: list[Window], offsets: list[int], dev, dtype: tor
     parts = [(b, w, w.self_cond) for b, w in enumerate(windows) if w.self_cond is not None]
     ks = {sc[0].shape[-1] if isinstance(sc, tuple) else None for _, _, sc in parts}
     if len(parts) > 1 and len(ks) == 1 and None not in ks:
-        rows = torch.cat([torch.arange(offsets[b], offsets[b + 1]) for b, _, _ in parts]).to(dev)
+        rows = to_device(torch.cat([torch.arange(offsets[b], offsets[b + 1]) for b, _, _ in parts]), dev)
         keep = None
         if any(w.self_cond_rows is not None for _, w, _ in parts):
             keep = torch.cat(

@@ -287,6 +287,7 @@ def run(args) -> dict:
         "stream": args.stream,
         "pooled": args.pooled,
         "free_last": args.free_last,
+        "rounds": args.rounds,
         "split": args.split,
         "device": args.device,
         "arms": [],
@@ -314,7 +315,9 @@ def run(args) -> dict:
             settle,
             args.think,
         )
-    for k, (seed, label, problems) in enumerate(sets):
+    rounds = [(r, seed, label if args.rounds == 1 else f"{label}/r{r + 1}", problems)
+              for r in range(args.rounds) for seed, label, problems in sets]  # fmt: skip
+    for k, (_, seed, label, problems) in enumerate(rounds):
         occ: list = []
         free_lines = functools.partial(
             go, bundle, problems, None, tasks.ANSWER_CANVASES["arith"] * C, args.batch, seed, limits
@@ -487,6 +490,14 @@ def main() -> None:
         action="store_true",
         help="the free lines decoded again after the constrained arms (an arm's place in the process "
         "moves its wall by several percent: compare each arm with both free runs)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="every group's arms this many times over, in order (labels /r1, /r2, ...): on a GPU where a "
+        "testbed step is host-bound, identical arms of one process moved by 1.7x (session 33), so "
+        "read the ratios of each round's arms and their spread",
     )
     ap.add_argument(
         "--pooled",

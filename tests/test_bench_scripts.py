@@ -196,7 +196,8 @@ def test_official_steps_probe(tmp_path):
 
 def test_structured_output_pooled_stream_with_a_knob_arm_per_value(tmp_path):
     """`structured_output.py --pooled --stream`: every seed's lines as one arm through one stream (its
-    steps and occupancy reported), an arm per value of a knob given several, every row valid."""
+    steps and occupancy reported), an arm per value of a knob given several, every row valid; with
+    `--rounds 2` all of it twice, the same documents each round."""
     out = tmp_path / "report.json"
     args = [
         "--n",
@@ -211,17 +212,26 @@ def test_structured_output_pooled_stream_with_a_knob_arm_per_value(tmp_path):
         "--schemas",
         "answer",
         "--free-last",
+        "--rounds",
+        "2",
     ]
     _run(tmp_path, "structured_output.py", *args, "--open-hold", "1", "-1", "--out", str(out))
     report = json.loads(out.read_text())
     assert report["pooled"] and report["constraint_open_hold"] == [1, None]
     arms = {a["arm"]: a for a in report["arms"]}
-    assert set(arms) == {
+    names = (
         "free/answer/seeds3-4",
         "answer/open1/seeds3-4",
         "answer/openNone/seeds3-4",
         "free_last/seeds3-4",
-    }
+    )
+    assert set(arms) == {f"{n}/r{r}" for n in names for r in (1, 2)}
     for a in arms.values():
         assert a["rows"] == 4 and a["steps"] > 0 and 0 < a["occupancy_mean"] <= 1
-    assert arms["answer/open1/seeds3-4"]["valid"] == arms["answer/openNone/seeds3-4"]["valid"] == 4
+    for r in (1, 2):
+        assert (
+            arms[f"answer/open1/seeds3-4/r{r}"]["valid"]
+            == arms[f"answer/openNone/seeds3-4/r{r}"]["valid"]
+            == 4
+        )
+    assert arms["answer/open1/seeds3-4/r1"]["fwd_req"] == arms["answer/open1/seeds3-4/r2"]["fwd_req"]

@@ -6,7 +6,8 @@
 # (constraint_max_steps), OPEN_HOLD="1 -1" (constraint_open_hold). PROMPT_ONLY=1: an unconstrained
 # arm of the same lines per schema. STREAM=1: each arm one continuous-batching stream of 64 slots per
 # seed; with POOLED=1 one stream of all the seeds' lines, as one file of them. FREE_LAST=1: the free
-# arm again after the constrained ones (an arm's place in the process moves its wall). TRACE=N: then N
+# arm again after the constrained ones (an arm's place in the process moves its wall). ROUNDS=R: all of
+# it R times over. TRACE=N: then N
 # rows free and under the first schema with torch.profiler (overhead.trace_*). Then, unless
 # EVAL_ONLY=1, the real-shape micro (`benchmarks/kernels/structured.py`) and a cProfile of one seed.
 # Everything lands in $OUT.
@@ -16,7 +17,7 @@ DEV=${DEV:-cuda}; N=${N:-200}; ADAPTER=${ADAPTER:-models/adapters/testbed_json_t
 # shellcheck disable=SC2086
 timeout "${EVAL_TIMEOUT:-420}" python3 benchmarks/structured_output.py --device "$DEV" --adapter "$ADAPTER" \
   --schemas ${SCHEMAS:-answer} --think --n "$N" --seeds 61 62 63 --batch 64 --hardware "${HARDWARE:-$DEV}" \
-  --settle-positions ${SETTLE_POSITIONS:-1} --max-steps ${MAX_STEPS:--1} --open-hold ${OPEN_HOLD:-1} ${PROMPT_ONLY:+--prompt-only} ${STREAM:+--stream} ${POOLED:+--pooled} ${FREE_LAST:+--free-last} ${TRACE:+--trace $TRACE} --out "$OUT/overhead.json" > "$OUT/overhead.log" 2>&1
+  --settle-positions ${SETTLE_POSITIONS:-1} --max-steps ${MAX_STEPS:--1} --open-hold ${OPEN_HOLD:-1} ${PROMPT_ONLY:+--prompt-only} ${STREAM:+--stream} ${POOLED:+--pooled} ${FREE_LAST:+--free-last} ${ROUNDS:+--rounds $ROUNDS} ${TRACE:+--trace $TRACE} --out "$OUT/overhead.json" > "$OUT/overhead.log" 2>&1
 echo "overhead rc=$?"
 python3 - "$OUT/overhead.json" <<'PY'
 import json, sys

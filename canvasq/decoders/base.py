@@ -27,15 +27,7 @@ import torch
 
 from canvasq.decoders import runtimes
 from canvasq.decoders.slots import SlotPool
-from canvasq.decoders.state import (
-    Cancelled,
-    Canvas,
-    Seq,
-    error_result,
-    first_stop,
-    poll,
-    row_generator,
-)
+from canvasq.decoders.state import Cancelled, Canvas, Seq, error_result, first_stop, poll, row_generator
 from canvasq.decoders.traces import PassLog, PassTimer
 from canvasq.decoders.types import (
     CANCELLED,

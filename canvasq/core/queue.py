@@ -250,24 +250,24 @@ class QueueStore(Submission, RunControl, WorkerLiveness):
     def _close_rows(
         self, s: Session, chunk_id: str, run_id: str, status: str, code: str, message: str
     ) -> int:
-        """Unfinished rows of a chunk → terminal `status`, with an error output line each."""
+        """Unfinished rows of a chunk → terminal `status`, with an error output line each. Only the rows
+        this UPDATE moves get one (RETURNING, as `write_results` claims its rows): a row a worker
+        stores between a read of the queued rows and the update keeps its output (a select first
+        let a concurrent `done` row get an `expired` output line: the reliability harness's T13)."""
+        req = cast(Table, Request.__table__)
+        now = utcnow()
         ids = list(
             s.scalars(
-                select(Request.custom_id).where(
-                    Request.chunk_id == chunk_id, Request.status == RequestStatus.queued
+                update(req)
+                .where(
+                    req.c.run_id == run_id, req.c.chunk_id == chunk_id, req.c.status == RequestStatus.queued
                 )
+                .values(status=status, updated_at=now)
+                .returning(req.c.custom_id)
             )
         )
         if not ids:
             return 0
-        now = utcnow()
-        s.execute(
-            update(Request)
-            .where(
-                Request.run_id == run_id, Request.custom_id.in_(ids), Request.status == RequestStatus.queued
-            )
-            .values(status=status, updated_at=now)
-        )
         upsert(
             s,
             Output,

@@ -4,6 +4,8 @@ cancel / expire / retry state changes, and SQLite connection pragmas."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -230,6 +232,42 @@ def test_expire_and_retry(store):
             is None
         )
         assert s.scalar(select(func.count()).select_from(Output).where(Output.run_id == run.run_id)) == 6
+
+
+def test_expiry_keeps_the_output_of_a_row_a_worker_stores_meanwhile(store):
+    """A worker stores q0 (status and output, not yet committed) while the deadline pass runs: the pass
+    waits on q0's row, then must leave it to the worker. It used to read the queued rows first and
+    then write an `expired` output line for each, q0 too: a `done` row with an error (T13's flake)."""
+    if store.dialect != "postgresql":
+        pytest.skip("SQLite serialises writers: the two transactions cannot interleave")
+    run = make_run(store, 4, 4, deadline_s=60)
+    store.claim_chunk(run.chunk_ids[0], "w1", 60, 3)
+    got: list = []
+    with store.Session.begin() as worker:
+        assert store._write_batch(worker, run.run_id, [done("q0")], "w1", utcnow()) == 1
+        expire = threading.Thread(
+            target=lambda: got.append(store.expire_overdue(utcnow() + timedelta(seconds=120)))
+        )
+        expire.start()
+        waiting = "select count(*) from pg_stat_activity where wait_event_type = 'Lock' and datname = current_database()"
+        with (
+            store.engine.connect() as watch
+        ):  # the pass is blocked on q0's row lock before the worker commits
+            deadline = time.monotonic() + 30
+            while not watch.execute(text(waiting)).scalar() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert watch.execute(text(waiting)).scalar(), "the deadline pass never waited on the worker's row"
+    expire.join(30)
+    assert got == [[run.run_id]]
+    with store.Session() as s:
+        out = dict(
+            s.execute(select(Output.custom_id, Output.error_code).where(Output.run_id == run.run_id)).all()
+        )
+        status = dict(
+            s.execute(select(Request.custom_id, Request.status).where(Request.run_id == run.run_id)).all()
+        )
+    assert status == {"q0": "done", "q1": "expired", "q2": "expired", "q3": "expired"}
+    assert out == {"q0": None, "q1": "expired", "q2": "expired", "q3": "expired"}
 
 
 def test_stale_and_unpublished_chunks(store):

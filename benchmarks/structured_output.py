@@ -496,7 +496,7 @@ def main() -> None:
         type=int,
         default=1,
         help="every group's arms this many times over, in order (labels /r1, /r2, ...): on a GPU where a "
-        "testbed step is host-bound, identical arms of one process moved by 1.7x (session 33), so "
+        "testbed step is host-bound, identical arms of one process can move by 1.7x, so "
         "read the ratios of each round's arms and their spread",
     )
     ap.add_argument(

@@ -149,7 +149,7 @@ def step_rules(
     if kernel if kernel is not None else toks.is_cuda:
         from canvasq.kernels.rules import rules  # imported here: kernels' import fixes interpretation
 
-        fused = rules(st, rows, toks, ends, argmax, opens, hold, settle, positions, max_steps, settles)
+        fused = rules(st, rows, toks, ends, argmax, opens, hold, settle, positions, max_steps)
         return fused if hold is not None or settles else None
     st.best[rows.slot], st.best_end[rows.slot] = toks, ends
     pins: torch.Tensor | None = None

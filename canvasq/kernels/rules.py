@@ -107,12 +107,21 @@ def _rules_kernel(
     tl.store(pins_ptr + r * C + col, pins, mask=cm)
 
 
-def rules(st, rows, toks: torch.Tensor, ends: torch.Tensor, argmax: torch.Tensor | None, opens: torch.Tensor,
-          hold: int | None, settle: int | None, positions: int | None, max_steps: int | None,
-          settle_rules: bool) -> torch.Tensor:  # fmt: skip
+def rules(
+    st,
+    rows,
+    toks: torch.Tensor,
+    ends: torch.Tensor,
+    argmax: torch.Tensor | None,
+    opens: torch.Tensor,
+    hold: int | None,
+    settle: int | None,
+    positions: int | None,
+    max_steps: int | None,
+) -> torch.Tensor:
     """One launch of the rules over `rows` (`constraint_rules.StepRows`) with slot state `st`
     (`SlotRules`): the state updated in place, -> [R, C] pins. `argmax` [R, C] is read when `hold`
-    is set (the open rule); `settle_rules`: the settle rules run (settle or max_steps set)."""
+    is set (the open rule); the settle rules run when `settle` or `max_steps` is set."""
     R, C = toks.shape
     pins = torch.empty(R, C, dtype=torch.long, device=toks.device)
     if R == 0:
@@ -126,7 +135,7 @@ def rules(st, rows, toks: torch.Tensor, ends: torch.Tensor, argmax: torch.Tensor
         pins,
         C=C, BLOCK_C=triton.next_power_of_2(C),
         OPEN=hold is not None, HOLD=off if hold is None else hold,
-        SETTLE_RULES=settle_rules, SETTLE=off if settle is None else settle,
+        SETTLE_RULES=settle is not None or max_steps is not None, SETTLE=off if settle is None else settle,
         POSITIONS=off if positions is None else positions, MAX_STEPS=off if max_steps is None else max_steps,
     )  # fmt: skip
     return pins

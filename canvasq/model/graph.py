@@ -234,10 +234,8 @@ class DecodeGraph:
         p = self.prep
         if self.encoder or not p.ctx.dense or len(p.sc) > 1 or (p.sc and not isinstance(p.sc[0][2], tuple)):
             return False
-        kind, dev = (
-            (tuple if p.sc else type(None)),
-            p.ids.device,
-        )  # every window's SC a top-k signal, or none's
+        kind = tuple if p.sc else type(None)  # every window's SC a top-k signal, or none's
+        dev = p.ids.device
         return all(
             w.rows == self.rows
             and w.capture is None

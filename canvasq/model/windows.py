@@ -79,7 +79,7 @@ def to_device(values: list | torch.Tensor, device: torch.device) -> torch.Tensor
     """A small host list (as int64) or CPU tensor on `device`. On a GPU the copy is queued from
     pinned memory, so it does not wait for the work already queued: a copy from pageable memory (a
     plain `torch.tensor(..., device=)` or `.to(device)`) synchronises the stream, a wait for the whole
-    queued forward, and on the testbed a GPU step made ~15 of them (an H100 trace, session 33)."""
+    queued forward (copies like these put ~15 such waits in a testbed step on an H100)."""
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long)
     if torch.device(device).type != "cuda":
         return host.to(device)

@@ -236,8 +236,8 @@ def test_expire_and_retry(store):
 
 def test_expiry_keeps_the_output_of_a_row_a_worker_stores_meanwhile(store):
     """A worker stores q0 (status and output, not yet committed) while the deadline pass runs: the pass
-    waits on q0's row, then must leave it to the worker. It used to read the queued rows first and
-    then write an `expired` output line for each, q0 too: a `done` row with an error (T13's flake)."""
+    waits on q0's row, then must leave it to the worker. A pass that read the queued rows first and
+    then wrote an `expired` output line for each would give q0 one too: a `done` row with an error."""
     if store.dialect != "postgresql":
         pytest.skip("SQLite serialises writers: the two transactions cannot interleave")
     run = make_run(store, 4, 4, deadline_s=60)

@@ -234,6 +234,21 @@ def test_expire_and_retry(store):
         assert s.scalar(select(func.count()).select_from(Output).where(Output.run_id == run.run_id)) == 6
 
 
+def _lock_wait_seen(store: Store, timeout_s: float) -> bool:
+    """Whether a session of this database waits on a lock within `timeout_s`. Each poll is its own
+    transaction (autocommit): inside one, PostgreSQL keeps serving the first read of pg_stat_activity."""
+    waiting = text(
+        "select count(*) from pg_stat_activity where wait_event_type = 'Lock' and datname = current_database()"
+    )
+    deadline = time.monotonic() + timeout_s
+    with store.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as watch:
+        while time.monotonic() < deadline:
+            if watch.execute(waiting).scalar():
+                return True
+            time.sleep(0.05)
+    return False
+
+
 def test_expiry_keeps_the_output_of_a_row_a_worker_stores_meanwhile(store):
     """A worker stores q0 (status and output, not yet committed) while the deadline pass runs: the pass
     waits on q0's row, then must leave it to the worker. A pass that read the queued rows first and
@@ -249,14 +264,7 @@ def test_expiry_keeps_the_output_of_a_row_a_worker_stores_meanwhile(store):
             target=lambda: got.append(store.expire_overdue(utcnow() + timedelta(seconds=120)))
         )
         expire.start()
-        waiting = "select count(*) from pg_stat_activity where wait_event_type = 'Lock' and datname = current_database()"
-        with (
-            store.engine.connect() as watch
-        ):  # the pass is blocked on q0's row lock before the worker commits
-            deadline = time.monotonic() + 30
-            while not watch.execute(text(waiting)).scalar() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert watch.execute(text(waiting)).scalar(), "the deadline pass never waited on the worker's row"
+        assert _lock_wait_seen(store, 30), "the deadline pass never waited on the worker's row"
     expire.join(30)
     assert got == [[run.run_id]]
     with store.Session() as s:

@@ -107,18 +107,8 @@ def _rules_kernel(
     tl.store(pins_ptr + r * C + col, pins, mask=cm)
 
 
-def rules(
-    st,
-    rows,
-    toks: torch.Tensor,
-    ends: torch.Tensor,
-    argmax: torch.Tensor | None,
-    opens: torch.Tensor,
-    hold: int | None,
-    settle: int | None,
-    positions: int | None,
-    max_steps: int | None,
-) -> torch.Tensor:
+def rules(st, rows, toks: torch.Tensor, ends: torch.Tensor, argmax: torch.Tensor | None, opens: torch.Tensor,
+          hold: int | None, settle: int | None, positions: int | None, max_steps: int | None) -> torch.Tensor:  # fmt: skip
     """One launch of the rules over `rows` (`constraint_rules.StepRows`) with slot state `st`
     (`SlotRules`): the state updated in place, -> [R, C] pins. `argmax` [R, C] is read when `hold`
     is set (the open rule); the settle rules run when `settle` or `max_steps` is set."""

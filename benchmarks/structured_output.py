@@ -39,15 +39,20 @@ constrained row's prompt is the problem with its schema shown before it (`CANVAS
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import json
 import re
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.phases
+
+from benchmarks.phases import PhaseClock
 from canvasq.core.schemas import Limits, parse_line
 from canvasq.core.settings import Settings
 from canvasq.decoders import DecodeBatch, DecodeRequest, make_decoder, run_batch
@@ -147,12 +152,14 @@ def decode(
     unconstrained=False,
     stream=False,
     occupancy: list | None = None,
+    phases: dict | None = None,
 ):
     """Results and wall seconds, in batches of `batch` (one `run_batch` each), or with `stream` as the
     worker decodes: one continuous-batching stream of `batch` slots, refilled as rows finish (a slow
     row holds its slot, not a whole batch); `unconstrained`: the constrained lines' prompts decoded
     without their `response_format` (nothing holds them to it); `occupancy`, with `stream`, receives
-    (live rows, slots) per decoder step."""
+    (live rows, slots) per decoder step; `phases`, with `stream`, receives the host ms a step of each of
+    the decoder's phases (`phases.PhaseClock`)."""
     reqs = [
         DecodeRequest(
             j.custom_id,
@@ -167,7 +174,13 @@ def decode(
     t0 = time.perf_counter()
     if stream:
         dec = make_decoder("official", bundle, overrides)
-        return drain(dec, reqs, batch, seed, occupancy), time.perf_counter() - t0
+        occupancy = [] if occupancy is None else occupancy
+        with PhaseClock() if phases is not None else contextlib.nullcontext() as clock:
+            out = drain(dec, reqs, batch, seed, occupancy)
+        wall = time.perf_counter() - t0
+        if clock is not None:
+            phases |= clock.report(wall, len(occupancy))
+        return out, wall
     out = []
     for i in range(0, len(reqs), batch):
         out += run_batch(
@@ -288,6 +301,7 @@ def run(args) -> dict:
         "pooled": args.pooled,
         "free_last": args.free_last,
         "rounds": args.rounds,
+        "phases": args.phases,
         "split": args.split,
         "device": args.device,
         "arms": [],
@@ -295,6 +309,7 @@ def run(args) -> dict:
     arms = knob_arms(args)  # arms of the same process, alternating order by seed
     settle = arms[0][1]
     go = functools.partial(decode, stream=args.stream)
+    clock = dict if args.phases else (lambda: None)  # a fresh dict per arm, or no clock
     # untimed: one batch free and one per schema first, so no timed arm pays Triton's compiles, the
     # allocator's first blocks or a grammar's compile (on the H200 the first arm took 16.7 s against 4.2);
     # with --stream the first arm's whole free stream too: its refills and encoder passes meet sizes a
@@ -318,12 +333,12 @@ def run(args) -> dict:
     rounds = [(r, seed, label if args.rounds == 1 else f"{label}/r{r + 1}", problems)
               for r in range(args.rounds) for seed, label, problems in sets]  # fmt: skip
     for k, (_, seed, label, problems) in enumerate(rounds):
-        occ: list = []
+        occ, ph = [], clock()
         free_lines = functools.partial(
             go, bundle, problems, None, tasks.ANSWER_CANVASES["arith"] * C, args.batch, seed, limits
         )
-        free, wall = free_lines(occupancy=occ)
-        free_occ = occupancy_of(occ)
+        free, wall = free_lines(occupancy=occ, phases=ph)
+        free_occ = occupancy_of(occ) | (ph or {})
         answers = [tasks.arith_answer(r.text) for r in free]
         for name in args.schemas:
             ok = [asked(name, p, None, a) == truth(name, p) for p, a in zip(problems, answers)]
@@ -336,10 +351,10 @@ def run(args) -> dict:
                 go, bundle, problems, SCHEMAS[name], max_tokens, args.batch, seed, limits
             )
             for tag, overrides in arms if k % 2 == 0 else arms[::-1]:
-                occ = []
-                res, cwall = lines(overrides, args.think, occupancy=occ)
+                occ, ph = [], clock()
+                res, cwall = lines(overrides, args.think, occupancy=occ, phases=ph)
                 arm = constrained_arm(f"{name}{tag}/{label}", name, problems, res, cwall)
-                arm |= {"max_tokens": max_tokens, **occupancy_of(occ)}
+                arm |= {"max_tokens": max_tokens, **occupancy_of(occ), **(ph or {})}
                 report["arms"].append(arm)
                 print(json.dumps(report["arms"][-2:]), flush=True)
                 _write(args.out, report)
@@ -353,11 +368,13 @@ def run(args) -> dict:
                 print(json.dumps(report["arms"][-1]), flush=True)
                 _write(args.out, report)
         if args.free_last:  # the same free lines once more, after every constrained arm of the group
-            occ = []
-            again, wall = free_lines(occupancy=occ)
+            occ, ph = [], clock()
+            again, wall = free_lines(occupancy=occ, phases=ph)
             ok = [tasks.arith_answer(r.text) == p.target for p, r in zip(problems, again)]
             report["arms"].append(
-                arm_report(f"free_last/{label}", again, wall, problems, ok, None) | occupancy_of(occ)
+                arm_report(f"free_last/{label}", again, wall, problems, ok, None)
+                | occupancy_of(occ)
+                | (ph or {})
             )
             print(json.dumps(report["arms"][-1]), flush=True)
             _write(args.out, report)
@@ -498,6 +515,12 @@ def main() -> None:
         help="every group's arms this many times over, in order (labels /r1, /r2, ...): on a GPU where a "
         "testbed step is host-bound, identical arms of one process can move by 1.7x, so "
         "read the ratios of each round's arms and their spread",
+    )
+    ap.add_argument(
+        "--phases",
+        action="store_true",
+        help="with --stream: each arm's host ms a decoder step by phase (forward, mask, sample, step's own "
+        "time with its sync, encode, ...; benchmarks/phases.py): where a constrained step's extra time goes",
     )
     ap.add_argument(
         "--pooled",

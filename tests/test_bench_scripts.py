@@ -197,7 +197,8 @@ def test_official_steps_probe(tmp_path):
 def test_structured_output_pooled_stream_with_a_knob_arm_per_value(tmp_path):
     """`structured_output.py --pooled --stream`: every seed's lines as one arm through one stream (its
     steps and occupancy reported), an arm per value of a knob given several, every row valid; with
-    `--rounds 2` all of it twice, the same documents each round."""
+    `--rounds 2` all of it twice, the same documents each round; `--phases`: each arm's host time a step
+    split by phase."""
     out = tmp_path / "report.json"
     args = [
         "--n",
@@ -214,6 +215,7 @@ def test_structured_output_pooled_stream_with_a_knob_arm_per_value(tmp_path):
         "--free-last",
         "--rounds",
         "2",
+        "--phases",
     ]
     _run(tmp_path, "structured_output.py", *args, "--open-hold", "1", "-1", "--out", str(out))
     report = json.loads(out.read_text())
@@ -228,6 +230,11 @@ def test_structured_output_pooled_stream_with_a_knob_arm_per_value(tmp_path):
     assert set(arms) == {f"{n}/r{r}" for n in names for r in (1, 2)}
     for a in arms.values():
         assert a["rows"] == 4 and a["steps"] > 0 and 0 < a["occupancy_mean"] <= 1
+        # --phases: host ms a step per phase, each phase's own time, the rest what none covered
+        ms = a["phase_ms_step"]
+        assert {"step", "forward", "sample", "encode"} <= set(ms) and all(v >= 0 for v in ms.values())
+        assert sum(ms.values()) == pytest.approx(1e3 * a["wall_s"] / a["steps"], rel=1e-3)
+        assert {"mask", "final", "begin"} <= set(ms)  # the constraint's hooks run for every row
     for r in (1, 2):
         assert (
             arms[f"answer/open1/seeds3-4/r{r}"]["valid"]

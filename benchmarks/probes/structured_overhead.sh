@@ -7,7 +7,7 @@
 # arm of the same lines per schema. STREAM=1: each arm one continuous-batching stream of 64 slots per
 # seed; with POOLED=1 one stream of all the seeds' lines, as one file of them. FREE_LAST=1: the free
 # arm again after the constrained ones (an arm's place in the process moves its wall). ROUNDS=R: all of
-# it R times over. TRACE=N: then N
+# it R times over. PHASES=1: each arm's host ms a step by phase (benchmarks/phases.py). TRACE=N: then N
 # rows free and under the first schema with torch.profiler (overhead.trace_*). Then, unless
 # EVAL_ONLY=1, the real-shape micro (`benchmarks/kernels/structured.py`) and a cProfile of one seed.
 # Everything lands in $OUT.
@@ -17,7 +17,7 @@ DEV=${DEV:-cuda}; N=${N:-200}; ADAPTER=${ADAPTER:-models/adapters/testbed_json_t
 # shellcheck disable=SC2086
 timeout "${EVAL_TIMEOUT:-420}" python3 benchmarks/structured_output.py --device "$DEV" --adapter "$ADAPTER" \
   --schemas ${SCHEMAS:-answer} --think --n "$N" --seeds 61 62 63 --batch 64 --hardware "${HARDWARE:-$DEV}" \
-  --settle-positions ${SETTLE_POSITIONS:-1} --max-steps ${MAX_STEPS:--1} --open-hold ${OPEN_HOLD:-1} ${PROMPT_ONLY:+--prompt-only} ${STREAM:+--stream} ${POOLED:+--pooled} ${FREE_LAST:+--free-last} ${ROUNDS:+--rounds $ROUNDS} ${TRACE:+--trace $TRACE} --out "$OUT/overhead.json" > "$OUT/overhead.log" 2>&1
+  --settle-positions ${SETTLE_POSITIONS:-1} --max-steps ${MAX_STEPS:--1} --open-hold ${OPEN_HOLD:-1} ${PROMPT_ONLY:+--prompt-only} ${STREAM:+--stream} ${POOLED:+--pooled} ${FREE_LAST:+--free-last} ${ROUNDS:+--rounds $ROUNDS} ${PHASES:+--phases} ${TRACE:+--trace $TRACE} --out "$OUT/overhead.json" > "$OUT/overhead.log" 2>&1
 echo "overhead rc=$?"
 python3 - "$OUT/overhead.json" <<'PY'
 import json, sys
@@ -26,6 +26,8 @@ for a in json.load(open(sys.argv[1]))["arms"]:
     print(f"{a['arm']:40s} correct {a['correct']:3d} valid {a['valid']:3d} fwd/req {a['fwd_req']:5.1f} wall {a['wall_s']:6.2f} s "
           f"tok/s {a['tok_s']:7.0f} hooks ms/req {a['constraint_host_ms_req']:6.2f}{second}"
           + (f" steps {a['steps']} occupancy {a['occupancy_mean']:.2f}" if "steps" in a else ""))
+    if "phase_ms_step" in a:
+        print("    ms/step " + " ".join(f"{k} {v:.2f}" for k, v in sorted(a["phase_ms_step"].items(), key=lambda kv: -kv[1])))
 PY
 [[ ${EVAL_ONLY:-0} == 1 ]] && exit 0
 [[ $DEV == cuda ]] && { OUT=$OUT timeout 150 python3 benchmarks/kernels/structured.py > "$OUT/micro.txt" 2>&1; echo "micro rc=$?"; grep '^|' "$OUT/micro.txt"; }

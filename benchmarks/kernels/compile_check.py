@@ -57,6 +57,7 @@ MODULES = (
     "soft_embed",
     "pin",
     "rules",
+    "constrain",
 )
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")

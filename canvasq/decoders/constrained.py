@@ -59,6 +59,8 @@ UNFINISHABLE = "structured_output_unfinishable"
 # rows x C x V at most for the masks applied as one select (64 MiB of bool; the testbed's 64-row group:
 # 1.5 M): above it, one masked fill a row
 BAN_STACK_ELEMENTS = 1 << 26
+# the plans `kernels.constrain` reads, at most (the testbed's: 24 KiB each; a real-shape plan: 64 MiB)
+PLAN_TABLE_BYTES = 1 << 28
 INVALID = "invalid_structured_output"
 
 
@@ -67,7 +69,43 @@ class RowGrammar:
     grammar: Grammar
     state: int  # the automaton's state after the committed answer
     banned: torch.Tensor | None = None  # [C, V] bool on the device: the front canvas's banned tokens
+    plan: tuple | None = None  # what `banned` was planned from (grammar, state, budget): its table key
     steps: int = 0  # the front canvas's masked steps (its rules' state is on the device: `SlotRules`)
+
+
+class PlanTable:
+    """The constrained rows' plans as one [P, C, V] bool device tensor, so one launch
+    (`kernels.constrain`) reads each row's by its index: a plan is copied in the first step a row
+    needs it (from the grammar's cache of plans), and the table starts over when a step's plans do not
+    fit beside the ones it holds (`max_bytes`)."""
+
+    def __init__(self, C: int, V: int, device: torch.device, max_bytes: int = PLAN_TABLE_BYTES):
+        self.cap = max_bytes // (C * V)
+        self.plans = torch.empty(0, C, V, dtype=torch.bool, device=device)
+        self.index: dict[tuple | None, int] = {}  # by `RowGrammar.plan`
+
+    def ids(self, rows: list[RowGrammar]) -> list[int] | None:
+        """Each row's plan's index in `plans`, or None when the rows' distinct plans exceed the table
+        (the caller masks without it)."""
+        new = {row.plan: row.banned for row in rows if row.plan not in self.index}
+        if len(self.index) + len(new) > self.cap:  # full: only this step's plans
+            new = {row.plan: row.banned for row in rows}
+            if len(new) > self.cap:
+                return None
+            self.index = {}
+        if new:
+            self._add(new)
+        return [self.index[row.plan] for row in rows]
+
+    def _add(self, new: dict) -> None:
+        n = len(self.index)
+        if n + len(new) > len(self.plans):  # grown by doubling, up to the cap
+            grown = self.plans.new_empty((min(self.cap, max(8, 2 * (n + len(new)))), *self.plans.shape[1:]))
+            grown[:n] = self.plans[:n]
+            self.plans = grown
+        for k, (key, banned) in enumerate(new.items(), n):
+            self.plans[k].copy_(banned)
+            self.index[key] = k
 
 
 def bundle_texts(bundle) -> TokenTexts:
@@ -102,6 +140,8 @@ class CanvasConstraints:
         self.rows: dict[int, RowGrammar] = {}
         self.slots = SlotRules(C, device)
         self._fresh: list[int] = []  # slots whose canvas began since the last masked step
+        self.table = PlanTable(C, V, device)
+        self.kernels: bool | None = None  # mask through `kernels.constrain` (None: on CUDA)
 
     def texts(self) -> TokenTexts:
         if self._texts is None:
@@ -132,6 +172,7 @@ class CanvasConstraints:
         budget = s.req.max_tokens - cv.index * self.C
         try:
             row.banned = device_grammar(row.grammar, self.device).banned(row.state, self.C, budget, self.V)
+            row.plan = (row.grammar, row.state, budget)
         except Unfinishable as exc:
             s.error, s.done = f"{UNFINISHABLE}: {exc}", True
             return
@@ -156,20 +197,18 @@ class CanvasConstraints:
         self._fresh = []
         for *_, row in at:
             row.steps += 1
-        rows = self._step_rows(at)
-        self._ban(at, logits, rows.b)
-        if self.open_hold is not None:  # earlier steps' openings, pinned before the Viterbi
-            opened = self.slots.opened[rows.slot]
-            before = torch.full((len(at), self.C), -1, dtype=torch.long, device=logits.device)
-            pin(logits, rows.b, before.scatter_(1, opened[:, :1].clamp(min=0), opened[:, 1:]))
+        plans = self.table.ids([row for *_, row in at]) if self._fused(logits) else None
+        rows = self._step_rows(at, plans)
+        if rows.plan is not None:  # bans, the opening's pin, log-sum-exps and argmax in one launch
+            lse, argmax = self._constrain(logits, rows)
+        else:
+            lse, argmax = None, self._ban_and_open(at, logits, rows)
         try:
-            toks, ends = self._best([(s, row) for _, s, row in at], logits, rows.b)
+            toks, ends = self._best([(s, row) for _, s, row in at], logits, rows.b, lse)
         except Unfinishable as exc:  # begin's plan said otherwise: a bug, the rows end in error
             for _, s, _ in at:
                 s.error, s.done = f"{UNFINISHABLE}: {exc}", True
             return
-        # the group's argmax, then the rows': never a [R, C, V] copy
-        argmax = logits.argmax(dim=-1)[rows.b] if self.open_hold is not None else None
         pins = step_rules(
             self.slots, rows, toks, ends, argmax, self.opens(), self.open_hold, self.settle,
             self.settle_positions, self.max_steps,
@@ -179,6 +218,33 @@ class CanvasConstraints:
         share = int(1e6 * (time.perf_counter() - t0) / len(at))
         for _, s, _ in at:
             s.stats["constraint_host_us"] += share
+
+    def _fused(self, logits: torch.Tensor) -> bool:
+        """Whether the step masks through `kernels.constrain` (CUDA by default; `self.kernels` forces it)."""
+        return self.kernels if self.kernels is not None else logits.is_cuda
+
+    def _constrain(self, logits: torch.Tensor, rows: StepRows) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_ban_and_open` in one launch (`kernels.constrain`), plus the rows' log-sum-exps for the
+        Viterbi: ([R, C] log-sum-exps, [R, C] argmax when the open rule reads it)."""
+        from canvasq.kernels.constrain import constrain  # imported here: kernels' import fixes interpretation
+
+        assert rows.plan is not None
+        opened = self.slots.opened if self.open_hold is not None else None
+        lse, argmax = constrain(logits, rows.b, rows.plan, self.table.plans, rows.slot, opened, NEG)
+        return lse, argmax if self.open_hold is not None else None
+
+    def _ban_and_open(
+        self, at: list[tuple[int, Seq, RowGrammar]], logits: torch.Tensor, rows: StepRows
+    ) -> torch.Tensor | None:
+        """The rows' bans (`_ban`) and, with the open rule, earlier steps' openings pinned before the
+        Viterbi; the rows' argmax after both when the open rule reads it."""
+        self._ban(at, logits, rows.b)
+        if self.open_hold is None:
+            return None
+        opened = self.slots.opened[rows.slot]
+        before = torch.full((len(at), self.C), -1, dtype=torch.long, device=logits.device)
+        pin(logits, rows.b, before.scatter_(1, opened[:, :1].clamp(min=0), opened[:, 1:]))
+        return logits.argmax(dim=-1)[rows.b]  # the group's argmax, then the rows': no [R, C, V] copy
 
     def _ban(self, at: list[tuple[int, Seq, RowGrammar]], logits: torch.Tensor, b: torch.Tensor) -> None:
         """Every constrained row's logits outside its masks set to `NEG`, in place: as one select over
@@ -191,8 +257,9 @@ class CanvasConstraints:
         for (k, _, _), mask in zip(at, banned):
             logits[k].masked_fill_(mask, NEG)
 
-    def _step_rows(self, at: list[tuple[int, Seq, RowGrammar]]) -> StepRows:
-        """The step's constrained rows as one host-to-device copy."""
+    def _step_rows(self, at: list[tuple[int, Seq, RowGrammar]], plans: list[int] | None) -> StepRows:
+        """The step's constrained rows (with their plans' places in `self.table` when given) as one
+        host-to-device copy."""
         host = [
             (
                 b,
@@ -201,36 +268,45 @@ class CanvasConstraints:
                 int(bool(s.req.think)),
                 int(row.state == row.grammar.start),
                 row.steps,
+                plans[k] if plans is not None else -1,
             )
-            for b, s, row in at
+            for k, (b, s, row) in enumerate(at)
         ]
         # transposed: each field a contiguous [R] (the rules' kernel reads them by row)
-        b, slot, start, think, at_start, steps = to_device(host, self.device).T.contiguous().unbind(0)
-        return StepRows(b, slot, start, think.bool(), at_start.bool(), steps)
+        b, slot, start, think, at_start, steps, plan = to_device(host, self.device).T.contiguous().unbind(0)
+        return StepRows(
+            b, slot, start, think.bool(), at_start.bool(), steps, plan if plans is not None else None
+        )
 
     def _best(
-        self, rows: list[tuple[Seq, RowGrammar]], logits: torch.Tensor, idx: torch.Tensor
+        self,
+        rows: list[tuple[Seq, RowGrammar]],
+        logits: torch.Tensor,
+        idx: torch.Tensor,
+        lse: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's best completable path under its logits (`logits[idx]` [R, C, V], in `rows`' order)
-        and the state it ends in ([R, C], [R] on the device): one batched device Viterbi per distinct
-        grammar."""
+        """Each row's best completable path under its logits (`logits[idx]` [R, C, V], in `rows`' order;
+        `lse` [R, C] their log-sum-exps when known) and the state it ends in ([R, C], [R] on the
+        device): one batched device Viterbi per distinct grammar."""
         groups: dict[int, list[int]] = {}
         for k, (_, row) in enumerate(rows):
             groups.setdefault(id(row.grammar), []).append(k)
         if len(groups) == 1:  # the common case: one schema in the group
-            return self._best_of(rows, logits, idx, list(range(len(rows))))
+            return self._best_of(rows, logits, idx, list(range(len(rows))), lse)
         toks = torch.empty(len(rows), self.C, dtype=torch.long, device=logits.device)
         ends = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         for ks in groups.values():
             at = to_device(ks, idx.device)
-            toks[at], ends[at] = self._best_of(rows, logits, idx[at], ks)
+            toks[at], ends[at] = self._best_of(rows, logits, idx[at], ks, None if lse is None else lse[at])
         return toks, ends
 
-    def _best_of(self, rows, logits: torch.Tensor, idx: torch.Tensor, ks: list[int]):
+    def _best_of(
+        self, rows, logits: torch.Tensor, idx: torch.Tensor, ks: list[int], lse: torch.Tensor | None
+    ):
         grammar = rows[ks[0]][1].grammar
         budgets = [s.req.max_tokens - s.canvases[0].index * self.C for s, _ in (rows[k] for k in ks)]
         states = [rows[k][1].state for k in ks]
-        return device_grammar(grammar, self.device).best(states, logits, budgets, idx)
+        return device_grammar(grammar, self.device).best(states, logits, budgets, idx, lse)
 
     def final(self, finished: list[Seq], tokens: list[list[int]]) -> list[list[int]]:
         """The stopped canvases' tokens, the constrained rows' replaced by their best completable path

@@ -43,6 +43,7 @@ class StepRows:
     think: torch.Tensor  # [R] bool: the row writes a thought before its document
     at_start: torch.Tensor  # [R] bool: the canvas starts in the grammar's start state (no document yet)
     steps: torch.Tensor  # [R] masked steps of the row's canvas, this one included
+    plan: torch.Tensor | None = None  # [R] each row's plan in `constrained.PlanTable` (fused masking)
 
 
 # the rules' per-slot state: name -> (shape after the slot dimension, with C for the canvas; dtype; the

@@ -102,12 +102,18 @@ class DeviceGrammar:
         return counts.scatter_add_(1, self.tok.expand(C, -1), take_all) == 0
 
     def best(
-        self, states: list[int], logits: torch.Tensor, budgets: list[int], rows: torch.Tensor | None = None
+        self,
+        states: list[int],
+        logits: torch.Tensor,
+        budgets: list[int],
+        rows: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's best completable path from its state under its log-softmax of `logits` [B, C, V]
-        (on the device; `rows`: the R rows of B to read, all by default) within its budget: ([R, C]
-        tokens, [R] end states, both on the device: nothing is read back). The edges' log-probs are
-        read a few positions at a time (`GAIN_ELEMENTS`): no [R, C, V] copy is made."""
+        (on the device; `rows`: the R rows of B to read, all by default; `lse` [R, C]: their
+        log-sum-exps when the caller has them) within its budget: ([R, C] tokens, [R] end states, both
+        on the device: nothing is read back). The edges' log-probs are read a few positions at a time
+        (`GAIN_ELEMENTS`): no [R, C, V] copy is made."""
         rows = torch.arange(logits.shape[0], device=logits.device) if rows is None else rows
         C = logits.shape[1]
         if not all(self.can_finish(q, C, b) for q, b in zip(states, budgets)):
@@ -116,7 +122,7 @@ class DeviceGrammar:
         # CUDA only: under TRITON_INTERPRET the kernel walks every block of every state in Python (minutes
         # at a 4,096-token vocabulary); tests/kernels/test_viterbi.py calls `_best_kernel` itself
         if logits.dtype != torch.float64 and logits.is_cuda:
-            return self._best_kernel(states, logits, rows, back)
+            return self._best_kernel(states, logits, rows, back, lse=lse)
         return self._best_torch(states, logits, rows, back)
 
     def _best_torch(
@@ -157,19 +163,20 @@ class DeviceGrammar:
         back: torch.Tensor,
         block: int = 32,
         tile: int | None = None,
+        lse: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`best` in one launch (`kernels.viterbi`): the positions' log-sum-exps in torch, a few
-        positions at a time, then one program per row."""
+        """`best` in one launch (`kernels.viterbi`): the positions' log-sum-exps (`lse`, or in torch a
+        few positions at a time), then one program per row."""
         # imported here: importing canvasq.kernels fixes whether its kernels are interpreted (tests/kernels)
         from canvasq.kernels.viterbi import TILE, csr, viterbi
 
         R, C, V = len(rows), logits.shape[1], logits.shape[2]
         if block not in self._csr:
             self._csr[block] = csr(self.src, self.tok, self.dst, self.free, self.g.Q, block)
-        step = max(1, GAIN_ELEMENTS // max(1, R * V))
-        lse = torch.cat(
-            [torch.logsumexp(logits[rows, i0 : i0 + step].float(), dim=-1) for i0 in range(0, C, step)], dim=1
-        )
+        if lse is None:
+            step = max(1, GAIN_ELEMENTS // max(1, R * V))
+            reads = [logits[rows, i0 : i0 + step].float() for i0 in range(0, C, step)]
+            lse = torch.cat([torch.logsumexp(x, dim=-1) for x in reads], dim=1)
         start = to_device(states, self.device)
         toks, ends = viterbi(
             logits.contiguous(), rows, lse, back, start, self._csr[block], self.g.Q, tile or TILE

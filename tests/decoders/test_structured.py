@@ -369,6 +369,12 @@ def test_the_document_is_opened_where_the_models_argmax_holds_its_brace(texts, t
     the one token it cannot). Once the brace has held its position for `open_hold` steps it is pinned
     there (one-hot), and from the next step's start the path begins the document at it; a brace that
     moves is not pinned, and without the rule the path stays thought."""
+    open_hold_scenario(texts, testbed, kernels=False)
+
+
+def open_hold_scenario(texts, testbed, kernels: bool) -> None:
+    """The open rule's test, its masks made in torch or through `kernels.constrain` (`kernels`; tests/
+    kernels runs it interpreted on the CPU)."""
     from collections import Counter
     from types import SimpleNamespace
 
@@ -391,7 +397,9 @@ def test_the_document_is_opened_where_the_models_argmax_holds_its_brace(texts, t
 
     def run(steps, open_hold):
         checks = CanvasConstraints(testbed, C, V, torch.device("cpu"), open_hold=open_hold)
-        checks.rows[0] = RowGrammar(grammar, grammar.start, torch.zeros(C, V, dtype=torch.bool))
+        checks.kernels = kernels
+        plan = ("any", 0, 3 * C)  # a table key: the kernel reads the row's plan from the table
+        checks.rows[0] = RowGrammar(grammar, grammar.start, torch.zeros(C, V, dtype=torch.bool), plan=plan)
         req = SimpleNamespace(think=True, max_tokens=3 * C)  # room for the document in later canvases
         seq = SimpleNamespace(row=0, slot=0, req=req, canvases=[SimpleNamespace(index=0)], stats=Counter())
         out = []

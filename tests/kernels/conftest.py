@@ -15,6 +15,7 @@ if not os.path.exists("/dev/nvidiactl"):
     import triton.experimental.gluon  # noqa: F401  (the interpreter imports it lazily, asserting the mode)
 
     import canvasq.kernels
+    import canvasq.kernels.constrain
     import canvasq.kernels.moe.kernels
     import canvasq.kernels.pin
     import canvasq.kernels.rules

@@ -372,9 +372,9 @@ def test_the_document_is_opened_where_the_models_argmax_holds_its_brace(texts, t
     open_hold_scenario(texts, testbed, kernels=False)
 
 
-def open_hold_scenario(texts, testbed, kernels: bool) -> None:
+def open_hold_scenario(texts, testbed, kernels: bool, device: str = "cpu") -> None:
     """The open rule's test, its masks made in torch or through `kernels.constrain` (`kernels`; tests/
-    kernels runs it interpreted on the CPU)."""
+    kernels runs it interpreted on the CPU, compiled on `device` "cuda")."""
     from collections import Counter
     from types import SimpleNamespace
 
@@ -387,7 +387,7 @@ def open_hold_scenario(texts, testbed, kernels: bool) -> None:
         ids = tok.encode(text).ids[:C]
         out = torch.zeros(1, C, V)
         out[0, torch.arange(C), torch.tensor(ids)] = 8.0
-        return out, ids
+        return out.to(device), ids
 
     slip, ids = logits_for('so 12 eggs\n{anwser":12,"chnage":"lst","anwser":12,"chnage":"lst"')
     moved, moved_ids = logits_for('so 12 eggs.\n{anwser":12,"chnage":"lst","anwser":12,"chnage":"lst"')
@@ -396,10 +396,11 @@ def open_hold_scenario(texts, testbed, kernels: bool) -> None:
     grammar = cached_grammar(ANSWER, texts, True)
 
     def run(steps, open_hold):
-        checks = CanvasConstraints(testbed, C, V, torch.device("cpu"), open_hold=open_hold)
+        checks = CanvasConstraints(testbed, C, V, torch.device(device), open_hold=open_hold)
         checks.kernels = kernels
         plan = ("any", 0, 3 * C)  # a table key: the kernel reads the row's plan from the table
-        checks.rows[0] = RowGrammar(grammar, grammar.start, torch.zeros(C, V, dtype=torch.bool), plan=plan)
+        banned = torch.zeros(C, V, dtype=torch.bool, device=device)
+        checks.rows[0] = RowGrammar(grammar, grammar.start, banned, plan=plan)
         req = SimpleNamespace(think=True, max_tokens=3 * C)  # room for the document in later canvases
         seq = SimpleNamespace(row=0, slot=0, req=req, canvases=[SimpleNamespace(index=0)], stats=Counter())
         out = []

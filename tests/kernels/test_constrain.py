@@ -99,7 +99,7 @@ def test_a_stream_masked_in_one_launch_decodes_what_the_torch_masks_decode():
     from canvasq.testbed import tasks
     from canvasq.testbed.json_adapter import apply_adapter
 
-    testbed = load_bundle()
+    testbed = load_bundle(device=DEVICE)
     apply_adapter(testbed, "models/adapters/testbed_json_composite")  # its rows open documents, as served
     C = testbed.canvas_length
     problems = tasks.generate("arith", 6, 5, split="dev")
@@ -127,7 +127,7 @@ def test_the_open_rule_pins_the_brace_through_the_kernel():
     from canvasq.model.loading import load_bundle
     from tests.decoders.test_structured import TOKENIZER, open_hold_scenario, token_texts
 
-    open_hold_scenario(token_texts(TOKENIZER), load_bundle(), kernels=True)
+    open_hold_scenario(token_texts(TOKENIZER), load_bundle(), kernels=True, device=DEVICE)
 
 
 def test_the_plan_table_starts_over_when_full_and_refuses_a_step_it_cannot_hold():

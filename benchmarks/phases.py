@@ -5,7 +5,9 @@ wall), so a constrained arm's slower steps have to be found on the host's clock,
 `PhaseClock` wraps the decoder's methods for the time of a `with` block and adds up, per phase, the
 wall each spent outside the phases it called. What no phase covers (the stream's own loop, the
 drain's callbacks) is the wall less their sum. The step's host sync is inside `step`'s own time, so
-on a GPU `step` also holds the wait for the device's queued work.
+on a GPU `step` also holds the wait for the device's queued work. Python's cyclic garbage collections
+are a phase of their own (`gc`, taken out of the phase they interrupted), with their count by
+generation (`gc_runs`).
 
     with PhaseClock() as clock:
         drain(dec, reqs, 64)
@@ -17,6 +19,7 @@ Each wrapped call costs about a microsecond: a step makes a few dozen.
 from __future__ import annotations
 
 import functools
+import gc
 import time
 from collections import Counter
 from typing import Self
@@ -47,15 +50,28 @@ class PhaseClock:
         self.calls: Counter[str] = Counter()
         self._stack: list[list] = []  # [phase, start, seconds of nested phases]
         self._saved: list[tuple[type, str, object]] = []
+        self._gc_start = 0.0
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+            return
+        spent = time.perf_counter() - self._gc_start
+        self.seconds["gc"] += spent
+        self.calls[f"gc{info['generation']}"] += 1
+        if self._stack:
+            self._stack[-1][2] += spent
 
     def __enter__(self) -> Self:
         for cls, name, phase in PHASES:
             inner = cls.__dict__[name]
             self._saved.append((cls, name, inner))
             setattr(cls, name, self._timed(inner, phase))
+        gc.callbacks.append(self._gc)
         return self
 
     def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._gc)
         for cls, name, inner in reversed(self._saved):
             setattr(cls, name, inner)
         self._saved = []
@@ -81,4 +97,5 @@ class PhaseClock:
         """Per phase, host ms a decoder step; `rest`: the wall no phase covers."""
         per = {k: 1e3 * v / max(1, steps) for k, v in sorted(self.seconds.items())}
         per["rest"] = 1e3 * (wall - sum(self.seconds.values())) / max(1, steps)
-        return {"phase_ms_step": {k: round(v, 3) for k, v in per.items()}}
+        runs = {k: v for k, v in sorted(self.calls.items()) if k.startswith("gc")}
+        return {"phase_ms_step": {k: round(v, 3) for k, v in per.items()}, "gc_runs": runs}

@@ -27,7 +27,8 @@ for a in json.load(open(sys.argv[1]))["arms"]:
           f"tok/s {a['tok_s']:7.0f} hooks ms/req {a['constraint_host_ms_req']:6.2f}{second}"
           + (f" steps {a['steps']} occupancy {a['occupancy_mean']:.2f}" if "steps" in a else ""))
     if "phase_ms_step" in a:
-        print("    ms/step " + " ".join(f"{k} {v:.2f}" for k, v in sorted(a["phase_ms_step"].items(), key=lambda kv: -kv[1])))
+        print("    ms/step " + " ".join(f"{k} {v:.2f}" for k, v in sorted(a["phase_ms_step"].items(), key=lambda kv: -kv[1]))
+              + f" gc runs {a.get('gc_runs', {})}")
 PY
 [[ ${EVAL_ONLY:-0} == 1 ]] && exit 0
 [[ $DEV == cuda ]] && { OUT=$OUT timeout 150 python3 benchmarks/kernels/structured.py > "$OUT/micro.txt" 2>&1; echo "micro rc=$?"; grep '^|' "$OUT/micro.txt"; }

@@ -90,7 +90,7 @@ def replay(
     from canvasq.core.settings import Settings
     from canvasq.core.store import Store
     from canvasq.decoders import configs
-    from canvasq.model.loading import load_bundle
+    from canvasq.model.loading import freeze_heap, load_bundle
     from canvasq.worker.engine import Engine
 
     global _TARGET
@@ -137,6 +137,7 @@ def replay(
     store.mark_published(warm.chunk_ids)
     for cid in warm.chunk_ids:  # chunked as the timed run is: the same shapes are warm
         engine.process_chunk(cid)
+    freeze_heap()  # as Engine.bundle does once a worker's model is loaded (here the bundle is given)
     run = store.create_run(
         [
             Job(

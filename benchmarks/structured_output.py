@@ -59,7 +59,7 @@ from canvasq.decoders import DecodeBatch, DecodeRequest, make_decoder, run_batch
 from canvasq.decoders.configs import OfficialConfig
 from canvasq.decoders.slots import drain
 from canvasq.decoders.structured import output_problem, split_thought
-from canvasq.model.loading import load_bundle
+from canvasq.model.loading import freeze_heap, load_bundle
 from canvasq.provenance import git_commit
 from canvasq.testbed import tasks
 from canvasq.testbed.json_adapter import FORM_SCHEMAS
@@ -332,6 +332,7 @@ def run(args) -> dict:
             settle,
             args.think,
         )
+    freeze_heap()  # as a worker does once its model is loaded (Engine.bundle)
     rounds = [(r, seed, label if args.rounds == 1 else f"{label}/r{r + 1}", problems)
               for r in range(args.rounds) for seed, label, problems in sets]  # fmt: skip
     for k, (_, seed, label, problems) in enumerate(rounds):

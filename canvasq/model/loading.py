@@ -14,6 +14,7 @@ start reads them instead of packing; the GPU never holds the BF16 experts.
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import inspect
 import logging
@@ -173,6 +174,15 @@ def build_random(name: str, device: str, dtype):
     with torch.device(device):
         model = DiffusionGemmaForBlockDiffusion._from_config(config, dtype=dtype)
     return model.eval()
+
+
+def freeze_heap() -> None:
+    """Keep the objects alive now out of Python's cyclic garbage collector: call it once a process's
+    long-lived state (a loaded model) is built. A full collection walks every tracked object. After a
+    testbed load that is ~440k of them, 240 ms a pass on 2 CPU cores, and on an H100 host a 600-row
+    stream paid 0.6-0.7 s for each full collection that fell mid-decode (a third of its arms)."""
+    gc.collect()
+    gc.freeze()
 
 
 def load_bundle(

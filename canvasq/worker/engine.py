@@ -101,7 +101,7 @@ class Engine:
     @property
     def bundle(self):
         if self._bundle is None:
-            from canvasq.model.loading import load_bundle
+            from canvasq.model.loading import freeze_heap, load_bundle
 
             device = resolve_device(self.settings.device)
             if self.settings.torch_threads:
@@ -114,6 +114,7 @@ class Engine:
             self._bundle = load_bundle(
                 self.settings.model, device=device, experts=experts, cache_dir=self.settings.w4_cache_dir
             )
+            freeze_heap()  # the model's objects are the process's: no full collection walks them again
             log.info(
                 "loaded %s on %s in %.1fs (experts %s)",
                 self.settings.model,

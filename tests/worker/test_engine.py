@@ -492,3 +492,17 @@ def test_a_finished_stream_frees_its_arena_at_once(wsettings, wstore, bundle, mo
         assert made[0].arena is None and arenas[0]() is None
     finally:
         gc.enable()
+
+
+def test_the_loaded_model_is_kept_out_of_full_collections(wsettings, wstore):
+    """Engine.bundle freezes the heap once the model is loaded (`loading.freeze_heap`): a full garbage
+    collection mid-decode then walks only what the decoding made, not the model's objects."""
+    import gc
+
+    gc.unfreeze()
+    engine = Engine(settings=wsettings, store=wstore, worker_id="test:1", queue="q")
+    bundle = engine.bundle
+    assert gc.get_freeze_count() > 0
+    tracked = {id(o) for o in gc.get_objects()}
+    held = [bundle, bundle.hf_model, *list(bundle.hf_model.modules())[:50], bundle.config]
+    assert not any(id(o) in tracked for o in held if gc.is_tracked(o))

@@ -137,6 +137,7 @@ class CanvasConstraints:
         self.settle_positions, self.max_steps, self.open_hold = settle_positions, max_steps, open_hold
         self._texts: TokenTexts | None = None
         self._opens: torch.Tensor | None = None
+        self._opens_list: list[bool] | None = None
         self.rows: dict[int, RowGrammar] = {}
         self.slots = SlotRules(C, device)
         self._fresh: list[int] = []  # slots whose canvas began since the last masked step
@@ -151,10 +152,15 @@ class CanvasConstraints:
     def opens(self) -> torch.Tensor:
         """[V] bool on the device: the tokens that open a document (`opens_document`)."""
         if self._opens is None:
-            texts = self.texts().texts
-            hit = [opens_document(t) for t in texts] + [False] * (self.V - len(texts))
-            self._opens = torch.tensor(hit[: self.V], dtype=torch.bool).to(self.device)
+            self._opens = torch.tensor(self._opens_host()[: self.V], dtype=torch.bool).to(self.device)
         return self._opens
+
+    def _opens_host(self) -> list[bool]:
+        """`opens` as a host list (every finished thinking row's thought length reads it)."""
+        if self._opens_list is None:
+            texts = self.texts().texts
+            self._opens_list = [opens_document(t) for t in texts] + [False] * max(0, self.V - len(texts))
+        return self._opens_list
 
     def reset(self) -> None:
         self.rows, self._fresh = {}, []
@@ -339,8 +345,8 @@ class CanvasConstraints:
 
     def _thought_tokens(self, ids: list[int]) -> int:
         """How many of `ids` come before the document: up to the first that opens it (`opens_document`)."""
-        texts = self.texts().texts
-        return next((i for i, t in enumerate(ids) if t < len(texts) and opens_document(texts[t])), len(ids))
+        opens = self._opens_host()
+        return next((i for i, t in enumerate(ids) if t < len(opens) and opens[t]), len(ids))
 
     def checked(self, s: Seq, res: DecodeResult) -> DecodeResult:
         """`res` of a finished row; a constrained one validated against its schema."""

@@ -73,20 +73,6 @@ def test_no_rows_is_nothing():
     assert torch.equal(logits, before) and lse.shape == argmax.shape == (0, 4)
 
 
-ANSWER = {
-    "type": "object",
-    "properties": {"answer": {"type": "integer"}},
-    "required": ["answer"],
-    "additionalProperties": False,
-}
-SIGN = {
-    "type": "object",
-    "properties": {"sign": {"enum": ["positive", "negative", "zero"]}},
-    "required": ["sign"],
-    "additionalProperties": False,
-}
-
-
 def test_a_stream_masked_in_one_launch_decodes_what_the_torch_masks_decode():
     """The decoder's own use of it (`CanvasConstraints.mask` with `kernels` on: the plans from its
     `PlanTable`, the opening pinned from the rules' slot state, the argmax the open rule reads): the
@@ -98,6 +84,7 @@ def test_a_stream_masked_in_one_launch_decodes_what_the_torch_masks_decode():
     from canvasq.model.loading import load_bundle
     from canvasq.testbed import tasks
     from canvasq.testbed.json_adapter import apply_adapter
+    from tests.decoders.test_structured import ANSWER, SIGN
 
     testbed = load_bundle(device=DEVICE)
     apply_adapter(testbed, "models/adapters/testbed_json_composite")  # its rows open documents, as served

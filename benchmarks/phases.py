@@ -1,7 +1,7 @@
 """Host seconds of a decode by phase, each second counted once: the innermost phase running gets it.
 
-A testbed step on a GPU is bound by its host work (session 33's trace: the device busy 17-18 % of the
-wall), so a constrained arm's slower steps have to be found on the host's clock, not the device's:
+A testbed step on a GPU is bound by its host work (a torch.profiler trace on an H100: the device busy
+17-18 % of the wall), so a constrained arm's slower steps have to be found on the host's clock:
 `PhaseClock` wraps the decoder's methods for the time of a `with` block and adds up, per phase, the
 wall each spent outside the phases it called. What no phase covers (the stream's own loop, the
 drain's callbacks) is the wall less their sum. The step's host sync is inside `step`'s own time, so

@@ -6,7 +6,7 @@ the rules.
 In torch that is a stack of the rows' [C, V] plans, a gather, a masked fill and a scatter back, five
 launches for the opening's pin, a gather and a composite `logsumexp` for the Viterbi, and an argmax: a
 couple of dozen launches a step, each several microseconds of host time, on a step that a GPU runs
-host-bound at the testbed's size (session 34's clock: the mask hook 2.1 ms of a 12 ms step on an
+host-bound at the testbed's size (the phase clock: the mask hook 2.1 ms of a 12 ms step on an
 H100). Here one program per (row, position) reads its V logits once, in blocks, with an online
 log-sum-exp.
 """

@@ -70,6 +70,7 @@ class RowGrammar:
     state: int  # the automaton's state after the committed answer
     banned: torch.Tensor | None = None  # [C, V] bool on the device: the front canvas's banned tokens
     plan: tuple | None = None  # what `banned` was planned from (grammar, state, budget): its table key
+    back: int = 0  # the canvas budget's backward sets in its device grammar's table (`back_index`)
     steps: int = 0  # the front canvas's masked steps (its rules' state is on the device: `SlotRules`)
 
 
@@ -140,9 +141,10 @@ class CanvasConstraints:
         self._opens_list: list[bool] | None = None
         self.rows: dict[int, RowGrammar] = {}
         self.slots = SlotRules(C, device)
-        self._fresh: list[int] = []  # slots whose canvas began since the last masked step
+        self._fresh: set[int] = set()  # slots whose canvas began since their last masked step
         self.table = PlanTable(C, V, device)
-        self.kernels: bool | None = None  # mask through `kernels.constrain` (None: on CUDA)
+        # mask and pin through `kernels.constrain` and `kernels.rules` (None: on CUDA)
+        self.kernels: bool | None = None
 
     def texts(self) -> TokenTexts:
         if self._texts is None:
@@ -163,7 +165,7 @@ class CanvasConstraints:
         return self._opens_list
 
     def reset(self) -> None:
-        self.rows, self._fresh = {}, []
+        self.rows, self._fresh = {}, set()
 
     def begin(self, s: Seq, cv: Canvas) -> None:
         schema = s.req.response_format
@@ -176,14 +178,16 @@ class CanvasConstraints:
             row = self.rows[s.row] = RowGrammar(grammar, 0)
             row.state = row.grammar.start
         budget = s.req.max_tokens - cv.index * self.C
+        dg = device_grammar(row.grammar, self.device)
         try:
-            row.banned = device_grammar(row.grammar, self.device).banned(row.state, self.C, budget, self.V)
+            row.banned = dg.banned(row.state, self.C, budget, self.V)
             row.plan = (row.grammar, row.state, budget)
         except Unfinishable as exc:
             s.error, s.done = f"{UNFINISHABLE}: {exc}", True
             return
+        row.back = dg.back_index(self.C, budget)
         row.steps = 0
-        self._fresh.append(s.slot)
+        self._fresh.add(s.slot)
         s.stats["constraint_host_us"] += int(1e6 * (time.perf_counter() - t0))
 
     def mask(self, seqs: list[Seq], logits: torch.Tensor) -> None:
@@ -198,26 +202,24 @@ class CanvasConstraints:
         if not at:
             return
         t0 = time.perf_counter()
-        self.slots.reset(self._fresh)
         self.slots.grow(max(s.slot for _, s, _ in at))
-        self._fresh = []
         for *_, row in at:
             row.steps += 1
         plans = self.table.ids([row for *_, row in at]) if self._fused(logits) else None
-        rows = self._step_rows(at, plans)
+        rows = self._step_rows(at, plans, reset=plans is None)
         if rows.plan is not None:  # bans, the opening's pin, log-sum-exps and argmax in one launch
             lse, argmax = self._constrain(logits, rows)
         else:
             lse, argmax = None, self._ban_and_open(at, logits, rows)
         try:
-            toks, ends = self._best([(s, row) for _, s, row in at], logits, rows.b, lse)
+            toks, ends = self._best([(s, row) for _, s, row in at], logits, rows, lse)
         except Unfinishable as exc:  # begin's plan said otherwise: a bug, the rows end in error
             for _, s, _ in at:
                 s.error, s.done = f"{UNFINISHABLE}: {exc}", True
             return
         pins = step_rules(
             self.slots, rows, toks, ends, argmax, self.opens(), self.open_hold, self.settle,
-            self.settle_positions, self.max_steps,
+            self.settle_positions, self.max_steps, kernel=self._fused(logits),
         )  # fmt: skip
         if pins is not None:
             pin(logits, rows.b, pins)
@@ -226,7 +228,8 @@ class CanvasConstraints:
             s.stats["constraint_host_us"] += share
 
     def _fused(self, logits: torch.Tensor) -> bool:
-        """Whether the step masks through `kernels.constrain` (CUDA by default; `self.kernels` forces it)."""
+        """Whether the step masks and runs its rules through the kernels (CUDA by default; `self.kernels`
+        forces it)."""
         return self.kernels if self.kernels is not None else logits.is_cuda
 
     def _constrain(self, logits: torch.Tensor, rows: StepRows) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -236,7 +239,9 @@ class CanvasConstraints:
 
         assert rows.plan is not None
         opened = self.slots.opened if self.open_hold is not None else None
-        lse, argmax = constrain(logits, rows.b, rows.plan, self.table.plans, rows.slot, opened, NEG)
+        lse, argmax = constrain(
+            logits, rows.b, rows.plan, self.table.plans, rows.slot, opened, NEG, rows.fresh
+        )
         return lse, argmax if self.open_hold is not None else None
 
     def _ban_and_open(
@@ -263,9 +268,13 @@ class CanvasConstraints:
         for (k, _, _), mask in zip(at, banned):
             logits[k].masked_fill_(mask, NEG)
 
-    def _step_rows(self, at: list[tuple[int, Seq, RowGrammar]], plans: list[int] | None) -> StepRows:
+    def _step_rows(
+        self, at: list[tuple[int, Seq, RowGrammar]], plans: list[int] | None, reset: bool
+    ) -> StepRows:
         """The step's constrained rows (with their plans' places in `self.table` when given) as one
-        host-to-device copy."""
+        host-to-device copy of int32 columns. The slots whose canvas began since their last masked
+        step are reset here when `reset` (the torch masks and rules read their state); otherwise the
+        kernels read them as fresh (`StepRows.fresh`) and nothing is launched for them."""
         host = [
             (
                 b,
@@ -275,44 +284,54 @@ class CanvasConstraints:
                 int(row.state == row.grammar.start),
                 row.steps,
                 plans[k] if plans is not None else -1,
+                row.state,
+                row.back,
+                int(s.slot in self._fresh),
             )
             for k, (b, s, row) in enumerate(at)
         ]
-        # transposed: each field a contiguous [R] (the rules' kernel reads them by row)
-        b, slot, start, think, at_start, steps, plan = to_device(host, self.device).T.contiguous().unbind(0)
+        if reset:
+            self.slots.reset([s.slot for _, s, _ in at if s.slot in self._fresh])
+        self._fresh.difference_update(s.slot for _, s, _ in at)
+        # transposed on the host: each field a contiguous [R] column once copied
+        cols = to_device(torch.tensor(host, dtype=torch.int32).T.contiguous(), self.device)
+        b, slot, start, think, at_start, steps, plan, state, back, fresh = cols.unbind(0)
         return StepRows(
-            b, slot, start, think.bool(), at_start.bool(), steps, plan if plans is not None else None
-        )
+            b, slot, start, think, at_start, steps, plan if plans is not None else None, state, back,
+            None if reset else fresh,
+        )  # fmt: skip
 
     def _best(
         self,
         rows: list[tuple[Seq, RowGrammar]],
         logits: torch.Tensor,
-        idx: torch.Tensor,
-        lse: torch.Tensor | None = None,
+        cols: StepRows,
+        lse: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's best completable path under its logits (`logits[idx]` [R, C, V], in `rows`' order;
-        `lse` [R, C] their log-sum-exps when known) and the state it ends in ([R, C], [R] on the
+        """Each row's best completable path under its logits (`logits[cols.b]` [R, C, V], in `rows`'
+        order; `lse` [R, C] their log-sum-exps when known) and the state it ends in ([R, C], [R] on the
         device): one batched device Viterbi per distinct grammar."""
         groups: dict[int, list[int]] = {}
         for k, (_, row) in enumerate(rows):
             groups.setdefault(id(row.grammar), []).append(k)
         if len(groups) == 1:  # the common case: one schema in the group
-            return self._best_of(rows, logits, idx, list(range(len(rows))), lse)
+            return self._best_of(rows, logits, list(range(len(rows))), cols, lse)
         toks = torch.empty(len(rows), self.C, dtype=torch.long, device=logits.device)
         ends = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         for ks in groups.values():
-            at = to_device(ks, idx.device)
-            toks[at], ends[at] = self._best_of(rows, logits, idx[at], ks, None if lse is None else lse[at])
+            at = to_device(ks, logits.device)
+            part = cols.take(at)
+            toks[at], ends[at] = self._best_of(rows, logits, ks, part, None if lse is None else lse[at])
         return toks, ends
 
-    def _best_of(
-        self, rows, logits: torch.Tensor, idx: torch.Tensor, ks: list[int], lse: torch.Tensor | None
-    ):
-        grammar = rows[ks[0]][1].grammar
+    def _best_of(self, rows, logits: torch.Tensor, ks: list[int], cols: StepRows, lse: torch.Tensor | None):
+        dg = device_grammar(rows[ks[0]][1].grammar, self.device)
+        placed = logits.is_cuda and logits.dtype != torch.float64
+        if placed and cols.state is not None and cols.back is not None:  # nothing to build or copy
+            return dg.best_placed(cols.state, logits, cols.b, cols.back, lse)
         budgets = [s.req.max_tokens - s.canvases[0].index * self.C for s, _ in (rows[k] for k in ks)]
         states = [rows[k][1].state for k in ks]
-        return device_grammar(grammar, self.device).best(states, logits, budgets, idx, lse)
+        return dg.best(states, logits, budgets, cols.b, lse)
 
     def final(self, finished: list[Seq], tokens: list[list[int]]) -> list[list[int]]:
         """The stopped canvases' tokens, the constrained rows' replaced by their best completable path

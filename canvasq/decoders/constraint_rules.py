@@ -22,7 +22,7 @@ position (`kernels.pin`), elsewhere a select over the rows' logits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -35,15 +35,28 @@ COUNTERS = ("constraint_pinned_steps", "constraint_capped_steps", "constraint_pi
 
 @dataclass
 class StepRows:
-    """One step's constrained rows, as device tensors (R rows of the group's logits)."""
+    """One step's constrained rows, as [R] int32 device columns (R rows of the group's logits), made by
+    one host-to-device copy: the kernels read them as they are (a cast a column would be a launch)."""
 
-    b: torch.Tensor  # [R] rows in the group's logits
-    slot: torch.Tensor  # [R] decoder slots
-    start: torch.Tensor  # [R] each row's grammar start state
-    think: torch.Tensor  # [R] bool: the row writes a thought before its document
-    at_start: torch.Tensor  # [R] bool: the canvas starts in the grammar's start state (no document yet)
-    steps: torch.Tensor  # [R] masked steps of the row's canvas, this one included
-    plan: torch.Tensor | None = None  # [R] each row's plan in `constrained.PlanTable` (fused masking)
+    b: torch.Tensor  # rows in the group's logits
+    slot: torch.Tensor  # decoder slots
+    start: torch.Tensor  # each row's grammar start state
+    think: torch.Tensor  # 1: the row writes a thought before its document
+    at_start: torch.Tensor  # 1: the canvas starts in the grammar's start state (no document yet)
+    steps: torch.Tensor  # masked steps of the row's canvas, this one included
+    plan: torch.Tensor | None = None  # each row's plan in `constrained.PlanTable` (fused masking)
+    state: torch.Tensor | None = None  # the automaton state the canvas starts in (the Viterbi's start)
+    back: torch.Tensor | None = None  # its budget's place in the grammar's table of backward sets
+    # 1: the canvas began since its slot's last masked step; the kernels read that slot's rule state as
+    # a fresh canvas's (`SlotRules.reset` without its launches). None: the slots were reset.
+    fresh: torch.Tensor | None = None
+
+    def take(self, at: torch.Tensor) -> StepRows:
+        """The rows `at` of these (every column indexed)."""
+        return replace(
+            self,
+            **{f.name: getattr(self, f.name)[at] for f in fields(self) if getattr(self, f.name) is not None},
+        )
 
 
 # the rules' per-slot state: name -> (shape after the slot dimension, with C for the canvas; dtype; the
@@ -158,7 +171,7 @@ def step_rules(
         assert argmax is not None, "the open rule reads the model's argmax"
         pins = open_rule(st, rows, ends, argmax, opens, hold)
     if settles:
-        capped = rows.steps >= max_steps if max_steps is not None else torch.zeros_like(rows.think)
+        capped = rows.steps >= (max_steps if max_steps is not None else torch.iinfo(torch.int32).max)
         settled = settle_rule(st, rows, toks, ends, capped, settle, positions, opens)
         pins = settled if pins is None else torch.where(settled >= 0, settled, pins)
     return pins
@@ -178,7 +191,7 @@ def open_rule(
     document can follow within the budget, so the path stays completable. -> [R, C] pins (the token
     at its position for the rows opened this step, -1 elsewhere)."""
     C, sl = st.C, rows.slot
-    eligible = rows.think & rows.at_start & (st.opened[sl, 0] < 0) & (ends == rows.start)
+    eligible = rows.think.bool() & rows.at_start.bool() & (st.opened[sl, 0] < 0) & (ends == rows.start)
     c = first_opening(argmax, opens)
     found = c < C
     tok = argmax.gather(1, c.clamp(max=C - 1)[:, None])[:, 0]
@@ -219,7 +232,7 @@ def settle_rule(
     -> [R, C] pins."""
     sl = rows.slot
     frozen = st.frozen[sl]
-    thought = rows.think & (ends == rows.start)  # all thought: the sampler's own rule ends it
+    thought = rows.think.bool() & (ends == rows.start)  # all thought: the sampler's own rule ends it
     live = ~frozen & ~thought  # the rows whose path this step counts
     same = (toks == st.path[sl]) & st.has_path[sl, None]
     held = torch.where(same, st.held[sl] + 1, 0)
@@ -254,7 +267,7 @@ def held_prefix(
     start, so a value it has not settled (an array's length, the element that ends it) stays open,
     and so does all that comes after it."""
     C = toks.shape[1]
-    first = torch.where(rows.at_start, first_opening(toks, opens), 0)
+    first = torch.where(rows.at_start.bool(), first_opening(toks, opens), 0)
     col = torch.arange(C, device=toks.device)[None, :]
     before = col < first[:, None]
     ok = (held >= positions) | before

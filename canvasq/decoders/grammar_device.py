@@ -54,10 +54,27 @@ class DeviceGrammar:
         # the edges by the state they enter, in chunks (`kernels.viterbi.csr`; per chunk size), built
         # when the kernel first runs
         self._csr: dict[int, dict] = {}
+        # per C: the backward sets of every budget met so far ([N, C + 1, Q] int8) and each budget's place
+        self._backs: dict[int, tuple[torch.Tensor, dict[int, int]]] = {}
 
     def back(self, C: int, budget: int) -> torch.Tensor:
         """[C + 1, Q] bool: `Grammar._backward` on the device (cached per C and budget)."""
         return _back(self, C, budget)
+
+    def back_index(self, C: int, budget: int) -> int:
+        """The place of `back(C, budget)` in `backs(C)`, added on first use (when a canvas begins), so
+        a step's Viterbi reads each row's by index, with no stack of R tensors a step."""
+        table, index = self._backs.get(C, (None, {}))
+        if budget not in index:
+            new = self.back(C, budget).to(torch.int8)[None]
+            table = new if table is None else torch.cat([table, new])
+            index[budget] = len(index)
+            self._backs[C] = (table, index)
+        return index[budget]
+
+    def backs(self, C: int) -> torch.Tensor:
+        """[N, C + 1, Q] int8: the backward sets of the budgets `back_index` has placed."""
+        return self._backs[C][0]
 
     def can_finish(self, state: int, C: int, budget: int) -> bool:
         """Whether a canvas of C positions starting in `state` can keep the document completable within
@@ -157,16 +174,18 @@ class DeviceGrammar:
 
     def _best_kernel(
         self,
-        states: list[int],
+        states: list[int] | torch.Tensor,
         logits: torch.Tensor,
         rows: torch.Tensor,
         back: torch.Tensor,
         block: int = 32,
         tile: int | None = None,
         lse: torch.Tensor | None = None,
+        back_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`best` in one launch (`kernels.viterbi`): the positions' log-sum-exps (`lse`, or in torch a
-        few positions at a time), then one program per row."""
+        few positions at a time), then one program per row. `states` may be an [R] device column, and
+        `back` a table read at `back_rows` [R] (`backs`, `back_index`)."""
         # imported here: importing canvasq.kernels fixes whether its kernels are interpreted (tests/kernels)
         from canvasq.kernels.viterbi import TILE, csr, viterbi
 
@@ -177,11 +196,20 @@ class DeviceGrammar:
             step = max(1, GAIN_ELEMENTS // max(1, R * V))
             reads = [logits[rows, i0 : i0 + step].float() for i0 in range(0, C, step)]
             lse = torch.cat([torch.logsumexp(x, dim=-1) for x in reads], dim=1)
-        start = to_device(states, self.device)
+        start = states if isinstance(states, torch.Tensor) else to_device(states, self.device)
         toks, ends = viterbi(
-            logits.contiguous(), rows, lse, back, start, self._csr[block], self.g.Q, tile or TILE
+            logits.contiguous(), rows, lse, back, start, self._csr[block], self.g.Q, tile or TILE, back_rows
         )
         return toks, ends
+
+    def best_placed(
+        self, start: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor, back_rows: torch.Tensor, lse
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`best` on CUDA for rows whose start states and backward sets' places (`back_index`) are
+        already [R] int32 device columns and whose canvases were checked completable when they began:
+        the Viterbi's one launch and nothing else."""
+        C = logits.shape[1]
+        return self._best_kernel(start, logits, rows, self.backs(C), lse=lse, back_rows=back_rows)
 
     def _gains(
         self,

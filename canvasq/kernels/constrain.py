@@ -23,22 +23,24 @@ BLOCK_V = 1024
 @triton.jit
 def _constrain_kernel(
     logits_ptr, stride_b, stride_c,  # [B, C, V] fp32 logits, written in place (last dim contiguous)
-    rows_ptr, plan_ptr, slot_ptr,  # [R] each row's logits row, plan in `plans`, decoder slot
+    rows_ptr, plan_ptr, slot_ptr, fresh_ptr,  # [R] int32: logits row, plan in `plans`, slot, new canvas
     plans_ptr,  # [P, C, V] uint8: 1 where the plan bans the token
     opened_ptr,  # [S, 2] int64 (position, token) pinned at each slot's canvas (-1: none)
     lse_ptr, argmax_ptr,  # [R, C] fp32, int64 outputs
     neg,
-    V: tl.constexpr, C: tl.constexpr, BLOCK_V: tl.constexpr, OPEN: tl.constexpr,
+    V: tl.constexpr, C: tl.constexpr, BLOCK_V: tl.constexpr, OPEN: tl.constexpr, FRESH: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     r = pid // C
     c = pid % C
-    row = tl.load(rows_ptr + r)
-    plan = tl.load(plan_ptr + r)
+    row = tl.load(rows_ptr + r).to(tl.int64)
+    plan = tl.load(plan_ptr + r).to(tl.int64)
     tok = -1
     if OPEN:
         slot = tl.load(slot_ptr + r)
         at = tl.load(opened_ptr + slot * 2)
+        if FRESH:  # a canvas that began since its slot's last masked step has opened nothing yet
+            at = tl.where(tl.load(fresh_ptr + r) != 0, -1, at)
         tok = tl.where(at == c, tl.load(opened_ptr + slot * 2 + 1), -1)
     base = logits_ptr + row * stride_b + c * stride_c
     pbase = plans_ptr + (plan * C + c) * V
@@ -73,10 +75,12 @@ def constrain(
     slots: torch.Tensor | None = None,
     opened: torch.Tensor | None = None,
     neg: float = -1.0e9,
+    fresh: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, C, V] (last dim contiguous), in place: row rows[r]'s logits banned (`neg`) where
     plans[plan[r]] ([P, C, V] bool) is True; with `opened` ([S, 2]: position, token per slot; `slots`
-    [R]) the position a slot opened its document at made one-hot on that token (0, `neg` elsewhere).
+    [R]) the position a slot opened its document at made one-hot on that token (0, `neg` elsewhere),
+    but not for rows whose `fresh` [R] is nonzero (a new canvas: its slot's `opened` is stale).
     Returns the R rows' log-sum-exp [R, C] fp32 and argmax [R, C] int64 after both."""
     R, C = len(rows), logits.shape[1]
     lse = torch.empty(R, C, dtype=torch.float32, device=logits.device)
@@ -87,9 +91,10 @@ def constrain(
     OPEN = opened is not None
     _constrain_kernel[(R * C,)](
         logits, logits.stride(0), logits.stride(1),
-        rows, plan, slots if OPEN else rows, plans.view(torch.uint8), opened if OPEN else rows,
-        lse, argmax, neg,
+        rows, plan, slots if OPEN else rows, rows if fresh is None else fresh, plans.view(torch.uint8),
+        opened if OPEN else rows, lse, argmax, neg,
         V=logits.shape[2], C=C, BLOCK_V=min(BLOCK_V, triton.next_power_of_2(logits.shape[2])), OPEN=OPEN,
+        FRESH=fresh is not None,
     )  # fmt: skip
     return lse, argmax
 
@@ -101,12 +106,13 @@ def compile_specs():
     yield CompileSpec(
         "constrain",
         _constrain_kernel,
-        {"V": 262144, "C": 256, "BLOCK_V": BLOCK_V, "OPEN": True},
+        {"V": 262144, "C": 256, "BLOCK_V": BLOCK_V, "OPEN": True, "FRESH": True},
         types={
             "logits_ptr": "*fp32",
-            "rows_ptr": "*i64",
-            "plan_ptr": "*i64",
-            "slot_ptr": "*i64",
+            "rows_ptr": "*i32",
+            "plan_ptr": "*i32",
+            "slot_ptr": "*i32",
+            "fresh_ptr": "*i32",
             "plans_ptr": "*u8",
             "opened_ptr": "*i64",
             "lse_ptr": "*fp32",

@@ -19,14 +19,14 @@ BLOCK_V = 1024
 @triton.jit
 def _pin_kernel(
     logits_ptr, stride_b, stride_c,  # [B, C, V] logits, written in place (last dim contiguous)
-    rows_ptr, pins_ptr,  # [R] rows of logits, [R, C] int64 pinned token (-1: none)
+    rows_ptr, pins_ptr,  # [R] rows of logits (int32 or int64), [R, C] int64 pinned token (-1: none)
     neg,
     V: tl.constexpr, C: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     tok = tl.load(pins_ptr + pid)
     if tok >= 0:
-        row = tl.load(rows_ptr + pid // C)
+        row = tl.load(rows_ptr + pid // C).to(tl.int64)
         base = logits_ptr + row * stride_b + (pid % C) * stride_c
         cols = tl.arange(0, BLOCK_V)
         for v0 in range(0, V, BLOCK_V):
@@ -63,5 +63,5 @@ def compile_specs():
         "pin",
         _pin_kernel,
         {"V": 262144, "C": 256, "BLOCK_V": BLOCK_V},
-        types={"logits_ptr": "*fp32", "rows_ptr": "*i64", "pins_ptr": "*i64", "neg": "fp32"},
+        types={"logits_ptr": "*fp32", "rows_ptr": "*i32", "pins_ptr": "*i64", "neg": "fp32"},
     )

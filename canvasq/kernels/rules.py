@@ -22,12 +22,12 @@ import triton.language as tl
 
 @triton.jit
 def _rules_kernel(
-    slot_ptr, start_ptr, think_ptr, at_start_ptr, steps_ptr,  # [R] the step's rows (`StepRows`)
+    slot_ptr, start_ptr, think_ptr, at_start_ptr, steps_ptr, fresh_ptr,  # [R] int32: the step's rows (`StepRows`)
     toks_ptr, ends_ptr, argmax_ptr, opens_ptr,  # [R, C] best paths, [R] end states, [R, C] argmax, [V] bool
     path_ptr, has_path_ptr, held_ptr, frozen_ptr, frozen_path_ptr, frozen_end_ptr,  # `SlotRules` [S, ...]
     best_ptr, best_end_ptr, opening_ptr, opened_ptr, counts_ptr,
     pins_ptr,  # [R, C] out: the token pinned at each position, -1: none
-    C: tl.constexpr, BLOCK_C: tl.constexpr,
+    C: tl.constexpr, BLOCK_C: tl.constexpr, FRESH: tl.constexpr,  # FRESH: read fresh_ptr (else: slots reset)
     OPEN: tl.constexpr, HOLD: tl.constexpr,  # the open rule, and its steps to hold
     SETTLE_RULES: tl.constexpr, SETTLE: tl.constexpr, POSITIONS: tl.constexpr, MAX_STEPS: tl.constexpr,  # -1: off
 ):  # fmt: skip
@@ -40,6 +40,10 @@ def _rules_kernel(
     at_start = tl.load(at_start_ptr + r) != 0
     toks = tl.load(toks_ptr + r * C + col, mask=cm, other=0)
     ends = tl.load(ends_ptr + r)
+    if FRESH:  # a new canvas: its slot's state is read as a fresh canvas's
+        fresh = tl.load(fresh_ptr + r) != 0
+    else:
+        fresh = tl.full((), 0, tl.int1)
     srow = sl * C + col
     tl.store(best_ptr + srow, toks, mask=cm)
     tl.store(best_end_ptr + sl, ends)
@@ -51,11 +55,11 @@ def _rules_kernel(
         found = c < C
         at_c = tl.minimum(c, C - 1)
         tok = tl.sum(tl.where(col == at_c, amax, 0), axis=0)
-        p0 = tl.load(opening_ptr + sl * 3)
-        p1 = tl.load(opening_ptr + sl * 3 + 1)
-        p2 = tl.load(opening_ptr + sl * 3 + 2)
-        o0 = tl.load(opened_ptr + sl * 2)
-        o1 = tl.load(opened_ptr + sl * 2 + 1)
+        p0 = tl.where(fresh, -1, tl.load(opening_ptr + sl * 3))
+        p1 = tl.where(fresh, -1, tl.load(opening_ptr + sl * 3 + 1))
+        p2 = tl.where(fresh, -1, tl.load(opening_ptr + sl * 3 + 2))
+        o0 = tl.where(fresh, -1, tl.load(opened_ptr + sl * 2))
+        o1 = tl.where(fresh, -1, tl.load(opened_ptr + sl * 2 + 1))
         eligible = think & at_start & (o0 < 0) & (ends == start)
         same = (p0 == c) & (p1 == tok) & found
         held_o = tl.where(same, p2 + 1, 0)
@@ -67,12 +71,12 @@ def _rules_kernel(
         tl.store(opened_ptr + sl * 2 + 1, tl.where(now, tok, o1))
         pins = tl.where((col == at_c) & now, tok, pins)
     if SETTLE_RULES:
-        frozen = tl.load(frozen_ptr + sl) != 0
-        has_path = tl.load(has_path_ptr + sl) != 0
+        frozen = (tl.load(frozen_ptr + sl) != 0) & ~fresh
+        has_path = (tl.load(has_path_ptr + sl) != 0) & ~fresh
         thought = think & (ends == start)
         live = ~frozen & ~thought
         old_path = tl.load(path_ptr + srow, mask=cm, other=0)
-        old_held = tl.load(held_ptr + srow, mask=cm, other=0)
+        old_held = tl.where(fresh, 0, tl.load(held_ptr + srow, mask=cm, other=0))
         held = tl.where((toks == old_path) & has_path, old_held + 1, 0)
         tl.store(held_ptr + srow, tl.where(live, held, tl.where(thought & ~frozen, 0, old_held)), mask=cm)
         tl.store(path_ptr + srow, tl.where(live, toks, old_path), mask=cm)
@@ -99,11 +103,16 @@ def _rules_kernel(
             prefix = (col >= first) & (col < first_bad) & cm & live & ~cap & ~settled
             settle_pins = tl.where(prefix, toks, settle_pins)
             n_prefix = tl.sum(prefix.to(tl.int64), axis=0)
-        counts = counts_ptr + sl * 3
-        tl.store(counts, tl.load(counts) + settled.to(tl.int64))
-        tl.store(counts + 1, tl.load(counts + 1) + cap.to(tl.int64))
-        tl.store(counts + 2, tl.load(counts + 2) + n_prefix)
+        n_settled, n_capped = settled.to(tl.int64), cap.to(tl.int64)
         pins = tl.where(settle_pins >= 0, settle_pins, pins)
+    else:
+        n_settled = 0
+        n_capped = 0
+        n_prefix = 0
+    counts = counts_ptr + sl * 3  # written whatever the rules: a fresh canvas's start from 0
+    tl.store(counts, tl.where(fresh, 0, tl.load(counts)) + n_settled)
+    tl.store(counts + 1, tl.where(fresh, 0, tl.load(counts + 1)) + n_capped)
+    tl.store(counts + 2, tl.where(fresh, 0, tl.load(counts + 2)) + n_prefix)
     tl.store(pins_ptr + r * C + col, pins, mask=cm)
 
 
@@ -119,11 +128,12 @@ def rules(st, rows, toks: torch.Tensor, ends: torch.Tensor, argmax: torch.Tensor
     off = -1
     _rules_kernel[(R,)](
         rows.slot, rows.start, rows.think, rows.at_start, rows.steps,
+        rows.slot if rows.fresh is None else rows.fresh,
         toks.contiguous(), ends, toks if argmax is None else argmax.contiguous(), opens,
         st.path, st.has_path, st.held, st.frozen, st.frozen_path, st.frozen_end,
         st.best, st.best_end, st.opening, st.opened, st.counts,
         pins,
-        C=C, BLOCK_C=triton.next_power_of_2(C),
+        C=C, BLOCK_C=triton.next_power_of_2(C), FRESH=rows.fresh is not None,
         OPEN=hold is not None, HOLD=off if hold is None else hold,
         SETTLE_RULES=settle is not None or max_steps is not None, SETTLE=off if settle is None else settle,
         POSITIONS=off if positions is None else positions, MAX_STEPS=off if max_steps is None else max_steps,
@@ -135,14 +145,15 @@ def compile_specs():
     """The rules at the real canvas, every rule on (benchmarks/kernels/compile_check.py)."""
     from .compile_spec import CompileSpec
 
-    i64 = {n: "*i64" for n in ("slot_ptr", "start_ptr", "steps_ptr", "toks_ptr", "ends_ptr", "argmax_ptr")}
+    cols = ("slot_ptr", "start_ptr", "think_ptr", "at_start_ptr", "steps_ptr", "fresh_ptr")  # `StepRows`
+    i64 = {n: "*i64" for n in ("toks_ptr", "ends_ptr", "argmax_ptr")}
     state = ("path_ptr", "frozen_path_ptr", "frozen_end_ptr", "best_ptr", "best_end_ptr", "opening_ptr")
     i64 |= {n: "*i64" for n in (*state, "opened_ptr", "counts_ptr", "pins_ptr")}
-    i1 = {n: "*i1" for n in ("think_ptr", "at_start_ptr", "opens_ptr", "has_path_ptr", "frozen_ptr")}
+    i1 = {n: "*i1" for n in ("opens_ptr", "has_path_ptr", "frozen_ptr")}
     yield CompileSpec(
         "rules",
         _rules_kernel,
-        {"C": 256, "BLOCK_C": 256, "OPEN": True, "HOLD": 1, "SETTLE_RULES": True, "SETTLE": 1,
+        {"C": 256, "BLOCK_C": 256, "FRESH": True, "OPEN": True, "HOLD": 1, "SETTLE_RULES": True, "SETTLE": 1,
          "POSITIONS": 1, "MAX_STEPS": -1},
-        types=i64 | i1 | {"held_ptr": "*i32"},
+        types=i64 | i1 | {n: "*i32" for n in (*cols, "held_ptr")},
     )  # fmt: skip

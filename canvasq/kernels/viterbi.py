@@ -34,7 +34,8 @@ TILE = 4096
 @triton.jit
 def _viterbi_kernel(
     logits_ptr, stride_b, stride_c,  # [B, C, V] logits (any float dtype)
-    rows_ptr, lse_ptr, back_ptr, start_ptr,  # [R] logits' rows, [R, C] fp32, [R, C + 1, Q] int8, [R] int32
+    rows_ptr, lse_ptr, back_ptr, brow_ptr, start_ptr,  # [R] logits' rows, [R, C] fp32, [N, C + 1, Q] int8,
+    # [R] each row's in back, [R] start states (int32)
     cs_ptr, ce_ptr, kseg_ptr,  # [K] each chunk's edges [cs, ce) in grouped order, [Q + 1] each state's chunks
     src_ptr, tok_ptr, free_ptr, eid_ptr,  # the edges grouped by the state they enter
     osrc_ptr, otok_ptr,  # the edges in their own order (the walk back)
@@ -50,6 +51,7 @@ def _viterbi_kernel(
     qs = tl.arange(0, QB)
     qm = qs < Q
     start = tl.load(start_ptr + r)
+    brow = tl.load(brow_ptr + r).to(tl.int64)
     tl.store(score_ptr + r * 2 * QB + qs, tl.where(qs == start, 0.0, NEG_INF))
     k0 = tl.load(kseg_ptr + qs, mask=qm, other=0)
     k1 = tl.load(kseg_ptr + qs + 1, mask=qm, other=0)
@@ -90,7 +92,7 @@ def _viterbi_kernel(
             bid = tl.max(tl.where((b == bm[:, None]) & (b > NEG_INF), a, -1), 1)
             arg = tl.where(bm > best, bid, tl.where(bm == best, tl.maximum(arg, bid), arg))
             best = tl.maximum(best, bm)
-        ok = tl.load(back_ptr + (r * (C + 1) + i + 1) * Q + qs, mask=qm, other=0) != 0
+        ok = tl.load(back_ptr + (brow * (C + 1) + i + 1) * Q + qs, mask=qm, other=0) != 0
         tl.store(nxt + qs, tl.where(ok, best, NEG_INF), mask=qm)
         tl.store(via_ptr + (r * C + i) * Q + qs, tl.where(ok, arg, -1), mask=qm)
         tl.debug_barrier()
@@ -161,11 +163,13 @@ def viterbi(
     edges: dict,
     Q: int,
     tile: int = TILE,
+    back_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """([R, C] tokens, [R] end states) of each row's best path: `logits` [B, C, V] (last dim
     contiguous), `rows` [R] of B, `lse` [R, C] fp32 (each read position's log-sum-exp), `back`
-    [R, C + 1, Q] bool, `states` [R] start states, `edges` from `csr`, `tile` the most elements a
-    tile holds."""
+    [N, C + 1, Q] bool or int8 backward sets, row r's at `back_rows[r]` (default: r), `states` [R]
+    start states, `edges` from `csr`, `tile` the most elements a tile holds. Integer columns already
+    int32 and `back` int8 are read as they are (no cast launched)."""
     R, C = len(rows), logits.shape[1]
     assert logits.stride(2) == 1, "the vocabulary must be contiguous"
     t = tiles(edges["K"], edges["most_chunks"], edges["block"], Q, tile)
@@ -178,9 +182,12 @@ def viterbi(
     ends = torch.empty(R, dtype=torch.int64, device=dev)
     if R == 0:
         return toks, ends
+    if back_rows is None:
+        back_rows = torch.arange(R, dtype=torch.int32, device=dev)
     _viterbi_kernel[(R,)](
         logits, logits.stride(0), logits.stride(1),
-        rows.to(torch.int32), lse.contiguous(), back.to(torch.int8).contiguous(), states.to(torch.int32),
+        rows.to(torch.int32), lse.contiguous(), back.to(torch.int8).contiguous(), back_rows.to(torch.int32),
+        states.to(torch.int32),
         edges["cs"], edges["ce"], edges["kseg"],
         edges["src"], edges["tok"], edges["free"], edges["eid"], edges["osrc"], edges["otok"],
         score, cbest, carg, via, toks, ends,
@@ -202,6 +209,7 @@ def compile_specs():
             "rows_ptr": "*i32",
             "lse_ptr": "*fp32",
             "back_ptr": "*i8",
+            "brow_ptr": "*i32",
             "start_ptr": "*i32",
             "cs_ptr": "*i32",
             "ce_ptr": "*i32",

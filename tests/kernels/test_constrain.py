@@ -53,6 +53,22 @@ def test_masking_matches_the_torch_steps(V, open_hold):
         assert argmax[0, 3] == V - 1 and argmax[2, 0] == 2 and abs(float(lse[0, 3])) < 1e-4
 
 
+def test_a_new_canvas_pins_no_opening_of_its_slots_last_canvas():
+    """`fresh` rows (canvases begun since their slot's last masked step) are masked as if their slot's
+    `opened` were reset: row 4's opening from slot 7's earlier canvas is not pinned."""
+    logits, rows, plan, plans, slots, opened = _case(1500)
+    reset = opened.clone()
+    reset[7] = -1
+    want, want_lse, want_arg = _torch(logits, rows, plan, plans, slots, reset)
+    got = logits.to(DEVICE)
+    i32 = [t.to(DEVICE, torch.int32) for t in (rows, plan, slots)]
+    fresh = torch.tensor([1, 0, 0, 0], dtype=torch.int32, device=DEVICE)
+    lse, argmax = constrain(got, i32[0], i32[1], plans.to(DEVICE), i32[2], opened.to(DEVICE), NEG, fresh)
+    assert torch.equal(got.cpu(), want) and torch.equal(argmax.cpu(), want_arg)
+    torch.testing.assert_close(lse.cpu(), want_lse, rtol=1e-5, atol=1e-4)
+    assert argmax[2, 0] == 2  # a row that is not fresh keeps its opening
+
+
 def test_ties_take_the_first_maximum_across_blocks():
     """The argmax the rules read is torch's: the first of equal maxima, here one in each of two blocks."""
     V = 2500

@@ -24,10 +24,15 @@ def _rows(slots, steps):
     )
 
 
-def _to(rows: StepRows) -> StepRows:
-    return StepRows(
-        *(getattr(rows, f).to(DEVICE) for f in ("b", "slot", "start", "think", "at_start", "steps"))
-    )
+def _to(rows: StepRows, fresh: list[int] | None = None) -> StepRows:
+    """`rows` on the kernel's device as the decoder copies them (int32 columns); with `fresh`, the rows
+    flagged as new canvases (`StepRows.fresh`) instead of their slots reset."""
+    cols = [
+        getattr(rows, f).to(DEVICE, torch.int32) for f in ("b", "slot", "start", "think", "at_start", "steps")
+    ]
+    if fresh is not None:
+        return StepRows(*cols, fresh=torch.tensor(fresh, dtype=torch.int32, device=DEVICE))
+    return StepRows(*cols)
 
 
 @pytest.mark.parametrize(
@@ -41,7 +46,8 @@ def _to(rows: StepRows) -> StepRows:
         (1, 3, 2, 4),
     ],
 )
-def test_the_kernel_keeps_the_torch_rules_state_and_pins(hold, settle, positions, max_steps):
+@pytest.mark.parametrize("flagged", [False, True])  # new canvases: slots reset, or flagged to the kernel
+def test_the_kernel_keeps_the_torch_rules_state_and_pins(hold, settle, positions, max_steps, flagged):
     gen = torch.Generator().manual_seed(11)
     opens = torch.zeros(V, dtype=torch.bool)
     opens[[3, 7]] = True  # two tokens that open a document
@@ -51,8 +57,11 @@ def test_the_kernel_keeps_the_torch_rules_state_and_pins(hold, settle, positions
     toks = torch.randint(0, V, (len(slots), C), generator=gen)
     seen = set()
     for step in range(1, 11):
-        if step == 5:  # two canvases end: their slots begin again
-            ref.reset([0, 3]), got.reset([0, 3])
+        renew = step == 5  # two canvases end: their slots begin again
+        if renew:
+            ref.reset([0, 3])
+            if not flagged:
+                got.reset([0, 3])
         keep = torch.rand(toks.shape, generator=gen) < 0.75  # most positions hold from step to step
         toks = torch.where(keep, toks, torch.randint(0, V, toks.shape, generator=gen))
         ends = torch.where(
@@ -72,7 +81,7 @@ def test_the_kernel_keeps_the_torch_rules_state_and_pins(hold, settle, positions
         want = step_rules(
             ref, rows, toks, ends, argmax, opens, hold, settle, positions, max_steps, kernel=False
         )
-        dev = _to(rows)
+        dev = _to(rows, [int(renew and sl in (0, 3)) for sl in slots] if flagged else None)
         have = step_rules(
             got, dev, toks.to(DEVICE), ends.to(DEVICE), argmax.to(DEVICE), opens.to(DEVICE), hold, settle,
             positions, max_steps, kernel=True,

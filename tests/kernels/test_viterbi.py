@@ -49,6 +49,14 @@ def test_the_kernel_gives_the_twins_paths_and_ends(block, tile):
     want_toks, want_ends = dg._best_torch(states, logits, idx, back)
     assert ends.tolist() == want_ends.tolist()
     assert toks.tolist() == want_toks.tolist()
+    # as the decoder calls it: int32 columns, each row's backward sets read from the grammar's table
+    dg.back_index(C, 3 * C)  # a budget placed first: the rows' places are not their order
+    placed = torch.tensor([dg.back_index(C, b) for b in budgets], dtype=torch.int32, device=DEVICE)
+    i32 = torch.int32
+    got = dg._best_kernel(torch.tensor(states, dtype=i32, device=DEVICE), logits, idx.to(i32), dg.backs(C),
+                          block, tile, back_rows=placed)  # fmt: skip
+    assert placed.tolist() != list(range(len(rows)))
+    assert (got[0].tolist(), got[1].tolist()) == (want_toks.tolist(), want_ends.tolist())
     (tie,) = [k for k, i in enumerate(idx.tolist()) if i == 4]
     twins = [t for t in toks[tie].tolist() if t < 3 * len(words)]
     assert twins  # the tie row's path has tokens that tie with their twins; the twin's rule picked these

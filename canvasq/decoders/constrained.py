@@ -70,7 +70,7 @@ class RowGrammar:
     state: int  # the automaton's state after the committed answer
     banned: torch.Tensor | None = None  # [C, V] bool on the device: the front canvas's banned tokens
     plan: tuple | None = None  # what `banned` was planned from (grammar, state, budget): its table key
-    back: int = 0  # the canvas budget's backward sets in its device grammar's table (`back_index`)
+    back: int | None = None  # the canvas budget's backward sets in its device grammar's table (`back_index`)
     steps: int = 0  # the front canvas's masked steps (its rules' state is on the device: `SlotRules`)
 
 
@@ -285,7 +285,7 @@ class CanvasConstraints:
                 row.steps,
                 plans[k] if plans is not None else -1,
                 row.state,
-                row.back,
+                row.back if row.back is not None else self._place_back(s, row),
                 int(s.slot in self._fresh),
             )
             for k, (b, s, row) in enumerate(at)
@@ -300,6 +300,13 @@ class CanvasConstraints:
             b, slot, start, think, at_start, steps, plan if plans is not None else None, state, back,
             None if reset else fresh,
         )  # fmt: skip
+
+    def _place_back(self, s: Seq, row: RowGrammar) -> int:
+        """The row's canvas budget placed in its grammar's table of backward sets (`begin` does it for
+        every canvas; a row set up by hand has none)."""
+        budget = s.req.max_tokens - s.canvases[0].index * self.C
+        row.back = device_grammar(row.grammar, self.device).back_index(self.C, budget)
+        return row.back
 
     def _best(
         self,

@@ -7,7 +7,9 @@ E is close to V, as it would be with the real one), C = 256 positions, R constra
   an earlier canvas with the same state and budget);
 - `mask`: the masked fill of R rows' logits (`CanvasConstraints.mask` without the pin);
 - `best`: the batched Viterbi of R rows (`DeviceGrammar.best`: the pin's check every step, and each
-  stopped canvas's final tokens), from their log-probs;
+  stopped canvas's final tokens), from their log-probs; `best, no classes` (GPU): the same kernel with
+  the free-text pair's tokens as edges of their own (`kernels.viterbi.csr` without classes), and
+  whether its paths are `best`'s;
 - `host best` (small R only): `Grammar.best` per row after copying the log-probs to the host, the
   path this replaced;
 - `testbed best` / `testbed best, torch twin`: the Viterbi of 64 rows at the testbed's shape (its
@@ -74,6 +76,15 @@ def measure(dg: DeviceGrammar, R: int, Cn: int, V: int, budget: int) -> list[dic
     out = [{"part": "mask", "R": R, "ms": wall_ms(lambda: logits.float().masked_fill(~masks, -1e9))}]
     logp = torch.log_softmax(logits.float(), dim=-1)
     out.append({"part": "best", "R": R, "ms": wall_ms(lambda: dg.best([g.start] * R, logp, [budget] * R))})
+    if C.ON_GPU:  # the same walk with every free-text token its own edge (no classes), same process
+        rows, back = torch.arange(R, device=C.DEVICE), torch.stack([dg.back(Cn, budget)] * R)
+
+        def whole():
+            return dg._best_kernel([g.start] * R, logp, rows, back, class_min=1 << 40)
+
+        out.append({"part": "best, no classes", "R": R, "ms": wall_ms(whole)})
+        toks, _ = dg.best([g.start] * R, logp, [budget] * R)
+        out[-1]["same paths"] = sum(a == b for a, b in zip(whole()[0].tolist(), toks.tolist()))
     if R <= 2:
 
         def host_best():

@@ -51,9 +51,9 @@ class DeviceGrammar:
         self.edge = torch.arange(len(grammar.src), device=device)
         self._plans: OrderedDict[tuple[int, int, int, int], torch.Tensor] = OrderedDict()
         self._plan_bytes = 0
-        # the edges by the state they enter, in chunks (`kernels.viterbi.csr`; per chunk size), built
-        # when the kernel first runs
-        self._csr: dict[int, dict] = {}
+        # the edges by the state they enter, in chunks, their free-text classes apart
+        # (`kernels.viterbi.csr`; per chunk size, vocabulary and class size), built when the kernel first runs
+        self._csr: dict[tuple[int, int, int], dict] = {}
         # per C: the backward sets of every budget met so far ([N, C + 1, Q] int8) and each budget's place
         self._backs: dict[int, tuple[torch.Tensor, dict[int, int]]] = {}
 
@@ -182,23 +182,26 @@ class DeviceGrammar:
         tile: int | None = None,
         lse: torch.Tensor | None = None,
         back_rows: torch.Tensor | None = None,
+        class_min: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`best` in one launch (`kernels.viterbi`): the positions' log-sum-exps (`lse`, or in torch a
         few positions at a time), then one program per row. `states` may be an [R] device column, and
-        `back` a table read at `back_rows` [R] (`backs`, `back_index`)."""
+        `back` a table read at `back_rows` [R] (`backs`, `back_index`). `class_min`: the edges a (source,
+        destination) pair needs to be a class (`kernels.viterbi.CLASS_MIN` by default; tests lower it)."""
         # imported here: importing canvasq.kernels fixes whether its kernels are interpreted (tests/kernels)
-        from canvasq.kernels.viterbi import TILE, csr, viterbi
+        from canvasq.kernels.viterbi import CLASS_MIN, TILE, csr, viterbi
 
         R, C, V = len(rows), logits.shape[1], logits.shape[2]
-        if block not in self._csr:
-            self._csr[block] = csr(self.src, self.tok, self.dst, self.free, self.g.Q, block)
+        key = (block, V, class_min or CLASS_MIN)
+        if key not in self._csr:
+            self._csr[key] = csr(self.src, self.tok, self.dst, self.free, self.g.Q, block, V, key[2])
         if lse is None:
             step = max(1, GAIN_ELEMENTS // max(1, R * V))
             reads = [logits[rows, i0 : i0 + step].float() for i0 in range(0, C, step)]
             lse = torch.cat([torch.logsumexp(x, dim=-1) for x in reads], dim=1)
         start = states if isinstance(states, torch.Tensor) else to_device(states, self.device)
         toks, ends = viterbi(
-            logits.contiguous(), rows, lse, back, start, self._csr[block], self.g.Q, tile or TILE, back_rows
+            logits.contiguous(), rows, lse, back, start, self._csr[key], self.g.Q, tile or TILE, back_rows
         )
         return toks, ends
 

@@ -15,6 +15,14 @@ walk over the states one by one makes every position Q chains of dependent loads
 its edges, their sources' scores, their tokens' logits): latency that grows with the schema's states
 however few their edges. The tiles keep the chain at two levels a position.
 
+A (source, destination) pair that many tokens connect (a string's or a thought's free text: nearly the
+whole vocabulary at the real size, 253,173 of 253,190 edges in the real-shape micro) is one
+*class*: its best edge at a position is the best of its tokens there, found for every position at
+once by `class_best` (one program per (row, position) over the vocabulary, the way the masks read it)
+before the walk; the walk then scores one virtual edge per class instead of its members, and takes the
+member's edge index from the class's winner. The winner among equal logits is the member of highest
+edge index, the twin's rule, so the paths are the twin's.
+
 The running scores and the chunks' winners live in a per-row scratch that only the row's own program
 touches (loads bypass L1: `.cg`). Same arithmetic as the twin (fp32: the logit minus its position's
 log-sum-exp, added to the source state's score; ties to the highest edge index), so the two give the
@@ -29,6 +37,57 @@ import triton.language as tl
 
 # the most elements of one tile (a [chunks, BLOCK] or [states, chunks] block of a position's work)
 TILE = 4096
+# a (source, destination) pair with at least this many edges is a class (`csr`), at most MAX_CLASSES of
+# them (the largest): the testbed's (V 748) has none, the real vocabulary's free-text pairs do
+CLASS_MIN = 1024
+MAX_CLASSES = 8
+BLOCK_V = 1024
+
+
+@triton.jit
+def _class_best_kernel(
+    logits_ptr, stride_b, stride_c,  # [B, C, V] logits (any float dtype)
+    rows_ptr, members_ptr,  # [R] logits' rows; [KC, V] int32: each class's member edge per token, -1: none
+    best_ptr, arg_ptr,  # [R, C, KC] out: fp32 best logit, int32 its member's edge index
+    V: tl.constexpr, C: tl.constexpr, KC: tl.constexpr, KCB: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    row = tl.load(rows_ptr + pid // C).to(tl.int64)
+    base = logits_ptr + row * stride_b + (pid % C) * stride_c
+    ks = tl.arange(0, KCB)
+    cols = tl.arange(0, BLOCK_V)
+    best = tl.full([KCB], float("-inf"), tl.float32)
+    arg = tl.full([KCB], -1, tl.int32)
+    for v0 in range(0, V, BLOCK_V):
+        v = v0 + cols
+        x = tl.load(base + v, mask=v < V, other=0.0).to(tl.float32)
+        e = tl.load(
+            members_ptr + ks[:, None] * V + v[None, :], mask=(ks[:, None] < KC) & (v[None, :] < V), other=-1
+        )
+        xx = tl.where(e >= 0, x[None, :], float("-inf"))
+        bm = tl.max(xx, 1)
+        ba = tl.max(tl.where((xx == bm[:, None]) & (e >= 0), e, -1), 1)  # ties: the highest edge index
+        arg = tl.where(bm > best, ba, tl.where(bm == best, tl.maximum(arg, ba), arg))
+        best = tl.maximum(best, bm)
+    tl.store(best_ptr + pid * KC + ks, best, mask=ks < KC)
+    tl.store(arg_ptr + pid * KC + ks, arg, mask=ks < KC)
+
+
+def class_best(
+    logits: torch.Tensor, rows: torch.Tensor, members: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each class's best member at every position of rows `rows` of logits [B, C, V] (last dim
+    contiguous): ([R, C, KC] fp32 logit, [R, C, KC] int32 the member's edge index; ties: the highest)."""
+    R, C, V = len(rows), logits.shape[1], logits.shape[2]
+    KC = members.shape[0]
+    best = torch.empty(R, C, KC, dtype=torch.float32, device=logits.device)
+    arg = torch.empty(R, C, KC, dtype=torch.int32, device=logits.device)
+    if R and KC:
+        _class_best_kernel[(R * C,)](
+            logits, logits.stride(0), logits.stride(1), rows, members, best, arg,
+            V=V, C=C, KC=KC, KCB=triton.next_power_of_2(KC), BLOCK_V=min(BLOCK_V, triton.next_power_of_2(V)),
+        )  # fmt: skip
+    return best, arg
 
 
 @triton.jit
@@ -39,9 +98,10 @@ def _viterbi_kernel(
     cs_ptr, ce_ptr, kseg_ptr,  # [K] each chunk's edges [cs, ce) in grouped order, [Q + 1] each state's chunks
     src_ptr, tok_ptr, free_ptr, eid_ptr,  # the edges grouped by the state they enter
     osrc_ptr, otok_ptr,  # the edges in their own order (the walk back)
+    cls_best_ptr, cls_arg_ptr,  # [R, C, KC] the classes' best member logits and edge indices (`class_best`)
     score_ptr, cbest_ptr, carg_ptr, via_ptr, toks_ptr, ends_ptr,  # [R, 2, QB] fp32, [R, KP] fp32 / int32 scratch,
     # [R, C, Q] int32, [R, C], [R] int64
-    C: tl.constexpr, Q: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr,
+    C: tl.constexpr, Q: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr, QB: tl.constexpr, KC: tl.constexpr,
     CB: tl.constexpr, NCB: tl.constexpr, KB: tl.constexpr, NKB: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
@@ -72,10 +132,17 @@ def _viterbi_kernel(
             src = tl.load(src_ptr + offs, mask=m, other=0)
             sc = tl.load(cur + src, mask=m, other=NEG_INF, cache_modifier=".cg")
             tok = tl.load(tok_ptr + offs, mask=m, other=0)
-            lg = tl.load(base + tok, mask=m, other=0.0).to(tl.float32)
+            eid = tl.load(eid_ptr + offs, mask=m, other=-1)
+            if KC > 0:  # a class's virtual edge (token -1 - k): its best member here, and that member's edge
+                virt = tok < 0
+                kc = (r * C + i) * KC + tl.where(virt, -1 - tok, 0)
+                lg = tl.load(base + tl.where(virt, 0, tok), mask=m & ~virt, other=0.0).to(tl.float32)
+                lg = tl.where(virt, tl.load(cls_best_ptr + kc, mask=m & virt, other=0.0), lg)
+                eid = tl.where(virt, tl.load(cls_arg_ptr + kc, mask=m & virt, other=-1), eid)
+            else:
+                lg = tl.load(base + tok, mask=m, other=0.0).to(tl.float32)
             free = tl.load(free_ptr + offs, mask=m, other=0) != 0
             cand = tl.where(m, sc + tl.where(free, 0.0, lg - lse), NEG_INF)
-            eid = tl.load(eid_ptr + offs, mask=m, other=-1)
             bm = tl.max(cand, 1)
             bid = tl.max(tl.where((cand == bm[:, None]) & (cand > NEG_INF), eid, -1), 1)
             tl.store(cbest_ptr + r * KP + ks, bm, mask=km)
@@ -107,22 +174,57 @@ def _viterbi_kernel(
 
 
 def csr(
-    src: torch.Tensor, tok: torch.Tensor, dst: torch.Tensor, free: torch.Tensor, Q: int, block: int = 32
+    src: torch.Tensor,
+    tok: torch.Tensor,
+    dst: torch.Tensor,
+    free: torch.Tensor,
+    Q: int,
+    block: int = 32,
+    V: int | None = None,
+    class_min: int = CLASS_MIN,
 ) -> dict:
     """The edges grouped by the state they enter (a stable sort: a group keeps the edges' order), each
-    group cut into chunks of at most `block` edges."""
-    order = torch.sort(dst, stable=True).indices
-    counts = torch.bincount(dst, minlength=Q)
-    seg = torch.zeros(Q + 1, dtype=torch.long, device=dst.device)
+    group cut into chunks of at most `block` edges. With `V` (the logits' width), the (source,
+    destination) pairs of at least `class_min` edges (at most MAX_CLASSES, the largest) are classes:
+    their members leave the groups for one virtual edge each (token -1 - k), and `members` [KC, V]
+    int32 maps each class's tokens to their edges (-1: not a member)."""
+    dev, i32 = dst.device, torch.int32
+    E = len(src)
+    members = torch.full((0, V or 1), -1, dtype=i32, device=dev)
+    keep = torch.arange(E, device=dev)
+    vsrc = vtok = vdst = torch.zeros(0, dtype=torch.long, device=dev)
+    if V is not None and E:
+        pair = src * Q + dst
+        uniq, inv, counts = torch.unique(pair, return_inverse=True, return_counts=True)
+        big = torch.nonzero(counts >= class_min)[:, 0]
+        big = big[torch.argsort(counts[big], descending=True, stable=True)][:MAX_CLASSES]
+        if len(big):
+            klass = torch.full((len(uniq),), -1, dtype=torch.long, device=dev)
+            klass[big] = torch.arange(len(big), device=dev)
+            k = klass[inv]  # [E] each edge's class, -1: none
+            inside = k >= 0
+            members = torch.full((len(big), V), -1, dtype=i32, device=dev)
+            members[k[inside], tok[inside]] = torch.nonzero(inside)[:, 0].to(i32)
+            keep = torch.nonzero(~inside)[:, 0]
+            vsrc, vdst = uniq[big] // Q, uniq[big] % Q
+            vtok = -1 - torch.arange(len(big), device=dev)
+    # the kept edges, then one virtual edge per class (its edge index comes from `class_best`)
+    g_src = torch.cat([src[keep], vsrc])
+    g_tok = torch.cat([tok[keep], vtok])
+    g_dst = torch.cat([dst[keep], vdst])
+    g_free = torch.cat([free[keep], torch.zeros(len(vsrc), dtype=free.dtype, device=dev)])
+    g_eid = torch.cat([keep, torch.full((len(vsrc),), -1, dtype=torch.long, device=dev)])
+    order = torch.sort(g_dst, stable=True).indices
+    counts = torch.bincount(g_dst, minlength=Q)
+    seg = torch.zeros(Q + 1, dtype=torch.long, device=dev)
     seg[1:] = torch.cumsum(counts, 0)
     chunks = (counts + block - 1) // block  # [Q]
-    kseg = torch.zeros(Q + 1, dtype=torch.long, device=dst.device)
+    kseg = torch.zeros(Q + 1, dtype=torch.long, device=dev)
     kseg[1:] = torch.cumsum(chunks, 0)
     K = int(kseg[-1])
-    state = torch.repeat_interleave(torch.arange(Q, device=dst.device), chunks)  # [K] each chunk's state
-    cs = seg[state] + (torch.arange(K, device=dst.device) - kseg[state]) * block
+    state = torch.repeat_interleave(torch.arange(Q, device=dev), chunks)  # [K] each chunk's state
+    cs = seg[state] + (torch.arange(K, device=dev) - kseg[state]) * block
     ce = torch.minimum(cs + block, seg[state + 1])
-    i32 = torch.int32
     return {
         "block": block,
         "K": K,
@@ -130,12 +232,13 @@ def csr(
         "cs": cs.to(i32),
         "ce": ce.to(i32),
         "kseg": kseg.to(i32),
-        "src": src[order].to(i32),
-        "tok": tok[order].to(i32),
-        "free": free[order].to(torch.int8),
-        "eid": order.to(i32),
+        "src": g_src[order].to(i32),
+        "tok": g_tok[order].to(i32),
+        "free": g_free[order].to(torch.int8),
+        "eid": g_eid[order].to(i32),
         "osrc": src.to(i32),
         "otok": tok.to(i32),
+        "members": members,
     }
 
 
@@ -184,14 +287,18 @@ def viterbi(
         return toks, ends
     if back_rows is None:
         back_rows = torch.arange(R, dtype=torch.int32, device=dev)
+    rows = rows.to(torch.int32)
+    KC = edges["members"].shape[0]
+    cls_best, cls_arg = class_best(logits, rows, edges["members"]) if KC else (score, carg)
     _viterbi_kernel[(R,)](
         logits, logits.stride(0), logits.stride(1),
-        rows.to(torch.int32), lse.contiguous(), back.to(torch.int8).contiguous(), back_rows.to(torch.int32),
+        rows, lse.contiguous(), back.to(torch.int8).contiguous(), back_rows.to(torch.int32),
         states.to(torch.int32),
         edges["cs"], edges["ce"], edges["kseg"],
         edges["src"], edges["tok"], edges["free"], edges["eid"], edges["osrc"], edges["otok"],
+        cls_best, cls_arg,
         score, cbest, carg, via, toks, ends,
-        C=C, Q=Q, K=edges["K"], BLOCK=edges["block"], **t, num_warps=8,
+        C=C, Q=Q, K=edges["K"], BLOCK=edges["block"], KC=KC, **t, num_warps=8,
     )  # fmt: skip
     return toks, ends
 
@@ -203,8 +310,8 @@ def compile_specs():
     yield CompileSpec(
         "viterbi",
         _viterbi_kernel,
-        # E = 253,173 edges in chunks of 32 (~7,936), one state holding nearly all of them
-        {"C": 256, "Q": 20, "K": 7936, "BLOCK": 32, **tiles(7936, 7920, 32, 20)},
+        # the real-shape micro's automaton once its free-text pair is a class: a few hundred edges left
+        {"C": 256, "Q": 20, "K": 16, "BLOCK": 32, "KC": 1, **tiles(16, 8, 32, 20)},
         types={
             "rows_ptr": "*i32",
             "lse_ptr": "*fp32",
@@ -220,6 +327,8 @@ def compile_specs():
             "eid_ptr": "*i32",
             "osrc_ptr": "*i32",
             "otok_ptr": "*i32",
+            "cls_best_ptr": "*fp32",
+            "cls_arg_ptr": "*i32",
             "score_ptr": "*fp32",
             "cbest_ptr": "*fp32",
             "carg_ptr": "*i32",
@@ -228,4 +337,16 @@ def compile_specs():
             "ends_ptr": "*i64",
         },
         num_warps=8,
+    )
+    yield CompileSpec(
+        "class_best",
+        _class_best_kernel,
+        {"V": 262144, "C": 256, "KC": 2, "KCB": 2, "BLOCK_V": BLOCK_V},
+        types={
+            "logits_ptr": "*bf16",
+            "rows_ptr": "*i32",
+            "members_ptr": "*i32",
+            "best_ptr": "*fp32",
+            "arg_ptr": "*i32",
+        },
     )

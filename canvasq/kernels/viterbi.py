@@ -189,25 +189,8 @@ def csr(
     their members leave the groups for one virtual edge each (token -1 - k), and `members` [KC, V]
     int32 maps each class's tokens to their edges (-1: not a member)."""
     dev, i32 = dst.device, torch.int32
-    E = len(src)
-    members = torch.full((0, V or 1), -1, dtype=i32, device=dev)
-    keep = torch.arange(E, device=dev)
-    vsrc = vtok = vdst = torch.zeros(0, dtype=torch.long, device=dev)
-    if V is not None and E:
-        pair = src * Q + dst
-        uniq, inv, counts = torch.unique(pair, return_inverse=True, return_counts=True)
-        big = torch.nonzero(counts >= class_min)[:, 0]
-        big = big[torch.argsort(counts[big], descending=True, stable=True)][:MAX_CLASSES]
-        if len(big):
-            klass = torch.full((len(uniq),), -1, dtype=torch.long, device=dev)
-            klass[big] = torch.arange(len(big), device=dev)
-            k = klass[inv]  # [E] each edge's class, -1: none
-            inside = k >= 0
-            members = torch.full((len(big), V), -1, dtype=i32, device=dev)
-            members[k[inside], tok[inside]] = torch.nonzero(inside)[:, 0].to(i32)
-            keep = torch.nonzero(~inside)[:, 0]
-            vsrc, vdst = uniq[big] // Q, uniq[big] % Q
-            vtok = -1 - torch.arange(len(big), device=dev)
+    keep, members, (vsrc, vdst) = _classes(src, tok, dst, Q, V, class_min)
+    vtok = -1 - torch.arange(len(vsrc), device=dev)
     # the kept edges, then one virtual edge per class (its edge index comes from `class_best`)
     g_src = torch.cat([src[keep], vsrc])
     g_tok = torch.cat([tok[keep], vtok])
@@ -240,6 +223,29 @@ def csr(
         "otok": tok.to(i32),
         "members": members,
     }
+
+
+def _classes(src: torch.Tensor, tok: torch.Tensor, dst: torch.Tensor, Q: int, V: int | None, class_min: int):
+    """`csr`'s classes: ([E'] the edges kept as edges, [KC, V] int32 each class's member edge per token,
+    ([KC] sources, [KC] destinations) of the classes' pairs)."""
+    dev, E = dst.device, len(src)
+    none = torch.zeros(0, dtype=torch.long, device=dev)
+    if V is None or not E:
+        return (
+            torch.arange(E, device=dev),
+            torch.full((0, V or 1), -1, dtype=torch.int32, device=dev),
+            (none, none),
+        )
+    uniq, inv, counts = torch.unique(src * Q + dst, return_inverse=True, return_counts=True)
+    big = torch.nonzero(counts >= class_min)[:, 0]
+    big = big[torch.argsort(counts[big], descending=True, stable=True)][:MAX_CLASSES]
+    klass = torch.full((len(uniq),), -1, dtype=torch.long, device=dev)
+    klass[big] = torch.arange(len(big), device=dev)
+    k = klass[inv]  # [E] each edge's class, -1: none
+    inside = k >= 0
+    members = torch.full((len(big), V), -1, dtype=torch.int32, device=dev)
+    members[k[inside], tok[inside]] = torch.nonzero(inside)[:, 0].to(torch.int32)
+    return torch.nonzero(~inside)[:, 0], members, (uniq[big] // Q, uniq[big] % Q)
 
 
 def tiles(K: int, most_chunks: int, block: int, Q: int, tile: int = TILE) -> dict:

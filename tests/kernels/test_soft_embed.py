@@ -12,10 +12,13 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,k,vocab,width", [(1, 64, 500, 128), (9, 64, 1000, 300), (5, 7, 50, 129)])
 def test_soft_embed_parity(rows, k, vocab, width, dtype):
-    table = torch.randn(vocab, width, device=DEVICE).to(dtype)
-    ids = torch.randint(0, vocab, (rows, k), device=DEVICE)
+    # its own generator: drawn from the global one, some orders of the suite gave a row whose weight sat
+    # in its repeated half, where the rolled weights below change little
+    gen = torch.Generator().manual_seed(rows * 7 + k)
+    table = torch.randn(vocab, width, generator=gen).to(DEVICE, dtype)
+    ids = torch.randint(0, vocab, (rows, k), generator=gen).to(DEVICE)
     ids[0, : k // 2] = ids[0, 0]  # a repeated id counts once per occurrence
-    p = torch.softmax(torch.randn(rows, k, device=DEVICE) * 3, dim=-1).to(dtype)
+    p = torch.softmax(torch.randn(rows, k, generator=gen) * 3, dim=-1).to(DEVICE, dtype)
     out = soft_embed_launch(ids, p, table)
     want = soft_embed_reference(ids, p, table)
     assert out.shape == (rows, width) and out.dtype == dtype

@@ -303,11 +303,14 @@ class CanvasConstraints:
             None if reset else fresh,
         )  # fmt: skip
 
+    def _budget(self, s: Seq) -> int:
+        """The answer tokens left from the row's front canvas's first position."""
+        return s.req.max_tokens - s.canvases[0].index * self.C
+
     def _place_back(self, s: Seq, row: RowGrammar) -> int:
         """The row's canvas budget placed in its grammar's table of backward sets (`begin` does it for
         every canvas; a row set up by hand has none)."""
-        budget = s.req.max_tokens - s.canvases[0].index * self.C
-        row.back = device_grammar(row.grammar, self.device).back_index(self.C, budget)
+        row.back = device_grammar(row.grammar, self.device).back_index(self.C, self._budget(s))
         return row.back
 
     def _best(
@@ -338,7 +341,7 @@ class CanvasConstraints:
         placed = logits.is_cuda and logits.dtype != torch.float64
         if placed and cols.state is not None and cols.back is not None:  # nothing to build or copy
             return dg.best_placed(cols.state, logits, cols.b, cols.back, lse)
-        budgets = [s.req.max_tokens - s.canvases[0].index * self.C for s, _ in (rows[k] for k in ks)]
+        budgets = [self._budget(rows[k][0]) for k in ks]
         states = [rows[k][1].state for k in ks]
         return dg.best(states, logits, budgets, cols.b, lse)
 

@@ -171,7 +171,11 @@ def step_rules(
         assert argmax is not None, "the open rule reads the model's argmax"
         pins = open_rule(st, rows, ends, argmax, opens, hold)
     if settles:
-        capped = rows.steps >= (max_steps if max_steps is not None else torch.iinfo(torch.int32).max)
+        capped = (
+            rows.steps >= max_steps
+            if max_steps is not None
+            else torch.zeros_like(rows.steps, dtype=torch.bool)
+        )
         settled = settle_rule(st, rows, toks, ends, capped, settle, positions, opens)
         pins = settled if pins is None else torch.where(settled >= 0, settled, pins)
     return pins

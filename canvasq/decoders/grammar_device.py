@@ -194,7 +194,7 @@ class DeviceGrammar:
         R, C, V = len(rows), logits.shape[1], logits.shape[2]
         key = (block, V, class_min or CLASS_MIN)
         if key not in self._csr:
-            self._csr[key] = csr(self.src, self.tok, self.dst, self.free, self.g.Q, block, V, key[2])
+            self._csr[key] = csr(self.src, self.tok, self.dst, self.free, self.g.Q, V, block, key[2])
         if lse is None:
             step = max(1, GAIN_ELEMENTS // max(1, R * V))
             reads = [logits[rows, i0 : i0 + step].float() for i0 in range(0, C, step)]

@@ -179,13 +179,12 @@ def csr(
     dst: torch.Tensor,
     free: torch.Tensor,
     Q: int,
+    V: int,
     block: int = 32,
-    V: int | None = None,
     class_min: int = CLASS_MIN,
 ) -> dict:
     """The edges grouped by the state they enter (a stable sort: a group keeps the edges' order), each
-    group cut into chunks of at most `block` edges. With `V` (the logits' width), the (source,
-    destination) pairs of at least `class_min` edges (at most MAX_CLASSES, the largest) are classes:
+    group cut into chunks of at most `block` edges. `V`: the logits' width. The (source, destination) pairs of at least `class_min` edges (at most MAX_CLASSES, the largest) are classes:
     their members leave the groups for one virtual edge each (token -1 - k), and `members` [KC, V]
     int32 maps each class's tokens to their edges (-1: not a member)."""
     dev, i32 = dst.device, torch.int32
@@ -225,17 +224,10 @@ def csr(
     }
 
 
-def _classes(src: torch.Tensor, tok: torch.Tensor, dst: torch.Tensor, Q: int, V: int | None, class_min: int):
+def _classes(src: torch.Tensor, tok: torch.Tensor, dst: torch.Tensor, Q: int, V: int, class_min: int):
     """`csr`'s classes: ([E'] the edges kept as edges, [KC, V] int32 each class's member edge per token,
-    ([KC] sources, [KC] destinations) of the classes' pairs)."""
-    dev, E = dst.device, len(src)
-    none = torch.zeros(0, dtype=torch.long, device=dev)
-    if V is None or not E:
-        return (
-            torch.arange(E, device=dev),
-            torch.full((0, V or 1), -1, dtype=torch.int32, device=dev),
-            (none, none),
-        )
+    ([KC] sources, [KC] destinations) of the classes' pairs); KC is 0 when no pair is large enough."""
+    dev = dst.device
     uniq, inv, counts = torch.unique(src * Q + dst, return_inverse=True, return_counts=True)
     big = torch.nonzero(counts >= class_min)[:, 0]
     big = big[torch.argsort(counts[big], descending=True, stable=True)][:MAX_CLASSES]

@@ -13,6 +13,7 @@ start reads them instead of packing; the GPU never holds the BF16 experts.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import hashlib
@@ -161,8 +162,11 @@ def merge_adapter(hf_model, adapter_dir: Path):
     return merged.eval()
 
 
-def build_random(name: str, device: str, dtype):
-    """Random weights at a named shape, built directly on `device`."""
+def build_random(name: str, device: str, dtype, experts_on_meta: bool = False):
+    """Random weights at a named shape, built directly on `device`. With `experts_on_meta` the routed
+    experts are left on the meta device (no values, no memory) for `_pack` to make a layer at a time:
+    HF builds the encoder's and the decoder's experts before it ties them, 2 x 45 GiB in BF16 at the
+    real shape, which no 80 GiB GPU holds."""
     import torch
     from transformers import DiffusionGemmaForBlockDiffusion
 
@@ -171,9 +175,39 @@ def build_random(name: str, device: str, dtype):
     if name not in SHAPES:
         raise ValueError(f"unknown random shape {name!r}; known: {', '.join(SHAPES)}")
     config = build_config(SHAPES[name])
-    with torch.device(device):
+    with torch.device(device), _experts_on_meta(experts_on_meta):
         model = DiffusionGemmaForBlockDiffusion._from_config(config, dtype=dtype)
     return model.eval()
+
+
+@contextlib.contextmanager
+def _experts_on_meta(on: bool):
+    """While on: HF's experts modules build their parameters on the meta device."""
+    if not on:
+        yield
+        return
+    import torch
+    from transformers.models.diffusion_gemma import modeling_diffusion_gemma as hf
+
+    cls = hf.DiffusionGemmaTextExperts
+    init = cls.__init__
+
+    def meta_init(self, *args, **kwargs):
+        with torch.device("meta"):
+            init(self, *args, **kwargs)
+
+    cls.__init__ = meta_init
+    try:
+        yield
+    finally:
+        cls.__init__ = init
+
+
+def _random_experts(meta, device):
+    """Values for a random build's meta experts (`build_random`): HF's initializer scale."""
+    import torch
+
+    return torch.randn(meta.shape, dtype=meta.dtype, device=device) * 0.02
 
 
 def freeze_heap() -> None:
@@ -203,9 +237,10 @@ def load_bundle(
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
     if spec.startswith("random:"):
         name = spec.split(":", 1)[1]
-        model = build_random(name, device, dtype)
+        w4_on_gpu = experts == "w4" and device != "cpu"
+        model = build_random(name, device, dtype, experts_on_meta=w4_on_gpu)
         if experts == "w4":  # built on the device: packed layer by layer, each BF16 layer freed as it goes
-            _pack(model, device, cache=None)
+            _pack(model, device, cache=None, materialize=_random_experts if w4_on_gpu else None)
         tokenizer = None  # random weights read the testbed's ids (all below any shape's vocabulary)
         if (DEFAULT_MODEL_DIR / "tokenizer.json").exists():
             tokenizer = _load_tokenizer(DEFAULT_MODEL_DIR)
@@ -222,14 +257,14 @@ def load_bundle(
     return ModelBundle(model.to(device), _load_tokenizer(path), str(path), device, experts)
 
 
-def _pack(model, device: str, cache: Path | None) -> dict:
+def _pack(model, device: str, cache: Path | None, materialize=None) -> dict:
     import time
 
     from canvasq.kernels.moe.store import pack_model_experts
 
     hit = cache is not None and cache.exists()
     t0 = time.perf_counter()
-    packs = pack_model_experts(model, cache=cache, device=device)
+    packs = pack_model_experts(model, cache=cache, device=device, materialize=materialize)
     gib = sum(p.nbytes() for p in packs.values()) / 2**30
     how = f"read from {cache}" if hit else "packed" + (f", cached at {cache}" if cache else "")
     log.info("W4 experts: %d layers, %.2f GiB, %s in %.1fs", len(packs), gib, how, time.perf_counter() - t0)

@@ -303,6 +303,44 @@ def test_pack_model_experts_testbed(tmp_path, monkeypatch):
     assert torch.equal(mod2(x, ids, w), y)
 
 
+def test_random_build_makes_meta_experts_a_layer_at_a_time(monkeypatch):
+    """`build_random(experts_on_meta=True)` leaves every experts module on the meta device, tied as
+    HF ties them, and builds everything else as usual; packing asks `materialize` once per tied group,
+    never holding two groups' BF16 experts at once, and the packed experts are what it made."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from canvasq.model import loading
+
+    model = loading.build_random("testbed", "cpu", torch.float32, experts_on_meta=True)
+    experts = [m for _, m in model.named_modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
+    assert experts and all(m.gate_up_proj.is_meta and m.down_proj.is_meta for m in experts)
+    assert not any(p.is_meta for n, p in model.named_parameters() if ".experts." not in n)
+    assert all(not b.is_meta for b in model.buffers())  # RoPE frequencies, scalars: built as usual
+    groups = {id(m.gate_up_proj) for m in experts}
+    with pytest.raises(ValueError, match="materialize"):
+        pack_model_experts(model, device="cpu")
+
+    made, live = [], []
+
+    def materialize(meta, device):
+        live.append(meta.shape)
+        t = torch.randn(meta.shape, dtype=meta.dtype, device=device) * 0.02
+        made.append(t)
+        return t
+
+    real_pack = pack_model_experts.__globals__["pack_w4"]
+
+    def pack_w4_spy(gate_up, down, config=None):
+        assert len(live) == 2, "one group's gate_up and down are made, then packed"
+        live.clear()
+        return real_pack(gate_up, down, config)
+
+    monkeypatch.setitem(pack_model_experts.__globals__, "pack_w4", pack_w4_spy)
+    packs = pack_model_experts(model, device="cpu", materialize=materialize)
+    assert len(packs) == len(groups) and len(made) == 2 * len(groups)
+    gq, _ = unpack_w4(next(iter(packs.values())), torch.float32)
+    assert rel_norm(gq, made[0]) < 0.25  # the pack holds the values made for it
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 def test_w4_moe_real_shape_bf16():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -113,13 +114,16 @@ def pack_model_experts(
     config: W4Config | None = None,
     cache: str | Path | None = None,
     device: str | torch.device | None = None,
+    materialize: Callable[[torch.Tensor, torch.device], torch.Tensor] | None = None,
 ) -> dict[str, W4Experts]:
     """Pack every experts module of `model` in place (see module docstring); returns {group: W4Experts}.
 
     Packing runs on `device` (default: the weights' device; GPU: seconds per layer; the BF16 copy of a
     layer is freed as soon as it is packed). A model still on the CPU with `device="cuda"` has one
     layer's BF16 experts on the GPU at a time, and the packs end there. With `cache` pointing to an
-    existing file, nothing is quantised.
+    existing file, nothing is quantised. Experts on the meta device (a random build that never holds
+    every layer's BF16 experts at once) get their values from `materialize(meta, device)`, a layer at
+    a time.
     """
     mods = _expert_modules(model)
     if not mods:
@@ -141,8 +145,11 @@ def pack_model_experts(
     packs, owners = {}, {}
     for members in groups.values():
         first_name, first = members[0]
-        gate_up, down = cast(torch.Tensor, first.gate_up_proj), cast(torch.Tensor, first.down_proj)
-        packs[first_name] = pack_w4(gate_up.data.to(dev), down.data.to(dev), config)
+        gate_up, down = (
+            _values(cast(torch.Tensor, t), dev, materialize) for t in (first.gate_up_proj, first.down_proj)
+        )
+        packs[first_name] = pack_w4(gate_up, down, config)
+        del gate_up, down
         owners[first_name] = [n for n, _ in members]
         for _, mod in members:  # drops the BF16 parameters now (frees the layer on a GPU)
             _install(mod, packs[first_name])
@@ -151,6 +158,16 @@ def pack_model_experts(
     if cache is not None:
         save_packed(cache, packs, owners)
     return _install_all(mods, packs, owners, source="packing")
+
+
+def _values(t: torch.Tensor, dev: torch.device, materialize) -> torch.Tensor:
+    if not t.is_meta:
+        return t.data.to(dev)
+    if materialize is None or dev.type == "meta":
+        raise ValueError(
+            "experts on the meta device need `materialize` and a `device` (only a random build has no values)"
+        )
+    return materialize(t, dev)
 
 
 def _install_all(

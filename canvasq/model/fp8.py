@@ -156,13 +156,7 @@ def fp8_moe(
 
     kernel = fp8_supported(x.device) if kernel is None else kernel
     n, k = topk_ids.shape
-    flat = topk_ids.reshape(-1)
-    sorted_e, order = torch.sort(flat, stable=True)
-    num_experts = ex.gate_up.shape[0]
-    bounds = torch.arange(1, num_experts + 1, device=flat.device)
-    offs = torch.searchsorted(sorted_e, bounds, right=False).to(torch.int32)
-    # row_of[t*K + j]: where token t's j-th assignment sits in expert order
-    row_of = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    order, offs, row_of = expert_order(topk_ids, ex.gate_up.shape[0], kernel)
     if kernel:  # each token quantised once, its copies written straight to their expert-order rows
         from canvasq.kernels.fp8_quant import quantize_rows_triton
 
@@ -189,6 +183,28 @@ def fp8_moe(
     w = topk_p if expert_scale is None else route_weights(topk_p, topk_ids, expert_scale)
     y = y.view(n, k, -1).float() * w[..., None].float()
     return y.sum(1).to(x.dtype)
+
+
+def expert_order(
+    topk_ids: torch.Tensor, num_experts: int, kernel: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The assignments t*K + j in expert order, stable ([T*K]), each expert's end in that order ([E]
+    int32, the grouped GEMM's `offs`) and each assignment's place in it (`row_of`, [T*K] int64).
+    `kernel`: the W4 path's counting sort (`align_routing` at one-row blocks: two launches) in place of
+    torch's radix sort of the int64 ids, eight passes and their memsets a layer; the same order."""
+    flat = topk_ids.reshape(-1)
+    arange = torch.arange(flat.numel(), device=flat.device)
+    if kernel:
+        from canvasq.kernels.moe.launch import align_routing
+
+        meta = align_routing(topk_ids, num_experts, block_m=1)
+        order = meta.sorted_ids.long()
+        offs = torch.cumsum(meta.counts, 0, dtype=torch.int32)
+    else:
+        sorted_e, order = torch.sort(flat, stable=True)
+        bounds = torch.arange(1, num_experts + 1, device=flat.device)
+        offs = torch.searchsorted(sorted_e, bounds, right=False).to(torch.int32)
+    return order, offs, torch.empty_like(order).scatter_(0, order, arange)
 
 
 def _grouped(aq, a_scale, wq, w_scale, offs, dtype, kernel: bool):

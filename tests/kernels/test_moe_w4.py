@@ -141,6 +141,22 @@ def test_routing_kernel_matches_twin(block_m, T, K, E):
     assert torch.equal(a.num_padded, b.num_padded) and torch.equal(a.block_expert, b.block_expert)
 
 
+@pytest.mark.parametrize("T,K,E", [(37, 8, 128), (300, 8, 128), (50, 3, 300), (5, 2, 8)])
+def test_fp8_expert_order_by_counting_sort_is_torchs_stable_sort(T, K, E):
+    """The FP8 experts' routing on the kernel path (`align_routing` at one-row blocks) gives torch's
+    stable sort's order, the same expert ends and the same inverse: the FP8 layer's rows and outputs
+    are unchanged, bit for bit. Ids with repeats across tokens and experts nobody picked."""
+    from canvasq.model.fp8 import expert_order
+
+    ids, _ = _routing(T, K, E, seed=T + E)
+    ids[: T // 2] = ids[T // 2 : 2 * (T // 2)]  # many equal ids: the stable order is what is tested
+    fast, twin = expert_order(ids, E, kernel=True), expert_order(ids, E, kernel=False)
+    for a, b in zip(fast, twin):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    order, _, row_of = twin
+    assert torch.equal(order[row_of], torch.arange(T * K, device=ids.device))
+
+
 CASES = [  # T not a multiple of 32, I = 64 (testbed) and 88 (704 / 8), H not a multiple of 128
     (7, 2, 8, 256, 64),
     (37, 4, 16, 256, 64),

@@ -133,6 +133,25 @@ def fp8_linear(x: torch.Tensor, w: FP8Linear, kernel: bool | None = None) -> tor
     return ((xq.float() * xs[:, None]) @ (w.q.float() * w.scale[:, None]).t()).to(x.dtype)
 
 
+def fp8_gated_linear(gu: torch.Tensor, w: FP8Linear, act=None, kernel: bool | None = None) -> torch.Tensor:
+    """gelu_tanh(gate) * up of gu [M, 2I] (gate | up) @ W.T -> [M, N]: the dense MLP's down projection
+    on its gate/up output. On the kernel path the activation is quantised straight from gu (one
+    launch, `gelu_mul_quant`: the model-dtype activation is never written, the values `gelu_mul`
+    writes); the twin applies `act` (default: torch's gelu_tanh(gate) * up), then quantises."""
+    kernel = fp8_supported(gu.device) if kernel is None else kernel
+    if not kernel:
+        if act is None:
+            g, u = gu.chunk(2, dim=-1)
+            return fp8_linear(gelu_tanh(g) * u, w, kernel=False)
+        return fp8_linear(act(gu), w, kernel=False)
+    from canvasq.kernels.fp8_quant import gelu_mul_quant_triton
+
+    aq, as_ = gelu_mul_quant_triton(gu)
+    return torch._scaled_mm(
+        aq, w.q.t(), scale_a=as_[:, None], scale_b=w.scale[None, :], out_dtype=gu.dtype, use_fast_accum=True
+    )
+
+
 def fp8_moe(
     x: torch.Tensor,
     topk_ids: torch.Tensor,

@@ -78,7 +78,7 @@ from canvasq.kernels.softcap import softcap_logits
 from canvasq.model.arena import KVArena
 from canvasq.model.embedding import embed, rope
 from canvasq.model.experts import grouped_mm_available, moe_grouped, moe_reference
-from canvasq.model.fp8 import fp8_linear, fp8_moe
+from canvasq.model.fp8 import fp8_gated_linear, fp8_linear, fp8_moe
 from canvasq.model.prepared import Prepared, prepare
 from canvasq.model.weights import (
     LayerWeights,
@@ -436,7 +436,7 @@ class Runtime:
             x, r, x_e = self._pre_ffn(
                 h, lw.ln_pre_ff, lw.router_scale, self.hidden_size**-0.5, lw.ln_pre_ff2, eps
             )
-            m = self._dense(self._gelu_mul(self._dense(x, lw, "mlp_gate_up")), lw, "mlp_down")
+            m = self._dense(self._dense(x, lw, "mlp_gate_up"), lw, "mlp_down", gated=True)
         with self.scope("experts"):  # router + routed experts
             topk_p, topk_ids = self._router(F.linear(r, lw.router_proj), self.top_k)  # fp32 softmax, top-k
             # each implementation applies the router epilogue (`route_weights`) itself: W4 in its combine
@@ -457,21 +457,20 @@ class Runtime:
         """The FP8 copy of `name` when this forward is large enough to use it, else None."""
         return lw.fp8.get(name) if rows >= self.fp8_min_rows else None
 
-    def _dense(self, x, lw: LayerWeights, name: str):
+    def _dense(self, x, lw: LayerWeights, name: str, gated: bool = False):
+        """x @ lw.<name>.T, FP8 from `fp8_min_rows` rows. `gated`: x is the dense MLP's gate/up output,
+        gelu_tanh(gate) * up taken first (FP8: quantised as it is made, `fp8_gated_linear`)."""
         q = self._fp8(x.shape[0], lw, name)
+        if gated and q is not None:
+            return fp8_gated_linear(x, q, self._gelu_mul)
+        x = self._gelu_mul(x) if gated else x
         return F.linear(x, getattr(lw, name)) if q is None else fp8_linear(x, q)
 
     # the four take the router's raw top-k probabilities
     def _moe_fp8(self, x, topk_ids, topk_p, lw: LayerWeights):
         # with the fused norms, the combine happens in the end-of-layer norm (`ExpertRows`), as for W4
-        return fp8_moe(
-            x,
-            topk_ids,
-            topk_p,
-            lw.fp8["experts"],
-            expert_scale=lw.per_expert_scale,
-            defer_combine=self.kernels,
-        )
+        ex = lw.fp8["experts"]
+        return fp8_moe(x, topk_ids, topk_p, ex, expert_scale=lw.per_expert_scale, defer_combine=self.kernels)
 
     def _moe_reference(self, x, topk_ids, topk_p, lw: LayerWeights):
         assert lw.gate_up is not None and lw.down is not None  # the BF16 experts (not freed for W4)
@@ -490,11 +489,5 @@ class Runtime:
 
         # with the fused norms, the combine happens in the end-of-layer norm (`ExpertRows`)
         assert lw.experts_packed is not None  # packed by _pack_w4 or at load
-        return w4_moe(
-            x,
-            topk_ids,
-            topk_p,
-            lw.experts_packed,
-            expert_scale=lw.per_expert_scale,
-            defer_combine=self.kernels,
-        )
+        ex = lw.experts_packed
+        return w4_moe(x, topk_ids, topk_p, ex, expert_scale=lw.per_expert_scale, defer_combine=self.kernels)

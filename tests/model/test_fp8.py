@@ -11,6 +11,7 @@ from canvasq.model.fp8 import (
     E4M3_MAX,
     FP8Experts,
     FP8Linear,
+    fp8_gated_linear,
     fp8_linear,
     fp8_moe,
     fp8_supported,
@@ -170,6 +171,16 @@ def test_fp8_kernels_match_the_twin_on_gpu():
     lin = FP8Linear.from_weight(gate_up[0])
     a, b = fp8_linear(x, lin, kernel=True), fp8_linear(x, lin, kernel=False)
     assert (a.float() - b.float()).abs().max() / b.float().abs().max() < 2e-2
+    # the dense MLP's down projection on its gate/up output: the activation quantised as it is made
+    # gives the bytes of gelu_mul, then the row quantiser (the path it replaces)
+    from canvasq.kernels.gelu_mul import gelu_mul
+
+    gu = torch.randn(n, 2 * h, generator=g).to(dev, dt)
+    down_w = FP8Linear.from_weight(gate_up[1][:, :h])
+    fused = fp8_gated_linear(gu, down_w, kernel=True)
+    assert torch.equal(fused, fp8_linear(gelu_mul(gu, impl="triton"), down_w, kernel=True))
+    twin = fp8_gated_linear(gu, down_w, kernel=False)
+    assert (fused.float() - twin.float()).abs().max() / twin.float().abs().max() < 2e-2
 
 
 @pytest.mark.gpu

@@ -50,6 +50,7 @@ MODULES = (
     "attention",
     "viterbi",
     "gelu_mul",
+    "fp8_quant",
     "softmax_argmax",
     "softmax_invcdf",
     "softmax_topk",

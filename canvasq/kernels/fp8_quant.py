@@ -110,3 +110,32 @@ def gelu_mul_quant_triton(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
             gu, q, s, inter, gu.stride(0), _K_BETA, _K_KAPPA, BLOCK=block, num_warps=4 if block <= 2048 else 8
         )
     return q, s
+
+
+def compile_specs():
+    """The row quantiser at the real shape's widths (hidden 2,816; attention out 4,096; dense MLP
+    2,112) and scattered to the experts' 8 copies; the gated quantiser at the experts' 704 and the dense
+    MLP's 2,112 (benchmarks/kernels/compile_check.py)."""
+    from .compile_spec import CompileSpec
+
+    out = {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+    for k, copies in ((2816, 1), (2816, 8), (4096, 1), (2112, 1)):
+        block = triton.next_power_of_2(k)
+        yield CompileSpec(
+            f"quant_rows_k{k}" + (f"_x{copies}" if copies > 1 else ""),
+            _quant_rows_kernel,
+            {"BLOCK": block, "COPIES": copies, "SCATTER": copies > 1},
+            types={**out, "dest_ptr": "*i64" if copies > 1 else "*fp32"},
+            divisible=frozenset({"x_ptr", "q_ptr", "s_ptr", "K", "stride_x"}),
+            num_warps=4 if block <= 2048 else 8,
+        )
+    for inter in (704, 2112):
+        block = triton.next_power_of_2(inter)
+        yield CompileSpec(
+            f"gelu_mul_quant_i{inter}",
+            _gelu_mul_quant_kernel,
+            {"BLOCK": block},
+            types={**out, "k_beta": "fp32", "k_kappa": "fp32"},
+            divisible=frozenset({"gu_ptr", "q_ptr", "s_ptr", "I", "stride_g"}),
+            num_warps=4 if block <= 2048 else 8,
+        )

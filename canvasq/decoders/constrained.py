@@ -345,15 +345,16 @@ class CanvasConstraints:
         states = [rows[k][1].state for k in ks]
         return dg.best(states, logits, budgets, cols.b, lse)
 
-    def final(self, finished: list[Seq], tokens: list[list[int]]) -> list[list[int]]:
-        """The stopped canvases' tokens, the constrained rows' replaced by their best completable path
-        under their last logits (found by `mask` this step; read here, after the step's sync), and
-        the rules' counters added to the rows' stats."""
-        out = list(tokens)
+    def final(self, finished: list[Seq], argmax: torch.Tensor) -> list[list[int]]:
+        """The stopped canvases' tokens: their argmax ([F, C] on the device), the constrained rows'
+        replaced by their best completable path under their last logits (found by `mask` this step),
+        both read in one host read after the step's sync; the rules' counters added to the rows' stats."""
         at = [(k, s, self.rows[s.row]) for k, s in enumerate(finished) if s.row in self.rows]
         if not at:
-            return out
-        for (k, s, row), (best, end, counts) in zip(at, self.slots.read([s.slot for _, s, _ in at])):
+            return argmax.tolist()
+        out, read = self.slots.read_with(argmax, [s.slot for _, s, _ in at])
+        tokens = list(out)
+        for (k, s, row), (best, end, counts) in zip(at, read):
             assert row.steps > 0, "a constrained canvas ends only after a masked step"
             row.state = end
             s.stats["constrained_canvases"] += 1

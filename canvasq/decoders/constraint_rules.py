@@ -122,10 +122,20 @@ class SlotRules:
     def read(self, slots: list[int]) -> list[tuple[list[int], int, list[int]]]:
         """Per slot: its canvas's best valid path at the last step, the state it ends in and the rules'
         counters (one host read)."""
+        return self.read_with(None, slots)[1]
+
+    def read_with(
+        self, head: torch.Tensor | None, slots: list[int]
+    ) -> tuple[list[list[int]], list[tuple[list[int], int, list[int]]]]:
+        """`read(slots)` and the rows of `head` (a [F, C] device tensor, e.g. the stopped canvases'
+        argmax) in the same host read: one sync where there were two."""
         idx = to_device(slots, self.device)
-        rows = torch.cat([self.best[idx], self.best_end[idx, None], self.counts[idx]], dim=1).tolist()
-        C = self.C
-        return [(r[:C], r[C], r[C + 1 :]) for r in rows]
+        rows = torch.cat([self.best[idx], self.best_end[idx, None], self.counts[idx]], dim=1)
+        parts = [rows.reshape(-1)] if head is None else [head.reshape(-1).to(rows.dtype), rows.reshape(-1)]
+        flat = torch.cat(parts).tolist()
+        C, w, cut = self.C, rows.shape[1], 0 if head is None else head.numel()
+        first = [flat[i : i + C] for i in range(0, cut, C)]
+        return first, [(r[:C], r[C], r[C + 1 :]) for r in (flat[i : i + w] for i in range(cut, len(flat), w))]
 
 
 def opens_document(text: str | None) -> bool:

@@ -144,8 +144,8 @@ class OfficialDecoder(StepDecoder):
         at = [b for b, d in enumerate(done) if d]
         if at:  # the canvases' tokens: their last argmax (a constrained row's: its best valid path)
             finished = [seqs[b] for b in at]
-            tokens = self.slots.argmax[self.slot_index(finished)].tolist()
-            tokens = self.constraints.final(finished, tokens)  # constrained: their best valid paths
+            # constrained rows: their best valid paths (read with the argmax: one sync)
+            tokens = self.constraints.final(finished, self.slots.argmax[self.slot_index(finished)])
             self.retire_canvases(finished, tokens)
 
     def _begin(self) -> list[tuple[Seq, Canvas]]:

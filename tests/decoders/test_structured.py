@@ -301,7 +301,7 @@ def test_a_document_canvas_is_pinned_at_max_steps_and_a_thought_is_not(texts, te
         assert counters["constraint_capped_steps"] == (pinned_at is not None)
         assert counters["constraint_pinned_steps"] == 0  # the path never held: only the cap pinned it
         if pinned_at is not None:  # the last step read b's logits: the canvas still ends on a's path
-            assert checks.final([seq], [[0] * C]) == [ids_a]  # type: ignore[list-item]
+            assert checks.final([seq], torch.zeros(1, C, dtype=torch.long)) == [ids_a]  # type: ignore[list-item]
             assert seq.stats["constraint_capped_steps"] == 1 and "constraint_pinned_steps" not in seq.stats
 
 
@@ -348,7 +348,7 @@ def test_settled_document_positions_are_pinned_alone(texts, testbed):
     counters = checks.counters(seq)  # type: ignore[arg-type]
     assert counters["constraint_pinned_steps"] == 1 and ((x[0] == NEG).sum(-1) == V - 1).all()
     # the canvas ends on this step's best valid path, whatever tokens the sampler last held
-    assert checks.final([seq], [[0] * C]) == [ids_a]  # type: ignore[list-item]
+    assert checks.final([seq], torch.zeros(1, C, dtype=torch.long)) == [ids_a]  # type: ignore[list-item]
     assert row.state == grammar.done and seq.stats["constrained_canvases"] == 1
     # a step whose best path is thought only breaks every hold: the next document starts unheld
     t, _ = logits_for("so 12 eggs and 13 more eggs make 25 eggs so far and")

@@ -108,7 +108,11 @@ def forward_case(rt, runner, batch: int, prompt: int, args, cuda: bool) -> dict:
         Window.canvas(b, torch.randint(0, V, (C,), device=device), prompt, self_cond=sc) for b in range(batch)
     ]
     res = {"batch": batch, "rows": batch * C, "fp8": rt.fp8_parts if batch * C >= rt.fp8_min_rows else ()}
-    res["eager_ms"] = timed(lambda: rt.decode(arena, wins), args.iters, cuda)
+    # "kernel": our attention kernel with visibility from the arena, as the worker loop's decoder steps
+    # run; "sdpa": the mask-free SDPA call an all-visible eager forward takes (the bare benchmarks')
+    prefix = args.attention == "sdpa"
+    res["attention"] = args.attention
+    res["eager_ms"] = timed(lambda: rt.decode(arena, wins, prefix_attention=prefix), args.iters, cuda)
     if runner is not None:
         garena = runner.arena(batch, prompt + 2 * C)
         if garena is not None:
@@ -117,9 +121,11 @@ def forward_case(rt, runner, batch: int, prompt: int, args, cuda: bool) -> dict:
                     garena,
                     [(b, torch.randint(0, V, (prompt,), device=device), torch.arange(prompt, device=device))],
                 )
-            res["graph_ms"] = timed(lambda: runner.decode(garena, wins), args.iters, cuda)
+            res["graph_ms"] = timed(
+                lambda: runner.decode(garena, wins, prefix_attention=prefix), args.iters, cuda
+            )
             del garena
-    prof = profiled(lambda: rt.decode(arena, wins), args.reps, cuda)
+    prof = profiled(lambda: rt.decode(arena, wins, prefix_attention=prefix), args.reps, cuda)
     rows, groups = kernel_table(prof, args.reps, cuda)
     res["gpu_ms"] = sum(r["ms"] for r in rows)
     res["groups_ms"] = dict(sorted(groups.items(), key=lambda kv: -kv[1]))
@@ -160,6 +166,13 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=40, help="kernels listed per case")
     ap.add_argument("--moe", action="store_true", help="also the FP8 expert layer alone")
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument(
+        "--attention",
+        choices=("kernel", "sdpa"),
+        default="kernel",
+        help="kernel: our attention kernel, as the worker loop's decoder steps (default); sdpa: the "
+        "mask-free SDPA path of an all-visible eager forward, as the bare benchmarks",
+    )
     ap.add_argument(
         "--layers",
         type=int,

@@ -122,7 +122,7 @@ def compile_specs():
     for k, copies in ((2816, 1), (2816, 8), (4096, 1), (2112, 1)):
         block = triton.next_power_of_2(k)
         yield CompileSpec(
-            f"quant_rows_k{k}" + (f"_x{copies}" if copies > 1 else ""),
+            f"fp8_quant_rows_k{k}" + (f"_x{copies}" if copies > 1 else ""),
             _quant_rows_kernel,
             {"BLOCK": block, "COPIES": copies, "SCATTER": copies > 1},
             types={**out, "dest_ptr": "*i64" if copies > 1 else "*fp32"},
@@ -132,7 +132,7 @@ def compile_specs():
     for inter in (704, 2112):
         block = triton.next_power_of_2(inter)
         yield CompileSpec(
-            f"gelu_mul_quant_i{inter}",
+            f"fp8_gelu_mul_quant_i{inter}",
             _gelu_mul_quant_kernel,
             {"BLOCK": block},
             types={**out, "k_beta": "fp32", "k_kappa": "fp32"},

@@ -172,13 +172,19 @@ def test_fp8_kernels_match_the_twin_on_gpu():
     a, b = fp8_linear(x, lin, kernel=True), fp8_linear(x, lin, kernel=False)
     assert (a.float() - b.float()).abs().max() / b.float().abs().max() < 2e-2
     # the dense MLP's down projection on its gate/up output: the activation quantised as it is made
-    # gives the bytes of gelu_mul, then the row quantiser (the path it replaces)
+    # gives what gelu_mul, then the row quantiser give (the path it replaces; the same expression,
+    # so at most a rare last bit apart where the compiler contracts differently)
+    from canvasq.kernels.fp8_quant import gelu_mul_quant_triton, quantize_rows_triton
     from canvasq.kernels.gelu_mul import gelu_mul
 
     gu = torch.randn(n, 2 * h, generator=g).to(dev, dt)
+    (aq, as_), (rq, rs) = gelu_mul_quant_triton(gu), quantize_rows_triton(gelu_mul(gu, impl="triton"))
+    torch.testing.assert_close(as_, rs, rtol=1e-2, atol=0)
+    assert (aq.float() != rq.float()).float().mean() < 1e-3
     down_w = FP8Linear.from_weight(gate_up[1][:, :h])
     fused = fp8_gated_linear(gu, down_w, kernel=True)
-    assert torch.equal(fused, fp8_linear(gelu_mul(gu, impl="triton"), down_w, kernel=True))
+    ref = fp8_linear(gelu_mul(gu, impl="triton"), down_w, kernel=True)
+    assert (fused.float() - ref.float()).abs().max() / ref.float().abs().max() < 1e-2
     twin = fp8_gated_linear(gu, down_w, kernel=False)
     assert (fused.float() - twin.float()).abs().max() / twin.float().abs().max() < 2e-2
 

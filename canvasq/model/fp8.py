@@ -127,29 +127,30 @@ def fp8_linear(x: torch.Tensor, w: FP8Linear, kernel: bool | None = None) -> tor
     kernel = fp8_supported(x.device) if kernel is None else kernel
     xq, xs = _quantize(x, kernel)
     if kernel:
-        return torch._scaled_mm(
-            xq, w.q.t(), scale_a=xs[:, None], scale_b=w.scale[None, :], out_dtype=x.dtype, use_fast_accum=True
-        )
+        return _scaled_rows(xq, xs, w, x.dtype)
     return ((xq.float() * xs[:, None]) @ (w.q.float() * w.scale[:, None]).t()).to(x.dtype)
+
+
+def _scaled_rows(xq: torch.Tensor, xs: torch.Tensor, w: FP8Linear, dtype: torch.dtype) -> torch.Tensor:
+    """Quantised rows (e4m3 [M, K], scales [M]) @ W.T through torch's row-scaled FP8 GEMM."""
+    return torch._scaled_mm(
+        xq, w.q.t(), scale_a=xs[:, None], scale_b=w.scale[None, :], out_dtype=dtype, use_fast_accum=True
+    )
 
 
 def fp8_gated_linear(gu: torch.Tensor, w: FP8Linear, act=None, kernel: bool | None = None) -> torch.Tensor:
     """gelu_tanh(gate) * up of gu [M, 2I] (gate | up) @ W.T -> [M, N]: the dense MLP's down projection
     on its gate/up output. On the kernel path the activation is quantised straight from gu (one
     launch, `gelu_mul_quant`: the model-dtype activation is never written, the values `gelu_mul`
-    writes); the twin applies `act` (default: torch's gelu_tanh(gate) * up), then quantises."""
+    writes); the twin applies `act` (default: `kernels.gelu_mul`'s torch twin), then quantises."""
     kernel = fp8_supported(gu.device) if kernel is None else kernel
     if not kernel:
         if act is None:
-            g, u = gu.chunk(2, dim=-1)
-            return fp8_linear(gelu_tanh(g) * u, w, kernel=False)
+            from canvasq.kernels.gelu_mul import gelu_mul_reference as act
         return fp8_linear(act(gu), w, kernel=False)
     from canvasq.kernels.fp8_quant import gelu_mul_quant_triton
 
-    aq, as_ = gelu_mul_quant_triton(gu)
-    return torch._scaled_mm(
-        aq, w.q.t(), scale_a=as_[:, None], scale_b=w.scale[None, :], out_dtype=gu.dtype, use_fast_accum=True
-    )
+    return _scaled_rows(*gelu_mul_quant_triton(gu), w, gu.dtype)
 
 
 def fp8_moe(

@@ -205,26 +205,43 @@ def fp8_moe(
     return y.sum(1).to(x.dtype)
 
 
+ORDERS = ("narrow", "count", "sort")
+
+
 def expert_order(
-    topk_ids: torch.Tensor, num_experts: int, kernel: bool
+    topk_ids: torch.Tensor, num_experts: int, kernel: bool, method: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The assignments t*K + j in expert order, stable ([T*K]), each expert's end in that order ([E]
-    int32, the grouped GEMM's `offs`) and each assignment's place in it (`row_of`, [T*K] int64).
-    `kernel`: the W4 path's counting sort (`align_routing` at one-row blocks: two launches) in place of
-    torch's radix sort of the int64 ids, eight passes and their memsets a layer; the same order."""
+    int32, the grouped GEMM's `offs`) and each assignment's place in it (`row_of`, [T*K] int64); every
+    method gives the same three. `method` (default: "narrow" on the kernel path, else "sort"):
+    - "sort": torch's stable sort of the int64 ids (on CUDA a radix sort: eight passes and their memsets);
+    - "narrow": the same sort of the ids as one byte (E <= 255) or two, so a radix sort makes one or two
+      passes; ids below E fit the narrow type, so the order is the same;
+    - "count": `align_routing`'s counting sort at one-row blocks (two Triton launches, but each row
+      ranked against every expert: slower than "narrow" at a loop's row counts on an H100)."""
+    method = method or ("narrow" if kernel else "sort")
     flat = topk_ids.reshape(-1)
     arange = torch.arange(flat.numel(), device=flat.device)
-    if kernel:
+    if method == "count":
         from canvasq.kernels.moe.launch import align_routing
 
         meta = align_routing(topk_ids, num_experts, block_m=1)
         order = meta.sorted_ids.long()
         offs = torch.cumsum(meta.counts, 0, dtype=torch.int32)
     else:
-        sorted_e, order = torch.sort(flat, stable=True)
-        bounds = torch.arange(1, num_experts + 1, device=flat.device)
+        assert method in ORDERS, method
+        keys = flat.to(_key_dtype(num_experts)) if method == "narrow" else flat
+        sorted_e, order = torch.sort(keys, stable=True)
+        bounds = torch.arange(1, num_experts + 1, device=flat.device, dtype=keys.dtype)
         offs = torch.searchsorted(sorted_e, bounds, right=False).to(torch.int32)
     return order, offs, torch.empty_like(order).scatter_(0, order, arange)
+
+
+def _key_dtype(num_experts: int) -> torch.dtype:
+    """The narrowest sort key that holds the ids and the bound E (`expert_order`'s "narrow")."""
+    if num_experts <= 255:
+        return torch.uint8
+    return torch.int16 if num_experts <= 32767 else torch.int64
 
 
 def _grouped(aq, a_scale, wq, w_scale, offs, dtype, kernel: bool):

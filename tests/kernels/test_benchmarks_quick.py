@@ -68,6 +68,7 @@ PROBES = Path(__file__).resolve().parents[2] / "benchmarks" / "probes"
         "norm_fusion_gpu_timing.py",
         "moe_ncu_driver.py",
         "forward_kernels.py",
+        "expert_order_gpu_timing.py",
         pytest.param(
             "moe_gluon_gpu_timing.py",
             marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon: CUDA")],
@@ -83,6 +84,7 @@ def test_probe_quick(probe, tmp_path):
         "norm_fusion_gpu_timing.py",
         "moe_ncu_driver.py",
         "forward_kernels.py",
+        "expert_order_gpu_timing.py",
         "moe_gluon_gpu_timing.py",
     }, "a new probe needs a --quick run here"
     proc = subprocess.run(

@@ -142,17 +142,21 @@ def test_routing_kernel_matches_twin(block_m, T, K, E):
 
 
 @pytest.mark.parametrize("T,K,E", [(37, 8, 128), (300, 8, 128), (50, 3, 300), (5, 2, 8)])
-def test_fp8_expert_order_by_counting_sort_is_torchs_stable_sort(T, K, E):
-    """The FP8 experts' routing on the kernel path (`align_routing` at one-row blocks) gives torch's
-    stable sort's order, the same expert ends and the same inverse: the FP8 layer's rows and outputs
-    are unchanged, bit for bit. Ids with repeats across tokens and experts nobody picked."""
-    from canvasq.model.fp8 import expert_order
+def test_fp8_expert_order_methods_give_torchs_stable_sort(T, K, E):
+    """The FP8 experts' routing by every method (the counting sort of `align_routing` at one-row
+    blocks, the narrow-key sort, the int64 sort) gives torch's stable sort's order, the same expert
+    ends and the same inverse: the FP8 layer's rows and outputs are unchanged, bit for bit. Ids with
+    repeats across tokens and experts nobody picked; E = 300 takes two-byte keys."""
+    from canvasq.model.fp8 import ORDERS, _key_dtype, expert_order
 
     ids, _ = _routing(T, K, E, seed=T + E)
     ids[: T // 2] = ids[T // 2 : 2 * (T // 2)]  # many equal ids: the stable order is what is tested
-    fast, twin = expert_order(ids, E, kernel=True), expert_order(ids, E, kernel=False)
-    for a, b in zip(fast, twin):
-        assert a.dtype == b.dtype and torch.equal(a, b)
+    twin = expert_order(ids, E, kernel=False)
+    assert _key_dtype(E) == (torch.uint8 if E <= 255 else torch.int16)
+    for method in ORDERS:
+        got = expert_order(ids, E, kernel=True, method=method)
+        for a, b in zip(got, twin):
+            assert a.dtype == b.dtype and torch.equal(a, b), method
     order, _, row_of = twin
     assert torch.equal(order[row_of], torch.arange(T * K, device=ids.device))
 

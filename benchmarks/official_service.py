@@ -258,15 +258,23 @@ RUNTIME_DEFAULTS: dict[int, dict] = {}
 
 def _cap_arena(bundle, fp8: str, settings, arena_gib: str) -> None:
     """The graph runner's arena cap for this arm (`--arena-gib`): a number of GiB, or auto (the
-    runner's default). A larger cap lets a batch's arena be the runner's, so its forwards can replay
-    graphs; under the cap the stream allocates its own arena and runs eagerly."""
+    runner's default), optionally with `:ROWS`, the most padded rows a graph may take (its logits
+    buffer; default the runner's 16 GiB of fp32 logits). A larger cap lets a batch's arena be the
+    runner's, so its forwards can replay graphs; under the cap the stream allocates its own arena
+    and runs eagerly. With ROWS the larger forwards on the runner's arena run eagerly too."""
     from canvasq.decoders.runtimes import runtime_for
     from canvasq.model.graph import ARENA_BYTES, graph_runner
 
     if settings.cuda_graphs == "off" or not str(settings.device).startswith("cuda"):
         return
     rt = runtime_for(bundle.hf_model, "w4", fp8, settings.fp8_min_rows)
-    graph_runner(rt).max_arena_bytes = ARENA_BYTES if arena_gib == "auto" else int(float(arena_gib) * 2**30)
+    runner = graph_runner(rt)
+    cap, _, rows = arena_gib.partition(":")
+    runner.max_arena_bytes = ARENA_BYTES if cap == "auto" else int(float(cap) * 2**30)
+    if rows and runner.max_rows != int(rows):
+        runner.logits_bytes = int(rows) * 4 * rt.vocab_size
+        runner.graphs.clear()  # they write the old logits buffer
+        runner.logits = None
 
 
 def _errored(store, run_id: str) -> int:
@@ -535,7 +543,8 @@ def main() -> None:
         "--arena-gib",
         default="auto",
         help="graph runner arena caps to A/B, comma-separated "
-        "(GiB or auto: the runner's default), each an arm after --arms' (e.g. '16,40')",
+        "(GiB or auto: the runner's default; GiB:ROWS also caps a graph's padded rows, larger "
+        "forwards eager), each an arm after --arms' (e.g. '16,40:2048')",
     )
     ap.add_argument(
         "--profile", default=None, help="write a cProfile summary of the last arm's timed drain here"

@@ -258,21 +258,22 @@ RUNTIME_DEFAULTS: dict[int, dict] = {}
 
 def _cap_arena(bundle, fp8: str, settings, arena_gib: str) -> None:
     """The graph runner's arena cap for this arm (`--arena-gib`): a number of GiB, or auto (the
-    runner's default), optionally with `:ROWS`, the most padded rows a graph may take (its logits
-    buffer; default the runner's 16 GiB of fp32 logits). A larger cap lets a batch's arena be the
-    runner's, so its forwards can replay graphs; under the cap the stream allocates its own arena
-    and runs eagerly. With ROWS the larger forwards on the runner's arena run eagerly too."""
+    runner's default: none, the stream's arena is the runner's), optionally with `:ROWS`, the most
+    padded rows a graph may take (its logits buffer; default `graph.LOGITS_BYTES` of fp32 logits).
+    Under a cap the stream allocates its own arena and runs eagerly; the larger forwards on the
+    runner's arena run eagerly too. 16:16384 is the runner before 2 GiB logits and no cap."""
     from canvasq.decoders.runtimes import runtime_for
-    from canvasq.model.graph import ARENA_BYTES, graph_runner
+    from canvasq.model.graph import LOGITS_BYTES, graph_runner
 
     if settings.cuda_graphs == "off" or not str(settings.device).startswith("cuda"):
         return
     rt = runtime_for(bundle.hf_model, "w4", fp8, settings.fp8_min_rows)
     runner = graph_runner(rt)
     cap, _, rows = arena_gib.partition(":")
-    runner.max_arena_bytes = ARENA_BYTES if cap == "auto" else int(float(cap) * 2**30)
-    if rows and runner.max_rows != int(rows):
-        runner.logits_bytes = int(rows) * 4 * rt.vocab_size
+    runner.max_arena_bytes = None if cap == "auto" else int(float(cap) * 2**30)
+    logits_bytes = int(rows) * 4 * rt.vocab_size if rows else LOGITS_BYTES
+    if runner.logits_bytes != logits_bytes:
+        runner.logits_bytes = logits_bytes
         runner.graphs.clear()  # they write the old logits buffer
         runner.logits = None
 

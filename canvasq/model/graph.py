@@ -65,7 +65,11 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     return n
 
 
-ARENA_BYTES = 16 << 30  # GraphRunner's default arena cap: a batch whose arena is larger decodes eagerly
+# The graphs' shared fp32 logits buffer, which bounds the padded rows a graph may take. A graph pays
+# while a forward is bound by its launches: at the real shape (V 262,144) 2 GiB is 2,048 rows, 8
+# windows of 256; larger forwards, bound by the GPU, run eagerly on the same arena. On an H100 at 32
+# slots this cap took 10,813 -> 11,659 tok/s (one process); 4,096 rows ran out of memory there.
+LOGITS_BYTES = 2 << 30
 ROW_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)
 CONTEXT_BUCKET = 256  # a graph's context (arena entries it reads) is rounded up to a multiple of this
 
@@ -297,12 +301,13 @@ class GraphRunner:
     A CUDA graph keeps the addresses of every tensor it reads, so the arena outlives a batch:
     `arena(slots, capacity)` hands out the runner's own arena with every slot reset, replacing it (and
     dropping the graphs) only when a batch needs more slots or entries than it has, and never larger
-    than `max_arena_bytes` (a batch beyond that gets no runner arena and decodes eagerly). Graphs are keyed
+    than `max_arena_bytes` when that is set (a batch beyond it gets no runner arena and decodes
+    eagerly; by default the stream's arena, which it would allocate anyway, is the runner's). Graphs are keyed
     by (encoder or decoder, window count, first slot when the slots are consecutive, row bucket,
     context bucket, SC kinds, the attention path), kept least recently used up to `max_graphs`, and share one temporaries
-    pool and one logits buffer of `logits_bytes`. `decode` and `encode_many` run eagerly what no
-    graph can take: windows on another store (the funnel's simple promotion), more padded rows than
-    the logits buffer holds, a window larger than the largest row bucket, padded rows that would not
+    pool and one logits buffer of `logits_bytes` (`LOGITS_BYTES`). `decode` and `encode_many` run eagerly
+    what no graph can take: windows on another store (the funnel's simple promotion), more padded rows
+    than the logits buffer holds (the large forwards, bound by the GPU, not by their launches), a window larger than the largest row bucket, padded rows that would not
     fit a slot's free entries, or a key whose graph failed to build (counted in `stats["failed"]`).
 
     Numerics: a graph forward pads rows to the bucket and always applies the attention masks (no
@@ -314,10 +319,10 @@ class GraphRunner:
         self,
         rt: Runtime,
         max_graphs: int = 256,
-        logits_bytes: int = 16 << 30,
+        logits_bytes: int = LOGITS_BYTES,
         cuda_graph: bool | None = None,
         warmup: int = 1,
-        max_arena_bytes: int = ARENA_BYTES,
+        max_arena_bytes: int | None = None,
     ):
         self.rt, self.max_arena_bytes = rt, max_arena_bytes
         self.cuda_graph = rt.device.type == "cuda" if cuda_graph is None else cuda_graph
@@ -349,9 +354,10 @@ class GraphRunner:
         if a is None or a.slots < slots or a.capacity < capacity:
             want = (slots, context_bucket(capacity))
             grown = want if a is None else (max(slots, a.slots), max(want[1], a.capacity))
-            if self._arena_bytes(*grown) > self.max_arena_bytes:  # grow to cover both batches if
+            cap = self.max_arena_bytes
+            if cap is not None and self._arena_bytes(*grown) > cap:  # grow to cover both batches if
                 grown = want  # that fits, so alternating shapes do not thrash; else just this one
-                if self._arena_bytes(*grown) > self.max_arena_bytes:
+                if self._arena_bytes(*grown) > cap:
                     return None
             self.graphs.clear()  # they read the old arena's tensors (and their logits buffer)
             self.store = self.logits = a = None
@@ -362,6 +368,13 @@ class GraphRunner:
         for s in range(a.slots):
             a.reset(s)
         return a
+
+    def release(self) -> None:
+        """Drop the arena, the graphs and their logits buffer (a stream ran out of device memory: the
+        next one, on fewer slots, must not find them still allocated)."""
+        self.graphs.clear()
+        self.store = self.logits = None
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
 
     def _arena_bytes(self, slots: int, capacity: int) -> int:
         return KVArena.bytes_for(self.rt.layer_shapes, slots, capacity, self.rt.dtype)

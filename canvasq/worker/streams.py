@@ -295,6 +295,8 @@ def _back_off(engine: Engine, dec, stream: _RowStream, slots: int) -> None:
 
     back = stream.refeed()
     dec.release_stream()
+    if getattr(dec, "graphs", None) is not None:  # the graph runner's arena outlives streams: not this one
+        dec.graphs.release()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -420,6 +420,7 @@ def test_graph_runner_grows_its_arena(bundle):
     from canvasq.model.graph import GraphRunner
 
     runner = GraphRunner(make_decoder("pipe", bundle).rt, cuda_graph=False)
+    assert runner.max_arena_bytes is None  # by default the stream's arena is the runner's, any size
     small = runner.arena(1, 10)
     assert runner.arena(1, 10) is small and (small.slots, small.capacity) == (1, 256)
     big = runner.arena(5, 300)
@@ -432,6 +433,11 @@ def test_graph_runner_grows_its_arena(bundle):
     assert runner.arena(6, 600) is None and runner.store is big
     wide = runner.arena(10, 200)
     assert (wide.slots, wide.capacity) == (10, 256) and wide.nbytes() == big.nbytes()
+    # after an out-of-memory the runner lets go of its arena and graphs; the next batch gets a new one
+    runner.graphs[("key",)] = None
+    runner.release()
+    assert runner.store is None and runner.logits is None and not runner.graphs
+    assert runner.arena(2, 20) is not wide and runner.store is not None
     with pytest.raises(ValueError, match="cuda_graphs"):
         make_decoder("pipe", bundle, {"cuda_graphs": "yes"})
 
@@ -455,6 +461,21 @@ def test_graph_runner_runs_eagerly_what_a_graph_cannot_take(bundle):
     rt.encode(other, 0, torch.arange(9) + 2, torch.arange(9))
     runner.decode(other, [Window.canvas(0, torch.arange(4) + 3, 9)])
     assert runner.stats["eager"] == 2 and runner.stats["built"] == 1
+    # a logits buffer of 8 rows (at the real vocabulary, graph.LOGITS_BYTES holds 2,048): a forward
+    # padded past it runs eagerly on the runner's arena, one within it still replays
+    runner.logits_bytes, runner.logits = 8 * 4 * rt.vocab_size, None
+    runner.graphs.clear()
+    assert runner.max_rows == 8 and not runner.takes(2, 5) and runner.takes(1, 5)
+    arena = runner.arena(2, 256)
+    runner.encode_many(arena, [(s, torch.arange(6) + s, torch.arange(6)) for s in (0, 1)])
+    two = [Window.canvas(s, torch.arange(3) + 4, 6) for s in (0, 1)]
+    out = runner.decode(arena, two)
+    assert runner.eager_reasons["too many rows"] == 2 and torch.equal(
+        out.logits, rt.decode(arena, two).logits
+    )
+    replayed = runner.stats["replayed"]
+    runner.decode(arena, two[:1])
+    assert runner.stats["replayed"] == replayed + 1
 
 
 def test_decoder_beyond_the_arena_cap_decodes_eagerly(bundle):

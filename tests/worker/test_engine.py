@@ -459,6 +459,31 @@ def test_out_of_device_memory_halves_the_slots_and_feeds_the_rows_again(
     assert {e for _, e in texts(run.run_id).values()} == {"decode_error"}
 
 
+def test_out_of_device_memory_drops_the_graph_runners_arena(wsettings, wstore, bundle):
+    """The graph runner keeps its arena (the stream's, whatever its size) across streams; after an
+    out-of-memory the back-off drops it with the graphs, so the stream on half the slots does not
+    allocate beside it."""
+    from canvasq.decoders.registry import make_decoder
+    from canvasq.worker import streams
+
+    dec = make_decoder("official", bundle, {"cuda_graphs": "on"})
+    runner = dec.graphs
+    assert runner is not None
+    dec.arena = runner.arena(4, 64)
+    runner.graphs[("a graph",)] = None
+
+    class Refed:
+        run_id = "run-1"
+
+        def refeed(self) -> int:
+            return 3
+
+    engine = engine_for(wsettings.model_copy(update={"decode_slots": 4}), wstore, bundle)
+    streams._back_off(engine, dec, Refed(), 4)
+    assert dec.arena is None and runner.store is None and not runner.graphs
+    assert engine.decode_slots == 2
+
+
 def test_a_finished_stream_frees_its_arena_at_once(wsettings, wstore, bundle, monkeypatch):
     """The decoder and its slot pool refer to each other, so a finished stream's arena (35 GiB at 64
     slots on the H200) would wait for a garbage collection while the next chunk allocates its own: the

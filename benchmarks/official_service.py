@@ -257,20 +257,21 @@ RUNTIME_DEFAULTS: dict[int, dict] = {}
 
 
 def _cap_arena(bundle, fp8: str, settings, arena_gib: str) -> None:
-    """The graph runner's arena cap for this arm (`--arena-gib`): a number of GiB, or auto (the
-    runner's default: none, the stream's arena is the runner's), optionally with `:ROWS`, the most
-    padded rows a graph may take (its logits buffer; default `graph.LOGITS_BYTES` of fp32 logits).
-    Under a cap the stream allocates its own arena and runs eagerly; the larger forwards on the
-    runner's arena run eagerly too. 16:16384 is the runner before 2 GiB logits and no cap."""
+    """The graph runner's arena cap for this arm (`--arena-gib`): a number of GiB, none (no cap: the
+    stream's arena is the runner's) or auto (the runner's default, `graph.ARENA_BYTES`), optionally
+    with `:ROWS`, the most padded rows a graph may take (its logits buffer; default
+    `graph.LOGITS_BYTES` of fp32 logits). Under the cap the stream allocates its own arena and runs
+    eagerly; forwards past ROWS on the runner's arena run eagerly too (e.g. 'auto,none:2048')."""
     from canvasq.decoders.runtimes import runtime_for
-    from canvasq.model.graph import LOGITS_BYTES, graph_runner
+    from canvasq.model.graph import ARENA_BYTES, LOGITS_BYTES, graph_runner
 
     if settings.cuda_graphs == "off" or not str(settings.device).startswith("cuda"):
         return
     rt = runtime_for(bundle.hf_model, "w4", fp8, settings.fp8_min_rows)
     runner = graph_runner(rt)
     cap, _, rows = arena_gib.partition(":")
-    runner.max_arena_bytes = None if cap == "auto" else int(float(cap) * 2**30)
+    caps = {"auto": ARENA_BYTES, "none": None}
+    runner.max_arena_bytes = caps[cap] if cap in caps else int(float(cap) * 2**30)
     logits_bytes = int(rows) * 4 * rt.vocab_size if rows else LOGITS_BYTES
     if runner.logits_bytes != logits_bytes:
         runner.logits_bytes = logits_bytes
@@ -544,8 +545,8 @@ def main() -> None:
         "--arena-gib",
         default="auto",
         help="graph runner arena caps to A/B, comma-separated "
-        "(GiB or auto: the runner's default; GiB:ROWS also caps a graph's padded rows, larger "
-        "forwards eager), each an arm after --arms' (e.g. '16,40:2048')",
+        "(GiB, none or auto: the runner's default; CAP:ROWS also caps a graph's padded rows, larger "
+        "forwards eager), each an arm after --arms' (e.g. 'auto,none:2048')",
     )
     ap.add_argument(
         "--profile", default=None, help="write a cProfile summary of the last arm's timed drain here"

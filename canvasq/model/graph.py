@@ -65,11 +65,12 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     return n
 
 
-# The graphs' shared fp32 logits buffer, which bounds the padded rows a graph may take. A graph pays
-# while a forward is bound by its launches: at the real shape (V 262,144) 2 GiB is 2,048 rows, 8
-# windows of 256; larger forwards, bound by the GPU, run eagerly on the same arena. On an H100 at 32
-# slots this cap took 10,813 -> 11,659 tok/s (one process); 4,096 rows ran out of memory there.
-LOGITS_BYTES = 2 << 30
+ARENA_BYTES = 16 << 30  # GraphRunner's default arena cap: a batch whose arena is larger decodes eagerly
+# The graphs' shared fp32 logits buffer, which bounds the padded rows a graph may take (16,384 rows at
+# the real vocabulary). A smaller buffer with no arena cap (graphs for the small forwards only, on the
+# stream's arena) gave +7.8 % in one process on an H100 at 32 slots but 10.2-10.4k tok/s in two fresh
+# processes, with no baseline arm beside them: `official_service.py --arena-gib CAP:ROWS` A/Bs it.
+LOGITS_BYTES = 16 << 30
 ROW_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)
 CONTEXT_BUCKET = 256  # a graph's context (arena entries it reads) is rounded up to a multiple of this
 
@@ -302,12 +303,12 @@ class GraphRunner:
     `arena(slots, capacity)` hands out the runner's own arena with every slot reset, replacing it (and
     dropping the graphs) only when a batch needs more slots or entries than it has, and never larger
     than `max_arena_bytes` when that is set (a batch beyond it gets no runner arena and decodes
-    eagerly; by default the stream's arena, which it would allocate anyway, is the runner's). Graphs are keyed
+    eagerly; None: the stream's arena, which it would allocate anyway, is the runner's). Graphs are keyed
     by (encoder or decoder, window count, first slot when the slots are consecutive, row bucket,
     context bucket, SC kinds, the attention path), kept least recently used up to `max_graphs`, and share one temporaries
     pool and one logits buffer of `logits_bytes` (`LOGITS_BYTES`). `decode` and `encode_many` run eagerly
     what no graph can take: windows on another store (the funnel's simple promotion), more padded rows
-    than the logits buffer holds (the large forwards, bound by the GPU, not by their launches), a window larger than the largest row bucket, padded rows that would not
+    than the logits buffer holds, a window larger than the largest row bucket, padded rows that would not
     fit a slot's free entries, or a key whose graph failed to build (counted in `stats["failed"]`).
 
     Numerics: a graph forward pads rows to the bucket and always applies the attention masks (no
@@ -322,7 +323,7 @@ class GraphRunner:
         logits_bytes: int = LOGITS_BYTES,
         cuda_graph: bool | None = None,
         warmup: int = 1,
-        max_arena_bytes: int | None = None,
+        max_arena_bytes: int | None = ARENA_BYTES,
     ):
         self.rt, self.max_arena_bytes = rt, max_arena_bytes
         self.cuda_graph = rt.device.type == "cuda" if cuda_graph is None else cuda_graph

@@ -420,7 +420,6 @@ def test_graph_runner_grows_its_arena(bundle):
     from canvasq.model.graph import GraphRunner
 
     runner = GraphRunner(make_decoder("pipe", bundle).rt, cuda_graph=False)
-    assert runner.max_arena_bytes is None  # by default the stream's arena is the runner's, any size
     small = runner.arena(1, 10)
     assert runner.arena(1, 10) is small and (small.slots, small.capacity) == (1, 256)
     big = runner.arena(5, 300)
@@ -461,7 +460,7 @@ def test_graph_runner_runs_eagerly_what_a_graph_cannot_take(bundle):
     rt.encode(other, 0, torch.arange(9) + 2, torch.arange(9))
     runner.decode(other, [Window.canvas(0, torch.arange(4) + 3, 9)])
     assert runner.stats["eager"] == 2 and runner.stats["built"] == 1
-    # a logits buffer of 8 rows (at the real vocabulary, graph.LOGITS_BYTES holds 2,048): a forward
+    # a logits buffer of 8 rows: a forward
     # padded past it runs eagerly on the runner's arena, one within it still replays
     runner.logits_bytes, runner.logits = 8 * 4 * rt.vocab_size, None
     runner.graphs.clear()

@@ -275,8 +275,7 @@ def _cap_arena(bundle, fp8: str, settings, arena_gib: str) -> None:
     logits_bytes = int(rows) * 4 * rt.vocab_size if rows else LOGITS_BYTES
     if runner.logits_bytes != logits_bytes:
         runner.logits_bytes = logits_bytes
-        runner.graphs.clear()  # they write the old logits buffer
-        runner.logits = None
+        runner.release()  # its graphs write the old logits buffer
 
 
 def _errored(store, run_id: str) -> int:

@@ -67,9 +67,8 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 ARENA_BYTES = 16 << 30  # GraphRunner's default arena cap: a batch whose arena is larger decodes eagerly
 # The graphs' shared fp32 logits buffer, which bounds the padded rows a graph may take (16,384 rows at
-# the real vocabulary). A smaller buffer with no arena cap (graphs for the small forwards only, on the
-# stream's arena) gave +7.8 % in one process on an H100 at 32 slots but 10.2-10.4k tok/s in two fresh
-# processes, with no baseline arm beside them: `official_service.py --arena-gib CAP:ROWS` A/Bs it.
+# the real vocabulary). A smaller one keeps graphs to the launch-bound small forwards;
+# `official_service.py --arena-gib CAP:ROWS` A/Bs that (BENCHMARKS.md, "Service throughput").
 LOGITS_BYTES = 16 << 30
 ROW_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)
 CONTEXT_BUCKET = 256  # a graph's context (arena entries it reads) is rounded up to a multiple of this
@@ -360,21 +359,19 @@ class GraphRunner:
                 grown = want  # that fits, so alternating shapes do not thrash; else just this one
                 if self._arena_bytes(*grown) > cap:
                     return None
-            self.graphs.clear()  # they read the old arena's tensors (and their logits buffer)
-            self.store = self.logits = a = None
-            # and a new pool: once its last graph is gone, torch frees a pool and refuses new
-            # captures into its handle
-            self.pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
+            self.release()  # the graphs read the old arena's tensors (and their logits buffer)
             a = self.store = self.rt.new_arena(slots=grown[0], capacity=grown[1])
         for s in range(a.slots):
             a.reset(s)
         return a
 
     def release(self) -> None:
-        """Drop the arena, the graphs and their logits buffer (a stream ran out of device memory: the
-        next one, on fewer slots, must not find them still allocated)."""
+        """Drop the arena, the graphs and their logits buffer (a new arena; a stream that ran out of
+        device memory, so the next one, on fewer slots, does not find them still allocated)."""
         self.graphs.clear()
         self.store = self.logits = None
+        # and a new pool: once its last graph is gone, torch frees a pool and refuses new captures
+        # into its handle
         self.pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
 
     def _arena_bytes(self, slots: int, capacity: int) -> int:

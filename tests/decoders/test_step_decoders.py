@@ -460,8 +460,8 @@ def test_graph_runner_runs_eagerly_what_a_graph_cannot_take(bundle):
     rt.encode(other, 0, torch.arange(9) + 2, torch.arange(9))
     runner.decode(other, [Window.canvas(0, torch.arange(4) + 3, 9)])
     assert runner.stats["eager"] == 2 and runner.stats["built"] == 1
-    # a logits buffer of 8 rows: a forward
-    # padded past it runs eagerly on the runner's arena, one within it still replays
+    # a logits buffer of 8 rows: a forward padded past it runs eagerly on the runner's arena, one
+    # within it still replays
     runner.logits_bytes, runner.logits = 8 * 4 * rt.vocab_size, None
     runner.graphs.clear()
     assert runner.max_rows == 8 and not runner.takes(2, 5) and runner.takes(1, 5)

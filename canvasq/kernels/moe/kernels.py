@@ -452,6 +452,7 @@ def compile_specs(cfg=None, hidden: int = 2816, inter: int = 704):
         yield CompileSpec(f"histogram_chunk{chunk}", _histogram_kernel, consts, types)
         consts = {**consts, "BLOCK_M": 16, "HIST_ROWS": 16, "HIST_STEPS": 4}
         yield CompileSpec(f"align_chunk{chunk}", _align_kernel, consts, types)
-    # the FP8 experts' order (`model.fp8.expert_order`): one-row blocks, 4,096 tokens at top-8
+    # the FP8 experts' order by counting (`model.fp8.expert_order`'s "count"): one-row blocks, 4,096
+    # tokens at top-8
     consts = {"E_P2": 128, "CHUNK": 512, "SUB": 32, "BLOCK_M": 1, "HIST_ROWS": 16, "HIST_STEPS": 4}
     yield CompileSpec("align_rows", _align_kernel, consts, types)

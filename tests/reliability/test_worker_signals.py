@@ -127,13 +127,18 @@ def test_t2_t16_whole_worker_killed_second_worker_takes_over_after_visibility_ti
                 every_s=0.1,
                 diagnose=sc.logs,
             )
+            # kill at once: any wait here (the sampler's join, the asserts) lets A finish `cid` first
+            a.kill_all()
         finally:
             stop.set()
             t.join(5)
+        # the chunk A held when it died stays `running` under A's id (no goodbye); it is usually `cid`
+        held = [c for c, wid in probes.running_chunks(sc.store, run).items() if wid == a_id]
+        assert len(held) == 1, (cid, held)
+        cid = held[0]
         alone = [u for u, waiting in samples["one"] if waiting]
         assert len(alone) >= 10 and max(alone) <= 1, samples["one"]  # one reserved chunk, never a backlog
         assert samples["two"] and max(u for u, _ in samples["two"]) <= 2, samples["two"]
-        a.kill_all()
         assert probes.unacked(r) >= 1  # A's chunk is still owed by Redis
         sc.wait_terminal(run, deadline_s=300)
         rep = sc.check(run, ids, run_status="completed", statuses={"done": 40})

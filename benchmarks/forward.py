@@ -280,8 +280,10 @@ def run_arm(name: str, rt: Runtime, ref, prompts, canvases, sc_logits, rows: int
     def windows(canvas):
         return [Window.canvas(b, canvas[b], prompt_len, self_cond=sc_inputs[b]) for b in range(batch)]
 
+    prefix = args.attention == "sdpa"  # the kernel (masked) path is the worker loop's; see --attention
+
     def ours_step(canvas):
-        return rt.decode(arena, windows(canvas)).logits
+        return rt.decode(arena, windows(canvas), prefix_attention=prefix).logits
 
     out = ours_step(canvases[0])
     if ref is not None:
@@ -423,6 +425,13 @@ def parse_args(argv=None):
     ap.add_argument("--topk", type=int, default=64)
     ap.add_argument("--ref-max-batch", type=int, default=16, help="no HF reference (errors) above this batch")
     ap.add_argument("--graphs", action="store_true", help="also time DecodeGraph replays (CUDA)")
+    ap.add_argument(
+        "--attention",
+        choices=("kernel", "sdpa"),
+        default="kernel",
+        help="kernel: attention with visibility from the arena, the path the worker loop's decoder steps "
+        "take (default); sdpa: the mask-free SDPA call an all-visible eager forward may take",
+    )
     ap.add_argument(
         "--no-hf", action="store_true", help="skip HF timings (its logits are still the reference)"
     )

@@ -436,7 +436,9 @@ def _attention_paths(bundle) -> dict:
 
 
 def bare(batch: int, prompt: int, device: str, reps: int = 20, fp8: str = "off") -> dict:
-    """`batch` windows of 256 rows with top-k SC through the graph runner: the forward alone."""
+    """`batch` windows of 256 rows with top-k SC through the graph runner: the forward alone, on the
+    attention path the loop's decoder steps take (visibility from the arena, never the mask-free SDPA
+    call that this benchmark's identical prompts would allow an eager forward)."""
     from canvasq.decoders.runtimes import runtime_for
     from canvasq.model.graph import graph_runner
     from canvasq.model.runtime import Window
@@ -459,13 +461,13 @@ def bare(batch: int, prompt: int, device: str, reps: int = 20, fp8: str = "off")
         Window.canvas(b, torch.randint(0, V, (C,), device=device), prompt, self_cond=sc) for b in range(batch)
     ]
     for _ in range(3):
-        runner.decode(arena, wins)
+        runner.decode(arena, wins, prefix_attention=False)
     _sync()
     paths = dict(rt.attention_paths)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        runner.decode(arena, wins)
+        runner.decode(arena, wins, prefix_attention=False)
         _sync()
         times.append(time.perf_counter() - t0)
     times.sort()

@@ -503,6 +503,44 @@ def test_encoder_graph_writes_what_encode_many_writes(model):
             assert rel_err(arenas[1].prefix(s, layer)[1], arenas[0].prefix(s, layer)[1]) <= TOL
 
 
+def test_encoder_graph_writes_its_buffers_as_prepare_does(model):
+    """An encoder graph's own writer (`_write_encoder`: one cat per buffer, bounds from positions) puts
+    into the static buffers what `pad_window` + `prepare` (`_write`) put there, for windows of other
+    rows, slots in another order and grown contexts; a window over the graph's rows is refused
+    (a cat would resize the static buffers)."""
+    from canvasq.model.graph import DecodeGraph
+    from canvasq.model.runtime import encoder_windows
+
+    shape, _, rt = model
+    g = torch.Generator().manual_seed(11)
+    v = shape.vocab_size
+    arena = rt.new_arena(3, 96)
+    for s, n in enumerate((9, 4, 12)):
+        rt.encode_many(arena, [(s, _ids(g, n, v), torch.arange(n))])
+
+    def items(lens):
+        return [(s, _ids(g, n, v), torch.arange(arena.length[s], arena.length[s] + n)) for s, n in lens]
+
+    graphs = [
+        DecodeGraph(rt, arena, encoder_windows(items([(0, 3), (2, 16)])), rows=16, context=64, encoder=True)
+        for _ in range(2)
+    ]
+    names = ("ids", "pos", "row_slot", "row_col")
+    geometry = ("slots", "hi", "lo", "ends", "pad")
+    for lens in ([(2, 5), (1, 16)], [(0, 1), (2, 7)], [(1, 8), (0, 11)]):
+        ws = encoder_windows(items(lens))
+        graphs[0]._write(ws)
+        graphs[1]._write_encoder(ws)
+        a, b = graphs[0].prep, graphs[1].prep
+        for name in names:
+            assert torch.equal(getattr(a, name), getattr(b, name)), (lens, name)
+        for name in geometry:
+            assert torch.equal(getattr(a.ctx, name), getattr(b.ctx, name)), (lens, name)
+        rt.encode_many(arena, items(lens[:1]))  # a context grows between passes
+    with pytest.raises(ValueError, match="17 rows in a 16-row graph"):
+        graphs[1]._write_encoder(encoder_windows(items([(0, 17), (1, 2)])))
+
+
 def test_decoder_kv_is_not_encoder_kv():
     """What "promote instead of re-encode" trades (seed: free front retire): decoder K/V of rows
     given causal visibility equal the encoder's at layer 0 only (its input RMSNorm makes the decoder's

@@ -398,7 +398,8 @@ class StepDecoder:
     def encode_commits(self, encodes: list[tuple[Seq, tuple]]) -> None:
         """The encoder pass of retired rows, (row, (slot, ids, positions)) each: left to the next prefill
         pass (`defer_commits`) or to the next decoder forward (`folds`), else one pass now. Its time is
-        read at once (`record` gets `ms`): this pass waits for its end event on CUDA."""
+        read after the next step's sync (`record` gets the timer), so the host goes on queueing work
+        while the pass runs."""
         if not encodes:
             return
         if getattr(self.config, "defer_commits", False) or self.folds:  # before the row's next step
@@ -409,7 +410,7 @@ class StepDecoder:
             self.encode([item for _, item in encodes])
         self.record(
             "encode",
-            t.ms,
+            t,
             {s.row: int(item[1].numel()) for s, item in encodes},
             {},
             {s.row: "commit" for s, _ in encodes},

@@ -274,4 +274,4 @@ def encode_pass(dec: StepDecoder, encodes: list[tuple[Seq, list[tuple]]]) -> Non
     with dec.timed() as t:
         dec.encode([item for _, item in batch])
     rows = {s.row: int(item[1].numel()) for s, item in batch}
-    dec.record("encode", t.ms, rows, {}, {s.row: "commit" for s, _ in batch})
+    dec.record("encode", t, rows, {}, {s.row: "commit" for s, _ in batch})  # read after the next sync

@@ -37,6 +37,9 @@ class AttentionGeometry:
     lo: torch.Tensor  # [B, Rmax] sliding layers: keys with position >= lo (canvas start - (W - 1))
     ends: torch.Tensor  # [B] visible entries per block: its slot's committed + its window's own
     pad: torch.Tensor  # [B, Rmax] padding query rows
+    # every block sees all lmax entries of its slot (host ints): without it no mask can be all-visible,
+    # so `build_masks` answers "masked" without the device check's host sync
+    all_at_lmax: bool = True
     masks: dict[bool, torch.Tensor] = field(default_factory=dict)  # sliding? -> [B, 1, Rmax, L] bool (SDPA)
     bounds: dict[bool, Bounds] = field(default_factory=dict)  # sliding? -> the kernel's bounds
     maskfree: dict[bool, bool] = field(default_factory=lambda: {False: False, True: False})
@@ -98,6 +101,7 @@ class AttentionGeometry:
             lo=lo,
             ends=to_device([e for _, e, *_ in blocks], dev),
             pad=pad,
+            all_at_lmax=all(e == lmax for _, e, *_ in blocks),
         )
 
     @property
@@ -108,7 +112,8 @@ class AttentionGeometry:
     def build_masks(self, arena: KVArena, detect_maskfree: bool = False) -> None:
         """Per layer type (sliding?): the kernel's `Bounds` when this forward's attention is ours
         (`impl`), else SDPA's boolean masks [B, 1, Rmax, L] (padding rows see entry 0, so SDPA's
-        softmax stays finite) and, with `detect_maskfree`, whether a mask is needed at all."""
+        softmax stays finite) and, with `detect_maskfree`, whether a mask is needed at all (a host
+        sync, skipped when a block sees fewer than lmax entries: ragged contexts always mask)."""
         nb, lmax = self.hi.shape[0], self.lmax
         if self.contiguous:
             key_pos = arena.pos[self.first : self.first + nb, :lmax]
@@ -122,7 +127,7 @@ class AttentionGeometry:
                 sl: Bounds.build(arena.pos, key_pos, self.ends, self.hi, self.lo if sl else None)
                 for sl in (False, True)
             }
-            if detect_maskfree:  # all-visible: SDPA's flash kernel, unmasked, beats ours (H200, 4 x 256)
+            if detect_maskfree and self.all_at_lmax:  # all-visible: SDPA's flash kernel, unmasked, beats ours
                 self.maskfree = self._all_visible(key_pos)
             return
         first_col = torch.arange(lmax, device=key_pos.device) == 0  # no host scalar: capturable in a graph
@@ -130,7 +135,7 @@ class AttentionGeometry:
         full = visible(key_pos, self.ends, self.hi)  # [B, Rmax, L]; the band narrows it
         slide = full & (key_pos[:, None, :] >= self.lo[:, :, None])
         self.masks = {False: (full | pad)[:, None], True: (slide | pad)[:, None]}
-        if detect_maskfree:
+        if detect_maskfree and self.all_at_lmax:
             # Prefix attention: when every real row sees every entry [0, L) of its slot
             # (one canvas, context before it, band not clipping, equal lengths), drop the mask so
             # SDPA can take its flash / mem-efficient path. One host sync per eager forward.

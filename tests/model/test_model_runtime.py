@@ -609,6 +609,37 @@ def test_prefix_attention_takes_maskfree_path_only_when_exact():
     assert prep.ctx.maskfree == {False: False, True: False} == _kernel_maskfree(prep)
 
 
+def test_ragged_contexts_mask_without_the_device_check():
+    """The host's shortcut (`all_at_lmax`: a block seeing fewer than lmax entries always masks) gives
+    what the device check gives, on both attention paths: equal contexts (checked on the device),
+    ragged ones and a block-causal window (answered on the host, no sync)."""
+    shape = small_shape(sliding_window=40)
+    m = random_model(shape)
+    rt = Runtime.from_hf(m)
+    g = torch.Generator().manual_seed(13)
+    c, v = shape.canvas_length, shape.vocab_size
+    arena = rt.new_arena(3, 160)
+    for s, p in enumerate((20, 20, 33)):
+        rt.encode(arena, s, _ids(g, p, v), torch.arange(p))
+    cases = {
+        "equal": ([Window.canvas(s, _ids(g, c, v), 20) for s in (0, 1)], True),
+        "ragged": ([Window.canvas(s, _ids(g, c, v), arena.length[s]) for s in (0, 1, 2)], False),
+        "blocks": ([Window.blocks(0, [(_ids(g, c, v), 20), (_ids(g, c, v), 20 + c)])], True),
+    }
+    for name, (windows, at_lmax) in cases.items():
+        for kernel in (False, True):
+            prep = rt._prepare(arena, windows, encoder=False)
+            assert prep.ctx.all_at_lmax == at_lmax, name
+            arena.pos[prep.row_slot, prep.row_col] = prep.pos  # the rows' positions, as `_run` writes them
+            prep.ctx.kernel = kernel
+            prep.ctx.build_masks(arena, detect_maskfree=True)
+            got = dict(prep.ctx.maskfree)
+            prep.ctx.all_at_lmax = True  # the device check alone
+            prep.ctx.build_masks(arena, detect_maskfree=True)
+            assert got == prep.ctx.maskfree, (name, kernel)
+            assert got == {False: name == "equal", True: name == "equal"}, (name, kernel)
+
+
 def _kernel_maskfree(prep) -> dict[bool, bool]:
     """What `AttentionGeometry.build_masks` detects when the forward's attention is the kernel's."""
     prep.ctx.kernel = True

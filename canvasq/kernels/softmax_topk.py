@@ -56,6 +56,13 @@ def _gather_above_kernel(
 
 
 TOP_K_CAP = 512  # candidate slots per row; a row with more candidates falls back to torch.topk
+# Scaled logits at or below this are masked (structured output sets them to `constraint_rules.NEG`,
+# -1e9, which stays below it at any temperature up to 10): never candidates. A row with fewer than k
+# unmasked logits (a constrained position: digits, a brace) then fills the rest of its k with -inf and
+# id 0, which weigh nothing in the self-conditioning softmax, as the masked logits did; before, its
+# masked logits tied at the threshold, filled the slots and sent the row to the fallback (at the real
+# vocabulary a [rows, 262,144] copy and sort per step).
+MASKED_FLOOR = -1.0e8
 # The gather's block and warps. Each pass of its loop ends in a reduction over the block (does it hold
 # a candidate?), so with wide blocks the loop waits on those reductions, not on memory: on an H200,
 # 64 x 256 rows at the real vocabulary took 13.6 ms at 2,048 columns and 8 warps, 5.8 ms at 512 and
@@ -76,12 +83,14 @@ def top_k_scaled(
     """The k largest scaled logits per row without sorting the vocabulary. Each lane's maximum is a
     logit of its own, so the k-th largest lane maximum t has at least k logits >= t above it: the
     row's top k are among the logits >= t, which one more read gathers (few, past the peak). `cap`:
-    the logits are the LM head's output before its final soft cap, applied as they are read."""
+    the logits are the LM head's output before its final soft cap, applied as they are read. Masked
+    logits (`MASKED_FLOOR`) are never among the k: a row with fewer unmasked ones gets -inf (id 0) in
+    the rest."""
     R, V = logits.shape
-    if lane_max.shape[1] < k:  # fewer lanes than k: every logit is a candidate
-        thresh = torch.full((R,), float("-inf"), device=logits.device)
+    if lane_max.shape[1] < k:  # fewer lanes than k: every unmasked logit is a candidate
+        thresh = torch.full((R,), MASKED_FLOOR, device=logits.device)
     else:
-        thresh = torch.topk(lane_max, k, dim=-1).values[:, -1].contiguous()
+        thresh = torch.topk(lane_max, k, dim=-1).values[:, -1].clamp_min(MASKED_FLOOR).contiguous()
     slots = max(TOP_K_CAP, triton.next_power_of_2(k))
     vals = torch.full((R, slots), float("-inf"), device=logits.device)
     ids = torch.zeros(R, slots, dtype=torch.long, device=logits.device)

@@ -100,6 +100,43 @@ def test_sample_top_k_matches_torch_topk():
     assert len(set(out.top_ids[4].tolist())) == 64  # a tie: any 64 distinct ids
 
 
+def test_sample_top_k_of_masked_rows_skips_the_masked_logits(monkeypatch):
+    """Structured output's masked logits (`NEG`) are never top-k candidates: a row with fewer unmasked
+    logits than k (a constrained position) gets torch.topk's unmasked entries, then -inf with id 0,
+    and no fallback (the count stays under the slots); its softmax weights over the k equal torch's,
+    whose masked entries weigh nothing. A row with more unmasked logits than k is torch's exactly."""
+    from canvasq.decoders.constraint_rules import NEG
+
+    V, k = 5000, 64
+    logits = _logits(4, V, torch.float32, seed=5).cpu()
+    allowed = {0: [7, 12, 4096, 4999], 1: list(range(10, 40)), 2: [3], 3: list(range(0, V, 50))}
+    for r, cols in allowed.items():
+        keep = torch.zeros(V, dtype=torch.bool)
+        keep[cols] = True
+        logits[r, ~keep] = NEG
+    inv, seeds = torch.tensor([1.25, 0.5]).to(DEVICE), torch.tensor([1, 2]).to(DEVICE)
+    calls = []
+    topk = torch.topk
+
+    def counted(*a, **kw):  # the kernel path sorts its slots; a fallback sorts [n, V] rows
+        calls.append(a[0].shape[-1])
+        return topk(*a, **kw)
+
+    monkeypatch.setattr(torch, "topk", counted)
+    out = softmax_sample(logits.to(DEVICE), inv, seeds, 2, top_k=k, impl="triton")
+    monkeypatch.undo()
+    assert V not in calls  # no row went to the full-vocabulary fallback
+    scaled = logits.to(DEVICE) * inv.repeat_interleave(2)[:, None]
+    ref_v, ref_i = torch.topk(scaled, k, dim=-1)
+    for r, cols in allowed.items():
+        n = min(len(cols), k)
+        assert torch.equal(out.top_vals[r, :n], ref_v[r, :n]) and torch.equal(
+            out.top_ids[r, :n], ref_i[r, :n]
+        )
+        assert torch.isneginf(out.top_vals[r, n:]).all() and not out.top_ids[r, n:].any()
+        assert torch.equal(out.top_vals[r].softmax(-1), ref_v[r].softmax(-1))
+
+
 def test_sample_top_k_across_slices():
     """At a vocabulary split into several stage-1 slices, peaks planted in every slice and in one lane's
     far columns come back as torch.topk's."""

@@ -159,6 +159,7 @@ def replay(
     _sync()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    alloc = _alloc_counts()
     prof = (
         cProfile.Profile() if PROFILE == (batch, arm, arena_gib, chunk) else None
     )  # the profiler slows the host side
@@ -221,8 +222,21 @@ def replay(
         "ms_per_step": 1000 * wall / max(1, steps),
         "eager_attention_paths": paths,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else None,
+        # the caching allocator during the drain: retries (a cudaMalloc failed, the cache was freed and
+        # the malloc tried again: slow, near the card's limit), out-of-memory errors, device mallocs
+        "allocator": {k: v - alloc.get(k, 0) for k, v in _alloc_counts().items()},
         **extra,
     }
+
+
+def _alloc_counts() -> dict[str, int]:
+    """The caching allocator's counters (CUDA; empty elsewhere)."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    keys = ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+    return {k: int(stats.get(k, 0)) for k in keys}
 
 
 def _runtime_knobs(bundle, fp8: str, settings, knobs: str) -> None:

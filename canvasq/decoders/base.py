@@ -254,9 +254,10 @@ class StepDecoder:
         spare = self._spare_slots(
             {slot for slot, _, _ in items}, len(items), max(len(ids) for _, ids, _ in items)
         )
-        if spare:  # padded to a bucket of windows on free slots, which are emptied again after
+        if spare:  # padded to a bucket of windows on free slots, which are emptied again after: each
+            # encodes the last item's rows again (no launch to make them; nothing reads what they write)
             _, ids, pos = items[-1]
-            items = list(items) + [(slot, torch.zeros_like(ids), pos - pos[0]) for slot in spare]
+            items = list(items) + [(slot, ids, pos) for slot in spare]
         self.graphs.encode_many(self.arena, items)
         for slot in spare:  # spare slots are the runner's arena's (`_spare_slots`)
             assert self.arena is not None

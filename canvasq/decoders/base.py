@@ -282,14 +282,22 @@ class StepDecoder:
         from canvasq.model.runtime import DecodeOutput, Window
 
         last = windows[-1]
-        off = torch.zeros(last.rows, dtype=torch.bool, device=self.device)
+        off = (
+            torch.zeros(last.rows, dtype=torch.bool, device=self.device)
+            if last.self_cond is not None
+            else None
+        )
+        # the last window's rows again on each free slot, with no self-conditioning: nothing to launch
+        # to make them, and their logits are dropped
         pad = [
-            Window.canvas(
+            Window(
                 slot,
-                torch.zeros_like(last.token_ids),
-                self.arena.length[slot],
+                last.token_ids,
+                last.positions,
+                last.canvas_start,
+                last.canvas_end,
                 self_cond=last.self_cond,
-                self_cond_rows=off if last.self_cond is not None else None,
+                self_cond_rows=off,
             )
             for slot in spare
         ]

@@ -241,22 +241,13 @@ class DecodeGraph:
     def _write_uniform(self, windows: list[Window]) -> None:
         """`_write` for uniform windows (`_uniform`): the same buffer contents, each buffer written by
         one batched copy (cat into it), and the slots' index only when the slots changed."""
-        p, rows, dev = self.prep, self.rows, self.rt.device
-        slots = [w.slot for w in windows]
-        starts = [self.arena.reserve(s, rows) for s in slots]  # the scratch entries, as `prepare` takes them
+        p = self.prep
+        self._write_places([w.slot for w in windows])
         torch.cat([w.token_ids for w in windows], out=p.ids)
         torch.cat([w.positions for w in windows], out=p.pos)
         torch.cat([w.canvas_end for w in windows], out=p.ctx.hi.view(-1))
         torch.cat([w.canvas_start for w in windows], out=p.ctx.lo.view(-1))
         p.ctx.lo.sub_(self.rt.sliding_window - 1)
-        first = to_device(starts, dev)
-        torch.add(first[:, None], self._cols, out=p.row_col.view(len(slots), rows))
-        torch.add(first, rows, out=p.ctx.ends)
-        if slots != self._last_slots:
-            at = to_device(slots, dev)
-            p.ctx.slots.copy_(at)
-            p.row_slot.view(len(slots), rows).copy_(at[:, None].expand(-1, rows))
-            self._last_slots = slots
         if p.sc:
             _, keep, (ids, vals) = p.sc[0]
             on = self._on
@@ -277,8 +268,7 @@ class DecodeGraph:
             raise ValueError(
                 f"an encoder window of {max(w.rows for w in windows)} rows in a {rows}-row graph"
             )
-        slots = [w.slot for w in windows]
-        starts = [self.arena.reserve(s, rows) for s in slots]  # as `prepare` takes them
+        self._write_places([w.slot for w in windows])
         ids: list[torch.Tensor] = []
         pos: list[torch.Tensor] = []
         for w in windows:
@@ -291,7 +281,12 @@ class DecodeGraph:
         torch.cat(pos, out=p.pos)
         torch.add(p.pos, 1, out=p.ctx.hi.view(-1))
         torch.sub(p.pos, self.rt.sliding_window - 1, out=p.ctx.lo.view(-1))
-        first = to_device(starts, dev)
+
+    def _write_places(self, slots: list[int]) -> None:
+        """The windows' scratch entries (`row_col`, `ends`) from their slots' lengths, as `prepare`
+        reserves them, and the slots' index when the slots changed since the last run."""
+        p, rows, dev = self.prep, self.rows, self.rt.device
+        first = to_device([self.arena.reserve(s, rows) for s in slots], dev)
         torch.add(first[:, None], self._cols, out=p.row_col.view(len(slots), rows))
         torch.add(first, rows, out=p.ctx.ends)
         if slots != self._last_slots:

@@ -21,6 +21,7 @@ shorter: its last pass).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -279,28 +280,13 @@ class StepDecoder:
         spare = self._spare_slots({w.slot for w in windows}, len(windows), max(w.rows for w in windows))
         if not spare:
             return self.graphs.decode(self.arena, windows, **kw)
-        from canvasq.model.runtime import DecodeOutput, Window
+        from canvasq.model.runtime import DecodeOutput
 
         last = windows[-1]
-        off = (
-            torch.zeros(last.rows, dtype=torch.bool, device=self.device)
-            if last.self_cond is not None
-            else None
-        )
+        off = None if last.self_cond is None else torch.zeros(last.rows, dtype=torch.bool, device=self.device)
         # the last window's rows again on each free slot, with no self-conditioning: nothing to launch
         # to make them, and their logits are dropped
-        pad = [
-            Window(
-                slot,
-                last.token_ids,
-                last.positions,
-                last.canvas_start,
-                last.canvas_end,
-                self_cond=last.self_cond,
-                self_cond_rows=off,
-            )
-            for slot in spare
-        ]
+        pad = [replace(last, slot=slot, capture=None, self_cond_rows=off, encoder_rows=0) for slot in spare]
         out = self.graphs.decode(self.arena, list(windows) + pad, **kw)
         n = len(windows)
         return DecodeOutput(

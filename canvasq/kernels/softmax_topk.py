@@ -59,9 +59,9 @@ TOP_K_CAP = 512  # candidate slots per row; a row with more candidates falls bac
 # Scaled logits at or below this are masked (structured output sets them to `constraint_rules.NEG`,
 # -1e9, which stays below it at any temperature up to 10): never candidates. A row with fewer than k
 # unmasked logits (a constrained position: digits, a brace) then fills the rest of its k with -inf and
-# id 0, which weigh nothing in the self-conditioning softmax, as the masked logits did; before, its
-# masked logits tied at the threshold, filled the slots and sent the row to the fallback (at the real
-# vocabulary a [rows, 262,144] copy and sort per step).
+# id 0, which weigh nothing in the self-conditioning softmax, as masked logits would. Without the floor
+# such a row's masked logits tie at the threshold, fill the slots and send the row to the fallback (at
+# the real vocabulary a [rows, 262,144] copy and sort per step).
 MASKED_FLOOR = -1.0e8
 # The gather's block and warps. Each pass of its loop ends in a reduction over the block (does it hold
 # a candidate?), so with wide blocks the loop waits on those reductions, not on memory: on an H200,

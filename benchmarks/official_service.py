@@ -275,7 +275,8 @@ def _cap_arena(bundle, fp8: str, settings, arena_gib: str) -> None:
     stream's arena is the runner's) or auto (the runner's default, `graph.ARENA_BYTES`), optionally
     with `:ROWS`, the most padded rows a graph may take (its logits buffer; default
     `graph.LOGITS_BYTES` of fp32 logits). Under the cap the stream allocates its own arena and runs
-    eagerly; forwards past ROWS on the runner's arena run eagerly too (e.g. 'auto,none:2048')."""
+    eagerly; forwards past ROWS on the runner's arena run eagerly too (e.g. 'auto,16:16384': the
+    default against the one before it, a 16 GiB cap with 16,384 rows of logits)."""
     from canvasq.decoders.runtimes import runtime_for
     from canvasq.model.graph import ARENA_BYTES, LOGITS_BYTES, graph_runner
 
@@ -561,7 +562,7 @@ def main() -> None:
         default="auto",
         help="graph runner arena caps to A/B, comma-separated "
         "(GiB, none or auto: the runner's default; CAP:ROWS also caps a graph's padded rows, larger "
-        "forwards eager), each an arm after --arms' (e.g. 'auto,none:2048')",
+        "forwards eager), each an arm after --arms' (e.g. 'auto,16:16384')",
     )
     ap.add_argument(
         "--profile", default=None, help="write a cProfile summary of the last arm's timed drain here"

@@ -420,6 +420,7 @@ def test_graph_runner_grows_its_arena(bundle):
     from canvasq.model.graph import GraphRunner
 
     runner = GraphRunner(make_decoder("pipe", bundle).rt, cuda_graph=False)
+    assert runner.max_arena_bytes is None  # by default the stream's arena is the runner's, any size
     small = runner.arena(1, 10)
     assert runner.arena(1, 10) is small and (small.slots, small.capacity) == (1, 256)
     big = runner.arena(5, 300)

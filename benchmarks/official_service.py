@@ -453,7 +453,10 @@ def _attention_paths(bundle) -> dict:
 def bare(batch: int, prompt: int, device: str, reps: int = 20, fp8: str = "off") -> dict:
     """`batch` windows of 256 rows with top-k SC through the graph runner: the forward alone, on the
     attention path the loop's decoder steps take (visibility from the arena, never the mask-free SDPA
-    call that this benchmark's identical prompts would allow an eager forward)."""
+    call that this benchmark's identical prompts would allow an eager forward). `ms_per_forward` and
+    `rows_per_s` include the LM head: a deferred head's logits are made in the row groups official
+    reads them in (`_head_rows`) and dropped, as an eager forward's are made whole; `*_no_head` time
+    the forward without them (what `rows_per_s` timed from the deferred head, 66fe766, to session 39)."""
     from canvasq.decoders.runtimes import runtime_for
     from canvasq.model.graph import graph_runner
     from canvasq.model.runtime import Window
@@ -476,24 +479,36 @@ def bare(batch: int, prompt: int, device: str, reps: int = 20, fp8: str = "off")
         Window.canvas(b, torch.randint(0, V, (C,), device=device), prompt, self_cond=sc) for b in range(batch)
     ]
     for _ in range(3):
-        runner.decode(arena, wins, prefix_attention=False)
+        _head_rows(runner.decode(arena, wins, prefix_attention=False), rt, C)
     _sync()
     paths = dict(rt.attention_paths)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        runner.decode(arena, wins, prefix_attention=False)
-        _sync()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    med = times[len(times) // 2]
-    return {
-        "batch": batch,
-        "fp8": fp8,
-        "ms_per_forward": med * 1000,
-        "rows_per_s": batch * C / med,
-        "eager_attention_paths": {k: v - paths[k] for k, v in rt.attention_paths.items()},
-    }
+    res: dict = {"batch": batch, "fp8": fp8}
+    for head, suffix in ((True, ""), (False, "_no_head")):
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            out = runner.decode(arena, wins, prefix_attention=False)
+            if head:
+                _head_rows(out, rt, C)
+            _sync()
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        med = times[len(times) // 2]
+        res |= {f"ms_per_forward{suffix}": med * 1000, f"rows_per_s{suffix}": batch * C / med}
+    res["head_deferred"] = runner.decode(arena, wins, prefix_attention=False).deferred
+    res["eager_attention_paths"] = {k: v - paths[k] for k, v in rt.attention_paths.items()}
+    return res
+
+
+def _head_rows(out, rt, C: int) -> None:
+    """A deferred head's logits made (and dropped) in the row groups official's step reads them in
+    (`defer_head_bytes` of fp32 a group); an eager forward's logits are already whole."""
+    if not out.deferred:
+        return
+    rows = len(out.hidden)
+    group = max(1, rt.defer_head_bytes // (4 * C * rt.vocab_size)) * C
+    for g in range(0, rows, group):
+        out.rows_logits(g, min(rows, g + group))
 
 
 _TARGET = None

@@ -72,6 +72,37 @@ def test_official_service_bench_dry_run(tmp_path):
     assert [r["arm"] for r in report["service"]] == ["official", "official:slot_order=false@context_step=64"]
     assert all(r["written"] == 4 and r["tokens_replayed"] > 0 for r in report["service"])
     assert report["schedule"] == "replayed" and report["commit"] == "test" and len(report["bare"]) == 1
+    bare = report["bare"][0]
+    assert bare["ms_per_forward"] > 0 and bare["ms_per_forward_no_head"] > 0 and not bare["head_deferred"]
     events = json.loads(Path(f"{trace}.json").read_text())["traceEvents"]
     assert {"decoder_step", "encoder_pass"} <= {e.get("name") for e in events}
     assert "decoder_step" in Path(f"{trace}.txt").read_text()
+
+
+def test_bare_forward_makes_a_deferred_heads_logits_in_officials_row_groups():
+    """The bare forward's figure includes the LM head: a deferred head is read over every row, in groups
+    of whole windows under `defer_head_bytes` of fp32 logits, as official's step reads it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from canvasq.model.windows import DecodeOutput
+
+    spec = importlib.util.spec_from_file_location("bench_service", BENCH.parent / "official_service.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    C, V, windows = 4, 10, 5
+    calls = []
+
+    def head(h):
+        calls.append(h[:, 0].tolist())
+        return torch.zeros(len(h), V)
+
+    hidden = torch.arange(windows * C, dtype=torch.float32)[:, None].repeat(1, 3)
+    out = DecodeOutput(None, [w * C for w in range(windows + 1)], hidden=hidden, head=head)
+    mod._head_rows(out, SimpleNamespace(defer_head_bytes=2 * 4 * C * V + 7, vocab_size=V), C)
+    assert [len(c) for c in calls] == [2 * C, 2 * C, C]  # two windows a group, the last one alone
+    assert sum(calls, []) == list(range(windows * C))
+    calls.clear()
+    mod._head_rows(DecodeOutput(torch.zeros(windows * C, V), [0]), SimpleNamespace(), C)
+    assert not calls  # an eager forward's logits are whole already

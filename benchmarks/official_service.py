@@ -212,6 +212,7 @@ def replay(
         "tok_s_replayed": tokens / wall,
         "decoder_steps": steps,
         "rows_per_s": live_rows / wall,
+        "all_rows_per_s": (extra["decoder_rows"] + extra["encoder_rows"]) / wall,
         "occupancy_mean": (sum(n for n, _ in occ) / sum(s for _, s in occ)) if occ else None,
         "occupancy_full_until": next((i for i, (n, s) in enumerate(occ) if n < s), steps) / max(1, steps),
         "written": written,
@@ -341,6 +342,10 @@ def _pass_stats(store, run_id: str, batch: int, C: int) -> tuple[float, float, d
             "decode_ms_by_windows": {w: sum(v) / len(v) for w, v in sorted(by_windows.items())},
             "folded_rows": sum(r - n * C for _, k, _, r, n in passes if k == "decode"),
             "encode_passes": sum(1 for _, k, _, _, _ in passes if k == "encode"),
+            # every row the loop's forwards ran: with the wall, the loop's rate over all the work the
+            # algorithm asks of it (`all_rows_per_s`), where `rows_per_s` counts the decoder's alone
+            "decoder_rows": sum(r for _, k, _, r, _ in passes if k == "decode"),
+            "encoder_rows": sum(r for _, k, _, r, _ in passes if k == "encode"),
         },
     )
 

@@ -71,6 +71,8 @@ def test_official_service_bench_dry_run(tmp_path):
     report = json.loads(out.read_text())
     assert [r["arm"] for r in report["service"]] == ["official", "official:slot_order=false@context_step=64"]
     assert all(r["written"] == 4 and r["tokens_replayed"] > 0 for r in report["service"])
+    # prompts and retired canvases ran encoder passes: the loop's rate over all its rows exceeds the decoder's
+    assert all(r["encoder_rows"] > 0 and r["all_rows_per_s"] > r["rows_per_s"] for r in report["service"])
     assert report["schedule"] == "replayed" and report["commit"] == "test" and len(report["bare"]) == 1
     bare = report["bare"][0]
     assert bare["ms_per_forward"] > 0 and bare["ms_per_forward_no_head"] > 0 and not bare["head_deferred"]

@@ -24,14 +24,24 @@ import time
 from collections import Counter
 from typing import Self
 
-from canvasq.decoders import base, constrained, official
+from canvasq.decoders import base, constrained, constraint_rules, official
 
-# (class, method, phase): a method's own time goes to its phase
+# (class or module, function, phase): a function's own time goes to its phase. The constraint's hooks
+# are split into their parts (`mask_*`, `final_read`), so `mask` keeps only what none of them covers:
+# on a GPU the parts' launches and the Python around them are told apart
 PHASES = (
     (official.OfficialDecoder, "step", "step"),
     (base.StepDecoder, "forward", "forward"),
     (official.OfficialDecoder, "_sample", "sample"),
     (constrained.CanvasConstraints, "mask", "mask"),
+    (constrained.PlanTable, "ids", "mask_plans"),
+    (constrained.CanvasConstraints, "_step_rows", "mask_rows"),
+    (constrained.CanvasConstraints, "_constrain", "mask_constrain"),  # the kernel path (CUDA)
+    (constrained.CanvasConstraints, "_ban_and_open", "mask_constrain"),  # the torch path
+    (constrained.CanvasConstraints, "_best", "mask_best"),
+    (constrained, "step_rules", "mask_rules"),  # module functions: patched where mask calls them
+    (constrained, "pin", "mask_pin"),
+    (constraint_rules.SlotRules, "read_with", "final_read"),
     (constrained.CanvasConstraints, "final", "final"),
     (constrained.CanvasConstraints, "begin", "begin"),
     (constrained.CanvasConstraints, "checked", "checked"),
@@ -64,7 +74,7 @@ class PhaseClock:
 
     def __enter__(self) -> Self:
         for cls, name, phase in PHASES:
-            inner = cls.__dict__[name]
+            inner = vars(cls)[name]
             self._saved.append((cls, name, inner))
             setattr(cls, name, self._timed(inner, phase))
         gc.callbacks.append(self._gc)

@@ -235,6 +235,9 @@ def test_structured_output_pooled_stream_with_a_knob_arm_per_value(tmp_path):
         assert {"step", "forward", "sample", "encode"} <= set(ms) and all(v >= 0 for v in ms.values())
         assert sum(ms.values()) == pytest.approx(1e3 * a["wall_s"] / a["steps"], rel=1e-3)
         assert {"mask", "final", "begin"} <= set(ms)  # the constraint's hooks run for every row
+        if not a["arm"].startswith(("free/", "free_last/")):  # and their parts for constrained rows
+            parts = {"mask_rows", "mask_constrain", "mask_best", "mask_rules", "mask_pin", "final_read"}
+            assert parts <= set(ms)  # (`mask_plans`: the kernel path's plan table, on CUDA)
     for r in (1, 2):
         assert (
             arms[f"answer/open1/seeds3-4/r{r}"]["valid"]

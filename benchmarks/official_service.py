@@ -461,7 +461,7 @@ def bare(batch: int, prompt: int, device: str, reps: int = 20, fp8: str = "off")
     call that this benchmark's identical prompts would allow an eager forward). `ms_per_forward` and
     `rows_per_s` include the LM head: a deferred head's logits are made in the row groups official
     reads them in (`_head_rows`) and dropped, as an eager forward's are made whole; `*_no_head` time
-    the forward without them (what `rows_per_s` timed from the deferred head, 66fe766, to session 39)."""
+    the forward without them (the body alone, which a deferred head leaves when nothing reads it)."""
     from canvasq.decoders.runtimes import runtime_for
     from canvasq.model.graph import graph_runner
     from canvasq.model.runtime import Window
@@ -500,7 +500,7 @@ def bare(batch: int, prompt: int, device: str, reps: int = 20, fp8: str = "off")
         times.sort()
         med = times[len(times) // 2]
         res |= {f"ms_per_forward{suffix}": med * 1000, f"rows_per_s{suffix}": batch * C / med}
-    res["head_deferred"] = runner.decode(arena, wins, prefix_attention=False).deferred
+    res["head_deferred"] = out.deferred  # the last timed forward's: every one has the same shape
     res["eager_attention_paths"] = {k: v - paths[k] for k, v in rt.attention_paths.items()}
     return res
 

@@ -26,7 +26,10 @@ Each row's `stats["constraint_host_us"]` sums the host time these hooks spent on
 
 from __future__ import annotations
 
+import functools
+import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +53,7 @@ from canvasq.decoders.structured import (
     Unfinishable,
     cached_grammar,
     output_problem,
+    schema_check,
     split_thought,
     token_texts,
 )
@@ -141,6 +145,7 @@ class CanvasConstraints:
         self._opens: torch.Tensor | None = None
         self._opens_list: list[bool] | None = None
         self.rows: dict[int, RowGrammar] = {}
+        self._checks: dict[Grammar, Callable[[str], str | None]] = {}  # `_check`'s
         self.slots = SlotRules(C, device)
         self._fresh: set[int] = set()  # slots whose canvas began since their last masked step
         self.table = PlanTable(C, V, device)
@@ -375,6 +380,16 @@ class CanvasConstraints:
         """The rules' counters of the row's current canvas (a host read: for tests and traces)."""
         return dict(zip(COUNTERS, self.slots.read([s.slot])[0][2]))
 
+    def _check(self, row: RowGrammar | None, schema: dict) -> Callable[[str], str | None]:
+        """The schema's `output_problem`, kept per grammar (a row's schema is a dict of its own line:
+        keying the check by its JSON costs more than the check)."""
+        if row is None:
+            return functools.partial(output_problem, schema=schema)
+        check = self._checks.get(row.grammar)
+        if check is None:
+            check = self._checks[row.grammar] = schema_check(json.dumps(schema, sort_keys=True))
+        return check
+
     def _thought_tokens(self, ids: list[int]) -> int:
         """How many of `ids` come before the document: up to the first that opens it (`opens_document`)."""
         opens = self._opens_host()
@@ -382,7 +397,7 @@ class CanvasConstraints:
 
     def checked(self, s: Seq, res: DecodeResult) -> DecodeResult:
         """`res` of a finished row; a constrained one validated against its schema."""
-        self.rows.pop(s.row, None)
+        row = self.rows.pop(s.row, None)
         schema = s.req.response_format
         if schema is None:
             return res
@@ -393,7 +408,7 @@ class CanvasConstraints:
         if s.req.think:  # the row's text is its document; its thought is kept beside it
             res.reasoning, res.text = split_thought(res.text)
             res.reasoning_tokens = self._thought_tokens(res.token_ids)
-        problem = output_problem(res.text, schema)
+        problem = self._check(row, schema)(res.text)
         if problem is not None or res.finish_reason != FinishReason.stop:
             res.error = f"{INVALID}: {problem or 'the document did not end'}"
             res.error_code, res.finish_reason = INVALID, FinishReason.error

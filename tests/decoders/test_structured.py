@@ -481,3 +481,80 @@ def test_masks_as_one_select_equal_the_row_by_row_fill(texts, testbed, monkeypat
     want[2][rows[0].banned] = NEG
     want[0][rows[1].banned] = NEG
     assert torch.equal(got[0], want)
+
+
+def _random_doc(rng, schema: dict | None, depth: int = 0):
+    """A JSON value for `schema`: often a valid one, sometimes any value (random type, length or key)."""
+    if schema is None or rng.random() < 0.15:
+        kind = rng.choice(["int", "float", "str", "bool", "null", "list", "dict"] if depth < 2 else ["int", "str"])
+        return {
+            "int": lambda: rng.randint(-3, 3),
+            "float": lambda: rng.choice([1.0, 2.5, -0.0]),
+            "str": lambda: "ab\u00e9\U0001f600"[: rng.randint(0, 4)],
+            "bool": lambda: rng.random() < 0.5,
+            "null": lambda: None,
+            "list": lambda: [_random_doc(rng, None, depth + 1) for _ in range(rng.randint(0, 3))],
+            "dict": lambda: {k: _random_doc(rng, None, depth + 1) for k in rng.sample("abx", rng.randint(0, 2))},
+        }[kind]()
+    if "enum" in schema or "const" in schema:
+        return rng.choice(schema.get("enum", [schema.get("const")]) + [True, 1, 1.0, "a"])
+    kind = schema["type"] if isinstance(schema["type"], str) else rng.choice(schema["type"])
+    if kind == "object":
+        props = schema.get("properties", {})
+        keys = [k for k in props if k in schema.get("required", []) or rng.random() < 0.7]
+        return {k: _random_doc(rng, props[k], depth + 1) for k in keys}
+    if kind == "array":
+        return [_random_doc(rng, schema["items"], depth + 1) for _ in range(rng.randint(0, 4))]
+    return _random_doc(rng, None, 9) if kind == "string" and rng.random() < 0.5 else {
+        "string": lambda: "xy\u00e9"[: rng.randint(0, 3)],
+        "integer": lambda: rng.choice([0, 7, -2, 3.0]),
+        "number": lambda: rng.choice([0, 1.5, -2]),
+        "boolean": lambda: rng.random() < 0.5,
+        "null": lambda: None,
+    }[kind]()
+
+
+def test_the_fast_output_check_agrees_with_jsonschema_on_every_supported_keyword():
+    """`schema_check` passes documents by fastjsonschema's compiled check and refuses only what
+    jsonschema refuses: on random documents (valid and not) under a schema of each supported keyword,
+    the fast check's verdict is jsonschema's."""
+    import random
+
+    import fastjsonschema
+
+    from canvasq.core.response_format import schema_problems
+    from canvasq.decoders.schema_text import JSON_OBJECT
+    from canvasq.decoders.structured import schema_check
+
+    schemas = [
+        JSON_OBJECT,
+        {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 2}},
+         "required": ["a"], "additionalProperties": False},
+        {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 3},
+        {"type": "array", "items": {"type": ["integer", "null"]}},
+        {"type": "string", "minLength": 1, "maxLength": 3},
+        {"enum": ["gained", "lost", 1, None]},
+        {"const": 1},
+        {"type": "boolean"},
+        {"type": "object", "properties": {"x": {"type": "array", "items": {"enum": [0, 2.5]}, "maxItems": 2}},
+         "required": ["x"], "additionalProperties": False},
+    ]  # fmt: skip
+    rng = random.Random(7)
+    verdicts = []
+    for schema in schemas:
+        assert schema is JSON_OBJECT or schema_problems(schema) == [], schema  # json_object's own
+        fast = fastjsonschema.compile(schema)
+        reference = jsonschema.validators.validator_for(schema)(schema)
+        check = schema_check(json.dumps(schema, sort_keys=True))
+        for _ in range(150):
+            doc = _random_doc(rng, schema)
+            try:
+                fast(doc)
+                passed = True
+            except fastjsonschema.JsonSchemaException:
+                passed = False
+            valid = reference.is_valid(doc)
+            assert passed == valid, (schema, doc)
+            assert (check(json.dumps(doc)) is None) == valid, (schema, doc)
+            verdicts.append(valid)
+    assert 0.2 < sum(verdicts) / len(verdicts) < 0.8  # both verdicts met often

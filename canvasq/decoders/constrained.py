@@ -67,6 +67,8 @@ BAN_STACK_ELEMENTS = 1 << 26
 # the plans `kernels.constrain` reads, at most (the testbed's: 24 KiB each; a real-shape plan: 64 MiB)
 PLAN_TABLE_BYTES = 1 << 28
 INVALID = "invalid_structured_output"
+# the per-slot columns of a front canvas `_step_rows` gathers (`StepRows`' fields less b and slot)
+_COLS = ("start", "think", "at_start", "steps", "plan", "state", "back", "fresh")
 
 
 @dataclass
@@ -77,6 +79,7 @@ class RowGrammar:
     plan: tuple | None = None  # what `banned` was planned from (grammar, state, budget): its table key
     back: int | None = None  # the canvas budget's backward sets in its device grammar's table (`back_index`)
     steps: int = 0  # the front canvas's masked steps (its rules' state is on the device: `SlotRules`)
+    placed: int | None = None  # the slot whose `CanvasConstraints._cols` hold the front canvas's columns
 
 
 class PlanTable:
@@ -89,6 +92,7 @@ class PlanTable:
         self.cap = max_bytes // (C * V)
         self.plans = torch.empty(0, C, V, dtype=torch.bool, device=device)
         self.index: dict[tuple | None, int] = {}  # by `RowGrammar.plan`
+        self.started = 0  # how many times the table started over (its places moved)
 
     def ids(self, rows: list[RowGrammar]) -> list[int] | None:
         """Each row's plan's index in `plans`, or None when the rows' distinct plans exceed the table
@@ -98,7 +102,7 @@ class PlanTable:
             new = {row.plan: row.banned for row in rows}
             if len(new) > self.cap:
                 return None
-            self.index = {}
+            self.index, self.started = {}, self.started + 1
         if new:
             self._add(new)
         return [self.index[row.plan] for row in rows]
@@ -148,6 +152,7 @@ class CanvasConstraints:
         self._checks: dict[Grammar, Callable[[str], str | None]] = {}  # `_check`'s
         self.slots = SlotRules(C, device)
         self._fresh: set[int] = set()  # slots whose canvas began since their last masked step
+        self._cols = np.zeros((0, len(_COLS)), np.int32)  # per slot: `_step_rows`' columns
         self.table = PlanTable(C, V, device)
         # mask and pin through `kernels.constrain` and `kernels.rules` (None: on CUDA)
         self.kernels: bool | None = None
@@ -192,7 +197,7 @@ class CanvasConstraints:
             s.error, s.done = f"{UNFINISHABLE}: {exc}", True
             return
         row.back = dg.back_index(self.C, budget)
-        row.steps = 0
+        row.steps, row.placed = 0, None
         self._fresh.add(s.slot)
         s.stats["constraint_host_us"] += int(1e6 * (time.perf_counter() - t0))
 
@@ -211,8 +216,7 @@ class CanvasConstraints:
         self.slots.grow(max(s.slot for _, s, _ in at))
         for *_, row in at:
             row.steps += 1
-        plans = self.table.ids([row for *_, row in at]) if self._fused(logits) else None
-        rows = self._step_rows(at, plans, reset=plans is None)
+        rows = self._step_rows(at, self._fused(logits))
         if rows.plan is not None:  # bans, the opening's pin, log-sum-exps and argmax in one launch
             lse, argmax = self._constrain(logits, rows)
         else:
@@ -274,39 +278,71 @@ class CanvasConstraints:
         for (k, _, _), mask in zip(at, banned):
             logits[k].masked_fill_(mask, NEG)
 
-    def _step_rows(
-        self, at: list[tuple[int, Seq, RowGrammar]], plans: list[int] | None, reset: bool
-    ) -> StepRows:
-        """The step's constrained rows (with their plans' places in `self.table` when given) as one
-        host-to-device copy of int32 columns. The slots whose canvas began since their last masked
-        step are reset here when `reset` (the torch masks and rules read their state); otherwise the
-        kernels read them as fresh (`StepRows.fresh`) and nothing is launched for them."""
-        host = [
-            (
-                b,
-                s.slot,
-                row.grammar.start,
-                int(bool(s.req.think)),
-                int(row.state == row.grammar.start),
-                row.steps,
-                plans[k] if plans is not None else -1,
-                row.state,
-                row.back if row.back is not None else self._place_back(s, row),
-                int(s.slot in self._fresh),
-            )
-            for k, (b, s, row) in enumerate(at)
-        ]
+    def _step_rows(self, at: list[tuple[int, Seq, RowGrammar]], fused: bool) -> StepRows:
+        """The step's constrained rows (with their plans' places in `self.table` when `fused`) as one
+        host-to-device copy of int32 columns (`plan` None when the step's plans do not fit the table). A row's columns
+        are kept per slot (`_cols`), written at its canvas's first masked step (`_place`): a step
+        gathers them with one numpy index, where a tuple built per row cost ~1.5 us a row. The slots
+        whose canvas began since their last masked step are reset here when the plans are not in the
+        table (the torch masks and rules read their state); otherwise the kernels read them as fresh (`StepRows.fresh`) and
+        nothing is launched for them."""
+        new = [(s, row) for _, s, row in at if row.placed is None]
+        slots = np.fromiter((s.slot for _, s, _ in at), np.int64, len(at))
+        if len(self._cols) <= slots.max():
+            grown = np.zeros((max(int(slots.max()) + 1, 2 * len(self._cols)), len(_COLS)), np.int32)
+            grown[: len(self._cols)] = self._cols
+            self._cols = grown
+        self._cols[slots, _COLS.index("steps")] += 1
+        for s, row in new:
+            self._place(s, row)
+        placed = fused and self._place_plans([row for _, row in new], [row for *_, row in at])
+        reset = not placed
         if reset:
-            self.slots.reset([s.slot for _, s, _ in at if s.slot in self._fresh])
-        self._fresh.difference_update(s.slot for _, s, _ in at)
-        # transposed on the host: each field a contiguous [R] column once copied (numpy makes the array
-        # from the tuples in under half torch.tensor's time)
-        cols = to_device(torch.from_numpy(np.array(host, dtype=np.int32).T.copy()), self.device)
+            self.slots.reset([s.slot for s, _ in new if s.slot in self._fresh])
+        self._fresh.difference_update(s.slot for s, _ in new)
+        host = np.empty((2 + len(_COLS), len(at)), dtype=np.int32)
+        host[0] = np.fromiter((b for b, _, _ in at), np.int32, len(at))
+        host[1] = slots
+        host[2:] = self._cols[slots].T
+        self._cols[slots, _COLS.index("fresh")] = 0
+        cols = to_device(torch.from_numpy(host), self.device)
         b, slot, start, think, at_start, steps, plan, state, back, fresh = cols.unbind(0)
         return StepRows(
-            b, slot, start, think, at_start, steps, plan if plans is not None else None, state, back,
+            b, slot, start, think, at_start, steps, plan if placed else None, state, back,
             None if reset else fresh,
         )  # fmt: skip
+
+    def _place(self, s: Seq, row: RowGrammar) -> None:
+        """The slot's columns for the row's front canvas (`_COLS`; its plan's place: `_place_plans`)."""
+        back = row.back if row.back is not None else self._place_back(s, row)
+        at_start = int(row.state == row.grammar.start)
+        fresh = int(s.slot in self._fresh)
+        self._cols[s.slot] = (
+            row.grammar.start,
+            int(bool(s.req.think)),
+            at_start,
+            row.steps,
+            -1,
+            row.state,
+            back,
+            fresh,
+        )
+        row.placed = s.slot
+
+    def _place_plans(self, new: list[RowGrammar], rows: list[RowGrammar]) -> bool:
+        """The new canvases' plans placed in `self.table`, every row's again when the table started over
+        (its places moved); False when the step's plans do not fit it (the caller masks without it)."""
+        started = self.table.started
+        ids = self.table.ids(new)
+        if ids is not None and self.table.started == started:
+            if new:
+                self._cols[[row.placed for row in new], _COLS.index("plan")] = ids
+            return True
+        ids = self.table.ids(rows)
+        if ids is None:
+            return False
+        self._cols[[row.placed for row in rows], _COLS.index("plan")] = ids
+        return True
 
     def _budget(self, s: Seq) -> int:
         """The answer tokens left from the row's front canvas's first position."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +69,7 @@ PLAN_TABLE_BYTES = 1 << 28
 INVALID = "invalid_structured_output"
 # the per-slot columns of a front canvas `_step_rows` gathers (`StepRows`' fields less b and slot)
 _COLS = ("start", "think", "at_start", "steps", "plan", "state", "back", "fresh")
+_STEPS, _FRESH = _COLS.index("steps"), _COLS.index("fresh")
 
 
 @dataclass
@@ -78,7 +79,6 @@ class RowGrammar:
     banned: torch.Tensor | None = None  # [C, V] bool on the device: the front canvas's banned tokens
     plan: tuple | None = None  # what `banned` was planned from (grammar, state, budget): its table key
     back: int | None = None  # the canvas budget's backward sets in its device grammar's table (`back_index`)
-    steps: int = 0  # the front canvas's masked steps (its rules' state is on the device: `SlotRules`)
     placed: int | None = None  # the slot whose `CanvasConstraints._cols` hold the front canvas's columns
 
 
@@ -153,6 +153,7 @@ class CanvasConstraints:
         self.slots = SlotRules(C, device)
         self._fresh: set[int] = set()  # slots whose canvas began since their last masked step
         self._cols = np.zeros((0, len(_COLS)), np.int32)  # per slot: `_step_rows`' columns
+        self._host_us = np.zeros(0)  # per slot: `mask`'s host time not yet in its row's stats
         self.table = PlanTable(C, V, device)
         # mask and pin through `kernels.constrain` and `kernels.rules` (None: on CUDA)
         self.kernels: bool | None = None
@@ -177,6 +178,7 @@ class CanvasConstraints:
 
     def reset(self) -> None:
         self.rows, self._fresh = {}, set()
+        self._host_us[:] = 0.0
 
     def begin(self, s: Seq, cv: Canvas) -> None:
         schema = s.req.response_format
@@ -197,7 +199,7 @@ class CanvasConstraints:
             s.error, s.done = f"{UNFINISHABLE}: {exc}", True
             return
         row.back = dg.back_index(self.C, budget)
-        row.steps, row.placed = 0, None
+        row.placed = None  # its columns are written at its first masked step
         self._fresh.add(s.slot)
         s.stats["constraint_host_us"] += int(1e6 * (time.perf_counter() - t0))
 
@@ -208,21 +210,22 @@ class CanvasConstraints:
         (`constraint_rules`). Nothing is read back: the step's one sync stays the sampler's."""
         if not self.rows:  # called for every row group of every step: nothing to do without schemas
             return
-        at = [(b, s, self.rows[s.row]) for b, s in enumerate(seqs) if s.row in self.rows]
-        at = [(b, s, row) for b, s, row in at if row.banned is not None]
+        rows_of = self.rows
+        at = [
+            (b, s, row)
+            for b, s in enumerate(seqs)
+            if (row := rows_of.get(s.row)) is not None and row.banned is not None
+        ]
         if not at:
             return
         t0 = time.perf_counter()
-        self.slots.grow(max(s.slot for _, s, _ in at))
-        for *_, row in at:
-            row.steps += 1
-        rows = self._step_rows(at, self._fused(logits))
+        rows, slots = self._step_rows(at, self._fused(logits))
         if rows.plan is not None:  # bans, the opening's pin, log-sum-exps and argmax in one launch
             lse, argmax = self._constrain(logits, rows)
         else:
             lse, argmax = None, self._ban_and_open(at, logits, rows)
         try:
-            toks, ends = self._best([(s, row) for _, s, row in at], logits, rows, lse)
+            toks, ends = self._best(at, logits, rows, lse)
         except Unfinishable as exc:  # begin's plan said otherwise: a bug, the rows end in error
             for _, s, _ in at:
                 s.error, s.done = f"{UNFINISHABLE}: {exc}", True
@@ -233,9 +236,7 @@ class CanvasConstraints:
         )  # fmt: skip
         if pins is not None:
             pin(logits, rows.b, pins)
-        share = int(1e6 * (time.perf_counter() - t0) / len(at))
-        for _, s, _ in at:
-            s.stats["constraint_host_us"] += share
+        self._host_us[slots] += 1e6 * (time.perf_counter() - t0) / len(at)  # `account` adds it to the rows
 
     def _fused(self, logits: torch.Tensor) -> bool:
         """Whether the step masks and runs its rules through the kernels (CUDA by default; `self.kernels`
@@ -278,39 +279,52 @@ class CanvasConstraints:
         for (k, _, _), mask in zip(at, banned):
             logits[k].masked_fill_(mask, NEG)
 
-    def _step_rows(self, at: list[tuple[int, Seq, RowGrammar]], fused: bool) -> StepRows:
+    def _step_rows(self, at: list[tuple[int, Seq, RowGrammar]], fused: bool) -> tuple[StepRows, np.ndarray]:
         """The step's constrained rows (with their plans' places in `self.table` when `fused`) as one
-        host-to-device copy of int32 columns (`plan` None when the step's plans do not fit the table). A row's columns
-        are kept per slot (`_cols`), written at its canvas's first masked step (`_place`): a step
-        gathers them with one numpy index, where a tuple built per row cost ~1.5 us a row. The slots
-        whose canvas began since their last masked step are reset here when the plans are not in the
-        table (the torch masks and rules read their state); otherwise the kernels read them as fresh (`StepRows.fresh`) and
-        nothing is launched for them."""
+        host-to-device copy of int32 columns (`plan` None when the step's plans do not fit the
+        table), and their slots. A row's columns are kept per slot (`_cols`), written at its canvas's
+        first masked step (`_place`): a step gathers them with one numpy index, where a tuple built
+        per row cost ~1.5 us a row. The slots whose canvas began since their last masked step are
+        reset here when the plans are not in the table (the torch masks and rules read their state);
+        otherwise the kernels read them as fresh (`StepRows.fresh`) and nothing is launched for them."""
+        # C-ordered: each [R] column a contiguous row once copied (the kernels read them as they are)
+        host = np.empty((2 + len(_COLS), len(at)), dtype=np.int32)
+        host[:2] = np.array([(b, s.slot) for b, s, _ in at], dtype=np.int32).T
+        slots = host[1]
+        top = int(slots.max())
+        self.slots.grow(top)
+        if len(self._cols) <= top:
+            self._grow(top)
         new = [(s, row) for _, s, row in at if row.placed is None]
-        slots = np.fromiter((s.slot for _, s, _ in at), np.int64, len(at))
-        if len(self._cols) <= slots.max():
-            grown = np.zeros((max(int(slots.max()) + 1, 2 * len(self._cols)), len(_COLS)), np.int32)
-            grown[: len(self._cols)] = self._cols
-            self._cols = grown
-        self._cols[slots, _COLS.index("steps")] += 1
+        self._cols[slots, _STEPS] += 1
         for s, row in new:
             self._place(s, row)
-        placed = fused and self._place_plans([row for _, row in new], [row for *_, row in at])
-        reset = not placed
-        if reset:
+        placed = fused and self._place_plans([row for _, row in new], at)
+        if not placed:
             self.slots.reset([s.slot for s, _ in new if s.slot in self._fresh])
         self._fresh.difference_update(s.slot for s, _ in new)
-        host = np.empty((2 + len(_COLS), len(at)), dtype=np.int32)
-        host[0] = np.fromiter((b for b, _, _ in at), np.int32, len(at))
-        host[1] = slots
         host[2:] = self._cols[slots].T
-        self._cols[slots, _COLS.index("fresh")] = 0
         cols = to_device(torch.from_numpy(host), self.device)
+        self._cols[slots, _FRESH] = 0
         b, slot, start, think, at_start, steps, plan, state, back, fresh = cols.unbind(0)
         return StepRows(
             b, slot, start, think, at_start, steps, plan if placed else None, state, back,
-            None if reset else fresh,
-        )  # fmt: skip
+            fresh if placed else None,
+        ), slots  # fmt: skip
+
+    def _grow(self, top: int) -> None:
+        """Room in the per-slot arrays (`_cols`, `_host_us`) for slot `top`."""
+        n = max(top + 1, 2 * len(self._cols))
+        cols, host_us = np.zeros((n, len(_COLS)), np.int32), np.zeros(n)
+        cols[: len(self._cols)], host_us[: len(self._host_us)] = self._cols, self._host_us
+        self._cols, self._host_us = cols, host_us
+
+    def account(self, s: Seq) -> None:
+        """The step hooks' host time on the row's slot (kept per slot by `mask`) added to its
+        `stats["constraint_host_us"]`: the row is finished, its slot free for the next."""
+        if s.slot < len(self._host_us) and self._host_us[s.slot]:
+            s.stats["constraint_host_us"] += int(self._host_us[s.slot])
+            self._host_us[s.slot] = 0.0
 
     def _place(self, s: Seq, row: RowGrammar) -> None:
         """The slot's columns for the row's front canvas (`_COLS`; its plan's place: `_place_plans`)."""
@@ -321,7 +335,7 @@ class CanvasConstraints:
             row.grammar.start,
             int(bool(s.req.think)),
             at_start,
-            row.steps,
+            1,  # placed at its first masked step
             -1,
             row.state,
             back,
@@ -329,7 +343,7 @@ class CanvasConstraints:
         )
         row.placed = s.slot
 
-    def _place_plans(self, new: list[RowGrammar], rows: list[RowGrammar]) -> bool:
+    def _place_plans(self, new: list[RowGrammar], at: list[tuple[int, Seq, RowGrammar]]) -> bool:
         """The new canvases' plans placed in `self.table`, every row's again when the table started over
         (its places moved); False when the step's plans do not fit it (the caller masks without it)."""
         started = self.table.started
@@ -338,6 +352,7 @@ class CanvasConstraints:
             if new:
                 self._cols[[row.placed for row in new], _COLS.index("plan")] = ids
             return True
+        rows = [row for *_, row in at]
         ids = self.table.ids(rows)
         if ids is None:
             return False
@@ -356,7 +371,7 @@ class CanvasConstraints:
 
     def _best(
         self,
-        rows: list[tuple[Seq, RowGrammar]],
+        rows: list[tuple[int, Seq, RowGrammar]],
         logits: torch.Tensor,
         cols: StepRows,
         lse: torch.Tensor | None,
@@ -364,11 +379,12 @@ class CanvasConstraints:
         """Each row's best completable path under its logits (`logits[cols.b]` [R, C, V], in `rows`'
         order; `lse` [R, C] their log-sum-exps when known) and the state it ends in ([R, C], [R] on the
         device): one batched device Viterbi per distinct grammar."""
+        first = rows[0][2].grammar
+        if all(row.grammar is first for *_, row in rows):  # the common case: one schema in the group
+            return self._best_of(rows, logits, range(len(rows)), cols, lse)
         groups: dict[int, list[int]] = {}
-        for k, (_, row) in enumerate(rows):
+        for k, (*_, row) in enumerate(rows):
             groups.setdefault(id(row.grammar), []).append(k)
-        if len(groups) == 1:  # the common case: one schema in the group
-            return self._best_of(rows, logits, list(range(len(rows))), cols, lse)
         toks = torch.empty(len(rows), self.C, dtype=torch.long, device=logits.device)
         ends = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         for ks in groups.values():
@@ -377,13 +393,15 @@ class CanvasConstraints:
             toks[at], ends[at] = self._best_of(rows, logits, ks, part, None if lse is None else lse[at])
         return toks, ends
 
-    def _best_of(self, rows, logits: torch.Tensor, ks: list[int], cols: StepRows, lse: torch.Tensor | None):
-        dg = device_grammar(rows[ks[0]][1].grammar, self.device)
+    def _best_of(
+        self, rows, logits: torch.Tensor, ks: Sequence[int], cols: StepRows, lse: torch.Tensor | None
+    ):
+        dg = device_grammar(rows[ks[0]][2].grammar, self.device)
         placed = logits.is_cuda and logits.dtype != torch.float64
         if placed and cols.state is not None and cols.back is not None:  # nothing to build or copy
             return dg.best_placed(cols.state, logits, cols.b, cols.back, lse)
-        budgets = [self._budget(rows[k][0]) for k in ks]
-        states = [rows[k][1].state for k in ks]
+        budgets = [self._budget(rows[k][1]) for k in ks]
+        states = [rows[k][2].state for k in ks]
         return dg.best(states, logits, budgets, cols.b, lse)
 
     def final(self, finished: list[Seq], argmax: torch.Tensor) -> list[list[int]]:
@@ -396,7 +414,7 @@ class CanvasConstraints:
         out, read = self.slots.read_with(argmax, [s.slot for _, s, _ in at])
         tokens = list(out)
         for (k, s, row), (best, end, counts) in zip(at, read):
-            assert row.steps > 0, "a constrained canvas ends only after a masked step"
+            assert self._cols[s.slot, _STEPS] > 0, "a constrained canvas ends only after a masked step"
             row.state = end
             s.stats["constrained_canvases"] += 1
             s.stats["constrained_changed"] += sum(a != b for a, b in zip(best, tokens[k]))

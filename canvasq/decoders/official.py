@@ -113,6 +113,7 @@ class OfficialDecoder(StepDecoder):
         return cv
 
     def _result(self, s: Seq):
+        self.constraints.account(s)  # the masks' host time, kept per slot, into the row's stats
         return self.constraints.checked(s, super()._result(s))
 
     # -- one step ---------------------------------------------------------------------------------

@@ -486,7 +486,9 @@ def test_masks_as_one_select_equal_the_row_by_row_fill(texts, testbed, monkeypat
 def _random_doc(rng, schema: dict | None, depth: int = 0):
     """A JSON value for `schema`: often a valid one, sometimes any value (random type, length or key)."""
     if schema is None or rng.random() < 0.15:
-        kind = rng.choice(["int", "float", "str", "bool", "null", "list", "dict"] if depth < 2 else ["int", "str"])
+        kind = rng.choice(
+            ["int", "float", "str", "bool", "null", "list", "dict"] if depth < 2 else ["int", "str"]
+        )
         return {
             "int": lambda: rng.randint(-3, 3),
             "float": lambda: rng.choice([1.0, 2.5, -0.0]),
@@ -494,7 +496,9 @@ def _random_doc(rng, schema: dict | None, depth: int = 0):
             "bool": lambda: rng.random() < 0.5,
             "null": lambda: None,
             "list": lambda: [_random_doc(rng, None, depth + 1) for _ in range(rng.randint(0, 3))],
-            "dict": lambda: {k: _random_doc(rng, None, depth + 1) for k in rng.sample("abx", rng.randint(0, 2))},
+            "dict": lambda: {
+                k: _random_doc(rng, None, depth + 1) for k in rng.sample("abx", rng.randint(0, 2))
+            },
         }[kind]()
     if "enum" in schema or "const" in schema:
         return rng.choice(schema.get("enum", [schema.get("const")]) + [True, 1, 1.0, "a"])
@@ -505,13 +509,17 @@ def _random_doc(rng, schema: dict | None, depth: int = 0):
         return {k: _random_doc(rng, props[k], depth + 1) for k in keys}
     if kind == "array":
         return [_random_doc(rng, schema["items"], depth + 1) for _ in range(rng.randint(0, 4))]
-    return _random_doc(rng, None, 9) if kind == "string" and rng.random() < 0.5 else {
-        "string": lambda: "xy\u00e9"[: rng.randint(0, 3)],
-        "integer": lambda: rng.choice([0, 7, -2, 3.0]),
-        "number": lambda: rng.choice([0, 1.5, -2]),
-        "boolean": lambda: rng.random() < 0.5,
-        "null": lambda: None,
-    }[kind]()
+    return (
+        _random_doc(rng, None, 9)
+        if kind == "string" and rng.random() < 0.5
+        else {
+            "string": lambda: "xy\u00e9"[: rng.randint(0, 3)],
+            "integer": lambda: rng.choice([0, 7, -2, 3.0]),
+            "number": lambda: rng.choice([0, 1.5, -2]),
+            "boolean": lambda: rng.random() < 0.5,
+            "null": lambda: None,
+        }[kind]()
+    )
 
 
 def test_the_fast_output_check_agrees_with_jsonschema_on_every_supported_keyword():
@@ -558,3 +566,39 @@ def test_the_fast_output_check_agrees_with_jsonschema_on_every_supported_keyword
             assert (check(json.dumps(doc)) is None) == valid, (schema, doc)
             verdicts.append(valid)
     assert 0.2 < sum(verdicts) / len(verdicts) < 0.8  # both verdicts met often
+
+
+def test_the_masks_host_time_reaches_the_row_once_it_is_accounted(texts, testbed):
+    """`mask` keeps its host time per slot (no stats write a row a step); `account` (the decoder's
+    `_result`) moves a finished row's into its `stats["constraint_host_us"]` once, and its slot starts
+    the next row from nothing."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from canvasq.decoders.constrained import RowGrammar
+    from canvasq.decoders.structured import cached_grammar
+
+    a, _ = _one_hot(texts, 'so 12 eggs\n{"answer":12}')
+    grammar = cached_grammar(ANSWER, texts, True)
+    checks = CanvasConstraints(testbed, C, len(texts.texts), torch.device("cpu"), settle=2)
+    seqs = []
+    for slot in (0, 3):
+        checks.rows[slot] = RowGrammar(
+            grammar, grammar.start, torch.zeros(C, len(texts.texts), dtype=torch.bool)
+        )
+        req = SimpleNamespace(think=True, max_tokens=C)
+        seqs.append(
+            SimpleNamespace(
+                row=slot, slot=slot, req=req, stats=Counter(), canvases=[SimpleNamespace(index=0)]
+            )
+        )
+    for _ in range(3):
+        checks.mask(seqs, a.expand(2, -1, -1).clone())  # type: ignore[arg-type]
+    assert all("constraint_host_us" not in s.stats for s in seqs)
+    checks.account(seqs[1])  # type: ignore[arg-type]
+    spent = seqs[1].stats["constraint_host_us"]
+    assert spent > 0 and "constraint_host_us" not in seqs[0].stats
+    checks.account(seqs[1])  # type: ignore[arg-type]
+    assert seqs[1].stats["constraint_host_us"] == spent  # moved once, not again
+    checks.account(seqs[0])  # type: ignore[arg-type]
+    assert seqs[0].stats["constraint_host_us"] > 0

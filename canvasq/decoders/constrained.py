@@ -69,7 +69,7 @@ PLAN_TABLE_BYTES = 1 << 28
 INVALID = "invalid_structured_output"
 # the per-slot columns of a front canvas `_step_rows` gathers (`StepRows`' fields less b and slot)
 _COLS = ("start", "think", "at_start", "steps", "plan", "state", "back", "fresh")
-_STEPS, _FRESH = _COLS.index("steps"), _COLS.index("fresh")
+_STEPS, _PLAN, _FRESH = _COLS.index("steps"), _COLS.index("plan"), _COLS.index("fresh")
 
 
 @dataclass
@@ -299,7 +299,7 @@ class CanvasConstraints:
         self._cols[slots, _STEPS] += 1
         for s, row in new:
             self._place(s, row)
-        placed = fused and self._place_plans([row for _, row in new], at)
+        placed = fused and self._place_plans(new, at)
         if not placed:
             self.slots.reset([s.slot for s, _ in new if s.slot in self._fresh])
         self._fresh.difference_update(s.slot for s, _ in new)
@@ -343,20 +343,23 @@ class CanvasConstraints:
         )
         row.placed = s.slot
 
-    def _place_plans(self, new: list[RowGrammar], at: list[tuple[int, Seq, RowGrammar]]) -> bool:
+    def _place_plans(
+        self, new_rows: list[tuple[Seq, RowGrammar]], at: list[tuple[int, Seq, RowGrammar]]
+    ) -> bool:
         """The new canvases' plans placed in `self.table`, every row's again when the table started over
         (its places moved); False when the step's plans do not fit it (the caller masks without it)."""
         started = self.table.started
+        new = [row for _, row in new_rows]
         ids = self.table.ids(new)
         if ids is not None and self.table.started == started:
             if new:
-                self._cols[[row.placed for row in new], _COLS.index("plan")] = ids
+                self._cols[[s.slot for s, _ in new_rows], _PLAN] = ids
             return True
         rows = [row for *_, row in at]
         ids = self.table.ids(rows)
         if ids is None:
             return False
-        self._cols[[row.placed for row in rows], _COLS.index("plan")] = ids
+        self._cols[[s.slot for _, s, _ in at], _PLAN] = ids
         return True
 
     def _budget(self, s: Seq) -> int:

@@ -1,7 +1,11 @@
 """GPU probe: the host's cost of one launch, which bounds a testbed step on a GPU (its device work is
 a few ms, its host work several): a torch op, a Triton kernel with 3 arguments and one with 20 (the
 constraint kernels take 15-25), and the sampler's whole `softmax_sample` call at the testbed's
-64-slot shape (4 Triton launches, a few torch ops and the top-k check's host sync). Host µs a call:
+64-slot shape (4 Triton launches, a few torch ops and the top-k check's host sync), and the pieces of
+a constrained step's host work that are not launches: a step's row columns ([10, 45] int32) to the
+device through `to_device` (pinned on each call, then an async copy) against a kept ring of pinned
+buffers, a small `torch.empty` (the Viterbi's wrapper makes six), and a 2-row read back to the host
+(`SlotRules.read_with`'s, after its sync). Host µs a call:
 N calls queued back to back after a warm-up, the wall up to the last call's return (before the sync
 that ends them), over N; the device stays ahead of the queue for kernels this small. Outputs are
 checked first (each kernel against torch).
@@ -23,6 +27,7 @@ import triton
 import triton.language as tl
 
 from canvasq.kernels import softmax_sample
+from canvasq.model.windows import to_device
 
 
 @triton.jit
@@ -59,6 +64,47 @@ def host_us(call, n: int) -> float:
     dt = time.perf_counter() - t0
     C.sync()
     return dt / n * 1e6
+
+
+class PinnedRing:
+    """Kept pinned buffers for small host-to-device copies, each reused once its last copy is done
+    (an event a buffer): `to_device` pins a new buffer on every call."""
+
+    def __init__(self, shape, dtype, dev, n: int = 8):
+        pin = torch.device(dev).type == "cuda"
+        self.bufs = [torch.empty(shape, dtype=dtype, pin_memory=pin) for _ in range(n)]
+        self.events = [torch.cuda.Event() if pin else None for _ in range(n)]
+        self.dst = torch.empty(shape, dtype=dtype, device=dev)
+        self.k = 0
+
+    def copy(self, host) -> torch.Tensor:
+        buf, ev = self.bufs[self.k], self.events[self.k]
+        self.k = (self.k + 1) % len(self.bufs)
+        if ev is not None:
+            ev.synchronize()  # its last copy is done (long ago, at a step's pace)
+        buf.numpy()[...] = host
+        self.dst.copy_(buf, non_blocking=True)
+        if ev is not None:
+            ev.record()
+        return self.dst
+
+
+def host_arms(dev) -> dict:
+    """The constrained step's host pieces that are not launches (module docstring)."""
+    import numpy as np
+
+    cols = np.arange(10 * 45, dtype=np.int32).reshape(10, 45)
+    ring = PinnedRing((10, 45), torch.int32, dev)
+    assert torch.equal(ring.copy(cols).cpu(), torch.from_numpy(cols)), "the ring's copy"
+    assert torch.equal(to_device(torch.from_numpy(cols), dev).cpu(), torch.from_numpy(cols)), "to_device"
+    state = torch.zeros(64, 36, dtype=torch.long, device=dev)
+    idx = [3, 17]
+    return {
+        "to_device, [10, 45] int32 (pinned each call)": lambda: to_device(torch.from_numpy(cols), dev),
+        "kept pinned ring, [10, 45] int32": lambda: ring.copy(cols),
+        "torch.empty [45, 32] int64": lambda: torch.empty(45, 32, dtype=torch.long, device=dev),
+        "2 rows of [64, 36] read back (index, tolist)": lambda: state[to_device(idx, dev)].tolist(),
+    }
 
 
 def main():
@@ -103,6 +149,7 @@ def main():
             logits, inv, seeds, group, top_k=64, impl="triton", draw="invcdf"
         ),
     }
+    arms |= host_arms(dev)
     res = {name: round(host_us(call, n), 1) for name, call in arms.items()}
     for name, us in res.items():
         print(f"{name:55s} {us:9.1f} µs a call (host)", flush=True)

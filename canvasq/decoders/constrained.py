@@ -67,9 +67,6 @@ BAN_STACK_ELEMENTS = 1 << 26
 # the plans `kernels.constrain` reads, at most (the testbed's: 24 KiB each; a real-shape plan: 64 MiB)
 PLAN_TABLE_BYTES = 1 << 28
 INVALID = "invalid_structured_output"
-# the per-slot columns of a front canvas `_step_rows` gathers (`StepRows`' fields less b and slot)
-_COLS = ("start", "think", "at_start", "steps", "plan", "state", "back", "fresh")
-_STEPS, _PLAN, _FRESH = _COLS.index("steps"), _COLS.index("plan"), _COLS.index("fresh")
 
 
 @dataclass
@@ -79,7 +76,7 @@ class RowGrammar:
     banned: torch.Tensor | None = None  # [C, V] bool on the device: the front canvas's banned tokens
     plan: tuple | None = None  # what `banned` was planned from (grammar, state, budget): its table key
     back: int | None = None  # the canvas budget's backward sets in its device grammar's table (`back_index`)
-    placed: int | None = None  # the slot whose `CanvasConstraints._cols` hold the front canvas's columns
+    steps: int = 0  # the front canvas's masked steps (its rules' state is on the device: `SlotRules`)
 
 
 class PlanTable:
@@ -92,7 +89,6 @@ class PlanTable:
         self.cap = max_bytes // (C * V)
         self.plans = torch.empty(0, C, V, dtype=torch.bool, device=device)
         self.index: dict[tuple | None, int] = {}  # by `RowGrammar.plan`
-        self.started = 0  # how many times the table started over (its places moved)
 
     def ids(self, rows: list[RowGrammar]) -> list[int] | None:
         """Each row's plan's index in `plans`, or None when the rows' distinct plans exceed the table
@@ -102,7 +98,7 @@ class PlanTable:
             new = {row.plan: row.banned for row in rows}
             if len(new) > self.cap:
                 return None
-            self.index, self.started = {}, self.started + 1
+            self.index = {}
         if new:
             self._add(new)
         return [self.index[row.plan] for row in rows]
@@ -152,7 +148,6 @@ class CanvasConstraints:
         self._checks: dict[Grammar, Callable[[str], str | None]] = {}  # `_check`'s
         self.slots = SlotRules(C, device)
         self._fresh: set[int] = set()  # slots whose canvas began since their last masked step
-        self._cols = np.zeros((0, len(_COLS)), np.int32)  # per slot: `_step_rows`' columns
         self._host_us = np.zeros(0)  # per slot: `mask`'s host time not yet in its row's stats
         self.table = PlanTable(C, V, device)
         # mask and pin through `kernels.constrain` and `kernels.rules` (None: on CUDA)
@@ -199,7 +194,7 @@ class CanvasConstraints:
             s.error, s.done = f"{UNFINISHABLE}: {exc}", True
             return
         row.back = dg.back_index(self.C, budget)
-        row.placed = None  # its columns are written at its first masked step
+        row.steps = 0
         self._fresh.add(s.slot)
         s.stats["constraint_host_us"] += int(1e6 * (time.perf_counter() - t0))
 
@@ -219,7 +214,10 @@ class CanvasConstraints:
         if not at:
             return
         t0 = time.perf_counter()
-        rows, slots = self._step_rows(at, self._fused(logits))
+        for *_, row in at:
+            row.steps += 1
+        plans = self.table.ids([row for *_, row in at]) if self._fused(logits) else None
+        rows, slots = self._step_rows(at, plans)
         if rows.plan is not None:  # bans, the opening's pin, log-sum-exps and argmax in one launch
             lse, argmax = self._constrain(logits, rows)
         else:
@@ -279,45 +277,47 @@ class CanvasConstraints:
         for (k, _, _), mask in zip(at, banned):
             logits[k].masked_fill_(mask, NEG)
 
-    def _step_rows(self, at: list[tuple[int, Seq, RowGrammar]], fused: bool) -> tuple[StepRows, np.ndarray]:
-        """The step's constrained rows (with their plans' places in `self.table` when `fused`) as one
-        host-to-device copy of int32 columns (`plan` None when the step's plans do not fit the
-        table), and their slots. A row's columns are kept per slot (`_cols`), written at its canvas's
-        first masked step (`_place`): a step gathers them with one numpy index, where a tuple built
-        per row cost ~1.5 us a row. The slots whose canvas began since their last masked step are
-        reset here when the plans are not in the table (the torch masks and rules read their state);
-        otherwise the kernels read them as fresh (`StepRows.fresh`) and nothing is launched for them."""
-        # C-ordered: each [R] column a contiguous row once copied (the kernels read them as they are)
-        host = np.empty((2 + len(_COLS), len(at)), dtype=np.int32)
-        host[:2] = np.array([(b, s.slot) for b, s, _ in at], dtype=np.int32).T
-        slots = host[1]
+    def _step_rows(
+        self, at: list[tuple[int, Seq, RowGrammar]], plans: list[int] | None
+    ) -> tuple[StepRows, np.ndarray]:
+        """The step's constrained rows (with their plans' places in `self.table` when given) as one
+        host-to-device copy of int32 columns, and their slots. The slots whose canvas began since
+        their last masked step are reset here when there are no plans (the torch masks and rules
+        read their state); otherwise the kernels read them as fresh (`StepRows.fresh`) and nothing is
+        launched for them. (Keeping the columns per slot and gathering them with numpy, session 40,
+        was no faster on an H200's host than these tuples: 0.13 against 0.09 ms a step.)"""
+        host = [
+            (
+                b,
+                s.slot,
+                row.grammar.start,
+                int(bool(s.req.think)),
+                int(row.state == row.grammar.start),
+                row.steps,
+                plans[k] if plans is not None else -1,
+                row.state,
+                row.back if row.back is not None else self._place_back(s, row),
+                int(s.slot in self._fresh),
+            )
+            for k, (b, s, row) in enumerate(at)
+        ]
+        # transposed on the host: each field a contiguous [R] column once copied (numpy makes the array
+        # from the tuples in under half torch.tensor's time)
+        array = np.array(host, dtype=np.int32).T.copy()
+        slots = array[1]
         top = int(slots.max())
         self.slots.grow(top)
-        if len(self._cols) <= top:
-            self._grow(top)
-        new = [(s, row) for _, s, row in at if row.placed is None]
-        self._cols[slots, _STEPS] += 1
-        for s, row in new:
-            self._place(s, row)
-        placed = fused and self._place_plans(new, at)
-        if not placed:
-            self.slots.reset([s.slot for s, _ in new if s.slot in self._fresh])
-        self._fresh.difference_update(s.slot for s, _ in new)
-        host[2:] = self._cols[slots].T
-        cols = to_device(torch.from_numpy(host), self.device)
-        self._cols[slots, _FRESH] = 0
+        if len(self._host_us) <= top:
+            self._host_us = np.concatenate([self._host_us, np.zeros(max(top + 1, 2 * len(self._host_us)))])
+        if plans is None:
+            self.slots.reset([s.slot for _, s, _ in at if s.slot in self._fresh])
+        self._fresh.difference_update(s.slot for _, s, _ in at)
+        cols = to_device(torch.from_numpy(array), self.device)
         b, slot, start, think, at_start, steps, plan, state, back, fresh = cols.unbind(0)
         return StepRows(
-            b, slot, start, think, at_start, steps, plan if placed else None, state, back,
-            fresh if placed else None,
+            b, slot, start, think, at_start, steps, plan if plans is not None else None, state, back,
+            fresh if plans is not None else None,
         ), slots  # fmt: skip
-
-    def _grow(self, top: int) -> None:
-        """Room in the per-slot arrays (`_cols`, `_host_us`) for slot `top`."""
-        n = max(top + 1, 2 * len(self._cols))
-        cols, host_us = np.zeros((n, len(_COLS)), np.int32), np.zeros(n)
-        cols[: len(self._cols)], host_us[: len(self._host_us)] = self._cols, self._host_us
-        self._cols, self._host_us = cols, host_us
 
     def account(self, s: Seq) -> None:
         """The step hooks' host time on the row's slot (kept per slot by `mask`) added to its
@@ -325,42 +325,6 @@ class CanvasConstraints:
         if s.slot < len(self._host_us) and self._host_us[s.slot]:
             s.stats["constraint_host_us"] += int(self._host_us[s.slot])
             self._host_us[s.slot] = 0.0
-
-    def _place(self, s: Seq, row: RowGrammar) -> None:
-        """The slot's columns for the row's front canvas (`_COLS`; its plan's place: `_place_plans`)."""
-        back = row.back if row.back is not None else self._place_back(s, row)
-        at_start = int(row.state == row.grammar.start)
-        fresh = int(s.slot in self._fresh)
-        self._cols[s.slot] = (
-            row.grammar.start,
-            int(bool(s.req.think)),
-            at_start,
-            1,  # placed at its first masked step
-            -1,
-            row.state,
-            back,
-            fresh,
-        )
-        row.placed = s.slot
-
-    def _place_plans(
-        self, new_rows: list[tuple[Seq, RowGrammar]], at: list[tuple[int, Seq, RowGrammar]]
-    ) -> bool:
-        """The new canvases' plans placed in `self.table`, every row's again when the table started over
-        (its places moved); False when the step's plans do not fit it (the caller masks without it)."""
-        started = self.table.started
-        new = [row for _, row in new_rows]
-        ids = self.table.ids(new)
-        if ids is not None and self.table.started == started:
-            if new:
-                self._cols[[s.slot for s, _ in new_rows], _PLAN] = ids
-            return True
-        rows = [row for *_, row in at]
-        ids = self.table.ids(rows)
-        if ids is None:
-            return False
-        self._cols[[s.slot for _, s, _ in at], _PLAN] = ids
-        return True
 
     def _budget(self, s: Seq) -> int:
         """The answer tokens left from the row's front canvas's first position."""
@@ -417,7 +381,7 @@ class CanvasConstraints:
         out, read = self.slots.read_with(argmax, [s.slot for _, s, _ in at])
         tokens = list(out)
         for (k, s, row), (best, end, counts) in zip(at, read):
-            assert self._cols[s.slot, _STEPS] > 0, "a constrained canvas ends only after a masked step"
+            assert row.steps > 0, "a constrained canvas ends only after a masked step"
             row.state = end
             s.stats["constrained_canvases"] += 1
             s.stats["constrained_changed"] += sum(a != b for a, b in zip(best, tokens[k]))

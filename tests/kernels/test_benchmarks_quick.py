@@ -70,6 +70,7 @@ PROBES = Path(__file__).resolve().parents[2] / "benchmarks" / "probes"
         "forward_kernels.py",
         "expert_order_gpu_timing.py",
         "launch_cost_gpu.py",
+        "constraint_step_gpu.py",
         pytest.param(
             "moe_gluon_gpu_timing.py",
             marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon: CUDA")],
@@ -87,6 +88,7 @@ def test_probe_quick(probe, tmp_path):
         "forward_kernels.py",
         "expert_order_gpu_timing.py",
         "launch_cost_gpu.py",
+        "constraint_step_gpu.py",
         "moe_gluon_gpu_timing.py",
     }, "a new probe needs a --quick run here"
     proc = subprocess.run(

@@ -1,0 +1,126 @@
+"""GPU probe: the host's cost of one constrained step's hooks at the testbed's 64-slot stream, apart
+from the stream around them, so a change to them is measured in µs rather than through the
+structured-output probe's whole-arm tok/s (whose rounds move by ±5 %).
+
+The official decoder's `CanvasConstraints` as the product configures it, 45 of 64 slots holding rows
+under `answer_totals` that think first (the overhead probe's worst schema; begun as a stream begins
+them), random logits [64, C, V] on the device. Per call, host µs from the call to its return with the
+device idle before it (a testbed step is bound by its host: what the device does after the return is
+not on the step's path): `mask` over the 64 rows, split into its parts by `benchmarks/phases.py`;
+`final` for 2 stopped canvases (their one host read); `begin` of one canvas; the output check of one
+document. Each row's state is restored after `final`, so every call sees the same step.
+
+    python benchmarks/probes/constraint_step_gpu.py              # H100 / H200 (the kernels' path)
+    python benchmarks/probes/constraint_step_gpu.py --quick      # CPU: the torch path, a few calls
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "kernels"))
+import _common as C  # first: on a machine without a GPU it makes the kernels interpreted
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks.phases
+
+from benchmarks.phases import PhaseClock
+from canvasq.decoders import make_decoder
+from canvasq.model.loading import load_bundle
+from canvasq.testbed.json_adapter import FORM_SCHEMAS
+
+SCHEMA = FORM_SCHEMAS["answer_totals"]
+SLOTS, ROWS, STOPPED = 64, 45, 2  # the overhead probe's stream: 64 slots, ~0.7 of them constrained
+
+
+def stream(dec, rows: int):
+    """`rows` constrained rows in slots 0..rows-1 of a 64-row group (the rest free), each begun."""
+    cc, seqs = dec.constraints, []
+    for k in range(SLOTS):
+        schema = SCHEMA if k < rows else None
+        req = SimpleNamespace(think=True, max_tokens=7 * dec.C, response_format=schema)
+        s = SimpleNamespace(row=k, slot=k, req=req, stats=Counter(), canvases=[SimpleNamespace(index=0)])
+        s.done, s.error = False, None
+        cc.begin(s, s.canvases[0])
+        seqs.append(s)
+    return seqs
+
+
+def host_us(call, n: int) -> list[float]:
+    """Host µs of each of `n` calls (after 3 warm-ups), the device synchronised before each."""
+    out = []
+    for i in range(n + 3):
+        C.sync()
+        t0 = time.perf_counter()
+        call()
+        if i >= 3:
+            out.append((time.perf_counter() - t0) * 1e6)
+    C.sync()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a few calls (on CPU: the torch path)")
+    ap.add_argument("--calls", type=int, default=300)
+    a = ap.parse_args()
+    n = 3 if a.quick else a.calls
+    dev = C.DEVICE
+    dec = make_decoder("official", load_bundle(device=dev), {"cuda_graphs": "off"})
+    cc, Cn, V = dec.constraints, dec.C, dec.V
+    seqs = stream(dec, ROWS)
+    logits = torch.randn(SLOTS, Cn, V, device=dev) * 3
+    work = logits.clone()
+
+    def mask():
+        work.copy_(logits)  # one launch: the step's logits afresh
+        cc.mask(seqs, work)
+
+    stopped = seqs[:STOPPED]
+    argmax = torch.zeros(STOPPED, Cn, dtype=torch.long, device=dev)
+
+    def final():
+        kept = [(cc.rows[s.row].state, cc.rows[s.row].steps) for s in stopped]
+        out = cc.final(stopped, argmax)
+        for s, (state, steps) in zip(stopped, kept):
+            cc.rows[s.row].state, cc.rows[s.row].steps = state, steps
+        return out
+
+    mask()  # a masked step first: `final` reads its paths
+    assert all(s.error is None for s in seqs), "the step errored a row"
+    assert [len(t) for t in final()] == [Cn] * STOPPED, "final's tokens"
+    check = cc._check(cc.rows[0], SCHEMA)
+    doc = '{"answer": 42, "totals": [3, 10, 42]}'
+    assert check(doc) is None and check('{"answer": 1}') is not None, "the output check"
+
+    with PhaseClock() as clock:
+        mask_us = host_us(mask, n)
+    parts = {k: round(1e6 * v / (n + 3), 1) for k, v in sorted(clock.seconds.items(), key=lambda kv: -kv[1])}
+    res = {
+        f"mask, {ROWS} of {SLOTS} rows": mask_us,
+        f"final, {STOPPED} stopped": host_us(final, n),
+        "begin, one canvas": host_us(lambda: cc.begin(seqs[0], seqs[0].canvases[0]), n),
+        "output check, one document": host_us(lambda: check(doc), n),
+    }
+    med = {k: round(statistics.median(v), 1) for k, v in res.items()}
+    for name, us in med.items():
+        print(f"{name:40s} {us:9.1f} µs a call (host, median of {n})", flush=True)
+    print(
+        "mask's parts (µs a call, with the phase clock's ~1 µs a part): "
+        + ", ".join(f"{k} {v}" for k, v in parts.items())
+    )
+    report = {"bench": "constraint_step", "calls": n, "host_us_median": med, "mask_parts_us": parts}
+    print(json.dumps(report), flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "constraint_step.json"), "w") as f:
+            json.dump({**report, **C.device_info()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,7 +146,10 @@ class CanvasConstraints:
         self._opens: torch.Tensor | None = None
         self._opens_list: list[bool] | None = None
         self.rows: dict[int, RowGrammar] = {}
-        self._checks: dict[Grammar, Callable[[str], str | None]] = {}  # `_check`'s
+        # `_check`'s, gone with their grammar (the grammars' cache is bounded; a worker meets many schemas)
+        self._checks: weakref.WeakKeyDictionary[Grammar, Callable[[str], str | None]] = (
+            weakref.WeakKeyDictionary()
+        )
         self.slots = SlotRules(C, device)
         self._fresh: set[int] = set()  # slots whose canvas began since their last masked step
         self._host_us = np.zeros(0)  # per slot: `mask`'s host time not yet in its row's stats
@@ -284,8 +288,8 @@ class CanvasConstraints:
         host-to-device copy of int32 columns, and their slots. The slots whose canvas began since
         their last masked step are reset here when there are no plans (the torch masks and rules
         read their state); otherwise the kernels read them as fresh (`StepRows.fresh`) and nothing is
-        launched for them. (Keeping the columns per slot and gathering them with numpy, session 40,
-        was no faster on an H200's host than these tuples: 0.13 against 0.09 ms a step.)"""
+        launched for them. (Columns kept per slot and gathered with numpy were slower on an H200's
+        host than these tuples, 0.13 against 0.09 ms a step: BENCHMARKS.md.)"""
         host = [
             (
                 b,

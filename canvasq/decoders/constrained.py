@@ -288,8 +288,8 @@ class CanvasConstraints:
         host-to-device copy of int32 columns, and their slots. The slots whose canvas began since
         their last masked step are reset here when there are no plans (the torch masks and rules
         read their state); otherwise the kernels read them as fresh (`StepRows.fresh`) and nothing is
-        launched for them. (Columns kept per slot and gathered with numpy were slower on an H200's
-        host than these tuples, 0.13 against 0.09 ms a step: BENCHMARKS.md.)"""
+        launched for them. Tuples a row, because per-slot columns gathered with numpy cost more on an
+        H200's host (0.13 against 0.09 ms a step, BENCHMARKS.md)."""
         host = [
             (
                 b,
@@ -309,10 +309,9 @@ class CanvasConstraints:
         # from the tuples in under half torch.tensor's time)
         array = np.array(host, dtype=np.int32).T.copy()
         slots = array[1]
-        top = int(slots.max())
-        self.slots.grow(top)
-        if len(self._host_us) <= top:
-            self._host_us = np.concatenate([self._host_us, np.zeros(max(top + 1, 2 * len(self._host_us)))])
+        self.slots.grow(int(slots.max()))
+        if len(self._host_us) < self.slots.S:  # as many slots as the rules' state holds
+            self._host_us = np.concatenate([self._host_us, np.zeros(self.slots.S - len(self._host_us))])
         if plans is None:
             self.slots.reset([s.slot for _, s, _ in at if s.slot in self._fresh])
         self._fresh.difference_update(s.slot for _, s, _ in at)

@@ -68,12 +68,15 @@ FIELDS: dict[str, tuple[tuple, torch.dtype, int]] = {
     "frozen": ((), torch.bool, 0),  # pinned at the step cap
     "frozen_path": (("C",), torch.long, 0),
     "frozen_end": ((), torch.long, 0),
-    "best": (("C",), torch.long, 0),  # this step's best valid path (a frozen canvas's: its frozen one)
-    "best_end": ((), torch.long, 0),  # and the state it ends in
     "opening": ((3,), torch.long, -1),  # (position, token, steps held) of the argmax's opening token
     "opened": ((2,), torch.long, -1),  # (position, token) pinned from every later step's start
-    "counts": ((len(COUNTERS),), torch.long, 0),
 }
+# what the host reads of a stopped canvas, as views of one [S, C + 1 + len(COUNTERS)] int64 table
+# (`SlotRules.out`), so its read is one copy: this step's best valid path (a frozen canvas's: its
+# frozen one), the state it ends in, the rules' counters
+OUT_FIELDS = ("best", "best_end", "counts")
+# the most bytes of `out` read whole; a larger table is gathered at the slots read first
+OUT_READ_BYTES = 1 << 18
 
 
 class SlotRules:
@@ -85,10 +88,11 @@ class SlotRules:
     frozen: torch.Tensor
     frozen_path: torch.Tensor
     frozen_end: torch.Tensor
-    best: torch.Tensor
-    best_end: torch.Tensor
     opening: torch.Tensor
     opened: torch.Tensor
+    out: torch.Tensor  # [S, C + 1 + len(COUNTERS)] int64: `best`, `best_end` and `counts` (views of it)
+    best: torch.Tensor
+    best_end: torch.Tensor
     counts: torch.Tensor
 
     def __init__(self, C: int, device: torch.device):
@@ -103,7 +107,11 @@ class SlotRules:
             if self.S:
                 t[: self.S] = getattr(self, name)
             setattr(self, name, t)
-        self.S = S
+        out = torch.zeros(S, self.C + 1 + len(COUNTERS), dtype=torch.long, device=self.device)
+        if self.S:
+            out[: self.S] = self.out
+        self.out, self.S = out, S
+        self.best, self.best_end, self.counts = out[:, : self.C], out[:, self.C], out[:, self.C + 1 :]
 
     def grow(self, slot: int) -> None:
         """Room for `slot` (a new slot's state is a fresh canvas's)."""
@@ -116,8 +124,9 @@ class SlotRules:
             return
         self.grow(max(slots))
         idx = to_device(slots, self.device)
-        for name in ("has_path", "held", "frozen", "opening", "opened", "counts"):
+        for name in ("has_path", "held", "frozen", "opening", "opened"):
             getattr(self, name).index_fill_(0, idx, FIELDS[name][2])  # a scalar fill: no stream sync
+        self.counts.index_fill_(0, idx, 0)
 
     def read(self, slots: list[int]) -> list[tuple[list[int], int, list[int]]]:
         """Per slot: its canvas's best valid path at the last step, the state it ends in and the rules'
@@ -128,14 +137,18 @@ class SlotRules:
         self, head: torch.Tensor | None, slots: list[int]
     ) -> tuple[list[list[int]], list[tuple[list[int], int, list[int]]]]:
         """`read(slots)` and the rows of `head` (a [F, C] device tensor, e.g. the stopped canvases'
-        argmax) in the same host read: one sync where there were two."""
-        idx = to_device(slots, self.device)
-        rows = torch.cat([self.best[idx], self.best_end[idx, None], self.counts[idx]], dim=1)
-        parts = [rows.reshape(-1)] if head is None else [head.reshape(-1).to(rows.dtype), rows.reshape(-1)]
-        flat = torch.cat(parts).tolist()
-        C, w, cut = self.C, rows.shape[1], 0 if head is None else head.numel()
-        first = [flat[i : i + C] for i in range(0, cut, C)]
-        return first, [(r[:C], r[C], r[C + 1 :]) for r in (flat[i : i + w] for i in range(cut, len(flat), w))]
+        argmax) in the same host read: one sync where there were two. The slots' rows of `out` are
+        read with the whole table where it is small (`OUT_READ_BYTES`: a copy, where a gather would
+        first copy the slots to the device and launch), else gathered."""
+        whole = self.out.numel() * 8 <= OUT_READ_BYTES
+        table = self.out if whole else self.out[to_device(slots, self.device)]
+        parts = [table.reshape(-1)] if head is None else [head.reshape(-1).to(table.dtype), table.reshape(-1)]
+        flat = (parts[0] if head is None else torch.cat(parts)).cpu().numpy()
+        cut = 0 if head is None else head.numel()
+        rows = flat[cut:].reshape(-1, self.out.shape[1])
+        picked = (rows[slots] if whole else rows).tolist()
+        C = self.C
+        return flat[:cut].reshape(-1, C).tolist(), [(r[:C], r[C], r[C + 1 :]) for r in picked]
 
 
 def opens_document(text: str | None) -> bool:

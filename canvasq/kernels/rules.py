@@ -25,9 +25,9 @@ def _rules_kernel(
     slot_ptr, start_ptr, think_ptr, at_start_ptr, steps_ptr, fresh_ptr,  # [R] int32: the step's rows (`StepRows`)
     toks_ptr, ends_ptr, argmax_ptr, opens_ptr,  # [R, C] best paths, [R] end states, [R, C] argmax, [V] bool
     path_ptr, has_path_ptr, held_ptr, frozen_ptr, frozen_path_ptr, frozen_end_ptr,  # `SlotRules` [S, ...]
-    best_ptr, best_end_ptr, opening_ptr, opened_ptr, counts_ptr,
+    out_ptr, opening_ptr, opened_ptr,  # out [S, W]: each slot's best path, its end state, the counters
     pins_ptr,  # [R, C] out: the token pinned at each position, -1: none
-    C: tl.constexpr, BLOCK_C: tl.constexpr, FRESH: tl.constexpr,  # FRESH: read fresh_ptr (else: slots reset)
+    C: tl.constexpr, W: tl.constexpr, BLOCK_C: tl.constexpr, FRESH: tl.constexpr,  # FRESH: read fresh_ptr (else: slots reset)
     OPEN: tl.constexpr, HOLD: tl.constexpr,  # the open rule, and its steps to hold
     SETTLE_RULES: tl.constexpr, SETTLE: tl.constexpr, POSITIONS: tl.constexpr, MAX_STEPS: tl.constexpr,  # -1: off
 ):  # fmt: skip
@@ -45,8 +45,9 @@ def _rules_kernel(
     else:
         fresh = tl.full((), 0, tl.int1)
     srow = sl * C + col
-    tl.store(best_ptr + srow, toks, mask=cm)
-    tl.store(best_end_ptr + sl, ends)
+    best_ptr = out_ptr + sl * W  # the slot's row of `out`: C best tokens, the end state, the counters
+    tl.store(best_ptr + col, toks, mask=cm)
+    tl.store(best_ptr + C, ends)
     pins = tl.full([BLOCK_C], -1, tl.int64)
     if OPEN:
         amax = tl.load(argmax_ptr + r * C + col, mask=cm, other=0)
@@ -90,8 +91,8 @@ def _rules_kernel(
         tl.store(frozen_path_ptr + srow, tl.where(cap, toks, fpath), mask=cm)
         tl.store(frozen_end_ptr + sl, tl.where(cap, ends, fend))
         path = tl.where(frozen, fpath, toks)  # a canvas frozen before this step keeps its frozen path
-        tl.store(best_ptr + srow, path, mask=cm)
-        tl.store(best_end_ptr + sl, tl.where(frozen, fend, ends))
+        tl.store(best_ptr + col, path, mask=cm)
+        tl.store(best_ptr + C, tl.where(frozen, fend, ends))
         whole = frozen | cap | settled
         settle_pins = tl.where(whole, path, -1)
         n_prefix = 0
@@ -109,7 +110,7 @@ def _rules_kernel(
         n_settled = 0
         n_capped = 0
         n_prefix = 0
-    counts = counts_ptr + sl * 3  # written whatever the rules: a fresh canvas's start from 0
+    counts = best_ptr + C + 1  # written whatever the rules: a fresh canvas's start from 0
     tl.store(counts, tl.where(fresh, 0, tl.load(counts)) + n_settled)
     tl.store(counts + 1, tl.where(fresh, 0, tl.load(counts + 1)) + n_capped)
     tl.store(counts + 2, tl.where(fresh, 0, tl.load(counts + 2)) + n_prefix)
@@ -131,9 +132,9 @@ def rules(st, rows, toks: torch.Tensor, ends: torch.Tensor, argmax: torch.Tensor
         rows.slot if rows.fresh is None else rows.fresh,
         toks.contiguous(), ends, toks if argmax is None else argmax.contiguous(), opens,
         st.path, st.has_path, st.held, st.frozen, st.frozen_path, st.frozen_end,
-        st.best, st.best_end, st.opening, st.opened, st.counts,
+        st.out, st.opening, st.opened,
         pins,
-        C=C, BLOCK_C=triton.next_power_of_2(C), FRESH=rows.fresh is not None,
+        C=C, W=st.out.shape[1], BLOCK_C=triton.next_power_of_2(C), FRESH=rows.fresh is not None,
         OPEN=hold is not None, HOLD=off if hold is None else hold,
         SETTLE_RULES=settle is not None or max_steps is not None, SETTLE=off if settle is None else settle,
         POSITIONS=off if positions is None else positions, MAX_STEPS=off if max_steps is None else max_steps,
@@ -147,13 +148,13 @@ def compile_specs():
 
     cols = ("slot_ptr", "start_ptr", "think_ptr", "at_start_ptr", "steps_ptr", "fresh_ptr")  # `StepRows`
     i64 = {n: "*i64" for n in ("toks_ptr", "ends_ptr", "argmax_ptr")}
-    state = ("path_ptr", "frozen_path_ptr", "frozen_end_ptr", "best_ptr", "best_end_ptr", "opening_ptr")
-    i64 |= {n: "*i64" for n in (*state, "opened_ptr", "counts_ptr", "pins_ptr")}
+    state = ("path_ptr", "frozen_path_ptr", "frozen_end_ptr", "out_ptr", "opening_ptr")
+    i64 |= {n: "*i64" for n in (*state, "opened_ptr", "pins_ptr")}
     i1 = {n: "*i1" for n in ("opens_ptr", "has_path_ptr", "frozen_ptr")}
     yield CompileSpec(
         "rules",
         _rules_kernel,
-        {"C": 256, "BLOCK_C": 256, "FRESH": True, "OPEN": True, "HOLD": 1, "SETTLE_RULES": True, "SETTLE": 1,
+        {"C": 256, "W": 260, "BLOCK_C": 256, "FRESH": True, "OPEN": True, "HOLD": 1, "SETTLE_RULES": True, "SETTLE": 1,
          "POSITIONS": 1, "MAX_STEPS": -1},
         types=i64 | i1 | {n: "*i32" for n in (*cols, "held_ptr")},
     )  # fmt: skip

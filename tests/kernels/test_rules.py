@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_testutil import DEVICE
 
-from canvasq.decoders.constraint_rules import FIELDS, SlotRules, StepRows, step_rules
+from canvasq.decoders.constraint_rules import FIELDS, OUT_FIELDS, SlotRules, StepRows, step_rules
 
 C, V, S = 6, 20, 7  # C not a power of two: the kernel's masked tail
 
@@ -91,7 +91,27 @@ def test_the_kernel_keeps_the_torch_rules_state_and_pins(hold, settle, positions
         else:
             assert torch.equal(have.cpu(), want), f"step {step}"
             seen |= {"pinned"} if (want >= 0).any() else set()
-        for name in FIELDS:
+        for name in (*FIELDS, *OUT_FIELDS):
             assert torch.equal(getattr(got, name).cpu(), getattr(ref, name)), f"{name} at step {step}"
     if hold is not None or settle is not None:
         assert seen, "the walk never pinned: the comparison proved nothing"
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_read_gives_the_slots_paths_ends_and_counters_with_the_head(whole, monkeypatch):
+    """`SlotRules.read_with` reads the table whole when it is small and gathers the slots first when it
+    is not: both give each slot's row of `out` (in the order asked) and the head's rows."""
+    import canvasq.decoders.constraint_rules as cr
+
+    monkeypatch.setattr(cr, "OUT_READ_BYTES", 1 << 20 if whole else 8)
+    st = SlotRules(C, torch.device(DEVICE))
+    st.grow(S - 1)
+    st.out.copy_(torch.arange(st.out.numel()).reshape(st.out.shape))
+    head = torch.arange(2 * C, device=DEVICE).reshape(2, C) + 1000
+    first, rows = st.read_with(head, [4, 1])
+    assert first == head.tolist()
+    W = C + 1 + 3
+    for (best, end, counts), sl in zip(rows, [4, 1]):
+        assert best == list(range(sl * W, sl * W + C)) and end == sl * W + C
+        assert counts == [sl * W + C + 1, sl * W + C + 2, sl * W + C + 3]
+    assert st.read([6]) == [(list(range(6 * W, 6 * W + C)), 6 * W + C, [6 * W + C + k for k in (1, 2, 3)])]

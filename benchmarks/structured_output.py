@@ -202,6 +202,8 @@ def arm_report(name: str, results, wall: float, problems, correct: list[bool], s
         "correct": sum(correct),
         "accuracy": sum(correct) / len(results),
         "fwd_req": sum(r.forwards for r in results) / len(results),
+        # a finite set's tail: a few rows far past the rest keep a stream's last steps nearly empty
+        "fwd_quantiles": {q: _quantile([r.forwards for r in results], q) for q in (0.5, 0.9, 0.99, 1.0)},
         "wall_s": wall,
         "tok_s": tokens / wall,
         "tokens_req": tokens / max(1, len(done)),
@@ -460,7 +462,17 @@ def occupancy_of(occ: list) -> dict:
     """A stream's decoder steps and their mean share of slots live (nothing without --stream)."""
     if not occ:
         return {}
-    return {"steps": len(occ), "occupancy_mean": sum(live / slots for live, slots in occ) / len(occ)}
+    return {
+        "steps": len(occ),
+        "occupancy_mean": sum(live / slots for live, slots in occ) / len(occ),
+        "steps_under_half": sum(live * 2 < slots for live, slots in occ),  # the tail's steps
+    }
+
+
+def _quantile(xs: list[int], q: float) -> int:
+    """The q-quantile of `xs` (the nearest rank)."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0
 
 
 def _write(path: Path, report: dict) -> None:

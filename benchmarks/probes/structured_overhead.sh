@@ -25,7 +25,8 @@ for a in json.load(open(sys.argv[1]))["arms"]:
     second = f" {a['second_field']} {a['second_correct']}" if "second_field" in a else ""
     print(f"{a['arm']:40s} correct {a['correct']:3d} valid {a['valid']:3d} fwd/req {a['fwd_req']:5.1f} wall {a['wall_s']:6.2f} s "
           f"tok/s {a['tok_s']:7.0f} hooks ms/req {a['constraint_host_ms_req']:6.2f}{second}"
-          + (f" steps {a['steps']} occupancy {a['occupancy_mean']:.2f}" if "steps" in a else ""))
+          + (f" steps {a['steps']} occupancy {a['occupancy_mean']:.2f} under half {a.get('steps_under_half')}" if "steps" in a else "")
+          + f" fwd quantiles {a.get('fwd_quantiles')}")
     if "phase_ms_step" in a:
         print("    ms/step " + " ".join(f"{k} {v:.2f}" for k, v in sorted(a["phase_ms_step"].items(), key=lambda kv: -kv[1]))
               + f" gc runs {a.get('gc_runs', {})}")

@@ -99,11 +99,16 @@ def host_arms(dev) -> dict:
     assert torch.equal(to_device(torch.from_numpy(cols), dev).cpu(), torch.from_numpy(cols)), "to_device"
     state = torch.zeros(64, 36, dtype=torch.long, device=dev)
     idx = [3, 17]
+    head = torch.zeros(2, 32, dtype=torch.long, device=dev)
     return {
         "to_device, [10, 45] int32 (pinned each call)": lambda: to_device(torch.from_numpy(cols), dev),
         "kept pinned ring, [10, 45] int32": lambda: ring.copy(cols),
         "torch.empty [45, 32] int64": lambda: torch.empty(45, 32, dtype=torch.long, device=dev),
         "2 rows of [64, 36] read back (index, tolist)": lambda: state[to_device(idx, dev)].tolist(),
+        # `SlotRules.read_with`'s read: the whole table after the stopped canvases' [2, 32] argmax
+        "[2, 32] + whole [64, 36] read back (cat, one copy)": lambda: (
+            torch.cat([head.reshape(-1), state.reshape(-1)]).cpu().numpy()[idx]
+        ),
     }
 
 

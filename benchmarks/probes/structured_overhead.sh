@@ -41,7 +41,7 @@ for a in json.load(open(sys.argv[1]))["arms"]:
         if a["tok_s"] not in free:  # the first free arm is reported once per schema
             free.append(a["tok_s"])
     elif not a["arm"].startswith("prompt_only/"):
-        arms[a["arm"].split("/")[0]] = a["tok_s"]
+        arms[a["arm"].split("/seeds")[0]] = a["tok_s"]  # the schema and its knobs
 ratios = collections.defaultdict(list)
 for label, (free, arms) in rounds.items():
     base = statistics.mean(free)

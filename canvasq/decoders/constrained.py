@@ -202,13 +202,15 @@ class CanvasConstraints:
         self._fresh.add(s.slot)
         s.stats["constraint_host_us"] += int(1e6 * (time.perf_counter() - t0))
 
-    def mask(self, seqs: list[Seq], logits: torch.Tensor) -> None:
+    def mask(self, seqs: list[Seq], logits: torch.Tensor) -> torch.Tensor | None:
         """logits [B, C, V] of `seqs`' front canvases, masked in place for the constrained rows; each
         such canvas's best valid path under them kept on the device for `final` (so a canvas ends on
         the path of the logits its sampler read, before any temperature) and the rules' pins applied
-        (`constraint_rules`). Nothing is read back: the step's one sync stays the sampler's."""
+        (`constraint_rules`). -> [B] bool on the device: the canvases the rules pinned at every
+        position, which end in this step (`constraint_rules.pinned_whole`); None when no rule pins.
+        Nothing is read back: the step's one sync stays the sampler's."""
         if not self.rows:  # called for every row group of every step: nothing to do without schemas
-            return
+            return None
         rows_of = self.rows
         at = [
             (b, s, row)
@@ -216,7 +218,7 @@ class CanvasConstraints:
             if (row := rows_of.get(s.row)) is not None and row.banned is not None
         ]
         if not at:
-            return
+            return None
         t0 = time.perf_counter()
         for *_, row in at:
             row.steps += 1
@@ -231,14 +233,16 @@ class CanvasConstraints:
         except Unfinishable as exc:  # begin's plan said otherwise: a bug, the rows end in error
             for _, s, _ in at:
                 s.error, s.done = f"{UNFINISHABLE}: {exc}", True
-            return
+            return None
+        ended = torch.zeros(len(seqs), dtype=torch.bool, device=logits.device)
         pins = step_rules(
             self.slots, rows, toks, ends, argmax, self.opens(), self.open_hold, self.settle,
-            self.settle_positions, self.max_steps, kernel=self._fused(logits),
+            self.settle_positions, self.max_steps, kernel=self._fused(logits), ended=ended,
         )  # fmt: skip
         if pins is not None:
             pin(logits, rows.b, pins)
         self._host_us[slots] += 1e6 * (time.perf_counter() - t0) / len(at)  # `account` adds it to the rows
+        return ended if pins is not None else None
 
     def _fused(self, logits: torch.Tensor) -> bool:
         """Whether the step masks and runs its rules through the kernels (CUDA by default; `self.kernels`

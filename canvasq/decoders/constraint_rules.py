@@ -176,17 +176,19 @@ def step_rules(
     positions: int | None,
     max_steps: int | None,
     kernel: bool | None = None,
+    ended: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """One step's rules for the rows' best valid paths `toks` [R, C] ending in `ends` [R]: the best
     paths kept (`st.best`), then the open rule (with `hold`; `argmax` [R, C] the model's) and the
     settle rules (with `settle` or `max_steps`) -> [R, C] pins, the settle rules' over the open
-    rule's; None when no rule is on. `kernel` (default: on CUDA): all of it in one launch
-    (`kernels.rules`) instead of the torch rules' some 80 small selects."""
+    rule's; None when no rule is on. `ended` ([B] bool, the group's rows, all False), if given: set
+    at `rows.b` for the canvases pinned at every position (`pinned_whole`). `kernel` (default: on
+    CUDA): all of it in one launch (`kernels.rules`) instead of the torch rules' some 80 small selects."""
     settles = settle is not None or max_steps is not None
     if kernel if kernel is not None else toks.is_cuda:
         from canvasq.kernels.rules import rules  # imported here: kernels' import fixes interpretation
 
-        fused = rules(st, rows, toks, ends, argmax, opens, hold, settle, positions, max_steps)
+        fused = rules(st, rows, toks, ends, argmax, opens, hold, settle, positions, max_steps, ended)
         return fused if hold is not None or settles else None
     st.best[rows.slot], st.best_end[rows.slot] = toks, ends
     pins: torch.Tensor | None = None
@@ -201,7 +203,17 @@ def step_rules(
         )
         settled = settle_rule(st, rows, toks, ends, capped, settle, positions, opens)
         pins = settled if pins is None else torch.where(settled >= 0, settled, pins)
+    if ended is not None and pins is not None:
+        ended[rows.b.long()] = pinned_whole(pins)
     return pins
+
+
+def pinned_whole(pins: torch.Tensor) -> torch.Tensor:
+    """[R, C] pins -> [R] bool: the canvases pinned at every position. Their logits are one-hot on
+    their best valid path, so the sampler's argmax is that path and it is what `final` takes: such a
+    canvas ends in this step (`OfficialDecoder.step`), where the stability rule would end it a step
+    later (its argmax has to repeat) on the same tokens, at a forward a canvas."""
+    return (pins >= 0).all(dim=-1)
 
 
 def open_rule(
@@ -246,7 +258,7 @@ def settle_rule(
 ) -> torch.Tensor:
     """The settle rules, for the rows' best valid paths `toks` [R, C] ending in `ends` [R]: a canvas
     whose path has held for `settle` steps is pinned to it whole (one-hot logits: the argmax is the
-    path, every entropy 0, and the stopping rule ends the canvas at its next check). With `positions`
+    path, every entropy 0; the canvas ends in this step, `pinned_whole`). With `positions`
     (`constraint_settle_positions`), the document's positions whose tokens on the path have held that
     many steps are pinned from its start up to the first that has not (`held_prefix`; the thought
     before the document never is): an array's length or an enum the model stays unsure of would

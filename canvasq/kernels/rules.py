@@ -22,12 +22,13 @@ import triton.language as tl
 
 @triton.jit
 def _rules_kernel(
-    slot_ptr, start_ptr, think_ptr, at_start_ptr, steps_ptr, fresh_ptr,  # [R] int32: the step's rows (`StepRows`)
+    b_ptr, slot_ptr, start_ptr, think_ptr, at_start_ptr, steps_ptr, fresh_ptr,  # [R] int32: the step's rows (`StepRows`)
     toks_ptr, ends_ptr, argmax_ptr, opens_ptr,  # [R, C] best paths, [R] end states, [R, C] argmax, [V] bool
     path_ptr, has_path_ptr, held_ptr, frozen_ptr, frozen_path_ptr, frozen_end_ptr,  # `SlotRules` [S, ...]
     out_ptr, opening_ptr, opened_ptr,  # out [S, W]: each slot's best path, its end state, the counters
-    pins_ptr,  # [R, C] out: the token pinned at each position, -1: none
+    pins_ptr, ended_ptr,  # [R, C] out: the token pinned at each position, -1: none; [B] bool: pinned whole
     C: tl.constexpr, W: tl.constexpr, BLOCK_C: tl.constexpr, FRESH: tl.constexpr,  # FRESH: read fresh_ptr (else: slots reset)
+    ENDED: tl.constexpr,  # write ended_ptr at the row's b
     OPEN: tl.constexpr, HOLD: tl.constexpr,  # the open rule, and its steps to hold
     SETTLE_RULES: tl.constexpr, SETTLE: tl.constexpr, POSITIONS: tl.constexpr, MAX_STEPS: tl.constexpr,  # -1: off
 ):  # fmt: skip
@@ -115,26 +116,31 @@ def _rules_kernel(
     tl.store(counts + 1, tl.where(fresh, 0, tl.load(counts + 1)) + n_capped)
     tl.store(counts + 2, tl.where(fresh, 0, tl.load(counts + 2)) + n_prefix)
     tl.store(pins_ptr + r * C + col, pins, mask=cm)
+    if ENDED:  # every position pinned (`constraint_rules.pinned_whole`)
+        whole = tl.min(tl.where(cm, pins, 0), axis=0) >= 0
+        tl.store(ended_ptr + tl.load(b_ptr + r), whole)
 
 
 def rules(st, rows, toks: torch.Tensor, ends: torch.Tensor, argmax: torch.Tensor | None, opens: torch.Tensor,
-          hold: int | None, settle: int | None, positions: int | None, max_steps: int | None) -> torch.Tensor:  # fmt: skip
+          hold: int | None, settle: int | None, positions: int | None, max_steps: int | None,
+          ended: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """One launch of the rules over `rows` (`constraint_rules.StepRows`) with slot state `st`
     (`SlotRules`): the state updated in place, -> [R, C] pins. `argmax` [R, C] is read when `hold`
-    is set (the open rule); the settle rules run when `settle` or `max_steps` is set."""
+    is set (the open rule); the settle rules run when `settle` or `max_steps` is set. `ended` [B] bool,
+    if given, is set at `rows.b` for the rows pinned at every position."""
     R, C = toks.shape
     pins = torch.empty(R, C, dtype=torch.long, device=toks.device)
     if R == 0:
         return pins
     off = -1
     _rules_kernel[(R,)](
-        rows.slot, rows.start, rows.think, rows.at_start, rows.steps,
+        rows.b, rows.slot, rows.start, rows.think, rows.at_start, rows.steps,
         rows.slot if rows.fresh is None else rows.fresh,
         toks.contiguous(), ends, toks if argmax is None else argmax.contiguous(), opens,
         st.path, st.has_path, st.held, st.frozen, st.frozen_path, st.frozen_end,
         st.out, st.opening, st.opened,
-        pins,
-        C=C, W=st.out.shape[1], BLOCK_C=triton.next_power_of_2(C), FRESH=rows.fresh is not None,
+        pins, pins if ended is None else ended,
+        C=C, W=st.out.shape[1], BLOCK_C=triton.next_power_of_2(C), FRESH=rows.fresh is not None, ENDED=ended is not None,
         OPEN=hold is not None, HOLD=off if hold is None else hold,
         SETTLE_RULES=settle is not None or max_steps is not None, SETTLE=off if settle is None else settle,
         POSITIONS=off if positions is None else positions, MAX_STEPS=off if max_steps is None else max_steps,
@@ -146,15 +152,23 @@ def compile_specs():
     """The rules at the real canvas, every rule on (benchmarks/kernels/compile_check.py)."""
     from .compile_spec import CompileSpec
 
-    cols = ("slot_ptr", "start_ptr", "think_ptr", "at_start_ptr", "steps_ptr", "fresh_ptr")  # `StepRows`
+    cols = (
+        "b_ptr",
+        "slot_ptr",
+        "start_ptr",
+        "think_ptr",
+        "at_start_ptr",
+        "steps_ptr",
+        "fresh_ptr",
+    )  # `StepRows`
     i64 = {n: "*i64" for n in ("toks_ptr", "ends_ptr", "argmax_ptr")}
     state = ("path_ptr", "frozen_path_ptr", "frozen_end_ptr", "out_ptr", "opening_ptr")
     i64 |= {n: "*i64" for n in (*state, "opened_ptr", "pins_ptr")}
-    i1 = {n: "*i1" for n in ("opens_ptr", "has_path_ptr", "frozen_ptr")}
+    i1 = {n: "*i1" for n in ("opens_ptr", "has_path_ptr", "frozen_ptr", "ended_ptr")}
     yield CompileSpec(
         "rules",
         _rules_kernel,
-        {"C": 256, "W": 260, "BLOCK_C": 256, "FRESH": True, "OPEN": True, "HOLD": 1, "SETTLE_RULES": True, "SETTLE": 1,
+        {"C": 256, "W": 260, "BLOCK_C": 256, "FRESH": True, "ENDED": True, "OPEN": True, "HOLD": 1, "SETTLE_RULES": True, "SETTLE": 1,
          "POSITIONS": 1, "MAX_STEPS": -1},
         types=i64 | i1 | {n: "*i32" for n in (*cols, "held_ptr")},
     )  # fmt: skip

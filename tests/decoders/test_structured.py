@@ -202,17 +202,37 @@ def test_constrained_rows_through_a_stream_of_few_slots(testbed):
 
 
 def test_a_settled_canvas_is_pinned_and_stays_valid(testbed):
-    """constraint_settle pins a canvas whose best valid path holds; off, the canvas runs its own course."""
+    """constraint_settle pins a canvas whose best valid path holds; off, the canvas runs its own course
+    (the prefix rule off: with it, the held prefix can cover the canvas first)."""
     problems = tasks.generate("arith", 2, 6, split="eval")
     reqs = [
         DecodeRequest(p.uid, testbed.encode_prompt(p.prompt, "arith"), C, "arith", SIGN) for p in problems
     ]
     for settle in (2, None):
-        overrides = {"cuda_graphs": "off", "constraint_settle": settle}
+        overrides = {"cuda_graphs": "off", "constraint_settle": settle, "constraint_settle_positions": None}
         for r in run_batch(testbed, DecodeBatch(reqs, seed=2), decoder="official", overrides=overrides):
             assert r.error is None and r.finish_reason == "stop", r
             jsonschema.validate(json.loads(r.text), SIGN)
             assert (r.stats.get("constraint_pinned_steps", 0) > 0) == (settle is not None), r.stats
+
+
+def test_a_canvas_pinned_whole_ends_in_that_step(testbed, monkeypatch):
+    """A canvas the settle rule pins at every position stops in that step, on the tokens the stability
+    rule would have ended it on a step later: the same texts, a forward fewer per such canvas."""
+    import canvasq.decoders.constraint_rules as rules
+
+    problems = tasks.generate("arith", 4, 6, split="eval")
+    reqs = [
+        DecodeRequest(p.uid, testbed.encode_prompt(p.prompt, "arith"), C, "arith", SIGN) for p in problems
+    ]
+    overrides = {"cuda_graphs": "off", "constraint_settle": 2, "constraint_settle_positions": None}
+    now = run_batch(testbed, DecodeBatch(reqs, seed=2), decoder="official", overrides=overrides)
+    monkeypatch.setattr(rules, "pinned_whole", lambda pins: torch.zeros(len(pins), dtype=torch.bool))
+    later = run_batch(testbed, DecodeBatch(reqs, seed=2), decoder="official", overrides=overrides)
+    assert [r.text for r in now] == [r.text for r in later]
+    assert all(r.stats.get("constraint_pinned_steps", 0) > 0 for r in now), [r.stats for r in now]
+    assert all(a.forwards <= b.forwards for a, b in zip(now, later))
+    assert sum(r.forwards for r in now) < sum(r.forwards for r in later), [r.forwards for r in now]
 
 
 def test_an_invalid_document_is_an_error_not_a_done_row(testbed):

@@ -8,14 +8,14 @@ from kernel_testutil import DEVICE
 
 from canvasq.decoders.constraint_rules import FIELDS, OUT_FIELDS, SlotRules, StepRows, step_rules
 
-C, V, S = 6, 20, 7  # C not a power of two: the kernel's masked tail
+C, V, S, B = 6, 20, 7, 8  # C not a power of two: the kernel's masked tail; B the group's rows
 
 
 def _rows(slots, steps):
     R = len(slots)  # rows 0-1 think from the grammar's start, row 2 starts in the document, row 3 has none
     think, at_start = torch.tensor([1, 1, 1, 0]).bool(), torch.tensor([1, 1, 0, 1]).bool()
     return StepRows(
-        torch.arange(R),
+        torch.tensor([6, 1, 3, 0][:R]),  # rows of a group of B: not in order, some left out
         torch.tensor(slots),
         torch.zeros(R, dtype=torch.long),
         think,
@@ -78,23 +78,42 @@ def test_the_kernel_keeps_the_torch_rules_state_and_pins(hold, settle, positions
             torch.rand(2, generator=gen) < 0.8, 3, argmax[:2, 2]
         )  # an opening that holds
         rows = _rows(slots, step)
+        ended_ref, ended = torch.zeros(B, dtype=torch.bool), torch.zeros(B, dtype=torch.bool, device=DEVICE)
         want = step_rules(
-            ref, rows, toks, ends, argmax, opens, hold, settle, positions, max_steps, kernel=False
+            ref,
+            rows,
+            toks,
+            ends,
+            argmax,
+            opens,
+            hold,
+            settle,
+            positions,
+            max_steps,
+            kernel=False,
+            ended=ended_ref,
         )
         dev = _to(rows, [int(renew and sl in (0, 3)) for sl in slots] if flagged else None)
         have = step_rules(
             got, dev, toks.to(DEVICE), ends.to(DEVICE), argmax.to(DEVICE), opens.to(DEVICE), hold, settle,
-            positions, max_steps, kernel=True,
+            positions, max_steps, kernel=True, ended=ended,
         )  # fmt: skip
         if want is None:
             assert have is None
         else:
             assert torch.equal(have.cpu(), want), f"step {step}"
             seen |= {"pinned"} if (want >= 0).any() else set()
+            seen |= {"whole"} if ended_ref.any() else set()
+            assert torch.equal(
+                ended_ref, (want >= 0).all(dim=-1).new_zeros(B).index_put((rows.b,), (want >= 0).all(dim=-1))
+            )
+        assert torch.equal(ended.cpu(), ended_ref), f"ended at step {step}"
         for name in (*FIELDS, *OUT_FIELDS):
             assert torch.equal(getattr(got, name).cpu(), getattr(ref, name)), f"{name} at step {step}"
     if hold is not None or settle is not None:
         assert seen, "the walk never pinned: the comparison proved nothing"
+    if settle is not None or max_steps is not None:
+        assert "whole" in seen, "no canvas was pinned whole: the ended rows went untested"
 
 
 @pytest.mark.parametrize("whole", [True, False])

@@ -103,8 +103,9 @@ class OfficialConfig:
     # and HF generate()'s 84.5 %; BENCHMARKS.md "Service throughput")
     draw: str = "invcdf"
     # Structured output (decoders/constrained.py): a constrained canvas whose best valid path has not
-    # changed for this many steps is pinned to it (its logits one-hot), so the stopping rule ends it
-    # without waiting for a confidence the model may never reach on the schema's values. None: off
+    # changed for this many steps is pinned to it (its logits one-hot) and ends in that step (as does any
+    # canvas pinned at every position), without waiting for a confidence the model may never reach on
+    # the schema's values. None: off
     constraint_settle: int | None = 2
     # Before the whole path holds, the document's positions whose tokens on it have held this many
     # steps are pinned from its start up to the first that has not: a schema's uncertain values (an

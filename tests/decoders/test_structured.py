@@ -292,8 +292,8 @@ def _pinned(checks, seq, x: torch.Tensor) -> list[int]:
 
 def test_a_document_canvas_is_pinned_at_max_steps_and_a_thought_is_not(texts, testbed):
     """constraint_max_steps: a canvas whose best valid path has a document and never holds is pinned
-    whole at its max_steps-th step, and to that path on every step after (so its argmax holds and the
-    stopping rule ends it there); a canvas whose path is thought only runs on."""
+    whole at its max_steps-th step, and to that path on every step after (a canvas pinned whole ends in
+    that step in the decoder); a canvas whose path is thought only runs on."""
     from collections import Counter
     from types import SimpleNamespace
 

@@ -132,10 +132,11 @@ class OfficialDecoder(StepDecoder):
         parts = []
         for g in range(0, B, group):
             rows_g = self._rows(out, g, min(B, g + group), uncapped)
-            ended = self.constraints.mask(
-                seqs[g : g + group], rows_g[0]
-            )  # in place, before the sampler reads
-            parts.append(self._sample(seqs[g : g + group], idx[g : g + group], *rows_g, ended=ended))
+            # masked in place before the sampler reads; canvases pinned whole stop whatever its rule says
+            ended = self.constraints.mask(seqs[g : g + group], rows_g[0])
+            parts.append(self._sample(seqs[g : g + group], idx[g : g + group], *rows_g))
+            if ended is not None:
+                parts[-1][1] |= ended
         # the step's one host sync: how many positions each request accepted, which ones stopped
         counts, done = torch.cat(parts, dim=1).tolist()
         for s, cv in fresh:  # their first step has written the slot's self-conditioning
@@ -169,18 +170,9 @@ class OfficialDecoder(StepDecoder):
         cap = out.softcap if raw is not None else None
         return (out.rows_logits(a, b) if raw is None else raw).view(-1, self.C, self.V), cap
 
-    def _sample(
-        self,
-        seqs: list[Seq],
-        idx: torch.Tensor,
-        logits: torch.Tensor,
-        cap: float | None = None,
-        ended: torch.Tensor | None = None,
-    ):
+    def _sample(self, seqs: list[Seq], idx: torch.Tensor, logits: torch.Tensor, cap: float | None = None):
         """The sampler on one group (slots `idx`): logits [B, C, V] (fp32, or before the soft cap `cap`:
-        fused only) -> [2, B] (accepted, stopped); the slots' inputs, SC, argmax, steps left written.
-        `ended` [B] bool: canvases that stop whatever the stopping rule says (the constraints' canvases
-        pinned whole: `CanvasConstraints.mask`)."""
+        fused only) -> [2, B] (accepted, stopped); the slots' inputs, SC, argmax, steps left written."""
         smp, st = self.sampler, self.slots
         left = st.left[idx]
         temp, top = temperatures(left, smp), None
@@ -196,8 +188,6 @@ class OfficialDecoder(StepDecoder):
         keep = entropy_bound_keep(entropy, smp.entropy_bound)
         st.tokens[idx] = pick(keep)
         stopped = self._stopped(seqs, idx, argmax, entropy)
-        if ended is not None:
-            stopped = stopped | ended
         st.put_sc(idx, top if top is not None else self_conditioning(logits, self._k, self.rt.dtype))
         st.argmax[idx], st.left[idx] = argmax, left - 1
         return torch.stack([keep.sum(dim=-1), stopped.long()])

@@ -234,7 +234,9 @@ class CanvasConstraints:
             for _, s, _ in at:
                 s.error, s.done = f"{UNFINISHABLE}: {exc}", True
             return None
-        ended = torch.zeros(len(seqs), dtype=torch.bool, device=logits.device)
+        # only the settle rules pin a whole canvas: no buffer launched without them
+        settles = self.settle is not None or self.max_steps is not None
+        ended = torch.zeros(len(seqs), dtype=torch.bool, device=logits.device) if settles else None
         pins = step_rules(
             self.slots, rows, toks, ends, argmax, self.opens(), self.open_hold, self.settle,
             self.settle_positions, self.max_steps, kernel=self._fused(logits), ended=ended,
@@ -242,7 +244,7 @@ class CanvasConstraints:
         if pins is not None:
             pin(logits, rows.b, pins)
         self._host_us[slots] += 1e6 * (time.perf_counter() - t0) / len(at)  # `account` adds it to the rows
-        return ended if pins is not None else None
+        return ended
 
     def _fused(self, logits: torch.Tensor) -> bool:
         """Whether the step masks and runs its rules through the kernels (CUDA by default; `self.kernels`

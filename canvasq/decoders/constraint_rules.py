@@ -142,8 +142,12 @@ class SlotRules:
         first copy the slots to the device and launch), else gathered."""
         whole = self.out.numel() * 8 <= OUT_READ_BYTES
         table = self.out if whole else self.out[to_device(slots, self.device)]
-        parts = [table.reshape(-1)] if head is None else [head.reshape(-1).to(table.dtype), table.reshape(-1)]
-        flat = (parts[0] if head is None else torch.cat(parts)).cpu().numpy()
+        both = (
+            table.reshape(-1)
+            if head is None
+            else torch.cat([head.reshape(-1).to(table.dtype), table.reshape(-1)])
+        )
+        flat = both.cpu().numpy()
         cut = 0 if head is None else head.numel()
         rows = flat[cut:].reshape(-1, self.out.shape[1])
         picked = (rows[slots] if whole else rows).tolist()

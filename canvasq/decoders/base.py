@@ -186,6 +186,8 @@ class StepDecoder:
         except interrupts as exc:
             pool.deliver_done()
             raise Interrupted(exc, []) from exc
+        finally:  # the pool refers back to the decoder: kept, that cycle would wait for a full gc
+            self.pool = None
 
     def _step_all(self, pool: SlotPool, interrupts: tuple[type[BaseException], ...]) -> None:
         """One decoder step over every live row (in slot order when `slot_order`: a full step then

@@ -446,3 +446,26 @@ def test_draw_rule_reaches_the_fused_sampler(testbed, monkeypatch):
         assert asked and set(asked) == {rule}
     with pytest.raises(ValueError, match="draw"):
         make_config("official", {"draw": "argmax"})
+
+
+def test_a_decoder_that_streamed_is_freed_without_the_cyclic_collector(testbed):
+    """A stream leaves no reference cycle through its decoder: dropped, the decoder (and its arena,
+    rows and traces) goes at once, not at Python's next full collection. One that waited was freed
+    mid-decode of a later stream: on an H100 host 70-90 ms of a 1.6 s 600-row stream (session 42)."""
+    import gc
+    import weakref
+
+    dec = OfficialDecoder(testbed, make_config("official", ALIGNED))
+    probs = tasks.generate("arith", 3, 5)
+    reqs = [DecodeRequest(p.uid, testbed.encode_prompt(p.prompt, p.task), 64, p.task) for p in probs]
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        assert all(r.error is None for r in _drain(dec, reqs, slots=2))
+        gone, seqs = weakref.ref(dec), [weakref.ref(s) for s in dec.last_seqs]
+        del dec
+        assert gone() is None, "the decoder waits for the cyclic collector"
+        assert all(s() is None for s in seqs), "the stream's rows outlive their decoder"
+    finally:
+        if was:
+            gc.enable()

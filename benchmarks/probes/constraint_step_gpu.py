@@ -65,6 +65,40 @@ def host_us(call, n: int) -> list[float]:
     return out
 
 
+def device_us(call, n: int) -> dict[str, float]:
+    """Device µs a call of each kernel `call` launches (a profiler over `n` calls after the timed ones):
+    on a GPU the Viterbi's one launch was 19 % of a constrained stream's device time (session 40's
+    trace), and the step's one sync waits for what the hooks queue. Empty without CUDA."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        return {}
+    call()
+    C.sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            call()
+        C.sync()
+    per = Counter()
+    for ev in prof.key_averages():
+        if ev.device_time_total > 0:
+            per[ev.key[:60]] += ev.device_time_total / n
+    return {k: round(v, 1) for k, v in per.most_common(12)}
+
+
+def to_done_us(call, n: int) -> list[float]:
+    """µs from the call to its device work done (the device idle before): the step's critical path
+    when nothing else is queued."""
+    out = []
+    for _ in range(n):
+        C.sync()
+        t0 = time.perf_counter()
+        call()
+        C.sync()
+        out.append((time.perf_counter() - t0) * 1e6)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few calls (on CPU: the torch path)")
@@ -108,6 +142,8 @@ def main():
         "begin, one canvas": host_us(lambda: cc.begin(seqs[0], seqs[0].canvases[0]), n),
         "output check, one document": host_us(lambda: check(doc), n),
     }
+    res[f"mask to its device work done, {ROWS} of {SLOTS} rows"] = to_done_us(mask, n)
+    kernels = device_us(mask, min(n, 50))
     med = {k: round(statistics.median(v), 1) for k, v in res.items()}
     for name, us in med.items():
         print(f"{name:40s} {us:9.1f} µs a call (host, median of {n})", flush=True)
@@ -115,7 +151,10 @@ def main():
         "mask's parts (µs a call, with the phase clock's ~1 µs a part): "
         + ", ".join(f"{k} {v}" for k, v in parts.items())
     )
+    if kernels:
+        print("mask's kernels (device µs a call): " + ", ".join(f"{k} {v}" for k, v in kernels.items()))
     report = {"bench": "constraint_step", "calls": n, "host_us_median": med, "mask_parts_us": parts}
+    report["mask_device_us"] = kernels
     print(json.dumps(report), flush=True)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "constraint_step.json"), "w") as f:

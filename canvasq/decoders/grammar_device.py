@@ -53,7 +53,7 @@ class DeviceGrammar:
         self._plan_bytes = 0
         # the edges by the state they enter, in chunks, their free-text classes apart
         # (`kernels.viterbi.csr`; per chunk size, vocabulary and class size), built when the kernel first runs
-        self._csr: dict[tuple[int, int, int], dict] = {}
+        self._csr: dict[tuple[int | None, int, int | None], dict] = {}
         # per C: the backward sets of every budget met so far ([N, C + 1, Q] int8) and each budget's place
         self._backs: dict[int, tuple[torch.Tensor, dict[int, int]]] = {}
 
@@ -178,7 +178,7 @@ class DeviceGrammar:
         logits: torch.Tensor,
         rows: torch.Tensor,
         back: torch.Tensor,
-        block: int = 32,
+        block: int | None = None,
         tile: int | None = None,
         lse: torch.Tensor | None = None,
         back_rows: torch.Tensor | None = None,
@@ -186,15 +186,20 @@ class DeviceGrammar:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`best` in one launch (`kernels.viterbi`): the positions' log-sum-exps (`lse`, or in torch a
         few positions at a time), then one program per row. `states` may be an [R] device column, and
-        `back` a table read at `back_rows` [R] (`backs`, `back_index`). `class_min`: the edges a (source,
-        destination) pair needs to be a class (`kernels.viterbi.CLASS_MIN` by default; tests lower it)."""
+        `back` a table read at `back_rows` [R] (`backs`, `back_index`). `block` (chunk size) and
+        `class_min` (the edges a (source, destination) pair needs to be a class): tests set them; by
+        default `kernels.viterbi.layout` picks them for the grammar and vocabulary."""
         # imported here: importing canvasq.kernels fixes whether its kernels are interpreted (tests/kernels)
-        from canvasq.kernels.viterbi import CLASS_MIN, TILE, csr, viterbi
+        from canvasq.kernels.viterbi import TILE, class_floor, csr, layout, viterbi
 
         R, C, V = len(rows), logits.shape[1], logits.shape[2]
-        key = (block, V, class_min or CLASS_MIN)
+        key = (block, V, class_min)
         if key not in self._csr:
-            self._csr[key] = csr(self.src, self.tok, self.dst, self.free, self.g.Q, V, block, key[2])
+            args = (self.src, self.tok, self.dst, self.free, self.g.Q, V)
+            if block is None and class_min is None:
+                self._csr[key] = layout(*args)
+            else:
+                self._csr[key] = csr(*args, block or 32, class_min or class_floor(V))
         if lse is None:
             step = max(1, GAIN_ELEMENTS // max(1, R * V))
             reads = [logits[rows, i0 : i0 + step].float() for i0 in range(0, C, step)]

@@ -41,6 +41,8 @@ TILE = 4096
 # them (the largest): the testbed's (V 748) has none, the real vocabulary's free-text pairs do
 CLASS_MIN = 1024
 MAX_CLASSES = 8
+# the chunk sizes `layout` picks from
+BLOCKS = (8, 16, 32)
 BLOCK_V = 1024
 
 
@@ -238,6 +240,25 @@ def _classes(src: torch.Tensor, tok: torch.Tensor, dst: torch.Tensor, Q: int, V:
     members = torch.full((len(big), V), -1, dtype=torch.int32, device=dev)
     members[k[inside], tok[inside]] = torch.nonzero(inside)[:, 0].to(torch.int32)
     return torch.nonzero(~inside)[:, 0], members, (uniq[big] // Q, uniq[big] % Q)
+
+
+def class_floor(V: int) -> int:
+    """The edges a pair needs to be a class at a vocabulary of V: `CLASS_MIN`, or half the vocabulary
+    where that is fewer. A free text spans the vocabulary at any size; at the testbed's (748) its 609
+    edges, walked as 20 chunks, made `answer_totals`' tile twice the size of its other 163 states'."""
+    return min(CLASS_MIN, max(1, V // 2))
+
+
+def layout(src, tok, dst, free, Q: int, V: int, blocks=BLOCKS, tile: int = TILE) -> dict:
+    """`csr` at the chunk size of `blocks` whose tiles hold the fewest elements a position (the walk
+    scores every element of its tiles, padding included): a schema of many one-chunk states wants
+    small chunks, one whose states have many edges larger ones."""
+
+    def work(e: dict) -> int:
+        t = tiles(e["K"], e["most_chunks"], e["block"], Q, tile)
+        return t["NCB"] * t["CB"] * e["block"] + t["NKB"] * t["QB"] * t["KB"]
+
+    return min((csr(src, tok, dst, free, Q, V, b, class_floor(V)) for b in blocks), key=work)
 
 
 def tiles(K: int, most_chunks: int, block: int, Q: int, tile: int = TILE) -> dict:

@@ -11,7 +11,7 @@ from kernel_testutil import DEVICE
 
 from canvasq.decoders.grammar_device import DeviceGrammar
 from canvasq.decoders.structured import TokenTexts, compile_grammar, token_texts
-from canvasq.kernels.viterbi import CLASS_MIN, MAX_CLASSES
+from canvasq.kernels.viterbi import MAX_CLASSES
 from tests.decoders.helpers import TESTBED_DIR
 
 ANSWER = {
@@ -52,8 +52,8 @@ def test_the_kernel_gives_the_twins_paths_and_ends(block, tile, class_min):
     states, budgets = [q for q, _ in rows], [b for _, b in rows]
     back = torch.stack([dg.back(C, b) for b in budgets])
     toks, ends = dg._best_kernel(states, logits, idx, back, block, tile, class_min=class_min)
-    classes = dg._csr[(block, V, class_min or CLASS_MIN)]["members"].shape[0]
-    assert classes == (MAX_CLASSES if class_min else 0)  # the testbed's vocabulary makes no class by default
+    classes = dg._csr[(block, V, class_min)]["members"].shape[0]
+    assert classes == (MAX_CLASSES if class_min else 0)  # no pair here spans half the vocabulary
     want_toks, want_ends = dg._best_torch(states, logits, idx, back)
     assert ends.tolist() == want_ends.tolist()
     assert toks.tolist() == want_toks.tolist()
@@ -101,3 +101,29 @@ def test_a_class_best_member_is_the_highest_edge_among_equal_logits_across_block
         assert torch.equal(best[..., k].cpu(), want_best)
         assert arg[..., k].cpu().long().tolist() == want_arg.tolist()
     assert (logits[0, 0] == 9.0).sum() == 2 and best[1, 0, 0] == 9.0  # row 0 (r 1) holds the far tie
+
+
+def test_the_default_layout_gives_the_twins_paths_with_a_thoughts_free_text_as_a_class():
+    """The product's call (no block, no class size given): `layout` picks the chunk size and, at the
+    testbed's vocabulary, makes the thought's free text (609 of 748 tokens) a class; the paths and ends
+    are the twin's, on rows that start before the thought and inside the document."""
+    from canvasq.testbed.json_adapter import FORM_SCHEMAS
+
+    texts = token_texts(str(TESTBED_DIR / "tokenizer.json"))
+    g = compile_grammar(FORM_SCHEMAS["answer_totals"], texts, think=True)
+    dg = DeviceGrammar(g, torch.device(DEVICE))
+    V, budget = len(texts.texts), 6 * C
+    gen = torch.Generator().manual_seed(7)
+    logits = (torch.randn(3, C, V, generator=gen) * 3).to(DEVICE)
+    brace, quote = texts.texts.index("{"), texts.texts.index('"')
+    logits[1, :2, brace] += 9.0  # a row whose thought ends at once
+    mid = g.walk(g.start, [brace, quote])  # inside the document: its first key opened
+    states = [g.start, g.start, mid]
+    rows = torch.tensor([0, 1, 2], device=DEVICE)
+    back = torch.stack([dg.back(C, b) for b in (budget, budget, budget - C)])
+    toks, ends = dg._best_kernel(states, logits, rows, back)
+    layout = dg._csr[(None, V, None)]
+    assert layout["members"].shape[0] >= 1, "the thought's free text is not a class"
+    want_toks, want_ends = dg._best_torch(states, logits, rows, back)
+    assert ends.tolist() == want_ends.tolist()
+    assert toks.tolist() == want_toks.tolist()

@@ -52,13 +52,16 @@ def stream(dec, rows: int):
     return seqs
 
 
-def host_us(call, n: int) -> list[float]:
-    """Host µs of each of `n` calls (after 3 warm-ups), the device synchronised before each."""
+def host_us(call, n: int, done: bool = False) -> list[float]:
+    """Host µs of each of `n` calls (after 3 warm-ups), the device synchronised before each; `done`:
+    to the call's device work done instead (the step's critical path when nothing else is queued)."""
     out = []
     for i in range(n + 3):
         C.sync()
         t0 = time.perf_counter()
         call()
+        if done:
+            C.sync()
         if i >= 3:
             out.append((time.perf_counter() - t0) * 1e6)
     C.sync()
@@ -84,19 +87,6 @@ def device_us(call, n: int) -> dict[str, float]:
         if ev.device_time_total > 0:
             per[ev.key[:60]] += ev.device_time_total / n
     return {k: round(v, 1) for k, v in per.most_common(12)}
-
-
-def to_done_us(call, n: int) -> list[float]:
-    """µs from the call to its device work done (the device idle before): the step's critical path
-    when nothing else is queued."""
-    out = []
-    for _ in range(n):
-        C.sync()
-        t0 = time.perf_counter()
-        call()
-        C.sync()
-        out.append((time.perf_counter() - t0) * 1e6)
-    return out
 
 
 def main():
@@ -142,7 +132,7 @@ def main():
         "begin, one canvas": host_us(lambda: cc.begin(seqs[0], seqs[0].canvases[0]), n),
         "output check, one document": host_us(lambda: check(doc), n),
     }
-    res[f"mask to its device work done, {ROWS} of {SLOTS} rows"] = to_done_us(mask, n)
+    res[f"mask to its device work done, {ROWS} of {SLOTS} rows"] = host_us(mask, n, done=True)
     kernels = device_us(mask, min(n, 50))
     med = {k: round(statistics.median(v), 1) for k, v in res.items()}
     for name, us in med.items():

@@ -7,6 +7,10 @@
 #
 #   call:  BASE=bea47fe bash benchmarks/gpu_structured_ab.sh          (carry: .whl, .ab/bea47fe)
 #
+# .whl: wheels of what the device's Python lacks (pydantic, sqlalchemy, jsonschema, fastjsonschema,
+# outlines-core, peft, ...: `pip download --only-binary=:all: --python-version 3.12 ...` here), installed
+# into $SITE (SITE= for none).
+#
 # The probe file of this tree runs in both (an older tree may lack it or its device times). Order:
 # both probes, this tree's overhead, then the base's (a call cut short keeps the head's figures).
 # MIN=1 stops after this tree's overhead. A CPU dry run: DEV=cpu N=4 PROBE_ARGS=--quick. Writes $OUT/probes.txt, $OUT/overhead_<label>.json,
@@ -20,7 +24,10 @@ HEAD=${CANVASQ_COMMIT:-head}
 ln -sfn "$PWD/models" ".ab/$BASE/models"
 ln -sfn "$PWD/canvasq/testbed/legacy_train.bloom" ".ab/$BASE/canvasq/testbed/legacy_train.bloom"
 cp benchmarks/probes/constraint_step_gpu.py ".ab/$BASE/benchmarks/probes/"
-site=${SITE:-/tmp/site2}  # the carried wheels, installed by the caller (`pip install --target`)
+site=${SITE-/tmp/site2}  # the carried wheels (.whl/: what the device's Python lacks), installed once
+if [[ -n $site && -d .whl && ! -d $site ]]; then
+  pip install -q --no-index --no-deps --target "$site" .whl/*.whl > /dev/null 2>&1
+fi
 
 in_tree() {  # $1: "." or a tree under .ab; the rest: the command, run there with PYTHONPATH set to it
   local arm=$1 tree=$PWD label=$HEAD

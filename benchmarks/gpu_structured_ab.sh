@@ -13,7 +13,7 @@
 #
 # The probe file of this tree runs in both (an older tree may lack it or its device times). Order:
 # both probes, this tree's overhead, then the base's (a call cut short keeps the head's figures).
-# MIN=1 stops after this tree's overhead. A CPU dry run: DEV=cpu N=4 PROBE_ARGS=--quick.
+# MIN=1 stops after this tree's overhead. A CPU dry run: SITE= DEV=cpu N=4 PROBE_ARGS=--quick.
 # Writes $OUT/probes.txt, $OUT/overhead_<label>.json and $OUT/i36_summary.txt (the probe's per-arm
 # lines), and prints each tree's medians against free.
 set -u

@@ -70,8 +70,8 @@ def host_us(call, n: int, done: bool = False) -> list[float]:
 
 def device_us(call, n: int) -> dict[str, float]:
     """Device µs a call of each kernel `call` launches (a profiler over `n` calls after the timed ones):
-    on a GPU the Viterbi's one launch was 19 % of a constrained stream's device time (session 40's
-    trace), and the step's one sync waits for what the hooks queue. Empty without CUDA."""
+    the Viterbi's one launch is a large share of a constrained stream's device time (BENCHMARKS.md),
+    and the step's one sync waits for what the hooks queue. Empty without CUDA."""
     from torch.profiler import ProfilerActivity, profile
 
     if not torch.cuda.is_available():

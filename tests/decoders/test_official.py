@@ -450,8 +450,8 @@ def test_draw_rule_reaches_the_fused_sampler(testbed, monkeypatch):
 
 def test_a_decoder_that_streamed_is_freed_without_the_cyclic_collector(testbed):
     """A stream leaves no reference cycle through its decoder: dropped, the decoder (and its arena,
-    rows and traces) goes at once, not at Python's next full collection. One that waited was freed
-    mid-decode of a later stream: on an H100 host 70-90 ms of a 1.6 s 600-row stream (session 42)."""
+    rows and traces) goes at once, not at Python's next full collection, which would free it in the
+    middle of a later stream's decode (60-100 ms of a 1.0-1.7 s 600-row stream on an H100 host)."""
     import gc
     import weakref
 

@@ -46,14 +46,27 @@ BF16_TOL = 2e-2
 
 
 # --- model -----------------------------------------------------------------------------------------
-def build_model(quick: bool, device: str, dtype: torch.dtype):
+def build_model(quick: bool, device: str, dtype: torch.dtype, no_ref: bool = False):
+    """HF's model at the shape with random weights, and the seconds it took. `no_ref`: the worker's
+    random W4 bundle instead (`load_bundle`, experts packed layer by layer as they are made, their
+    BF16 freed), which an 80 GiB card holds; HF's BF16 build (2 x 45 GiB of experts before it ties
+    them) does not."""
     from transformers import DiffusionGemmaForBlockDiffusion
 
     from canvasq.model.shapes import REAL_26B_A4B, TESTBED, build_config
 
-    config = build_config(TESTBED if quick else REAL_26B_A4B)
     torch.manual_seed(0)
     t0 = time.perf_counter()
+    if no_ref:
+        from canvasq.model.loading import load_bundle
+
+        model = load_bundle(
+            f"random:{'testbed' if quick else '26b-a4b'}", device, dtype, experts="w4"
+        ).hf_model
+        _randomize_small_params(model)
+        sync(device)
+        return model, time.perf_counter() - t0
+    config = build_config(TESTBED if quick else REAL_26B_A4B)
     with torch.device(device):
         model = DiffusionGemmaForBlockDiffusion._from_config(config, dtype=dtype).eval()
     _randomize_small_params(model)
@@ -177,10 +190,13 @@ def forward_bytes(rt: Runtime, rows: int, experts: str) -> float:
                 dense += t.numel() * el
     head = rt.lm_head.numel() * el
     lw = rt.dec_layers[0]
-    n_exp = lw.gate_up.shape[0]
-    per_expert = (lw.gate_up[0].numel() + lw.down[0].numel()) * el
-    if experts == "w4" and lw.experts_packed is not None:
-        per_expert = lw.experts_packed.nbytes() / n_exp
+    packed = lw.experts_packed
+    if lw.gate_up is not None:
+        n_exp, per_expert = lw.gate_up.shape[0], (lw.gate_up[0].numel() + lw.down[0].numel()) * el
+    else:  # packed at load, the BF16 freed (--no-ref)
+        n_exp, per_expert = packed.num_experts, 3 * packed.hidden * packed.inter * el
+    if experts.startswith("w4") and packed is not None:
+        per_expert = packed.nbytes() / n_exp
     touched = n_exp * (1 - (1 - rt.top_k / n_exp) ** rows)  # expected distinct experts, uniform routing
     return dense + head + rt.num_layers * touched * per_expert
 
@@ -213,8 +229,10 @@ def run_config(model, runtimes: dict, rows: int, batch: int, prompt_len: int, ar
     if args.sc != "none":
         sc_logits = (torch.randn(batch, rows, vocab, generator=g) * 4).to(device, model.dtype)
     pos = torch.arange(prompt_len, prompt_len + rows, device=device)[None].expand(batch, rows)
-    cache = hf_cache(model, prompts)
     res = {"rows": rows, "batch": batch, "prompt": prompt_len, "sc": args.sc}
+    if args.no_ref:  # no HF forward to compare with or time: our arms only
+        return _arms_only(runtimes, res, prompts, canvases, sc_logits, rows, args, device)
+    cache = hf_cache(model, prompts)
 
     def hf_step(canvas):
         with torch.no_grad():
@@ -226,14 +244,7 @@ def run_config(model, runtimes: dict, rows: int, batch: int, prompt_len: int, ar
             ).logits
 
     if batch > args.ref_max_batch:  # HF's [B*M, V] logits and ours side by side outgrow the GPU
-        args_no_hf = argparse.Namespace(**{**vars(args), "no_hf": True})
-        for name, rt in runtimes.items():
-            try:
-                res.update(run_arm(name, rt, None, prompts, canvases, sc_logits, rows, args_no_hf, device))
-            except Exception as e:  # noqa: BLE001 -- one broken arm must not hide the others' numbers
-                res[f"{name}_error"] = f"{type(e).__name__}: {e}"
-            torch.cuda.empty_cache() if device.startswith("cuda") else None
-        return res
+        return _arms_only(runtimes, res, prompts, canvases, sc_logits, rows, args, device)
     ref = hf_step(canvases[0]).reshape(batch * rows, vocab)
     # Noise yardstick: HF against itself with its other experts implementation (same weights, same
     # inputs, only the kernels' rounding differs). Random weights amplify bf16 rounding through the
@@ -258,6 +269,18 @@ def run_config(model, runtimes: dict, rows: int, batch: int, prompt_len: int, ar
         except Exception as e:  # noqa: BLE001 -- one broken arm must not hide the others' numbers
             res[f"{name}_error"] = f"{type(e).__name__}: {e}"
             print(f"[forward] {name} B={batch} M={rows}: {res[f'{name}_error']}", file=sys.stderr)
+    return res
+
+
+def _arms_only(runtimes: dict, res: dict, prompts, canvases, sc_logits, rows: int, args, device: str) -> dict:
+    """Each arm timed with no reference logits (an arm that fails reports its error)."""
+    args_no_hf = argparse.Namespace(**{**vars(args), "no_hf": True})
+    for name, rt in runtimes.items():
+        try:
+            res.update(run_arm(name, rt, None, prompts, canvases, sc_logits, rows, args_no_hf, device))
+        except Exception as e:  # noqa: BLE001 -- one broken arm must not hide the others' numbers
+            res[f"{name}_error"] = f"{type(e).__name__}: {e}"
+        torch.cuda.empty_cache() if device.startswith("cuda") else None
     return res
 
 
@@ -435,6 +458,12 @@ def parse_args(argv=None):
     ap.add_argument(
         "--no-hf", action="store_true", help="skip HF timings (its logits are still the reference)"
     )
+    ap.add_argument(
+        "--no-ref",
+        action="store_true",
+        help="no HF model: our W4 arms (w4, w4+fp8...) on the worker's random W4 bundle, no reference "
+        "logits or HF timings (fits an 80 GiB card at the real shape; implies --no-hf)",
+    )
     ap.add_argument("--torch-profile", action="store_true", help="write a torch profiler table to $OUT")
     args = ap.parse_args(argv)
 
@@ -456,6 +485,12 @@ def parse_args(argv=None):
         batches = [int(x) for x in args.batches.split(",")]
     if args.experts:
         arms = args.experts.split(",")
+    if args.no_ref:
+        args.no_hf = True
+        if any(not a.startswith("w4") for a in arms):
+            ap.error(
+                f"--no-ref: the bundle's experts are W4 packs only; --experts {','.join(arms)} asks for others"
+            )
     return args, rows, batches, arms, device, dtype
 
 
@@ -515,7 +550,7 @@ def print_report(lines: list, profile: dict, encode: dict, rows: list, args) -> 
 
 def main(argv=None) -> dict:
     args, rows, batches, arms, device, dtype = parse_args(argv)
-    model, build_s = build_model(args.quick, device, dtype)
+    model, build_s = build_model(args.quick, device, dtype, args.no_ref)
     hf_experts = getattr(model.config.get_text_config(), "_experts_implementation", None)
     runtimes = {}
     for arm in arms:

@@ -25,6 +25,23 @@ def test_forward_benchmark_quick(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "forward.json").exists()
 
 
+def test_forward_benchmark_without_a_reference_times_the_w4_bundle(tmp_path, monkeypatch):
+    """`--no-ref` builds no HF BF16 model (the real shape's does not fit an 80 GiB card): our W4 arms
+    run on the worker's random W4 bundle, each timed with its weight bytes; an arm it cannot build is
+    refused at the command line."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    spec = importlib.util.spec_from_file_location("bench_forward", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    args = ["--quick", "--no-ref", "--rows", "8", "--batches", "2", "--iters", "1", "--warmup", "0"]
+    summary = mod.main([*args, "--experts", "w4"])
+    (res,) = summary["results"]
+    assert res["w4_ms"] > 0 and res["w4_GBps"] > 0 and "w4_err" not in res and "hf_ms" not in res
+    assert not any(k.endswith("_error") for k in res)
+    with pytest.raises(SystemExit):
+        mod.main([*args, "--experts", "bf16"])
+
+
 @pytest.mark.slow
 def test_official_service_bench_dry_run(tmp_path):
     """benchmarks/official_service.py on the CPU against the testbed (its dry run): two knob arms drain

@@ -622,3 +622,26 @@ def test_the_masks_host_time_reaches_the_row_once_it_is_accounted(texts, testbed
     assert seqs[1].stats["constraint_host_us"] == spent  # moved once, not again
     checks.account(seqs[0])  # type: ignore[arg-type]
     assert seqs[0].stats["constraint_host_us"] > 0
+
+
+def test_a_vocabularys_texts_are_hashed_once_and_compare_by_value():
+    """`cached_grammar` keys its cache by the vocabulary's texts at every row's first canvas: their hash
+    is computed once, not by walking every text again (262,144 of them at the real vocabulary), and two
+    vocabularies of the same texts are one key."""
+    from canvasq.decoders.structured import TokenTexts
+
+    walks = []
+
+    class Text(str):
+        def __hash__(self) -> int:
+            walks.append(self)
+            return super().__hash__()
+
+    words = tuple(Text(w) for w in ("a", "b", "{", "}"))
+    texts = TokenTexts((*words, None, None), 4, 5)
+    after = len(walks)
+    assert after == len(words)  # the one walk, when made
+    assert hash(texts) == hash(texts) == hash(TokenTexts(texts.texts, 4, 5))
+    assert len(walks) == 2 * after  # the second vocabulary's own walk; none from hashing
+    assert texts == TokenTexts(texts.texts, 4, 5) and texts != TokenTexts(texts.texts, 4, 4)
+    assert {texts: 1}[TokenTexts(texts.texts, 4, 5)] == 1

@@ -50,7 +50,7 @@ grep -vE '^\{|Loading' "$OUT/probes.txt" | cut -c1-400
 for arm in . "$BASE"; do
   label=${arm/#./$HEAD}
   mkdir -p "/tmp/o/$label"
-  in_tree "$arm" env OUT="/tmp/o/$label" STREAM=1 POOLED=1 FREE_LAST=1 ROUNDS=3 \
+  in_tree "$arm" env OUT="/tmp/o/$label" STREAM=1 POOLED=1 FREE_LAST=1 ROUNDS=${ROUNDS:-3} \
     ADAPTER=models/adapters/testbed_json_composite SCHEMAS="answer_change answer_totals answer" \
     EVAL_ONLY=1 EVAL_TIMEOUT="${EVAL_TIMEOUT:-150}" bash benchmarks/probes/structured_overhead.sh \
     > "/tmp/o/summary_$label.txt" 2>&1

@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from canvasq.provenance import git_commit
 
-# kernel name -> group (first match wins); names are torch's, CUTLASS's and ours
+# kernel name, lowercased -> group (first match wins); names are torch's, CUTLASS's and ours
 GROUPS = [
-    ("experts_gemm", r"grouped|GroupProblemShape|w4_moe|moe_.*gemm|_w4_"),
+    ("experts_gemm", r"grouped|groupproblemshape|w4_moe|moe_.*gemm|_w4_"),
     ("lm_head_or_dense_gemm", r"gemm|cutlass|sm90_xmma|nvjet|cublas|_scaled_mm|sm90"),
-    ("attention", r"attn|attention|flash|fmha|sdpa"),
+    ("attention", r"attn|attention|_attend|flash|fmha|sdpa"),
     ("quantise", r"quant|fp8"),
     ("sort_scatter_gather", r"sort|radix|scatter|gather|index|searchsorted|cub"),
     ("norm_rope", r"norm|rope"),

@@ -125,3 +125,20 @@ def test_bare_forward_makes_a_deferred_heads_logits_in_officials_row_groups():
     calls.clear()
     mod._head_rows(DecodeOutput(torch.zeros(windows * C, V), [0]), SimpleNamespace(), C)
     assert not calls  # an eager forward's logits are whole already
+
+
+def test_forward_kernels_groups_cutlass_grouped_gemms_and_our_attention():
+    """The forward-by-kernel probe's groups match lowercased names: torch's FP8 grouped GEMM (a CUTLASS
+    kernel named by its `GroupProblemShape`) is the experts' GEMM, not a dense one, and our attention
+    kernel is attention."""
+    spec = importlib.util.spec_from_file_location(
+        "forward_kernels", BENCH.parent / "probes" / "forward_kernels.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cutlass = (
+        "_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversalINS1_17GroupProblemShapeIN4cute5tupleIJiiiE"
+    )
+    assert mod.group_of(cutlass) == "experts_gemm"
+    assert mod.group_of("nvjet_sm90_qqtst_128x128_128x6_1x2_h_bz_ovscale_TNT") == "lm_head_or_dense_gemm"
+    assert mod.group_of("_attend_kernel") == "attention"

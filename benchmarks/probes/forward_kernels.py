@@ -179,6 +179,12 @@ def main() -> None:
         default=None,
         help="decoder (and encoder) layers of the real shape (default 30; an H100 cannot build all 30 in bf16)",
     )
+    ap.add_argument(
+        "--sc-bags",
+        default=None,
+        help="comma list of self-conditioning bags to time, arms in this process (`Runtime.sc_bag`: "
+        "torch, triton; default: the runtime's)",
+    )
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.quick
     from canvasq.core.settings import Settings
@@ -212,8 +218,10 @@ def main() -> None:
     }
     report["forward"] = []
     batches = [int(b) for b in args.batches.split(",")] if not args.quick else [2]
-    for b in batches:
-        r = forward_case(rt, runner, b, args.prompt if not args.quick else 16, args, cuda)
+    bags = args.sc_bags.split(",") if args.sc_bags else [rt.sc_bag]
+    for bag, b in [(bag, b) for bag in bags for b in batches]:
+        rt.sc_bag = bag  # part of a graph's key: each bag captures its own
+        r = {"sc_bag": bag, **forward_case(rt, runner, b, args.prompt if not args.quick else 16, args, cuda)}
         report["forward"].append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "kernels"}), flush=True)
         for row in r["kernels"][:25]:

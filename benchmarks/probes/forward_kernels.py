@@ -185,6 +185,12 @@ def main() -> None:
         help="comma list of self-conditioning bags to time, arms in this process (`Runtime.sc_bag`: "
         "torch, triton; default: the runtime's)",
     )
+    ap.add_argument(
+        "--fp8-arms",
+        default="auto",
+        help="semicolon list of CANVASQ_FP8 values, one runtime each, arms in this process (e.g. "
+        "'auto;dense,head': the experts kept W4 at every size)",
+    )
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.quick
     from canvasq.core.settings import Settings
@@ -202,14 +208,17 @@ def main() -> None:
     device = "cuda" if cuda else "cpu"
     t0 = time.perf_counter()
     bundle = load_bundle(spec, device=device, experts="w4" if cuda else "bf16")
-    rt = runtime_for(
-        bundle.hf_model, "w4" if cuda else "bf16", "auto" if cuda else "off", Settings().fp8_min_rows
-    )
-    print(
-        f"loaded {spec} in {time.perf_counter() - t0:.1f}s; fp8 {rt.fp8_parts} from {rt.fp8_min_rows} rows",
-        flush=True,
-    )
-    runner = graph_runner(rt) if cuda and not args.no_graphs else None
+    fp8_arms = args.fp8_arms.split(";") if cuda else ["off"]
+    rts = {
+        arm: runtime_for(bundle.hf_model, "w4" if cuda else "bf16", arm, Settings().fp8_min_rows)
+        for arm in fp8_arms
+    }
+    for arm, rt in rts.items():
+        print(
+            f"loaded {spec} in {time.perf_counter() - t0:.1f}s; CANVASQ_FP8={arm}: {rt.fp8_parts} from "
+            f"{rt.fp8_min_rows} rows",
+            flush=True,
+        )
     report = {
         "commit": git_commit(),
         "device": torch.cuda.get_device_name() if cuda else "cpu",
@@ -218,10 +227,14 @@ def main() -> None:
     }
     report["forward"] = []
     batches = [int(b) for b in args.batches.split(",")] if not args.quick else [2]
+    rt = rts[fp8_arms[0]]
     bags = args.sc_bags.split(",") if args.sc_bags else [rt.sc_bag]
-    for bag, b in [(bag, b) for bag in bags for b in batches]:
+    for arm, bag, b in [(arm, bag, b) for arm in fp8_arms for bag in bags for b in batches]:
+        rt = rts[arm]
         rt.sc_bag = bag  # part of a graph's key: each bag captures its own
-        r = {"sc_bag": bag, **forward_case(rt, runner, b, args.prompt if not args.quick else 16, args, cuda)}
+        runner = graph_runner(rt) if cuda and not args.no_graphs else None
+        r = forward_case(rt, runner, b, args.prompt if not args.quick else 16, args, cuda)
+        r = {"fp8": arm, "fp8_parts": r.pop("fp8", None), "sc_bag": bag, **r}
         report["forward"].append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "kernels"}), flush=True)
         for row in r["kernels"][:25]:
@@ -231,7 +244,7 @@ def main() -> None:
     if args.moe and cuda:
         report["moe"] = []
         for b in batches:
-            r = moe_case(rt, b * 256, args, cuda)
+            r = moe_case(rts[fp8_arms[0]], b * 256, args, cuda)
             report["moe"].append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "kernels"}), flush=True)
             for row in r["kernels"][:15]:

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One device call for issues 36 and 34 (each part in its own processes; $OUT gets at most 7 files):
+#   1. issue 36's A/B: `gpu_structured_ab.sh` (the hooks' probe in both trees, then the overhead probe
+#      at this tree and at $BASE, ROUNDS rounds each);
+#   2. issue 34: `probes/forward_kernels.py` at this tree, the worker's random W4 bundle at 4 and 16
+#      windows of 256 rows, arms of one process: FP8 settings ($FP8_ARMS) x self-conditioning bags
+#      ($BAGS); its files in $OUT/forward_kernels.tgz.
+#
+#   call:  CANVASQ_COMMIT=<head> BASE=bea47fe bash benchmarks/gpu_i36_i34.sh   (carry: .whl, .ab/bea47fe)
+#
+# FWD=0 skips part 2, AB=0 part 1; MIN=1 stops part 1 after this tree's overhead.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+HEADC=${CANVASQ_COMMIT:?the head commit (the device has no git)}
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  python -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
+} > "$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+site=${SITE-/tmp/site2}  # the carried wheels (.whl/: what the device's Python lacks), installed once
+if [[ -n $site && -d .whl && ! -d $site ]]; then
+  pip install -q --no-index --no-deps --target "$site" .whl/*.whl > /dev/null 2>&1
+fi
+if [[ ${AB:-1} == 1 ]]; then
+  ROUNDS=${ROUNDS:-5} BASE=${BASE:?the base tree under .ab/} timeout "${ABT:-330}" bash benchmarks/gpu_structured_ab.sh
+  echo "ab rc=$?"
+fi
+if [[ ${FWD:-1} == 1 ]]; then
+  mkdir -p /tmp/fk
+  PYTHONPATH=$site:$PWD OUT=/tmp/fk timeout "${FWT:-240}" python benchmarks/probes/forward_kernels.py \
+    --batches 4,16 --fp8-arms "${FP8_ARMS:-auto;dense,head}" --sc-bags "${BAGS:-torch,triton}" > /tmp/fk/stdout.txt 2>&1
+  echo "forward rc=$?"
+  grep '^{' /tmp/fk/stdout.txt | python -c '
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line)
+    print(r["fp8"], r["sc_bag"], r["batch"], "eager", round(r["eager_ms"], 2), "graph", round(r.get("graph_ms") or 0, 2), "gpu", round(r["gpu_ms"], 2))'
+  tar czf "$OUT/forward_kernels.tgz" -C /tmp fk
+fi
+date -u >> "$OUT/gpu.txt"

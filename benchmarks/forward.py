@@ -63,12 +63,10 @@ def build_model(quick: bool, device: str, dtype: torch.dtype, no_ref: bool = Fal
         model = load_bundle(
             f"random:{'testbed' if quick else '26b-a4b'}", device, dtype, experts="w4"
         ).hf_model
-        _randomize_small_params(model)
-        sync(device)
-        return model, time.perf_counter() - t0
-    config = build_config(TESTBED if quick else REAL_26B_A4B)
-    with torch.device(device):
-        model = DiffusionGemmaForBlockDiffusion._from_config(config, dtype=dtype).eval()
+    else:
+        config = build_config(TESTBED if quick else REAL_26B_A4B)
+        with torch.device(device):
+            model = DiffusionGemmaForBlockDiffusion._from_config(config, dtype=dtype).eval()
     _randomize_small_params(model)
     sync(device)
     return model, time.perf_counter() - t0

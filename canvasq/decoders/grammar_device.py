@@ -190,7 +190,7 @@ class DeviceGrammar:
         `class_min` (the edges a (source, destination) pair needs to be a class): tests set them; by
         default `kernels.viterbi.layout` picks them for the grammar and vocabulary."""
         # imported here: importing canvasq.kernels fixes whether its kernels are interpreted (tests/kernels)
-        from canvasq.kernels.viterbi import TILE, class_floor, csr, layout, viterbi
+        from canvasq.kernels.viterbi import CLASS_MIN, TILE, csr, layout, viterbi
 
         R, C, V = len(rows), logits.shape[1], logits.shape[2]
         key = (block, V, class_min)
@@ -199,7 +199,7 @@ class DeviceGrammar:
             if block is None and class_min is None:
                 self._csr[key] = layout(*args)
             else:
-                self._csr[key] = csr(*args, block or 32, class_min or class_floor(V))
+                self._csr[key] = csr(*args, block or 32, class_min or CLASS_MIN)
         if lse is None:
             step = max(1, GAIN_ELEMENTS // max(1, R * V))
             reads = [logits[rows, i0 : i0 + step].float() for i0 in range(0, C, step)]

@@ -38,7 +38,11 @@ import triton.language as tl
 # the most elements of one tile (a [chunks, BLOCK] or [states, chunks] block of a position's work)
 TILE = 4096
 # a (source, destination) pair with at least this many edges is a class (`csr`), at most MAX_CLASSES of
-# them (the largest): the testbed's (V 748) has none, the real vocabulary's free-text pairs do
+# them (the largest): the testbed's (V 748) has none, the real vocabulary's free-text pairs do. Not
+# lowered for small vocabularies: a class costs a launch (`class_best`) and two buffers a step, and at
+# the testbed's the thought's free text (609 edges) as a class narrowed `answer_totals`' tiles 16,384 ->
+# 6,144 elements a position but the walk's device time only 291 -> 237 µs on an H100 (it waits on its
+# chain of loads, not its tiles' width), off the step's path, while the launch's host time is on it
 CLASS_MIN = 1024
 MAX_CLASSES = 8
 # the chunk sizes `layout` picks from
@@ -242,17 +246,6 @@ def _classes(src: torch.Tensor, tok: torch.Tensor, dst: torch.Tensor, Q: int, V:
     return torch.nonzero(~inside)[:, 0], members, (uniq[big] // Q, uniq[big] % Q)
 
 
-def class_floor(V: int) -> int:
-    """The edges a pair needs to be a class at a vocabulary of V: `CLASS_MIN`. A class costs a launch
-    (`class_best`) and two buffers a step. At the testbed's vocabulary (748) making the thought's free
-    text (609 edges) a class cut `answer_totals`' tiles from 16,384 to 6,144 elements a position, but
-    on an H100 the walk's device time only fell from 291 to 237 µs (it waits on its chain of loads, not
-    on its tiles' width) and off the step's path (the sampler's host time covers it), while the
-    constrained step's host time grew by the launch: so small vocabularies keep no class."""
-    del V
-    return CLASS_MIN
-
-
 def layout(src, tok, dst, free, Q: int, V: int, blocks=BLOCKS, tile: int = TILE) -> dict:
     """`csr` at the chunk size of `blocks` whose tiles hold the fewest elements a position (the walk
     scores every element of its tiles, padding included): a schema of many one-chunk states wants
@@ -262,7 +255,7 @@ def layout(src, tok, dst, free, Q: int, V: int, blocks=BLOCKS, tile: int = TILE)
         t = tiles(e["K"], e["most_chunks"], e["block"], Q, tile)
         return t["NCB"] * t["CB"] * e["block"] + t["NKB"] * t["QB"] * t["KB"]
 
-    return min((csr(src, tok, dst, free, Q, V, b, class_floor(V)) for b in blocks), key=work)
+    return min((csr(src, tok, dst, free, Q, V, b) for b in blocks), key=work)
 
 
 def tiles(K: int, most_chunks: int, block: int, Q: int, tile: int = TILE) -> dict:

@@ -106,7 +106,7 @@ def test_a_class_best_member_is_the_highest_edge_among_equal_logits_across_block
 def test_the_default_layout_gives_the_twins_paths_without_a_class_launch_at_the_testbeds_vocabulary():
     """The product's call (no block, no class size given): `layout` picks the chunk size and, at the
     testbed's vocabulary, keeps the thought's free text (609 of 748 tokens) as edges, so no `class_best`
-    launch is added to the step (`class_floor`); the paths and ends are the twin's, on rows that start
+    launch is added to the step (`CLASS_MIN`); the paths and ends are the twin's, on rows that start
     before the thought and inside the document."""
     from canvasq.testbed.json_adapter import FORM_SCHEMAS
 

@@ -13,7 +13,8 @@
 #
 # The probe file of this tree runs in both (an older tree may lack it or its device times). Order:
 # both probes, this tree's overhead, then the base's (a call cut short keeps the head's figures).
-# MIN=1 stops after this tree's overhead. A CPU dry run: SITE= DEV=cpu N=4 PROBE_ARGS=--quick.
+# MIN=1 stops after this tree's overhead; PROBES=0 skips the hooks' probe; FREE_EACH=1 (this tree's
+# probe only) runs the free lines before every schema's arms. A CPU dry run: SITE= DEV=cpu N=4 PROBE_ARGS=--quick.
 # Writes $OUT/probes.txt, $OUT/overhead_<label>.json and $OUT/i36_summary.txt (the probe's per-arm
 # lines), and prints each tree's medians against free.
 set -u
@@ -38,6 +39,7 @@ in_tree() {  # $1: "." or a tree under .ab; the rest: the command, run there wit
 }
 
 for arm in . "$BASE"; do
+  [[ ${PROBES:-1} == 1 ]] || break
   echo "== constraint_step ${arm/#./$HEAD}" >> "$OUT/probes.txt"
   mkdir -p "/tmp/o/probe_${arm/#./$HEAD}"
   # shellcheck disable=SC2086  # PROBE_ARGS: several words (e.g. --quick on a CPU dry run)
@@ -45,7 +47,7 @@ for arm in . "$BASE"; do
     ${PROBE_ARGS:-} >> "$OUT/probes.txt" 2>&1
   echo "rc=$?" >> "$OUT/probes.txt"
 done
-grep -vE '^\{|Loading' "$OUT/probes.txt" | cut -c1-400
+[[ -f $OUT/probes.txt ]] && grep -vE '^\{|Loading' "$OUT/probes.txt" | cut -c1-400
 
 for arm in . "$BASE"; do
   label=${arm/#./$HEAD}

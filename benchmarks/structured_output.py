@@ -302,6 +302,7 @@ def run(args) -> dict:
         "stream": args.stream,
         "pooled": args.pooled,
         "free_last": args.free_last,
+        "free_each": args.free_each,
         "rounds": args.rounds,
         "phases": args.phases,
         "split": args.split,
@@ -338,14 +339,19 @@ def run(args) -> dict:
     rounds = [(r, seed, label if args.rounds == 1 else f"{label}/r{r + 1}", problems)
               for r in range(args.rounds) for seed, label, problems in sets]  # fmt: skip
     for k, (_, seed, label, problems) in enumerate(rounds):
-        occ, ph = [], clock()
         free_lines = functools.partial(
             go, bundle, problems, None, tasks.ANSWER_CANVASES["arith"] * C, args.batch, seed, limits
         )
-        free, wall = free_lines(occupancy=occ, phases=ph)
-        free_occ = occupancy_of(occ) | (ph or {})
-        answers = [tasks.arith_answer(r.text) for r in free]
-        for name in args.schemas:
+
+        def free_run(free_lines=free_lines):
+            occ, ph = [], clock()
+            free, wall = free_lines(occupancy=occ, phases=ph)
+            return free, wall, occupancy_of(occ) | (ph or {}), [tasks.arith_answer(r.text) for r in free]
+
+        free, wall, free_occ, answers = free_run()
+        for i, name in enumerate(args.schemas):
+            if i and args.free_each:  # each schema's arms right after a free run of their own
+                free, wall, free_occ, answers = free_run()
             ok = [asked(name, p, None, a) == truth(name, p) for p, a in zip(problems, answers)]
             report["arms"].append(
                 arm_report(f"free/{name}/{label}", free, wall, problems, ok, None) | free_occ
@@ -522,6 +528,12 @@ def main() -> None:
         action="store_true",
         help="the free lines decoded again after the constrained arms (an arm's place in the process "
         "moves its wall by several percent: compare each arm with both free runs)",
+    )
+    ap.add_argument(
+        "--free-each",
+        action="store_true",
+        help="the free lines decoded again before each schema after the first, so every constrained arm "
+        "sits between two free runs (read against their mean: benchmarks/overhead_ratios.py)",
     )
     ap.add_argument(
         "--rounds",

@@ -245,3 +245,43 @@ def test_structured_output_pooled_stream_with_a_knob_arm_per_value(tmp_path):
             == 4
         )
     assert arms["answer/open1/seeds3-4/r1"]["fwd_req"] == arms["answer/open1/seeds3-4/r2"]["fwd_req"]
+
+
+def test_overhead_ratios_read_each_arm_against_the_free_runs_beside_it():
+    """Issue 36's bar: a constrained arm against the mean of the nearest free runs before and after it in
+    its round, not the round's first free run; the median over rounds per arm."""
+    from benchmarks.overhead_ratios import bracketed, medians
+
+    def arm(name, tok):
+        return {"arm": name, "tok_s": tok}
+
+    arms = [
+        arm("free/a/seeds1/r1", 100.0),
+        arm("a/seeds1/r1", 90.0),
+        arm("free/b/seeds1/r1", 80.0),  # the host slowed: b is read against 80 and 60
+        arm("b/seeds1/r1", 63.0),
+        arm("prompt_only/b/seeds1/r1", 1.0),
+        arm("free_last/seeds1/r1", 60.0),
+        arm("free/a/seeds1/r2", 100.0),
+        arm("a/seeds1/r2", 80.0),
+        arm("free/b/seeds1/r2", 100.0),
+        arm("b/seeds1/r2", 95.0),  # no free run after it: read against the one before
+    ]
+    by_round = bracketed(arms)
+    assert by_round["seeds1/r1"] == pytest.approx({"a": 90 / 90 - 1, "b": 63 / 70 - 1})
+    assert by_round["seeds1/r2"] == pytest.approx({"a": 80 / 100 - 1, "b": 95 / 100 - 1})
+    assert medians(by_round) == pytest.approx({"a": -0.1, "b": (-0.1 - 0.05) / 2})
+
+
+def test_structured_output_free_each_brackets_every_schema_with_free_runs(tmp_path):
+    """`--free-each`: the free lines run again before each schema after the first, so the report's run
+    order is free, schema, free, schema, ..., free_last, and `overhead_ratios.py` reads every schema."""
+    out = tmp_path / "report.json"
+    args = ["--n", "2", "--seeds", "3", "--pooled", "--stream", "--batch", "2", "--free-last", "--free-each"]
+    _run(tmp_path, "structured_output.py", *args, "--schemas", "answer", "change", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert report["free_each"]
+    order = [a["arm"].split("/seeds")[0] for a in report["arms"]]
+    assert order == ["free/answer", "answer", "free/change", "change", "free_last"]
+    printed = _run(tmp_path, "overhead_ratios.py", str(out))
+    assert "median vs free: answer " in printed and "; change " in printed

@@ -6,7 +6,8 @@
 # (constraint_max_steps), OPEN_HOLD="1 -1" (constraint_open_hold). PROMPT_ONLY=1: an unconstrained
 # arm of the same lines per schema. STREAM=1: each arm one continuous-batching stream of 64 slots per
 # seed; with POOLED=1 one stream of all the seeds' lines, as one file of them. FREE_LAST=1: the free
-# arm again after the constrained ones (an arm's place in the process moves its wall). ROUNDS=R: all of
+# arm again after the constrained ones (an arm's place in the process moves its wall); FREE_EACH=1: before
+# each schema's arms too (each then read against the free runs beside it). ROUNDS=R: all of
 # it R times over. PHASES=1: each arm's host ms a step by phase (benchmarks/phases.py). TRACE=N: then N
 # rows free and under the first schema with torch.profiler (overhead.trace_*). Then, unless
 # EVAL_ONLY=1, the real-shape micro (`benchmarks/kernels/structured.py`) and a cProfile of one seed.
@@ -17,7 +18,7 @@ DEV=${DEV:-cuda}; N=${N:-200}; ADAPTER=${ADAPTER:-models/adapters/testbed_json_t
 # shellcheck disable=SC2086
 timeout "${EVAL_TIMEOUT:-420}" python3 benchmarks/structured_output.py --device "$DEV" --adapter "$ADAPTER" \
   --schemas ${SCHEMAS:-answer} --think --n "$N" --seeds 61 62 63 --batch 64 --hardware "${HARDWARE:-$DEV}" \
-  --settle-positions ${SETTLE_POSITIONS:-1} --max-steps ${MAX_STEPS:--1} --open-hold ${OPEN_HOLD:-1} ${PROMPT_ONLY:+--prompt-only} ${STREAM:+--stream} ${POOLED:+--pooled} ${FREE_LAST:+--free-last} ${ROUNDS:+--rounds $ROUNDS} ${PHASES:+--phases} ${TRACE:+--trace $TRACE} --out "$OUT/overhead.json" > "$OUT/overhead.log" 2>&1
+  --settle-positions ${SETTLE_POSITIONS:-1} --max-steps ${MAX_STEPS:--1} --open-hold ${OPEN_HOLD:-1} ${PROMPT_ONLY:+--prompt-only} ${STREAM:+--stream} ${POOLED:+--pooled} ${FREE_LAST:+--free-last} ${FREE_EACH:+--free-each} ${ROUNDS:+--rounds $ROUNDS} ${PHASES:+--phases} ${TRACE:+--trace $TRACE} --out "$OUT/overhead.json" > "$OUT/overhead.log" 2>&1
 echo "overhead rc=$?"
 python3 - "$OUT/overhead.json" <<'PY'
 import json, sys
@@ -30,26 +31,8 @@ for a in json.load(open(sys.argv[1]))["arms"]:
     if "phase_ms_step" in a:
         print("    ms/step " + " ".join(f"{k} {v:.2f}" for k, v in sorted(a["phase_ms_step"].items(), key=lambda kv: -kv[1]))
               + f" gc runs {a.get('gc_runs', {})}")
-# each constrained arm against the mean of its round's free arms (the first free arm and, with FREE_LAST, the
-# last), then the median over rounds: how issue 36's overhead bar is read
-import collections, statistics
-rounds = collections.defaultdict(lambda: ([], {}))
-for a in json.load(open(sys.argv[1]))["arms"]:
-    label = a["arm"].rsplit("/", 1)[-1] if "/r" in a["arm"] else "r1"
-    free, arms = rounds[label]
-    if a["arm"].startswith(("free/", "free_last/")):
-        if a["tok_s"] not in free:  # the first free arm is reported once per schema
-            free.append(a["tok_s"])
-    elif not a["arm"].startswith("prompt_only/"):
-        arms[a["arm"].split("/seeds")[0]] = a["tok_s"]  # the schema and its knobs
-ratios = collections.defaultdict(list)
-for label, (free, arms) in rounds.items():
-    base = statistics.mean(free)
-    for name, tok in arms.items():
-        ratios[name].append(tok / base - 1)
-    print(f"{label}: free {base:.0f} tok/s; " + "; ".join(f"{n} {t / base - 1:+.1%}" for n, t in arms.items()))
-print("median vs free: " + "; ".join(f"{n} {statistics.median(r):+.1%}" for n, r in ratios.items()))
 PY
+python3 benchmarks/overhead_ratios.py "$OUT/overhead.json"  # the bar: each arm against the free runs beside it
 [[ ${EVAL_ONLY:-0} == 1 ]] && exit 0
 [[ $DEV == cuda ]] && { OUT=$OUT timeout 150 python3 benchmarks/kernels/structured.py > "$OUT/micro.txt" 2>&1; echo "micro rc=$?"; grep '^|' "$OUT/micro.txt"; }
 # shellcheck disable=SC2086

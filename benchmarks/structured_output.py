@@ -57,6 +57,7 @@ from canvasq.core.schemas import Limits, parse_line
 from canvasq.core.settings import Settings
 from canvasq.decoders import DecodeBatch, DecodeRequest, make_decoder, run_batch
 from canvasq.decoders.configs import OfficialConfig
+from canvasq.decoders.grammar_device import DeviceGrammar
 from canvasq.decoders.slots import drain
 from canvasq.decoders.structured import output_problem, split_thought
 from canvasq.model.loading import freeze_heap, load_bundle
@@ -171,6 +172,12 @@ def decode(
         )
         for j in jobs(problems, schema, max_tokens, limits, think)
     ]
+    overrides = dict(overrides or {})
+    with viterbi_class_min(overrides.pop(VITERBI_CLASS_MIN, None)):
+        return _decode(bundle, reqs, batch, seed, overrides, stream, occupancy, phases)
+
+
+def _decode(bundle, reqs, batch, seed, overrides, stream, occupancy, phases):
     t0 = time.perf_counter()
     if stream:
         dec = make_decoder("official", bundle, overrides)
@@ -253,12 +260,38 @@ def _off(value: int | None) -> int | None:
     return None if value is None or value < 0 else value
 
 
+# the Viterbi's class floor (`kernels.viterbi.csr`'s `class_min`) of an arm's constrained rows on CUDA
+VITERBI_CLASS_MIN = "viterbi_class_min"
+
+
+@contextlib.contextmanager
+def viterbi_class_min(value: int | None):
+    """The Viterbi's layout with (source, destination) pairs of at least `value` edges as classes for
+    the time of the block (None: the product's layout): the class's launch against its narrower walk,
+    measured in the stream rather than in the hooks alone."""
+    if value is None:
+        yield
+        return
+    kept = DeviceGrammar._best_kernel
+
+    def with_floor(self, *args, **kwargs):
+        kwargs.setdefault("class_min", value)
+        return kept(self, *args, **kwargs)
+
+    DeviceGrammar._best_kernel = with_floor
+    try:
+        yield
+    finally:
+        DeviceGrammar._best_kernel = kept
+
+
 # the constraint's knobs: (flag's dest, OfficialConfig field, label in an arm's name)
 KNOBS = (
     ("settle", "constraint_settle", "settle"),
     ("settle_positions", "constraint_settle_positions", "positions"),
     ("max_steps", "constraint_max_steps", "max_steps"),
     ("open_hold", "constraint_open_hold", "open"),
+    ("class_min", VITERBI_CLASS_MIN, "class"),  # not a config field: `decode` applies it
 )
 
 
@@ -560,6 +593,14 @@ def main() -> None:
     )
     ap.add_argument("--schemas", nargs="+", default=["answer", "change", "totals"], choices=list(SCHEMAS))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--class-min",
+        type=int,
+        nargs="+",
+        default=[-1],
+        help="the Viterbi's class floor on CUDA (edges a (source, destination) pair needs to be scored "
+        "as one class; -1: the product's layout); several values: one arm each, same process",
+    )
     for flag, knob in (
         ("--settle", "constraint_settle"),
         ("--settle-positions", "constraint_settle_positions"),

@@ -250,7 +250,7 @@ def test_structured_output_pooled_stream_with_a_knob_arm_per_value(tmp_path):
 def test_overhead_ratios_read_each_arm_against_the_free_runs_beside_it():
     """Issue 36's bar: a constrained arm against the mean of the nearest free runs before and after it in
     its round, not the round's first free run; the median over rounds per arm."""
-    from benchmarks.overhead_ratios import bracketed, medians
+    from benchmarks.overhead_ratios import best_of, bracketed, medians
 
     def arm(name, tok):
         return {"arm": name, "tok_s": tok}
@@ -271,6 +271,7 @@ def test_overhead_ratios_read_each_arm_against_the_free_runs_beside_it():
     assert by_round["seeds1/r1"] == pytest.approx({"a": 90 / 90 - 1, "b": 63 / 70 - 1})
     assert by_round["seeds1/r2"] == pytest.approx({"a": 80 / 100 - 1, "b": 95 / 100 - 1})
     assert medians(by_round) == pytest.approx({"a": -0.1, "b": (-0.1 - 0.05) / 2})
+    assert best_of(arms) == pytest.approx({"a": 90 / 100 - 1, "b": 95 / 100 - 1})
 
 
 def test_structured_output_free_each_brackets_every_schema_with_free_runs(tmp_path):

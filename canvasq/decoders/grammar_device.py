@@ -196,10 +196,10 @@ class DeviceGrammar:
         key = (block, V, class_min)
         if key not in self._csr:
             args = (self.src, self.tok, self.dst, self.free, self.g.Q, V)
-            if block is None and class_min is None:
-                self._csr[key] = layout(*args)
+            if block is None:
+                self._csr[key] = layout(*args, class_min=class_min or CLASS_MIN)
             else:
-                self._csr[key] = csr(*args, block or 32, class_min or CLASS_MIN)
+                self._csr[key] = csr(*args, block, class_min or CLASS_MIN)
         if lse is None:
             step = max(1, GAIN_ELEMENTS // max(1, R * V))
             reads = [logits[rows, i0 : i0 + step].float() for i0 in range(0, C, step)]

@@ -246,7 +246,9 @@ def _classes(src: torch.Tensor, tok: torch.Tensor, dst: torch.Tensor, Q: int, V:
     return torch.nonzero(~inside)[:, 0], members, (uniq[big] // Q, uniq[big] % Q)
 
 
-def layout(src, tok, dst, free, Q: int, V: int, blocks=BLOCKS, tile: int = TILE) -> dict:
+def layout(
+    src, tok, dst, free, Q: int, V: int, blocks=BLOCKS, tile: int = TILE, class_min: int = CLASS_MIN
+) -> dict:
     """`csr` at the chunk size of `blocks` whose tiles hold the fewest elements a position (the walk
     scores every element of its tiles, padding included): a schema of many one-chunk states wants
     small chunks, one whose states have many edges larger ones."""
@@ -255,7 +257,7 @@ def layout(src, tok, dst, free, Q: int, V: int, blocks=BLOCKS, tile: int = TILE)
         t = tiles(e["K"], e["most_chunks"], e["block"], Q, tile)
         return t["NCB"] * t["CB"] * e["block"] + t["NKB"] * t["QB"] * t["KB"]
 
-    return min((csr(src, tok, dst, free, Q, V, b) for b in blocks), key=work)
+    return min((csr(src, tok, dst, free, Q, V, b, class_min) for b in blocks), key=work)
 
 
 def tiles(K: int, most_chunks: int, block: int, Q: int, tile: int = TILE) -> dict:

@@ -103,11 +103,16 @@ def test_a_class_best_member_is_the_highest_edge_among_equal_logits_across_block
     assert (logits[0, 0] == 9.0).sum() == 2 and best[1, 0, 0] == 9.0  # row 0 (r 1) holds the far tie
 
 
-def test_the_default_layout_gives_the_twins_paths_without_a_class_launch_at_the_testbeds_vocabulary():
+@pytest.mark.parametrize("class_min", [None, 374])
+def test_the_default_layout_gives_the_twins_paths_without_a_class_launch_at_the_testbeds_vocabulary(
+    class_min,
+):
     """The product's call (no block, no class size given): `layout` picks the chunk size and, at the
     testbed's vocabulary, keeps the thought's free text (609 of 748 tokens) as edges, so no `class_best`
     launch is added to the step (`CLASS_MIN`); the paths and ends are the twin's, on rows that start
-    before the thought and inside the document."""
+    before the thought and inside the document. With a class floor of half the vocabulary (the
+    structured-output benchmark's `--class-min` arm) `layout` makes that free text a class, and the
+    paths are still the twin's."""
     from canvasq.testbed.json_adapter import FORM_SCHEMAS
 
     texts = token_texts(str(TESTBED_DIR / "tokenizer.json"))
@@ -122,9 +127,12 @@ def test_the_default_layout_gives_the_twins_paths_without_a_class_launch_at_the_
     states = [g.start, g.start, mid]
     rows = torch.tensor([0, 1, 2], device=DEVICE)
     back = torch.stack([dg.back(C, b) for b in (budget, budget, budget - C)])
-    toks, ends = dg._best_kernel(states, logits, rows, back)
-    layout = dg._csr[(None, V, None)]
-    assert layout["members"].shape[0] == 0, "a class at the testbed's vocabulary: one more launch a step"
+    toks, ends = dg._best_kernel(states, logits, rows, back, class_min=class_min)
+    layout = dg._csr[(None, V, class_min)]
+    if class_min is None:
+        assert layout["members"].shape[0] == 0, "a class at the testbed's vocabulary: one more launch a step"
+    else:
+        assert layout["members"].shape[0] >= 1, "the thought's free text is not a class"
     want_toks, want_ends = dg._best_torch(states, logits, rows, back)
     assert ends.tolist() == want_ends.tolist()
     assert toks.tolist() == want_toks.tolist()

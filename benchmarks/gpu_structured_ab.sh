@@ -59,6 +59,6 @@ for arm in . "$BASE"; do
   cp "/tmp/o/$label/overhead.json" "$OUT/overhead_$label.json"
   { echo "== $label"; cat "/tmp/o/summary_$label.txt"; } >> "$OUT/i36_summary.txt"
   echo "== $label"
-  grep -E "^r[0-9]|median|rc=" "/tmp/o/summary_$label.txt" | cut -c1-300
+  grep -E "^r[0-9]|median|^best|rc=" "/tmp/o/summary_$label.txt" | cut -c1-300
   [[ ${MIN:-0} == 1 ]] && break
 done

@@ -89,10 +89,52 @@ def device_us(call, n: int) -> dict[str, float]:
     return {k: round(v, 1) for k, v in per.most_common(12)}
 
 
+def host_profile(call, n: int, top: int = 25) -> dict:
+    """`call`'s host µs a call by Python function (cProfile's own time, the top `top`) and by torch op
+    (the profiler's CPU self time, CPU activity only), each over `n` calls, printed and returned."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        call()
+    prof.disable()
+    C.sync()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, prim, own s, cumulative s, ...)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    funcs = {
+        f"{Path(k[0]).name}:{k[1]} {k[2]}": (round(1e6 * v[2] / n, 1), round(v[0] / n, 1)) for k, v in rows
+    }
+    with profile(activities=[ProfilerActivity.CPU]) as tp:
+        for _ in range(n):
+            call()
+    ops = Counter()
+    for ev in tp.key_averages():
+        ops[ev.key[:60]] += ev.self_cpu_time_total / n
+    op_rows = {k: round(v, 1) for k, v in ops.most_common(top)}
+    print(
+        "mask's host µs a call by function (own time; calls a call): "
+        + ", ".join(f"{k} {v}" for k, v in funcs.items())
+    )
+    print(
+        "mask's host µs a call by torch op (self CPU): " + ", ".join(f"{k} {v}" for k, v in op_rows.items())
+    )
+    return {"host_functions_us": funcs, "host_ops_us": op_rows}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few calls (on CPU: the torch path)")
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="also `mask`'s host time by Python function (cProfile, own time) and by torch op (the "
+        "profiler's CPU self time): where its host µs go beyond the parts",
+    )
     a = ap.parse_args()
     n = 3 if a.quick else a.calls
     dev = C.DEVICE
@@ -144,6 +186,8 @@ def main():
     if kernels:
         print("mask's kernels (device µs a call): " + ", ".join(f"{k} {v}" for k, v in kernels.items()))
     report = {"bench": "constraint_step", "calls": n, "host_us_median": med, "mask_parts_us": parts}
+    if a.host_profile:
+        report |= host_profile(mask, n)
     report["mask_device_us"] = kernels
     print(json.dumps(report), flush=True)
     if os.environ.get("OUT"):

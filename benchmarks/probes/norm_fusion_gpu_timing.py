@@ -55,6 +55,39 @@ def end_of_layer(T, D=2816, K=8, E=128, dt=DT):
     return out
 
 
+def add_norm_warps(T, warps, D=2816, K=8, E=128, dt=DT) -> dict:
+    """`add_rms_norm` as a layer calls it, at each `num_warps` of `warps`: the attention's (h + norm(a)),
+    and the end of layer's (the experts' uncombined rows combined, three norms, scaled), µs and the
+    GB/s of the bytes each must move (its reads and its one write)."""
+    g = lambda *shape: torch.randn(*shape, device=C.DEVICE, dtype=dt)
+    a, h, m = g(T, D), g(T, D), g(T, D)
+    ids = torch.topk(torch.randn(T, E, device=C.DEVICE), K, -1).indices
+    rows = ExpertRows(
+        g(T * K, D),
+        torch.rand(T, K, device=C.DEVICE) + 0.1,
+        ids,
+        torch.rand(E, device=C.DEVICE, dtype=dt) + 0.5,
+    )
+    w, w1, w2 = (torch.rand(D, device=C.DEVICE, dtype=dt) + 0.5 for _ in range(3))
+    scale = torch.tensor([0.7], device=C.DEVICE, dtype=dt)
+    size = torch.finfo(dt).bits // 8
+    calls = {
+        "attention": (lambda nw: add_rms_norm_launch(a, w, h, num_warps=nw), 3 * T * D * size),
+        "end of layer": (
+            lambda nw: add_rms_norm_launch(m, w, h, rows, scale, pre=(w1, w2), num_warps=nw),
+            (3 + K) * T * D * size,
+        ),
+    }
+    out = {}
+    for name, (call, moved) in calls.items():
+        want = call(None)
+        for nw in warps:
+            assert torch.equal(call(nw), want) or torch.allclose(call(nw), want, rtol=1e-2, atol=1e-2), nw
+            us = time_ms(lambda _, c=call, n=nw: c(n)) * 1e3
+            out[f"{name} warps {nw}"] = f"{us:.1f} us {moved / us / 1e3:.0f} GB/s"
+    return out
+
+
 def qkv(T, hq=16, hk=8, d=256, dt=DT):
     x = torch.randn(T, (hq + 2 * hk) * d, device=C.DEVICE, dtype=dt)
     q, k, v = (t.view(T, -1, d) for t in x.split([hq * d, hk * d, hk * d], dim=1))
@@ -84,7 +117,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rows", nargs="?", default="256")
     ap.add_argument("--quick", action="store_true", help="8 rows at tiny widths (on CPU: interpreted)")
+    ap.add_argument("--warps", default="", help="comma list: add_rms_norm's num_warps to time instead")
     a = ap.parse_args()
+    if a.warps:
+        for T in [int(v) for v in a.rows.split(",")]:
+            torch.manual_seed(0)
+            kw = {"D": 256, "K": 4, "E": 16} if a.quick else {}
+            res = add_norm_warps(T, [int(v) for v in a.warps.split(",")], **kw)
+            print(f"T{T} " + ", ".join(f"{k}: {v}" for k, v in res.items()), flush=True)
+        return
     small = {"end": {"D": 256, "K": 4, "E": 16}, "qkv": {"hq": 2, "hk": 1, "d": 64}} if a.quick else None
     for T in [8] if a.quick else [int(v) for v in a.rows.split(",")]:
         torch.manual_seed(0)

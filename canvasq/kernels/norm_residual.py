@@ -154,7 +154,14 @@ def _pre_ffn_norms_kernel(
 
 # --- launchers ---------------------------------------------------------------------------------------
 def add_rms_norm_launch(
-    x, weight, residual, x2=None, scale=None, eps: float = 1e-6, pre: tuple | None = None
+    x,
+    weight,
+    residual,
+    x2=None,
+    scale=None,
+    eps: float = 1e-6,
+    pre: tuple | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     D = x.shape[-1]
     assert pre is None or x2 is not None, "pre-norm weights come in a pair (x's and x2's)"
@@ -199,7 +206,7 @@ def add_rms_norm_launch(
             RENORM=rows is not None and rows.expert_scale is not None,
             ROW_MAP=rows is not None and rows.row_map is not None,
             **pdl_kwargs(y, _add_rms_norm_kernel),
-            num_warps=4 if block_d * block_r <= 4096 else 8,
+            num_warps=num_warps or (4 if block_d * block_r <= 4096 else 8),
             **NO_FP_FUSION,
         )
     return y.view(residual.shape)

@@ -172,6 +172,10 @@ def add_rms_norm_launch(
     y = torch.empty_like(xs[1])
     block_d = triton.next_power_of_2(D)
     block_r = 1 if rows is not None else max(1, min(16, 4096 // block_d, triton.next_power_of_2(max(r, 1))))
+    # 8 warps from a 4,096-wide row (the real model's 2,816): on an H100 the end of layer's call took 136.6
+    # against 143.5 us at 4,096 rows and the attention's 23.8 against 24.3 (16 warps: 218 and 26.4;
+    # `probes/norm_fusion_gpu_timing.py --warps`, BENCHMARKS.md)
+    warps = num_warps or (8 if block_d >= 4096 or block_d * block_r > 4096 else 4)
     if rows is not None:
         top_k = rows.ids.shape[1]
         assert rows.shape == (r, D) and rows.y_tk.stride(-1) == 1 and rows.weights.is_contiguous()
@@ -206,7 +210,7 @@ def add_rms_norm_launch(
             RENORM=rows is not None and rows.expert_scale is not None,
             ROW_MAP=rows is not None and rows.row_map is not None,
             **pdl_kwargs(y, _add_rms_norm_kernel),
-            num_warps=num_warps or (4 if block_d * block_r <= 4096 else 8),
+            num_warps=warps,
             **NO_FP_FUSION,
         )
     return y.view(residual.shape)

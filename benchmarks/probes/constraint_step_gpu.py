@@ -132,7 +132,7 @@ def main():
     ap.add_argument(
         "--host-profile",
         action="store_true",
-        help="also `mask`'s host time by Python function (cProfile, own time) and by torch op (the "
+        help="also (always with --quick) `mask`'s host time by Python function (cProfile, own time) and by torch op (the "
         "profiler's CPU self time): where its host µs go beyond the parts",
     )
     a = ap.parse_args()
@@ -186,7 +186,7 @@ def main():
     if kernels:
         print("mask's kernels (device µs a call): " + ", ".join(f"{k} {v}" for k, v in kernels.items()))
     report = {"bench": "constraint_step", "calls": n, "host_us_median": med, "mask_parts_us": parts}
-    if a.host_profile:
+    if a.host_profile or a.quick:
         report |= host_profile(mask, n)
     report["mask_device_us"] = kernels
     print(json.dumps(report), flush=True)

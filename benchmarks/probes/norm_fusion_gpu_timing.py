@@ -135,6 +135,8 @@ def main():
         )
         for name, res in cases:
             print(f"T{T} {name}: " + ", ".join(f"{k} {v:.1f} us" for k, v in res.items()), flush=True)
+    if a.quick:  # the warps sweep's path too
+        print("T8 " + ", ".join(f"{k}: {v}" for k, v in add_norm_warps(8, [4, 8], D=256, K=4, E=16).items()))
 
 
 if __name__ == "__main__":

@@ -172,9 +172,8 @@ def add_rms_norm_launch(
     y = torch.empty_like(xs[1])
     block_d = triton.next_power_of_2(D)
     block_r = 1 if rows is not None else max(1, min(16, 4096 // block_d, triton.next_power_of_2(max(r, 1))))
-    # 8 warps from a 4,096-wide row (the real model's 2,816): on an H100 the end of layer's call took 136.6
-    # against 143.5 us at 4,096 rows and the attention's 23.8 against 24.3 (16 warps: 218 and 26.4;
-    # `probes/norm_fusion_gpu_timing.py --warps`, BENCHMARKS.md)
+    # 8 warps from a 4,096-wide row (the real 2,816): on an H100 the end of layer's call 136.6 against 143.5
+    # us at 4,096 rows, the attention's 23.8 against 24.3 (`probes/norm_fusion_gpu_timing.py --warps`)
     warps = num_warps or (8 if block_d >= 4096 or block_d * block_r > 4096 else 4)
     if rows is not None:
         top_k = rows.ids.shape[1]

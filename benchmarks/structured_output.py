@@ -355,9 +355,9 @@ def run(args) -> dict:
     for rows in [warm] + ([sets[0][2]] if args.stream else []):
         go(bundle, rows, None, tasks.ANSWER_CANVASES["arith"] * C, args.batch, args.seeds[0], limits)
     # and each schema's whole first stream: on an H100 a schema's first timed stream ran 30-60 % slower a
-    # step than its next (encoder passes and forwards of sizes its warm batch never met); under a class
-    # floor of its own an arm's Viterbi is another compile, so with `--class-min` every arm warms
-    warm_arms = [o for _, o in arms] if len(args.class_min) > 1 else [settle]
+    # step than its next (encoder passes and forwards of sizes its warm batch never met); a knob's value
+    # can be another compile (the rules' step cap, a class floor's Viterbi), so every arm warms
+    warm_arms = [o for _, o in arms]
     for name, overrides in itertools.product(args.schemas, warm_arms):
         go(
             bundle,

@@ -615,7 +615,12 @@ def main() -> None:
             type=int,
             nargs="+",
             default=[-1 if default is None else default],
-            help=f"OfficialConfig.{knob} (-1: off); several values: one arm each, same process",
+            help=f"OfficialConfig.{knob} (-1: off); several values: one arm each, same process"
+            + (
+                " (given for a 256-token canvas: 48 is 6 steps at the testbed's 32)"
+                if knob == "constraint_max_steps"
+                else ""
+            ),
         )
     ap.add_argument(
         "--think",

@@ -2,8 +2,8 @@
 # Issue 36's overhead bar on one device, one process: the committed think adapter (ADAPTER), the
 # SCHEMAS (default `answer`) thinking first, seeds 61-63 x N, batch 64, free and constrained arms of
 # each seed in one process (warmed first). An arm per value of a knob given several:
-# SETTLE_POSITIONS="1 -1" (OfficialConfig.constraint_settle_positions, -1 off), MAX_STEPS="5 -1"
-# (constraint_max_steps), OPEN_HOLD="1 -1" (constraint_open_hold), CLASS_MIN="-1 374" (the Viterbi's class floor on CUDA). PROMPT_ONLY=1: an unconstrained
+# SETTLE_POSITIONS="1 -1" (OfficialConfig.constraint_settle_positions, -1 off), MAX_STEPS="48 -1"
+# (constraint_max_steps, given for a 256-token canvas: 48 is 6 steps on the testbed; unset: the default), OPEN_HOLD="1 -1" (constraint_open_hold), CLASS_MIN="-1 374" (the Viterbi's class floor on CUDA). PROMPT_ONLY=1: an unconstrained
 # arm of the same lines per schema. STREAM=1: each arm one continuous-batching stream of 64 slots per
 # seed; with POOLED=1 one stream of all the seeds' lines, as one file of them. FREE_LAST=1: the free
 # arm again after the constrained ones (an arm's place in the process moves its wall); FREE_EACH=1: before
@@ -18,7 +18,7 @@ DEV=${DEV:-cuda}; N=${N:-200}; ADAPTER=${ADAPTER:-models/adapters/testbed_json_t
 # shellcheck disable=SC2086
 timeout "${EVAL_TIMEOUT:-420}" python3 benchmarks/structured_output.py --device "$DEV" --adapter "$ADAPTER" \
   --schemas ${SCHEMAS:-answer} --think --n "$N" --seeds 61 62 63 --batch 64 --hardware "${HARDWARE:-$DEV}" \
-  --settle-positions ${SETTLE_POSITIONS:-1} --max-steps ${MAX_STEPS:--1} --open-hold ${OPEN_HOLD:-1} ${CLASS_MIN:+--class-min $CLASS_MIN} ${PROMPT_ONLY:+--prompt-only} ${STREAM:+--stream} ${POOLED:+--pooled} ${FREE_LAST:+--free-last} ${FREE_EACH:+--free-each} ${ROUNDS:+--rounds $ROUNDS} ${PHASES:+--phases} ${TRACE:+--trace $TRACE} --out "$OUT/overhead.json" > "$OUT/overhead.log" 2>&1
+  --settle-positions ${SETTLE_POSITIONS:-1} ${MAX_STEPS:+--max-steps $MAX_STEPS} --open-hold ${OPEN_HOLD:-1} ${CLASS_MIN:+--class-min $CLASS_MIN} ${PROMPT_ONLY:+--prompt-only} ${STREAM:+--stream} ${POOLED:+--pooled} ${FREE_LAST:+--free-last} ${FREE_EACH:+--free-each} ${ROUNDS:+--rounds $ROUNDS} ${PHASES:+--phases} ${TRACE:+--trace $TRACE} --out "$OUT/overhead.json" > "$OUT/overhead.log" 2>&1
 echo "overhead rc=$?"
 python3 - "$OUT/overhead.json" <<'PY'
 import json, sys

@@ -114,8 +114,12 @@ class OfficialConfig:
     constraint_settle_positions: int | None = 1
     # A canvas with part of the document on its best valid path is pinned to that path at its
     # max_steps-th step, settled or not: a value the model stays unsure of (an array's last element)
-    # otherwise holds the canvas up to the step cap, one step at a time. None: off
-    constraint_max_steps: int | None = None
+    # otherwise holds the canvas, and with it the stream's tail, one step at a time. Given for a
+    # 256-token canvas and scaled to the model's (`canvas_rows`): 48, HF's own step cap there, is 6 steps
+    # on the testbed's 32, where the H100 ran `answer_totals` at -2.8 % of the free rows' tok/s against
+    # -15.7 % uncapped (201 stream steps against 245; BENCHMARKS.md "A step cap for document canvases
+    # again"). None: off
+    constraint_max_steps: int | None = 48
     # Thinking first: where the model's argmax has opened the document (its first "{" or "[") at the
     # same position for this many steps while the best valid path is still all thought, that token is
     # pinned there, so the path begins the document where the model does. None: off

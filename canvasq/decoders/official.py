@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from canvasq.decoders.base import StepDecoder
-from canvasq.decoders.configs import OfficialConfig
+from canvasq.decoders.configs import OfficialConfig, canvas_rows
 from canvasq.decoders.constrained import CanvasConstraints
 from canvasq.decoders.sampling import (
     SamplerSettings,
@@ -73,7 +73,8 @@ class OfficialDecoder(StepDecoder):
         self._spawned: list[tuple[Seq, Canvas]] = []  # canvases whose slot state is reset next step
         # the rows with a response_format (decoders/constrained.py)
         cfg = self.config
-        settle = (cfg.constraint_settle, cfg.constraint_settle_positions, cfg.constraint_max_steps)
+        cap = cfg.constraint_max_steps
+        settle = (cfg.constraint_settle, cfg.constraint_settle_positions, cap and canvas_rows(cap, self.C))
         self.constraints = CanvasConstraints(
             bundle, self.C, self.V, self.device, *settle, open_hold=cfg.constraint_open_hold
         )

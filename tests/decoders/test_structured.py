@@ -216,6 +216,19 @@ def test_a_settled_canvas_is_pinned_and_stays_valid(testbed):
             assert (r.stats.get("constraint_pinned_steps", 0) > 0) == (settle is not None), r.stats
 
 
+def test_the_document_step_cap_is_given_for_a_256_token_canvas(testbed):
+    """`OfficialConfig.constraint_max_steps` is scaled to the model's canvas (`canvas_rows`): the
+    default 48, HF's own step cap at 256 tokens, pins a document canvas at its 6th step on the
+    testbed's 32; a value of its own scales the same way, and None turns the cap off."""
+    from canvasq.decoders import make_decoder
+    from canvasq.decoders.configs import OfficialConfig
+
+    assert testbed.canvas_length == 32 and OfficialConfig().constraint_max_steps == 48
+    assert make_decoder("official", testbed).constraints.max_steps == 6
+    assert make_decoder("official", testbed, {"constraint_max_steps": 96}).constraints.max_steps == 12
+    assert make_decoder("official", testbed, {"constraint_max_steps": None}).constraints.max_steps is None
+
+
 def test_a_canvas_pinned_whole_ends_in_that_step(testbed, monkeypatch):
     """A canvas the settle rule pins at every position stops in that step, on the tokens the stability
     rule would have ended it on a step later: the same texts, a forward fewer per such canvas."""

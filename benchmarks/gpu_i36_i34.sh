@@ -8,7 +8,10 @@
 #
 #   call:  CANVASQ_COMMIT=<head> BASE=bea47fe bash benchmarks/gpu_i36_i34.sh   (carry: .whl, .ab/bea47fe)
 #
-# FWD=0 skips part 2, AB=0 part 1; MIN=1 stops part 1 after this tree's overhead.
+# FWD=0 skips part 2, AB=0 part 1; MIN=1 stops part 1 after this tree's overhead. Part 2: BATCHES (4,16),
+# FWD_BASE=1 also in $BASE (the same call's baseline), FWD_ARGS=--quick a CPU dry run. Issue 34's bars on an H200:
+#   CANVASQ_COMMIT=<head> PROBES=0 MIN=1 ROUNDS=5 FREE_EACH=1 BATCHES=1,4,16 FP8_ARMS=auto BAGS=torch \
+#   FWD_BASE=1 BASE=bea47fe bash benchmarks/gpu_i36_i34.sh
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -26,15 +29,21 @@ if [[ ${AB:-1} == 1 ]]; then
   echo "ab rc=$?"
 fi
 if [[ ${FWD:-1} == 1 ]]; then
-  mkdir -p /tmp/fk
-  PYTHONPATH=$site:$PWD OUT=/tmp/fk timeout "${FWT:-240}" python benchmarks/probes/forward_kernels.py \
-    --batches 4,16 --fp8-arms "${FP8_ARMS:-auto;dense,head}" --sc-bags "${BAGS:-torch,triton}" > /tmp/fk/stdout.txt 2>&1
-  echo "forward rc=$?"
-  grep '^{' /tmp/fk/stdout.txt | python -c '
+  # this tree, then (FWD_BASE=1) $BASE with this tree's probe copied in, each in its own process
+  trees=(.); [[ ${FWD_BASE:-0} == 1 ]] && trees+=(".ab/$BASE")
+  for t in "${trees[@]}"; do
+    d=/tmp/fk/head; [[ $t != . ]] && d=/tmp/fk/base; mkdir -p "$d"
+    [[ $t != . ]] && cp benchmarks/probes/forward_kernels.py "$t/benchmarks/probes/"
+    (cd "$t" && PYTHONPATH=$site:$PWD OUT=$d timeout "${FWT:-240}" python benchmarks/probes/forward_kernels.py \
+      --batches "${BATCHES:-4,16}" --fp8-arms "${FP8_ARMS:-auto;dense,head}" --sc-bags "${BAGS:-torch,triton}" \
+      ${FWD_ARGS:-} > "$d/stdout.txt" 2>&1)  # FWD_ARGS=--quick: a CPU dry run
+    echo "forward $t rc=$?"
+    grep '^{' "$d/stdout.txt" | python -c '
 import json, sys
 for line in sys.stdin:
     r = json.loads(line)
-    print(r["fp8"], r["sc_bag"], r["batch"], "eager", round(r["eager_ms"], 2), "graph", round(r.get("graph_ms") or 0, 2), "gpu", round(r["gpu_ms"], 2))'
+    print(sys.argv[1], r["fp8"], r["sc_bag"], r["batch"], "eager", round(r["eager_ms"], 2), "graph", round(r.get("graph_ms") or 0, 2), "gpu", round(r["gpu_ms"], 2))' "$t"
+  done
   tar czf "$OUT/forward_kernels.tgz" -C /tmp fk
 fi
 date -u >> "$OUT/gpu.txt"

@@ -28,15 +28,21 @@ def _parse(arm: str) -> tuple[str | None, str]:
     return head, label
 
 
+def _read(arms: list[dict]):
+    """(name or None for a free run, round label, tok/s) of each arm but the `prompt_only` ones."""
+    for a in arms:
+        name, label = _parse(a["arm"])
+        if name is None or not name.startswith("prompt_only/"):
+            yield name, label, a["tok_s"]
+
+
 def bracketed(arms: list[dict]) -> dict[str, dict[str, float]]:
     """{round label: {arm name: tok/s ratio - 1}}, each constrained arm against the mean of its round's
     nearest free arms before and after it (one of them when it has no other); `prompt_only` arms are
     not read."""
     rounds: dict[str, list[tuple[str | None, float]]] = defaultdict(list)
-    for a in arms:
-        name, label = _parse(a["arm"])
-        if name is None or not name.startswith("prompt_only/"):
-            rounds[label].append((name, a["tok_s"]))
+    for name, label, tok in _read(arms):
+        rounds[label].append((name, tok))
     out: dict[str, dict[str, float]] = {}
     for label, seq in rounds.items():
         out[label] = {}
@@ -64,10 +70,8 @@ def best_of(arms: list[dict]) -> dict[str, float]:
     """Each arm name's best tok/s over its rounds against the free runs' best: a host's slow spells only
     ever take time away, so the two fastest runs are the least disturbed (what `timeit` reads)."""
     best: dict[str | None, float] = defaultdict(float)
-    for a in arms:
-        name, _ = _parse(a["arm"])
-        if name is None or not name.startswith("prompt_only/"):
-            best[name] = max(best[name], a["tok_s"])
+    for name, _, tok in _read(arms):
+        best[name] = max(best[name], tok)
     free = best.pop(None, 0.0)
     return {str(name): tok / free - 1 for name, tok in best.items()} if free else {}
 

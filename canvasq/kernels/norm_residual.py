@@ -174,7 +174,7 @@ def add_rms_norm_launch(
     block_r = 1 if rows is not None else max(1, min(16, 4096 // block_d, triton.next_power_of_2(max(r, 1))))
     # 8 warps from a 4,096-wide row (the real 2,816): on an H100 the end of layer's call 136.6 against 143.5
     # us at 4,096 rows, the attention's 23.8 against 24.3 (`probes/norm_fusion_gpu_timing.py --warps`)
-    warps = num_warps or (8 if block_d >= 4096 or block_d * block_r > 4096 else 4)
+    warps = num_warps or (8 if block_d >= 4096 else 4)  # block_r keeps block_d * block_r <= 4,096 below it
     if rows is not None:
         top_k = rows.ids.shape[1]
         assert rows.shape == (r, D) and rows.y_tk.stride(-1) == 1 and rows.weights.is_contiguous()

@@ -42,7 +42,8 @@ TILE = 4096
 # lowered for small vocabularies: a class costs a launch (`class_best`) and two buffers a step, and at
 # the testbed's the thought's free text (609 edges) as a class narrowed `answer_totals`' tiles 16,384 ->
 # 6,144 elements a position but the walk's device time only 291 -> 237 µs on an H100 (it waits on its
-# chain of loads, not its tiles' width), off the step's path, while the launch's host time is on it
+# chain of loads, not its tiles' width), and in the stream, arm against arm in one process, the class
+# changed `answer_totals`' wall by nothing measurable (BENCHMARKS.md, "The overhead bar read four ways")
 CLASS_MIN = 1024
 MAX_CLASSES = 8
 # the chunk sizes `layout` picks from

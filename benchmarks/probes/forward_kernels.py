@@ -156,6 +156,18 @@ def moe_case(rt, rows_n: int, args, cuda: bool) -> dict:
     return res
 
 
+def set_grouped(rt, impl: str) -> str:
+    """Every FP8 expert layer of `rt` takes `impl`'s grouped GEMM (`model.fp8.parse_grouped`)."""
+    from canvasq.model.fp8 import FP8Experts, parse_grouped
+
+    impl = parse_grouped(impl)
+    for lw in rt.enc_layers + rt.dec_layers:
+        ex = (getattr(lw, "fp8", None) or {}).get("experts")
+        if isinstance(ex, FP8Experts):
+            ex.grouped = impl
+    return impl
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="CPU, the testbed's shape")
@@ -190,6 +202,12 @@ def main() -> None:
         default="auto",
         help="semicolon list of CANVASQ_FP8 values, one runtime each, arms in this process (e.g. "
         "'auto;dense,head': the experts kept W4 at every size)",
+    )
+    ap.add_argument(
+        "--grouped",
+        default=None,
+        help="comma list of the FP8 experts' grouped GEMMs to time, arms in this process "
+        "(CANVASQ_FP8_GROUPED: torch, triton; default: the runtime's)",
     )
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.quick
@@ -229,12 +247,17 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")] if not args.quick else [2]
     rt = rts[fp8_arms[0]]
     bags = args.sc_bags.split(",") if args.sc_bags else [rt.sc_bag]
-    for arm, bag, b in [(arm, bag, b) for arm in fp8_arms for bag in bags for b in batches]:
+    impls = args.grouped.split(",") if args.grouped else [None]
+    cases = [(arm, bag, g, b) for arm in fp8_arms for bag in bags for g in impls for b in batches]
+    for arm, bag, impl, b in cases:
         rt = rts[arm]
         rt.sc_bag = bag  # part of a graph's key: each bag captures its own
+        if impl is not None:  # not in a graph's key: each arm captures with a runner of its own
+            impl = set_grouped(rt, impl)
+            rt.graph_runner = None
         runner = graph_runner(rt) if cuda and not args.no_graphs else None
         r = forward_case(rt, runner, b, args.prompt if not args.quick else 16, args, cuda)
-        r = {"fp8": arm, "fp8_parts": r.pop("fp8", None), "sc_bag": bag, **r}
+        r = {"fp8": arm, "fp8_parts": r.pop("fp8", None), "sc_bag": bag, "grouped": impl, **r}
         report["forward"].append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "kernels"}), flush=True)
         for row in r["kernels"][:25]:

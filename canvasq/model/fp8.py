@@ -18,6 +18,7 @@ to accumulation order (the CPU tests compare the two paths through this twin).
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +83,7 @@ class FP8Experts:
     gate_up_scale: torch.Tensor  # [E, 2I]
     down: torch.Tensor
     down_scale: torch.Tensor  # [E, H]
+    grouped: str = "torch"  # the kernel path's grouped GEMM: GROUPED_IMPLS
 
     @classmethod
     def from_weights(cls, gate_up: torch.Tensor, down: torch.Tensor) -> FP8Experts:
@@ -188,7 +190,7 @@ def fp8_moe(
             xq.view(torch.uint8)[src].view(E4M3),
             xs[src],
         )  # gathered as bytes: fp8 indexing is not on every build
-    gu = _grouped(xq, xs, ex.gate_up, ex.gate_up_scale, offs, x.dtype, kernel)
+    gu = _grouped(xq, xs, ex.gate_up, ex.gate_up_scale, offs, x.dtype, kernel, ex.grouped)
     if kernel:
         from canvasq.kernels.fp8_quant import gelu_mul_quant_triton
 
@@ -196,7 +198,7 @@ def fp8_moe(
     else:
         g, u = gu.chunk(2, dim=-1)
         aq, as_ = quantize_rows(gelu_tanh(g) * u)
-    out = _grouped(aq, as_, ex.down, ex.down_scale, offs, x.dtype, kernel)  # [N*K, H], expert order
+    out = _grouped(aq, as_, ex.down, ex.down_scale, offs, x.dtype, kernel, ex.grouped)  # [N*K, H], by expert
     if defer_combine:  # the combine reads the rows where they are (no scatter back to token order)
         return ExpertRows(out, topk_p, topk_ids, expert_scale, row_map=row_of)
     y = out[row_of]  # token order: row t*K + j is token t's j-th expert
@@ -244,8 +246,13 @@ def _key_dtype(num_experts: int) -> torch.dtype:
     return torch.int16 if num_experts <= 32767 else torch.int64
 
 
-def _grouped(aq, a_scale, wq, w_scale, offs, dtype, kernel: bool):
-    """Rows sorted by expert ([M, K] e4m3, [M] scales) times their expert's W.T ([E, N, K] e4m3)."""
+def _grouped(aq, a_scale, wq, w_scale, offs, dtype, kernel: bool, impl: str = "torch"):
+    """Rows sorted by expert ([M, K] e4m3, [M] scales) times their expert's W.T ([E, N, K] e4m3); on the
+    kernel path through torch's grouped GEMM or ours (`impl`, GROUPED_IMPLS)."""
+    if kernel and impl == "triton":
+        from canvasq.kernels.fp8_grouped import grouped_gemm
+
+        return grouped_gemm(aq, a_scale, wq, w_scale, offs, dtype)
     if kernel:
         return torch._scaled_grouped_mm(
             aq, wq.transpose(-2, -1), a_scale, w_scale, offs=offs, out_dtype=dtype, use_fast_accum=True
@@ -261,6 +268,17 @@ def _grouped(aq, a_scale, wq, w_scale, offs, dtype, kernel: bool):
 
 
 DENSE = ("wqkv", "wo", "mlp_gate_up", "mlp_down")
+GROUPED_IMPLS = ("torch", "triton")  # CANVASQ_FP8_GROUPED: torch's `_scaled_grouped_mm` or ours
+
+
+def parse_grouped(value: str | None) -> str:
+    """CANVASQ_FP8_GROUPED: "auto" (torch's), or one of GROUPED_IMPLS; ValueError naming the setting."""
+    value = (value or "auto").strip().lower()
+    if value == "auto":
+        return "torch"
+    if value not in GROUPED_IMPLS:
+        raise ValueError(f"CANVASQ_FP8_GROUPED={value!r}: expected auto, {' or '.join(GROUPED_IMPLS)}")
+    return value
 
 
 def parse_parts(value: str | None, device: torch.device | str) -> tuple[str, ...]:
@@ -286,10 +304,12 @@ def parse_parts(value: str | None, device: torch.device | str) -> tuple[str, ...
     return parts
 
 
-def install_fp8(rt, parts: tuple[str, ...], min_rows: int) -> int:
+def install_fp8(rt, parts: tuple[str, ...], min_rows: int, grouped: str | None = None) -> int:
     """Give runtime `rt` FP8 copies of `parts` for forwards of >= `min_rows` rows; returns the bytes
     added. Tensors shared by encoder and decoder layers (HF ties them) are quantised once; the experts
-    come from the BF16 weights or, where those were freed, from the W4 pack."""
+    come from the BF16 weights or, where those were freed, from the W4 pack, and take their grouped
+    GEMM from `grouped` (default: CANVASQ_FP8_GROUPED)."""
+    impl = parse_grouped(os.environ.get("CANVASQ_FP8_GROUPED") if grouped is None else grouped)
     bad = [p for p in parts if p not in PARTS]
     if bad:
         raise ValueError(f"unknown FP8 part(s) {bad}; known: {', '.join(PARTS)}")
@@ -318,6 +338,9 @@ def install_fp8(rt, parts: tuple[str, ...], min_rows: int) -> int:
                 lw.fp8["experts"] = once(
                     id(lw.experts_packed), lambda lw=lw: FP8Experts.from_w4(lw.experts_packed)
                 )
+    for ex in done.values():
+        if isinstance(ex, FP8Experts):
+            ex.grouped = impl
     rt.lm_head_fp8 = FP8Linear.from_weight(rt.lm_head) if "head" in parts else None
     if rt.lm_head_fp8 is not None:
         added += rt.lm_head_fp8.nbytes()

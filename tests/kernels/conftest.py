@@ -16,6 +16,7 @@ if not os.path.exists("/dev/nvidiactl"):
 
     import canvasq.kernels
     import canvasq.kernels.constrain
+    import canvasq.kernels.fp8_grouped
     import canvasq.kernels.moe.kernels
     import canvasq.kernels.pin
     import canvasq.kernels.rules

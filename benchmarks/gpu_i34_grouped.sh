@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One device call for issue 34's forward (item 5): our Triton FP8 grouped GEMM against torch's
+# `_scaled_grouped_mm` ($OUT gets at most 5 files):
+#   1. its GPU tests and the FP8 model tests (e4m3 against torch's kernel and the twin);
+#   2. `kernels/fp8_grouped.py`: both GEMMs of the expert layer at TOKENS tokens, a sweep of tilings;
+#   3. `probes/forward_kernels.py`: the worker's forward at BATCHES windows of 256 rows, the grouped
+#      GEMM torch's and ours as arms of one process (graphs, GPU time, kernels by group).
+#
+#   call:  CANVASQ_COMMIT=<head> bash benchmarks/gpu_i34_grouped.sh   (carry: .whl)
+#
+# TESTS=0 / SWEEP=0 / FWD=0 skip a part; SKEW=1 adds a skewed routing to the sweep; FWD_ARGS=--quick
+# and SWEEP_ARGS=--quick make a CPU dry run.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+: "${CANVASQ_COMMIT:?the head commit (the device has no git)}"
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  python -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
+} > "$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+site=${SITE-/tmp/site2}  # the carried wheels (.whl/: what the device's Python lacks), installed once
+if [[ -n $site && -d .whl && ! -d $site ]]; then
+  pip install -q --no-index --no-deps --target "$site" .whl/*.whl > /dev/null 2>&1
+fi
+export PYTHONPATH=$site:$PWD
+if [[ ${TESTS:-1} == 1 ]]; then
+  timeout "${TESTT:-150}" python -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_grouped.py \
+    tests/model/test_fp8.py > "$OUT/pytest.txt" 2>&1
+  echo "tests rc=$?"; tail -3 "$OUT/pytest.txt"
+fi
+if [[ ${SWEEP:-1} == 1 ]]; then
+  skew=(); [[ ${SKEW:-0} == 1 ]] && skew=(--skew)
+  (cd benchmarks/kernels && OUT=$OUT timeout "${SWT:-200}" python fp8_grouped.py --tokens "${TOKENS:-1024,4096}" \
+    "${skew[@]}" ${SWEEP_ARGS:-} > "$OUT/sweep.txt" 2>&1)
+  echo "sweep rc=$?"
+  grep '^{' "$OUT/sweep.txt" | python -c '
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line)
+    if "arms" not in r:
+        continue
+    ok = {a["arm"]: a for a in r["arms"] if "ms" in a}
+    top = sorted(ok.values(), key=lambda a: a["ms"])[:3]
+    t = ok.get("torch", {}).get("ms")
+    print(r["tokens"], r["gemm"], "skew" if r["skew"] else "", "torch", t and round(t * 1e3, 1), "us | default",
+          round(ok["default"]["ms"] * 1e3, 1), "| best", [(a["arm"], round(a["ms"] * 1e3, 1), round(a["GBps"])) for a in top])'
+fi
+if [[ ${FWD:-1} == 1 ]]; then
+  mkdir -p /tmp/fk
+  OUT=/tmp/fk timeout "${FWT:-300}" python benchmarks/probes/forward_kernels.py --batches "${BATCHES:-1,4,16}" \
+    --fp8-arms auto --sc-bags torch --grouped "${GROUPED:-torch,triton}" ${FWD_ARGS:-} > /tmp/fk/stdout.txt 2>&1
+  echo "forward rc=$?"
+  grep '^{' /tmp/fk/stdout.txt | python -c '
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line)
+    g = r["groups_ms"]
+    print(r["grouped"], r["batch"], "eager", round(r["eager_ms"], 2), "graph", round(r.get("graph_ms") or 0, 2),
+          "gpu", round(r["gpu_ms"], 2), "experts_gemm", round(g.get("experts_gemm", 0), 2))'
+  tar czf "$OUT/forward_kernels.tgz" -C /tmp fk
+fi
+date -u >> "$OUT/gpu.txt"

@@ -1,0 +1,170 @@
+"""A grouped GEMM over rows in expert order, one Triton launch: out[r] = (a[r] @ W[e(r)].T) * a_scale[r]
+* w_scale[e(r)], the contract of `torch._scaled_grouped_mm` with row-wise scales (the FP8 experts'
+path, `model.fp8._grouped`).
+
+Rows come sorted by expert with each expert's end in `offs` (int32 [E], cumulative, as torch takes
+it). Each program finds its expert and its BLOCK_M rows from `offs` on the device (a prefix sum of the
+experts' tile counts), so the grid is fixed by (rows, E) and a CUDA graph can hold the launch. Its
+weight tile is the expert's [BLOCK_N, K] slice in HF's layout (W [E, N, K], K contiguous: the operand
+Hopper's FP8 tensor cores read without a transpose). Programs are ordered with the row tiles fastest,
+so the row tiles of one expert and column tile run side by side and share the weight tile in L2.
+
+Rows past an expert's count are loaded from the next expert's rows (or the last row: never out of
+bounds) and not stored: loads need no row mask. Any dtype `tl.dot` takes works (e4m3 on the GPU,
+fp16/fp32 under the interpreter, which the CPU tests use).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One launch's blocking; `imprecise`: FP8 products summed in the tensor core's own accumulator
+    for that many K elements before an fp32 add (torch's `use_fast_accum` is the whole K)."""
+
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 128
+    warps: int = 4
+    stages: int = 4
+    imprecise: int | None = None
+
+
+@triton.jit
+def _grouped_kernel(
+    a_ptr,
+    as_ptr,
+    w_ptr,
+    ws_ptr,
+    offs_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_om,
+    m_tiles,
+    K: tl.constexpr,
+    E: tl.constexpr,
+    E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IMPRECISE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_m = pid % m_tiles
+    pid_n = pid // m_tiles
+    # this program's expert: the first whose running tile count passes pid_m
+    e = tl.arange(0, E_POW2)
+    ends = tl.load(offs_ptr + e, mask=e < E, other=0)
+    starts = tl.load(offs_ptr + e - 1, mask=(e > 0) & (e < E), other=0)
+    counts = tl.where(e < E, ends - starts, 0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    passed = tl.cumsum(tiles, 0)
+    if pid_m >= tl.sum(tiles, 0):
+        return
+    expert = tl.sum((passed <= pid_m).to(tl.int32), 0)
+    mine = e == expert
+    start = tl.sum(tl.where(mine, starts, 0), 0)
+    end = tl.sum(tl.where(mine, ends, 0), 0)
+    first_tile = tl.sum(tl.where(mine, passed - tiles, 0), 0)
+
+    rows = start + (pid_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows_in = tl.minimum(rows, M - 1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_in = tl.minimum(cols, N - 1)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows_in.to(tl.int64)[:, None] * stride_am + ks[None, :]
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols_in.to(tl.int64)[None, :] * stride_wn + ks[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(k0 + ks)[None, :] < K, other=0.0)
+            b = tl.load(w_ptrs, mask=(k0 + ks)[:, None] < K, other=0.0)
+        acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    a_s = tl.load(as_ptr + rows_in)
+    w_s = tl.load(ws_ptr + expert * stride_wse + cols_in)
+    y = acc * a_s[:, None] * w_s[None, :]
+    keep = (rows < end)[:, None] & (cols < N)[None, :]
+    tl.store(
+        out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :],
+        y.to(out_ptr.dtype.element_ty),
+        mask=keep,
+    )
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+    tiles: Tiles | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """a [M, K] (rows in expert order), a_scale [M] fp32, w [E, N, K], w_scale [E, N] fp32, offs [E]
+    int32 (each expert's end) -> [M, N] in out_dtype (into `out` if given). Rows past offs[-1] are
+    left unwritten."""
+    m, k = a.shape
+    n_experts = w.shape[0]
+    tiles = tiles or tiles_for(m, n_experts)
+    _, n, k_w = w.shape
+    assert k_w == k and a.stride(1) == 1 and w.stride(2) == 1, (a.shape, w.shape)
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    assert out.shape == (m, n) and out.stride(1) == 1, out.shape
+    if m == 0:
+        return out
+    m_tiles = triton.cdiv(m, tiles.block_m) + n_experts  # an upper bound: each expert rounds up once
+    grid = (m_tiles * triton.cdiv(n, tiles.block_n),)
+    _grouped_kernel[grid](
+        a,
+        a_scale,
+        w,
+        w_scale,
+        offs,
+        out,
+        m,
+        n,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        w_scale.stride(0),
+        out.stride(0),
+        m_tiles,
+        K=k,
+        E=n_experts,
+        E_POW2=triton.next_power_of_2(n_experts),
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        EVEN_K=k % tiles.block_k == 0,
+        IMPRECISE=tiles.imprecise,
+        num_warps=tiles.warps,
+        num_stages=tiles.stages,
+    )
+    return out
+
+
+def tiles_for(rows: int, experts: int) -> Tiles:
+    """The tiling for `rows` assignment rows over `experts` experts: 64-row tiles while an expert holds
+    about that many rows (the weights' bytes bound the GEMM there), 128 beyond."""
+    if rows <= 96 * experts:
+        return Tiles(64, 128, 128, warps=4, stages=4)
+    return Tiles(128, 128, 128, warps=8, stages=4)

@@ -1,0 +1,101 @@
+"""Our grouped GEMM over rows in expert order (`kernels.fp8_grouped`) against the dequantising twin
+(`model.fp8._grouped`'s CPU path) and, on Hopper, against torch's `_scaled_grouped_mm` and through the
+FP8 expert layer."""
+
+import dataclasses
+
+import pytest
+import torch
+from kernel_testutil import DEVICE, ON_GPU, poison, rel_err
+
+from canvasq.kernels.fp8_grouped import Tiles, grouped_gemm, tiles_for
+from canvasq.model.fp8 import _grouped, expert_order, quantize_rows
+
+
+def _case(experts, n, k, tokens, top_k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    ids[: tokens // 3] = torch.arange(top_k)  # a hot expert run longer than one tile
+    ids[ids == experts - 2] = experts - 1  # and an expert with no rows
+    _, offs, _ = expert_order(ids, experts, kernel=False)
+    m = tokens * top_k
+    a = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    w = torch.randn(experts, n, k, generator=g).to(DEVICE, dtype)
+    a_s = (torch.rand(m, generator=g) + 0.5).to(DEVICE)
+    w_s = (torch.rand(experts, n, generator=g) + 0.5).to(DEVICE)
+    return a, a_s, w, w_s, offs.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "tiles,n,k",
+    [
+        (Tiles(16, 16, 32, stages=1), 48, 96),  # K a multiple of the block
+        (Tiles(16, 32, 64, stages=1), 40, 80),  # K and N past their last block
+    ],
+)
+def test_grouped_gemm_matches_the_twin_row_for_row(dtype, tiles, n, k):
+    a, a_s, w, w_s, offs = _case(8, n, k, 20, 2, dtype)
+    assert int(torch.diff(offs, prepend=offs.new_zeros(1)).min()) == 0  # the case holds an empty expert
+    want = _grouped(a.float(), a_s, w.float(), w_s, offs.cpu(), torch.float32, kernel=False)
+    got = grouped_gemm(a, a_s, w, w_s, offs, torch.float32, tiles)
+    assert not got.isnan().any()  # every row of every expert written
+    assert rel_err(got.cpu(), want.cpu()) < (1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def test_rows_past_the_last_expert_are_left_alone():
+    """offs[-1] < M: the rows past it belong to no expert and the launch writes none of them."""
+    a, a_s, w, w_s, offs = _case(4, 16, 32, 6, 2, torch.float32)
+    short = offs.clone()
+    short[-1] -= 3  # the last expert's last three rows are not its own
+    end = int(short[-1])
+    out = poison((a.shape[0], 16), torch.float32)
+    grouped_gemm(a, a_s, w, w_s, short, torch.float32, Tiles(16, 16, 32, stages=1), out=out)
+    assert out[end:].isnan().all()
+    want = _grouped(a.float(), a_s, w.float(), w_s, short.cpu(), torch.float32, kernel=False)
+    assert rel_err(out[:end].cpu(), want[:end].cpu()) < 1e-5
+
+
+def test_the_default_tiling_follows_the_rows_an_expert_holds():
+    assert tiles_for(1024 * 8, 128).block_m == 64  # 64 rows an expert: bound by the weights' bytes
+    assert tiles_for(4096 * 8, 128).block_m == 128
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="e4m3 tensor cores: Hopper")
+@pytest.mark.parametrize("tokens", [5, 300, 1024])
+def test_grouped_gemm_matches_torchs_scaled_grouped_mm_in_e4m3(tokens):
+    from canvasq.model.fp8 import fp8_supported
+
+    if not fp8_supported(DEVICE):
+        pytest.skip("no FP8 grouped GEMM in torch on this GPU")
+    g = torch.Generator(device=DEVICE).manual_seed(tokens)
+    for n, k in ((1408, 2816), (2816, 704)):
+        ids = torch.rand(tokens, 128, generator=g, device=DEVICE).topk(8, dim=1).indices
+        _, offs, _ = expert_order(ids, 128, kernel=True)
+        aq, a_s = quantize_rows(torch.randn(tokens * 8, k, generator=g, device=DEVICE, dtype=torch.bfloat16))
+        wq, w_s = quantize_rows(torch.randn(128, n, k, generator=g, device=DEVICE, dtype=torch.bfloat16))
+        want = _grouped(aq, a_s, wq, w_s, offs, torch.bfloat16, kernel=True)
+        for tiles in (None, Tiles(64, 128, 128), Tiles(128, 128, 128, warps=8)):
+            got = grouped_gemm(aq, a_s, wq, w_s, offs, torch.bfloat16, tiles)
+            assert rel_err(got, want) < 1e-2, (n, k, tiles)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="e4m3 tensor cores: Hopper")
+def test_the_fp8_expert_layer_gives_the_same_rows_through_either_grouped_gemm():
+    from canvasq.model.fp8 import FP8Experts, fp8_moe, fp8_supported
+
+    if not fp8_supported(DEVICE):
+        pytest.skip("no FP8 grouped GEMM in torch on this GPU")
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    e, h, i, n = 16, 256, 128, 300
+    ex = FP8Experts.from_weights(
+        torch.randn(e, 2 * i, h, generator=g, device=DEVICE, dtype=torch.bfloat16) * 0.05,
+        torch.randn(e, h, i, generator=g, device=DEVICE, dtype=torch.bfloat16) * 0.05,
+    )
+    x = torch.randn(n, h, generator=g, device=DEVICE, dtype=torch.bfloat16)
+    ids = torch.rand(n, e, generator=g, device=DEVICE).topk(4, dim=1).indices
+    p = torch.rand(n, 4, generator=g, device=DEVICE)
+    ours = fp8_moe(x, ids, p, dataclasses.replace(ex, grouped="triton"))
+    assert rel_err(ours, fp8_moe(x, ids, p, ex)) < 1e-2

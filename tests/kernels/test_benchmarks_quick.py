@@ -34,6 +34,7 @@ def test_packed_memory_real_shape():
         ("soft_embed.py", ["--quick"]),
         ("structured.py", ["--quick"]),
         ("tune_moe.py", ["--quick", "--dry"]),
+        ("fp8_grouped.py", ["--quick"]),
     ],
 )
 def test_benchmark_quick(script, args, tmp_path):

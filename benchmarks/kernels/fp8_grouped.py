@@ -32,23 +32,31 @@ from canvasq.model.fp8 import _grouped, expert_order, quantize_rows
 H, E, TOPK, I = 2816, 128, 8, 704
 
 SWEEP = [
-    Tiles(bm, bn, bk, warps, stages)
-    for bm, bn, bk, warps, stages in [
-        (64, 64, 128, 4, 4),
-        (64, 128, 128, 4, 3),
-        (64, 128, 128, 4, 4),
-        (64, 128, 128, 4, 5),
-        (64, 128, 128, 8, 4),
-        (64, 256, 128, 4, 3),
-        (64, 256, 128, 8, 3),
-        (64, 128, 256, 4, 3),
-        (64, 64, 256, 4, 4),
-        (128, 128, 128, 8, 3),
-        (128, 128, 128, 8, 4),
-        (128, 128, 128, 4, 4),
-        (128, 256, 128, 8, 3),
-        (128, 64, 128, 4, 4),
-        (128, 128, 64, 8, 5),
+    Tiles(bm, bn, bk, warps, stages, tma=tma)
+    for bm, bn, bk, warps, stages, tma in [
+        (64, 64, 128, 4, 4, False),
+        (64, 128, 128, 4, 3, False),
+        (64, 128, 128, 4, 4, False),
+        (64, 128, 128, 4, 5, False),
+        (64, 128, 128, 8, 4, False),
+        (64, 256, 128, 4, 3, False),
+        (64, 256, 128, 8, 3, False),
+        (64, 128, 256, 4, 3, False),
+        (64, 64, 256, 4, 4, False),
+        (128, 128, 128, 8, 3, False),
+        (128, 128, 128, 8, 4, False),
+        (128, 128, 128, 4, 4, False),
+        (128, 256, 128, 8, 3, False),
+        (128, 64, 128, 4, 4, False),
+        (128, 128, 64, 8, 5, False),
+        (64, 64, 128, 4, 4, True),
+        (64, 128, 128, 4, 3, True),
+        (64, 128, 128, 4, 4, True),
+        (64, 256, 128, 4, 3, True),
+        (64, 256, 128, 8, 3, True),
+        (128, 128, 128, 8, 3, True),
+        (128, 128, 128, 8, 4, True),
+        (128, 256, 128, 8, 3, True),
     ]
 ]
 
@@ -113,7 +121,7 @@ def case(tokens: int, name: str, n: int, k: int, skew: bool, tilings: list[Tiles
 
 
 def _label(t: Tiles) -> str:
-    return f"m{t.block_m}n{t.block_n}k{t.block_k}w{t.warps}s{t.stages}"
+    return f"m{t.block_m}n{t.block_n}k{t.block_k}w{t.warps}s{t.stages}" + ("tma" if t.tma else "")
 
 
 def main() -> None:
@@ -128,7 +136,7 @@ def main() -> None:
     tilings = SWEEP if args.sweep == "all" else []
     if args.quick or not ON_GPU:
         H, E, I = 96, 8, 48
-        tilings = [Tiles(16, 32, 32, 4, 1), Tiles(32, 16, 64, 4, 1)]
+        tilings = [Tiles(16, 32, 32, 4, 1, False), Tiles(32, 16, 64, 4, 1)]
     tokens = [int(t) for t in (args.tokens or ("24" if not ON_GPU else "1024,4096")).split(",")]
     results, correct = [], True
     for t in tokens:

@@ -34,6 +34,41 @@ class Tiles:
     warps: int = 4
     stages: int = 4
     imprecise: int | None = None
+    tma: bool = False  # operands through Hopper's tensor memory accelerator (descriptors) or pointers
+
+
+@triton.jit
+def _my_rows(offs_ptr, pid_m, E: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, first row, the expert's end, live) of row tile pid_m: the first expert whose running
+    tile count passes pid_m; live is false past the last tile."""
+    e = tl.arange(0, E_POW2)
+    ends = tl.load(offs_ptr + e, mask=e < E, other=0)
+    starts = tl.load(offs_ptr + e - 1, mask=(e > 0) & (e < E), other=0)
+    counts = tl.where(e < E, ends - starts, 0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    passed = tl.cumsum(tiles, 0)
+    expert = tl.sum((passed <= pid_m).to(tl.int32), 0)
+    mine = e == expert
+    start = tl.sum(tl.where(mine, starts, 0), 0)
+    end = tl.sum(tl.where(mine, ends, 0), 0)
+    first_tile = tl.sum(tl.where(mine, passed - tiles, 0), 0)
+    return expert, start + (pid_m - first_tile) * BLOCK_M, end, pid_m < tl.sum(tiles, 0)
+
+
+@triton.jit
+def _scaled_store(
+    acc, row0, end, expert, cols, as_ptr, ws_ptr, out_ptr, M, N, stride_wse, stride_om, BLOCK_M: tl.constexpr
+):
+    rows = row0 + tl.arange(0, BLOCK_M)
+    a_s = tl.load(as_ptr + tl.minimum(rows, M - 1))
+    w_s = tl.load(ws_ptr + expert * stride_wse + tl.minimum(cols, N - 1))
+    y = acc * a_s[:, None] * w_s[None, :]
+    keep = (rows < end)[:, None] & (cols < N)[None, :]
+    tl.store(
+        out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :],
+        y.to(out_ptr.dtype.element_ty),
+        mask=keep,
+    )
 
 
 @triton.jit
@@ -62,30 +97,16 @@ def _grouped_kernel(
     IMPRECISE: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    pid_m = pid % m_tiles
     pid_n = pid // m_tiles
-    # this program's expert: the first whose running tile count passes pid_m
-    e = tl.arange(0, E_POW2)
-    ends = tl.load(offs_ptr + e, mask=e < E, other=0)
-    starts = tl.load(offs_ptr + e - 1, mask=(e > 0) & (e < E), other=0)
-    counts = tl.where(e < E, ends - starts, 0)
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    passed = tl.cumsum(tiles, 0)
-    if pid_m >= tl.sum(tiles, 0):
+    expert, row0, end, live = _my_rows(offs_ptr, pid % m_tiles, E, E_POW2, BLOCK_M)
+    if not live:
         return
-    expert = tl.sum((passed <= pid_m).to(tl.int32), 0)
-    mine = e == expert
-    start = tl.sum(tl.where(mine, starts, 0), 0)
-    end = tl.sum(tl.where(mine, ends, 0), 0)
-    first_tile = tl.sum(tl.where(mine, passed - tiles, 0), 0)
-
-    rows = start + (pid_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows_in = tl.minimum(rows, M - 1)
+    rows_in = tl.minimum(row0 + tl.arange(0, BLOCK_M), M - 1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols_in = tl.minimum(cols, N - 1)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows_in.to(tl.int64)[:, None] * stride_am + ks[None, :]
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols_in.to(tl.int64)[None, :] * stride_wn + ks[:, None]
+    w_rows = tl.minimum(cols, N - 1).to(tl.int64)
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + w_rows[None, :] * stride_wn + ks[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -97,15 +118,45 @@ def _grouped_kernel(
         acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    a_s = tl.load(as_ptr + rows_in)
-    w_s = tl.load(ws_ptr + expert * stride_wse + cols_in)
-    y = acc * a_s[:, None] * w_s[None, :]
-    keep = (rows < end)[:, None] & (cols < N)[None, :]
-    tl.store(
-        out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :],
-        y.to(out_ptr.dtype.element_ty),
-        mask=keep,
-    )
+    _scaled_store(acc, row0, end, expert, cols, as_ptr, ws_ptr, out_ptr, M, N, stride_wse, stride_om, BLOCK_M)
+
+
+@triton.jit
+def _grouped_tma_kernel(
+    a_desc,
+    as_ptr,
+    w_desc,
+    ws_ptr,
+    offs_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_wse,
+    stride_om,
+    m_tiles,
+    K: tl.constexpr,
+    E: tl.constexpr,
+    E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IMPRECISE: tl.constexpr,
+):
+    # the weights as one [E * N, K] matrix: a column tile past N reads the next expert's rows (or
+    # zeros past the last), which the store drops; rows and K past their ends read zeros
+    pid = tl.program_id(0)
+    pid_n = pid // m_tiles
+    expert, row0, end, live = _my_rows(offs_ptr, pid % m_tiles, E, E_POW2, BLOCK_M)
+    if not live:
+        return
+    w_row = expert * N + pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([row0, k0])
+        b = w_desc.load([w_row, k0])
+        acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=IMPRECISE)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _scaled_store(acc, row0, end, expert, cols, as_ptr, ws_ptr, out_ptr, M, N, stride_wse, stride_om, BLOCK_M)
 
 
 def grouped_gemm(
@@ -133,6 +184,37 @@ def grouped_gemm(
         return out
     m_tiles = triton.cdiv(m, tiles.block_m) + n_experts  # an upper bound: each expert rounds up once
     grid = (m_tiles * triton.cdiv(n, tiles.block_n),)
+    blocks = {
+        "K": k,
+        "E": n_experts,
+        "E_POW2": triton.next_power_of_2(n_experts),
+        "BLOCK_M": tiles.block_m,
+        "BLOCK_N": tiles.block_n,
+        "BLOCK_K": tiles.block_k,
+        "IMPRECISE": tiles.imprecise,
+        "num_warps": tiles.warps,
+        "num_stages": tiles.stages,
+    }
+    if tiles.tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        a_desc = TensorDescriptor.from_tensor(a, [tiles.block_m, tiles.block_k])
+        w_desc = TensorDescriptor.from_tensor(w.view(-1, k), [tiles.block_n, tiles.block_k])
+        _grouped_tma_kernel[grid](
+            a_desc,
+            a_scale,
+            w_desc,
+            w_scale,
+            offs,
+            out,
+            m,
+            n,
+            w_scale.stride(0),
+            out.stride(0),
+            m_tiles,
+            **blocks,
+        )
+        return out
     _grouped_kernel[grid](
         a,
         a_scale,
@@ -148,16 +230,8 @@ def grouped_gemm(
         w_scale.stride(0),
         out.stride(0),
         m_tiles,
-        K=k,
-        E=n_experts,
-        E_POW2=triton.next_power_of_2(n_experts),
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
         EVEN_K=k % tiles.block_k == 0,
-        IMPRECISE=tiles.imprecise,
-        num_warps=tiles.warps,
-        num_stages=tiles.stages,
+        **blocks,
     )
     return out
 

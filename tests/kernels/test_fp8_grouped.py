@@ -32,6 +32,8 @@ def _case(experts, n, k, tokens, top_k, dtype, seed=0):
     [
         (Tiles(16, 16, 32, stages=1), 48, 96),  # K a multiple of the block
         (Tiles(16, 32, 64, stages=1), 40, 80),  # K and N past their last block
+        (Tiles(16, 16, 32, stages=1, tma=True), 48, 96),  # descriptors: the weights as one matrix
+        (Tiles(16, 32, 64, stages=1, tma=True), 40, 80),  # a column tile reading the next expert's rows
     ],
 )
 def test_grouped_gemm_matches_the_twin_row_for_row(dtype, tiles, n, k):
@@ -76,7 +78,12 @@ def test_grouped_gemm_matches_torchs_scaled_grouped_mm_in_e4m3(tokens):
         aq, a_s = quantize_rows(torch.randn(tokens * 8, k, generator=g, device=DEVICE, dtype=torch.bfloat16))
         wq, w_s = quantize_rows(torch.randn(128, n, k, generator=g, device=DEVICE, dtype=torch.bfloat16))
         want = _grouped(aq, a_s, wq, w_s, offs, torch.bfloat16, kernel=True)
-        for tiles in (None, Tiles(64, 128, 128), Tiles(128, 128, 128, warps=8)):
+        for tiles in (
+            None,
+            Tiles(64, 128, 128),
+            Tiles(128, 128, 128, warps=8),
+            Tiles(64, 128, 128, tma=True),
+        ):
             got = grouped_gemm(aq, a_s, wq, w_s, offs, torch.bfloat16, tiles)
             assert rel_err(got, want) < 1e-2, (n, k, tiles)
 

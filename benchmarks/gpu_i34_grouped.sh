@@ -42,8 +42,9 @@ for line in sys.stdin:
     ok = {a["arm"]: a for a in r["arms"] if "ms" in a}
     top = sorted(ok.values(), key=lambda a: a["ms"])[:3]
     t = ok.get("torch", {}).get("ms")
+    d = ok.get("default", {}).get("ms")
     print(r["tokens"], r["gemm"], "skew" if r["skew"] else "", "torch", t and round(t * 1e3, 1), "us | default",
-          round(ok["default"]["ms"] * 1e3, 1), "| best", [(a["arm"], round(a["ms"] * 1e3, 1), round(a["GBps"])) for a in top])'
+          d and round(d * 1e3, 1), "| best", [(a["arm"], round(a["ms"] * 1e3, 1), round(a["GBps"])) for a in top])'
 fi
 if [[ ${FWD:-1} == 1 ]]; then
   mkdir -p /tmp/fk

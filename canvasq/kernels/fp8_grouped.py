@@ -22,6 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ._dispatch import interpreted
+from ._math import tanh
+from .fp8_quant import _K_BETA as K_BETA
+from .fp8_quant import _K_KAPPA as K_KAPPA
+
+_K_BETA: tl.constexpr = tl.constexpr(K_BETA)
+_K_KAPPA: tl.constexpr = tl.constexpr(K_KAPPA)
+
 
 @dataclass(frozen=True)
 class Tiles:
@@ -57,18 +65,38 @@ def _my_rows(offs_ptr, pid_m, E: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl
 
 @triton.jit
 def _scaled_store(
-    acc, row0, end, expert, cols, as_ptr, ws_ptr, out_ptr, M, N, stride_wse, stride_om, BLOCK_M: tl.constexpr
+    acc,
+    acc_u,
+    row0,
+    end,
+    expert,
+    cols,
+    as_ptr,
+    ws_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_wse,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    GATED: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
+    """The tile's rows times their scales, stored in the output's dtype; GATED: gelu_tanh(gate) * up of
+    the gate (acc) and up (acc_u) tiles, rounded where `gelu_mul_quant` rounds (the gate/up output,
+    the activation, the product)."""
+    DT: tl.constexpr = out_ptr.dtype.element_ty
     rows = row0 + tl.arange(0, BLOCK_M)
-    a_s = tl.load(as_ptr + tl.minimum(rows, M - 1))
-    w_s = tl.load(ws_ptr + expert * stride_wse + tl.minimum(cols, N - 1))
-    y = acc * a_s[:, None] * w_s[None, :]
+    a_s = tl.load(as_ptr + tl.minimum(rows, M - 1))[:, None]
+    w_at = ws_ptr + expert * stride_wse + tl.minimum(cols, N - 1)
+    y = acc * a_s * tl.load(w_at)[None, :]
+    if GATED:
+        g = y.to(DT).to(tl.float32)
+        u = (acc_u * a_s * tl.load(w_at + N)[None, :]).to(DT).to(tl.float32)
+        act = (0.5 * g * (1.0 + tanh(_K_BETA * (g + _K_KAPPA * (g * g * g)), INTERPRETED))).to(DT)
+        y = act.to(tl.float32) * u
     keep = (rows < end)[:, None] & (cols < N)[None, :]
-    tl.store(
-        out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :],
-        y.to(out_ptr.dtype.element_ty),
-        mask=keep,
-    )
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], y.to(DT), mask=keep)
 
 
 @triton.jit
@@ -95,6 +123,8 @@ def _grouped_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     IMPRECISE: tl.constexpr,
+    GATED: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_n = pid // m_tiles
@@ -107,18 +137,37 @@ def _grouped_kernel(
     a_ptrs = a_ptr + rows_in.to(tl.int64)[:, None] * stride_am + ks[None, :]
     w_rows = tl.minimum(cols, N - 1).to(tl.int64)
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + w_rows[None, :] * stride_wn + ks[:, None]
+    up = N * stride_wn  # GATED: the up rows follow the gate rows
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(w_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=(k0 + ks)[None, :] < K, other=0.0)
-            b = tl.load(w_ptrs, mask=(k0 + ks)[:, None] < K, other=0.0)
+        mk = (k0 + ks) < K
+        a = tl.load(a_ptrs) if EVEN_K else tl.load(a_ptrs, mask=mk[None, :], other=0.0)
+        b = tl.load(w_ptrs) if EVEN_K else tl.load(w_ptrs, mask=mk[:, None], other=0.0)
         acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE)
+        if GATED:
+            b = tl.load(w_ptrs + up) if EVEN_K else tl.load(w_ptrs + up, mask=mk[:, None], other=0.0)
+            acc_u = tl.dot(a, b, acc_u, max_num_imprecise_acc=IMPRECISE)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    _scaled_store(acc, row0, end, expert, cols, as_ptr, ws_ptr, out_ptr, M, N, stride_wse, stride_om, BLOCK_M)
+    _scaled_store(
+        acc,
+        acc_u,
+        row0,
+        end,
+        expert,
+        cols,
+        as_ptr,
+        ws_ptr,
+        out_ptr,
+        M,
+        N,
+        stride_wse,
+        stride_om,
+        BLOCK_M,
+        GATED,
+        INTERPRETED,
+    )
 
 
 @triton.jit
@@ -141,6 +190,8 @@ def _grouped_tma_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IMPRECISE: tl.constexpr,
+    GATED: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     # the weights as one [E * N, K] matrix: a column tile past N reads the next expert's rows (or
     # zeros past the last), which the store drops; rows and K past their ends read zeros
@@ -149,14 +200,33 @@ def _grouped_tma_kernel(
     expert, row0, end, live = _my_rows(offs_ptr, pid % m_tiles, E, E_POW2, BLOCK_M)
     if not live:
         return
-    w_row = expert * N + pid_n * BLOCK_N
+    w_row = expert * (2 * N if GATED else N) + pid_n * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = a_desc.load([row0, k0])
-        b = w_desc.load([w_row, k0])
-        acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=IMPRECISE)
+        acc = tl.dot(a, w_desc.load([w_row, k0]).T, acc, max_num_imprecise_acc=IMPRECISE)
+        if GATED:
+            acc_u = tl.dot(a, w_desc.load([w_row + N, k0]).T, acc_u, max_num_imprecise_acc=IMPRECISE)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    _scaled_store(acc, row0, end, expert, cols, as_ptr, ws_ptr, out_ptr, M, N, stride_wse, stride_om, BLOCK_M)
+    _scaled_store(
+        acc,
+        acc_u,
+        row0,
+        end,
+        expert,
+        cols,
+        as_ptr,
+        ws_ptr,
+        out_ptr,
+        M,
+        N,
+        stride_wse,
+        stride_om,
+        BLOCK_M,
+        GATED,
+        INTERPRETED,
+    )
 
 
 def grouped_gemm(
@@ -168,14 +238,17 @@ def grouped_gemm(
     out_dtype: torch.dtype,
     tiles: Tiles | None = None,
     out: torch.Tensor | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
     """a [M, K] (rows in expert order), a_scale [M] fp32, w [E, N, K], w_scale [E, N] fp32, offs [E]
     int32 (each expert's end) -> [M, N] in out_dtype (into `out` if given). Rows past offs[-1] are
-    left unwritten."""
+    left unwritten. `gated`: W holds gate | up rows ([E, 2I, K]) and the output is gelu_tanh(gate) *
+    up, [M, I] (what `gelu_mul` gives on the [M, 2I] output)."""
     m, k = a.shape
     n_experts = w.shape[0]
     tiles = tiles or tiles_for(m, n_experts)
     _, n, k_w = w.shape
+    n = n // 2 if gated else n
     assert k_w == k and a.stride(1) == 1 and w.stride(2) == 1, (a.shape, w.shape)
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype, device=a.device)
@@ -194,6 +267,8 @@ def grouped_gemm(
         "IMPRECISE": tiles.imprecise,
         "num_warps": tiles.warps,
         "num_stages": tiles.stages,
+        "GATED": gated,
+        "INTERPRETED": interpreted(_grouped_kernel),
     }
     if tiles.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor

@@ -190,14 +190,7 @@ def fp8_moe(
             xq.view(torch.uint8)[src].view(E4M3),
             xs[src],
         )  # gathered as bytes: fp8 indexing is not on every build
-    gu = _grouped(xq, xs, ex.gate_up, ex.gate_up_scale, offs, x.dtype, kernel, ex.grouped)
-    if kernel:
-        from canvasq.kernels.fp8_quant import gelu_mul_quant_triton
-
-        aq, as_ = gelu_mul_quant_triton(gu)
-    else:
-        g, u = gu.chunk(2, dim=-1)
-        aq, as_ = quantize_rows(gelu_tanh(g) * u)
+    aq, as_ = _gated_rows(xq, xs, ex, offs, x.dtype, kernel)
     out = _grouped(aq, as_, ex.down, ex.down_scale, offs, x.dtype, kernel, ex.grouped)  # [N*K, H], by expert
     if defer_combine:  # the combine reads the rows where they are (no scatter back to token order)
         return ExpertRows(out, topk_p, topk_ids, expert_scale, row_map=row_of)
@@ -205,6 +198,22 @@ def fp8_moe(
     w = topk_p if expert_scale is None else route_weights(topk_p, topk_ids, expert_scale)
     y = y.view(n, k, -1).float() * w[..., None].float()
     return y.sum(1).to(x.dtype)
+
+
+def _gated_rows(xq, xs, ex: FP8Experts, offs, dtype, kernel: bool):
+    """The quantised gelu_tanh(gate) * up of the rows' gate/up GEMM: through our grouped GEMM's gated
+    epilogue (the [M, 2I] output never written), torch's GEMM and `gelu_mul_quant`, or the twin."""
+    if kernel:
+        from canvasq.kernels.fp8_quant import gelu_mul_quant_triton, quantize_rows_triton
+
+        if ex.grouped == "triton":
+            from canvasq.kernels.fp8_grouped import grouped_gemm
+
+            h = grouped_gemm(xq, xs, ex.gate_up, ex.gate_up_scale, offs, dtype, gated=True)
+            return quantize_rows_triton(h)
+        return gelu_mul_quant_triton(_grouped(xq, xs, ex.gate_up, ex.gate_up_scale, offs, dtype, kernel))
+    g, u = _grouped(xq, xs, ex.gate_up, ex.gate_up_scale, offs, dtype, kernel).chunk(2, dim=-1)
+    return quantize_rows(gelu_tanh(g) * u)
 
 
 ORDERS = ("narrow", "count", "sort")

@@ -20,7 +20,7 @@ def _case(experts, n, k, tokens, top_k, dtype, seed=0):
     _, offs, _ = expert_order(ids, experts, kernel=False)
     m = tokens * top_k
     a = torch.randn(m, k, generator=g).to(DEVICE, dtype)
-    w = torch.randn(experts, n, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(experts, n, k, generator=g) * k**-0.5).to(DEVICE, dtype)
     a_s = (torch.rand(m, generator=g) + 0.5).to(DEVICE)
     w_s = (torch.rand(experts, n, generator=g) + 0.5).to(DEVICE)
     return a, a_s, w, w_s, offs.to(DEVICE)
@@ -43,6 +43,20 @@ def test_grouped_gemm_matches_the_twin_row_for_row(dtype, tiles, n, k):
     got = grouped_gemm(a, a_s, w, w_s, offs, torch.float32, tiles)
     assert not got.isnan().any()  # every row of every expert written
     assert rel_err(got.cpu(), want.cpu()) < (1e-5 if dtype == torch.float32 else 2e-3)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_the_gated_epilogue_gives_gelu_mul_of_the_gate_up_rows(tma):
+    """gated=True: W's gate | up rows in one launch, out gelu_tanh(gate) * up ([M, I]), what
+    `gelu_mul` gives on the [M, 2I] output the plain launch writes."""
+    from canvasq.kernels.gelu_mul import gelu_mul_reference
+
+    inter = 40  # 40 = 2.5 column tiles of 16: the last gate tile reads into the up rows
+    a, a_s, w, w_s, offs = _case(8, 2 * inter, 64, 20, 2, torch.float32)
+    gu = grouped_gemm(a, a_s, w, w_s, offs, torch.float32, Tiles(16, 16, 32, stages=1))
+    got = grouped_gemm(a, a_s, w, w_s, offs, torch.float32, Tiles(16, 16, 32, stages=1, tma=tma), gated=True)
+    assert got.shape == (a.shape[0], inter)
+    assert rel_err(got.cpu(), gelu_mul_reference(gu).cpu()) < 1e-5
 
 
 def test_rows_past_the_last_expert_are_left_alone():

@@ -51,6 +51,7 @@ MODULES = (
     "viterbi",
     "gelu_mul",
     "fp8_quant",
+    "fp8_grouped",
     "softmax_argmax",
     "softmax_invcdf",
     "softmax_topk",

@@ -317,3 +317,46 @@ def tiles_for(rows: int, experts: int) -> Tiles:
     if rows <= 96 * experts:
         return Tiles(64, 128, 128, warps=4, stages=4)
     return Tiles(128, 128, 128, warps=8, stages=4)
+
+
+def compile_specs():
+    """The experts' two GEMMs at the real shape (H 2,816, I 704, 128 experts) with `tiles_for`'s
+    tilings, gate/up with its gated epilogue (benchmarks/kernels/compile_check.py)."""
+    from .compile_spec import CompileSpec
+
+    types = {
+        "a_ptr": "*fp8e4nv",
+        "w_ptr": "*fp8e4nv",
+        "as_ptr": "*fp32",
+        "ws_ptr": "*fp32",
+        "offs_ptr": "*i32",
+    }
+    divisible = frozenset(
+        n for n in _grouped_kernel.arg_names if n.endswith("_ptr") or n.startswith("stride")
+    )
+    for rows in (1024 * 8, 4096 * 8):
+        t = tiles_for(rows, 128)
+        for name, k, gated in (("gate_up_act", 2816, True), ("down", 704, False)):
+            blocks = {
+                "BLOCK_M": t.block_m,
+                "BLOCK_N": t.block_n,
+                "BLOCK_K": t.block_k,
+                "IMPRECISE": t.imprecise,
+            }
+            yield CompileSpec(
+                f"fp8_grouped_{name}_m{t.block_m}n{t.block_n}",
+                _grouped_kernel,
+                {
+                    "K": k,
+                    "E": 128,
+                    "E_POW2": 128,
+                    "EVEN_K": k % t.block_k == 0,
+                    "GATED": gated,
+                    "INTERPRETED": False,
+                }
+                | blocks,
+                types=types,
+                divisible=divisible,
+                num_warps=t.warps,
+                num_stages=t.stages,
+            )

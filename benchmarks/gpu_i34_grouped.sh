@@ -2,7 +2,8 @@
 # One device call for issue 34's forward (item 5): our Triton FP8 grouped GEMM against torch's
 # `_scaled_grouped_mm` ($OUT gets at most 5 files):
 #   1. its GPU tests and the FP8 model tests (e4m3 against torch's kernel and the twin);
-#   2. `kernels/fp8_grouped.py`: both GEMMs of the expert layer at TOKENS tokens, a sweep of tilings;
+#   2. `kernels/fp8_grouped.py`: both GEMMs of the expert layer at TOKENS tokens, a sweep of tilings,
+#      whose winners ($OUT/fp8_grouped_tuned.json) the forward's triton arm then takes;
 #   3. `probes/forward_kernels.py`: the worker's forward at BATCHES windows of 256 rows, the grouped
 #      GEMM torch's and ours as arms of one process (graphs, GPU time, kernels by group).
 #
@@ -47,7 +48,8 @@ for line in sys.stdin:
           d and round(d * 1e3, 1), "| best", [(a["arm"], round(a["ms"] * 1e3, 1), round(a["GBps"])) for a in top])'
 fi
 if [[ ${FWD:-1} == 1 ]]; then
-  mkdir -p /tmp/fk
+  mkdir -p /tmp/fk  # the triton arm takes the sweep's winners where it ran
+  [[ -f $OUT/fp8_grouped_tuned.json ]] && export CANVASQ_FP8_GROUPED_FILE=$OUT/fp8_grouped_tuned.json
   OUT=/tmp/fk timeout "${FWT:-300}" python benchmarks/probes/forward_kernels.py --batches "${BATCHES:-1,4,16}" \
     --fp8-arms auto --sc-bags torch --grouped "${GROUPED:-torch,triton}" ${FWD_ARGS:-} > /tmp/fk/stdout.txt 2>&1
   echo "forward rc=$?"

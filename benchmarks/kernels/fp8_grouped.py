@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -26,10 +27,11 @@ import torch
 from _common import DEVICE, ON_GPU, time_ms
 from triton.runtime.errors import OutOfResources
 
-from canvasq.kernels.fp8_grouped import Tiles, grouped_gemm, tiles_for
+from canvasq.kernels.fp8_grouped import Tiles, gemm_key, grouped_gemm, save_tuned, tiles_for
 from canvasq.kernels.fp8_quant import gelu_mul_quant_triton, quantize_rows_triton
 from canvasq.kernels.gelu_mul import gelu_mul_reference
 from canvasq.model.fp8 import _grouped, expert_order, quantize_rows
+from canvasq.provenance import git_commit
 
 H, E, TOPK, I = 2816, 128, 8, 704
 
@@ -110,11 +112,14 @@ def case(tokens: int, name: str, n: int, k: int, skew: bool, tilings: list[Tiles
     row |= {"rows_per_expert_max": int(counts.max()), "experts_used": int((counts > 0).sum())}
     ref = theirs()
     arms = {"torch": theirs} if ON_GPU else {}
-    default = tiles_for(m, E)
-    for t in ([] if gated else [default]) + tilings:
-        arms["default" if t is default else _label(t)] = lambda t=t: ours(t)
+    default = tiles_for(m, E, n, k, gated, "untuned")
+    tiles = {"default": default} | {_label(t): t for t in tilings}
+    for label, t in tiles.items():
+        arms[label] = lambda t=t: ours(t)
     nbytes, flop = E * n * k + m * k + 2 * m * n, 2 * m * n * k
     row["arms"] = [_timed(label, fn, ref, nbytes, flop) for label, fn in arms.items()]
+    ok = [a for a in row["arms"] if "ms" in a and a["arm"] in tiles]
+    row["best_tiles"] = asdict(tiles[min(ok, key=lambda a: a["ms"])["arm"]]) if ok else None
     return row
 
 
@@ -164,6 +169,13 @@ def main() -> None:
                 results.append(r)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "fp8_grouped.json").write_text(json.dumps(results, indent=1))
+        gemms: dict[str, dict[int, Tiles]] = {}
+        for r in results:  # the uniform routing's winners: the tuned file the launcher reads
+            if not r["skew"] and r["best_tiles"]:
+                key = gemm_key(r["N"], r["K"], r["gemm"].endswith("+act"))
+                gemms.setdefault(key, {})[r["tokens"] * TOPK] = Tiles(**r["best_tiles"])
+        meta = {"device": torch.cuda.get_device_name() if ON_GPU else "cpu", "commit": git_commit()}
+        save_tuned(Path(os.environ["OUT"], "fp8_grouped_tuned.json"), gemms, meta)
     print(json.dumps({"bench": "fp8_grouped", "device": DEVICE, "correct": correct}))
 
 

@@ -16,7 +16,11 @@ fp16/fp32 under the interpreter, which the CPU tests use).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -246,7 +250,7 @@ def grouped_gemm(
     up, [M, I] (what `gelu_mul` gives on the [M, 2I] output)."""
     m, k = a.shape
     n_experts = w.shape[0]
-    tiles = tiles or tiles_for(m, n_experts)
+    tiles = tiles or tiles_for(m, n_experts, w.shape[1], k, gated, device_name(a))
     _, n, k_w = w.shape
     n = n // 2 if gated else n
     assert k_w == k and a.stride(1) == 1 and w.stride(2) == 1, (a.shape, w.shape)
@@ -311,12 +315,71 @@ def grouped_gemm(
     return out
 
 
-def tiles_for(rows: int, experts: int) -> Tiles:
-    """The tiling for `rows` assignment rows over `experts` experts: 64-row tiles while an expert holds
-    about that many rows (the weights' bytes bound the GEMM there), 128 beyond."""
+def tiles_for(
+    rows: int, experts: int, n: int = 0, k: int = 0, gated: bool = False, device: str = ""
+) -> Tiles:
+    """The tiling of one launch: the tuned file's (`tuned_file`) for this GEMM at the nearest row count
+    at or above `rows` (else its largest), or without one: 64-row tiles while an expert holds about that
+    many rows (the weights' bytes bound the GEMM there), 128 beyond; a gated launch's column tile is
+    each half's, so half as wide."""
+    return _tiles_for(
+        rows, experts, n, k, gated, os.environ.get(TUNED_ENV) or str(tuned_file(experts, device))
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _tiles_for(rows: int, experts: int, n: int, k: int, gated: bool, path: str) -> Tiles:
+    table = load_tuned(path).get(gemm_key(n, k, gated))
+    if table:
+        above = [r for r in table if r >= rows]
+        return table[min(above)] if above else table[max(table)]
+    block_n = 64 if gated else 128
     if rows <= 96 * experts:
-        return Tiles(64, 128, 128, warps=4, stages=4)
-    return Tiles(128, 128, 128, warps=8, stages=4)
+        return Tiles(64, block_n, 128, warps=4, stages=4)
+    return Tiles(128, block_n, 128, warps=8, stages=4)
+
+
+TUNED_ENV = "CANVASQ_FP8_GROUPED_FILE"  # a tuned file to read instead of CONFIG_DIR's for this device
+CONFIG_DIR = Path(__file__).parent / "moe" / "configs"
+
+
+def gemm_key(n: int, k: int, gated: bool) -> str:
+    return f"N={n},K={k}" + (",gated" if gated else "")
+
+
+def tuned_file(experts: int, device: str) -> Path:
+    """Where `benchmarks/kernels/fp8_grouped.py --tune` results for `device` (a CUDA device name, spaces
+    as underscores) live."""
+    return CONFIG_DIR / f"fp8_grouped,E={experts},device={device}.json"
+
+
+@functools.lru_cache(maxsize=16)
+def load_tuned(path: str) -> dict[str, dict[int, Tiles]]:
+    """{gemm_key: {rows: Tiles}} of a tuned file; {} when there is none."""
+    p = Path(path)
+    if not p.is_file():
+        return {}
+    raw = json.loads(p.read_text())
+    return {g: {int(r): Tiles(**t) for r, t in rows.items()} for g, rows in raw["gemms"].items()}
+
+
+def save_tuned(path: Path, gemms: dict[str, dict[int, Tiles]], meta: dict) -> None:
+    body = {
+        "meta": meta,
+        "gemms": {g: {str(r): asdict(t) for r, t in sorted(rows.items())} for g, rows in gemms.items()},
+    }
+    path.write_text(json.dumps(body, indent=1) + "\n")
+
+
+@functools.lru_cache(maxsize=16)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index).replace(" ", "_")
+
+
+def device_name(t: torch.Tensor) -> str:
+    if not t.is_cuda:
+        return "cpu"
+    return _device_name(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def compile_specs():
@@ -335,8 +398,8 @@ def compile_specs():
         n for n in _grouped_kernel.arg_names if n.endswith("_ptr") or n.startswith("stride")
     )
     for rows in (1024 * 8, 4096 * 8):
-        t = tiles_for(rows, 128)
-        for name, k, gated in (("gate_up_act", 2816, True), ("down", 704, False)):
+        for name, n, k, gated in (("gate_up_act", 1408, 2816, True), ("down", 2816, 704, False)):
+            t = tiles_for(rows, 128, n, k, gated, "NVIDIA_H200")
             blocks = {
                 "BLOCK_M": t.block_m,
                 "BLOCK_N": t.block_n,

@@ -72,9 +72,9 @@ def test_rows_past_the_last_expert_are_left_alone():
     assert rel_err(out[:end].cpu(), want[:end].cpu()) < 1e-5
 
 
-def test_the_default_tiling_follows_the_rows_an_expert_holds():
-    assert tiles_for(1024 * 8, 128).block_m == 64  # 64 rows an expert: bound by the weights' bytes
-    assert tiles_for(4096 * 8, 128).block_m == 128
+def test_the_untuned_tiling_follows_the_rows_an_expert_holds():
+    assert tiles_for(1024 * 8, 128, device="untuned").block_m == 64  # 64 rows an expert: the weights' bytes
+    assert tiles_for(4096 * 8, 128, device="untuned").block_m == 128
 
 
 @pytest.mark.gpu
@@ -120,3 +120,16 @@ def test_the_fp8_expert_layer_gives_the_same_rows_through_either_grouped_gemm():
     p = torch.rand(n, 4, generator=g, device=DEVICE)
     ours = fp8_moe(x, ids, p, dataclasses.replace(ex, grouped="triton"))
     assert rel_err(ours, fp8_moe(x, ids, p, ex)) < 1e-2
+
+
+def test_a_tuned_file_gives_the_tiling_at_the_nearest_row_count_at_or_above(tmp_path, monkeypatch):
+    from canvasq.kernels.fp8_grouped import TUNED_ENV, gemm_key, save_tuned
+
+    small, large = Tiles(64, 64, 128, tma=True), Tiles(128, 128, 128, warps=8, stages=3)
+    path = tmp_path / "tuned.json"
+    save_tuned(path, {gemm_key(2816, 704, False): {8192: small, 32768: large}}, {"device": "test"})
+    monkeypatch.setenv(TUNED_ENV, str(path))
+    assert tiles_for(100, 128, 2816, 704) == small
+    assert tiles_for(8193, 128, 2816, 704) == large
+    assert tiles_for(10**6, 128, 2816, 704) == large  # past the largest: the largest
+    assert tiles_for(100, 128, 1408, 2816, gated=True).block_n == 64  # another GEMM: the rule's

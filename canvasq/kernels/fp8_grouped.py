@@ -259,6 +259,12 @@ def grouped_gemm(
     assert out.shape == (m, n) and out.stride(1) == 1, out.shape
     if m == 0:
         return out
+    _launch(tiles, a, a_scale, w, w_scale, offs, out, gated)
+    return out
+
+
+def _launch(tiles: Tiles, a, a_scale, w, w_scale, offs, out, gated: bool) -> None:
+    (m, k), n_experts, n = a.shape, w.shape[0], out.shape[1]
     m_tiles = triton.cdiv(m, tiles.block_m) + n_experts  # an upper bound: each expert rounds up once
     grid = (m_tiles * triton.cdiv(n, tiles.block_n),)
     blocks = {
@@ -293,7 +299,7 @@ def grouped_gemm(
             m_tiles,
             **blocks,
         )
-        return out
+        return
     _grouped_kernel[grid](
         a,
         a_scale,
@@ -312,7 +318,6 @@ def grouped_gemm(
         EVEN_K=k % tiles.block_k == 0,
         **blocks,
     )
-    return out
 
 
 def tiles_for(

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device call for issue 34's forward (item 5): our Triton FP8 grouped GEMM against torch's
-# `_scaled_grouped_mm` ($OUT gets at most 5 files):
-#   1. its GPU tests and the FP8 model tests (e4m3 against torch's kernel and the twin);
-#   2. `kernels/fp8_grouped.py`: both GEMMs of the expert layer at TOKENS tokens, a sweep of tilings,
+# `_scaled_grouped_mm` ($OUT gets at most 7 files), the most telling part first:
+#   1. `kernels/fp8_grouped.py`: both GEMMs of the expert layer at TOKENS tokens, a sweep of tilings,
 #      whose winners ($OUT/fp8_grouped_tuned.json) the forward's triton arm then takes;
-#   3. `probes/forward_kernels.py`: the worker's forward at BATCHES windows of 256 rows, the grouped
-#      GEMM torch's and ours as arms of one process (graphs, GPU time, kernels by group).
+#   2. `probes/forward_kernels.py`: the worker's forward at BATCHES windows of 256 rows, the grouped
+#      GEMM torch's and ours as arms of one process (graphs, GPU time, kernels by group);
+#   3. its GPU tests and the FP8 model tests (e4m3 against torch's kernel and the twin).
 #
 #   call:  CANVASQ_COMMIT=<head> bash benchmarks/gpu_i34_grouped.sh   (carry: .whl)
 #
@@ -24,11 +24,6 @@ if [[ -n $site && -d .whl && ! -d $site ]]; then
   pip install -q --no-index --no-deps --target "$site" .whl/*.whl > /dev/null 2>&1
 fi
 export PYTHONPATH=$site:$PWD
-if [[ ${TESTS:-1} == 1 ]]; then
-  timeout "${TESTT:-150}" python -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_grouped.py \
-    ${TESTS_MORE-tests/model/test_fp8.py} > "$OUT/pytest.txt" 2>&1
-  echo "tests rc=$?"; tail -3 "$OUT/pytest.txt"
-fi
 if [[ ${SWEEP:-1} == 1 ]]; then
   skew=(); [[ ${SKEW:-0} == 1 ]] && skew=(--skew)
   (cd benchmarks/kernels && OUT=$OUT timeout "${SWT:-200}" python fp8_grouped.py --tokens "${TOKENS:-1024,4096}" \
@@ -51,15 +46,20 @@ if [[ ${FWD:-1} == 1 ]]; then
   mkdir -p /tmp/fk  # the triton arm takes the sweep's winners where it ran
   [[ -f $OUT/fp8_grouped_tuned.json ]] && export CANVASQ_FP8_GROUPED_FILE=$OUT/fp8_grouped_tuned.json
   OUT=/tmp/fk timeout "${FWT:-300}" python benchmarks/probes/forward_kernels.py --batches "${BATCHES:-1,4,16}" \
-    --fp8-arms auto --sc-bags torch --grouped "${GROUPED:-torch,triton}" ${FWD_ARGS:-} > /tmp/fk/stdout.txt 2>&1
-  echo "forward rc=$?"
-  grep '^{' /tmp/fk/stdout.txt | python -c '
+    --fp8-arms auto --sc-bags torch --grouped "${GROUPED:-torch,triton}" ${FWD_ARGS:-} > "$OUT/forward.txt" 2>&1
+  echo "forward rc=$?"  # its stdout straight to $OUT: a call cut short keeps the arms that ran
+  grep '^{' "$OUT/forward.txt" | python -c '
 import json, sys
 for line in sys.stdin:
     r = json.loads(line)
     g = r["groups_ms"]
     print(r["grouped"], r["batch"], "eager", round(r["eager_ms"], 2), "graph", round(r.get("graph_ms") or 0, 2),
           "gpu", round(r["gpu_ms"], 2), "experts_gemm", round(g.get("experts_gemm", 0), 2))'
-  tar czf "$OUT/forward_kernels.tgz" -C /tmp fk
+  [[ -f /tmp/fk/forward_kernels.json ]] && gzip -c /tmp/fk/forward_kernels.json > "$OUT/forward_kernels.json.gz"
+fi
+if [[ ${TESTS:-1} == 1 ]]; then
+  timeout "${TESTT:-150}" python -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_grouped.py \
+    ${TESTS_MORE-tests/model/test_fp8.py} > "$OUT/pytest.txt" 2>&1
+  echo "tests rc=$?"; tail -3 "$OUT/pytest.txt"
 fi
 date -u >> "$OUT/gpu.txt"

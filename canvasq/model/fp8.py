@@ -10,7 +10,8 @@ The experts' FP8 copy is made from whatever the runtime holds: the BF16 experts,
 freed at load (W4 packing), the W4 pack dequantised (`from_w4`), so a worker needs no extra load-time
 step and the disk cache stays the W4 one.
 
-On CUDA with sm >= 9.0 the GEMMs are torch's FP8 kernels (row-wise scaling, fast accumulation); on any
+On CUDA with sm >= 9.0 the GEMMs are torch's FP8 kernels (row-wise scaling, fast accumulation), or with
+CANVASQ_FP8_GROUPED=triton the experts' through `kernels.fp8_grouped` (slower on an H100: an arm); on any
 other device `fp8_linear` / `fp8_moe` dequantise and run the model-dtype matmul, the same numbers up
 to accumulation order (the CPU tests compare the two paths through this twin).
 """

@@ -12,17 +12,8 @@
 # TESTS_MORE= leaves the FP8 model tests out; TESTS=0 / SWEEP=0 / FWD=0 skip a part; SKEW=1 adds a skewed routing to the sweep; FWD_ARGS=--quick
 # and SWEEP_ARGS=--quick make a CPU dry run.
 set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 : "${CANVASQ_COMMIT:?the head commit (the device has no git)}"
-{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
-  python -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
-} > "$OUT/gpu.txt" 2>&1
-cat "$OUT/gpu.txt"
-site=${SITE-/tmp/site2}  # the carried wheels (.whl/: what the device's Python lacks), installed once
-if [[ -n $site && -d .whl && ! -d $site ]]; then
-  pip install -q --no-index --no-deps --target "$site" .whl/*.whl > /dev/null 2>&1
-fi
+source benchmarks/gpu_preamble.sh
 export PYTHONPATH=$site:$PWD
 if [[ ${SWEEP:-1} == 1 ]]; then
   skew=(); [[ ${SKEW:-0} == 1 ]] && skew=(--skew)

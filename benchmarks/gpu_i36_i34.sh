@@ -13,17 +13,8 @@
 #   CANVASQ_COMMIT=<head> PROBES=0 MIN=1 ROUNDS=5 FREE_EACH=1 BATCHES=1,4,16 FP8_ARMS=auto BAGS=torch \
 #   FWD_BASE=1 BASE=bea47fe bash benchmarks/gpu_i36_i34.sh
 set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 HEADC=${CANVASQ_COMMIT:?the head commit (the device has no git)}
-{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
-  python -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
-} > "$OUT/gpu.txt" 2>&1
-cat "$OUT/gpu.txt"
-site=${SITE-/tmp/site2}  # the carried wheels (.whl/: what the device's Python lacks), installed once
-if [[ -n $site && -d .whl && ! -d $site ]]; then
-  pip install -q --no-index --no-deps --target "$site" .whl/*.whl > /dev/null 2>&1
-fi
+source benchmarks/gpu_preamble.sh
 if [[ ${AB:-1} == 1 ]]; then
   ROUNDS=${ROUNDS:-5} BASE=${BASE:?the base tree under .ab/} timeout "${ABT:-330}" bash benchmarks/gpu_structured_ab.sh
   echo "ab rc=$?"

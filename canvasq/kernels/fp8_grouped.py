@@ -104,10 +104,79 @@ def _scaled_store(
 
 
 @triton.jit
-def _grouped_kernel(
+def _products(
     a_ptr,
-    as_ptr,
     w_ptr,
+    row0,
+    expert,
+    cols,
+    M,
+    N,
+    stride_am,
+    stride_we,
+    stride_wn,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IMPRECISE: tl.constexpr,
+    GATED: tl.constexpr,
+):
+    """The tile's products through pointers (cp.async): (acc, the up half's acc when GATED)."""
+    ks = tl.arange(0, BLOCK_K)
+    rows_in = tl.minimum(row0 + tl.arange(0, BLOCK_M), M - 1)
+    a_ptrs = a_ptr + rows_in.to(tl.int64)[:, None] * stride_am + ks[None, :]
+    w_rows = tl.minimum(cols, N - 1).to(tl.int64)
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + w_rows[None, :] * stride_wn + ks[:, None]
+    up = N * stride_wn  # GATED: the up rows follow the gate rows
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mk = (k0 + ks) < K
+        a = tl.load(a_ptrs) if EVEN_K else tl.load(a_ptrs, mask=mk[None, :], other=0.0)
+        b = tl.load(w_ptrs) if EVEN_K else tl.load(w_ptrs, mask=mk[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE)
+        if GATED:
+            b = tl.load(w_ptrs + up) if EVEN_K else tl.load(w_ptrs + up, mask=mk[:, None], other=0.0)
+            acc_u = tl.dot(a, b, acc_u, max_num_imprecise_acc=IMPRECISE)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc, acc_u
+
+
+@triton.jit
+def _products_tma(
+    a_desc,
+    w_desc,
+    row0,
+    w_row,
+    N,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IMPRECISE: tl.constexpr,
+    GATED: tl.constexpr,
+):
+    """The same through TMA descriptors, the weights as one [E * N, K] matrix: a column tile past N
+    reads the next expert's rows (or zeros past the last), which the store drops; rows and K past
+    their ends read zeros."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([row0, k0])
+        acc = tl.dot(a, w_desc.load([w_row, k0]).T, acc, max_num_imprecise_acc=IMPRECISE)
+        if GATED:
+            acc_u = tl.dot(a, w_desc.load([w_row + N, k0]).T, acc_u, max_num_imprecise_acc=IMPRECISE)
+    return acc, acc_u
+
+
+@triton.jit
+def _grouped_kernel(
+    a,
+    as_ptr,
+    w,
     ws_ptr,
     offs_ptr,
     out_ptr,
@@ -128,109 +197,28 @@ def _grouped_kernel(
     EVEN_K: tl.constexpr,
     IMPRECISE: tl.constexpr,
     GATED: tl.constexpr,
+    TMA: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
+    # a, w: pointers, or with TMA their descriptors
     pid = tl.program_id(0)
     pid_n = pid // m_tiles
     expert, row0, end, live = _my_rows(offs_ptr, pid % m_tiles, E, E_POW2, BLOCK_M)
     if not live:
         return
-    rows_in = tl.minimum(row0 + tl.arange(0, BLOCK_M), M - 1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows_in.to(tl.int64)[:, None] * stride_am + ks[None, :]
-    w_rows = tl.minimum(cols, N - 1).to(tl.int64)
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + w_rows[None, :] * stride_wn + ks[:, None]
-    up = N * stride_wn  # GATED: the up rows follow the gate rows
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mk = (k0 + ks) < K
-        a = tl.load(a_ptrs) if EVEN_K else tl.load(a_ptrs, mask=mk[None, :], other=0.0)
-        b = tl.load(w_ptrs) if EVEN_K else tl.load(w_ptrs, mask=mk[:, None], other=0.0)
-        acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE)
-        if GATED:
-            b = tl.load(w_ptrs + up) if EVEN_K else tl.load(w_ptrs + up, mask=mk[:, None], other=0.0)
-            acc_u = tl.dot(a, b, acc_u, max_num_imprecise_acc=IMPRECISE)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if TMA:
+        w_row = expert * (2 * N if GATED else N) + pid_n * BLOCK_N
+        acc, acc_u = _products_tma(a, w, row0, w_row, N, K, BLOCK_M, BLOCK_N, BLOCK_K, IMPRECISE, GATED)
+    else:
+        acc, acc_u = _products(
+            a, w, row0, expert, cols, M, N, stride_am, stride_we, stride_wn,
+            K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IMPRECISE, GATED,
+        )  # fmt: skip
     _scaled_store(
-        acc,
-        acc_u,
-        row0,
-        end,
-        expert,
-        cols,
-        as_ptr,
-        ws_ptr,
-        out_ptr,
-        M,
-        N,
-        stride_wse,
-        stride_om,
-        BLOCK_M,
-        GATED,
-        INTERPRETED,
-    )
-
-
-@triton.jit
-def _grouped_tma_kernel(
-    a_desc,
-    as_ptr,
-    w_desc,
-    ws_ptr,
-    offs_ptr,
-    out_ptr,
-    M,
-    N,
-    stride_wse,
-    stride_om,
-    m_tiles,
-    K: tl.constexpr,
-    E: tl.constexpr,
-    E_POW2: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    IMPRECISE: tl.constexpr,
-    GATED: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-):
-    # the weights as one [E * N, K] matrix: a column tile past N reads the next expert's rows (or
-    # zeros past the last), which the store drops; rows and K past their ends read zeros
-    pid = tl.program_id(0)
-    pid_n = pid // m_tiles
-    expert, row0, end, live = _my_rows(offs_ptr, pid % m_tiles, E, E_POW2, BLOCK_M)
-    if not live:
-        return
-    w_row = expert * (2 * N if GATED else N) + pid_n * BLOCK_N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = a_desc.load([row0, k0])
-        acc = tl.dot(a, w_desc.load([w_row, k0]).T, acc, max_num_imprecise_acc=IMPRECISE)
-        if GATED:
-            acc_u = tl.dot(a, w_desc.load([w_row + N, k0]).T, acc_u, max_num_imprecise_acc=IMPRECISE)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    _scaled_store(
-        acc,
-        acc_u,
-        row0,
-        end,
-        expert,
-        cols,
-        as_ptr,
-        ws_ptr,
-        out_ptr,
-        M,
-        N,
-        stride_wse,
-        stride_om,
-        BLOCK_M,
-        GATED,
-        INTERPRETED,
-    )
+        acc, acc_u, row0, end, expert, cols, as_ptr, ws_ptr, out_ptr, M, N, stride_wse, stride_om,
+        BLOCK_M, GATED, INTERPRETED,
+    )  # fmt: skip
 
 
 def grouped_gemm(
@@ -266,58 +254,19 @@ def grouped_gemm(
 def _launch(tiles: Tiles, a, a_scale, w, w_scale, offs, out, gated: bool) -> None:
     (m, k), n_experts, n = a.shape, w.shape[0], out.shape[1]
     m_tiles = triton.cdiv(m, tiles.block_m) + n_experts  # an upper bound: each expert rounds up once
-    grid = (m_tiles * triton.cdiv(n, tiles.block_n),)
-    blocks = {
-        "K": k,
-        "E": n_experts,
-        "E_POW2": triton.next_power_of_2(n_experts),
-        "BLOCK_M": tiles.block_m,
-        "BLOCK_N": tiles.block_n,
-        "BLOCK_K": tiles.block_k,
-        "IMPRECISE": tiles.imprecise,
-        "num_warps": tiles.warps,
-        "num_stages": tiles.stages,
-        "GATED": gated,
-        "INTERPRETED": interpreted(_grouped_kernel),
-    }
+    strides = (a.stride(0), w.stride(0), w.stride(1))
     if tiles.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        a_desc = TensorDescriptor.from_tensor(a, [tiles.block_m, tiles.block_k])
-        w_desc = TensorDescriptor.from_tensor(w.view(-1, k), [tiles.block_n, tiles.block_k])
-        _grouped_tma_kernel[grid](
-            a_desc,
-            a_scale,
-            w_desc,
-            w_scale,
-            offs,
-            out,
-            m,
-            n,
-            w_scale.stride(0),
-            out.stride(0),
-            m_tiles,
-            **blocks,
-        )
-        return
-    _grouped_kernel[grid](
-        a,
-        a_scale,
-        w,
-        w_scale,
-        offs,
-        out,
-        m,
-        n,
-        a.stride(0),
-        w.stride(0),
-        w.stride(1),
-        w_scale.stride(0),
-        out.stride(0),
-        m_tiles,
-        EVEN_K=k % tiles.block_k == 0,
-        **blocks,
-    )
+        a = TensorDescriptor.from_tensor(a, [tiles.block_m, tiles.block_k])
+        w = TensorDescriptor.from_tensor(w.view(-1, k), [tiles.block_n, tiles.block_k])
+    _grouped_kernel[(m_tiles * triton.cdiv(n, tiles.block_n),)](
+        a, a_scale, w, w_scale, offs, out, m, n, *strides, w_scale.stride(0), out.stride(0), m_tiles,
+        K=k, E=n_experts, E_POW2=triton.next_power_of_2(n_experts), BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, EVEN_K=k % tiles.block_k == 0,
+        IMPRECISE=tiles.imprecise, GATED=gated, TMA=tiles.tma, INTERPRETED=interpreted(_grouped_kernel),
+        num_warps=tiles.warps, num_stages=tiles.stages,
+    )  # fmt: skip
 
 
 def tiles_for(
@@ -390,18 +339,10 @@ def device_name(t: torch.Tensor) -> str:
 def compile_specs():
     """The experts' two GEMMs at the real shape (H 2,816, I 704, 128 experts) with `tiles_for`'s
     tilings, gate/up with its gated epilogue (benchmarks/kernels/compile_check.py)."""
-    from .compile_spec import CompileSpec
+    from .compile_spec import CompileSpec, pointers_and_strides
 
-    types = {
-        "a_ptr": "*fp8e4nv",
-        "w_ptr": "*fp8e4nv",
-        "as_ptr": "*fp32",
-        "ws_ptr": "*fp32",
-        "offs_ptr": "*i32",
-    }
-    divisible = frozenset(
-        n for n in _grouped_kernel.arg_names if n.endswith("_ptr") or n.startswith("stride")
-    )
+    types = {"a": "*fp8e4nv", "w": "*fp8e4nv", "as_ptr": "*fp32", "ws_ptr": "*fp32", "offs_ptr": "*i32"}
+    divisible = pointers_and_strides(_grouped_kernel, "a", "w")
     for rows in (1024 * 8, 4096 * 8):
         for name, n, k, gated in (("gate_up_act", 1408, 2816, True), ("down", 2816, 704, False)):
             t = tiles_for(rows, 128, n, k, gated, "NVIDIA_H200")
@@ -420,6 +361,7 @@ def compile_specs():
                     "E_POW2": 128,
                     "EVEN_K": k % t.block_k == 0,
                     "GATED": gated,
+                    "TMA": False,
                     "INTERPRETED": False,
                 }
                 | blocks,

@@ -11,7 +11,6 @@ from kernel_testutil import DEVICE, ON_GPU, poison, rel_err
 from canvasq.kernels.fp8_grouped import Tiles, grouped_gemm, tiles_for
 from canvasq.model.fp8 import _grouped, expert_order, quantize_rows
 
-
 # fp32 operands: exact products on the CPU, TF32 (tl.dot's default) on a GPU
 TOL = {torch.float32: 2e-3 if ON_GPU else 1e-5, torch.float16: 2e-3}
 

@@ -2,7 +2,8 @@
 # One device call for issue 34's forward (item 5): our Triton FP8 grouped GEMM against torch's
 # `_scaled_grouped_mm` ($OUT gets at most 7 files), the most telling part first:
 #   1. `kernels/fp8_grouped.py`: both GEMMs of the expert layer at TOKENS tokens, a sweep of tilings,
-#      whose winners ($OUT/fp8_grouped_tuned.json) the forward's triton arm then takes;
+#      whose winners ($OUT/fp8_grouped_tuned.json) the forward's triton arm then takes, and the W4A8
+#      prototype (`kernels/moe/w4a8.py`) on the same rows with the weights W4-packed;
 #   2. `probes/forward_kernels.py`: the worker's forward at BATCHES windows of 256 rows, the grouped
 #      GEMM torch's and ours as arms of one process (graphs, GPU time, kernels by group);
 #   3. its GPU tests and the FP8 model tests (e4m3 against torch's kernel and the twin).

@@ -7,7 +7,9 @@
 Per token count and GEMM (gate/up: N = 2I, K = H; down: N = H, K = I): rows in expert order from a
 uniform top-8 routing (and with `--skew` a routing whose experts are drawn from a Zipf-like law), e4m3
 operands with row scales, each arm timed by `triton.testing.do_bench` (median ms, L2 flushed between
-calls) and checked against torch's output (the CPU: against the dequantising twin). GB/s count the
+calls) and checked against torch's output (the CPU: against the dequantising twin). The plain GEMMs also
+run the W4A8 prototype (`kernels.moe.w4a8`) with the same weights W4-packed, against the pack's own
+dequantised GEMM. GB/s count the
 weights once plus the rows read and written; TFLOP/s count 2·M·N·K. Rows go to $OUT/fp8_grouped.json.
 """
 
@@ -30,6 +32,8 @@ from triton.runtime.errors import OutOfResources
 from canvasq.kernels.fp8_grouped import Tiles, gemm_key, grouped_gemm, save_tuned, tiles_for
 from canvasq.kernels.fp8_quant import gelu_mul_quant_triton, quantize_rows_triton
 from canvasq.kernels.gelu_mul import gelu_mul_reference
+from canvasq.kernels.moe.quant import dequantize_w4, quantize_w4
+from canvasq.kernels.moe.w4a8 import w4a8_grouped
 from canvasq.model.fp8 import _grouped, expert_order, quantize_rows
 from canvasq.provenance import git_commit
 
@@ -85,7 +89,8 @@ def case(tokens: int, name: str, n: int, k: int, skew: bool, tilings: list[Tiles
     m = tokens * TOPK
     g = torch.Generator(device=DEVICE).manual_seed(seed + 1)
     aq, a_s = quantize_rows(torch.randn(m, k, generator=g, device=DEVICE, dtype=dtype))
-    wq, w_s = quantize_rows(torch.randn(E, n, k, generator=g, device=DEVICE, dtype=dtype) * k**-0.5)
+    w = torch.randn(E, n, k, generator=g, device=DEVICE, dtype=dtype) * k**-0.5
+    wq, w_s = quantize_rows(w)
     if not ON_GPU:  # the interpreter's dot takes fp32, not e4m3: the same values, widened
         aq, wq = aq.float(), wq.float()
     gated = name.endswith("+act")
@@ -113,7 +118,32 @@ def case(tokens: int, name: str, n: int, k: int, skew: bool, tilings: list[Tiles
     row["arms"] = [_timed(label, fn, ref, nbytes, flop) for label, fn in arms.items()]
     ok = [a for a in row["arms"] if "ms" in a and a["arm"] in tiles]
     row["best_tiles"] = asdict(tiles[min(ok, key=lambda a: a["ms"])["arm"]]) if ok else None
+    if not gated:
+        row["arms"] += w4a8_arms(aq, a_s, w, offs, dtype)
     return row
+
+
+W4A8 = [(64, 128, 4), (64, 128, 8), (64, 64, 4)]  # block_m, block_n, warps (`kernels.moe.w4a8`)
+
+
+def w4a8_arms(aq, a_s, w, offs, dtype) -> list[dict]:
+    """The W4A8 prototype on the same rows with the weights W4-packed (the pack's groups: 128 for K
+    2,816, 64 for 704), each arm against its own reference (the pack dequantised, the twin's GEMM)."""
+    (m, k), (e, n, _) = aq.shape, w.shape
+    group = 128 if k % 128 == 0 and k > 1024 else 64 if k % 64 == 0 else 32
+    if k % group:
+        return []
+    q, ws, wz = quantize_w4(w, group, dtype)
+    ref = _grouped(
+        aq.float(), a_s, dequantize_w4(q, ws, wz, k, torch.float32), torch.ones(e, n), offs, dtype, False
+    )
+    x = aq if ON_GPU else aq.to(torch.float16)
+    nbytes = q.numel() + 2 * ws.numel() * ws.element_size() + m * k + 2 * m * n
+    out = []
+    for bm, bn, warps in W4A8 if ON_GPU else [(16, 32, 4)]:
+        fn = lambda bm=bm, bn=bn, warps=warps: w4a8_grouped(x, a_s, q, ws, wz, offs, dtype, bm, bn, warps)
+        out.append(_timed(f"w4a8_m{bm}n{bn}w{warps}", fn, ref, nbytes, 2 * m * n * k))
+    return out
 
 
 def _dequantized(qs) -> torch.Tensor:

@@ -18,6 +18,7 @@ if not os.path.exists("/dev/nvidiactl"):
     import canvasq.kernels.constrain
     import canvasq.kernels.fp8_grouped
     import canvasq.kernels.moe.kernels
+    import canvasq.kernels.moe.w4a8
     import canvasq.kernels.pin
     import canvasq.kernels.rules
     import canvasq.kernels.soft_embed

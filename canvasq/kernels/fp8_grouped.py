@@ -26,13 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fp8_quant
 from ._dispatch import interpreted
 from ._math import tanh
-from .fp8_quant import _K_BETA as K_BETA
-from .fp8_quant import _K_KAPPA as K_KAPPA
+from .moe.config import device_name, nearest_at_or_above
 
-_K_BETA: tl.constexpr = tl.constexpr(K_BETA)
-_K_KAPPA: tl.constexpr = tl.constexpr(K_KAPPA)
+# gelu_tanh's constants, as `gelu_mul_quant` takes them
+_K_BETA: tl.constexpr = tl.constexpr(fp8_quant._K_BETA)
+_K_KAPPA: tl.constexpr = tl.constexpr(fp8_quant._K_KAPPA)
 
 
 @dataclass(frozen=True)
@@ -236,11 +237,9 @@ def grouped_gemm(
     int32 (each expert's end) -> [M, N] in out_dtype (into `out` if given). Rows past offs[-1] are
     left unwritten. `gated`: W holds gate | up rows ([E, 2I, K]) and the output is gelu_tanh(gate) *
     up, [M, I] (what `gelu_mul` gives on the [M, 2I] output)."""
-    m, k = a.shape
-    n_experts = w.shape[0]
-    tiles = tiles or tiles_for(m, n_experts, w.shape[1], k, gated, device_name(a))
-    _, n, k_w = w.shape
-    n = n // 2 if gated else n
+    (m, k), (n_experts, n_w, k_w) = a.shape, w.shape
+    tiles = tiles or tiles_for(m, n_experts, n_w, k, gated, device_name(a.device))
+    n = n_w // 2 if gated else n_w
     assert k_w == k and a.stride(1) == 1 and w.stride(2) == 1, (a.shape, w.shape)
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype, device=a.device)
@@ -285,8 +284,7 @@ def tiles_for(
 def _tiles_for(rows: int, experts: int, n: int, k: int, gated: bool, path: str) -> Tiles:
     table = load_tuned(path).get(gemm_key(n, k, gated))
     if table:
-        above = [r for r in table if r >= rows]
-        return table[min(above)] if above else table[max(table)]
+        return nearest_at_or_above(table, rows)
     block_n = 64 if gated else 128
     if rows <= 96 * experts:
         return Tiles(64, block_n, 128, warps=4, stages=4)
@@ -302,8 +300,8 @@ def gemm_key(n: int, k: int, gated: bool) -> str:
 
 
 def tuned_file(experts: int, device: str) -> Path:
-    """Where `benchmarks/kernels/fp8_grouped.py --tune` results for `device` (a CUDA device name, spaces
-    as underscores) live."""
+    """Where the tuned tilings for `device` (`moe.config.device_name`) live: what
+    `benchmarks/kernels/fp8_grouped.py` writes as fp8_grouped_tuned.json, checked in."""
     return CONFIG_DIR / f"fp8_grouped,E={experts},device={device}.json"
 
 
@@ -323,17 +321,6 @@ def save_tuned(path: Path, gemms: dict[str, dict[int, Tiles]], meta: dict) -> No
         "gemms": {g: {str(r): asdict(t) for r, t in sorted(rows.items())} for g, rows in gemms.items()},
     }
     path.write_text(json.dumps(body, indent=1) + "\n")
-
-
-@functools.lru_cache(maxsize=16)
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index).replace(" ", "_")
-
-
-def device_name(t: torch.Tensor) -> str:
-    if not t.is_cuda:
-        return "cpu"
-    return _device_name(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def compile_specs():

@@ -45,7 +45,9 @@ class MoeLaunchConfig:
     gluon_down_maxnreg: int | None = None
 
 
+@lru_cache(maxsize=16)
 def device_name(device: torch.device) -> str:
+    """The name the tuned files carry (spaces as _); "cpu" off CUDA. Cached: launchers ask per call."""
     if device.type != "cuda":
         return "cpu"
     return torch.cuda.get_device_name(device).replace(" ", "_")
@@ -87,9 +89,12 @@ def get_config(num_tokens: int, top_k: int, packed: W4Experts, dtype: torch.dtyp
         )
     )
     table = load_configs(path)
-    if not table:
-        return MoeLaunchConfig()
-    above = [t for t in table if t >= num_tokens]
+    return nearest_at_or_above(table, num_tokens) if table else MoeLaunchConfig()
+
+
+def nearest_at_or_above(table: dict, rows: int):
+    """A tuned table's entry for the smallest row count at or above `rows`, else its largest."""
+    above = [r for r in table if r >= rows]
     return table[min(above)] if above else table[max(table)]
 
 

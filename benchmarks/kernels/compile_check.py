@@ -52,6 +52,7 @@ MODULES = (
     "gelu_mul",
     "fp8_quant",
     "fp8_grouped",
+    "moe.w4a8",
     "softmax_argmax",
     "softmax_invcdf",
     "softmax_topk",

@@ -9,7 +9,9 @@ uniform top-8 routing (and with `--skew` a routing whose experts are drawn from 
 operands with row scales, each arm timed by `triton.testing.do_bench` (median ms, L2 flushed between
 calls) and checked against torch's output (the CPU: against the dequantising twin). The plain GEMMs also
 run the W4A8 prototype (`kernels.moe.w4a8`) with the same weights W4-packed, against the pack's own
-dequantised GEMM. GB/s count the
+dequantised GEMM; its bias form (`w4a8b_*`) takes each row's group sums computed before the timed
+call (in a product path the row quantiser would write them). Labels ending `mm` launch row tiles
+outer (`fp8_grouped._tile_of`). GB/s count the
 weights once plus the rows read and written; TFLOP/s count 2·M·N·K. Rows go to $OUT/fp8_grouped.json.
 """
 
@@ -33,7 +35,7 @@ from canvasq.kernels.fp8_grouped import Tiles, gemm_key, grouped_gemm, save_tune
 from canvasq.kernels.fp8_quant import gelu_mul_quant_triton, quantize_rows_triton
 from canvasq.kernels.gelu_mul import gelu_mul_reference
 from canvasq.kernels.moe.quant import dequantize_w4, quantize_w4
-from canvasq.kernels.moe.w4a8 import w4a8_grouped
+from canvasq.kernels.moe.w4a8 import group_sums, w4a8_grouped
 from canvasq.model.fp8 import _grouped, expert_order, quantize_rows
 from canvasq.provenance import git_commit
 
@@ -55,6 +57,14 @@ SWEEP = [
         (64, 256, 128, 4, 3, True),
         (128, 256, 128, 8, 3, True),
     ]
+] + [  # row tiles outer (`_tile_of`): the rows from HBM about once, not once per column block
+    Tiles(bm, bn, bk, warps, stages, tma=tma, m_major=True)
+    for bm, bn, bk, warps, stages, tma in [
+        (64, 128, 128, 4, 3, False),
+        (64, 256, 128, 4, 3, False),
+        (64, 128, 128, 4, 4, True),
+        (128, 256, 128, 8, 3, True),
+    ]
 ]
 
 
@@ -68,7 +78,7 @@ GATED = [
         (128, 64, 128, 8, 4, True),
         (128, 128, 128, 8, 3, True),
     ]
-]
+] + [Tiles(64, 64, 128, 4, 4, m_major=True), Tiles(128, 128, 128, 8, 3, tma=True, m_major=True)]
 
 
 def routing(tokens: int, skew: bool, seed: int) -> torch.Tensor:
@@ -123,7 +133,10 @@ def case(tokens: int, name: str, n: int, k: int, skew: bool, tilings: list[Tiles
     return row
 
 
-W4A8 = [(64, 128, 4), (64, 128, 8), (64, 64, 4)]  # block_m, block_n, warps (`kernels.moe.w4a8`)
+# block_m, block_n, warps, the bias form, row tiles outer (`kernels.moe.w4a8`)
+W4A8 = [(64, 128, 4, False, False), (64, 128, 8, False, False), (64, 64, 4, False, False)] + [
+    (bm, bn, w, True, mm) for bm, bn, w in [(64, 128, 4), (64, 128, 8), (64, 256, 8)] for mm in (False, True)
+]
 
 
 def w4a8_arms(aq, a_s, w, offs, dtype) -> list[dict]:
@@ -139,10 +152,15 @@ def w4a8_arms(aq, a_s, w, offs, dtype) -> list[dict]:
     )
     x = aq if ON_GPU else aq.to(torch.float16)
     nbytes = q.numel() + 2 * ws.numel() * ws.element_size() + m * k + 2 * m * n
+    sums = group_sums(x, group)  # the bias form's: in a product path, the row quantiser's
     out = []
-    for bm, bn, warps in W4A8 if ON_GPU else [(16, 32, 4)]:
-        fn = lambda bm=bm, bn=bn, warps=warps: w4a8_grouped(x, a_s, q, ws, wz, offs, dtype, bm, bn, warps)
-        out.append(_timed(f"w4a8_m{bm}n{bn}w{warps}", fn, ref, nbytes, 2 * m * n * k))
+    for bm, bn, warps, bias, mm in W4A8 if ON_GPU else [(16, 32, 4, False, False), (16, 32, 4, True, True)]:
+
+        def fn(bm=bm, bn=bn, warps=warps, bias=bias, mm=mm):
+            return w4a8_grouped(x, a_s, q, ws, wz, offs, dtype, bm, bn, warps, 3, sums if bias else None, mm)
+
+        label = f"w4a8{'b' if bias else ''}_m{bm}n{bn}w{warps}" + ("mm" if mm else "")
+        out.append(_timed(label, fn, ref, nbytes, 2 * m * n * k))
     return out
 
 
@@ -162,7 +180,11 @@ def _timed(label: str, fn, ref: torch.Tensor, nbytes: int, flop: int) -> dict:
 
 
 def _label(t: Tiles) -> str:
-    return f"m{t.block_m}n{t.block_n}k{t.block_k}w{t.warps}s{t.stages}" + ("tma" if t.tma else "")
+    return (
+        f"m{t.block_m}n{t.block_n}k{t.block_k}w{t.warps}s{t.stages}"
+        + ("tma" if t.tma else "")
+        + ("mm" if t.m_major else "")
+    )
 
 
 def write(out: Path, results: list[dict]) -> None:

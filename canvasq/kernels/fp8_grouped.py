@@ -48,6 +48,18 @@ class Tiles:
     stages: int = 4
     imprecise: int | None = None
     tma: bool = False  # operands through Hopper's tensor memory accelerator (descriptors) or pointers
+    m_major: bool = False  # the launch order: row tiles outer (`_tile_of`)
+
+
+@triton.jit
+def _tile_of(pid, m_tiles, n_tiles, M_MAJOR: tl.constexpr):
+    """(row tile, column tile) of program pid. Column tiles outer: each pass over every expert's rows
+    takes one column block of each expert's weights, so all the rows are read once per column block
+    (from L2 while they fit). M_MAJOR, row tiles outer: a row tile's column blocks run side by side,
+    its rows read from HBM about once, each expert's weights once per row tile of that expert."""
+    if M_MAJOR:
+        return pid // n_tiles, pid % n_tiles
+    return pid % m_tiles, pid // m_tiles
 
 
 @triton.jit
@@ -189,6 +201,7 @@ def _grouped_kernel(
     stride_wse,
     stride_om,
     m_tiles,
+    n_tiles,
     K: tl.constexpr,
     E: tl.constexpr,
     E_POW2: tl.constexpr,
@@ -199,12 +212,12 @@ def _grouped_kernel(
     IMPRECISE: tl.constexpr,
     GATED: tl.constexpr,
     TMA: tl.constexpr,
+    M_MAJOR: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     # a, w: pointers, or with TMA their descriptors
-    pid = tl.program_id(0)
-    pid_n = pid // m_tiles
-    expert, row0, end, live = _my_rows(offs_ptr, pid % m_tiles, E, E_POW2, BLOCK_M)
+    pid_m, pid_n = _tile_of(tl.program_id(0), m_tiles, n_tiles, M_MAJOR)
+    expert, row0, end, live = _my_rows(offs_ptr, pid_m, E, E_POW2, BLOCK_M)
     if not live:
         return
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -253,17 +266,19 @@ def grouped_gemm(
 def _launch(tiles: Tiles, a, a_scale, w, w_scale, offs, out, gated: bool) -> None:
     (m, k), n_experts, n = a.shape, w.shape[0], out.shape[1]
     m_tiles = triton.cdiv(m, tiles.block_m) + n_experts  # an upper bound: each expert rounds up once
+    n_tiles = triton.cdiv(n, tiles.block_n)
     strides = (a.stride(0), w.stride(0), w.stride(1))
     if tiles.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         a = TensorDescriptor.from_tensor(a, [tiles.block_m, tiles.block_k])
         w = TensorDescriptor.from_tensor(w.view(-1, k), [tiles.block_n, tiles.block_k])
-    _grouped_kernel[(m_tiles * triton.cdiv(n, tiles.block_n),)](
-        a, a_scale, w, w_scale, offs, out, m, n, *strides, w_scale.stride(0), out.stride(0), m_tiles,
+    _grouped_kernel[(m_tiles * n_tiles,)](
+        a, a_scale, w, w_scale, offs, out, m, n, *strides, w_scale.stride(0), out.stride(0), m_tiles, n_tiles,
         K=k, E=n_experts, E_POW2=triton.next_power_of_2(n_experts), BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, EVEN_K=k % tiles.block_k == 0,
-        IMPRECISE=tiles.imprecise, GATED=gated, TMA=tiles.tma, INTERPRETED=interpreted(_grouped_kernel),
+        IMPRECISE=tiles.imprecise, GATED=gated, TMA=tiles.tma, M_MAJOR=tiles.m_major,
+        INTERPRETED=interpreted(_grouped_kernel),
         num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
 
@@ -349,6 +364,7 @@ def compile_specs():
                     "EVEN_K": k % t.block_k == 0,
                     "GATED": gated,
                     "TMA": False,
+                    "M_MAJOR": False,
                     "INTERPRETED": False,
                 }
                 | blocks,

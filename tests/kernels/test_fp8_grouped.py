@@ -37,6 +37,7 @@ def _case(experts, n, k, tokens, top_k, dtype, seed=0):
         (Tiles(16, 32, 64, stages=1), 40, 80),  # K and N past their last block
         (Tiles(16, 16, 32, stages=1, tma=True), 48, 96),  # descriptors: the weights as one matrix
         (Tiles(16, 32, 64, stages=1, tma=True), 40, 80),  # a column tile reading the next expert's rows
+        (Tiles(16, 32, 64, stages=1, m_major=True), 40, 80),  # row tiles outer: every tile still once
     ],
 )
 def test_grouped_gemm_matches_the_twin_row_for_row(dtype, tiles, n, k):

@@ -148,7 +148,7 @@ def w4a8_arms(aq, a_s, w, offs, dtype) -> list[dict]:
         return []
     q, ws, wz = quantize_w4(w, group, dtype)
     ref = _grouped(
-        aq.float(), a_s, dequantize_w4(q, ws, wz, k, torch.float32), torch.ones(e, n), offs, dtype, False
+        aq.float(), a_s, dequantize_w4(q, ws, wz, k, torch.float32), a_s.new_ones(e, n), offs, dtype, False
     )
     x = aq if ON_GPU else aq.to(torch.float16)
     nbytes = q.numel() + 2 * ws.numel() * ws.element_size() + m * k + 2 * m * n

@@ -24,7 +24,7 @@ def test_w4a8_matches_the_dequantised_pack_row_for_row(which, bias, m_major):
     packed = pack_w4(
         torch.randn(e, 2 * i, h, generator=g) * 0.1,
         torch.randn(e, h, i, generator=g) * 0.1,
-        W4Config(group_gate_up=64, group_down=32),
+        W4Config(group_gate_up=64, group_down=64),
     )
     gq, dq = packed.kcontig_q()
     q, s, z, k = (

@@ -120,6 +120,7 @@ def w4a8_grouped(
     if m == 0:
         return out
     compiled = not interpreted(_w4a8_kernel)
+    assert group >= 64 or not compiled, f"group {group}: an e4m3 dot takes K >= 32, half a group"
     m_tiles, n_tiles = triton.cdiv(m, block_m) + n_experts, triton.cdiv(n, block_n)
     _w4a8_kernel[(m_tiles * n_tiles,)](
         x, x_scale, x_scale if sums is None else sums, q, scale, zero, offs, out, m, n,

@@ -157,14 +157,25 @@ def moe_case(rt, rows_n: int, args, cuda: bool) -> dict:
 
 
 def set_grouped(rt, impl: str) -> str:
-    """Every FP8 expert layer of `rt` takes `impl`'s grouped GEMM (`model.fp8.parse_grouped`)."""
-    from canvasq.model.fp8 import FP8Experts, parse_grouped
+    """Every FP8 expert layer of `rt` takes `impl`'s grouped GEMM (`model.fp8.parse_grouped`); "w4a8"
+    swaps in the W4 pack's experts (`model.w4a8`), made once a pack and kept beside the e4m3 copy."""
+    from canvasq.model.fp8 import parse_grouped
+    from canvasq.model.w4a8 import W4A8Experts
 
     impl = parse_grouped(impl)
+    arms = rt.__dict__.setdefault("_expert_arms", {})  # id(layer) -> its e4m3 experts; id(pack) -> W4A8
     for lw in rt.enc_layers + rt.dec_layers:
-        ex = (getattr(lw, "fp8", None) or {}).get("experts")
-        if isinstance(ex, FP8Experts):
-            ex.grouped = impl
+        fp8 = getattr(lw, "fp8", None) or {}
+        if "experts" not in fp8:
+            continue
+        e4m3 = arms.setdefault(id(lw), fp8["experts"])
+        if impl == "w4a8":
+            key = id(lw.experts_packed)
+            if key not in arms:
+                arms[key] = W4A8Experts.from_w4(lw.experts_packed)
+            fp8["experts"] = arms[key]
+        else:
+            fp8["experts"], e4m3.grouped = e4m3, impl
     return impl
 
 

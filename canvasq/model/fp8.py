@@ -21,10 +21,14 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from canvasq.model.experts import gelu_tanh
+
+if TYPE_CHECKING:
+    from canvasq.model.w4a8 import W4A8Experts
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -106,6 +110,28 @@ class FP8Experts:
             for t in (self.gate_up, self.gate_up_scale, self.down, self.down_scale)
         )
 
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up.shape[0]
+
+    def rows(self, x: torch.Tensor, order, row_of, offs, kernel: bool) -> torch.Tensor:
+        """Tokens x [N, H] -> their K experts' outputs [N*K, H] in expert order (`expert_order`'s
+        order, row_of [N, K] and offs): each token quantised once, its rows gathered per assignment
+        (the scale travels with the row), the gated activation quantised from the gate/up output."""
+        if kernel:  # each token quantised once, its copies written straight to their expert-order rows
+            from canvasq.kernels.fp8_quant import quantize_rows_triton
+
+            xq, xs = quantize_rows_triton(x.contiguous(), dest=row_of)
+        else:
+            xq, xs = quantize_rows(x)
+            src = order // row_of.shape[1]
+            xq, xs = (
+                xq.view(torch.uint8)[src].view(E4M3),
+                xs[src],
+            )  # as bytes: fp8 indexing is not on every build
+        aq, as_ = _gated_rows(xq, xs, self, offs, x.dtype, kernel)
+        return _grouped(aq, as_, self.down, self.down_scale, offs, x.dtype, kernel, self.grouped)
+
 
 def _quantize_by_expert(w: torch.Tensor, chunk: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """[E, N, K] -> e4m3 [E, N, K] and scales [E, N], a few experts at a time (bounded fp32 scratch)."""
@@ -160,17 +186,16 @@ def fp8_moe(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_p: torch.Tensor,
-    ex: FP8Experts,
+    ex: FP8Experts | W4A8Experts,
     expert_scale: torch.Tensor | None = None,
     defer_combine: bool = False,
     kernel: bool | None = None,
 ):
-    """`experts.moe_grouped` on e4m3 weights and per-row e4m3 activations: x [N, H] -> [N, H].
+    """`experts.moe_grouped` on per-row e4m3 activations: x [N, H] -> [N, H], the weights e4m3
+    (`FP8Experts`) or the W4 pack's (`W4A8Experts`), whose `rows` run the two GEMMs.
 
     `topk_p` are the combine weights, or with `expert_scale` the router's raw top-k probabilities
-    (renormalised and scaled by `route_weights`). Each token is quantised once and its rows gathered
-    per assignment (the scale travels with the row); the gated activation is quantised straight from
-    the gate/up output (one Triton launch on the kernel path). With `defer_combine` the per-assignment
+    (renormalised and scaled by `route_weights`). With `defer_combine` the per-assignment
     rows come back in token order as the W4 path's `ExpertRows`, which the end-of-layer norm combines;
     otherwise the K outputs of a row are summed in fp32 in fixed k order, as the other
     implementations do."""
@@ -179,20 +204,8 @@ def fp8_moe(
 
     kernel = fp8_supported(x.device) if kernel is None else kernel
     n, k = topk_ids.shape
-    order, offs, row_of = expert_order(topk_ids, ex.gate_up.shape[0], kernel)
-    if kernel:  # each token quantised once, its copies written straight to their expert-order rows
-        from canvasq.kernels.fp8_quant import quantize_rows_triton
-
-        xq, xs = quantize_rows_triton(x.contiguous(), dest=row_of.view(n, k))
-    else:
-        xq, xs = quantize_rows(x)
-        src = order // k
-        xq, xs = (
-            xq.view(torch.uint8)[src].view(E4M3),
-            xs[src],
-        )  # gathered as bytes: fp8 indexing is not on every build
-    aq, as_ = _gated_rows(xq, xs, ex, offs, x.dtype, kernel)
-    out = _grouped(aq, as_, ex.down, ex.down_scale, offs, x.dtype, kernel, ex.grouped)  # [N*K, H], by expert
+    order, offs, row_of = expert_order(topk_ids, ex.num_experts, kernel)
+    out = ex.rows(x, order, row_of.view(n, k), offs, kernel)  # [N*K, H], by expert
     if defer_combine:  # the combine reads the rows where they are (no scatter back to token order)
         return ExpertRows(out, topk_p, topk_ids, expert_scale, row_map=row_of)
     y = out[row_of]  # token order: row t*K + j is token t's j-th expert
@@ -278,7 +291,9 @@ def _grouped(aq, a_scale, wq, w_scale, offs, dtype, kernel: bool, impl: str = "t
 
 
 DENSE = ("wqkv", "wo", "mlp_gate_up", "mlp_down")
-GROUPED_IMPLS = ("torch", "triton")  # CANVASQ_FP8_GROUPED: torch's `_scaled_grouped_mm` or ours
+# CANVASQ_FP8_GROUPED: torch's `_scaled_grouped_mm`, ours (`kernels.fp8_grouped`), or the W4 pack's
+# own weights against the e4m3 rows (`model.w4a8`: no e4m3 copy of the experts)
+GROUPED_IMPLS = ("torch", "triton", "w4a8")
 
 
 def parse_grouped(value: str | None) -> str:
@@ -323,7 +338,7 @@ def install_fp8(rt, parts: tuple[str, ...], min_rows: int, grouped: str | None =
     bad = [p for p in parts if p not in PARTS]
     if bad:
         raise ValueError(f"unknown FP8 part(s) {bad}; known: {', '.join(PARTS)}")
-    done: dict[int, FP8Linear | FP8Experts] = {}
+    done: dict[int, FP8Linear | FP8Experts | W4A8Experts] = {}
     added = 0
 
     def once(key: int, make):
@@ -340,13 +355,15 @@ def install_fp8(rt, parts: tuple[str, ...], min_rows: int, grouped: str | None =
                 w = getattr(lw, name)
                 lw.fp8[name] = once(w.data_ptr(), lambda w=w: FP8Linear.from_weight(w))
         if "experts" in parts:
-            if lw.gate_up is not None:
+            if impl == "w4a8" and lw.experts_packed is None:
+                raise ValueError("CANVASQ_FP8_GROUPED=w4a8 reads the W4 pack: load the experts as w4")
+            if lw.gate_up is not None and impl != "w4a8":
                 lw.fp8["experts"] = once(
                     lw.gate_up.data_ptr(), lambda lw=lw: FP8Experts.from_weights(lw.gate_up, lw.down)
                 )
             elif lw.experts_packed is not None:
                 lw.fp8["experts"] = once(
-                    id(lw.experts_packed), lambda lw=lw: FP8Experts.from_w4(lw.experts_packed)
+                    id(lw.experts_packed), lambda lw=lw: _from_pack(lw.experts_packed, impl)
                 )
     for ex in done.values():
         if isinstance(ex, FP8Experts):
@@ -358,3 +375,11 @@ def install_fp8(rt, parts: tuple[str, ...], min_rows: int, grouped: str | None =
     if rt.device.type == "cuda":
         torch.cuda.empty_cache()
     return added
+
+
+def _from_pack(packed, impl: str) -> FP8Experts | W4A8Experts:
+    if impl == "w4a8":
+        from canvasq.model.w4a8 import W4A8Experts
+
+        return W4A8Experts.from_w4(packed)
+    return FP8Experts.from_w4(packed)

@@ -214,3 +214,20 @@ def test_triton_row_quantisers_match_the_torch_twin():
     torch.testing.assert_close(s, ts, rtol=1e-2, atol=0)
     back, want = q.float() * s[:, None], tq.float() * ts[:, None]
     assert (back - want).abs().max() <= 2 * ts.max() * 2**-3 * 448 / 448 + 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_quantisers_group_sums_are_the_sums_of_what_they_wrote():
+    """`group`: each output row's sums of its e4m3 values over each group (W4A8's bias form reads them),
+    for the scattered copies too."""
+    from canvasq.kernels.fp8_quant import gelu_mul_quant_sums, quantize_rows_sums
+
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(300, 2816, generator=g) * 3).to("cuda", torch.bfloat16)
+    dest = torch.randperm(300 * 8, generator=g).view(300, 8).to("cuda")
+    for kwargs in ({}, {"dest": dest}):
+        q, _, sums = quantize_rows_sums(x, 128, **kwargs)
+        torch.testing.assert_close(sums, q.float().view(q.shape[0], 22, 128).sum(-1), rtol=1e-5, atol=1e-3)
+    q, _, sums = gelu_mul_quant_sums(torch.randn(300, 2 * 704, generator=g).to("cuda", torch.bfloat16), 64)
+    torch.testing.assert_close(sums, q.float().view(300, 11, 64).sum(-1), rtol=1e-5, atol=1e-3)

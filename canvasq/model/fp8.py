@@ -215,17 +215,15 @@ def fp8_moe(
 
 
 def _gated_rows(xq, xs, ex: FP8Experts, offs, dtype, kernel: bool):
-    """The quantised gelu_tanh(gate) * up of the rows' gate/up GEMM: through our grouped GEMM's gated
-    epilogue (the [M, 2I] output never written), torch's GEMM and `gelu_mul_quant`, or the twin."""
+    """The quantised gelu_tanh(gate) * up of the rows' gate/up GEMM: the grouped GEMM (`ex.grouped`'s),
+    then `gelu_mul_quant`, or the twin. (Our grouped GEMM's gated epilogue, which never writes the
+    [M, 2I] output, is not used: on an H100 it was slower than the plain launch and `gelu_mul_quant`,
+    BENCHMARKS "Our FP8 grouped GEMM against torch's".)"""
     if kernel:
-        from canvasq.kernels.fp8_quant import gelu_mul_quant_triton, quantize_rows_triton
+        from canvasq.kernels.fp8_quant import gelu_mul_quant_triton
 
-        if ex.grouped == "triton":
-            from canvasq.kernels.fp8_grouped import grouped_gemm
-
-            h = grouped_gemm(xq, xs, ex.gate_up, ex.gate_up_scale, offs, dtype, gated=True)
-            return quantize_rows_triton(h)
-        return gelu_mul_quant_triton(_grouped(xq, xs, ex.gate_up, ex.gate_up_scale, offs, dtype, kernel))
+        gu = _grouped(xq, xs, ex.gate_up, ex.gate_up_scale, offs, dtype, kernel, ex.grouped)
+        return gelu_mul_quant_triton(gu)
     g, u = _grouped(xq, xs, ex.gate_up, ex.gate_up_scale, offs, dtype, kernel).chunk(2, dim=-1)
     return quantize_rows(gelu_tanh(g) * u)
 

@@ -10,8 +10,8 @@ The experts' FP8 copy is made from whatever the runtime holds: the BF16 experts,
 freed at load (W4 packing), the W4 pack dequantised (`from_w4`), so a worker needs no extra load-time
 step and the disk cache stays the W4 one.
 
-On CUDA with sm >= 9.0 the GEMMs are torch's FP8 kernels (row-wise scaling, fast accumulation), or with
-CANVASQ_FP8_GROUPED=triton the experts' through `kernels.fp8_grouped` (slower on an H100: an arm); on any
+On CUDA with sm >= 9.0 the GEMMs are torch's FP8 kernels (row-wise scaling, fast accumulation), the
+experts' through `kernels.fp8_grouped` where this GPU has its tuned tilings (CANVASQ_FP8_GROUPED); on any
 other device `fp8_linear` / `fp8_moe` dequantise and run the model-dtype matmul, the same numbers up
 to accumulation order (the CPU tests compare the two paths through this twin).
 """
@@ -294,14 +294,25 @@ DENSE = ("wqkv", "wo", "mlp_gate_up", "mlp_down")
 GROUPED_IMPLS = ("torch", "triton", "w4a8")
 
 
-def parse_grouped(value: str | None) -> str:
-    """CANVASQ_FP8_GROUPED: "auto" (torch's), or one of GROUPED_IMPLS; ValueError naming the setting."""
+def parse_grouped(value: str | None, device: torch.device | str = "cpu", experts: int = 128) -> str:
+    """CANVASQ_FP8_GROUPED: "auto", or one of GROUPED_IMPLS; ValueError naming the setting. "auto" is
+    ours ("triton") on a device with a tuned file for `experts` experts (`fp8_grouped.tuned_file`:
+    tuned there, it beat torch's at 1,024 and 4,096 tokens on an H100), else torch's."""
     value = (value or "auto").strip().lower()
     if value == "auto":
-        return "torch"
+        return "triton" if _tuned_here(torch.device(device), experts) else "torch"
     if value not in GROUPED_IMPLS:
         raise ValueError(f"CANVASQ_FP8_GROUPED={value!r}: expected auto, {' or '.join(GROUPED_IMPLS)}")
     return value
+
+
+def _tuned_here(device: torch.device, experts: int) -> bool:
+    if not fp8_supported(device):
+        return False
+    from canvasq.kernels.fp8_grouped import tuned_file
+    from canvasq.kernels.moe.config import device_name
+
+    return tuned_file(experts, device_name(device)).is_file()
 
 
 def parse_parts(value: str | None, device: torch.device | str) -> tuple[str, ...]:
@@ -332,7 +343,8 @@ def install_fp8(rt, parts: tuple[str, ...], min_rows: int, grouped: str | None =
     added. Tensors shared by encoder and decoder layers (HF ties them) are quantised once; the experts
     come from the BF16 weights or, where those were freed, from the W4 pack, and take their grouped
     GEMM from `grouped` (default: CANVASQ_FP8_GROUPED)."""
-    impl = parse_grouped(os.environ.get("CANVASQ_FP8_GROUPED") if grouped is None else grouped)
+    setting = os.environ.get("CANVASQ_FP8_GROUPED") if grouped is None else grouped
+    impl = parse_grouped(setting, rt.device, _num_experts(rt))
     bad = [p for p in parts if p not in PARTS]
     if bad:
         raise ValueError(f"unknown FP8 part(s) {bad}; known: {', '.join(PARTS)}")
@@ -373,6 +385,15 @@ def install_fp8(rt, parts: tuple[str, ...], min_rows: int, grouped: str | None =
     if rt.device.type == "cuda":
         torch.cuda.empty_cache()
     return added
+
+
+def _num_experts(rt) -> int:
+    for lw in rt.dec_layers:
+        if lw.experts_packed is not None:
+            return lw.experts_packed.num_experts
+        if lw.gate_up is not None:
+            return lw.gate_up.shape[0]
+    return 0
 
 
 def _from_pack(packed, impl: str) -> FP8Experts | W4A8Experts:

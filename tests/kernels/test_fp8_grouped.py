@@ -137,3 +137,18 @@ def test_a_tuned_file_gives_the_tiling_at_the_nearest_row_count_at_or_above(tmp_
     assert tiles_for(8193, 128, 2816, 704) == large
     assert tiles_for(10**6, 128, 2816, 704) == large  # past the largest: the largest
     assert tiles_for(100, 128, 1408, 2816, gated=True).block_n == 64  # another GEMM: the rule's
+
+
+def test_auto_takes_ours_only_on_a_gpu_with_a_tuned_file_for_it():
+    from canvasq.kernels.fp8_grouped import tuned_file
+    from canvasq.kernels.moe.config import device_name
+    from canvasq.model.fp8 import fp8_supported, parse_grouped
+
+    assert parse_grouped("auto", "cpu") == "torch"  # no e4m3 grouped GEMM here at all
+    assert tuned_file(128, "NVIDIA_H100_80GB_HBM3").is_file()  # measured faster there (BENCHMARKS)
+    assert parse_grouped("torch", "cpu") == "torch" and parse_grouped(" Triton ") == "triton"
+    if ON_GPU and fp8_supported(DEVICE):
+        dev = torch.device(DEVICE)
+        ours = tuned_file(128, device_name(dev)).is_file()
+        assert parse_grouped("auto", dev, 128) == ("triton" if ours else "torch")
+        assert parse_grouped("auto", dev, 7) == "torch"  # no file for a model of 7 experts

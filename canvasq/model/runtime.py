@@ -85,12 +85,12 @@ from canvasq.model.weights import (
     checked_text_config,
     fuse_projections,
     layer_weights,
+    pack_experts_w4,
     rope_tables,
 )
 from canvasq.model.windows import DecodeOutput, SelfCond, Window, encoder_windows  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
-    from canvasq.kernels.moe.quant import W4Experts
     from canvasq.model.graph import GraphRunner
 
 # Legend: N rows in the forward (all windows), R rows of one window, B windows, H hidden, V vocab,
@@ -156,6 +156,9 @@ class Runtime:
         # reads logits by row group (`DecodeOutput.rows_logits`); 0: never
         self.defer_head_bytes = 4 << 30
         self.sc_bag = "torch"  # SC's top-k bag: "torch" (F.embedding_bag) or "triton" (kernels/soft_embed)
+        # each layer's last launch also writes the norm the next layer (or the head) reads of its output;
+        # off until a GPU forward measures it (issue 34)
+        self.fuse_next_norm = False
 
     def _attention_defaults(self) -> None:
         """Masked eager forwards on CUDA: SDPA picks cuDNN, which builds a plan for every new shape
@@ -253,7 +256,7 @@ class Runtime:
             kernels=kernels,
         )
         if experts == "w4":
-            rt._pack_w4()
+            pack_experts_w4(rt.enc_layers + rt.dec_layers, rt.dtype)
         return rt
 
     @property
@@ -267,23 +270,6 @@ class Runtime:
 
     def new_arena(self, slots: int, capacity: int) -> KVArena:
         return KVArena(self.layer_shapes, slots, capacity, device=self.device, dtype=self.dtype)
-
-    def _pack_w4(self) -> None:
-        """Pack each distinct expert tensor once (encoder and decoder share them); on CUDA the packs are
-        kept in the Gluon kernels' tiled order (`prefer_tiled`: one copy, the faster kernels). Packs that
-        `pack_model_experts` installed at load are used as they are (their BF16 weights are gone)."""
-        from canvasq.kernels.moe import pack_w4
-        from canvasq.kernels.moe.launch import prefer_tiled
-
-        packed: dict[int, W4Experts] = {}
-        for lw in self.enc_layers + self.dec_layers:
-            if lw.experts_packed is not None:
-                continue
-            assert lw.gate_up is not None and lw.down is not None  # freed only where packed at load
-            key = lw.gate_up.data_ptr()
-            if key not in packed:
-                packed[key] = prefer_tiled(pack_w4(lw.gate_up, lw.down), self.dtype)
-            lw.experts_packed = packed[key]
 
     # --- public passes -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -366,16 +352,21 @@ class Runtime:
         h = embed(self, prep)
         cap_k: list[torch.Tensor] = []
         cap_v: list[torch.Tensor] = []
-        last = len(layers) - 1
+        last, x = len(layers) - 1, None  # x: layer i's input norm of h, where layer i - 1 wrote it
         for i, lw in enumerate(layers):
+            kv_only = prep.encoder and i == last  # the encoder's last layer: its K/V only
             cos, sin = prep.cos_sin[lw.sliding]
-            h = self._layer(i, lw, h, cos, sin, prep, cap_k, cap_v, kv_only=prep.encoder and i == last)
+            h = self._attention(i, lw, h, x, cos, sin, prep, cap_k, cap_v, kv_only)
+            h, x = (
+                (h, None) if kv_only else self._feed_forward(i, lw, h, prep, self._next_norm(layers, i, prep))
+            )
         if prep.encoder:
             return None, cap_k, cap_v
         with self.scope("final_norm"):
+            h = h if x is None else x  # the last layer's launch wrote the final norm
             if prep.dec_rows is not None:  # encoder rows that rode along need no logits
                 h = h.index_select(0, prep.dec_rows)
-            h = self._norm(h, self.final_norm, self.eps)
+            h = self._norm(h, self.final_norm, self.eps) if x is None else h
         if prep.defer_head:
             return h, cap_k, cap_v
         fp8 = self.lm_head_fp8 is not None and h.shape[0] >= self.fp8_min_rows
@@ -395,11 +386,11 @@ class Runtime:
             fp8_head = self.lm_head_fp8 if fp8 else None
             return F.linear(h, self.lm_head) if fp8_head is None else fp8_linear(h, fp8_head)
 
-    def _layer(self, i, lw: LayerWeights, h, cos, sin, prep: Prepared, cap_k, cap_v, kv_only: bool):
+    def _attention(self, i, lw: LayerWeights, h, x, cos, sin, prep: Prepared, cap_k, cap_v, kv_only: bool):
         eps = self.eps
         n = h.shape[0]
         with self.scope("attention"):
-            x = self._norm(h, lw.ln_in, eps)
+            x = self._norm(h, lw.ln_in, eps) if x is None else x
             nq, nk, d = lw.heads * lw.head_dim, lw.kv_heads * lw.head_dim, lw.head_dim
             qkv = self._dense(x, lw, "wqkv")  # [N, nq + nk (+ nk)]; q, k, v are column views of it
             k_raw = qkv[:, nq : nq + nk].view(n, lw.kv_heads, d)
@@ -430,8 +421,10 @@ class Runtime:
             assert q_out is not None  # made for every layer but kv_only
             a = prep.ctx.attend(i, prep.arena, q_out.dst, lw.sliding)  # [N, h*d]
             a = self._dense(a, lw, "wo")
-            h = self._add_norm(a, lw.ln_post_attn, h, None, None, eps)  # h + norm(a)
+            return self._add_norm(a, lw.ln_post_attn, h, None, None, eps)  # h + norm(a)
 
+    def _feed_forward(self, i, lw: LayerWeights, h, prep: Prepared, next_w):
+        eps = self.eps
         with self.scope("dense_mlp"):  # (with the router's and the experts' input norms: one launch)
             x, r, x_e = self._pre_ffn(
                 h, lw.ln_pre_ff, lw.router_scale, self.hidden_size**-0.5, lw.ln_pre_ff2, eps
@@ -440,18 +433,32 @@ class Runtime:
         with self.scope("experts"):  # router + routed experts
             topk_p, topk_ids = self._router(F.linear(r, lw.router_proj), self.top_k)  # fp32 softmax, top-k
             # each implementation applies the router epilogue (`route_weights`) itself: W4 in its combine
-            moe = self._moe if self._fp8(n, lw, "experts") is None else self._moe_fp8
+            moe = self._moe if self._fp8(h.shape[0], lw, "experts") is None else self._moe_fp8
             e = moe(x_e, topk_ids, topk_p, lw)
         # (h + norm(norm(m) + norm(e))) * scalar: the branches' post-norms and the residual update in one
+        # launch, and with next_w the next norm of the result
         per_row = prep.enc_rows is not None and not self.tied_scalars
         scale = None if per_row else lw.layer_scalar
-        out = self._add_norm(m, lw.ln_post_ff, h, e, scale, eps, pre=(lw.ln_post_ff1, lw.ln_post_ff2))
+        pre = (lw.ln_post_ff1, lw.ln_post_ff2)
+        out = self._add_norm(m, lw.ln_post_ff, h, e, scale, eps, pre=pre, next_weight=next_w)
+        if next_w is not None:
+            return out
         if per_row:  # encoder rows riding in a decoder forward take the encoder layer's scalar (HF rounds
             # the residual sum, then the product: as here)
             assert prep.enc_rows is not None  # per_row says so
             scalar = torch.where(prep.enc_rows[:, None], self.enc_layers[i].layer_scalar, lw.layer_scalar)
             out = out * scalar.to(out.dtype)
-        return out
+        return out, None
+
+    def _next_norm(self, layers: list[LayerWeights], i: int, prep: Prepared) -> torch.Tensor | None:
+        """The weight of the norm that reads layer i's output (the next layer's input norm, or the
+        final norm), when layer i's last launch can write it too; None where per-row layer scalars
+        come after that launch, or `fuse_next_norm` is off."""
+        if not self.fuse_next_norm or (prep.enc_rows is not None and not self.tied_scalars):
+            return None
+        if i + 1 < len(layers):
+            return layers[i + 1].ln_in
+        return None if prep.encoder else self.final_norm
 
     def _fp8(self, rows: int, lw: LayerWeights, name: str):
         """The FP8 copy of `name` when this forward is large enough to use it, else None."""
@@ -488,6 +495,6 @@ class Runtime:
         from canvasq.kernels.moe import w4_moe
 
         # with the fused norms, the combine happens in the end-of-layer norm (`ExpertRows`)
-        assert lw.experts_packed is not None  # packed by _pack_w4 or at load
+        assert lw.experts_packed is not None  # packed by pack_experts_w4 or at load
         ex = lw.experts_packed
         return w4_moe(x, topk_ids, topk_p, ex, expert_scale=lw.per_expert_scale, defer_combine=self.kernels)

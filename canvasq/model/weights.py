@@ -125,3 +125,21 @@ def checked_text_config(hf_model, experts: str):
     if getattr(tc, "attn_logit_softcapping", None):
         raise ValueError("attention logit softcapping is not implemented")
     return tc
+
+
+def pack_experts_w4(layers: list[LayerWeights], dtype: torch.dtype) -> None:
+    """Pack each distinct expert tensor of `layers` once (encoder and decoder share them); on CUDA the
+    packs are kept in the Gluon kernels' tiled order (`prefer_tiled`: one copy, the faster kernels).
+    Packs that `pack_model_experts` installed at load are used as they are (their BF16 weights are gone)."""
+    from canvasq.kernels.moe import pack_w4
+    from canvasq.kernels.moe.launch import prefer_tiled
+
+    packed: dict[int, W4Experts] = {}
+    for lw in layers:
+        if lw.experts_packed is not None:
+            continue
+        assert lw.gate_up is not None and lw.down is not None  # freed only where packed at load
+        key = lw.gate_up.data_ptr()
+        if key not in packed:
+            packed[key] = prefer_tiled(pack_w4(lw.gate_up, lw.down), dtype)
+        lw.experts_packed = packed[key]

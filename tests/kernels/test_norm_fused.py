@@ -255,7 +255,11 @@ def test_the_end_of_layer_norm_also_gives_the_next_layers_input_norm(T, D, combi
     ids = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(T)]).to(DEVICE)
     y_tk = (torch.randn(T * 4, D, generator=g) * 3).to(DEVICE, dtype)
     p = torch.rand(T, 4, generator=g).to(DEVICE) + 0.1
-    x2 = ExpertRows(y_tk, p, ids, (torch.rand(16, generator=g) + 0.5).to(DEVICE, dtype)) if combine else m * 0.5
+    x2 = (
+        ExpertRows(y_tk, p, ids, (torch.rand(16, generator=g) + 0.5).to(DEVICE, dtype))
+        if combine
+        else m * 0.5
+    )
     w, w1, w2, wn = ((torch.randn(D, generator=g) * 0.1 + s).to(DEVICE, dtype) for s in (1.0, 1.0, 0.5, 2.0))
     scale = torch.tensor([0.7], device=DEVICE, dtype=dtype)
     plain = add_rms_norm(m, w, res, x2, scale, pre=(w1, w2), impl="triton")

@@ -158,9 +158,8 @@ def moe_case(rt, rows_n: int, args, cuda: bool) -> dict:
 
 def set_grouped(rt, impl: str) -> str:
     """Every FP8 expert layer of `rt` takes `impl`'s grouped GEMM (`model.fp8.parse_grouped`); "w4a8"
-    swaps in the W4 pack's experts (`model.w4a8`), made once a pack and kept beside the e4m3 copy."""
-    from canvasq.model.fp8 import parse_grouped
-    from canvasq.model.w4a8 import W4A8Experts
+    swaps in the W4 pack's experts (`fp8.W4A8Experts`), made once a pack and kept beside the e4m3 copy."""
+    from canvasq.model.fp8 import W4A8Experts, parse_grouped
 
     impl = parse_grouped(impl)
     arms = rt.__dict__.setdefault("_expert_arms", {})  # id(layer) -> its e4m3 experts; id(pack) -> W4A8
@@ -218,13 +217,7 @@ def main() -> None:
         "--grouped",
         default=None,
         help="comma list of the FP8 experts' grouped GEMMs to time, arms in this process "
-        "(CANVASQ_FP8_GROUPED: torch, triton, w4a8; default: the runtime's)",
-    )
-    ap.add_argument(
-        "--next-norm",
-        default=None,
-        help="comma list of on/off: `Runtime.fuse_next_norm` (each layer's last launch also writing the "
-        "next norm) as arms in this process; default: the runtime's",
+        "(CANVASQ_FP8_GROUPED: torch, triton; default: the runtime's)",
     )
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.quick
@@ -265,22 +258,16 @@ def main() -> None:
     rt = rts[fp8_arms[0]]
     bags = args.sc_bags.split(",") if args.sc_bags else [rt.sc_bag]
     impls = args.grouped.split(",") if args.grouped else [None]
-    fuses = [f.strip() == "on" for f in args.next_norm.split(",")] if args.next_norm else [None]
-    cases = [
-        (a, bag, g, f, b) for a in fp8_arms for bag in bags for g in impls for f in fuses for b in batches
-    ]
-    for arm, bag, impl, fuse, b in cases:
+    cases = [(arm, bag, g, b) for arm in fp8_arms for bag in bags for g in impls for b in batches]
+    for arm, bag, impl, b in cases:
         rt = rts[arm]
         rt.sc_bag = bag  # part of a graph's key: each bag captures its own
         if impl is not None:  # not in a graph's key: each arm captures with a runner of its own
             impl = set_grouped(rt, impl)
             rt.graph_runner = None
-        if fuse is not None:  # nor is this
-            rt.fuse_next_norm, rt.graph_runner = fuse, None
         runner = graph_runner(rt) if cuda and not args.no_graphs else None
         r = forward_case(rt, runner, b, args.prompt if not args.quick else 16, args, cuda)
         r = {"fp8": arm, "fp8_parts": r.pop("fp8", None), "sc_bag": bag, "grouped": impl, **r}
-        r["next_norm"] = rt.fuse_next_norm
         report["forward"].append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "kernels"}), flush=True)
         for row in r["kernels"][:25]:

@@ -54,8 +54,6 @@ def _add_rms_norm_kernel(
     ids_ptr,
     es_ptr,
     map_ptr,
-    wn_ptr,
-    xn_ptr,
     R,
     D,
     stride_ym,
@@ -70,11 +68,9 @@ def _add_rms_norm_kernel(
     K_P2: tl.constexpr,
     RENORM: tl.constexpr,
     ROW_MAP: tl.constexpr,
-    NEXT: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """y = (res + rms(x [+ x2]) * w) [* scale]; all tensors contiguous [R, D]. NEXT: also xn = rms(y) *
-    wn, the next layer's input norm of the row as stored (`rmsnorm`'s). PRE_NORM: x and x2
+    """y = (res + rms(x [+ x2]) * w) [* scale]; all tensors contiguous [R, D]. PRE_NORM: x and x2
     are first normalised themselves, with weights wx and wx2 (the dense MLP's and the experts'
     post-norms at the end of a layer). COMBINE (BLOCK_R 1): x2 is the experts' combine of row t,
     from x2_ptr = their uncombined rows [R*TOP_K, D] (row stride stride_ym), weights rw, ids and
@@ -116,10 +112,7 @@ def _add_rms_norm_kernel(
     y = rt(tl.load(res_ptr + off, mask=m, other=0.0).to(tl.float32) + normed, DT)
     if HAS_SCALE:
         y = y * tl.load(scale_ptr).to(tl.float32)
-    y = y.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + off, y, mask=m)
-    if NEXT:
-        tl.store(xn_ptr + off, _normed(y.to(tl.float32), wn_ptr, cols, D, eps, DT).to(DT), mask=m)
+    tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -161,9 +154,15 @@ def _pre_ffn_norms_kernel(
 
 # --- launchers ---------------------------------------------------------------------------------------
 def add_rms_norm_launch(
-    x, weight, residual, x2=None, scale=None, eps: float = 1e-6, pre: tuple | None = None,
-    num_warps: int | None = None, next_weight: torch.Tensor | None = None,
-):  # fmt: skip
+    x,
+    weight,
+    residual,
+    x2=None,
+    scale=None,
+    eps: float = 1e-6,
+    pre: tuple | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
     D = x.shape[-1]
     assert pre is None or x2 is not None, "pre-norm weights come in a pair (x's and x2's)"
     rows = x2 if isinstance(x2, ExpertRows) else None
@@ -171,13 +170,16 @@ def add_rms_norm_launch(
     xs = [t.reshape(-1, D).contiguous() for t in (x, residual) + dense]
     r = xs[0].shape[0]
     y = torch.empty_like(xs[1])
-    xn = None if next_weight is None else torch.empty_like(y)
     block_d = triton.next_power_of_2(D)
     block_r = 1 if rows is not None else max(1, min(16, 4096 // block_d, triton.next_power_of_2(max(r, 1))))
     # 8 warps from a 4,096-wide row (the real 2,816): on an H100 the end of layer's call 136.6 against 143.5
     # us at 4,096 rows, the attention's 23.8 against 24.3 (`probes/norm_fusion_gpu_timing.py --warps`)
     warps = num_warps or (8 if block_d >= 4096 else 4)  # block_r keeps block_d * block_r <= 4,096 below it
-    top_k = 1 if rows is None else _checked_top_k(rows, r, D, y.dtype)
+    if rows is not None:
+        top_k = rows.ids.shape[1]
+        assert rows.shape == (r, D) and rows.y_tk.stride(-1) == 1 and rows.weights.is_contiguous()
+        assert rows.ids.is_contiguous() and rows.y_tk.dtype == y.dtype
+        assert rows.row_map is None or (rows.row_map.is_contiguous() and rows.row_map.numel() == r * top_k)
     if r:
         _add_rms_norm_kernel[(triton.cdiv(r, block_r),)](
             xs[0],
@@ -192,8 +194,6 @@ def add_rms_norm_launch(
             rows.ids if rows is not None else weight,
             rows.expert_scale if rows is not None and rows.expert_scale is not None else weight,
             rows.row_map if rows is not None and rows.row_map is not None else weight,
-            weight if next_weight is None else next_weight,
-            y if xn is None else xn,
             r,
             D,
             rows.y_tk.stride(0) if rows is not None else 0,
@@ -204,25 +204,15 @@ def add_rms_norm_launch(
             BLOCK_R=block_r,
             BLOCK_D=block_d,
             COMBINE=rows is not None,
-            TOP_K=top_k,
-            K_P2=triton.next_power_of_2(top_k),
+            TOP_K=top_k if rows is not None else 1,
+            K_P2=triton.next_power_of_2(top_k) if rows is not None else 1,
             RENORM=rows is not None and rows.expert_scale is not None,
             ROW_MAP=rows is not None and rows.row_map is not None,
-            NEXT=xn is not None,
             **pdl_kwargs(y, _add_rms_norm_kernel),
             num_warps=warps,
             **NO_FP_FUSION,
         )
-    return y.view(residual.shape) if xn is None else (y.view(residual.shape), xn.view(residual.shape))
-
-
-def _checked_top_k(rows: ExpertRows, r: int, d: int, dtype: torch.dtype) -> int:
-    """The experts' rows' K, after checking they are what the combine reads."""
-    top_k = rows.ids.shape[1]
-    assert rows.shape == (r, d) and rows.y_tk.stride(-1) == 1 and rows.weights.is_contiguous()
-    assert rows.ids.is_contiguous() and rows.y_tk.dtype == dtype
-    assert rows.row_map is None or (rows.row_map.is_contiguous() and rows.row_map.numel() == r * top_k)
-    return top_k
+    return y.view(residual.shape)
 
 
 def pre_ffn_norms_launch(x, wa, post, scalar: float, wb, eps: float = 1e-6):
@@ -254,18 +244,17 @@ def pre_ffn_norms_launch(x, wa, post, scalar: float, wb, eps: float = 1e-6):
 
 # --- torch twins (HF's op order) ----------------------------------------------------------------------
 def add_rms_norm_reference(
-    x, weight, residual, x2=None, scale=None, eps: float = 1e-6, pre: tuple | None = None, next_weight=None
-):
+    x, weight, residual, x2=None, scale=None, eps: float = 1e-6, pre: tuple | None = None
+) -> torch.Tensor:
     """HF: residual + norm(x + x2) in the model dtype, then times the layer scalar; with `pre`
     (wx, wx2), x and x2 are first norm(x) * wx and norm(x2) * wx2. x2 may be `ExpertRows` (combined
-    first). With `next_weight`: (y, norm(y) * next_weight)."""
+    first)."""
     if isinstance(x2, ExpertRows):
         x2 = x2.combined()
     if pre is not None:
         x, x2 = rms_norm_reference(x, pre[0], eps), rms_norm_reference(x2, pre[1], eps)
     y = residual + rms_norm_reference(x + x2 if x2 is not None else x, weight, eps)
-    y = y * scale if scale is not None else y
-    return y if next_weight is None else (y, rms_norm_reference(y, next_weight, eps))
+    return y * scale if scale is not None else y
 
 
 def pre_ffn_norms_reference(x, wa, post, scalar: float, wb, eps: float = 1e-6):
@@ -276,27 +265,18 @@ def pre_ffn_norms_reference(x, wa, post, scalar: float, wb, eps: float = 1e-6):
 
 # --- public ---------------------------------------------------------------------------------------------
 def add_rms_norm(
-    x,
-    weight,
-    residual,
-    x2=None,
-    scale=None,
-    eps: float = 1e-6,
-    impl: str = "auto",
-    pre: tuple | None = None,
-    next_weight: torch.Tensor | None = None,
+    x, weight, residual, x2=None, scale=None, eps: float = 1e-6, impl: str = "auto", pre: tuple | None = None
 ):
     """(residual + rms(x + x2) * weight) * scale; x, x2, residual [..., D]; scale a [1] tensor or None;
     `pre` = (wx, wx2): normalise x and x2 first (the end of a layer: one launch for three norms).
     x2 may be the experts' uncombined `ExpertRows` (x and residual then [T, D]): their combine happens
-    in the same launch. `next_weight`: returns (y, rms(y) * next_weight), the next layer's input norm
-    from the same launch."""
+    in the same launch."""
     if impl == "auto":
         impl = "triton" if auto_triton(x, _add_rms_norm_kernel) else "torch"
     if impl == "triton":
-        return add_rms_norm_launch(x, weight, residual, x2, scale, eps, pre, next_weight=next_weight)
+        return add_rms_norm_launch(x, weight, residual, x2, scale, eps, pre)
     if impl == "torch":
-        return add_rms_norm_reference(x, weight, residual, x2, scale, eps, pre, next_weight)
+        return add_rms_norm_reference(x, weight, residual, x2, scale, eps, pre)
     raise ValueError(f"unknown impl {impl!r}")
 
 
@@ -329,8 +309,7 @@ def compile_specs():
             "K_P2": 8,
             "RENORM": True,
             "ROW_MAP": combine,
-            "NEXT": True,
-        }  # FP8 rows: mapped; the next layer's input norm from the same launch
+        }  # FP8 rows: mapped
         name = "add_rms_norm" + ("_combine" if combine else "")
         yield CompileSpec(name, _add_rms_norm_kernel, c, add_types, add, num_warps=8, **hf)
     pre = frozenset({"x_ptr", "ya_ptr", "yr_ptr", "yb_ptr", "D"})

@@ -21,14 +21,10 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from canvasq.model.experts import gelu_tanh
-
-if TYPE_CHECKING:
-    from canvasq.model.w4a8 import W4A8Experts
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -131,6 +127,70 @@ class FP8Experts:
             )  # as bytes: fp8 indexing is not on every build
         aq, as_ = _gated_rows(xq, xs, self, offs, x.dtype, kernel)
         return _grouped(aq, as_, self.down, self.down_scale, offs, x.dtype, kernel, self.grouped)
+
+
+@dataclass
+class W4A8Experts:
+    """The W4 pack's own weights for `fp8_moe` (CANVASQ_FP8_GROUPED=w4a8): the e4m3 rows against the
+    pack's nibbles through `kernels.moe.w4a8` (K-contiguous q, the pack's scales and zeros), instead of
+    an e4m3 copy of the pack. The rows are quantised as for `FP8Experts`, with each row's sums over
+    the pack's groups beside them (the kernel's bias form). Measured slower than the e4m3 copy through
+    torch's or our grouped GEMM on an H100 (BENCHMARKS, session 46): an arm. Off the kernel path the
+    twin is `FP8Experts`' on the pack dequantised to fp32, unit channel scales."""
+
+    gate_up_q: torch.Tensor  # [E, 2I, H/2] uint8
+    gate_up_scale: torch.Tensor  # [E, H/Gg, 2I]
+    gate_up_zero: torch.Tensor
+    down_q: torch.Tensor  # [E, H, I/2] uint8
+    down_scale: torch.Tensor  # [E, I/Gd, H]
+    down_zero: torch.Tensor
+    copied: int = 0  # bytes made here (the untiled q of a tiled pack); the rest is the pack's
+    tiles: tuple[int, int, int] = (64, 128, 4)  # block_m, block_n, warps
+    grouped: str = "w4a8"
+
+    @classmethod
+    def from_w4(cls, packed) -> W4A8Experts:
+        gq, dq = packed.kcontig_q()
+        copied = 0 if gq is packed.gate_up_q else gq.numel() + dq.numel()
+        return cls(
+            gq, packed.gate_up_scale, packed.gate_up_zero, dq, packed.down_scale, packed.down_zero, copied
+        )
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up_q.shape[0]
+
+    def nbytes(self) -> int:
+        return self.copied
+
+    def groups(self) -> tuple[int, int]:
+        """(gate/up's group along H, down's along I)."""
+        hidden, inter = 2 * self.gate_up_q.shape[2], 2 * self.down_q.shape[2]
+        return hidden // self.gate_up_scale.shape[1], inter // self.down_scale.shape[1]
+
+    def rows(self, x: torch.Tensor, order, row_of, offs, kernel: bool) -> torch.Tensor:
+        """`FP8Experts.rows` on the pack: tokens x [N, H] -> [N*K, H] in expert order."""
+        if not kernel:
+            return self.twin().rows(x, order, row_of, offs, kernel=False)
+        from canvasq.kernels.fp8_quant import gelu_mul_quant_sums, quantize_rows_sums
+        from canvasq.kernels.moe.w4a8 import w4a8_grouped
+
+        g_up, g_down = self.groups()
+        xq, xs, sums = quantize_rows_sums(x.contiguous(), g_up, dest=row_of)
+        up = (self.gate_up_q, self.gate_up_scale, self.gate_up_zero)
+        h = w4a8_grouped(xq, xs, *up, offs, x.dtype, *self.tiles, sums=sums)
+        aq, as_, sums = gelu_mul_quant_sums(h, g_down)
+        down = (self.down_q, self.down_scale, self.down_zero)
+        return w4a8_grouped(aq, as_, *down, offs, x.dtype, *self.tiles, sums=sums)
+
+    def twin(self) -> FP8Experts:
+        """The pack dequantised to fp32 as `FP8Experts` with unit channel scales (the CPU's path)."""
+        from canvasq.kernels.moe.quant import dequantize_w4
+
+        gu = dequantize_w4(self.gate_up_q, self.gate_up_scale, self.gate_up_zero, 2 * self.gate_up_q.shape[2])
+        dn = dequantize_w4(self.down_q, self.down_scale, self.down_zero, 2 * self.down_q.shape[2])
+        gu, dn = gu.float(), dn.float()
+        return FP8Experts(gu, gu.new_ones(gu.shape[:2]), dn, dn.new_ones(dn.shape[:2]))
 
 
 def _quantize_by_expert(w: torch.Tensor, chunk: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,7 +350,7 @@ def _grouped(aq, a_scale, wq, w_scale, offs, dtype, kernel: bool, impl: str = "t
 
 DENSE = ("wqkv", "wo", "mlp_gate_up", "mlp_down")
 # CANVASQ_FP8_GROUPED: torch's `_scaled_grouped_mm`, ours (`kernels.fp8_grouped`), or the W4 pack's
-# own weights against the e4m3 rows (`model.w4a8`: no e4m3 copy of the experts)
+# own weights against the e4m3 rows (`W4A8Experts`: no e4m3 copy of the experts)
 GROUPED_IMPLS = ("torch", "triton", "w4a8")
 
 
@@ -397,8 +457,4 @@ def _num_experts(rt) -> int:
 
 
 def _from_pack(packed, impl: str) -> FP8Experts | W4A8Experts:
-    if impl == "w4a8":
-        from canvasq.model.w4a8 import W4A8Experts
-
-        return W4A8Experts.from_w4(packed)
-    return FP8Experts.from_w4(packed)
+    return W4A8Experts.from_w4(packed) if impl == "w4a8" else FP8Experts.from_w4(packed)

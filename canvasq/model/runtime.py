@@ -156,9 +156,6 @@ class Runtime:
         # reads logits by row group (`DecodeOutput.rows_logits`); 0: never
         self.defer_head_bytes = 4 << 30
         self.sc_bag = "torch"  # SC's top-k bag: "torch" (F.embedding_bag) or "triton" (kernels/soft_embed)
-        # each layer's last launch also writes the norm the next layer (or the head) reads of its output;
-        # off until a GPU forward measures it (issue 34)
-        self.fuse_next_norm = False
 
     def _attention_defaults(self) -> None:
         """Masked eager forwards on CUDA: SDPA picks cuDNN, which builds a plan for every new shape
@@ -352,21 +349,18 @@ class Runtime:
         h = embed(self, prep)
         cap_k: list[torch.Tensor] = []
         cap_v: list[torch.Tensor] = []
-        last, x = len(layers) - 1, None  # x: layer i's input norm of h, where layer i - 1 wrote it
+        last = len(layers) - 1
         for i, lw in enumerate(layers):
             kv_only = prep.encoder and i == last  # the encoder's last layer: its K/V only
             cos, sin = prep.cos_sin[lw.sliding]
-            h = self._attention(i, lw, h, x, cos, sin, prep, cap_k, cap_v, kv_only)
-            h, x = (
-                (h, None) if kv_only else self._feed_forward(i, lw, h, prep, self._next_norm(layers, i, prep))
-            )
+            h = self._attention(i, lw, h, cos, sin, prep, cap_k, cap_v, kv_only)
+            h = h if kv_only else self._feed_forward(i, lw, h, prep)
         if prep.encoder:
             return None, cap_k, cap_v
         with self.scope("final_norm"):
-            h = h if x is None else x  # the last layer's launch wrote the final norm
             if prep.dec_rows is not None:  # encoder rows that rode along need no logits
                 h = h.index_select(0, prep.dec_rows)
-            h = self._norm(h, self.final_norm, self.eps) if x is None else h
+            h = self._norm(h, self.final_norm, self.eps)
         if prep.defer_head:
             return h, cap_k, cap_v
         fp8 = self.lm_head_fp8 is not None and h.shape[0] >= self.fp8_min_rows
@@ -386,11 +380,13 @@ class Runtime:
             fp8_head = self.lm_head_fp8 if fp8 else None
             return F.linear(h, self.lm_head) if fp8_head is None else fp8_linear(h, fp8_head)
 
-    def _attention(self, i, lw: LayerWeights, h, x, cos, sin, prep: Prepared, cap_k, cap_v, kv_only: bool):
+    def _attention(self, i, lw: LayerWeights, h, cos, sin, prep: Prepared, cap_k, cap_v, kv_only: bool):
+        """Layer i's attention half on the residual stream h: its K/V into the arena, and (but for the
+        encoder's last layer, kv_only) h + norm(o_proj(attention))."""
         eps = self.eps
         n = h.shape[0]
         with self.scope("attention"):
-            x = self._norm(h, lw.ln_in, eps) if x is None else x
+            x = self._norm(h, lw.ln_in, eps)
             nq, nk, d = lw.heads * lw.head_dim, lw.kv_heads * lw.head_dim, lw.head_dim
             qkv = self._dense(x, lw, "wqkv")  # [N, nq + nk (+ nk)]; q, k, v are column views of it
             k_raw = qkv[:, nq : nq + nk].view(n, lw.kv_heads, d)
@@ -423,7 +419,8 @@ class Runtime:
             a = self._dense(a, lw, "wo")
             return self._add_norm(a, lw.ln_post_attn, h, None, None, eps)  # h + norm(a)
 
-    def _feed_forward(self, i, lw: LayerWeights, h, prep: Prepared, next_w):
+    def _feed_forward(self, i, lw: LayerWeights, h, prep: Prepared):
+        """Layer i's dense MLP and routed experts on h, and the end-of-layer residual update."""
         eps = self.eps
         with self.scope("dense_mlp"):  # (with the router's and the experts' input norms: one launch)
             x, r, x_e = self._pre_ffn(
@@ -436,29 +433,15 @@ class Runtime:
             moe = self._moe if self._fp8(h.shape[0], lw, "experts") is None else self._moe_fp8
             e = moe(x_e, topk_ids, topk_p, lw)
         # (h + norm(norm(m) + norm(e))) * scalar: the branches' post-norms and the residual update in one
-        # launch, and with next_w the next norm of the result
         per_row = prep.enc_rows is not None and not self.tied_scalars
         scale = None if per_row else lw.layer_scalar
-        pre = (lw.ln_post_ff1, lw.ln_post_ff2)
-        out = self._add_norm(m, lw.ln_post_ff, h, e, scale, eps, pre=pre, next_weight=next_w)
-        if next_w is not None:
-            return out
+        out = self._add_norm(m, lw.ln_post_ff, h, e, scale, eps, pre=(lw.ln_post_ff1, lw.ln_post_ff2))
         if per_row:  # encoder rows riding in a decoder forward take the encoder layer's scalar (HF rounds
             # the residual sum, then the product: as here)
             assert prep.enc_rows is not None  # per_row says so
             scalar = torch.where(prep.enc_rows[:, None], self.enc_layers[i].layer_scalar, lw.layer_scalar)
             out = out * scalar.to(out.dtype)
-        return out, None
-
-    def _next_norm(self, layers: list[LayerWeights], i: int, prep: Prepared) -> torch.Tensor | None:
-        """The weight of the norm that reads layer i's output (the next layer's input norm, or the
-        final norm), when layer i's last launch can write it too; None where per-row layer scalars
-        come after that launch, or `fuse_next_norm` is off."""
-        if not self.fuse_next_norm or (prep.enc_rows is not None and not self.tied_scalars):
-            return None
-        if i + 1 < len(layers):
-            return layers[i + 1].ln_in
-        return None if prep.encoder else self.final_norm
+        return out
 
     def _fp8(self, rows: int, lw: LayerWeights, name: str):
         """The FP8 copy of `name` when this forward is large enough to use it, else None."""

@@ -240,32 +240,3 @@ def test_add_rms_norm_combines_expert_rows(T, D, K, renorm, dtype):
     mapped = ExpertRows(moved, rows.weights, ids, es, row_map=perm)
     assert torch.equal(add_rms_norm(m, w, res, mapped, scale, pre=(w1, w2), impl="triton"), fused)
     assert torch.equal(add_rms_norm(m, w, res, mapped, scale, pre=(w1, w2), impl="torch"), twin)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,D,combine", [(1, 256, True), (7, 300, True), (40, 2816, False)])
-def test_the_end_of_layer_norm_also_gives_the_next_layers_input_norm(T, D, combine, dtype):
-    """`next_weight`: the launch also writes rms(y) * next_weight, the next layer's input norm of the
-    row as stored; the same values the standalone `rms_norm` kernel writes from y, and the twin's."""
-    from canvasq.kernels.moe.launch import ExpertRows
-    from canvasq.kernels.rmsnorm import rms_norm
-
-    g = torch.Generator().manual_seed(T)
-    m, res = (torch.randn(T, D, generator=g).to(DEVICE, dtype) for _ in range(2))
-    ids = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(T)]).to(DEVICE)
-    y_tk = (torch.randn(T * 4, D, generator=g) * 3).to(DEVICE, dtype)
-    p = torch.rand(T, 4, generator=g).to(DEVICE) + 0.1
-    x2 = (
-        ExpertRows(y_tk, p, ids, (torch.rand(16, generator=g) + 0.5).to(DEVICE, dtype))
-        if combine
-        else m * 0.5
-    )
-    w, w1, w2, wn = ((torch.randn(D, generator=g) * 0.1 + s).to(DEVICE, dtype) for s in (1.0, 1.0, 0.5, 2.0))
-    scale = torch.tensor([0.7], device=DEVICE, dtype=dtype)
-    plain = add_rms_norm(m, w, res, x2, scale, pre=(w1, w2), impl="triton")
-    y, xn = add_rms_norm(m, w, res, x2, scale, pre=(w1, w2), impl="triton", next_weight=wn)
-    assert torch.equal(y, plain)  # the residual stream is what it was
-    assert rel_err(xn, rms_norm(y, wn, impl="triton")) < TOL[dtype] and xn.dtype == dtype
-    ty, txn = add_rms_norm(m, w, res, x2, scale, pre=(w1, w2), impl="torch", next_weight=wn)
-    assert rel_err(xn, txn) < TOL[dtype] and rel_err(ty, y) < TOL[dtype]
-    assert rel_err(xn, y) > 0.1  # a norm, not a copy

@@ -811,26 +811,3 @@ def test_encoder_model_keeps_a_decoder_only_change_out_of_the_encoder_passes():
     )
     with pytest.raises(ValueError, match="fold_encode=false"):
         rt.decode(arenas["mixed"], [riding])
-
-
-@torch.no_grad()
-def test_the_fused_next_norm_gives_the_same_logits_as_separate_norms():
-    """`fuse_next_norm` (each layer's last launch also writing the next layer's input norm and, at the
-    end, the final norm) changes where the norms run, not what they compute: on the twin's path the
-    logits are the same bits, encoder rows riding along included (their per-row scalars turn it off)."""
-    from canvasq.model.loading import load_bundle
-
-    model = load_bundle(device="cpu").hf_model
-    vocab = model.config.get_text_config().vocab_size
-    g = torch.Generator().manual_seed(11)
-    prompt, canvas = torch.randint(5, vocab, (12,), generator=g), torch.randint(5, vocab, (32,), generator=g)
-    rt = Runtime.from_hf(model, experts="reference", kernels=False)
-
-    def logits():
-        arena = rt.new_arena(1, 64)
-        rt.encode(arena, 0, prompt, torch.arange(prompt.numel()))
-        return rt.decode(arena, [Window.canvas(0, canvas, prompt.numel())]).logits
-
-    separate = logits()
-    rt.fuse_next_norm = True
-    assert torch.equal(logits(), separate)

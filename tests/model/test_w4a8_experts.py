@@ -1,4 +1,4 @@
-"""The FP8 path's experts on the W4 pack's own weights (`model.w4a8`, CANVASQ_FP8_GROUPED=w4a8): the
+"""The FP8 path's experts on the W4 pack's own weights (`model.fp8.W4A8Experts`, CANVASQ_FP8_GROUPED=w4a8): the
 per-token definition on the pack dequantised, the runtime's install from a W4 load, and (on a GPU)
 the W4A8 kernels with the quantisers' group sums against the twin."""
 
@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from canvasq.kernels.moe.quant import W4Config, pack_w4, unpack_w4
-from canvasq.model.fp8 import FP8Experts, fp8_moe, fp8_supported, install_fp8, parse_grouped
-from canvasq.model.w4a8 import W4A8Experts
+from canvasq.model.fp8 import (
+    FP8Experts,
+    W4A8Experts,
+    fp8_moe,
+    fp8_supported,
+    install_fp8,
+    parse_grouped,
+)
 from tests.model.test_fp8 import _logits, _loop_moe
 
 

@@ -10,9 +10,8 @@ operands with row scales, each arm timed by `triton.testing.do_bench` (median ms
 calls) and checked against torch's output (the CPU: against the dequantising twin). The plain GEMMs also
 run the W4A8 prototype (`kernels.moe.w4a8`) with the same weights W4-packed, against the pack's own
 dequantised GEMM; its bias form (`w4a8b_*`) takes each row's group sums computed before the timed
-call (in a product path the row quantiser would write them). Labels ending `mm` launch row tiles
-outer (`fp8_grouped._tile_of`). GB/s count the
-weights once plus the rows read and written; TFLOP/s count 2·M·N·K. Rows go to $OUT/fp8_grouped.json.
+call (on the FP8 path the quantisers write them, `fp8_quant.quantize_rows_sums`). Labels ending
+`mm` launch row tiles outer (`fp8_grouped._tile_of`). GB/s count the weights once plus the rows read and written; TFLOP/s count 2·M·N·K. Rows go to $OUT/fp8_grouped.json.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ from canvasq.provenance import git_commit
 
 H, E, TOPK, I = 2816, 128, 8, 704
 
-# row tiles outer (`_tile_of`) won at every case on an H100 (session 46): each tiling that way, and
+# row tiles outer (`_tile_of`) won at every case on an H100 (BENCHMARKS): each tiling that way, and
 # two column-outer ones for reference
 SWEEP = [
     Tiles(bm, bn, bk, warps, stages, tma=tma, m_major=True)
@@ -126,7 +125,7 @@ def case(tokens: int, name: str, n: int, k: int, skew: bool, tilings: list[Tiles
 
 
 # block_m, block_n, warps, the bias form, row tiles outer (`kernels.moe.w4a8`)
-# (session 46 on an H100: the best of nine, 1.35-2.7x torch's e4m3 GEMM's time, on half its bytes)
+# the best of nine on an H100, 1.35-2.7x torch's e4m3 GEMM's time on half its bytes (BENCHMARKS)
 W4A8 = [(64, 128, 4, True, True)]
 
 
@@ -143,7 +142,7 @@ def w4a8_arms(aq, a_s, w, offs, dtype) -> list[dict]:
     )
     x = aq if ON_GPU else aq.to(torch.float16)
     nbytes = q.numel() + 2 * ws.numel() * ws.element_size() + m * k + 2 * m * n
-    sums = group_sums(x, group)  # the bias form's: in a product path, the row quantiser's
+    sums = group_sums(x, group)  # the bias form's, outside the timed call (the quantisers' on the FP8 path)
     out = []
     for bm, bn, warps, bias, mm in W4A8 if ON_GPU else [(16, 32, 4, False, False), (16, 32, 4, True, True)]:
 

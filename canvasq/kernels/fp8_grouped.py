@@ -340,13 +340,19 @@ def save_tuned(path: Path, gemms: dict[str, dict[int, Tiles]], meta: dict) -> No
 
 def compile_specs():
     """The experts' two GEMMs at the real shape (H 2,816, I 704, 128 experts) with `tiles_for`'s
-    tilings, gate/up with its gated epilogue (benchmarks/kernels/compile_check.py)."""
+    tilings, as `fp8_moe` launches them, and gate/up with the gated epilogue the sweep times
+    (benchmarks/kernels/compile_check.py)."""
     from .compile_spec import CompileSpec, pointers_and_strides
 
     types = {"a": "*fp8e4nv", "w": "*fp8e4nv", "as_ptr": "*fp32", "ws_ptr": "*fp32", "offs_ptr": "*i32"}
     divisible = pointers_and_strides(_grouped_kernel, "a", "w")
     for rows in (1024 * 8, 4096 * 8):
-        for name, n, k, gated in (("gate_up_act", 1408, 2816, True), ("down", 2816, 704, False)):
+        gemms = (
+            ("gate_up", 1408, 2816, False),
+            ("gate_up_act", 1408, 2816, True),
+            ("down", 2816, 704, False),
+        )
+        for name, n, k, gated in gemms:
             t = tiles_for(rows, 128, n, k, gated, "NVIDIA_H200")
             blocks = {
                 "BLOCK_M": t.block_m,

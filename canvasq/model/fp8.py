@@ -135,7 +135,7 @@ class W4A8Experts:
     pack's nibbles through `kernels.moe.w4a8` (K-contiguous q, the pack's scales and zeros), instead of
     an e4m3 copy of the pack. The rows are quantised as for `FP8Experts`, with each row's sums over
     the pack's groups beside them (the kernel's bias form). Measured slower than the e4m3 copy through
-    torch's or our grouped GEMM on an H100 (BENCHMARKS, session 46): an arm. Off the kernel path the
+    torch's or our grouped GEMM on an H100 (BENCHMARKS, "W4A8 measured"): an arm. Off the kernel path the
     twin is `FP8Experts`' on the pack dequantised to fp32, unit channel scales."""
 
     gate_up_q: torch.Tensor  # [E, 2I, H/2] uint8
@@ -146,7 +146,6 @@ class W4A8Experts:
     down_zero: torch.Tensor
     copied: int = 0  # bytes made here (the untiled q of a tiled pack); the rest is the pack's
     tiles: tuple[int, int, int] = (64, 128, 4)  # block_m, block_n, warps
-    grouped: str = "w4a8"
 
     @classmethod
     def from_w4(cls, packed) -> W4A8Experts:

@@ -84,8 +84,9 @@ def _w4a8_kernel(
 
 
 def group_sums(x: torch.Tensor, group: int) -> torch.Tensor:
-    """x [M, K] -> fp32 [M, K/G]: each row's sum over each group of G (the bias arm's Σx; in a product
-    path the row quantiser, which reads the rows anyway, would write it)."""
+    """x [M, K] -> fp32 [M, K/G]: each row's sum over each group of G (the bias form's Σx) for rows
+    already quantised; the FP8 path's quantisers write the same as they quantise
+    (`fp8_quant.quantize_rows_sums`)."""
     return x.float().view(x.shape[0], -1, group).sum(-1).contiguous()
 
 

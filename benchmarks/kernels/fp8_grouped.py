@@ -11,7 +11,8 @@ calls) and checked against torch's output (the CPU: against the dequantising twi
 run the W4A8 prototype (`kernels.moe.w4a8`) with the same weights W4-packed, against the pack's own
 dequantised GEMM; its bias form (`w4a8b_*`) takes each row's group sums computed before the timed
 call (on the FP8 path the quantisers write them, `fp8_quant.quantize_rows_sums`). Labels ending
-`mm` launch row tiles outer (`fp8_grouped._tile_of`). GB/s count the weights once plus the rows read and written; TFLOP/s count 2·M·N·K. Rows go to $OUT/fp8_grouped.json.
+`mm` launch row tiles outer (`fp8_grouped._tile_of`). GB/s count the weights once plus the rows read
+and written; TFLOP/s count 2·M·N·K. Rows go to $OUT/fp8_grouped.json.
 """
 
 from __future__ import annotations

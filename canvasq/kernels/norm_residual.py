@@ -81,9 +81,9 @@ def _add_rms_norm_kernel(
     cols = tl.arange(0, BLOCK_D)
     m = (rows[:, None] < R) & (cols[None, :] < D)
     off = rows[:, None] * D + cols[None, :]
+    # every load first (x, the residual, the experts' rows): one round trip to memory, not one per phase
     x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
-    if PRE_NORM:
-        x = _normed(x, wx_ptr, cols, D, eps, DT)
+    res = tl.load(res_ptr + off, mask=m, other=0.0).to(tl.float32)
     if HAS_X2:
         if COMBINE:
             t = tl.program_id(0).to(tl.int64)
@@ -105,11 +105,14 @@ def _add_rms_norm_kernel(
             x2 = rt(c, DT)[None, :]
         else:
             x2 = tl.load(x2_ptr + off, mask=m, other=0.0).to(tl.float32)
+    if PRE_NORM:
+        x = _normed(x, wx_ptr, cols, D, eps, DT)
+    if HAS_X2:
         if PRE_NORM:
             x2 = _normed(x2, wx2_ptr, cols, D, eps, DT)
         x = rt(x + x2, DT)
     normed = _normed(x, w_ptr, cols, D, eps, DT)
-    y = rt(tl.load(res_ptr + off, mask=m, other=0.0).to(tl.float32) + normed, DT)
+    y = rt(res + normed, DT)
     if HAS_SCALE:
         y = y * tl.load(scale_ptr).to(tl.float32)
     tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=m)

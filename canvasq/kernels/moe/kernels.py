@@ -297,17 +297,20 @@ def combine_row(
     the raw top-k probabilities, used as w[t, k] / sum_k w[t, k] * scale[ids[t, k]] (correctly rounded
     divide). Shared by `_combine_kernel` and the end-of-layer norm that takes the rows unreduced
     (`norm_residual.add_rms_norm` with `ExpertRows`)."""
+    # the K weights and source rows as vectors first, so the K row loads go out together instead of one
+    # dependent round trip to memory each (a scalar taken out of a vector: a select and a warp reduction)
+    ks = tl.arange(0, K_P2)
+    kin = ks < TOP_K
+    wv = tl.load(w_ptr + t * TOP_K + ks, mask=kin, other=0.0).to(tl.float32)
     if RENORM:
-        ks = tl.arange(0, K_P2)
-        total = tl.sum(tl.load(w_ptr + t * TOP_K + ks, mask=ks < TOP_K, other=0.0).to(tl.float32), 0)
+        e = tl.load(ids_ptr + t * TOP_K + ks, mask=kin, other=0)
+        es = tl.load(scale_ptr + e, mask=kin, other=0.0).to(tl.float32)
+        wv = tl.math.div_rn(wv, tl.sum(wv, 0)) * es
+    src = tl.load(map_ptr + t * TOP_K + ks, mask=kin, other=0).to(tl.int64) if ROW_MAP else t * TOP_K + ks
     acc = tl.zeros(offs.shape, dtype=tl.float32)
     for k in tl.static_range(TOP_K):
-        w = tl.load(w_ptr + t * TOP_K + k).to(tl.float32)
-        if RENORM:
-            e = tl.load(ids_ptr + t * TOP_K + k)
-            w = tl.math.div_rn(w, total) * tl.load(scale_ptr + e).to(tl.float32)
-        src = tl.load(map_ptr + t * TOP_K + k).to(tl.int64) if ROW_MAP else t * TOP_K + k
-        v = tl.load(y_tk_ptr + src * stride_ym + offs, mask=mask, other=0.0)
+        w = tl.sum(tl.where(ks == k, wv, 0.0), 0)
+        v = tl.load(y_tk_ptr + tl.sum(tl.where(ks == k, src, 0), 0) * stride_ym + offs, mask=mask, other=0.0)
         acc = tl.fma(w, v.to(tl.float32), acc)  # explicit: the same in kernels compiled without contraction
     return acc
 

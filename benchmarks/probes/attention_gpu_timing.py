@@ -25,7 +25,8 @@ from canvasq.kernels.attention import Bounds, attend_launch, attend_reference, t
 
 DT = torch.bfloat16 if C.ON_GPU else torch.float16  # the interpreter's bf16 loads are wrong
 
-TILES: dict[int, tuple[tuple[int, ...], ...]] = {  # candidates by head dim (the runtime's table: `canvasq.kernels.attention.TILES`)
+# candidates by head dim (the runtime's table: `canvasq.kernels.attention.TILES`)
+TILES: dict[int, tuple[tuple[int, ...], ...]] = {
     256: ((64, 32, 4, 2), (64, 32, 4, 3), (64, 16, 4, 3), (128, 32, 8, 2), (32, 32, 4, 2)),
     512: ((32, 32, 4, 2), (32, 32, 4, 3), (16, 32, 4, 2), (64, 32, 8, 2), (32, 64, 4, 2), (16, 64, 4, 2)),
 }
@@ -74,7 +75,9 @@ def main():
     ap.add_argument("--quick", action="store_true", help="2 windows of 8 rows, 1 KV head x 64, one tile")
     ap.add_argument("--out", help="also write the rows as JSON here")
     ap.add_argument(
-        "--tiles", default="", help='more candidates, as "256:128x32x8x2,64x64x4x2/512:64x32x8x2" (head dim: BMxBNxWxS)'
+        "--tiles",
+        default="",
+        help='more candidates, as "256:128x32x8x2,64x64x4x2/512:64x32x8x2" (head dim: BMxBNxWxS)',
     )
     a = ap.parse_args()
     if a.quick:
@@ -84,7 +87,9 @@ def main():
         windows, rows, ctx = [int(w) for w in a.windows.split(",")], a.rows, a.ctx
     for item in filter(None, a.tiles.split("/")):
         d, spec = item.split(":")
-        TILES[int(d)] = TILES.get(int(d), ()) + tuple(tuple(int(x) for x in t.split("x")) for t in spec.split(","))
+        TILES[int(d)] = TILES.get(int(d), ()) + tuple(
+            tuple(int(x) for x in t.split("x")) for t in spec.split(",")
+        )
     out = []
     for nb in windows:
         for name, kvh, g, d, band in cases:

@@ -34,6 +34,26 @@ def _group_sums(q, sums_ptr, row, K, BLOCK: tl.constexpr, GROUP: tl.constexpr):
 
 
 @triton.jit
+def quant_tile_store(y, q_ptr, s_ptr, rows, cols, mask, R, K):
+    """The rows of an fp32 tile y [BLOCK_R, BLOCK_D] (values already rounded to the model dtype, masked
+    lanes 0) quantised as `_quant_rows_kernel` quantises a row: e4m3 q[rows, cols] (row stride K) and
+    fp32 scale[rows]. The norms that feed an FP8 GEMM call it instead of storing their output, so the
+    model-dtype rows are never written and read back."""
+    scale = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-12) / 448.0
+    q = tl.clamp(y / scale[:, None], -448.0, 448.0).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+    tl.store(s_ptr + rows, scale, mask=rows < R)
+
+
+def quant_outputs(rows: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (q [rows, k] e4m3, scale [rows] fp32), as the row quantisers write them."""
+    return (
+        torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=device),
+        torch.empty(rows, dtype=torch.float32, device=device),
+    )
+
+
+@triton.jit
 def _quant_rows_kernel(
     x_ptr,
     q_ptr,

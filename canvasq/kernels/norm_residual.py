@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ._dispatch import auto_triton, pdl_kwargs
 from ._math import NO_FP_FUSION, pdl_enter, rt
+from .fp8_quant import quant_outputs, quant_tile_store
 from .moe.kernels import combine_row
 from .moe.launch import ExpertRows
 from .rmsnorm import rms_norm_reference
@@ -127,16 +128,21 @@ def _pre_ffn_norms_kernel(
     ya_ptr,
     yr_ptr,
     yb_ptr,
+    qa_ptr,
+    sa_ptr,
     R,
     D,
     eps,
     scalar,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    QUANT_A: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One read of x [R, D], three norms out: ya = rms(x) * wa, yb = rms(x) * wb and the router's
-    input yr = round(round(rms(x)) * post) * scalar, each rounded to the output dtype where HF rounds."""
+    input yr = round(round(rms(x)) * post) * scalar, each rounded to the output dtype where HF rounds.
+    QUANT_A: ya goes out quantised per row for the FP8 dense MLP (e4m3 qa, fp32 scale sa; `fp8_quant`),
+    not written itself."""
     pdl_enter(PDL)
     DT: tl.constexpr = ya_ptr.dtype.element_ty
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -147,7 +153,10 @@ def _pre_ffn_norms_kernel(
     x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
     n = x * (1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps))[:, None]
     wa = tl.load(wa_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-    tl.store(ya_ptr + off, (n * wa[None, :]).to(DT), mask=m)
+    if QUANT_A:
+        quant_tile_store((n * wa[None, :]).to(DT).to(tl.float32), qa_ptr, sa_ptr, rows, cols, m, R, D)
+    else:
+        tl.store(ya_ptr + off, (n * wa[None, :]).to(DT), mask=m)
     wb = tl.load(wb_ptr + cols, mask=cm, other=0.0).to(tl.float32)
     tl.store(yb_ptr + off, (n * wb[None, :]).to(DT), mask=m)
     post = tl.load(post_ptr + cols, mask=cm, other=0.0).to(tl.float32)
@@ -218,11 +227,13 @@ def add_rms_norm_launch(
     return y.view(residual.shape)
 
 
-def pre_ffn_norms_launch(x, wa, post, scalar: float, wb, eps: float = 1e-6):
+def pre_ffn_norms_launch(x, wa, post, scalar: float, wb, eps: float = 1e-6, quant_a: bool = False):
+    """The kernel; `quant_a`: the first output is (q [R, D] e4m3, scale [R]) of rms(x) * wa."""
     D = x.shape[-1]
     x2 = x.reshape(-1, D).contiguous()
     r = x2.shape[0]
-    outs = tuple(torch.empty_like(x2) for _ in range(3))
+    outs = tuple(x2 if quant_a and i == 0 else torch.empty_like(x2) for i in range(3))
+    qa = quant_outputs(r, D, x.device) if quant_a else (x2, x2)
     block_d = triton.next_power_of_2(D)
     block_r = max(1, min(16, 4096 // block_d, triton.next_power_of_2(max(r, 1))))
     if r:
@@ -232,17 +243,19 @@ def pre_ffn_norms_launch(x, wa, post, scalar: float, wb, eps: float = 1e-6):
             post,
             wb,
             *outs,
+            *qa,
             r,
             D,
             float(eps),
             float(scalar),
             BLOCK_R=block_r,
             BLOCK_D=block_d,
+            QUANT_A=quant_a,
             **pdl_kwargs(x2, _pre_ffn_norms_kernel),
             num_warps=4 if block_d * block_r <= 4096 else 8,
             **NO_FP_FUSION,
         )
-    return tuple(t.view(x.shape) for t in outs)
+    return (qa if quant_a else outs[0].view(x.shape), outs[1].view(x.shape), outs[2].view(x.shape))
 
 
 # --- torch twins (HF's op order) ----------------------------------------------------------------------
@@ -283,14 +296,19 @@ def add_rms_norm(
     raise ValueError(f"unknown impl {impl!r}")
 
 
-def pre_ffn_norms(x, wa, post, scalar: float, wb, eps: float = 1e-6, impl: str = "auto"):
+def pre_ffn_norms(
+    x, wa, post, scalar: float, wb, eps: float = 1e-6, impl: str = "auto", quant_a: bool = False
+):
     """x [..., D] -> (rms(x) * wa, rms(x) * post * scalar, rms(x) * wb), HF's roundings, one launch:
     the three norms a DiffusionGemma layer takes of its residual stream before the dense MLP,
-    the router and the experts."""
+    the router and the experts. `quant_a` (the kernel only): the first comes quantised per row for the
+    FP8 dense MLP, (q e4m3, scale fp32), as `fp8_quant.quantize_rows_triton` would make it."""
     if impl == "auto":
         impl = "triton" if auto_triton(x, _pre_ffn_norms_kernel) else "torch"
     if impl == "triton":
-        return pre_ffn_norms_launch(x, wa, post, scalar, wb, eps)
+        return pre_ffn_norms_launch(x, wa, post, scalar, wb, eps, quant_a)
+    if quant_a:
+        raise ValueError("quant_a: the kernel's alone")
     if impl == "torch":
         return pre_ffn_norms_reference(x, wa, post, scalar, wb, eps)
     raise ValueError(f"unknown impl {impl!r}")
@@ -315,6 +333,9 @@ def compile_specs():
         }  # FP8 rows: mapped
         name = "add_rms_norm" + ("_combine" if combine else "")
         yield CompileSpec(name, _add_rms_norm_kernel, c, add_types, add, num_warps=8, **hf)
-    pre = frozenset({"x_ptr", "ya_ptr", "yr_ptr", "yb_ptr", "D"})
-    c, types = {"BLOCK_R": 1, "BLOCK_D": 4096}, {"eps": "fp32", "scalar": "fp32"}
-    yield CompileSpec("pre_ffn_norms", _pre_ffn_norms_kernel, c, types, pre, num_warps=8, **hf)
+    pre = frozenset({"x_ptr", "ya_ptr", "yr_ptr", "yb_ptr", "qa_ptr", "D"})
+    types = {"eps": "fp32", "scalar": "fp32", "qa_ptr": "*fp8e4nv", "sa_ptr": "*fp32"}
+    for quant in (False, True):  # quantised: the FP8 dense MLP's input
+        c = {"BLOCK_R": 1, "BLOCK_D": 4096, "QUANT_A": quant}
+        name = "pre_ffn_norms" + ("_quant" if quant else "")
+        yield CompileSpec(name, _pre_ffn_norms_kernel, c, types, pre, num_warps=8, **hf)

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from ._dispatch import auto_triton, pdl_kwargs
 from ._math import pdl_enter
+from .fp8_quant import quant_outputs, quant_tile_store
 
 
 @triton.jit
@@ -20,6 +21,8 @@ def _rms_norm_kernel(
     x_ptr,
     w_ptr,
     y_ptr,
+    q_ptr,
+    s_ptr,
     R,
     D,
     stride_x,
@@ -28,8 +31,11 @@ def _rms_norm_kernel(
     HAS_WEIGHT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    QUANT: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """QUANT: the rows rounded to y's dtype go out quantised per row (e4m3 q, fp32 scale; `fp8_quant`),
+    y is not written."""
     pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
@@ -41,12 +47,20 @@ def _rms_norm_kernel(
     if HAS_WEIGHT:
         w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
         y = y * w[None, :]
-    tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    if QUANT:
+        quant_tile_store(y.to(y_ptr.dtype.element_ty).to(tl.float32), q_ptr, s_ptr, rows64, cols, mask, R, D)
+    else:
+        tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm_launch(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, out: torch.Tensor | None = None
-) -> torch.Tensor:
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    out: torch.Tensor | None = None,
+    quant: bool = False,
+):
+    """The kernel on x [..., D]; `quant`: (q [R, D] e4m3, scale [R]) of the normed rows instead of them."""
     D = x.shape[-1]
     x2 = x.reshape(-1, D)
     if x2.stride(-1) != 1:
@@ -54,8 +68,9 @@ def rms_norm_launch(
     R = x2.shape[0]
     if weight is not None:
         assert weight.shape == (D,) and weight.is_contiguous() and weight.device == x.device
-    y = out if out is not None else torch.empty_like(x2)
+    y = x2 if quant else (out if out is not None else torch.empty_like(x2))
     y = y.view(R, D)
+    q, s = quant_outputs(R, D, x.device) if quant else (y, y)
     assert y.stride(-1) == 1
     block_d = triton.next_power_of_2(D)
     assert block_d <= 65536, f"row width {D} too wide for one tile"
@@ -65,6 +80,8 @@ def rms_norm_launch(
             x2,
             weight if weight is not None else x2,
             y,
+            q,
+            s,
             R,
             D,
             x2.stride(0),
@@ -73,10 +90,20 @@ def rms_norm_launch(
             HAS_WEIGHT=weight is not None,
             BLOCK_R=block_r,
             BLOCK_D=block_d,
+            QUANT=quant,
             **pdl_kwargs(x2, _rms_norm_kernel),
             num_warps=4 if block_d * block_r <= 4096 else 8,
         )
-    return y.view(x.shape)
+    return (q, s) if quant else y.view(x.shape)
+
+
+def rms_norm_quant(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> the normed rows quantised per row, (q [R, D] e4m3, scale [R] fp32), in one launch:
+    what `fp8_quant.quantize_rows_triton(rms_norm(x, weight))` gives (CUDA only)."""
+    q, s = rms_norm_launch(x, weight, eps, quant=True)
+    return q, s
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
@@ -105,11 +132,12 @@ def compile_specs():
     """One hidden-width row per program (benchmarks/kernels/compile_check.py)."""
     from .compile_spec import CompileSpec
 
-    yield CompileSpec(
-        "rms_norm",
-        _rms_norm_kernel,
-        {"HAS_WEIGHT": True, "BLOCK_R": 1, "BLOCK_D": 4096},
-        types={"eps": "fp32"},
-        divisible=frozenset({"x_ptr", "w_ptr", "y_ptr", "D", "stride_x", "stride_y"}),
-        num_warps=8,
-    )
+    for quant in (False, True):  # quantised: the input of the FP8 q/k/v projection
+        yield CompileSpec(
+            "rms_norm" + ("_quant" if quant else ""),
+            _rms_norm_kernel,
+            {"HAS_WEIGHT": True, "BLOCK_R": 1, "BLOCK_D": 4096, "QUANT": quant},
+            types={"eps": "fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+            divisible=frozenset({"x_ptr", "w_ptr", "y_ptr", "q_ptr", "D", "stride_x", "stride_y"}),
+            num_warps=8,
+        )

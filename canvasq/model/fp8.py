@@ -215,12 +215,13 @@ def fp8_linear(x: torch.Tensor, w: FP8Linear, kernel: bool | None = None) -> tor
     kernel = fp8_supported(x.device) if kernel is None else kernel
     xq, xs = _quantize(x, kernel)
     if kernel:
-        return _scaled_rows(xq, xs, w, x.dtype)
+        return scaled_rows(xq, xs, w, x.dtype)
     return ((xq.float() * xs[:, None]) @ (w.q.float() * w.scale[:, None]).t()).to(x.dtype)
 
 
-def _scaled_rows(xq: torch.Tensor, xs: torch.Tensor, w: FP8Linear, dtype: torch.dtype) -> torch.Tensor:
-    """Quantised rows (e4m3 [M, K], scales [M]) @ W.T through torch's row-scaled FP8 GEMM."""
+def scaled_rows(xq: torch.Tensor, xs: torch.Tensor, w: FP8Linear, dtype: torch.dtype) -> torch.Tensor:
+    """Quantised rows (e4m3 [M, K], scales [M]) @ W.T through torch's row-scaled FP8 GEMM (rows a norm
+    wrote quantised come straight here: `rmsnorm.rms_norm_quant`, `pre_ffn_norms(quant_a=True)`)."""
     return torch._scaled_mm(
         xq, w.q.t(), scale_a=xs[:, None], scale_b=w.scale[None, :], out_dtype=dtype, use_fast_accum=True
     )
@@ -238,7 +239,7 @@ def fp8_gated_linear(gu: torch.Tensor, w: FP8Linear, act=None, kernel: bool | No
         return fp8_linear(act(gu), w, kernel=False)
     from canvasq.kernels.fp8_quant import gelu_mul_quant_triton
 
-    return _scaled_rows(*gelu_mul_quant_triton(gu), w, gu.dtype)
+    return scaled_rows(*gelu_mul_quant_triton(gu), w, gu.dtype)
 
 
 def fp8_moe(

@@ -73,12 +73,13 @@ from canvasq.kernels.moe.reference import route_weights
 from canvasq.kernels.norm_residual import add_rms_norm, pre_ffn_norms
 from canvasq.kernels.norm_rope import Scatter, qkv_norm_rope
 from canvasq.kernels.rmsnorm import rms_norm as rms_norm_any
+from canvasq.kernels.rmsnorm import rms_norm_quant
 from canvasq.kernels.router import router_topk
 from canvasq.kernels.softcap import softcap_logits
 from canvasq.model.arena import KVArena
 from canvasq.model.embedding import embed, rope
 from canvasq.model.experts import grouped_mm_available, moe_grouped, moe_reference
-from canvasq.model.fp8 import fp8_gated_linear, fp8_linear, fp8_moe
+from canvasq.model.fp8 import fp8_gated_linear, fp8_linear, fp8_moe, scaled_rows
 from canvasq.model.prepared import Prepared, prepare
 from canvasq.model.weights import (
     LayerWeights,
@@ -386,9 +387,12 @@ class Runtime:
         eps = self.eps
         n = h.shape[0]
         with self.scope("attention"):
-            x = self._norm(h, lw.ln_in, eps)
             nq, nk, d = lw.heads * lw.head_dim, lw.kv_heads * lw.head_dim, lw.head_dim
-            qkv = self._dense(x, lw, "wqkv")  # [N, nq + nk (+ nk)]; q, k, v are column views of it
+            w8 = self._fp8(n, lw, "wqkv") if self.kernels else None  # FP8: the norm writes its rows quantised
+            if w8 is None:  # [N, nq + nk (+ nk)]; q, k, v are column views of it
+                qkv = self._dense(self._norm(h, lw.ln_in, eps), lw, "wqkv")
+            else:
+                qkv = scaled_rows(*rms_norm_quant(h, lw.ln_in, eps), w8, h.dtype)
             k_raw = qkv[:, nq : nq + nk].view(n, lw.kv_heads, d)
             v = qkv[:, nq + nk :].view(n, lw.kv_heads, d) if lw.wv is not None else k_raw
             # k-norm + RoPE and the v-norm write straight into the rows' arena entries (no index_put),
@@ -423,10 +427,11 @@ class Runtime:
         """Layer i's dense MLP and routed experts on h, and the end-of-layer residual update."""
         eps = self.eps
         with self.scope("dense_mlp"):  # (with the router's and the experts' input norms: one launch)
-            x, r, x_e = self._pre_ffn(
-                h, lw.ln_pre_ff, lw.router_scale, self.hidden_size**-0.5, lw.ln_pre_ff2, eps
-            )
-            m = self._dense(self._dense(x, lw, "mlp_gate_up"), lw, "mlp_down", gated=True)
+            w8 = self._fp8(h.shape[0], lw, "mlp_gate_up") if self.kernels else None
+            norms = (lw.ln_pre_ff, lw.router_scale, self.hidden_size**-0.5, lw.ln_pre_ff2, eps)
+            x, r, x_e = self._pre_ffn(h, *norms, quant_a=w8 is not None)  # FP8: x comes quantised
+            gu = self._dense(x, lw, "mlp_gate_up") if w8 is None else scaled_rows(x[0], x[1], w8, h.dtype)
+            m = self._dense(gu, lw, "mlp_down", gated=True)
         with self.scope("experts"):  # router + routed experts
             topk_p, topk_ids = self._router(F.linear(r, lw.router_proj), self.top_k)  # fp32 softmax, top-k
             # each implementation applies the router epilogue (`route_weights`) itself: W4 in its combine

@@ -121,6 +121,29 @@ def test_pre_ffn_norms_parity(rows, D, dtype):
     assert rel_err(got[0], want[1]) > 0.1 and rel_err(got[2], want[0]) > 0.1
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,D", [(37, 256), (5, 300)])
+def test_norms_quantise_their_rows_for_fp8_gemms(rows, D, dtype):
+    """`rms_norm_quant` and `pre_ffn_norms(quant_a=True)`: the per-row scales the row quantiser takes of
+    the model-dtype rows, values that dequantise to those rows, and the pre-FFN norms' other outputs
+    unchanged. (The interpreter's e4m3 stores round differently, so here the values are held to twice
+    e4m3's step; the GPU test in tests/model/test_fp8.py holds them byte for byte.)"""
+    from canvasq.kernels.rmsnorm import rms_norm, rms_norm_quant
+    from canvasq.model.fp8 import quantize_rows
+
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, D, generator=g) * 3).to(DEVICE, dtype)
+    w, post, wb = ((torch.randn(D, generator=g) * 0.2 + 1).to(DEVICE, dtype) for _ in range(3))
+    a0, r0, b0 = pre_ffn_norms(x, w, post, 0.3, wb, impl="triton")
+    (qa, sa), r, b = pre_ffn_norms(x, w, post, 0.3, wb, impl="triton", quant_a=True)
+    assert torch.equal(r, r0) and torch.equal(b, b0)
+    for (q, s), y in ((rms_norm_quant(x, w), rms_norm(x, w, impl="triton")), ((qa, sa), a0)):
+        want_q, want_s = quantize_rows(y)
+        assert torch.equal(s, want_s) and q.shape == y.shape
+        err = (q.float() * s[:, None] - y.float()).abs().amax(1)
+        assert (err <= y.float().abs().amax(1) * 2**-2).all(), err
+
+
 def test_add_rms_norm_rejects_unknown_impl():
     x = torch.randn(2, 8)
     with pytest.raises(ValueError):
@@ -161,9 +184,9 @@ def test_norm_kernels_compile_without_half_precision_fma():
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     # rope and the q/k/v launch at two head dims, add (with and without the experts' combine),
-    # pre-FFN, gelu_mul
-    assert summary["ok"] and summary["kernels"] == 8
-    assert out.stdout.count("'half_fma': 0") == 8
+    # pre-FFN (with and without its first output quantised), gelu_mul
+    assert summary["ok"] and summary["kernels"] == 9
+    assert out.stdout.count("'half_fma': 0") == 9
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -231,3 +231,27 @@ def test_the_quantisers_group_sums_are_the_sums_of_what_they_wrote():
         torch.testing.assert_close(sums, q.float().view(q.shape[0], 22, 128).sum(-1), rtol=1e-5, atol=1e-3)
     q, _, sums = gelu_mul_quant_sums(torch.randn(300, 2 * 704, generator=g).to("cuda", torch.bfloat16), 64)
     torch.testing.assert_close(sums, q.float().view(300, 11, 64).sum(-1), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows, width", [(300, 2816), (37, 256)])  # 256: several rows a program
+def test_norms_that_feed_fp8_gemms_write_what_the_row_quantiser_writes(rows, width):
+    """`rms_norm_quant` and `pre_ffn_norms(quant_a=True)` write, byte for byte, what the row quantiser
+    writes from the model-dtype rows they replace (the runtime's FP8 q/k/v and dense MLP inputs), and
+    the pre-FFN norms' other two outputs are unchanged."""
+    from canvasq.kernels.fp8_quant import quantize_rows_triton
+    from canvasq.kernels.norm_residual import pre_ffn_norms
+    from canvasq.kernels.rmsnorm import rms_norm, rms_norm_quant
+
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, width, generator=g) * 3).to("cuda", torch.bfloat16)
+    w, post, wb = ((torch.randn(width, generator=g) * 0.2 + 1).to("cuda", torch.bfloat16) for _ in range(3))
+    q, s = rms_norm_quant(x, w)
+    wq, ws = quantize_rows_triton(rms_norm(x, w, impl="triton"))
+    assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s, ws)
+    (qa, sa), r, b = pre_ffn_norms(x, w, post, 0.3, wb, impl="triton", quant_a=True)
+    a0, r0, b0 = pre_ffn_norms(x, w, post, 0.3, wb, impl="triton")
+    wq, ws = quantize_rows_triton(a0)
+    assert torch.equal(qa.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(sa, ws)
+    assert torch.equal(r, r0) and torch.equal(b, b0)

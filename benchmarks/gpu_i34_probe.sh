@@ -21,7 +21,7 @@ tiles=${ATTN_TILES-256:128x32x8x2,128x64x8x2,64x64x4x2,64x64x8x2,128x32x8x3/512:
 for shape in "4,16 128" "64 2048"; do
   set -- $shape
   timeout "${ATT:-150}" python benchmarks/probes/attention_gpu_timing.py --windows "$1" --rows 256 --ctx "$2" \
-    --tiles "$tiles" ${PROBE_ARGS:-} --out "$OUT/attention_ctx$2.json" >> "$OUT/attention.txt" 2>&1
+    --tiles "$tiles" ${PROBE_ARGS:-} >> "$OUT/attention.txt" 2>&1
   echo "attention ctx $2 rc=$?"
 done
 tail -8 "$OUT/attention.txt"

@@ -5,8 +5,9 @@
 #   1. `probes/attention_gpu_timing.py`: the attention kernel's tiles (the table's and ATTN_TILES) at the
 #      forward probe's shape (4 and 16 windows of 256 rows over a 128-entry prompt) and at the loop's
 #      (64 windows over contexts up to 2,048);
-#   2. `probes/norm_fusion_gpu_timing.py`: the end-of-layer and attention norms at 4,096 and 1,024 rows,
-#      in this tree and in $BASE (`.ab/$BASE`, the same call's baseline).
+#   2. `probes/norm_fusion_gpu_timing.py --warps 8`: the end-of-layer and attention norms at 4,096 and 1,024
+#      rows (µs and GB/s), in this tree (with the end of layer's registers capped at CAPS too) and in $BASE
+#      (`.ab/$BASE`, the same call's baseline).
 #
 #   call:  CANVASQ_COMMIT=<head> BASE=<commit> bash benchmarks/gpu_i34_probe.sh   (carry: .whl, .ab/$BASE)
 set -u
@@ -27,9 +28,10 @@ done
 tail -8 "$OUT/attention.txt"
 for t in . ".ab/${BASE:-}"; do
   [[ $t != . && -z ${BASE:-} ]] && continue
-  name=head; [[ $t != . ]] && name=base
+  name=head; caps=(--maxnreg "${CAPS:-96,80}"); [[ $t != . ]] && name=base && caps=()
+  [[ -n ${PROBE_ARGS:-} ]] && caps=()
   (cd "$t" && PYTHONPATH=$site:$PWD timeout "${NT:-120}" python benchmarks/probes/norm_fusion_gpu_timing.py \
-    ${NORM_ROWS:-4096,1024} ${PROBE_ARGS:-} > "$OUT/norm_$name.txt" 2>&1)
+    ${NORM_ROWS:-4096,1024} --warps 8 "${caps[@]}" ${PROBE_ARGS:-} > "$OUT/norm_$name.txt" 2>&1)
   echo "norm $name rc=$?"; tail -4 "$OUT/norm_$name.txt"
 done
 date -u >> "$OUT/gpu.txt"

@@ -55,10 +55,11 @@ def end_of_layer(T, D=2816, K=8, E=128, dt=DT):
     return out
 
 
-def add_norm_warps(T, warps, D=2816, K=8, E=128, dt=DT) -> dict:
+def add_norm_warps(T, warps, D=2816, K=8, E=128, dt=DT, maxnreg=()) -> dict:
     """`add_rms_norm` as a layer calls it, at each `num_warps` of `warps`: the attention's (h + norm(a)),
     and the end of layer's (the experts' uncombined rows combined, three norms, scaled), µs and the
-    GB/s of the bytes each must move (its reads and its one write)."""
+    GB/s of the bytes each must move (its reads and its one write); `maxnreg`: the end of layer's also
+    at the first of `warps` with its registers a thread capped at each of these."""
     g = lambda *shape: torch.randn(*shape, device=C.DEVICE, dtype=dt)
     a, h, m = g(T, D), g(T, D), g(T, D)
     ids = torch.topk(torch.randn(T, E, device=C.DEVICE), K, -1).indices
@@ -85,6 +86,14 @@ def add_norm_warps(T, warps, D=2816, K=8, E=128, dt=DT) -> dict:
             assert torch.equal(call(nw), want) or torch.allclose(call(nw), want, rtol=1e-2, atol=1e-2), nw
             us = time_ms(lambda _, c=call, n=nw: c(n)) * 1e3
             out[f"{name} warps {nw}"] = f"{us:.1f} us {moved / us / 1e3:.0f} GB/s"
+    call, moved = calls["end of layer"]
+    for cap in maxnreg:
+        capped = lambda _, c=cap: add_rms_norm_launch(
+            m, w, h, rows, scale, pre=(w1, w2), num_warps=warps[0], maxnreg=c
+        )
+        assert torch.equal(capped(0), call(warps[0])), cap
+        us = time_ms(capped) * 1e3
+        out[f"end of layer warps {warps[0]} maxnreg {cap}"] = f"{us:.1f} us {moved / us / 1e3:.0f} GB/s"
     return out
 
 
@@ -118,12 +127,16 @@ def main():
     ap.add_argument("rows", nargs="?", default="256")
     ap.add_argument("--quick", action="store_true", help="8 rows at tiny widths (on CPU: interpreted)")
     ap.add_argument("--warps", default="", help="comma list: add_rms_norm's num_warps to time instead")
+    ap.add_argument(
+        "--maxnreg", default="", help="comma list: with --warps, the end of layer's register caps"
+    )
     a = ap.parse_args()
     if a.warps:
         for T in [int(v) for v in a.rows.split(",")]:
             torch.manual_seed(0)
             kw = {"D": 256, "K": 4, "E": 16} if a.quick else {}
-            res = add_norm_warps(T, [int(v) for v in a.warps.split(",")], **kw)
+            caps = [int(v) for v in a.maxnreg.split(",") if v]
+            res = add_norm_warps(T, [int(v) for v in a.warps.split(",")], maxnreg=caps, **kw)
             print(f"T{T} " + ", ".join(f"{k}: {v}" for k, v in res.items()), flush=True)
         return
     small = {"end": {"D": 256, "K": 4, "E": 16}, "qkv": {"hq": 2, "hk": 1, "d": 64}} if a.quick else None

@@ -174,7 +174,9 @@ def add_rms_norm_launch(
     eps: float = 1e-6,
     pre: tuple | None = None,
     num_warps: int | None = None,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
+    """`add_rms_norm`'s kernel; `num_warps` / `maxnreg` (registers a thread) override its launch."""
     D = x.shape[-1]
     assert pre is None or x2 is not None, "pre-norm weights come in a pair (x's and x2's)"
     rows = x2 if isinstance(x2, ExpertRows) else None
@@ -222,6 +224,7 @@ def add_rms_norm_launch(
             ROW_MAP=rows is not None and rows.row_map is not None,
             **pdl_kwargs(y, _add_rms_norm_kernel),
             num_warps=warps,
+            **({"maxnreg": maxnreg} if maxnreg else {}),
             **NO_FP_FUSION,
         )
     return y.view(residual.shape)

@@ -165,6 +165,15 @@ def _pre_ffn_norms_kernel(
 
 
 # --- launchers ---------------------------------------------------------------------------------------
+def _check_rows(rows: ExpertRows, r: int, D: int, dtype) -> int:
+    """The layouts the kernel's combine assumes of the experts' rows; their top k."""
+    top_k = rows.ids.shape[1]
+    assert rows.shape == (r, D) and rows.y_tk.stride(-1) == 1 and rows.weights.is_contiguous()
+    assert rows.ids.is_contiguous() and rows.y_tk.dtype == dtype
+    assert rows.row_map is None or (rows.row_map.is_contiguous() and rows.row_map.numel() == r * top_k)
+    return top_k
+
+
 def add_rms_norm_launch(
     x,
     weight,
@@ -189,11 +198,7 @@ def add_rms_norm_launch(
     # 8 warps from a 4,096-wide row (the real 2,816): on an H100 the end of layer's call 136.6 against 143.5
     # us at 4,096 rows, the attention's 23.8 against 24.3 (`probes/norm_fusion_gpu_timing.py --warps`)
     warps = num_warps or (8 if block_d >= 4096 else 4)  # block_r keeps block_d * block_r <= 4,096 below it
-    if rows is not None:
-        top_k = rows.ids.shape[1]
-        assert rows.shape == (r, D) and rows.y_tk.stride(-1) == 1 and rows.weights.is_contiguous()
-        assert rows.ids.is_contiguous() and rows.y_tk.dtype == y.dtype
-        assert rows.row_map is None or (rows.row_map.is_contiguous() and rows.row_map.numel() == r * top_k)
+    top_k = _check_rows(rows, r, D, y.dtype) if rows is not None else 1
     if r:
         _add_rms_norm_kernel[(triton.cdiv(r, block_r),)](
             xs[0],
@@ -218,8 +223,8 @@ def add_rms_norm_launch(
             BLOCK_R=block_r,
             BLOCK_D=block_d,
             COMBINE=rows is not None,
-            TOP_K=top_k if rows is not None else 1,
-            K_P2=triton.next_power_of_2(top_k) if rows is not None else 1,
+            TOP_K=top_k,
+            K_P2=triton.next_power_of_2(top_k),
             RENORM=rows is not None and rows.expert_scale is not None,
             ROW_MAP=rows is not None and rows.row_map is not None,
             **pdl_kwargs(y, _add_rms_norm_kernel),

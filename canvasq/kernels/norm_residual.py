@@ -346,7 +346,8 @@ def compile_specs():
             "ROW_MAP": combine,
         }  # FP8 rows: mapped
         name = "add_rms_norm" + ("_combine" if combine else "")
-        yield CompileSpec(name, _add_rms_norm_kernel, c, add_types, add, num_warps=8, **hf)
+        opts = {**hf, "options": {**NO_FP_FUSION, "maxnreg": COMBINE_MAXNREG}} if combine else hf
+        yield CompileSpec(name, _add_rms_norm_kernel, c, add_types, add, num_warps=8, **opts)
     pre = frozenset({"x_ptr", "ya_ptr", "yr_ptr", "yb_ptr", "qa_ptr", "D"})
     types = {"eps": "fp32", "scalar": "fp32", "qa_ptr": "*fp8e4nv", "sa_ptr": "*fp32"}
     for quant in (False, True):  # quantised: the FP8 dense MLP's input

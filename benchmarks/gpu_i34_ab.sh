@@ -32,7 +32,7 @@ for line in sys.stdin:
 done
 tar -czf "$OUT/forward_kernels.tgz" -C /tmp/fk . 2>/dev/null
 if [[ ${TESTS:-1} == 1 ]]; then
-  PYTHONPATH=$site:$PWD timeout "${TESTT:-150}" python -m pytest -q -p no:cacheprovider \
+  PYTHONPATH=$site:$PWD timeout "${TESTT:-150}" python -m pytest -q -p no:cacheprovider -m "(gpu or not gpu) and not soak" \
     ${TESTS_LIST:-tests/model/test_fp8.py tests/kernels/test_norm_fused.py tests/kernels/test_moe_w4.py} > "$OUT/pytest.txt" 2>&1
   echo "tests rc=$?"; tail -3 "$OUT/pytest.txt"
 fi

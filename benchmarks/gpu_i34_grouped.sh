@@ -50,7 +50,7 @@ for line in sys.stdin:
   [[ -f /tmp/fk/forward_kernels.json ]] && gzip -c /tmp/fk/forward_kernels.json > "$OUT/forward_kernels.json.gz"
 fi
 if [[ ${TESTS:-1} == 1 ]]; then
-  timeout "${TESTT:-150}" python -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_grouped.py \
+  timeout "${TESTT:-150}" python -m pytest -q -p no:cacheprovider -m "(gpu or not gpu) and not soak" tests/kernels/test_fp8_grouped.py \
     ${TESTS_MORE-tests/model/test_fp8.py} > "$OUT/pytest.txt" 2>&1
   echo "tests rc=$?"; tail -3 "$OUT/pytest.txt"
 fi

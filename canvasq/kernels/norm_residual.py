@@ -167,7 +167,7 @@ def _pre_ffn_norms_kernel(
 # --- launchers ---------------------------------------------------------------------------------------
 # The end of layer's combine at 96 registers a thread: three programs of 8 warps an SM instead of two (at
 # 102), for 83.4 against 110.8 us at 4,096 rows on an H200 (80: 87.6, a few bytes spilled) and 23.9 against
-# 29.5 at 1,024 (BENCHMARKS "The end of layer's loads, and its registers")
+# 29.5 at 1,024 (BENCHMARKS "The end of layer's loads, and the norms that feed FP8 GEMMs write e4m3")
 COMBINE_MAXNREG = 96
 
 
@@ -205,6 +205,7 @@ def add_rms_norm_launch(
     # us at 4,096 rows, the attention's 23.8 against 24.3 (`probes/norm_fusion_gpu_timing.py --warps`)
     warps = num_warps or (8 if block_d >= 4096 else 4)  # block_r keeps block_d * block_r <= 4,096 below it
     top_k = _check_rows(rows, r, D, y.dtype) if rows is not None else 1
+    cap = maxnreg or (COMBINE_MAXNREG if rows is not None else None)
     if r:
         _add_rms_norm_kernel[(triton.cdiv(r, block_r),)](
             xs[0],
@@ -235,7 +236,7 @@ def add_rms_norm_launch(
             ROW_MAP=rows is not None and rows.row_map is not None,
             **pdl_kwargs(y, _add_rms_norm_kernel),
             num_warps=warps,
-            **({"maxnreg": maxnreg or COMBINE_MAXNREG} if rows is not None or maxnreg else {}),
+            **({"maxnreg": cap} if cap else {}),
             **NO_FP_FUSION,
         )
     return y.view(residual.shape)
@@ -322,7 +323,7 @@ def pre_ffn_norms(
     if impl == "triton":
         return pre_ffn_norms_launch(x, wa, post, scalar, wb, eps, quant_a)
     if quant_a:
-        raise ValueError("quant_a: the kernel's alone")
+        raise ValueError("quant_a=True needs impl='triton': the torch twin writes no quantised rows")
     if impl == "torch":
         return pre_ffn_norms_reference(x, wa, post, scalar, wb, eps)
     raise ValueError(f"unknown impl {impl!r}")

@@ -152,8 +152,21 @@ class _ProgressLines:
         )
 
 
-def _raise_interrupt(_signum, _frame):
-    raise KeyboardInterrupt
+class _Interrupts:
+    """Ctrl-C and SIGTERM raise KeyboardInterrupt where they land, and stay noted: Python swallows an
+    exception raised inside a finaliser or weakref callback ("Exception ignored in ..."), so the loop
+    raises it again at its next row or chunk instead of finishing the run."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self, _signum, _frame) -> None:
+        self.requested = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
 
 
 def process_embedded(engine, run_id: str) -> list[tuple[int, int]]:
@@ -167,7 +180,10 @@ def process_embedded(engine, run_id: str) -> list[tuple[int, int]]:
     engine.queue = f"embedded:{run_id}"  # the run's owner, for `owner_alive`
     engine.start()  # registered as the owner, heartbeat beating; the model was loaded before the run
     store.resume_run(run_id)  # `running` again even if a `canvasq runs` saw it between create and register
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    interrupts = _Interrupts()
+    # a SIGINT ignored from the start (a job started in the background by a script) stays ignored
+    caught = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not signal.SIG_IGN]
+    previous = {sig: signal.signal(sig, interrupts) for sig in caught}
     try:
         queued = store.counts(run_id)["queued"]
         bar_cls = click.progressbar if sys.stderr.isatty() else _ProgressLines
@@ -179,9 +195,15 @@ def process_embedded(engine, run_id: str) -> list[tuple[int, int]]:
             show_percent=True,
             show_pos=True,
         ) as bar:
-            engine.on_row = lambda: bar.update(1)  # each row as it finishes, not each chunk
+
+            def on_row() -> None:  # each row as it finishes, not each chunk
+                interrupts.check()
+                bar.update(1)
+
+            engine.on_row = on_row
             for cid in store.pending_chunks(run_id):
                 occupancy += engine.run_chunk(cid).occupancy
+                interrupts.check()
                 settled = queued - store.counts(run_id)["queued"]  # also rows closed without decoding
                 bar.update(max(0, settled - bar.pos))
             engine.on_row = None
@@ -198,7 +220,8 @@ def process_embedded(engine, run_id: str) -> list[tuple[int, int]]:
         )
         raise SystemExit(130) from None
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         engine.stop()
 
 

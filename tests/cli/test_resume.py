@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -199,6 +200,40 @@ def invoke(*args):
     res = CliRunner().invoke(cli, list(args), catch_exceptions=False)
     assert res.exit_code == 0, res.output + res.stderr
     return res
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_that_lands_in_a_finaliser_still_stops_the_run(env, monkeypatch):
+    """Python ignores an exception raised inside a finaliser or weakref callback ("Exception ignored
+    in ..."): a Ctrl-C that lands there once let the run finish with exit 0 (CI, SQLAlchemy's
+    InstanceState._cleanup). The run still stops at its next row: exit 130, `interrupted`, rows left."""
+    from canvasq.worker.engine import Engine
+
+    src = env["tmp"] / "in.jsonl"
+    _write_input(src, 6)
+    original = Engine.run_chunk
+
+    def run_chunk(self, cid):
+        class Dropped:
+            pass
+
+        dropped = Dropped()
+        weakref.finalize(dropped, signal.getsignal(signal.SIGINT), signal.SIGINT, None)
+        del dropped  # the Ctrl-C handler runs inside the finaliser; its KeyboardInterrupt is ignored
+        return original(self, cid)
+
+    monkeypatch.setattr(Engine, "run_chunk", run_chunk)
+    monkeypatch.setenv("CANVASQ_MODEL", model_for_tests())
+    get_settings.cache_clear()
+    args = ["run", str(src), "-o", "out.jsonl", "--decoder", "funnel", "--chunk-size", "2"]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 130, res.output + res.stderr
+    assert "interrupted: run" in res.stderr and "Traceback" not in res.stderr
+    st = Store(env["url"])
+    (run,) = st.list_runs()
+    assert run["status"] == "interrupted" and run["done"] < 6
+    assert not Path("out.jsonl").exists()
+    st.dispose()
 
 
 def test_cancel_then_retry_reruns_every_cancelled_row_of_an_interrupted_run(env):

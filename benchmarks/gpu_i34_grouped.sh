@@ -18,7 +18,7 @@ source benchmarks/gpu_preamble.sh
 export PYTHONPATH=$site:$PWD
 if [[ ${SWEEP:-1} == 1 ]]; then
   skew=(); [[ ${SKEW:-0} == 1 ]] && skew=(--skew)
-  (cd benchmarks/kernels && OUT=$OUT timeout "${SWT:-200}" python fp8_grouped.py --tokens "${TOKENS:-1024,4096}" \
+  (cd benchmarks/kernels && OUT=$OUT timeout "${SWT:-320}" python fp8_grouped.py --tokens "${TOKENS:-1024,4096}" \
     "${skew[@]}" ${SWEEP_ARGS:-} > "$OUT/sweep.txt" 2>&1)
   echo "sweep rc=$?"
   grep '^{' "$OUT/sweep.txt" | python -c '

@@ -11,8 +11,9 @@ calls) and checked against torch's output (the CPU: against the dequantising twi
 run the W4A8 prototype (`kernels.moe.w4a8`) with the same weights W4-packed, against the pack's own
 dequantised GEMM; its bias form (`w4a8b_*`) takes each row's group sums computed before the timed
 call (on the FP8 path the quantisers write them, `fp8_quant.quantize_rows_sums`). Labels ending
-`mm` launch row tiles outer (`fp8_grouped._tile_of`). GB/s count the weights once plus the rows read
-and written; TFLOP/s count 2·M·N·K. Rows go to $OUT/fp8_grouped.json.
+`mm` launch row tiles outer (`fp8_grouped._tile_of`); `p1`, `p2` persistent launches of that many
+programs an SM (`Tiles.persistent`). GB/s count the weights once plus the rows read and written;
+TFLOP/s count 2·M·N·K. Rows go to $OUT/fp8_grouped.json.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import torch
 from _common import DEVICE, ON_GPU, time_ms
 from triton.runtime.errors import OutOfResources
 
-from canvasq.kernels.fp8_grouped import Tiles, gemm_key, grouped_gemm, save_tuned, tiles_for
+from canvasq.kernels.fp8_grouped import grouped_gemm
+from canvasq.kernels.fp8_grouped_tiles import Tiles, gemm_key, save_tuned, tiles_for
 from canvasq.kernels.fp8_quant import gelu_mul_quant_triton, quantize_rows_triton
 from canvasq.kernels.gelu_mul import gelu_mul_reference
 from canvasq.kernels.moe.quant import dequantize_w4, quantize_w4
@@ -61,6 +63,19 @@ SWEEP = [
         (128, 256, 128, 8, 4, True),
     ]
 ] + [Tiles(64, 128, 128, 4, 3), Tiles(128, 256, 128, 8, 3, tma=True)]
+# persistent launches (`Tiles.persistent`: programs an SM, each looping over tiles, loads pipelined
+# across them): the H100's winners at 1,024 tokens (m64 n128, TMA for gate/up, k64 for down) and at
+# 4,096 (m128 n256 TMA), at one and two programs an SM
+SWEEP += [
+    Tiles(bm, bn, bk, warps, stages, tma=tma, m_major=True, persistent=p)
+    for bm, bn, bk, warps, stages, tma in [
+        (64, 128, 128, 4, 4, True),
+        (64, 128, 128, 4, 4, False),
+        (64, 128, 64, 4, 5, False),
+        (128, 256, 128, 8, 3, True),
+    ]
+    for p in (1, 2)
+]
 
 
 # the gate/up GEMM with its activation (BLOCK_N: the columns of each half)
@@ -175,6 +190,7 @@ def _label(t: Tiles) -> str:
         f"m{t.block_m}n{t.block_n}k{t.block_k}w{t.warps}s{t.stages}"
         + ("tma" if t.tma else "")
         + ("mm" if t.m_major else "")
+        + (f"p{t.persistent}" if t.persistent else "")
     )
 
 
@@ -203,6 +219,7 @@ def main() -> None:
     if args.quick or not ON_GPU:
         H, E, I = 96, 8, 48
         tilings = [Tiles(16, 32, 32, 4, 1, False), Tiles(32, 16, 64, 4, 1), Tiles(16, 32, 32, 4, 1, tma=True)]
+        tilings += [Tiles(16, 32, 32, 4, 1, tma=True, m_major=True, persistent=1)]
         gated = [Tiles(16, 16, 32, 4, 1), Tiles(16, 16, 32, 4, 1, tma=True)]
     tokens = [int(t) for t in (args.tokens or ("24" if not ON_GPU else "1024,4096")).split(",")]
     results, correct = [], True

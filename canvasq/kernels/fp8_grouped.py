@@ -9,6 +9,11 @@ weight tile is the expert's [BLOCK_N, K] slice in HF's layout (W [E, N, K], K co
 Hopper's FP8 tensor cores read without a transpose). Programs are ordered with the row tiles fastest,
 so the row tiles of one expert and column tile run side by side and share the weight tile in L2.
 
+A persistent launch (`Tiles.persistent`) starts that many programs an SM instead, each looping over
+the live tiles; Triton flattens the tile and K loops into one, so a tile's first loads are in flight
+while the tile before it is scaled and stored (the down GEMM's K of 704 is six blocks of 128: a
+one-tile program fills and drains its pipeline within those six).
+
 Rows past an expert's count are loaded from the next expert's rows (or the last row: never out of
 bounds) and not stored: loads need no row mask. Any dtype `tl.dot` takes works (e4m3 on the GPU,
 fp16/fp32 under the interpreter, which the CPU tests use).
@@ -17,10 +22,6 @@ fp16/fp32 under the interpreter, which the CPU tests use).
 from __future__ import annotations
 
 import functools
-import json
-import os
-from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import triton
@@ -29,26 +30,12 @@ import triton.language as tl
 from . import fp8_quant
 from ._dispatch import interpreted
 from ._math import tanh
-from .moe.config import device_name, nearest_at_or_above
+from .fp8_grouped_tiles import Tiles, tiles_for
+from .moe.config import device_name
 
 # gelu_tanh's constants, as `gelu_mul_quant` takes them
 _K_BETA: tl.constexpr = tl.constexpr(fp8_quant._K_BETA)
 _K_KAPPA: tl.constexpr = tl.constexpr(fp8_quant._K_KAPPA)
-
-
-@dataclass(frozen=True)
-class Tiles:
-    """One launch's blocking; `imprecise`: FP8 products summed in the tensor core's own accumulator
-    for that many K elements before an fp32 add (torch's `use_fast_accum` is the whole K)."""
-
-    block_m: int = 64
-    block_n: int = 128
-    block_k: int = 128
-    warps: int = 4
-    stages: int = 4
-    imprecise: int | None = None
-    tma: bool = False  # operands through Hopper's tensor memory accelerator (descriptors) or pointers
-    m_major: bool = False  # the launch order: row tiles outer (`_tile_of`)
 
 
 @triton.jit
@@ -63,21 +50,35 @@ def _tile_of(pid, m_tiles, n_tiles, M_MAJOR: tl.constexpr):
 
 
 @triton.jit
-def _my_rows(offs_ptr, pid_m, E: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(expert, first row, the expert's end, live) of row tile pid_m: the first expert whose running
-    tile count passes pid_m; live is false past the last tile."""
+def _expert_tiles(offs_ptr, E: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Each expert's (first row, end, row tiles, running tile count) from `offs`, as [E_POW2] vectors."""
     e = tl.arange(0, E_POW2)
     ends = tl.load(offs_ptr + e, mask=e < E, other=0)
     starts = tl.load(offs_ptr + e - 1, mask=(e > 0) & (e < E), other=0)
     counts = tl.where(e < E, ends - starts, 0)
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    passed = tl.cumsum(tiles, 0)
+    return starts, ends, tiles, tl.cumsum(tiles, 0)
+
+
+@triton.jit
+def _rows_of(starts, ends, tiles, passed, pid_m, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, first row, the expert's end) of row tile pid_m: the first expert whose running tile
+    count passes pid_m."""
+    e = tl.arange(0, E_POW2)
     expert = tl.sum((passed <= pid_m).to(tl.int32), 0)
     mine = e == expert
     start = tl.sum(tl.where(mine, starts, 0), 0)
     end = tl.sum(tl.where(mine, ends, 0), 0)
     first_tile = tl.sum(tl.where(mine, passed - tiles, 0), 0)
-    return expert, start + (pid_m - first_tile) * BLOCK_M, end, pid_m < tl.sum(tiles, 0)
+    return expert, start + (pid_m - first_tile) * BLOCK_M, end
+
+
+@triton.jit
+def _my_rows(offs_ptr, pid_m, E: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, first row, the expert's end, live) of row tile pid_m; live is false past the last tile."""
+    starts, ends, tiles, passed = _expert_tiles(offs_ptr, E, E_POW2, BLOCK_M)
+    expert, row0, end = _rows_of(starts, ends, tiles, passed, pid_m, E_POW2, BLOCK_M)
+    return expert, row0, end, pid_m < tl.sum(tiles, 0)
 
 
 @triton.jit
@@ -213,13 +214,112 @@ def _grouped_kernel(
     GATED: tl.constexpr,
     TMA: tl.constexpr,
     M_MAJOR: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+    ITERS: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     # a, w: pointers, or with TMA their descriptors
-    pid_m, pid_n = _tile_of(tl.program_id(0), m_tiles, n_tiles, M_MAJOR)
-    expert, row0, end, live = _my_rows(offs_ptr, pid_m, E, E_POW2, BLOCK_M)
-    if not live:
-        return
+    starts, ends, tiles, passed = _expert_tiles(offs_ptr, E, E_POW2, BLOCK_M)
+    if PERSISTENT:  # the live tiles only, this program's every num_programs-th, loads pipelined across them
+        m_live = tl.sum(tiles, 0)
+        if INTERPRETED:  # the interpreter takes only Python ints as loop bounds: ITERS, the host's bound
+            for i in range(ITERS):
+                t = tl.program_id(0) + i * tl.num_programs(0)
+                if t < m_live * n_tiles:
+                    _tile_at(
+                        t, m_live, n_tiles, starts, ends, tiles, passed, a, as_ptr, w, ws_ptr, out_ptr, M,
+                        N, stride_am, stride_we, stride_wn, stride_wse, stride_om, K, E_POW2, BLOCK_M,
+                        BLOCK_N, BLOCK_K, EVEN_K, IMPRECISE, GATED, TMA, M_MAJOR, INTERPRETED,
+                    )  # fmt: skip
+        else:
+            for t in tl.range(tl.program_id(0), m_live * n_tiles, tl.num_programs(0), flatten=True):
+                _tile_at(
+                    t, m_live, n_tiles, starts, ends, tiles, passed, a, as_ptr, w, ws_ptr, out_ptr, M, N,
+                    stride_am, stride_we, stride_wn, stride_wse, stride_om, K, E_POW2, BLOCK_M, BLOCK_N,
+                    BLOCK_K, EVEN_K, IMPRECISE, GATED, TMA, M_MAJOR, INTERPRETED,
+                )  # fmt: skip
+    else:
+        pid_m, pid_n = _tile_of(tl.program_id(0), m_tiles, n_tiles, M_MAJOR)
+        if pid_m < tl.sum(tiles, 0):
+            expert, row0, end = _rows_of(starts, ends, tiles, passed, pid_m, E_POW2, BLOCK_M)
+            _one_tile(
+                a, as_ptr, w, ws_ptr, out_ptr, expert, row0, end, pid_n, M, N, stride_am, stride_we,
+                stride_wn, stride_wse, stride_om, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IMPRECISE, GATED,
+                TMA, INTERPRETED,
+            )  # fmt: skip
+
+
+@triton.jit
+def _tile_at(
+    t,
+    m_live,
+    n_tiles,
+    starts,
+    ends,
+    tiles,
+    passed,
+    a,
+    as_ptr,
+    w,
+    ws_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_om,
+    K: tl.constexpr,
+    E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IMPRECISE: tl.constexpr,
+    GATED: tl.constexpr,
+    TMA: tl.constexpr,
+    M_MAJOR: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """Live tile t of a persistent program."""
+    pid_m, pid_n = _tile_of(t, m_live, n_tiles, M_MAJOR)
+    expert, row0, end = _rows_of(starts, ends, tiles, passed, pid_m, E_POW2, BLOCK_M)
+    _one_tile(
+        a, as_ptr, w, ws_ptr, out_ptr, expert, row0, end, pid_n, M, N, stride_am, stride_we, stride_wn,
+        stride_wse, stride_om, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IMPRECISE, GATED, TMA, INTERPRETED,
+    )  # fmt: skip
+
+
+@triton.jit
+def _one_tile(
+    a,
+    as_ptr,
+    w,
+    ws_ptr,
+    out_ptr,
+    expert,
+    row0,
+    end,
+    pid_n,
+    M,
+    N,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_om,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IMPRECISE: tl.constexpr,
+    GATED: tl.constexpr,
+    TMA: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """One (row tile, column tile): its products, scaled and stored."""
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if TMA:
         w_row = expert * (2 * N if GATED else N) + pid_n * BLOCK_N
@@ -273,109 +373,72 @@ def _launch(tiles: Tiles, a, a_scale, w, w_scale, offs, out, gated: bool) -> Non
 
         a = TensorDescriptor.from_tensor(a, [tiles.block_m, tiles.block_k])
         w = TensorDescriptor.from_tensor(w.view(-1, k), [tiles.block_n, tiles.block_k])
-    _grouped_kernel[(m_tiles * n_tiles,)](
+    grid, interp = m_tiles * n_tiles, interpreted(_grouped_kernel)
+    if tiles.persistent:
+        grid = min(grid, tiles.persistent * _sm_count(a_scale.device))
+    _grouped_kernel[(grid,)](
         a, a_scale, w, w_scale, offs, out, m, n, *strides, w_scale.stride(0), out.stride(0), m_tiles, n_tiles,
         K=k, E=n_experts, E_POW2=triton.next_power_of_2(n_experts), BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, EVEN_K=k % tiles.block_k == 0,
         IMPRECISE=tiles.imprecise, GATED=gated, TMA=tiles.tma, M_MAJOR=tiles.m_major,
-        INTERPRETED=interpreted(_grouped_kernel),
+        PERSISTENT=tiles.persistent > 0, ITERS=triton.cdiv(m_tiles * n_tiles, grid) if interp else 0,
+        INTERPRETED=interp,
         num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
 
 
-def tiles_for(
-    rows: int, experts: int, n: int = 0, k: int = 0, gated: bool = False, device: str = ""
-) -> Tiles:
-    """The tiling of one launch: the tuned file's (`tuned_file`) for this GEMM at the nearest row count
-    at or above `rows` (else its largest), or without one: 64-row tiles while an expert holds about that
-    many rows (the weights' bytes bound the GEMM there), 128 beyond; a gated launch's column tile is
-    each half's, so half as wide."""
-    return _tiles_for(
-        rows, experts, n, k, gated, os.environ.get(TUNED_ENV) or str(tuned_file(experts, device))
-    )
+def _sm_count(device: torch.device) -> int:
+    """The device's SMs (a persistent launch's programs per SM multiply it); under the interpreter a
+    few, so the CPU tests walk each program over several tiles."""
+    return 3 if device.type != "cuda" else _cuda_sms(device.index or 0)
 
 
-@functools.lru_cache(maxsize=256)
-def _tiles_for(rows: int, experts: int, n: int, k: int, gated: bool, path: str) -> Tiles:
-    table = load_tuned(path).get(gemm_key(n, k, gated))
-    if table:
-        return nearest_at_or_above(table, rows)
-    block_n = 64 if gated else 128
-    if rows <= 96 * experts:
-        return Tiles(64, block_n, 128, warps=4, stages=4)
-    return Tiles(128, block_n, 128, warps=8, stages=4)
-
-
-TUNED_ENV = "CANVASQ_FP8_GROUPED_FILE"  # a tuned file to read instead of CONFIG_DIR's for this device
-CONFIG_DIR = Path(__file__).parent / "moe" / "configs"
-
-
-def gemm_key(n: int, k: int, gated: bool) -> str:
-    return f"N={n},K={k}" + (",gated" if gated else "")
-
-
-def tuned_file(experts: int, device: str) -> Path:
-    """Where the tuned tilings for `device` (`moe.config.device_name`) live: what
-    `benchmarks/kernels/fp8_grouped.py` writes as fp8_grouped_tuned.json, checked in."""
-    return CONFIG_DIR / f"fp8_grouped,E={experts},device={device}.json"
-
-
-@functools.lru_cache(maxsize=16)
-def load_tuned(path: str) -> dict[str, dict[int, Tiles]]:
-    """{gemm_key: {rows: Tiles}} of a tuned file; {} when there is none."""
-    p = Path(path)
-    if not p.is_file():
-        return {}
-    raw = json.loads(p.read_text())
-    return {g: {int(r): Tiles(**t) for r, t in rows.items()} for g, rows in raw["gemms"].items()}
-
-
-def save_tuned(path: Path, gemms: dict[str, dict[int, Tiles]], meta: dict) -> None:
-    body = {
-        "meta": meta,
-        "gemms": {g: {str(r): asdict(t) for r, t in sorted(rows.items())} for g, rows in gemms.items()},
-    }
-    path.write_text(json.dumps(body, indent=1) + "\n")
+@functools.lru_cache(maxsize=8)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def compile_specs():
     """The experts' two GEMMs at the real shape (H 2,816, I 704, 128 experts) with `tiles_for`'s
-    tilings, as `fp8_moe` launches them, and gate/up with the gated epilogue the sweep times
-    (benchmarks/kernels/compile_check.py)."""
+    tilings, as `fp8_moe` launches them, gate/up with the gated epilogue the sweep times, and at 1,024
+    tokens the persistent launches the sweep times (benchmarks/kernels/compile_check.py)."""
+    gemms = (("gate_up", 1408, 2816, False), ("gate_up_act", 1408, 2816, True), ("down", 2816, 704, False))
+    for rows in (1024 * 8, 4096 * 8):
+        for name, n, k, gated in gemms:
+            t = tiles_for(rows, 128, n, k, gated, "NVIDIA_H200")
+            yield _spec(f"fp8_grouped_{name}_m{t.block_m}n{t.block_n}", t, k, gated)
+    for t in (
+        Tiles(64, 128, 128, 4, 4, tma=True, m_major=True, persistent=2),
+        Tiles(64, 128, 128, 4, 4, persistent=2),
+    ):
+        for name, _, k, gated in gemms[::2]:
+            yield _spec(
+                f"fp8_grouped_{name}_m{t.block_m}n{t.block_n}_persistent{'_tma' if t.tma else ''}",
+                t,
+                k,
+                gated,
+            )
+
+
+def _spec(name: str, t: Tiles, k: int, gated: bool):
     from .compile_spec import CompileSpec, pointers_and_strides
 
     types = {"a": "*fp8e4nv", "w": "*fp8e4nv", "as_ptr": "*fp32", "ws_ptr": "*fp32", "offs_ptr": "*i32"}
     divisible = pointers_and_strides(_grouped_kernel, "a", "w")
-    for rows in (1024 * 8, 4096 * 8):
-        gemms = (
-            ("gate_up", 1408, 2816, False),
-            ("gate_up_act", 1408, 2816, True),
-            ("down", 2816, 704, False),
-        )
-        for name, n, k, gated in gemms:
-            t = tiles_for(rows, 128, n, k, gated, "NVIDIA_H200")
-            blocks = {
-                "BLOCK_M": t.block_m,
-                "BLOCK_N": t.block_n,
-                "BLOCK_K": t.block_k,
-                "IMPRECISE": t.imprecise,
-            }
-            yield CompileSpec(
-                f"fp8_grouped_{name}_m{t.block_m}n{t.block_n}",
-                _grouped_kernel,
-                {
-                    "K": k,
-                    "E": 128,
-                    "E_POW2": 128,
-                    "EVEN_K": k % t.block_k == 0,
-                    "GATED": gated,
-                    "TMA": False,
-                    "M_MAJOR": False,
-                    "INTERPRETED": False,
-                }
-                | blocks,
-                types=types,
-                divisible=divisible,
-                num_warps=t.warps,
-                num_stages=t.stages,
-            )
+    if t.tma:  # host-side descriptors, of the blocks `_launch` gives them
+        types |= {"a": f"tensordesc<fp8e4nv[{t.block_m}, {t.block_k}]>"}
+        types |= {"w": f"tensordesc<fp8e4nv[{t.block_n}, {t.block_k}]>"}
+        divisible -= {"a", "w"}
+    blocks = {"BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "IMPRECISE": t.imprecise}
+    flags = {"TMA": t.tma, "M_MAJOR": t.m_major, "PERSISTENT": t.persistent > 0, "ITERS": 0}
+    return CompileSpec(
+        name,
+        _grouped_kernel,
+        {"K": k, "E": 128, "E_POW2": 128, "EVEN_K": k % t.block_k == 0, "GATED": gated, "INTERPRETED": False}
+        | flags
+        | blocks,
+        types=types,
+        divisible=divisible,
+        num_warps=t.warps,
+        num_stages=t.stages,
+    )

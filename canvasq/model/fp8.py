@@ -356,7 +356,7 @@ GROUPED_IMPLS = ("torch", "triton", "w4a8")
 
 def parse_grouped(value: str | None, device: torch.device | str = "cpu", experts: int = 128) -> str:
     """CANVASQ_FP8_GROUPED: "auto", or one of GROUPED_IMPLS; ValueError naming the setting. "auto" is
-    ours ("triton") on a device with a tuned file for `experts` experts (`fp8_grouped.tuned_file`:
+    ours ("triton") on a device with a tuned file for `experts` experts (`fp8_grouped_tiles.tuned_file`:
     tuned there, it beat torch's at 1,024 and 4,096 tokens on an H100), else torch's."""
     value = (value or "auto").strip().lower()
     if value == "auto":
@@ -369,7 +369,7 @@ def parse_grouped(value: str | None, device: torch.device | str = "cpu", experts
 def _tuned_here(device: torch.device, experts: int) -> bool:
     if not fp8_supported(device):
         return False
-    from canvasq.kernels.fp8_grouped import tuned_file
+    from canvasq.kernels.fp8_grouped_tiles import tuned_file
     from canvasq.kernels.moe.config import device_name
 
     return tuned_file(experts, device_name(device)).is_file()

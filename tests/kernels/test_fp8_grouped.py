@@ -8,7 +8,8 @@ import pytest
 import torch
 from kernel_testutil import DEVICE, ON_GPU, poison, rel_err
 
-from canvasq.kernels.fp8_grouped import Tiles, grouped_gemm, tiles_for
+from canvasq.kernels.fp8_grouped import grouped_gemm
+from canvasq.kernels.fp8_grouped_tiles import Tiles, tiles_for
 from canvasq.model.fp8 import _grouped, expert_order, quantize_rows
 
 # fp32 operands: exact products on the CPU, TF32 (tl.dot's default) on a GPU
@@ -38,6 +39,8 @@ def _case(experts, n, k, tokens, top_k, dtype, seed=0):
         (Tiles(16, 16, 32, stages=1, tma=True), 48, 96),  # descriptors: the weights as one matrix
         (Tiles(16, 32, 64, stages=1, tma=True), 40, 80),  # a column tile reading the next expert's rows
         (Tiles(16, 32, 64, stages=1, m_major=True), 40, 80),  # row tiles outer: every tile still once
+        (Tiles(16, 32, 64, stages=1, persistent=1), 40, 80),  # 3 programs, each looping over tiles
+        (Tiles(16, 16, 32, stages=1, tma=True, m_major=True, persistent=2), 48, 96),
     ],
 )
 def test_grouped_gemm_matches_the_twin_row_for_row(dtype, tiles, n, k):
@@ -76,6 +79,25 @@ def test_rows_past_the_last_expert_are_left_alone():
     assert rel_err(out[:end].cpu(), want[:end].cpu()) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("tma,m_major", [(False, False), (True, True)])
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_persistent_launch_writes_the_one_tile_launchs_bytes(tma, m_major, gated):
+    """Programs that loop over the live tiles compute each tile as a program of its own does: the same
+    bytes, every row of every expert written, the rows past the last expert left alone."""
+    a, a_s, w, w_s, offs = _case(8, 80, 64, 20, 2, torch.float32)
+    short = offs.clone()
+    short[-1] -= 3
+    outs = []
+    for persistent in (0, 1, 2):
+        out = poison((a.shape[0], 40 if gated else 80), torch.float32)
+        t = Tiles(16, 16, 32, stages=1, tma=tma, m_major=m_major, persistent=persistent)
+        outs.append(grouped_gemm(a, a_s, w, w_s, short, torch.float32, t, out=out, gated=gated))
+    end = int(short[-1])
+    assert not outs[0][:end].isnan().any() and outs[0][end:].isnan().all()
+    for got in outs[1:]:
+        assert torch.equal(got[:end], outs[0][:end]) and got[end:].isnan().all()
+
+
 def test_the_untuned_tiling_follows_the_rows_an_expert_holds():
     assert tiles_for(1024 * 8, 128, device="untuned").block_m == 64  # 64 rows an expert: the weights' bytes
     assert tiles_for(4096 * 8, 128, device="untuned").block_m == 128
@@ -101,6 +123,8 @@ def test_grouped_gemm_matches_torchs_scaled_grouped_mm_in_e4m3(tokens):
             Tiles(64, 128, 128),
             Tiles(128, 128, 128, warps=8),
             Tiles(64, 128, 128, tma=True),
+            Tiles(64, 128, 128, tma=True, m_major=True, persistent=1),
+            Tiles(128, 128, 128, warps=8, m_major=True, persistent=2),
         ):
             got = grouped_gemm(aq, a_s, wq, w_s, offs, torch.bfloat16, tiles)
             assert rel_err(got, want) < 1e-2, (n, k, tiles)
@@ -127,7 +151,7 @@ def test_the_fp8_expert_layer_gives_the_same_rows_through_either_grouped_gemm():
 
 
 def test_a_tuned_file_gives_the_tiling_at_the_nearest_row_count_at_or_above(tmp_path, monkeypatch):
-    from canvasq.kernels.fp8_grouped import TUNED_ENV, gemm_key, save_tuned
+    from canvasq.kernels.fp8_grouped_tiles import TUNED_ENV, gemm_key, save_tuned
 
     small, large = Tiles(64, 64, 128, tma=True), Tiles(128, 128, 128, warps=8, stages=3)
     path = tmp_path / "tuned.json"
@@ -140,7 +164,7 @@ def test_a_tuned_file_gives_the_tiling_at_the_nearest_row_count_at_or_above(tmp_
 
 
 def test_auto_takes_ours_only_on_a_gpu_with_a_tuned_file_for_it():
-    from canvasq.kernels.fp8_grouped import tuned_file
+    from canvasq.kernels.fp8_grouped_tiles import tuned_file
     from canvasq.kernels.moe.config import device_name
     from canvasq.model.fp8 import fp8_supported, parse_grouped
 

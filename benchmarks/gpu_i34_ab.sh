@@ -5,7 +5,7 @@
 #      auto, torch's bag), one process a tree in the order ORDER ("head base head"): eager and graph ms,
 #      GPU ms from the profiler and its kernels by group;
 #   2. the GPU tests of TESTS_LIST;
-#   3. PROBES=1: `gpu_i34_probe.sh`'s attention tiles and norms (H200_PLAN=0).
+#   3. PROBES=1: `gpu_i34_probe.sh`'s attention tiles, norms and gated quantiser (H200_PLAN=0).
 #
 #   call:  CANVASQ_COMMIT=<head> BASE=<commit> bash benchmarks/gpu_i34_ab.sh   (carry: .whl, .ab/$BASE)
 #
@@ -33,7 +33,7 @@ done
 tar -czf "$OUT/forward_kernels.tgz" -C /tmp/fk . 2>/dev/null
 if [[ ${TESTS:-1} == 1 ]]; then
   PYTHONPATH=$site:$PWD timeout "${TESTT:-150}" python -m pytest -q -p no:cacheprovider -m "(gpu or not gpu) and not soak" \
-    ${TESTS_LIST:-tests/model/test_fp8.py tests/kernels/test_norm_fused.py tests/kernels/test_moe_w4.py} > "$OUT/pytest.txt" 2>&1
+    ${TESTS_LIST:-tests/model/test_fp8.py tests/kernels/test_norm_fused.py tests/kernels/test_gelu_mul.py tests/kernels/test_fp8_grouped.py tests/kernels/test_moe_w4.py} > "$OUT/pytest.txt" 2>&1
   echo "tests rc=$?"; tail -3 "$OUT/pytest.txt"
 fi
 if [[ ${PROBES:-1} == 1 ]]; then

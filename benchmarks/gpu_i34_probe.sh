@@ -7,7 +7,9 @@
 #      (64 windows over contexts up to 2,048);
 #   2. `probes/norm_fusion_gpu_timing.py --warps 8`: the end-of-layer and attention norms at 4,096 and 1,024
 #      rows (µs and GB/s), in this tree (with the end of layer's registers capped at CAPS too) and in $BASE
-#      (`.ab/$BASE`, the same call's baseline).
+#      (`.ab/$BASE`, the same call's baseline);
+#   3. `--quant $QUANT` (default 2,4,8; QUANT= skips): the gated quantiser at one row a program against
+#      that many, at the experts' and the dense MLP's widths, 1,024 and 4,096 tokens.
 #
 #   call:  CANVASQ_COMMIT=<head> BASE=<commit> bash benchmarks/gpu_i34_probe.sh   (carry: .whl, .ab/$BASE)
 set -u
@@ -34,4 +36,9 @@ for t in . ".ab/${BASE:-}"; do
     ${NORM_ROWS:-4096,1024} --warps 8 "${caps[@]}" ${PROBE_ARGS:-} > "$OUT/norm_$name.txt" 2>&1)
   echo "norm $name rc=$?"; tail -4 "$OUT/norm_$name.txt"
 done
+if [[ -n ${QUANT-2,4,8} ]]; then
+  timeout "${QT:-90}" python benchmarks/probes/norm_fusion_gpu_timing.py ${QUANT_ROWS:-1024,4096} \
+    --quant "${QUANT-2,4,8}" ${PROBE_ARGS:-} > "$OUT/quant.txt" 2>&1
+  echo "quant rc=$?"; cat "$OUT/quant.txt" | tr ',' '\n' | grep -i "rows" | head -40
+fi
 date -u >> "$OUT/gpu.txt"

@@ -17,7 +17,7 @@ set -u
 source benchmarks/gpu_preamble.sh
 export PYTHONPATH=$site:$PWD
 if grep -q H200 "$OUT/gpu.txt" && [[ ${H200_PLAN:-1} == 1 ]]; then
-  GROUPED=torch,triton BATCHES=4,16 TESTS=0 SWT=220 FWT=300 bash benchmarks/gpu_i34_grouped.sh
+  GROUPED=torch,triton BATCHES=4,16 TESTS=0 SWT=320 FWT=300 bash benchmarks/gpu_i34_grouped.sh
   exit
 fi
 tiles=${ATTN_TILES-256:128x32x8x2,128x64x8x2,64x64x4x2,64x64x8x2,128x32x8x3/512:64x32x8x3,64x64x8x2,128x32x8x2}

@@ -218,34 +218,29 @@ def _grouped_kernel(
     ITERS: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    # a, w: pointers, or with TMA their descriptors
-    starts, ends, tiles, passed = _expert_tiles(offs_ptr, E, E_POW2, BLOCK_M)
-    if PERSISTENT:  # the live tiles only, this program's every num_programs-th, loads pipelined across them
-        m_live = tl.sum(tiles, 0)
-        if INTERPRETED:  # the interpreter takes only Python ints as loop bounds: ITERS, the host's bound
-            for i in range(ITERS):
-                t = tl.program_id(0) + i * tl.num_programs(0)
-                if t < m_live * n_tiles:
-                    _tile_at(
-                        t, m_live, n_tiles, starts, ends, tiles, passed, a, as_ptr, w, ws_ptr, out_ptr, M,
-                        N, stride_am, stride_we, stride_wn, stride_wse, stride_om, K, E_POW2, BLOCK_M,
-                        BLOCK_N, BLOCK_K, EVEN_K, IMPRECISE, GATED, TMA, M_MAJOR, INTERPRETED,
-                    )  # fmt: skip
-        else:
-            for t in tl.range(tl.program_id(0), m_live * n_tiles, tl.num_programs(0), flatten=True):
+    # a, w: pointers, or with TMA their descriptors; `ops`: what every tile reads and writes
+    ops = (a, as_ptr, w, ws_ptr, out_ptr, M, N, stride_am, stride_we, stride_wn, stride_wse, stride_om)
+    table = _expert_tiles(offs_ptr, E, E_POW2, BLOCK_M)
+    m_live = tl.sum(table[2], 0)
+    if not PERSISTENT:  # one tile a program, the grid every tile there can be (m_tiles: a bound)
+        if tl.program_id(0) < m_live * n_tiles:
+            _tile_at(
+                tl.program_id(0), m_live, n_tiles, table, ops, K, E_POW2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                IMPRECISE, GATED, TMA, M_MAJOR, INTERPRETED,
+            )  # fmt: skip
+    elif INTERPRETED:  # the interpreter takes only Python ints as loop bounds: ITERS, the host's bound
+        for i in range(ITERS):
+            t = tl.program_id(0) + i * tl.num_programs(0)
+            if t < m_live * n_tiles:
                 _tile_at(
-                    t, m_live, n_tiles, starts, ends, tiles, passed, a, as_ptr, w, ws_ptr, out_ptr, M, N,
-                    stride_am, stride_we, stride_wn, stride_wse, stride_om, K, E_POW2, BLOCK_M, BLOCK_N,
-                    BLOCK_K, EVEN_K, IMPRECISE, GATED, TMA, M_MAJOR, INTERPRETED,
+                    t, m_live, n_tiles, table, ops, K, E_POW2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IMPRECISE,
+                    GATED, TMA, M_MAJOR, INTERPRETED,
                 )  # fmt: skip
-    else:
-        pid_m, pid_n = _tile_of(tl.program_id(0), m_tiles, n_tiles, M_MAJOR)
-        if pid_m < tl.sum(tiles, 0):
-            expert, row0, end = _rows_of(starts, ends, tiles, passed, pid_m, E_POW2, BLOCK_M)
-            _one_tile(
-                a, as_ptr, w, ws_ptr, out_ptr, expert, row0, end, pid_n, M, N, stride_am, stride_we,
-                stride_wn, stride_wse, stride_om, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IMPRECISE, GATED,
-                TMA, INTERPRETED,
+    else:  # the live tiles, every num_programs-th; the tile and K loops flattened, loads pipelined across
+        for t in tl.range(tl.program_id(0), m_live * n_tiles, tl.num_programs(0), flatten=True):
+            _tile_at(
+                t, m_live, n_tiles, table, ops, K, E_POW2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IMPRECISE,
+                GATED, TMA, M_MAJOR, INTERPRETED,
             )  # fmt: skip
 
 
@@ -254,22 +249,8 @@ def _tile_at(
     t,
     m_live,
     n_tiles,
-    starts,
-    ends,
-    tiles,
-    passed,
-    a,
-    as_ptr,
-    w,
-    ws_ptr,
-    out_ptr,
-    M,
-    N,
-    stride_am,
-    stride_we,
-    stride_wn,
-    stride_wse,
-    stride_om,
+    table,
+    ops,
     K: tl.constexpr,
     E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -282,44 +263,11 @@ def _tile_at(
     M_MAJOR: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """Live tile t of a persistent program."""
+    """Tile t of the live tiles (`_tile_of` over m_live row tiles): its products, scaled and stored."""
+    a, as_ptr, w, ws_ptr, out_ptr, M, N, stride_am, stride_we, stride_wn, stride_wse, stride_om = ops
     pid_m, pid_n = _tile_of(t, m_live, n_tiles, M_MAJOR)
+    starts, ends, tiles, passed = table
     expert, row0, end = _rows_of(starts, ends, tiles, passed, pid_m, E_POW2, BLOCK_M)
-    _one_tile(
-        a, as_ptr, w, ws_ptr, out_ptr, expert, row0, end, pid_n, M, N, stride_am, stride_we, stride_wn,
-        stride_wse, stride_om, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IMPRECISE, GATED, TMA, INTERPRETED,
-    )  # fmt: skip
-
-
-@triton.jit
-def _one_tile(
-    a,
-    as_ptr,
-    w,
-    ws_ptr,
-    out_ptr,
-    expert,
-    row0,
-    end,
-    pid_n,
-    M,
-    N,
-    stride_am,
-    stride_we,
-    stride_wn,
-    stride_wse,
-    stride_om,
-    K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    IMPRECISE: tl.constexpr,
-    GATED: tl.constexpr,
-    TMA: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-):
-    """One (row tile, column tile): its products, scaled and stored."""
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if TMA:
         w_row = expert * (2 * N if GATED else N) + pid_n * BLOCK_N

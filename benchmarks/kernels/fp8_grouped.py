@@ -42,6 +42,7 @@ from canvasq.model.fp8 import _grouped, expert_order, quantize_rows
 from canvasq.provenance import git_commit
 
 H, E, TOPK, I = 2816, 128, 8, 704
+TOL = 2e-2  # rel_err against the reference that an arm must stay under
 
 # row tiles outer (`_tile_of`) won at every case on an H100 (BENCHMARKS): each tiling that way, and
 # two column-outer ones for reference
@@ -133,7 +134,8 @@ def case(tokens: int, name: str, n: int, k: int, skew: bool, tilings: list[Tiles
         arms["tuned+gelu_mul_quant"] = lambda: theirs("triton")
     nbytes, flop = E * n * k + m * k + 2 * m * n, 2 * m * n * k
     row["arms"] = [_timed(label, fn, ref, nbytes, flop) for label, fn in arms.items()]
-    ok = [a for a in row["arms"] if "ms" in a and a["arm"] in tiles]
+    # a tiling whose output is off is never a winner, however fast
+    ok = [a for a in row["arms"] if "ms" in a and a["arm"] in tiles and a["rel_err"] < TOL]
     row["best_tiles"] = asdict(tiles[min(ok, key=lambda a: a["ms"])["arm"]]) if ok else None
     if not gated:
         row["arms"] += w4a8_arms(aq, a_s, w, offs, dtype)
@@ -228,7 +230,7 @@ def main() -> None:
             for name, n, k in (("gate_up", 2 * I, H), ("down", H, I), ("gate_up+act", 2 * I, H)):
                 r = case(t, name, n, k, skew, gated if name.endswith("+act") else tilings, args.seed)
                 ok = [a for a in r["arms"] if "ms" in a]
-                correct &= all(a["rel_err"] < 2e-2 for a in ok) and len(ok) > (1 if ON_GPU else 0)
+                correct &= all(a["rel_err"] < TOL for a in ok) and len(ok) > (1 if ON_GPU else 0)
                 best = min((a for a in ok if a["arm"] not in ("torch",)), key=lambda a: a["ms"])
                 print(json.dumps({**r, "best": best["arm"], "best_ms": round(best["ms"], 4)}), flush=True)
                 results.append(r)

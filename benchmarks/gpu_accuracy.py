@@ -20,6 +20,7 @@ syntax); settings after '@' are what a config does not reach:
                              window a group, every forward; 0: never)
     kernel_rows=N            windows of up to N rows through our attention kernel (0: all SDPA)
     attention_tiles=S        the kernel's tiles by head dim ("256:64x32x4x2/512:64x32x8x2")
+    sc_bag=torch|triton      self-conditioning's top-k bag (`Runtime.sc_bag`)
 
 Each arm gets runtimes of its own (built when its decoder asks, with the settings applied), so
 arms never share captured graphs. Accuracy, forwards per request and τ are exact per (prompts, seed);
@@ -53,6 +54,7 @@ SETTINGS = {
     "defer_head_bytes": int,
     "kernel_rows": int,
     "attention_tiles": str,
+    "sc_bag": str,
 }
 RUNTIME_ATTRS = (
     "context_step",
@@ -62,6 +64,7 @@ RUNTIME_ATTRS = (
     "defer_head_bytes",
     "kernel_rows",
     "attention_tiles",
+    "sc_bag",
 )
 # the guard: HF's generate(), official with its defaults on the bf16 model `canvasq bench` loads, and
 # official as a GPU worker runs it by default (W4 experts, 64 decode slots on an H200)

@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_accuracy.sh ablation   # one factor per arm, 200 x 2 tasks, one seed
 #   bash benchmarks/gpu_accuracy.sh main       # the README's main command with default settings, scored
 #
-# SEEDS / N override the defaults; everything lands in $OUT.
+# SEEDS / N override the defaults; ARM adds one arm to the guard (e.g. ARM='official:experts=w4@batch=64,sc_bag=triton');
+# everything lands in $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -19,8 +20,9 @@ export PYTHONPATH=/tmp/site2:$PWD${PYTHONPATH:+:$PYTHONPATH}
 what=${1:-guard}
 case $what in
   guard)
+    extra=(); [[ -n ${ARM:-} ]] && extra=(--arm "$ARM")
     python3 benchmarks/gpu_accuracy.py --device cuda --guard --n "${N:-200}" --seeds "${SEEDS:-61,62,63}" \
-      --out "$OUT/guard" 2>&1 | tee "$OUT/guard.txt" | grep -v Loading ;;
+      "${extra[@]}" --out "$OUT/guard" 2>&1 | tee "$OUT/guard.txt" | grep -v Loading ;;
   ablation)
     python3 benchmarks/gpu_accuracy.py --device cuda --n "${N:-200}" --seeds "${SEEDS:-61}" --out "$OUT/ablation" \
       --arm hf --arm official \

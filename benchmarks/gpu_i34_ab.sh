@@ -28,7 +28,8 @@ import json, sys
 for line in sys.stdin:
     r = json.loads(line)
     print(r["batch"], "eager", round(r["eager_ms"], 2), "graph", round(r.get("graph_ms") or 0, 2), "gpu", round(r["gpu_ms"], 2),
-          {k: round(v, 2) for k, v in r["groups_ms"].items()})'
+          "host", round(r.get("host_ms") or 0, 2), {k: round(v, 2) for k, v in r["groups_ms"].items()})
+    print("  waits", r.get("host", {}).get("waits"), "top host", r.get("host", {}).get("top_self", [])[:6])'
 done
 tar -czf "$OUT/forward_kernels.tgz" -C /tmp/fk . 2>/dev/null
 if [[ ${TESTS:-1} == 1 ]]; then

@@ -46,7 +46,8 @@ for line in sys.stdin:
     r = json.loads(line)
     g = r["groups_ms"]
     print(r["grouped"], r["sc_bag"], r["batch"], "eager", round(r["eager_ms"], 2), "graph", round(r.get("graph_ms") or 0, 2),
-          "gpu", round(r["gpu_ms"], 2), "experts_gemm", round(g.get("experts_gemm", 0), 2))'
+          "gpu", round(r["gpu_ms"], 2), "experts_gemm", round(g.get("experts_gemm", 0), 2),
+          "host", round(r.get("host_ms") or 0, 2), "waits", r.get("host", {}).get("waits"))'
   [[ -f /tmp/fk/forward_kernels.json ]] && gzip -c /tmp/fk/forward_kernels.json > "$OUT/forward_kernels.json.gz"
 fi
 if [[ ${TESTS:-1} == 1 ]]; then

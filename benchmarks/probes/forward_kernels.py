@@ -5,9 +5,11 @@
 
 The model is the worker's (`load_bundle(..., experts="w4")`, `runtime_for(..., fp8="auto")`), so the
 forward is the one the loop runs at each batch: B windows of 256 rows with top-64 self-conditioning.
-Per batch: the eager and graph-replayed ms (median of `--iters`), then torch.profiler over `--reps`
-eager forwards, its CUDA kernels summed by name and by group (experts' GEMMs, their permutation and
-quantisation, dense GEMMs, attention, LM head, norms, other), in ms per forward. With `--moe` the
+Per batch: the eager and graph-replayed ms (median of `--iters`), an eager forward's host ms (call to
+return, the device idle at the call), then torch.profiler over `--reps` eager forwards: its CUDA
+kernels summed by name and by group (experts' GEMMs, their permutation and quantisation, dense GEMMs,
+attention, LM head, norms, other), in ms per forward, and its host side (`host`: the calls that wait
+for the device, the ops with the most host time of their own). With `--moe` the
 FP8 expert layer alone at B x 256 rows gets the same split. Raw tables land in $OUT.
 """
 
@@ -64,6 +66,40 @@ def kernel_table(prof, reps: int, cuda: bool) -> tuple[list[dict], dict[str, flo
         r["group"] = group_of(r["kernel"])
         groups[r["group"]] = groups.get(r["group"], 0.0) + r["ms"]
     return rows, groups
+
+
+# host calls that wait for the device: a forward that makes them stops launching until the GPU catches up
+SYNCS = re.compile(
+    r"^(cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|cudaMemcpy|aten::_local_scalar_dense"
+    r"|aten::item|aten::nonzero)$"
+)
+
+
+def host_table(prof, reps: int, top: int = 12) -> dict:
+    """The profiled forwards' host side: the calls that wait for the device (count and ms a forward)
+    and the ops with the most host time of their own (ms a forward)."""
+    cpu = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    waits = {e.key: [e.count / reps, e.self_cpu_time_total / 1e3 / reps] for e in cpu if SYNCS.match(e.key)}
+    mine = sorted(cpu, key=lambda e: -e.self_cpu_time_total)[:top]
+    return {
+        "waits": waits,
+        "top_self": [
+            [e.key[:80], round(e.self_cpu_time_total / 1e3 / reps, 3), e.count / reps] for e in mine
+        ],
+    }
+
+
+def host_ms(fn, iters: int) -> float:
+    """Median ms from a forward's call to its return, the device idle at the call: its host time when
+    nothing in it waits for the device (else at least the device time up to its last wait)."""
+    out = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(out)
 
 
 def profiled(fn, reps: int, cuda: bool):
@@ -125,7 +161,10 @@ def forward_case(rt, runner, batch: int, prompt: int, args, cuda: bool) -> dict:
                 lambda: runner.decode(garena, wins, prefix_attention=prefix), args.iters, cuda
             )
             del garena
+    if cuda:
+        res["host_ms"] = host_ms(lambda: rt.decode(arena, wins, prefix_attention=prefix), args.iters)
     prof = profiled(lambda: rt.decode(arena, wins, prefix_attention=prefix), args.reps, cuda)
+    res["host"] = host_table(prof, args.reps)
     rows, groups = kernel_table(prof, args.reps, cuda)
     res["gpu_ms"] = sum(r["ms"] for r in rows)
     res["groups_ms"] = dict(sorted(groups.items(), key=lambda kv: -kv[1]))

@@ -275,23 +275,28 @@ def _cap_arena(bundle, fp8: str, settings, arena_gib: str) -> None:
     """The graph runner's arena cap for this arm (`--arena-gib`): a number of GiB, none (no cap: the
     stream's arena is the runner's) or auto (the runner's default, `graph.ARENA_BYTES`), optionally
     with `:ROWS`, the most padded rows a graph may take (its logits buffer; default
-    `graph.LOGITS_BYTES` of fp32 logits). Under the cap the stream allocates its own arena and runs
-    eagerly; forwards past ROWS on the runner's arena run eagerly too (e.g. 'auto,16:16384': the
-    default against the one before it, a 16 GiB cap with 16,384 rows of logits)."""
+    `graph.LOGITS_BYTES` of fp32 logits), and `:DEFERRED`, the padded rows up to which a forward past
+    ROWS still replays a graph whose LM head is deferred (default `graph.DEFERRED_ROWS`). Under the
+    cap the stream allocates its own arena and runs eagerly; forwards past ROWS (and DEFERRED) on the
+    runner's arena run eagerly too (e.g. 'auto,16:16384': the default against the one before it, a 16
+    GiB cap with 16,384 rows of logits; 'auto,auto::8192': graphs up to 8,192 rows, the head
+    deferred past the logits buffer's)."""
     from canvasq.decoders.runtimes import runtime_for
-    from canvasq.model.graph import ARENA_BYTES, LOGITS_BYTES, graph_runner
+    from canvasq.model.graph import ARENA_BYTES, DEFERRED_ROWS, LOGITS_BYTES, graph_runner
 
     if settings.cuda_graphs == "off" or not str(settings.device).startswith("cuda"):
         return
     rt = runtime_for(bundle.hf_model, "w4", fp8, settings.fp8_min_rows)
     runner = graph_runner(rt)
-    cap, _, rows = arena_gib.partition(":")
+    cap, _, rest = arena_gib.partition(":")
+    rows, _, deferred = rest.partition(":")
     caps = {"auto": ARENA_BYTES, "none": None}
     runner.max_arena_bytes = caps[cap] if cap in caps else int(float(cap) * 2**30)
     logits_bytes = int(rows) * 4 * rt.vocab_size if rows else LOGITS_BYTES
-    if runner.logits_bytes != logits_bytes:
-        runner.logits_bytes = logits_bytes
-        runner.release()  # its graphs write the old logits buffer
+    deferred_rows = int(deferred) if deferred else DEFERRED_ROWS
+    if (runner.logits_bytes, runner.deferred_rows) != (logits_bytes, deferred_rows):
+        runner.logits_bytes, runner.deferred_rows = logits_bytes, deferred_rows
+        runner.release()  # its graphs write the old logits buffer, or were keyed by the old rows
 
 
 def _errored(store, run_id: str) -> int:

@@ -157,9 +157,11 @@ def forward_case(rt, runner, batch: int, prompt: int, args, cuda: bool) -> dict:
                     garena,
                     [(b, torch.randint(0, V, (prompt,), device=device), torch.arange(prompt, device=device))],
                 )
+            # a graph past the logits buffer defers its head: its logits made here, as eager makes them
             res["graph_ms"] = timed(
-                lambda: runner.decode(garena, wins, prefix_attention=prefix), args.iters, cuda
+                lambda: runner.decode(garena, wins, prefix_attention=prefix).logits, args.iters, cuda
             )
+            res["graph_deferred"] = runner.takes(batch, C) and batch * C > runner.max_rows
             del garena
     if cuda:
         res["host_ms"] = host_ms(lambda: rt.decode(arena, wins, prefix_attention=prefix), args.iters)
@@ -253,6 +255,13 @@ def main() -> None:
         "'auto;dense,head': the experts kept W4 at every size)",
     )
     ap.add_argument(
+        "--deferred-rows",
+        type=int,
+        default=None,
+        help="the graph runner's `deferred_rows`: graphs, their LM head deferred, for forwards past the "
+        "logits buffer up to these padded rows (default: the runner's, `graph.DEFERRED_ROWS`)",
+    )
+    ap.add_argument(
         "--grouped",
         default=None,
         help="comma list of the FP8 experts' grouped GEMMs to time, arms in this process "
@@ -305,6 +314,13 @@ def main() -> None:
             impl = set_grouped(rt, impl)
             rt.graph_runner = None
         runner = graph_runner(rt) if cuda and not args.no_graphs else None
+        if (
+            runner is not None
+            and args.deferred_rows is not None
+            and runner.deferred_rows != args.deferred_rows
+        ):
+            runner.deferred_rows = args.deferred_rows
+            runner.release()
         r = forward_case(rt, runner, b, args.prompt if not args.quick else 16, args, cuda)
         r = {"fp8": arm, "fp8_parts": r.pop("fp8", None), "sc_bag": bag, "grouped": impl, **r}
         report["forward"].append(r)

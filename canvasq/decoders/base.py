@@ -282,18 +282,12 @@ class StepDecoder:
         spare = self._spare_slots({w.slot for w in windows}, len(windows), max(w.rows for w in windows))
         if not spare:
             return self.graphs.decode(self.arena, windows, **kw)
-        from canvasq.model.runtime import DecodeOutput
-
         last = windows[-1]
         off = None if last.self_cond is None else torch.zeros(last.rows, dtype=torch.bool, device=self.device)
         # the last window's rows again on each free slot, with no self-conditioning: nothing to launch
         # to make them, and their logits are dropped
         pad = [replace(last, slot=slot, capture=None, self_cond_rows=off, encoder_rows=0) for slot in spare]
-        out = self.graphs.decode(self.arena, list(windows) + pad, **kw)
-        n = len(windows)
-        return DecodeOutput(
-            out.logits[: out.offsets[n]], out.offsets[: n + 1], out.captured[:n] if out.captured else []
-        )
+        return self.graphs.decode(self.arena, list(windows) + pad, **kw).first(len(windows))
 
     def _spare_slots(self, used: set[int], count: int, rows: int) -> list[int]:
         """Free slots of the runner's arena that pad `count` windows of up to `rows` rows up to their

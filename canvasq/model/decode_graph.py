@@ -107,6 +107,7 @@ class DecodeGraph:
         pool=None,
         logits_out: torch.Tensor | None = None,
         encoder: bool = False,
+        defer_head: bool = False,
     ):
         self.rt, self.arena, self.encoder = rt, arena, encoder
         self.rows = rows or _bucket(max(w.rows for w in windows), ROW_BUCKETS)
@@ -123,6 +124,8 @@ class DecodeGraph:
         )
         self.prep.static = True
         self.prep.logits_out = logits_out
+        # the graph stops at the final-normed hidden rows; their logits are made when read
+        self.prep.defer_head = defer_head and not encoder
         self.any_slots = not self.prep.ctx.contiguous
         self.uniform = self._uniform(windows)
         self._last_slots = self.slots
@@ -176,7 +179,7 @@ class DecodeGraph:
         offsets = [0]
         for w in windows:
             offsets.append(offsets[-1] + w.rows)
-        if all(w.rows == self.rows for w in windows):
+        if all(w.rows == self.rows for w in windows):  # the logits, or deferred: the hidden rows
             logits = logits.clone()
         else:
             real = [torch.arange(b * self.rows, b * self.rows + w.rows) for b, w in enumerate(windows)]
@@ -191,6 +194,8 @@ class DecodeGraph:
             ks = [k[w.slot][:, cols].transpose(0, 1) for k in self.arena.k]
             vs = [v[w.slot][:, cols].transpose(0, 1) for v in self.arena.v]
             captured.append(Captured(ks, vs, w.positions.to(self.rt.device)[idx]))
+        if p.defer_head:
+            return self.rt.deferred_output(logits, offsets, captured, rows=self.rows * len(windows))
         return DecodeOutput(logits, offsets, captured)
 
     def _write(self, windows: list[Window]) -> None:

@@ -47,6 +47,13 @@ __all__ = [
 # against a 16 GiB cap's 9,694 and 10,619 (BENCHMARKS.md, "Service throughput").
 ARENA_BYTES: int | None = None
 LOGITS_BYTES = 2 << 30
+# Padded rows up to which a forward past the logits buffer still replays a graph, one that stops at the
+# final-normed hidden rows (their LM head runs when the decoder reads them, as an eager forward's
+# deferred head does). 0: those forwards run eagerly, as before. Why: an eager 16 x 256 forward on an
+# H200 took 101.7 ms of wall time for 52.25 ms of GPU work, bound by its host (BENCHMARKS.md, "The end of
+# layer's loads, and the norms that feed FP8 GEMMs write e4m3"); not on by default until a forward and
+# a loop A/B on a GPU show the graphs pay.
+DEFERRED_ROWS = 0
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +71,9 @@ class GraphRunner:
     context bucket, SC kinds, the attention path), kept least recently used up to `max_graphs`, and share one temporaries
     pool and one logits buffer of `logits_bytes` (`LOGITS_BYTES`). `decode` and `encode_many` run eagerly
     what no graph can take: windows on another store (the funnel's simple promotion), more padded rows
-    than the logits buffer holds, a window larger than the largest row bucket, padded rows that would not
-    fit a slot's free entries, or a key whose graph failed to build (counted in `stats["failed"]`).
+    than the logits buffer holds (unless `deferred_rows` lets a graph that defers its LM head take
+    them), a window larger than the largest row bucket, padded rows that would not fit a slot's free
+    entries, or a key whose graph failed to build (counted in `stats["failed"]`).
 
     Numerics: a graph forward pads rows to the bucket and always applies the attention masks (no
     host sync to detect mask-free segments), so its logits equal the eager forward's to rounding,
@@ -80,8 +88,9 @@ class GraphRunner:
         cuda_graph: bool | None = None,
         warmup: int = 1,
         max_arena_bytes: int | None = ARENA_BYTES,
+        deferred_rows: int = DEFERRED_ROWS,
     ):
-        self.rt, self.max_arena_bytes = rt, max_arena_bytes
+        self.rt, self.max_arena_bytes, self.deferred_rows = rt, max_arena_bytes, deferred_rows
         self.cuda_graph = rt.device.type == "cuda" if cuda_graph is None else cuda_graph
         self.max_graphs, self.warmup, self.logits_bytes = max_graphs, warmup, logits_bytes
         self.graphs: OrderedDict[tuple, DecodeGraph | None] = OrderedDict()
@@ -101,7 +110,7 @@ class GraphRunner:
         """Whether a forward of `windows` windows of up to `rows` rows can replay a graph (in the
         runner's arena); a larger one runs eagerly, where padding it to a bucket would only add work."""
         rows = _bucket(rows, ROW_BUCKETS)
-        return rows <= ROW_BUCKETS[-1] and rows * windows <= self.max_rows
+        return rows <= ROW_BUCKETS[-1] and rows * windows <= max(self.max_rows, self.deferred_rows)
 
     def arena(self, slots: int, capacity: int) -> KVArena | None:
         """The persistent arena, every slot empty, with at least `slots` slots of `capacity` entries;
@@ -188,21 +197,22 @@ class GraphRunner:
             tuple(_sc_kind(w.self_cond) for w in windows),
             # the attention and SC bag a capture bakes in (knobs a benchmark arm may change between forwards)
             (rows <= rt.kernel_rows, rt.attention_tiles, rt.sdpa_backend, rt.encoder_sdpa_backend, rt.sc_bag),
+            rows * len(slots) > self.max_rows,  # past the logits buffer: the head deferred
         )
         if key in self.graphs:
             self.graphs.move_to_end(key)
             return self.graphs[key]
-        graph = self.graphs[key] = self._build(arena, windows, rows, context, encoder)
+        graph = self.graphs[key] = self._build(arena, windows, rows, context, encoder, key[-1])
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
             self.stats["evicted"] += 1
         return graph
 
     def _build(
-        self, arena: KVArena, windows: list[Window], rows: int, context: int, encoder: bool
+        self, arena: KVArena, windows: list[Window], rows: int, context: int, encoder: bool, deferred: bool
     ) -> DecodeGraph | None:
-        """A graph over the runner's own arena (`arena` is `self.store`)."""
-        if self.logits is None:
+        """A graph over the runner's own arena (`arena` is `self.store`); `deferred`: its head too."""
+        if self.logits is None and not deferred:
             n = min(self.max_rows, arena.slots * ROW_BUCKETS[-1])
             self.logits = torch.empty(n * self.rt.vocab_size, dtype=torch.float32, device=self.rt.device)
         try:
@@ -215,8 +225,9 @@ class GraphRunner:
                 cuda_graph=self.cuda_graph,
                 warmup=self.warmup,
                 pool=self.pool,
-                logits_out=self.logits,
+                logits_out=None if deferred else self.logits,
                 encoder=encoder,
+                defer_head=deferred,
             )
         except (RuntimeError, ValueError):  # CUDA / capture / out-of-memory / shape errors: a graph
             # is an optimisation, the rows still decode eagerly. Anything else (the worker's soft

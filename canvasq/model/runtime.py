@@ -319,11 +319,16 @@ class Runtime:
             return None
         captured = prep.split_captured(cap_k, cap_v)
         if prep.defer_head:  # `out` is the final-normed hidden state: logits as the decoder reads them
-            fp8 = self.lm_head_fp8 is not None and rows >= self.fp8_min_rows  # by the whole forward
-            head, uncapped = (functools.partial(f, fp8=fp8) for f in (self.head_logits, self.head_uncapped))
-            kw = {"hidden": out, "softcap": self.softcap}
-            return DecodeOutput(None, offsets, captured, head=head, uncapped=uncapped, **kw)
+            return self.deferred_output(out, offsets, captured, rows)
         return DecodeOutput(out, offsets, captured)
+
+    def deferred_output(self, hidden, offsets: list[int], captured, rows: int) -> DecodeOutput:
+        """A forward's output whose LM head runs when its rows are read (`DecodeOutput.head`): `hidden`
+        the final-normed rows; the head FP8 or not by the whole forward's `rows`."""
+        fp8 = self.lm_head_fp8 is not None and rows >= self.fp8_min_rows
+        head, uncapped = (functools.partial(f, fp8=fp8) for f in (self.head_logits, self.head_uncapped))
+        kw = {"hidden": hidden, "softcap": self.softcap}
+        return DecodeOutput(None, offsets, captured, head=head, uncapped=uncapped, **kw)
 
     def _prepare(
         self,

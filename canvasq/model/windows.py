@@ -5,7 +5,7 @@ an encoder pass, and `DecodeOutput` (what comes back). Decoders build these; `Ru
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -143,6 +143,15 @@ class DecodeOutput:
         assert self.hidden is not None
         with torch.no_grad():
             return self.uncapped(self.hidden[start:stop])
+
+    def first(self, n: int) -> DecodeOutput:
+        """The first n windows' output (a padded forward's own windows), its head still deferred if
+        this one's is."""
+        end, captured = self.offsets[n], self.captured[:n] if self.captured else []
+        if self._logits is None:
+            assert self.hidden is not None  # a deferred head has its hidden rows
+            return replace(self, offsets=self.offsets[: n + 1], captured=captured, hidden=self.hidden[:end])
+        return DecodeOutput(self._logits[:end], self.offsets[: n + 1], captured)
 
     def window_logits(self, i: int) -> torch.Tensor:
         return self.logits[self.offsets[i] : self.offsets[i + 1]]

@@ -478,6 +478,35 @@ def test_graph_runner_runs_eagerly_what_a_graph_cannot_take(bundle):
     assert runner.stats["replayed"] == replayed + 1
 
 
+def test_a_forward_past_the_logits_buffer_replays_a_graph_with_its_head_deferred(bundle):
+    """`deferred_rows`: a forward padded past the logits buffer (8 rows here) but within those rows
+    replays a graph that stops at the hidden rows; its logits, made when read (all, or a row group's),
+    are the eager forward's to rounding (the padded GEMMs may sum in another order), and the first
+    windows of a padded forward keep their head deferred."""
+    from canvasq.model.graph import GraphRunner
+    from canvasq.model.runtime import Window
+
+    rt = make_decoder("pipe", bundle).rt
+    runner = GraphRunner(rt, cuda_graph=False, logits_bytes=8 * 4 * rt.vocab_size, deferred_rows=32)
+    assert runner.max_rows == 8 and runner.takes(3, 8) and not runner.takes(5, 8)
+    arena = runner.arena(3, 256)
+    runner.encode_many(arena, [(s, torch.arange(6) + s, torch.arange(6)) for s in range(3)])
+    assert runner.stats == {"built": 1, "replayed": 1, "eager": 0, "evicted": 0, "failed": 0}  # 3 x 8 rows
+    wins = [Window.canvas(s, torch.arange(5) + 4 + s, 6) for s in range(3)]  # 3 x 8 padded rows
+    out = runner.decode(arena, wins)
+    assert out.deferred and runner.stats["built"] == 2 and runner.stats["eager"] == 0
+    want = rt.decode(arena, wins).logits
+    assert out.hidden.shape[0] == want.shape[0] == 15  # the real rows only
+    torch.testing.assert_close(out.rows_logits(5, 10), want[5:10], rtol=1e-4, atol=1e-4)
+    first = runner.decode(arena, wins).first(2)
+    assert first.deferred and first.offsets == [0, 5, 10]
+    torch.testing.assert_close(first.logits, want[:10], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.logits, want, rtol=1e-4, atol=1e-4)
+    assert runner.stats["replayed"] == 3 and runner.stats["built"] == 2
+    full = runner.decode(arena, wins[:1])  # within the logits buffer: a graph with its head inside
+    assert not full.deferred and runner.stats["built"] == 3
+
+
 def test_decoder_beyond_the_arena_cap_decodes_eagerly(bundle):
     """A batch whose arena would exceed the runner's byte cap gets its own arena: every forward runs
     eagerly and the tokens are the eager loop's."""

@@ -587,7 +587,8 @@ def main() -> None:
         default="auto",
         help="graph runner arena caps to A/B, comma-separated "
         "(GiB, none or auto: the runner's default; CAP:ROWS also caps a graph's padded rows, larger "
-        "forwards eager), each an arm after --arms' (e.g. 'auto,16:16384')",
+        "forwards eager; CAP:ROWS:DEFERRED graphs past ROWS up to DEFERRED rows, their LM head "
+        "deferred), each an arm after --arms' (e.g. 'auto,16:16384' or 'auto,auto::8192')",
     )
     ap.add_argument(
         "--profile", default=None, help="write a cProfile summary of the last arm's timed drain here"

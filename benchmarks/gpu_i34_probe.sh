@@ -9,7 +9,10 @@
 #      rows (µs and GB/s), in this tree (with the end of layer's registers capped at CAPS too) and in $BASE
 #      (`.ab/$BASE`, the same call's baseline);
 #   3. `--quant $QUANT` (default 2,4,8; QUANT= skips): the gated quantiser at one row a program against
-#      that many, at the experts' and the dense MLP's widths, 1,024 and 4,096 tokens.
+#      that many, at the experts' and the dense MLP's widths, 1,024 and 4,096 tokens;
+#   4. `probes/expert_order_gpu_timing.py --graph` (ORDER_TOKENS, default 1024,4096,16384; ORDER_TOKENS=
+#      skips): the experts' routing order by every method, "chunks" (`kernels/expert_order.py`) among them.
+#   3 and 4 go to $OUT/parts.txt.
 #
 #   call:  CANVASQ_COMMIT=<head> BASE=<commit> bash benchmarks/gpu_i34_probe.sh   (carry: .whl, .ab/$BASE)
 set -u
@@ -38,7 +41,12 @@ for t in . ".ab/${BASE:-}"; do
 done
 if [[ -n ${QUANT-2,4,8} ]]; then
   timeout "${QT:-90}" python benchmarks/probes/norm_fusion_gpu_timing.py ${QUANT_ROWS:-1024,4096} \
-    --quant "${QUANT-2,4,8}" ${PROBE_ARGS:-} > "$OUT/quant.txt" 2>&1
-  echo "quant rc=$?"; cat "$OUT/quant.txt" | tr ',' '\n' | grep -i "rows" | head -40
+    --quant "${QUANT-2,4,8}" ${PROBE_ARGS:-} >> "$OUT/parts.txt" 2>&1
+  echo "quant rc=$?"; tr ',' '\n' < "$OUT/parts.txt" | grep -i "rows" | head -40
+fi
+if [[ -n ${ORDER_TOKENS-1024,4096,16384} ]]; then
+  OUT= timeout "${OT:-90}" python benchmarks/probes/expert_order_gpu_timing.py "${ORDER_TOKENS-1024,4096,16384}" --graph \
+    ${PROBE_ARGS:-} >> "$OUT/parts.txt" 2>&1
+  echo "order rc=$?"; grep '^{' "$OUT/parts.txt" | tail -3
 fi
 date -u >> "$OUT/gpu.txt"

@@ -61,6 +61,7 @@ MODULES = (
     "pin",
     "rules",
     "constrain",
+    "expert_order",
 )
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")

@@ -288,7 +288,7 @@ def _gated_rows(xq, xs, ex: FP8Experts, offs, dtype, kernel: bool):
     return quantize_rows(gelu_tanh(g) * u)
 
 
-ORDERS = ("narrow", "count", "sort")
+ORDERS = ("narrow", "count", "sort", "chunks")
 
 
 def expert_order(
@@ -301,8 +301,17 @@ def expert_order(
     - "narrow": the same sort of the ids as one byte (E <= 255) or two, so a radix sort makes one or two
       passes; ids below E fit the narrow type, so the order is the same;
     - "count": `align_routing`'s counting sort at one-row blocks (two Triton launches, but each row
-      ranked against every expert: slower than "narrow" at a loop's row counts on an H100)."""
+      ranked against every expert: slower than "narrow" at a loop's row counts on an H100);
+    - "chunks": `kernels.expert_order`'s two launches (chunk histograms, then each chunk's keys sorted
+      in registers and placed); "narrow" where they cannot take the routing."""
     method = method or ("narrow" if kernel else "sort")
+    if method == "chunks":
+        from canvasq.kernels import expert_order as chunked
+        from canvasq.kernels._dispatch import can_launch
+
+        if can_launch(topk_ids, chunked._place) and chunked.takes(topk_ids, num_experts):
+            return chunked.expert_order_chunks(topk_ids, num_experts)
+        method = "narrow"
     flat = topk_ids.reshape(-1)
     arange = torch.arange(flat.numel(), device=flat.device)
     if method == "count":

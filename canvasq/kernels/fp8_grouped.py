@@ -372,7 +372,8 @@ def _spec(name: str, t: Tiles, k: int, gated: bool):
     from .compile_spec import CompileSpec, pointers_and_strides
 
     types = {"a": "*fp8e4nv", "w": "*fp8e4nv", "as_ptr": "*fp32", "ws_ptr": "*fp32", "offs_ptr": "*i32"}
-    divisible = pointers_and_strides(_grouped_kernel, "a", "w")
+    # N as Triton specialises it at the real widths (multiples of 16): the epilogue's stores vectorise
+    divisible = pointers_and_strides(_grouped_kernel, "a", "w", "N")
     if t.tma:  # host-side descriptors, of the blocks `_launch` gives them
         types |= {"a": f"tensordesc<fp8e4nv[{t.block_m}, {t.block_k}]>"}
         types |= {"w": f"tensordesc<fp8e4nv[{t.block_n}, {t.block_k}]>"}

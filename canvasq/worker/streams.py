@@ -177,11 +177,13 @@ class _RowStream:
         if not done:
             return
         self.written += _write(self.engine, self.run_id, [rec for _, rec in done])
-        for key, _ in done:
-            if self.feeder is not None:
+        if self.feeder is not None:
+            for key, _ in done:
                 self.feeder.written(key)
-            if self.engine.on_row is not None:
-                self.engine.on_row()
+        on_row = self.engine.on_row  # last: `canvasq run`'s raises a noted Ctrl-C, after the bookkeeping
+        if on_row is not None:
+            for _ in done:
+                on_row()
 
     def fail(self, exc: BaseException) -> None:
         """The stream failed: the rows finished before it are written as they ended; every other row

@@ -1,8 +1,9 @@
 """The FP8 experts' routing order in two launches (`model.fp8.expert_order`'s "chunks"): the assignments
 t*K + j in expert order, stable, each expert's end and each assignment's place, what torch's stable
-sort, its searchsorted and a scatter give. Why: that path is about 13 launches a layer (the s47 H200
-profile), 33-37 µs a call even from a CUDA graph on an H100 at 4,096-16,384 tokens (BENCHMARKS.md,
-"Service throughput", the one-byte keys' table).
+sort, its searchsorted and a scatter give. Why: that path is about 13 launches a layer (an H200
+forward's profile, `benchmarks/results/h200_2026-12-07_s47_i34_combine_quant_a54c831`), 33-37 µs a
+call even from a CUDA graph on an H100 at 4,096-16,384 tokens (BENCHMARKS.md, "Service throughput",
+the one-byte keys' table).
 
 - `_chunk_counts`: a program a CHUNK of assignments, their histogram over the experts (`hist` [C, E]).
 - `_place`: a program a chunk again. From the histograms, each expert's first place (the counts of

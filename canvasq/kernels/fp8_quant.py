@@ -179,10 +179,10 @@ def _quantize_rows(x: torch.Tensor, dest: torch.Tensor | None, group: int):
     return q, s, sums
 
 
-def gelu_mul_quant_triton(gu: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """gu [M, 2I] (gate | up) -> quantised gelu_tanh(gate) * up: (q [M, I] e4m3, scale [M] fp32).
-    `rows`: rows a program (default `GELU_QUANT_ROWS`); the bytes are the same for any."""
-    q, s, _ = _gelu_mul_quant(gu, 0, rows or GELU_QUANT_ROWS)
+def gelu_mul_quant_triton(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gu [M, 2I] (gate | up) -> quantised gelu_tanh(gate) * up: (q [M, I] e4m3, scale [M] fp32), at
+    `GELU_QUANT_ROWS` rows a program (the bytes are the same for any)."""
+    q, s, _ = _gelu_mul_quant(gu, 0, GELU_QUANT_ROWS)
     return q, s
 
 
@@ -191,7 +191,8 @@ def gelu_mul_quant_sums(gu: torch.Tensor, group: int):
     return _gelu_mul_quant(gu, group, 1)
 
 
-# rows a program of the gated quantiser: one until a GPU measures more (benchmarks/probes/quant_gpu_timing.py)
+# rows a program of the gated quantiser: one until a GPU measures more
+# (`benchmarks/probes/norm_fusion_gpu_timing.py --quant`)
 GELU_QUANT_ROWS = 1
 
 

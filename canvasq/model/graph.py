@@ -49,7 +49,7 @@ ARENA_BYTES: int | None = None
 LOGITS_BYTES = 2 << 30
 # Padded rows up to which a forward past the logits buffer still replays a graph, one that stops at the
 # final-normed hidden rows (their LM head runs when the decoder reads them, as an eager forward's
-# deferred head does). 0: those forwards run eagerly, as before. Why: an eager 16 x 256 forward on an
+# deferred head does). 0: those forwards run eagerly. Why: an eager 16 x 256 forward on an
 # H200 took 101.7 ms of wall time for 52.25 ms of GPU work, bound by its host (BENCHMARKS.md, "The end of
 # layer's loads, and the norms that feed FP8 GEMMs write e4m3"); not on by default until a forward and
 # a loop A/B on a GPU show the graphs pay.

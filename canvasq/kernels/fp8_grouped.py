@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from . import fp8_quant
-from ._dispatch import interpreted
-from ._math import tanh
+from ._dispatch import interpreted, pdl_kwargs
+from ._math import pdl_enter, tanh
 from .fp8_grouped_tiles import Tiles, tiles_for
 from .moe.config import device_name
 
@@ -217,8 +217,10 @@ def _grouped_kernel(
     PERSISTENT: tl.constexpr,
     ITERS: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # a, w: pointers, or with TMA their descriptors; `ops`: what every tile reads and writes
+    pdl_enter(PDL)
     ops = (a, as_ptr, w, ws_ptr, out_ptr, M, N, stride_am, stride_we, stride_wn, stride_wse, stride_om)
     table = _expert_tiles(offs_ptr, E, E_POW2, BLOCK_M)
     m_live = tl.sum(table[2], 0)
@@ -331,7 +333,7 @@ def _launch(tiles: Tiles, a, a_scale, w, w_scale, offs, out, gated: bool) -> Non
         IMPRECISE=tiles.imprecise, GATED=gated, TMA=tiles.tma, M_MAJOR=tiles.m_major,
         PERSISTENT=tiles.persistent > 0, ITERS=triton.cdiv(m_tiles * n_tiles, grid) if interp else 0,
         INTERPRETED=interp,
-        num_warps=tiles.warps, num_stages=tiles.stages,
+        num_warps=tiles.warps, num_stages=tiles.stages, **pdl_kwargs(a_scale, _grouped_kernel),
     )  # fmt: skip
 
 

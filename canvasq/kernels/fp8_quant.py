@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import interpreted
-from ._math import tanh
+from ._dispatch import interpreted, pdl_kwargs
+from ._math import pdl_enter, tanh
 
 E4M3_MAX = 448.0
 _K_BETA = math.sqrt(2.0) * (2.0 / math.sqrt(math.pi)) * 0.5
@@ -67,8 +67,10 @@ def _quant_rows_kernel(
     COPIES: tl.constexpr,
     SCATTER: tl.constexpr,
     GROUP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # SCATTER: the row's COPIES quantised copies go to output rows dest[row, 0..COPIES)
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < K
@@ -102,8 +104,10 @@ def _gelu_mul_quant_kernel(
     GROUP: tl.constexpr,
     ROWS: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # ROWS > 1 (no group sums): a [ROWS, BLOCK] tile a program, quantised as `quant_tile_store` does
+    pdl_enter(PDL)
     if ROWS == 1:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -175,6 +179,7 @@ def _quantize_rows(x: torch.Tensor, dest: torch.Tensor | None, group: int):
             SCATTER=dest is not None,
             GROUP=group,
             num_warps=4 if block <= 2048 else 8,
+            **pdl_kwargs(x, _quant_rows_kernel),
         )
     return q, s, sums
 
@@ -208,7 +213,7 @@ def _gelu_mul_quant(gu: torch.Tensor, group: int, rows: int, warps: int | None =
         _gelu_mul_quant_kernel[(triton.cdiv(m, rows),)](
             gu, q, s, s if sums is None else sums, m, inter, gu.stride(0), _K_BETA, _K_KAPPA,
             BLOCK=block, GROUP=group, ROWS=rows, INTERPRETED=interpreted(_gelu_mul_quant_kernel),
-            num_warps=warps or (4 if block * rows <= 2048 else 8),
+            num_warps=warps or (4 if block * rows <= 2048 else 8), **pdl_kwargs(gu, _gelu_mul_quant_kernel),
         )  # fmt: skip
     return q, s, sums
 

@@ -5,15 +5,15 @@
 #
 #   here:  for c in e65b977 ccef695; do mkdir -p .ab/$c && git archive $c -- . ':!models' \
 #            ':!benchmarks/results' ':!BENCHMARKS_HISTORY.md' | tar -x -C .ab/$c; done
-#   call:  TREES="e65b977 . . e65b977" bash benchmarks/gpu_service_ab.sh        (carry: .ab)
+#   call:  TREES="e65b977 . . e65b977" bash benchmarks/gpu_service_ab.sh        (carry: .ab, .whl)
 #
 # TREES: the arms in order, each a folder under .ab/ or "." (this tree, labelled $CANVASQ_COMMIT or
 # head). SERVICE_ARGS: official_service.py's arguments (default: issue 33's 32-slot, 256-request
 # call). Each arm writes $OUT/service_<i>_<label>.json and its log to $OUT/service_ab.txt; the table
 # at the end is wall s, decoder-forward s, encoder-pass s, the rest, committed tok/s, per arm.
 set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+source benchmarks/gpu_preamble.sh  # $OUT, the machine in $OUT/gpu.txt, the carried wheels (.whl) in $site
+export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 ARGS=${SERVICE_ARGS:---device cuda --batches 32 --n 256 --seed 61 --fp8 auto --warm full}
 TREES=${TREES:-base . . base}
 log="$OUT/service_ab.txt"

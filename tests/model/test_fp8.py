@@ -239,7 +239,9 @@ def test_the_quantisers_group_sums_are_the_sums_of_what_they_wrote():
 def test_norms_that_feed_fp8_gemms_write_what_the_row_quantiser_writes(rows, width):
     """`rms_norm_quant` and `pre_ffn_norms(quant_a=True)` write, byte for byte, what the row quantiser
     writes from the model-dtype rows they replace (the runtime's FP8 q/k/v and dense MLP inputs), and
-    the pre-FFN norms' other two outputs are unchanged."""
+    the pre-FFN norms' other two outputs are unchanged to one rounding: the e4m3 store makes Triton
+    lay a row out 16 values a thread instead of 8, so the sum of squares adds in another order (sm_90
+    TTGIR of `pre_ffn_norms` and `pre_ffn_norms_quant`), and a row's scale can move by an fp32 ulp."""
     from canvasq.kernels.fp8_quant import quantize_rows_triton
     from canvasq.kernels.norm_residual import pre_ffn_norms
     from canvasq.kernels.rmsnorm import rms_norm, rms_norm_quant
@@ -254,4 +256,6 @@ def test_norms_that_feed_fp8_gemms_write_what_the_row_quantiser_writes(rows, wid
     a0, r0, b0 = pre_ffn_norms(x, w, post, 0.3, wb, impl="triton")
     wq, ws = quantize_rows_triton(a0)
     assert torch.equal(qa.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(sa, ws)
-    assert torch.equal(r, r0) and torch.equal(b, b0)
+    for got, plain in ((r, r0), (b, b0)):
+        torch.testing.assert_close(got, plain, rtol=2**-7, atol=1e-6)  # one bf16 rounding at most
+        assert (got != plain).float().mean() < 0.01, "more than a rare rounding apart"

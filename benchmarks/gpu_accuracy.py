@@ -21,6 +21,10 @@ syntax); settings after '@' are what a config does not reach:
     kernel_rows=N            windows of up to N rows through our attention kernel (0: all SDPA)
     attention_tiles=S        the kernel's tiles by head dim ("256:64x32x4x2/512:64x32x8x2")
     sc_bag=torch|triton      self-conditioning's top-k bag (`Runtime.sc_bag`)
+    graph_rows=N             the graph runner's logits buffer in padded rows (default
+                             `graph.LOGITS_BYTES`; the testbed's forwards never pass it unless made small)
+    deferred_rows=N          graphs whose LM head is deferred for forwards past that buffer, up to N
+                             padded rows (`GraphRunner.deferred_rows`)
 
 Each arm gets runtimes of its own (built when its decoder asks, with the settings applied), so
 arms never share captured graphs. Accuracy, forwards per request and τ are exact per (prompts, seed);
@@ -55,6 +59,8 @@ SETTINGS = {
     "kernel_rows": int,
     "attention_tiles": str,
     "sc_bag": str,
+    "graph_rows": int,
+    "deferred_rows": int,
 }
 RUNTIME_ATTRS = (
     "context_step",
@@ -107,6 +113,7 @@ def arm_runtime(settings: dict):
             for name in RUNTIME_ATTRS:
                 if name in settings:
                     setattr(rt, name, settings[name])
+            _graph_settings(rt, settings)
             built[key] = rt
         return built[key]
 
@@ -120,6 +127,18 @@ def arm_runtime(settings: dict):
         yield
     finally:
         runtimes.runtime_for, kernels.softmax_argmax = saved
+
+
+def _graph_settings(rt, settings: dict) -> None:
+    """`graph_rows` and `deferred_rows` on the runtime's graph runner (made here, as the decoder would)."""
+    if "graph_rows" not in settings and "deferred_rows" not in settings:
+        return
+    from canvasq.model.graph import graph_runner
+
+    runner = graph_runner(rt)
+    if "graph_rows" in settings:
+        runner.logits_bytes = settings["graph_rows"] * 4 * rt.vocab_size
+    runner.deferred_rows = settings.get("deferred_rows", runner.deferred_rows)
 
 
 def main() -> None:

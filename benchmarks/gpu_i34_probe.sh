@@ -8,11 +8,9 @@
 #   2. `probes/norm_fusion_gpu_timing.py --warps 8`: the end-of-layer and attention norms at 4,096 and 1,024
 #      rows (µs and GB/s), in this tree (with the end of layer's registers capped at CAPS too) and in $BASE
 #      (`.ab/$BASE`, the same call's baseline);
-#   3. `--quant $QUANT` (default 2,4,8; QUANT= skips): the gated quantiser at one row a program against
-#      that many, at the experts' and the dense MLP's widths, 1,024 and 4,096 tokens;
-#   4. `probes/expert_order_gpu_timing.py --graph` (ORDER_TOKENS, default 1024,4096,16384; ORDER_TOKENS=
-#      skips): the experts' routing order by every method, "chunks" (`kernels/expert_order.py`) among them.
-#   3 and 4 go to $OUT/parts.txt.
+#   3. `probes/expert_order_gpu_timing.py --graph` (ORDER_TOKENS, default 1024,4096,16384; ORDER_TOKENS=
+#      skips): the experts' routing order by every method, "chunks" (`kernels/expert_order.py`) among
+#      them, to $OUT/parts.txt.
 #
 #   call:  CANVASQ_COMMIT=<head> BASE=<commit> bash benchmarks/gpu_i34_probe.sh   (carry: .whl, .ab/$BASE)
 set -u
@@ -39,11 +37,6 @@ for t in . ".ab/${BASE:-}"; do
     ${NORM_ROWS:-4096,1024} --warps 8 "${caps[@]}" ${PROBE_ARGS:-} > "$OUT/norm_$name.txt" 2>&1)
   echo "norm $name rc=$?"; tail -4 "$OUT/norm_$name.txt"
 done
-if [[ -n ${QUANT-2,4,8} ]]; then
-  timeout "${QT:-90}" python benchmarks/probes/norm_fusion_gpu_timing.py ${QUANT_ROWS:-1024,4096} \
-    --quant "${QUANT-2,4,8}" ${PROBE_ARGS:-} >> "$OUT/parts.txt" 2>&1
-  echo "quant rc=$?"; tr ',' '\n' < "$OUT/parts.txt" | grep -i "rows" | head -40
-fi
 if [[ -n ${ORDER_TOKENS-1024,4096,16384} ]]; then
   OUT= timeout "${OT:-90}" python benchmarks/probes/expert_order_gpu_timing.py "${ORDER_TOKENS-1024,4096,16384}" --graph \
     ${PROBE_ARGS:-} >> "$OUT/parts.txt" 2>&1

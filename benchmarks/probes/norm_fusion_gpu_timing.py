@@ -8,12 +8,8 @@ Outputs checked equal first.
 - end of layer: `add_rms_norm` fed the experts' uncombined rows (`ExpertRows`, one launch) against
   `combine_rows` then `add_rms_norm` (two);
 - attention: `qkv_norm_rope` (one launch) against three `rms_norm_rope` launches;
-- `--quant 2,4,8`: the gated quantiser (`fp8_quant`'s gelu_mul_quant) on the experts' rows (T x 8, I
-  704) and the dense MLP's (T, I 2112), one row a program against that many, at 4 and 8 warps, µs
-  and GB/s of its reads and writes (bytes checked equal to one row a program's).
 
     python benchmarks/probes/norm_fusion_gpu_timing.py 256,8     # H200
-    python benchmarks/probes/norm_fusion_gpu_timing.py 1024,4096 --quant 2,4,8
     python benchmarks/probes/norm_fusion_gpu_timing.py --quick   # CPU: interpreter, fp16, tiny widths
 """
 
@@ -101,27 +97,6 @@ def add_norm_warps(T, warps, D=2816, K=8, E=128, dt=DT, maxnreg=()) -> dict:
     return out
 
 
-def gated_quant(T, rows_list, K=8, I=704, dense=2112, dt=DT) -> dict:
-    """The gated quantiser at one row a program and at each of `rows_list`, 4 and 8 warps, on the
-    experts' [T*K, 2I] and the dense MLP's [T, 2*dense] gate/up outputs: µs and GB/s."""
-    from canvasq.kernels.fp8_quant import _gelu_mul_quant
-
-    out = {}
-    for name, m, inter in (("experts", T * K, I), ("dense", T, dense)):
-        gu = torch.randn(m, 2 * inter, device=C.DEVICE, dtype=dt) * 2
-        moved = gu.numel() * gu.element_size() + m * inter + 4 * m
-        q1, s1, _ = _gelu_mul_quant(gu, 0, 1)
-        for rows in [1, *rows_list]:
-            for nw in (None, 4, 8) if rows == 1 else (4, 8):
-                q, s, _ = _gelu_mul_quant(gu, 0, rows, nw)
-                assert torch.equal(q.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s, s1)
-                us = time_ms(lambda _, x=gu, r=rows, n=nw: _gelu_mul_quant(x, 0, r, n)) * 1e3
-                out[f"{name} rows {rows} warps {nw or 'default'}"] = (
-                    f"{us:.1f} us {moved / us / 1e3:.0f} GB/s"
-                )
-    return out
-
-
 def qkv(T, hq=16, hk=8, d=256, dt=DT):
     x = torch.randn(T, (hq + 2 * hk) * d, device=C.DEVICE, dtype=dt)
     q, k, v = (t.view(T, -1, d) for t in x.split([hq * d, hk * d, hk * d], dim=1))
@@ -155,15 +130,7 @@ def main():
     ap.add_argument(
         "--maxnreg", default="", help="comma list: with --warps, the end of layer's register caps"
     )
-    ap.add_argument("--quant", default="", help="comma list: the gated quantiser's rows a program to time")
     a = ap.parse_args()
-    if a.quant:
-        for T in [int(v) for v in a.rows.split(",")]:
-            torch.manual_seed(0)
-            kw = {"K": 4, "I": 48, "dense": 96} if a.quick else {}
-            res = gated_quant(T, [int(v) for v in a.quant.split(",")], **kw)
-            print(f"T{T} gated quant " + ", ".join(f"{k}: {v}" for k, v in res.items()), flush=True)
-        return
     if a.warps:
         for T in [int(v) for v in a.rows.split(",")]:
             torch.manual_seed(0)
@@ -181,9 +148,8 @@ def main():
         )
         for name, res in cases:
             print(f"T{T} {name}: " + ", ".join(f"{k} {v:.1f} us" for k, v in res.items()), flush=True)
-    if a.quick:  # the warps sweep's and the gated quantiser's paths too
+    if a.quick:  # the warps sweep's path too
         print("T8 " + ", ".join(f"{k}: {v}" for k, v in add_norm_warps(8, [4, 8], D=256, K=4, E=16).items()))
-        print("T8 " + ", ".join(f"{k}: {v}" for k, v in gated_quant(8, [4], K=4, I=48, dense=96).items()))
 
 
 if __name__ == "__main__":

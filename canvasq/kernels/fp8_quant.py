@@ -95,40 +95,30 @@ def _gelu_mul_quant_kernel(
     q_ptr,
     s_ptr,
     sums_ptr,
-    M,
     I,
     stride_g,
     k_beta,
     k_kappa,
     BLOCK: tl.constexpr,
     GROUP: tl.constexpr,
-    ROWS: tl.constexpr,
     INTERPRETED: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # ROWS > 1 (no group sums): a [ROWS, BLOCK] tile a program, quantised as `quant_tile_store` does
+    # one row a program: at 2, 4 and 8 rows (a tile through `quant_tile_store`) it was slower at every
+    # width and row count on an H100 (BENCHMARKS "Persistent grouped GEMM, PDL, routing order and
+    # deferred heads")
     pdl_enter(PDL)
-    if ROWS == 1:
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        m = cols < I
-        g = tl.load(gu_ptr + row * stride_g + cols, mask=m, other=0.0)
-        u = tl.load(gu_ptr + row * stride_g + I + cols, mask=m, other=0.0)
-        y = _gelu_mul(g, u, k_beta, k_kappa, INTERPRETED)
-        scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / 448.0
-        q = tl.clamp(y / scale, -448.0, 448.0).to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + row * I + cols, q, mask=m)
-        tl.store(s_ptr + row, scale)
-        _group_sums(q, sums_ptr, row, I, BLOCK, GROUP)
-    else:
-        tl.static_assert(GROUP == 0, "group sums take one row a program")
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        cols = tl.arange(0, BLOCK)
-        m = (rows < M)[:, None] & (cols < I)[None, :]
-        at = gu_ptr + rows[:, None] * stride_g + cols[None, :]
-        g, u = tl.load(at, mask=m, other=0.0), tl.load(at + I, mask=m, other=0.0)
-        y = _gelu_mul(g, u, k_beta, k_kappa, INTERPRETED)
-        quant_tile_store(y, q_ptr, s_ptr, rows, cols, m, M, I)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < I
+    g = tl.load(gu_ptr + row * stride_g + cols, mask=m, other=0.0)
+    u = tl.load(gu_ptr + row * stride_g + I + cols, mask=m, other=0.0)
+    y = _gelu_mul(g, u, k_beta, k_kappa, INTERPRETED)
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / 448.0
+    q = tl.clamp(y / scale, -448.0, 448.0).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + row * I + cols, q, mask=m)
+    tl.store(s_ptr + row, scale)
+    _group_sums(q, sums_ptr, row, I, BLOCK, GROUP)
 
 
 @triton.jit
@@ -185,23 +175,17 @@ def _quantize_rows(x: torch.Tensor, dest: torch.Tensor | None, group: int):
 
 
 def gelu_mul_quant_triton(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """gu [M, 2I] (gate | up) -> quantised gelu_tanh(gate) * up: (q [M, I] e4m3, scale [M] fp32), at
-    `GELU_QUANT_ROWS` rows a program (the bytes are the same for any)."""
-    q, s, _ = _gelu_mul_quant(gu, 0, GELU_QUANT_ROWS)
+    """gu [M, 2I] (gate | up) -> quantised gelu_tanh(gate) * up: (q [M, I] e4m3, scale [M] fp32)."""
+    q, s, _ = _gelu_mul_quant(gu, 0)
     return q, s
 
 
 def gelu_mul_quant_sums(gu: torch.Tensor, group: int):
     """`gelu_mul_quant_triton` and its group sums (as `quantize_rows_sums`'s)."""
-    return _gelu_mul_quant(gu, group, 1)
+    return _gelu_mul_quant(gu, group)
 
 
-# rows a program of the gated quantiser: one until a GPU measures more
-# (`benchmarks/probes/norm_fusion_gpu_timing.py --quant`)
-GELU_QUANT_ROWS = 1
-
-
-def _gelu_mul_quant(gu: torch.Tensor, group: int, rows: int, warps: int | None = None):
+def _gelu_mul_quant(gu: torch.Tensor, group: int):
     m, two_i = gu.shape
     assert two_i % 2 == 0 and gu.stride(-1) == 1, gu.shape
     inter = two_i // 2
@@ -210,10 +194,10 @@ def _gelu_mul_quant(gu: torch.Tensor, group: int, rows: int, warps: int | None =
     sums = _sums_for(m, inter, group, gu.device)
     if m:
         block = triton.next_power_of_2(inter)
-        _gelu_mul_quant_kernel[(triton.cdiv(m, rows),)](
-            gu, q, s, s if sums is None else sums, m, inter, gu.stride(0), _K_BETA, _K_KAPPA,
-            BLOCK=block, GROUP=group, ROWS=rows, INTERPRETED=interpreted(_gelu_mul_quant_kernel),
-            num_warps=warps or (4 if block * rows <= 2048 else 8), **pdl_kwargs(gu, _gelu_mul_quant_kernel),
+        _gelu_mul_quant_kernel[(m,)](
+            gu, q, s, s if sums is None else sums, inter, gu.stride(0), _K_BETA, _K_KAPPA,
+            BLOCK=block, GROUP=group, INTERPRETED=interpreted(_gelu_mul_quant_kernel),
+            num_warps=4 if block <= 2048 else 8, **pdl_kwargs(gu, _gelu_mul_quant_kernel),
         )  # fmt: skip
     return q, s, sums
 
@@ -249,19 +233,17 @@ def compile_specs():
         yield CompileSpec(
             f"fp8_{kernel.__name__.strip('_').removesuffix('_kernel')}_k{k}_g{group}",
             kernel,
-            {"BLOCK": block, "GROUP": group}
-            | const
-            | ({} if k == 2816 else {"ROWS": 1, "INTERPRETED": False}),
+            {"BLOCK": block, "GROUP": group} | const | ({} if k == 2816 else {"INTERPRETED": False}),
             types={**out, "dest_ptr": "*i64", "sums_ptr": "*fp32", "k_beta": "fp32", "k_kappa": "fp32"},
             num_warps=4 if block <= 2048 else 8,
         )
-    for inter, rows in ((704, 1), (2112, 1), (704, 4), (2112, 2)):
+    for inter in (704, 2112):
         block = triton.next_power_of_2(inter)
         yield CompileSpec(
-            f"fp8_gelu_mul_quant_i{inter}" + (f"_r{rows}" if rows > 1 else ""),
+            f"fp8_gelu_mul_quant_i{inter}",
             _gelu_mul_quant_kernel,
-            {"BLOCK": block, "GROUP": 0, "ROWS": rows, "INTERPRETED": False},
+            {"BLOCK": block, "GROUP": 0, "INTERPRETED": False},
             types={**out, "sums_ptr": "*fp32", "k_beta": "fp32", "k_kappa": "fp32"},
             divisible=frozenset({"gu_ptr", "q_ptr", "s_ptr", "I", "stride_g"}),
-            num_warps=4 if block * rows <= 2048 else 8,
+            num_warps=4 if block <= 2048 else 8,
         )

@@ -61,8 +61,8 @@ def soft_embed_reference(ids: torch.Tensor, p: torch.Tensor, table: torch.Tensor
 
 
 def soft_embed(ids: torch.Tensor, p: torch.Tensor, table: torch.Tensor, impl: str = "torch") -> torch.Tensor:
-    """ids [R, k] long, p [R, k] (the table's dtype), table [V, H] -> [R, H]. `impl` "torch" (the
-    default until the kernel is measured on a GPU against torch's bag), "triton" or "auto"."""
+    """ids [R, k] long, p [R, k] (the table's dtype), table [V, H] -> [R, H]. `impl` "torch"
+    (`F.embedding_bag`), "triton" or "auto"; the runtime passes its `sc_bag` (Triton on a GPU)."""
     if impl == "auto":
         impl = "triton" if auto_triton(table, _soft_embed_kernel) else "torch"
     if impl == "triton":

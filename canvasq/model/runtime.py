@@ -156,7 +156,10 @@ class Runtime:
         # an eager decoder forward whose fp32 logits would exceed this defers its LM head: the decoder
         # reads logits by row group (`DecodeOutput.rows_logits`); 0: never
         self.defer_head_bytes = 4 << 30
-        self.sc_bag = "torch"  # SC's top-k bag: "torch" (F.embedding_bag) or "triton" (kernels/soft_embed)
+        # SC's top-k bag: "triton" (kernels/soft_embed) on a GPU, 0.6 and 1.1 ms off a graphed forward at
+        # 4 and 16 x 256 rows on an H100 with the guard unchanged (BENCHMARKS "Persistent grouped GEMM,
+        # PDL, routing order and deferred heads"); "torch" (F.embedding_bag) elsewhere
+        self.sc_bag = "triton" if self.device.type == "cuda" else "torch"
 
     def _attention_defaults(self) -> None:
         """Masked eager forwards on CUDA: SDPA picks cuDNN, which builds a plan for every new shape

@@ -2,7 +2,7 @@
 # One device call for issue 34's forward (item 5): this tree against $BASE (`.ab/$BASE`, the same call's
 # baseline), then the GPU tests of what changed, then the parts alone ($OUT gets at most 8 files):
 #   1. `probes/forward_kernels.py` at BATCHES windows of 256 rows (the worker's random W4 bundle, FP8
-#      auto, torch's bag), one process a tree in the order ORDER ("head base head"): eager and graph ms,
+#      auto, the bag BAGS, default triton), one process a tree in the order ORDER ("head base head"): eager and graph ms,
 #      GPU ms from the profiler and its kernels by group;
 #   2. the GPU tests of TESTS_LIST;
 #   3. PROBES=1: `gpu_i34_probe.sh`'s attention tiles, norms and gated quantiser (H200_PLAN=0).
@@ -20,7 +20,7 @@ for arm in ${ORDER:-head base head}; do
   [[ $t != . ]] && cp benchmarks/probes/forward_kernels.py "$t/benchmarks/probes/"
   d=/tmp/fk/$n-$arm; mkdir -p "$d"
   (cd "$t" && PYTHONPATH=$site:$PWD OUT=$d timeout "${FWT:-150}" python benchmarks/probes/forward_kernels.py \
-    --batches "${BATCHES:-1,4,16}" --fp8-arms auto --sc-bags torch ${FWD_ARGS:-} > "$d/stdout.txt" 2>&1)
+    --batches "${BATCHES:-1,4,16}" --fp8-arms auto --sc-bags "${BAGS:-triton}" ${FWD_ARGS:-} > "$d/stdout.txt" 2>&1)
   echo "forward $n $arm rc=$?"
   grep '^{' "$d/stdout.txt" | sed "s/^{/{\"arm\": \"$n-$arm\", /" >> "$OUT/forward.jsonl"
   grep '^{' "$d/stdout.txt" | python -c '

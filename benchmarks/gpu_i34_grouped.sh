@@ -10,7 +10,7 @@
 #
 #   call:  CANVASQ_COMMIT=<head> bash benchmarks/gpu_i34_grouped.sh   (carry: .whl)
 #
-# BAGS: the self-conditioning bags (default torch). TESTS_MORE= leaves the FP8 model tests out; TESTS=0 / SWEEP=0 / FWD=0 skip a part; SKEW=1 adds a skewed routing to the sweep; FWD_ARGS=--quick
+# BAGS: the self-conditioning bags (default triton, the GPU default). TESTS_MORE= leaves the FP8 model tests out; TESTS=0 / SWEEP=0 / FWD=0 skip a part; SKEW=1 adds a skewed routing to the sweep; FWD_ARGS=--quick
 # and SWEEP_ARGS=--quick make a CPU dry run.
 set -u
 : "${CANVASQ_COMMIT:?the head commit (the device has no git)}"
@@ -38,7 +38,7 @@ if [[ ${FWD:-1} == 1 ]]; then
   mkdir -p /tmp/fk  # the triton arm takes the sweep's winners where it ran
   [[ -f $OUT/fp8_grouped_tuned.json ]] && export CANVASQ_FP8_GROUPED_FILE=$OUT/fp8_grouped_tuned.json
   OUT=/tmp/fk timeout "${FWT:-300}" python benchmarks/probes/forward_kernels.py --batches "${BATCHES:-1,4,16}" \
-    --fp8-arms auto --sc-bags "${BAGS:-torch}" --grouped "${GROUPED:-torch,triton}" ${FWD_ARGS:-} > "$OUT/forward.txt" 2>&1
+    --fp8-arms auto --sc-bags "${BAGS:-triton}" --grouped "${GROUPED:-torch,triton}" ${FWD_ARGS:-} > "$OUT/forward.txt" 2>&1
   echo "forward rc=$?"  # its stdout straight to $OUT: a call cut short keeps the arms that ran
   grep '^{' "$OUT/forward.txt" | python -c '
 import json, sys

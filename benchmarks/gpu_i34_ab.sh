@@ -2,8 +2,8 @@
 # One device call for issue 34's forward (item 5): this tree against $BASE (`.ab/$BASE`, the same call's
 # baseline), then the GPU tests of what changed, then the parts alone ($OUT gets at most 8 files):
 #   1. `probes/forward_kernels.py` at BATCHES windows of 256 rows (the worker's random W4 bundle, FP8
-#      auto, the bag BAGS, default triton), one process a tree in the order ORDER ("head base head"): eager and graph ms,
-#      GPU ms from the profiler and its kernels by group;
+#      auto, the bag BAGS, default triton), one process a tree in the order ORDER ("head base head"):
+#      eager and graph ms, GPU ms from the profiler and its kernels by group;
 #   2. the GPU tests of TESTS_LIST;
 #   3. PROBES=1: `gpu_i34_probe.sh`'s attention tiles, norms and gated quantiser (H200_PLAN=0).
 #

@@ -9,7 +9,8 @@
 #
 # TREES: the arms in order, each a folder under .ab/ or "." (this tree, labelled $CANVASQ_COMMIT or
 # head). SERVICE_ARGS: official_service.py's arguments (default: issue 33's 32-slot, 256-request
-# call). Each arm writes $OUT/service_<i>_<label>.json and its log to $OUT/service_ab.txt; the table
+# call). Each arm writes $OUT/service_<i>_<label>.json (the label's characters past letters, digits, '.',
+# '_' and '-' as '_': only such names come back from the device) and its log to $OUT/service_ab.txt; the table
 # at the end is wall s, decoder-forward s, encoder-pass s, the rest, committed tok/s, per arm.
 set -u
 source benchmarks/gpu_preamble.sh  # $OUT, the machine in $OUT/gpu.txt, the carried wheels (.whl) in $site
@@ -29,7 +30,7 @@ for arm in $TREES; do
   fi
   echo "## arm $i $label ($tree)" >> "$log"
   ( cd "$tree" && CANVASQ_COMMIT=$label PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" timeout "${ARM_TIMEOUT:-300}" \
-      python benchmarks/official_service.py $ARGS --out "$OUT/service_${i}_${label}.json" ) >> "$log" 2>&1
+      python benchmarks/official_service.py $ARGS --out "$OUT/service_${i}_${label//[^A-Za-z0-9._-]/_}.json" ) >> "$log" 2>&1
   echo "rc=$?" >> "$log"
 done
 python - "$OUT" <<'PY'

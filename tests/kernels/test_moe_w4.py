@@ -153,7 +153,7 @@ def test_fp8_expert_order_methods_give_torchs_stable_sort(T, K, E):
     ids[: T // 2] = ids[T // 2 : 2 * (T // 2)]  # many equal ids: the stable order is what is tested
     twin = expert_order(ids, E, kernel=False)
     assert _key_dtype(E) == (torch.uint8 if E <= 255 else torch.int16)
-    for method in ORDERS:
+    for method in (*ORDERS, None):  # None: the kernel path's default ("chunks")
         got = expert_order(ids, E, kernel=True, method=method)
         for a, b in zip(got, twin):
             assert a.dtype == b.dtype and torch.equal(a, b), method

@@ -206,6 +206,7 @@ def replay(
         "fp8": fp8,
         "arm": arm,
         "arena_gib": arena_gib,
+        "window_buckets": list(_window_buckets()),
         "requests": len(rows),
         "wall_s": wall,
         "tokens_replayed": tokens,
@@ -242,8 +243,16 @@ def _alloc_counts() -> dict[str, int]:
 
 def _runtime_knobs(bundle, fp8: str, settings, knobs: str) -> None:
     """An arm's runtime attributes after '@' (`official@context_step=256,sdpa_backend=efficient`),
-    set on the replay's runtime; attributes an arm leaves out keep the runtime's defaults."""
+    set on the replay's runtime; attributes an arm leaves out keep the runtime's defaults. One more
+    knob is the decoders' `WINDOW_BUCKETS` (window counts a graphed forward is padded up to), as
+    '/'-separated counts: `official@window_buckets=1/2/4/8/12/16/20/24/28/32/40/48/56/64/96/128`."""
+    from canvasq.decoders import base
     from canvasq.decoders.runtimes import runtime_for
+
+    own = BUCKETS.setdefault("decoders", base.WINDOW_BUCKETS)  # before any arm changed them
+    buckets = [v.partition("=")[2] for v in knobs.split(",") if v.partition("=")[0] == "window_buckets"]
+    base.WINDOW_BUCKETS = tuple(int(b) for b in buckets[-1].split("/")) if buckets else own
+    knobs = ",".join(v for v in knobs.split(",") if v.partition("=")[0] != "window_buckets")
 
     rt = runtime_for(bundle.hf_model, "w4", fp8, settings.fp8_min_rows)
     defaults = RUNTIME_DEFAULTS.setdefault(
@@ -269,6 +278,13 @@ def _runtime_knobs(bundle, fp8: str, settings, knobs: str) -> None:
 
 
 RUNTIME_DEFAULTS: dict[int, dict] = {}
+BUCKETS: dict[str, tuple[int, ...]] = {}  # "decoders": their WINDOW_BUCKETS, as before any arm's
+
+
+def _window_buckets() -> tuple[int, ...]:
+    from canvasq.decoders import base
+
+    return base.WINDOW_BUCKETS
 
 
 def _cap_arena(bundle, fp8: str, settings, arena_gib: str) -> None:
@@ -571,7 +587,8 @@ def main() -> None:
         default="official",
         help="official's knob arms, ';'-separated, as canvasq bench's "
         "--arm (e.g. 'official:sampler=torch;official:sampler=fused'); runtime attributes after '@' "
-        "(e.g. 'official@context_step=256,sdpa_backend=efficient')",
+        "(e.g. 'official@context_step=256,sdpa_backend=efficient'), and the window-count buckets of "
+        "graphed forwards (e.g. 'official@window_buckets=1/2/4/8/12/16/20/24/28/32/40/48/56/64')",
     )
     ap.add_argument(
         "--chunks",

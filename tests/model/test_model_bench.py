@@ -45,8 +45,9 @@ def test_forward_benchmark_without_a_reference_times_the_w4_bundle(tmp_path, mon
 @pytest.mark.slow
 def test_official_service_bench_dry_run(tmp_path):
     """benchmarks/official_service.py on the CPU against the testbed (its dry run): two knob arms drain
-    the recorded requests through the worker's loop, every row is written, and `--trace` leaves a
-    Chrome trace with the step labels and a device-time table."""
+    the recorded requests through the worker's loop (the second with its own window-count buckets),
+    every row is written, and `--trace` leaves a Chrome trace with the step labels and a device-time
+    table."""
     import subprocess
     import sys
 
@@ -68,7 +69,7 @@ def test_official_service_bench_dry_run(tmp_path):
         "--warm",
         "partial",
         "--arms",
-        "official;official:slot_order=false@context_step=64",
+        "official;official:slot_order=false@context_step=64,window_buckets=1/3/6",
         "--out",
         str(out),
         "--trace",
@@ -86,7 +87,11 @@ def test_official_service_bench_dry_run(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert [r["arm"] for r in report["service"]] == ["official", "official:slot_order=false@context_step=64"]
+    arms = ["official", "official:slot_order=false@context_step=64,window_buckets=1/3/6"]
+    assert [r["arm"] for r in report["service"]] == arms
+    from canvasq.decoders.base import WINDOW_BUCKETS  # the second arm's buckets, the first's the decoders'
+
+    assert [r["window_buckets"] for r in report["service"]] == [list(WINDOW_BUCKETS), [1, 3, 6]]
     assert all(r["written"] == 4 and r["tokens_replayed"] > 0 for r in report["service"])
     # prompts and retired canvases ran encoder passes: the loop's rate over all its rows exceeds the decoder's
     assert all(r["encoder_rows"] > 0 and r["all_rows_per_s"] > r["rows_per_s"] for r in report["service"])

@@ -135,10 +135,8 @@ def _graph_settings(rt, settings: dict) -> None:
         return
     from canvasq.model.graph import graph_runner
 
-    runner = graph_runner(rt)
-    if "graph_rows" in settings:
-        runner.logits_bytes = settings["graph_rows"] * 4 * rt.vocab_size
-    runner.deferred_rows = settings.get("deferred_rows", runner.deferred_rows)
+    rows = settings.get("graph_rows")
+    graph_runner(rt).set_limits(rows and rows * 4 * rt.vocab_size, settings.get("deferred_rows"))
 
 
 def main() -> None:

@@ -89,7 +89,7 @@ def replay(
     from canvasq.core.schemas import Job
     from canvasq.core.settings import Settings
     from canvasq.core.store import Store
-    from canvasq.decoders import configs
+    from canvasq.decoders import base, configs
     from canvasq.model.loading import freeze_heap, load_bundle
     from canvasq.worker.engine import Engine
 
@@ -206,7 +206,7 @@ def replay(
         "fp8": fp8,
         "arm": arm,
         "arena_gib": arena_gib,
-        "window_buckets": list(_window_buckets()),
+        "window_buckets": list(base.WINDOW_BUCKETS),
         "requests": len(rows),
         "wall_s": wall,
         "tokens_replayed": tokens,
@@ -281,12 +281,6 @@ RUNTIME_DEFAULTS: dict[int, dict] = {}
 BUCKETS: dict[str, tuple[int, ...]] = {}  # "decoders": their WINDOW_BUCKETS, as before any arm's
 
 
-def _window_buckets() -> tuple[int, ...]:
-    from canvasq.decoders import base
-
-    return base.WINDOW_BUCKETS
-
-
 def _cap_arena(bundle, fp8: str, settings, arena_gib: str) -> None:
     """The graph runner's arena cap for this arm (`--arena-gib`): a number of GiB, none (no cap: the
     stream's arena is the runner's) or auto (the runner's default, `graph.ARENA_BYTES`), optionally
@@ -308,11 +302,9 @@ def _cap_arena(bundle, fp8: str, settings, arena_gib: str) -> None:
     rows, _, deferred = rest.partition(":")
     caps = {"auto": ARENA_BYTES, "none": None}
     runner.max_arena_bytes = caps[cap] if cap in caps else int(float(cap) * 2**30)
-    logits_bytes = int(rows) * 4 * rt.vocab_size if rows else LOGITS_BYTES
-    deferred_rows = int(deferred) if deferred else DEFERRED_ROWS
-    if (runner.logits_bytes, runner.deferred_rows) != (logits_bytes, deferred_rows):
-        runner.logits_bytes, runner.deferred_rows = logits_bytes, deferred_rows
-        runner.release()  # its graphs write the old logits buffer, or were keyed by the old rows
+    runner.set_limits(
+        int(rows) * 4 * rt.vocab_size if rows else LOGITS_BYTES, int(deferred) if deferred else DEFERRED_ROWS
+    )
 
 
 def _errored(store, run_id: str) -> int:

@@ -314,13 +314,8 @@ def main() -> None:
             impl = set_grouped(rt, impl)
             rt.graph_runner = None
         runner = graph_runner(rt) if cuda and not args.no_graphs else None
-        if (
-            runner is not None
-            and args.deferred_rows is not None
-            and runner.deferred_rows != args.deferred_rows
-        ):
-            runner.deferred_rows = args.deferred_rows
-            runner.release()
+        if runner is not None:
+            runner.set_limits(deferred_rows=args.deferred_rows)
         r = forward_case(rt, runner, b, args.prompt if not args.quick else 16, args, cuda)
         r = {"fp8": arm, "fp8_parts": r.pop("fp8", None), "sc_bag": bag, "grouped": impl, **r}
         report["forward"].append(r)

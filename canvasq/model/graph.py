@@ -49,10 +49,11 @@ ARENA_BYTES: int | None = None
 LOGITS_BYTES = 2 << 30
 # Padded rows up to which a forward past the logits buffer still replays a graph, one that stops at the
 # final-normed hidden rows (their LM head runs when the decoder reads them, as an eager forward's
-# deferred head does). 0: those forwards run eagerly. Why: an eager 16 x 256 forward on an
-# H200 took 101.7 ms of wall time for 52.25 ms of GPU work, bound by its host (BENCHMARKS.md, "The end of
-# layer's loads, and the norms that feed FP8 GEMMs write e4m3"); not on by default until a forward and
-# a loop A/B on a GPU show the graphs pay.
+# deferred head does). 0: those forwards run eagerly. Why: an eager 16 x 256 forward is bound by its
+# host (101.7 ms of wall time for 52.25 ms of GPU work on an H200); as a graph its wall time is its GPU
+# time, and through the loop such graphs gave 11,650-11,833 committed tok/s against 10,240-10,946 on an
+# H100 (BENCHMARKS.md, "Persistent grouped GEMM, PDL, routing order and deferred heads"). Off until the
+# GPU guard, with the testbed's forwards sent through such graphs, scores as the plain graphs do.
 DEFERRED_ROWS = 0
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,17 @@ class GraphRunner:
         for s in range(a.slots):
             a.reset(s)
         return a
+
+    def set_limits(self, logits_bytes: int | None = None, deferred_rows: int | None = None) -> None:
+        """A new logits buffer size and/or `deferred_rows` (None: keep); on a change the graphs go
+        (`release`): they write the old buffer, and which of them defer their head depends on both."""
+        want = (
+            self.logits_bytes if logits_bytes is None else logits_bytes,
+            self.deferred_rows if deferred_rows is None else deferred_rows,
+        )
+        if want != (self.logits_bytes, self.deferred_rows):
+            self.logits_bytes, self.deferred_rows = want
+            self.release()
 
     def release(self) -> None:
         """Drop the arena, the graphs and their logits buffer (a new arena; a stream that ran out of

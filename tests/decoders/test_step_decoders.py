@@ -507,6 +507,25 @@ def test_a_forward_past_the_logits_buffer_replays_a_graph_with_its_head_deferred
     assert not full.deferred and runner.stats["built"] == 3
 
 
+def test_graph_limits_changed_drop_the_graphs_and_unchanged_keep_them(bundle):
+    """`set_limits`: a new logits buffer or `deferred_rows` releases the runner's graphs (they write the
+    old buffer, and whether they defer their head follows from both); the same limits keep them."""
+    from canvasq.model.graph import GraphRunner
+    from canvasq.model.runtime import Window
+
+    rt = make_decoder("pipe", bundle).rt
+    runner = GraphRunner(rt, cuda_graph=False, logits_bytes=8 * 4 * rt.vocab_size)
+    arena = runner.arena(1, 64)
+    runner.decode(arena, [Window.canvas(0, torch.arange(5) + 4, 0)])
+    assert len(runner.graphs) == 1
+    runner.set_limits(8 * 4 * rt.vocab_size, runner.deferred_rows)
+    assert len(runner.graphs) == 1 and runner.store is arena
+    runner.set_limits(deferred_rows=32)
+    assert runner.deferred_rows == 32 and not runner.graphs and runner.store is None
+    runner.set_limits(logits_bytes=16 * 4 * rt.vocab_size)
+    assert runner.max_rows == 16 and runner.deferred_rows == 32
+
+
 def test_decoder_beyond_the_arena_cap_decodes_eagerly(bundle):
     """A batch whose arena would exceed the runner's byte cap gets its own arena: every forward runs
     eagerly and the tokens are the eager loop's."""

@@ -53,6 +53,7 @@ MODULES = (
     "fp8_quant",
     "fp8_grouped",
     "moe.w4a8",
+    "moe.gluon_w4a8",
     "softmax_argmax",
     "softmax_invcdf",
     "softmax_topk",
@@ -123,7 +124,7 @@ def loop_profile(sass: str) -> dict:
     return {
         "loop_instr": len(best),
         "loop_top": " ".join(f"{op}:{n}" for op, n in top),
-        "loop_mma": counts["HMMA"] + counts["HGMMA"],
+        "loop_mma": counts["HMMA"] + counts["HGMMA"] + counts["QGMMA"],
     }
 
 

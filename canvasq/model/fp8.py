@@ -21,10 +21,14 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from canvasq.model.experts import gelu_tanh
+
+if TYPE_CHECKING:
+    from canvasq.kernels.moe.w4a8 import W4A8Matrix
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -132,64 +136,62 @@ class FP8Experts:
 @dataclass
 class W4A8Experts:
     """The W4 pack's own weights for `fp8_moe` (CANVASQ_FP8_GROUPED=w4a8): the e4m3 rows against the
-    pack's nibbles through `kernels.moe.w4a8` (K-contiguous q, the pack's scales and zeros), instead of
-    an e4m3 copy of the pack. The rows are quantised as for `FP8Experts`, with each row's sums over
-    the pack's groups beside them (the kernel's bias form). Measured slower than the e4m3 copy through
-    torch's or our grouped GEMM on an H100 (BENCHMARKS, "W4A8 measured"): an arm. Off the kernel path the
-    twin is `FP8Experts`' on the pack dequantised to fp32, unit channel scales."""
+    pack's nibbles (`kernels.moe.w4a8.W4A8Matrix`: Hopper's wgmma kernel on the bytes in its order,
+    else the Triton kernel on the K-contiguous pack), instead of an e4m3 copy of the pack. The rows are
+    quantised as for `FP8Experts`, with each row's sums over the pack's groups beside them (the
+    kernels' bias form). The Triton kernel measured slower than the e4m3 copy on an H100 (BENCHMARKS,
+    "W4A8 measured"): an arm. Off the kernel path the twin is `FP8Experts`' on the pack dequantised to
+    fp32, unit channel scales."""
 
-    gate_up_q: torch.Tensor  # [E, 2I, H/2] uint8
-    gate_up_scale: torch.Tensor  # [E, H/Gg, 2I]
-    gate_up_zero: torch.Tensor
-    down_q: torch.Tensor  # [E, H, I/2] uint8
-    down_scale: torch.Tensor  # [E, I/Gd, H]
-    down_zero: torch.Tensor
-    copied: int = 0  # bytes made here (the untiled q of a tiled pack); the rest is the pack's
-    tiles: tuple[int, int, int] = (64, 128, 4)  # block_m, block_n, warps
+    gate_up: W4A8Matrix  # [E, 2I, H]
+    down: W4A8Matrix  # [E, H, I]
+    copied: int = 0  # bytes made here (a reordered or untiled q); the rest is the pack's
 
     @classmethod
-    def from_w4(cls, packed) -> W4A8Experts:
+    def from_w4(cls, packed, wgmma: bool | None = None) -> W4A8Experts:
+        """`wgmma` None: the wgmma kernel's order wherever it runs (`w4a8.wgmma_here`)."""
+        from canvasq.kernels.moe.w4a8 import W4A8Matrix
+
         gq, dq = packed.kcontig_q()
-        copied = 0 if gq is packed.gate_up_q else gq.numel() + dq.numel()
-        return cls(
-            gq, packed.gate_up_scale, packed.gate_up_zero, dq, packed.down_scale, packed.down_zero, copied
-        )
+        gate_up = W4A8Matrix.of(gq, packed.gate_up_scale, packed.gate_up_zero, wgmma)
+        down = W4A8Matrix.of(dq, packed.down_scale, packed.down_zero, wgmma)
+        made = [m.q for m in (gate_up, down) if m.q is not packed.gate_up_q and m.q is not packed.down_q]
+        made += [m.scale for m in (gate_up, down) if m.wgmma]
+        return cls(gate_up, down, sum(t.numel() * t.element_size() for t in made))
 
     @property
     def num_experts(self) -> int:
-        return self.gate_up_q.shape[0]
+        return self.gate_up.q.shape[0]
 
     def nbytes(self) -> int:
         return self.copied
 
     def groups(self) -> tuple[int, int]:
         """(gate/up's group along H, down's along I)."""
-        hidden, inter = 2 * self.gate_up_q.shape[2], 2 * self.down_q.shape[2]
-        return hidden // self.gate_up_scale.shape[1], inter // self.down_scale.shape[1]
+        return self.gate_up.group, self.down.group
 
     def rows(self, x: torch.Tensor, order, row_of, offs, kernel: bool) -> torch.Tensor:
         """`FP8Experts.rows` on the pack: tokens x [N, H] -> [N*K, H] in expert order."""
         if not kernel:
             return self.twin().rows(x, order, row_of, offs, kernel=False)
         from canvasq.kernels.fp8_quant import gelu_mul_quant_sums, quantize_rows_sums
-        from canvasq.kernels.moe.w4a8 import w4a8_grouped
 
         g_up, g_down = self.groups()
         xq, xs, sums = quantize_rows_sums(x.contiguous(), g_up, dest=row_of)
-        up = (self.gate_up_q, self.gate_up_scale, self.gate_up_zero)
-        h = w4a8_grouped(xq, xs, *up, offs, x.dtype, *self.tiles, sums=sums)
+        h = self.gate_up.gemm(xq, xs, sums, offs, x.dtype)
         aq, as_, sums = gelu_mul_quant_sums(h, g_down)
-        down = (self.down_q, self.down_scale, self.down_zero)
-        return w4a8_grouped(aq, as_, *down, offs, x.dtype, *self.tiles, sums=sums)
+        return self.down.gemm(aq, as_, sums, offs, x.dtype)
 
     def twin(self) -> FP8Experts:
         """The pack dequantised to fp32 as `FP8Experts` with unit channel scales (the CPU's path)."""
-        from canvasq.kernels.moe.quant import dequantize_w4
-
-        gu = dequantize_w4(self.gate_up_q, self.gate_up_scale, self.gate_up_zero, 2 * self.gate_up_q.shape[2])
-        dn = dequantize_w4(self.down_q, self.down_scale, self.down_zero, 2 * self.down_q.shape[2])
-        gu, dn = gu.float(), dn.float()
+        gu, dn = (_dequantized(*m.unpacked()) for m in (self.gate_up, self.down))
         return FP8Experts(gu, gu.new_ones(gu.shape[:2]), dn, dn.new_ones(dn.shape[:2]))
+
+
+def _dequantized(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    from canvasq.kernels.moe.quant import dequantize_w4
+
+    return dequantize_w4(q, scale, zero, 2 * q.shape[2]).float()
 
 
 def _quantize_by_expert(w: torch.Tensor, chunk: int = 8) -> tuple[torch.Tensor, torch.Tensor]:

@@ -102,3 +102,32 @@ def unpack_scale_zero(sz: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tenso
     half = lambda v: torch.where(v >= 2**15, v - 2**16, v).to(torch.int16).view(dtype)
     scale, nz = half(w & 0xFFFF), half(w >> 16)
     return scale, (-nz.float() - MAGIC[dtype]).to(dtype)
+
+
+def tile_q8(q: torch.Tensor, group: int) -> torch.Tensor:
+    """K-contiguous packed bytes [E, N, K/2] (`quant.py`) -> [E, N/16, K/G, 8G] uint8, the order the
+    W4A8 wgmma kernel's lanes load (`gluon_w4a8.py`): the bytes are the pack's own, only moved. In each
+    16-row tile and group, lane 4g + t holds G/4 contiguous bytes; its byte 8j + 4r + b is the pack's
+    byte 16j + 4t + b of the group's G/2, row 8r + g: wgmma's A registers for an e4m3 operand
+    (k_width 4) of the low nibbles and, the same bytes shifted, of the high ones."""
+    E, N, KB = q.shape
+    hb = group // 2
+    assert N % TILE_ROWS == 0 and KB % hb == 0 and group in (64, 128), (q.shape, group)
+    t = q.reshape(E, N // TILE_ROWS, 2, 8, KB // hb, hb // 16, 4, 4)  # E, T, r, g, group, j, t, b
+    return t.permute(0, 1, 4, 3, 6, 5, 2, 7).contiguous().reshape(E, N // TILE_ROWS, KB // hb, 8 * group)
+
+
+def untile_q8(q8: torch.Tensor) -> torch.Tensor:
+    """Inverse of `tile_q8` (tests, the CPU twin)."""
+    E, T, ng, lane_bytes = q8.shape
+    hb = lane_bytes // 16
+    t = q8.reshape(E, T, ng, 8, 4, hb // 16, 2, 4)  # E, T, group, g, t, j, r, b
+    return t.permute(0, 1, 6, 3, 2, 5, 4, 7).contiguous().reshape(E, T * TILE_ROWS, ng * hb)
+
+
+def pack_scale_zero8(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """bf16 scale, zero [E, ng, N] -> int32 words [E, ng, N], the scale's bits low and the zero's high:
+    the W4A8 kernel reads a row's group as one word and widens each half to fp32 with a shift or a mask."""
+    assert scale.dtype == zero.dtype == torch.bfloat16, (scale.dtype, zero.dtype)
+    lo = scale.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    return lo | (zero.contiguous().view(torch.int16).to(torch.int32) << 16)

@@ -18,7 +18,9 @@ group and row as z * Σx (`group_sums`), the scale's 2^9 with it.
 
 from __future__ import annotations
 
+import functools
 import itertools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -131,6 +133,65 @@ def w4a8_grouped(
         BITCAST=compiled, M_MAJOR=m_major, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
+
+
+@dataclass
+class W4A8Matrix:
+    """One projection of the W4 pack as the W4A8 GEMMs read it. On Hopper (`wgmma_here`) the bytes in
+    the wgmma kernel's order (`gluon_pack.tile_q8`) with its scale/zero words (`pack_scale_zero8`),
+    for `gluon_w4a8.w4a8_wgmma`; elsewhere the K-contiguous pack for this module's Triton kernel."""
+
+    q: torch.Tensor  # [E, N, K/2] uint8, or tile_q8's [E, N/16, K/G, 8G]
+    scale: torch.Tensor  # [E, K/G, N]; with wgmma the packed words, int32
+    zero: torch.Tensor | None  # None with wgmma (in the words)
+    group: int
+    tiles: tuple[int, ...]  # the launch's block_m, block_n, warps (and stages with wgmma)
+
+    @classmethod
+    def of(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, wgmma: bool | None = None):
+        """The projection q [E, N, K/2], scale / zero [E, K/G, N]; `wgmma` None: `wgmma_here`."""
+        group = 2 * q.shape[2] // scale.shape[1]
+        if wgmma is None:
+            wgmma = wgmma_here(q.device, scale.dtype, group, q.shape[1])
+        if not wgmma:
+            return cls(q, scale, zero, group, (64, 128, 4))
+        from .gluon_pack import pack_scale_zero8, tile_q8
+
+        return cls(tile_q8(q, group), pack_scale_zero8(scale, zero), None, group, (64, 64, 4, 3))
+
+    @property
+    def wgmma(self) -> bool:
+        return self.zero is None
+
+    def gemm(self, x: torch.Tensor, xs: torch.Tensor, sums: torch.Tensor, offs: torch.Tensor, dtype):
+        """Rows x [M, K] e4m3 in expert order, their scales and group sums -> [M, N] in dtype."""
+        if not self.wgmma:
+            return w4a8_grouped(x, xs, self.q, self.scale, self.zero, offs, dtype, *self.tiles, sums=sums)
+        from .gluon_w4a8 import w4a8_wgmma
+
+        return w4a8_wgmma(x, xs, sums, self.q, self.scale, offs, dtype, *self.tiles)
+
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [E, N, K/2] K-contiguous, scale, zero) whichever order is held (the twin reads them)."""
+        if not self.wgmma:
+            return self.q, self.scale, self.zero
+        from .gluon_pack import untile_q8
+
+        scale = (self.scale << 16).view(torch.float32).to(torch.bfloat16)
+        return untile_q8(self.q), scale, (self.scale & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+def wgmma_here(device: torch.device, scale_dtype: torch.dtype, group: int, n: int) -> bool:
+    """The wgmma kernel serves this projection: a compiled sm_90 device, bf16 scales (its words hold
+    bf16 bits), groups of 64 or 128, N a multiple of its 64-column tiles."""
+    if device.type != "cuda" or scale_dtype != torch.bfloat16 or group not in (64, 128) or n % 64:
+        return False
+    return _sm90(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=16)
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0) and not interpreted(_w4a8_kernel)
 
 
 def compile_specs():

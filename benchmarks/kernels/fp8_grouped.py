@@ -10,7 +10,9 @@ operands with row scales, each arm timed by `triton.testing.do_bench` (median ms
 calls) and checked against torch's output (the CPU: against the dequantising twin). The plain GEMMs also
 run the W4A8 prototype (`kernels.moe.w4a8`) with the same weights W4-packed, against the pack's own
 dequantised GEMM; its bias form (`w4a8b_*`) takes each row's group sums computed before the timed
-call (on the FP8 path the quantisers write them, `fp8_quant.quantize_rows_sums`). Labels ending
+call (on the FP8 path the quantisers write them, `fp8_quant.quantize_rows_sums`). On sm_90 the same
+pack reordered (`gluon_pack.tile_q8`) goes through the wgmma kernel (`moe.gluon_w4a8`, `w4a8wg_*`)
+at each of its sweep tilings. Labels ending
 `mm` launch row tiles outer (`fp8_grouped._tile_of`); `p1`, `p2` persistent launches of that many
 programs an SM (`Tiles.persistent`). GB/s count the weights once plus the rows read and written;
 TFLOP/s count 2·M·N·K. Rows go to $OUT/fp8_grouped.json.
@@ -36,8 +38,10 @@ from canvasq.kernels.fp8_grouped import grouped_gemm
 from canvasq.kernels.fp8_grouped_tiles import Tiles, gemm_key, save_tuned, tiles_for
 from canvasq.kernels.fp8_quant import gelu_mul_quant_triton, quantize_rows_triton
 from canvasq.kernels.gelu_mul import gelu_mul_reference
+from canvasq.kernels.moe.gluon_pack import pack_scale_zero8, tile_q8
+from canvasq.kernels.moe.gluon_w4a8 import SWEEP_TILES, w4a8_wgmma
 from canvasq.kernels.moe.quant import dequantize_w4, quantize_w4
-from canvasq.kernels.moe.w4a8 import group_sums, w4a8_grouped
+from canvasq.kernels.moe.w4a8 import group_sums, w4a8_grouped, wgmma_here
 from canvasq.model.fp8 import _grouped, expert_order, quantize_rows
 from canvasq.provenance import git_commit
 
@@ -169,6 +173,14 @@ def w4a8_arms(aq, a_s, w, offs, dtype) -> list[dict]:
 
         label = f"w4a8{'b' if bias else ''}_m{bm}n{bn}w{warps}" + ("mm" if mm else "")
         out.append(_timed(label, fn, ref, nbytes, 2 * m * n * k))
+    if wgmma_here(aq.device, ws.dtype, group, n):  # the pack reordered for the wgmma kernel
+        q8, sz8 = tile_q8(q, group), pack_scale_zero8(ws, wz)
+        for bm, bn, warps, stages in SWEEP_TILES:
+
+            def wg(bm=bm, bn=bn, warps=warps, stages=stages):
+                return w4a8_wgmma(x, a_s, sums, q8, sz8, offs, dtype, bm, bn, warps, stages)
+
+            out.append(_timed(f"w4a8wg_m{bm}n{bn}w{warps}s{stages}", wg, ref, nbytes, 2 * m * n * k))
     return out
 
 

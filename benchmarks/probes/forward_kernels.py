@@ -32,7 +32,7 @@ from canvasq.provenance import git_commit
 
 # kernel name, lowercased -> group (first match wins); names are torch's, CUTLASS's and ours
 GROUPS = [
-    ("experts_gemm", r"grouped|groupproblemshape|w4_moe|moe_.*gemm|_w4_"),
+    ("experts_gemm", r"grouped|groupproblemshape|w4_moe|w4a8|moe_.*gemm|_w4_"),
     ("lm_head_or_dense_gemm", r"gemm|cutlass|sm90_xmma|nvjet|cublas|_scaled_mm|sm90"),
     ("attention", r"attn|attention|_attend|flash|fmha|sdpa"),
     ("quantise", r"quant|fp8"),

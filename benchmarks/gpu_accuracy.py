@@ -25,6 +25,8 @@ syntax); settings after '@' are what a config does not reach:
                              `graph.LOGITS_BYTES`; the testbed's forwards never pass it unless made small)
     deferred_rows=N          graphs whose LM head is deferred for forwards past that buffer, up to N
                              padded rows (`GraphRunner.deferred_rows`)
+    fp8_grouped=G            the FP8 experts' grouped GEMM (CANVASQ_FP8_GROUPED: torch, triton, or
+                             w4a8: the W4 pack's nibbles against e4m3 rows, wgmma on sm_90)
 
 Each arm gets runtimes of its own (built when its decoder asks, with the settings applied), so
 arms never share captured graphs. Accuracy, forwards per request and τ are exact per (prompts, seed);
@@ -61,6 +63,7 @@ SETTINGS = {
     "sc_bag": str,
     "graph_rows": int,
     "deferred_rows": int,
+    "fp8_grouped": str,
 }
 RUNTIME_ATTRS = (
     "context_step",
@@ -109,7 +112,7 @@ def arm_runtime(settings: dict):
                 hf_model, experts=impl, encoder_model=encoder_model, kernels=settings.get("kernels")
             )
             if parts:
-                install_fp8(rt, parts, fp8_min_rows)
+                install_fp8(rt, parts, fp8_min_rows, settings.get("fp8_grouped"))
             for name in RUNTIME_ATTRS:
                 if name in settings:
                     setattr(rt, name, settings[name])

@@ -3,10 +3,12 @@
 # `_scaled_grouped_mm` ($OUT gets at most 7 files), the most telling part first:
 #   1. `kernels/fp8_grouped.py`: both GEMMs of the expert layer at TOKENS tokens, a sweep of tilings,
 #      whose winners ($OUT/fp8_grouped_tuned.json) the forward's triton arm then takes, and the W4A8
-#      prototype (`kernels/moe/w4a8.py`) on the same rows with the weights W4-packed;
+#      kernels (`kernels/moe/w4a8.py`, and on sm_90 `gluon_w4a8.py`'s wgmma one at its tilings) on the
+#      same rows with the weights W4-packed;
 #   2. `probes/forward_kernels.py`: the worker's forward at BATCHES windows of 256 rows, the grouped
 #      GEMM torch's and ours as arms of one process (graphs, GPU time, kernels by group);
-#   3. its GPU tests and the FP8 model tests (e4m3 against torch's kernel and the twin).
+#   3. its GPU tests, the wgmma W4A8 kernel's, and the FP8 model tests (e4m3 against torch's kernel
+#      and the twin, W4A8 experts against theirs). GROUPED=torch,triton,w4a8 adds the W4A8 forward arm.
 #
 #   call:  CANVASQ_COMMIT=<head> bash benchmarks/gpu_i34_grouped.sh   (carry: .whl)
 #
@@ -52,7 +54,7 @@ for line in sys.stdin:
 fi
 if [[ ${TESTS:-1} == 1 ]]; then
   timeout "${TESTT:-150}" python -m pytest -q -p no:cacheprovider -m "(gpu or not gpu) and not soak" tests/kernels/test_fp8_grouped.py \
-    ${TESTS_MORE-tests/model/test_fp8.py} > "$OUT/pytest.txt" 2>&1
+    tests/kernels/test_w4a8_wgmma.py ${TESTS_MORE-tests/model/test_fp8.py tests/model/test_w4a8_experts.py} > "$OUT/pytest.txt" 2>&1
   echo "tests rc=$?"; tail -3 "$OUT/pytest.txt"
 fi
 date -u >> "$OUT/gpu.txt"

@@ -19,10 +19,11 @@ from canvasq.model.fp8 import (
 from tests.model.test_fp8 import _logits, _loop_moe
 
 
-def _pack(seed: int, e: int, h: int, i: int, device="cpu"):
+def _pack(seed: int, e: int, h: int, i: int, device="cpu", scale_dtype=None):
     g = torch.Generator().manual_seed(seed)
     gate_up, down = torch.randn(e, 2 * i, h, generator=g) * 0.1, torch.randn(e, h, i, generator=g) * 0.1
-    return pack_w4(gate_up, down, W4Config(group_gate_up=64, group_down=64)).to(device), g
+    cfg = W4Config(group_gate_up=64, group_down=64, scale_dtype=scale_dtype)
+    return pack_w4(gate_up, down, cfg).to(device), g
 
 
 def test_w4a8_experts_are_the_per_token_definition_on_the_pack_dequantised():
@@ -66,14 +67,17 @@ def test_the_runtime_takes_the_pack_as_w4a8_experts_and_refuses_bf16_experts():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_w4a8_kernels_match_the_twin_on_gpu():
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16], ids=["triton", "wgmma_on_sm90"])
+def test_w4a8_kernels_match_the_twin_on_gpu(scale_dtype):
     if not fp8_supported("cuda"):
         pytest.skip("no e4m3 tensor cores on this GPU")
-    packed, g = _pack(5, 16, 256, 128, "cuda")
+    packed, g = _pack(5, 16, 256, 128, "cuda", scale_dtype)
     n, k = 300, 4
     x = torch.randn(n, 256, generator=g).to("cuda", torch.bfloat16)
     ids = torch.stack([torch.randperm(16, generator=g)[:k] for _ in range(n)]).to("cuda")
     w = torch.rand(n, k, generator=g).to("cuda")
     ex = W4A8Experts.from_w4(packed)
+    sm90 = torch.cuda.get_device_capability() == (9, 0)
+    assert ex.gate_up.wgmma == ex.down.wgmma == (sm90 and scale_dtype == torch.bfloat16)
     fast, twin = fp8_moe(x, ids, w, ex, kernel=True), fp8_moe(x, ids, w, ex, kernel=False)
     assert (fast.float() - twin.float()).abs().max() / twin.float().abs().max() < 2e-2

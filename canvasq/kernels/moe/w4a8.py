@@ -166,15 +166,16 @@ class W4A8Matrix:
 
     def gemm(self, x: torch.Tensor, xs: torch.Tensor, sums: torch.Tensor, offs: torch.Tensor, dtype):
         """Rows x [M, K] e4m3 in expert order, their scales and group sums -> [M, N] in dtype."""
-        if not self.wgmma:
-            return w4a8_grouped(x, xs, self.q, self.scale, self.zero, offs, dtype, *self.tiles, sums=sums)
+        if self.zero is not None:
+            bm, bn, warps = self.tiles[:3]
+            return w4a8_grouped(x, xs, self.q, self.scale, self.zero, offs, dtype, bm, bn, warps, sums=sums)
         from .gluon_w4a8 import w4a8_wgmma
 
         return w4a8_wgmma(x, xs, sums, self.q, self.scale, offs, dtype, *self.tiles)
 
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [E, N, K/2] K-contiguous, scale, zero) whichever order is held (the twin reads them)."""
-        if not self.wgmma:
+        if self.zero is not None:
             return self.q, self.scale, self.zero
         from .gluon_pack import untile_q8
 

@@ -175,12 +175,13 @@ def w4a8_arms(aq, a_s, w, offs, dtype) -> list[dict]:
         out.append(_timed(label, fn, ref, nbytes, 2 * m * n * k))
     if wgmma_here(aq.device, ws.dtype, group, n):  # the pack reordered for the wgmma kernel
         q8, sz8 = tile_q8(q, group), pack_scale_zero8(ws, wz)
-        for bm, bn, warps, stages in SWEEP_TILES:
+        for tiles in SWEEP_TILES:
 
-            def wg(bm=bm, bn=bn, warps=warps, stages=stages):
-                return w4a8_wgmma(x, a_s, sums, q8, sz8, offs, dtype, bm, bn, warps, stages)
+            def wg(tiles=tiles):
+                return w4a8_wgmma(x, a_s, sums, q8, sz8, offs, dtype, tiles)
 
-            out.append(_timed(f"w4a8wg_m{bm}n{bn}w{warps}s{stages}", wg, ref, nbytes, 2 * m * n * k))
+            label = "w4a8wg_m{}n{}w{}s{}".format(*tiles)
+            out.append(_timed(label, wg, ref, nbytes, 2 * m * n * k))
     return out
 
 

@@ -203,16 +203,16 @@ def w4a8_wgmma(
     sz8: torch.Tensor,
     offs: torch.Tensor,
     out_dtype: torch.dtype,
-    block_m: int = 64,
-    block_n: int = 64,
-    warps: int = 4,
-    stages: int = 3,
+    tiles: tuple[int, ...] = (64, 64, 4, 3),
 ) -> torch.Tensor:
     """`w4a8.w4a8_grouped`'s bias form on Hopper: x [M, K] e4m3 (rows in expert order), x_scale [M]
     fp32, sums [M, K/G] fp32 (`group_sums`), q8 the pack in `tile_q8`'s order [E, N/16, K/G, 8G] uint8,
     sz8 its scale/zero words [E, K/G, N] int32 (`pack_scale_zero8`), offs [E] int32 (each expert's
-    end) -> [M, N] in out_dtype. Rows past offs[-1] are left unwritten."""
+    end) -> [M, N] in out_dtype. Rows past offs[-1] are left unwritten. `tiles`: block_m, block_n,
+    warps, stages (`SWEEP_TILES`)."""
     from .._dispatch import pdl_kwargs
+
+    block_m, block_n, warps, stages = tiles
 
     m, k = x.shape
     n_experts, n16, ng, lane_bytes = q8.shape

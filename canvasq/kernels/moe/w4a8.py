@@ -171,7 +171,7 @@ class W4A8Matrix:
             return w4a8_grouped(x, xs, self.q, self.scale, self.zero, offs, dtype, bm, bn, warps, sums=sums)
         from .gluon_w4a8 import w4a8_wgmma
 
-        return w4a8_wgmma(x, xs, sums, self.q, self.scale, offs, dtype, *self.tiles)
+        return w4a8_wgmma(x, xs, sums, self.q, self.scale, offs, dtype, self.tiles)
 
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [E, N, K/2] K-contiguous, scale, zero) whichever order is held (the twin reads them)."""

@@ -81,6 +81,8 @@ def _operands(qw, BN: gl.constexpr, HB: gl.constexpr, A: gl.constexpr):
 
 @gluon.jit
 def _as_operand(w, BN: gl.constexpr, HB: gl.constexpr, A: gl.constexpr):
+    """Words [BN/16, 32, HB/8] -> their bytes (little-endian, so a lane's bytes stay in load order)
+    renamed to the A operand [BN, HB]: the splits and joins only name the bytes of registers held."""
     b0, b1 = w.to(gl.int8), (w >> 8).to(gl.int8)
     b2, b3 = (w >> 16).to(gl.int8), (w >> 24).to(gl.int8)
     t = gl.reshape(gl.join(gl.join(b0, b2), gl.join(b1, b3)), [BN // 16, 8, 4, HB // 16, 2, 4])  # T g t j r b

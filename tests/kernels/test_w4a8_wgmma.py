@@ -83,8 +83,8 @@ def test_it_compiles_for_sm90_with_wgmma_in_its_loop_and_no_spill():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [ast.literal_eval(line) for line in out.stdout.splitlines() if line.startswith("{'kernel'")]
     assert json.loads(out.stdout.strip().splitlines()[-1])["kernels"] == len(rows) == 14
-    looped = [r for r in rows if "loop_mma" in r]
-    assert looped and all(r["loop_mma"] in (2, 4) for r in looped)  # QGMMA: two (G 64) or four a group
+    looped = [r for r in rows if "loop_mma" in r]  # two groups an iteration, each 4 QGMMA (G 128) or 2 (G 64)
+    assert looped and all(r["loop_mma"] == (8 if "gate_up" in r["kernel"] else 4) for r in looped)
     assert all(r["stack"] == 0 for r in rows)
 
 

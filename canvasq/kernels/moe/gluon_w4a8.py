@@ -112,6 +112,34 @@ def _stage_sums(xsum_ptr, row0, M, NG: gl.constexpr, BM: gl.constexpr, NW: gl.co
 
 
 @gluon.jit
+def _group(
+    acc, qw, sz, grp, q_e, q_offs, sz_e, stride_sg, xs, x_rows, cols, sums, NG: gl.constexpr,
+    G: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, mma: gl.constexpr,
+):  # fmt: skip
+    """Group grp: the next group's words fetched, this one's tiles awaited, the stage after next
+    issued, two wgmma into a zeroed partial sum, acc += (512 s) * part - (s z) * sum(x)."""
+    HB: gl.constexpr = G // 2
+    A: gl.constexpr = gl.DotOperandLayout(0, mma, 4)
+    nxt = gl.minimum(grp + 1, NG - 1)  # the last prefetch re-reads the last group
+    qw_n = gl.load(q_e + (q_offs + nxt * (4 * HB)))
+    sz_n = gl.load(sz_e + nxt * stride_sg)
+    async_copy.wait_group(STAGES - 2)
+    fence_async_shared()  # this thread's cp.async writes made visible to wgmma's (async proxy) reads
+    gl.thread_barrier()  # every thread's: this group's tiles are in; the oldest stage is free
+    _stage_in(xs, (grp + STAGES - 1) % STAGES, x_rows, cols, gl.minimum(grp + STAGES - 1, NG - 1), G, HB)
+    lo, hi = _operands(qw, BN, HB, A)
+    cur = grp % STAGES
+    part = warpgroup_mma(
+        lo, xs.index(2 * cur).permute((1, 0)), gl.zeros([BN, BM], gl.float32, mma), use_acc=False
+    )
+    part = warpgroup_mma(hi, xs.index(2 * cur + 1).permute((1, 0)), part)
+    s = (sz << 16).to(gl.float32, bitcast=True)
+    sb = s * (sz & -65536).to(gl.float32, bitcast=True)  # scale * zero
+    acc = acc + (512.0 * s)[:, None] * part - sb[:, None] * sums.index(grp).load(mma)
+    return acc, qw_n, sz_n
+
+
+@gluon.jit
 def _main_loop(
     q_e, q_offs, sz_e, stride_sg, xs, x_rows, cols, sums, NG: gl.constexpr, G: gl.constexpr,
     BN: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, mma: gl.constexpr,
@@ -119,31 +147,22 @@ def _main_loop(
     """The groups: each one's activation halves staged STAGES - 1 ahead by cp.async, its weight words
     and scale/zero words one ahead in registers; two wgmma into the group's partial sum, then
     acc += (512 s) * part - (s z) * sum(x)."""
-    HB: gl.constexpr = G // 2
-    A: gl.constexpr = gl.DotOperandLayout(0, mma, 4)
     for st in gl.static_range(STAGES - 1):
-        _stage_in(xs, st, x_rows, cols, st, G, HB)
+        _stage_in(xs, st, x_rows, cols, st, G, G // 2)
     qw = gl.load(q_e + q_offs)
     sz = gl.load(sz_e)
     acc = gl.zeros([BN, BM], gl.float32, mma)
-    for grp in range(NG):
-        nxt = gl.minimum(grp + 1, NG - 1)  # the last prefetch re-reads the last group
-        qw_n = gl.load(q_e + (q_offs + nxt * (4 * HB)))
-        sz_n = gl.load(sz_e + nxt * stride_sg)
-        async_copy.wait_group(STAGES - 2)
-        fence_async_shared()  # this thread's cp.async writes made visible to wgmma's (async proxy) reads
-        gl.thread_barrier()  # every thread's: this group's tiles are in; the oldest stage is free
-        _stage_in(xs, (grp + STAGES - 1) % STAGES, x_rows, cols, gl.minimum(grp + STAGES - 1, NG - 1), G, HB)
-        lo, hi = _operands(qw, BN, HB, A)
-        cur = grp % STAGES
-        part = warpgroup_mma(
-            lo, xs.index(2 * cur).permute((1, 0)), gl.zeros([BN, BM], gl.float32, mma), use_acc=False
-        )
-        part = warpgroup_mma(hi, xs.index(2 * cur + 1).permute((1, 0)), part)
-        s = (sz << 16).to(gl.float32, bitcast=True)
-        sb = s * (sz & -65536).to(gl.float32, bitcast=True)  # scale * zero
-        acc = acc + (512.0 * s)[:, None] * part - sb[:, None] * sums.index(grp).load(mma)
-        qw, sz = qw_n, sz_n
+    for it in range(NG // 2):  # two groups an iteration: the prefetched registers rotate by renaming
+        for u in gl.static_range(2):
+            acc, qw, sz = _group(
+                acc, qw, sz, 2 * it + u, q_e, q_offs, sz_e, stride_sg, xs, x_rows, cols, sums,
+                NG, G, BN, BM, STAGES, mma,
+            )  # fmt: skip
+    if NG % 2 == 1:
+        acc, qw, sz = _group(
+            acc, qw, sz, NG - 1, q_e, q_offs, sz_e, stride_sg, xs, x_rows, cols, sums,
+            NG, G, BN, BM, STAGES, mma,
+        )  # fmt: skip
     async_copy.wait_group(0)
     return acc
 

@@ -180,7 +180,7 @@ def w4a8_arms(aq, a_s, w, offs, dtype) -> list[dict]:
             def wg(tiles=tiles):
                 return w4a8_wgmma(x, a_s, sums, q8, sz8, offs, dtype, tiles)
 
-            label = "w4a8wg_m{}n{}w{}s{}".format(*tiles)
+            label = "w4a8wg_m{}n{}w{}s{}a{}".format(*tiles)
             out.append(_timed(label, wg, ref, nbytes, 2 * m * n * k))
     return out
 

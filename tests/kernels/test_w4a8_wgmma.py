@@ -14,6 +14,7 @@ import torch
 from kernel_testutil import rel_err
 
 from canvasq.kernels.moe.gluon_pack import pack_scale_zero8, tile_q8, untile_q8
+from canvasq.kernels.moe.gluon_w4a8 import SWEEP_TILES
 from canvasq.kernels.moe.quant import W4Config, dequantize_w4, pack_w4
 from canvasq.kernels.moe.w4a8 import W4A8Matrix, group_sums, w4a8_grouped
 from canvasq.model.fp8 import _grouped, expert_order, fp8_supported, quantize_rows
@@ -82,7 +83,7 @@ def test_it_compiles_for_sm90_with_wgmma_in_its_loop_and_no_spill():
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [ast.literal_eval(line) for line in out.stdout.splitlines() if line.startswith("{'kernel'")]
-    assert json.loads(out.stdout.strip().splitlines()[-1])["kernels"] == len(rows) == 14
+    assert json.loads(out.stdout.strip().splitlines()[-1])["kernels"] == len(rows) == 2 * len(SWEEP_TILES)
     looped = [r for r in rows if "loop_mma" in r]  # two groups an iteration, each 4 QGMMA (G 128) or 2 (G 64)
     assert looped and all(r["loop_mma"] == (8 if "gate_up" in r["kernel"] else 4) for r in looped)
     assert all(r["stack"] == 0 for r in rows)
@@ -97,7 +98,9 @@ def _pack(seed, e, h, i, dtype=torch.float32, device="cpu"):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("tiles", [(64, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 3), (128, 64, 4, 4)])
+@pytest.mark.parametrize(
+    "tiles", [(64, 64, 4, 3, 1), (32, 64, 4, 2, 2), (64, 128, 8, 3, 1), (128, 64, 4, 4, 1), (64, 64, 4, 2, 2)]
+)
 @pytest.mark.parametrize("which", ["gate_up", "down"])
 def test_wgmma_matches_the_triton_w4a8_and_the_dequantised_pack(which, tiles):
     if not fp8_supported("cuda") or torch.cuda.get_device_capability() != (9, 0):

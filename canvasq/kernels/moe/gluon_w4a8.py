@@ -113,16 +113,18 @@ def _stage_sums(xsum_ptr, row0, M, NG: gl.constexpr, BM: gl.constexpr, NW: gl.co
 
 @gluon.jit
 def _group(
-    acc, qw, sz, grp, q_e, q_offs, sz_e, stride_sg, xs, x_rows, cols, sums, NG: gl.constexpr,
-    G: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, mma: gl.constexpr,
+    acc, ahead, grp, q_e, q_offs, sz_e, stride_sg, xs, x_rows, cols, sums, NG: gl.constexpr,
+    G: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
+    mma: gl.constexpr,
 ):  # fmt: skip
-    """Group grp: the next group's words fetched, this one's tiles awaited, the stage after next
-    issued, two wgmma into a zeroed partial sum, acc += (512 s) * part - (s z) * sum(x)."""
+    """Group grp. `ahead` holds the (weight words, scale/zero words) of groups grp .. grp + AHEAD - 1,
+    oldest first: group grp + AHEAD's are fetched, this group's tiles awaited and the stage after
+    next issued, then two wgmma into a zeroed partial sum and acc += (512 s) * part - (s z) * sum(x)."""
     HB: gl.constexpr = G // 2
     A: gl.constexpr = gl.DotOperandLayout(0, mma, 4)
-    nxt = gl.minimum(grp + 1, NG - 1)  # the last prefetch re-reads the last group
-    qw_n = gl.load(q_e + (q_offs + nxt * (4 * HB)))
-    sz_n = gl.load(sz_e + nxt * stride_sg)
+    nxt = gl.minimum(grp + AHEAD, NG - 1)  # the last prefetches re-read the last group
+    fresh = (gl.load(q_e + (q_offs + nxt * (4 * HB))), gl.load(sz_e + nxt * stride_sg))
+    qw, sz = ahead[0]
     async_copy.wait_group(STAGES - 2)
     fence_async_shared()  # this thread's cp.async writes made visible to wgmma's (async proxy) reads
     gl.thread_barrier()  # every thread's: this group's tiles are in; the oldest stage is free
@@ -136,32 +138,37 @@ def _group(
     s = (sz << 16).to(gl.float32, bitcast=True)
     sb = s * (sz & -65536).to(gl.float32, bitcast=True)  # scale * zero
     acc = acc + (512.0 * s)[:, None] * part - sb[:, None] * sums.index(grp).load(mma)
-    return acc, qw_n, sz_n
+    if AHEAD == 1:
+        return acc, (fresh,)
+    else:
+        return acc, (ahead[1], fresh)
 
 
 @gluon.jit
 def _main_loop(
     q_e, q_offs, sz_e, stride_sg, xs, x_rows, cols, sums, NG: gl.constexpr, G: gl.constexpr,
-    BN: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, mma: gl.constexpr,
+    BN: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, mma: gl.constexpr,
 ):  # fmt: skip
-    """The groups: each one's activation halves staged STAGES - 1 ahead by cp.async, its weight words
-    and scale/zero words one ahead in registers; two wgmma into the group's partial sum, then
-    acc += (512 s) * part - (s z) * sum(x)."""
+    """The groups: each one's activation halves staged STAGES - 1 ahead by cp.async, its weight and
+    scale/zero words AHEAD (1 or 2) groups ahead in registers. Two groups an iteration, so those
+    registers rotate by renaming, not by moves."""
     for st in gl.static_range(STAGES - 1):
         _stage_in(xs, st, x_rows, cols, st, G, G // 2)
-    qw = gl.load(q_e + q_offs)
-    sz = gl.load(sz_e)
+    ahead = ((gl.load(q_e + q_offs), gl.load(sz_e)),)
+    if AHEAD == 2:
+        second = (gl.load(q_e + (q_offs + 2 * G)), gl.load(sz_e + stride_sg))
+        ahead = (ahead[0], second)  # type: ignore[assignment]  # one length per AHEAD, fixed at trace time
     acc = gl.zeros([BN, BM], gl.float32, mma)
-    for it in range(NG // 2):  # two groups an iteration: the prefetched registers rotate by renaming
+    for it in range(NG // 2):
         for u in gl.static_range(2):
-            acc, qw, sz = _group(
-                acc, qw, sz, 2 * it + u, q_e, q_offs, sz_e, stride_sg, xs, x_rows, cols, sums,
-                NG, G, BN, BM, STAGES, mma,
+            acc, ahead = _group(
+                acc, ahead, 2 * it + u, q_e, q_offs, sz_e, stride_sg, xs, x_rows, cols, sums,
+                NG, G, BN, BM, STAGES, AHEAD, mma,
             )  # fmt: skip
     if NG % 2 == 1:
-        acc, qw, sz = _group(
-            acc, qw, sz, NG - 1, q_e, q_offs, sz_e, stride_sg, xs, x_rows, cols, sums,
-            NG, G, BN, BM, STAGES, mma,
+        acc, ahead = _group(
+            acc, ahead, NG - 1, q_e, q_offs, sz_e, stride_sg, xs, x_rows, cols, sums,
+            NG, G, BN, BM, STAGES, AHEAD, mma,
         )  # fmt: skip
     async_copy.wait_group(0)
     return acc
@@ -172,7 +179,7 @@ def _w4a8_wgmma_kernel(
     x_ptr, xs_ptr, xsum_ptr, q_ptr, sz_ptr, offs_ptr, out_ptr, M, N,
     stride_xm, stride_qe, stride_se, stride_sg, stride_om,
     K: gl.constexpr, G: gl.constexpr, E: gl.constexpr, E_POW2: gl.constexpr, BM: gl.constexpr,
-    BN: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
+    BN: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
     """One program: BM rows of one expert (row tile program_id(0)) x BN columns (program_id(1))."""
     _pdl_enter(PDL)
@@ -208,7 +215,7 @@ def _w4a8_wgmma_kernel(
         sums = _stage_sums(xsum_ptr, row0, M, NG, BM, NW)
         acc = _main_loop(
             q_ptr + expert.to(gl.int64) * stride_qe, q_offs, sz_e, stride_sg, xs, x_rows, cols, sums,
-            NG, G, BN, BM, STAGES, mma,
+            NG, G, BN, BM, STAGES, AHEAD, mma,
         )  # fmt: skip
         y = acc * gl.load(xs_ptr + gl.minimum(m_acc, M - 1))[None, :]
         keep = (m_acc < end)[None, :] & (n_acc < N)[:, None]
@@ -224,16 +231,16 @@ def w4a8_wgmma(
     sz8: torch.Tensor,
     offs: torch.Tensor,
     out_dtype: torch.dtype,
-    tiles: tuple[int, ...] = (64, 64, 4, 3),
+    tiles: tuple[int, ...] = (64, 64, 4, 3, 1),
 ) -> torch.Tensor:
     """`w4a8.w4a8_grouped`'s bias form on Hopper: x [M, K] e4m3 (rows in expert order), x_scale [M]
     fp32, sums [M, K/G] fp32 (`group_sums`), q8 the pack in `tile_q8`'s order [E, N/16, K/G, 8G] uint8,
     sz8 its scale/zero words [E, K/G, N] int32 (`pack_scale_zero8`), offs [E] int32 (each expert's
     end) -> [M, N] in out_dtype. Rows past offs[-1] are left unwritten. `tiles`: block_m, block_n,
-    warps, stages (`SWEEP_TILES`)."""
+    warps, stages and groups fetched ahead (1 if left out; `SWEEP_TILES`)."""
     from .._dispatch import pdl_kwargs
 
-    block_m, block_n, warps, stages = tiles
+    block_m, block_n, warps, stages, ahead = (*tiles, 1)[:5]
 
     m, k = x.shape
     n_experts, n16, ng, lane_bytes = q8.shape
@@ -242,7 +249,7 @@ def w4a8_wgmma(
     assert n % block_n == 0 and block_n % (16 * warps) == 0, (n, block_n, warps)
     assert x.stride(1) == 1 and sums.shape == (m, ng) and sums.is_contiguous(), (x.stride(), sums.shape)
     assert sz8.shape == (n_experts, ng, n) and sz8.stride(2) == 1 and q8.is_contiguous(), sz8.shape
-    assert 1 < stages <= ng + 1, (stages, ng)
+    assert 1 < stages <= ng + 1 and ahead in (1, 2) and ahead <= ng, (stages, ahead, ng)
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0:
         return out
@@ -251,20 +258,23 @@ def w4a8_wgmma(
         x, x_scale, sums, q8.view(torch.int32), sz8, offs, out, m, n,
         x.stride(0), q8.stride(0) // 4, sz8.stride(0), sz8.stride(1), out.stride(0),
         K=k, G=group, E=n_experts, E_POW2=1 << (n_experts - 1).bit_length(), BM=block_m, BN=block_n,
-        NW=warps, STAGES=stages, num_warps=warps, **pdl_kwargs(x_scale, _w4a8_wgmma_kernel),
+        NW=warps, STAGES=stages, AHEAD=ahead, num_warps=warps, **pdl_kwargs(x_scale, _w4a8_wgmma_kernel),
     )  # fmt: skip
     return out
 
 
-# the tilings the sweep times (benchmarks/kernels/fp8_grouped.py): block_m, block_n, warps, stages
+# the tilings the sweep times (benchmarks/kernels/fp8_grouped.py): block_m, block_n, warps, stages,
+# groups of weight words fetched ahead
 SWEEP_TILES = (
-    (64, 64, 4, 3),
-    (64, 64, 4, 2),
-    (64, 64, 4, 4),
-    (32, 64, 4, 3),
-    (64, 128, 8, 3),
-    (128, 64, 4, 3),
-    (128, 128, 8, 3),
+    (64, 64, 4, 2, 1),
+    (64, 64, 4, 2, 2),
+    (64, 64, 4, 3, 1),
+    (64, 64, 4, 3, 2),
+    (64, 64, 4, 4, 1),
+    (32, 64, 4, 3, 1),
+    (64, 128, 8, 3, 1),
+    (128, 64, 4, 3, 1),
+    (128, 128, 8, 3, 1),
 )
 
 
@@ -276,13 +286,14 @@ def compile_specs():
 
     types = {"x_ptr": "*fp8e4nv", "q_ptr": "*i32", "sz_ptr": "*i32", "xs_ptr": "*fp32", "xsum_ptr": "*fp32"}
     types |= {"offs_ptr": "*i32"}
-    for (name, k, group), (bm, bn, warps, stages) in itertools.product(
+    for (name, k, group), (bm, bn, warps, stages, ahead) in itertools.product(
         (("gate_up", 2816, 128), ("down", 704, 64)), SWEEP_TILES
     ):
+        tile = {"BM": bm, "BN": bn, "NW": warps, "STAGES": stages, "AHEAD": ahead}
         yield CompileSpec(
-            f"w4a8_wgmma_{name}_m{bm}n{bn}w{warps}s{stages}",
+            f"w4a8_wgmma_{name}_m{bm}n{bn}w{warps}s{stages}a{ahead}",
             _w4a8_wgmma_kernel,
-            {"K": k, "G": group, "E": 128, "E_POW2": 128, "BM": bm, "BN": bn, "NW": warps, "STAGES": stages},
+            {"K": k, "G": group, "E": 128, "E_POW2": 128} | tile,
             types=types,
             divisible=pointers_and_strides(_w4a8_wgmma_kernel, "N"),
             num_warps=warps,

@@ -158,7 +158,7 @@ class W4A8Matrix:
         from .gluon_pack import pack_scale_zero8, tile_q8
 
         stages = min(3, 2 * q.shape[2] // group + 1)  # at most a stage a group, and one more
-        return cls(tile_q8(q, group), pack_scale_zero8(scale, zero), None, group, (64, 64, 4, stages))
+        return cls(tile_q8(q, group), pack_scale_zero8(scale, zero), None, group, (64, 64, 4, stages, 1))
 
     @property
     def wgmma(self) -> bool:

@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_accuracy.sh ablation   # one factor per arm, 200 x 2 tasks, one seed
 #   bash benchmarks/gpu_accuracy.sh main       # the README's main command with default settings, scored
 #
-# SEEDS / N override the defaults; ARM adds one arm to the guard (e.g. ARM='official:experts=w4@batch=64,sc_bag=triton');
+# SEEDS / N override the defaults; ARM adds arms to the guard, ';' between them (e.g.
+# ARM='official:experts=w4@batch=64,sc_bag=triton;official:experts=w4@batch=64,fp8_grouped=w4a8');
 # everything lands in $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -20,7 +21,8 @@ export PYTHONPATH=/tmp/site2:$PWD${PYTHONPATH:+:$PYTHONPATH}
 what=${1:-guard}
 case $what in
   guard)
-    extra=(); [[ -n ${ARM:-} ]] && extra=(--arm "$ARM")
+    extra=(); IFS=';' read -ra arms <<< "${ARM:-}"
+    for a in "${arms[@]}"; do [[ -n $a ]] && extra+=(--arm "$a"); done
     python3 benchmarks/gpu_accuracy.py --device cuda --guard --n "${N:-200}" --seeds "${SEEDS:-61,62,63}" \
       "${extra[@]}" --out "$OUT/guard" 2>&1 | tee "$OUT/guard.txt" | grep -v Loading ;;
   ablation)

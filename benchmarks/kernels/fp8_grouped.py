@@ -24,7 +24,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -38,10 +38,9 @@ from canvasq.kernels.fp8_grouped import grouped_gemm
 from canvasq.kernels.fp8_grouped_tiles import Tiles, gemm_key, save_tuned, tiles_for
 from canvasq.kernels.fp8_quant import gelu_mul_quant_triton, quantize_rows_triton
 from canvasq.kernels.gelu_mul import gelu_mul_reference
-from canvasq.kernels.moe.gluon_pack import pack_scale_zero8, tile_q8
-from canvasq.kernels.moe.gluon_w4a8 import SWEEP_TILES, w4a8_wgmma
+from canvasq.kernels.moe.gluon_w4a8 import SWEEP_TILES
 from canvasq.kernels.moe.quant import dequantize_w4, quantize_w4
-from canvasq.kernels.moe.w4a8 import group_sums, w4a8_grouped, wgmma_here
+from canvasq.kernels.moe.w4a8 import W4A8Matrix, group_sums, w4a8_grouped
 from canvasq.model.fp8 import _grouped, expert_order, quantize_rows
 from canvasq.provenance import git_commit
 
@@ -176,15 +175,13 @@ def w4a8_arms(aq, a_s, w, offs, dtype) -> list[dict]:
 
         label = f"w4a8{'b' if bias else ''}_m{bm}n{bn}w{warps}" + ("mm" if mm else "")
         out.append(_timed(label, fn, ref, nbytes, 2 * m * n * k))
-    if wgmma_here(aq.device, ws.dtype, group, n):  # the pack reordered for the wgmma kernel
-        q8, sz8 = tile_q8(q, group), pack_scale_zero8(ws, wz)
-        for tiles in SWEEP_TILES:
-
-            def wg(tiles=tiles):
-                return w4a8_wgmma(x, a_s, sums, q8, sz8, offs, dtype, tiles)
-
-            label = "w4a8wg_m{}n{}w{}s{}a{}".format(*tiles)
-            out.append(_timed(label, wg, ref, nbytes, 2 * m * n * k))
+    wg = W4A8Matrix.of(q, ws, wz)  # the product's choice: on sm_90 the pack reordered for wgmma
+    for tiles in SWEEP_TILES if wg.wgmma else ():
+        arm = replace(wg, tiles=tiles)
+        label = "w4a8wg_m{}n{}w{}s{}a{}".format(*tiles)
+        out.append(
+            _timed(label, lambda arm=arm: arm.gemm(x, a_s, sums, offs, dtype), ref, nbytes, 2 * m * n * k)
+        )
     return out
 
 

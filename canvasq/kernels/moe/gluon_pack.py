@@ -131,3 +131,9 @@ def pack_scale_zero8(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     assert scale.dtype == zero.dtype == torch.bfloat16, (scale.dtype, zero.dtype)
     lo = scale.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
     return lo | (zero.contiguous().view(torch.int16).to(torch.int32) << 16)
+
+
+def unpack_scale_zero8(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `pack_scale_zero8`: (scale, zero), bf16."""
+    scale = (words << 16).view(torch.float32).to(torch.bfloat16)
+    return scale, (words & -65536).view(torch.float32).to(torch.bfloat16)

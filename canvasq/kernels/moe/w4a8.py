@@ -177,10 +177,9 @@ class W4A8Matrix:
         """(q [E, N, K/2] K-contiguous, scale, zero) whichever order is held (the twin reads them)."""
         if self.zero is not None:
             return self.q, self.scale, self.zero
-        from .gluon_pack import untile_q8
+        from .gluon_pack import unpack_scale_zero8, untile_q8
 
-        scale = (self.scale << 16).view(torch.float32).to(torch.bfloat16)
-        return untile_q8(self.q), scale, (self.scale & -65536).view(torch.float32).to(torch.bfloat16)
+        return untile_q8(self.q), *unpack_scale_zero8(self.scale)
 
 
 def wgmma_here(device: torch.device, scale_dtype: torch.dtype, group: int, n: int) -> bool:
